@@ -1,0 +1,105 @@
+"""`EngineCore`: the step loop. No sockets here, so tests and `InprocClient` drive it
+directly; `EngineCoreProc` (the process wrapper) adds the I/O threads."""
+
+from __future__ import annotations
+
+import time
+
+from enginecore.kv_cache_manager import KVCacheManager
+from enginecore.request import Request
+from enginecore.scheduler import Scheduler, SchedulerConfig
+from executor.executor import Executor
+from protocol.engine_args import EngineArgs
+from protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    FinishReason,
+)
+from protocol.stats import EngineStats, StepTimings
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs) -> None:
+        self.executor = Executor(args)
+        model_config = self.executor.model_config
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=self.executor.max_num_batched_tokens,
+                            max_model_len=model_config.max_model_len),
+            KVCacheManager(self.executor.num_kv_blocks, args.block_size))
+        self.info = EngineInfo(
+            model=args.model, max_model_len=model_config.max_model_len,
+            vocab_size=model_config.vocab_size, block_size=args.block_size,
+            num_kv_blocks=self.executor.num_kv_blocks,
+            max_num_batched_tokens=self.executor.max_num_batched_tokens,
+            device=str(self.executor.device), dtype=str(model_config.dtype).removeprefix("torch."))
+        self._rejected: list[EngineCoreOutput] = []  # bad requests, reported next step
+        self.last_step = StepTimings()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; one the engine cannot serve finishes with FinishReason.ERROR
+        in the next step's outputs instead of raising into the busy loop."""
+        error = self._validate(request)
+        if error is not None:
+            self._rejected.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR,
+                                                   error=error))
+            return
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._rejected)
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, execute, update: one continuous-batching iteration."""
+        outputs, self._rejected = self._rejected, []
+        # A step with nothing to run still tells the runner which requests to forget.
+        if self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests():
+            t0 = time.perf_counter()
+            scheduler_output = self.scheduler.schedule()
+            t1 = time.perf_counter()
+            runner_output = self.executor.execute_model(scheduler_output)
+            t2 = time.perf_counter()
+            outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+            t3 = time.perf_counter()
+            self.last_step = StepTimings(
+                schedule_s=t1 - t0, prepare_inputs_s=runner_output.prepare_inputs_s,
+                forward_s=runner_output.forward_s, sample_s=runner_output.sample_s,
+                update_s=t3 - t2)
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
+
+    def get_stats(self) -> EngineStats:
+        kv = self.scheduler.kv_cache_manager
+        return EngineStats(
+            num_running_reqs=self.scheduler.num_running,
+            num_waiting_reqs=self.scheduler.num_waiting,
+            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
+            kv_cache_usage=kv.usage(), prefix_cache_queries=0, prefix_cache_hits=0,
+            num_preemptions=self.scheduler.num_preemptions, last_step=self.last_step)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def _validate(self, request: EngineCoreRequest) -> str | None:
+        """The engine's own checks: the frontend validates too, but a standalone engine
+        core serves clients we did not write."""
+        if request.request_id in self.scheduler.requests:
+            return f"request id {request.request_id!r} is already in use"
+        prompt = request.prompt_token_ids
+        if not prompt:
+            return "prompt_token_ids must not be empty"
+        vocab = self.info.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            return f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:
+            return "sampling_params.max_tokens must be resolved before the engine core"
+        if len(prompt) + max_tokens > self.info.max_model_len:
+            return (f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                    f"max_model_len ({self.info.max_model_len})")
+        return None

@@ -1,0 +1,213 @@
+"""The token-budget scheduler (pure Python, no torch).
+
+Every step hands out at most `max_num_batched_tokens` tokens of work. Each request
+needs `num_tokens - num_computed_tokens` more tokens computed: a whole prompt, the rest
+of a chunked prompt, or the one token it sampled last step. Running requests are served
+first, in admission order, so decodes are never starved by arriving prompts; a prompt
+larger than what is left of the budget is split across steps.
+
+When the KV cache has no block for a running request, the most recently admitted
+running request is preempted: its blocks are freed, its generated tokens kept, and it
+goes back to the front of the queue to be recomputed when blocks free up.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from enginecore.kv_cache_manager import KVCacheManager
+from enginecore.request import Request, RequestStatus
+from protocol.messages import EngineCoreOutput, FinishReason
+from protocol.scheduling import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order; preemption takes the last
+        # What the model runner must forget before the next step.
+        self._finished_req_ids: list[str] = []
+        self._preempted_req_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> list[str]:
+        """Finish (e.g. abort) requests wherever they are; returns the ids that existed."""
+        found = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish(reason)
+            self._free(request)
+            found.append(request_id)
+        return found
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """Finished or preempted ids the model runner has not been told about yet."""
+        return bool(self._finished_req_ids or self._preempted_req_ids)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached: list[CachedRequestData] = []
+        new: list[NewRequestData] = []
+        preempted_now = False
+
+        # 1. Running requests, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            while block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_now = True
+                if victim is request:
+                    break
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if block_ids is None:
+                break  # the request preempted itself; everything after it is gone too
+            cached.append(CachedRequestData(request.request_id, block_ids,
+                                            request.num_computed_tokens))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, unless this step had to preempt (admitting now would
+        #    only preempt again).
+        while (self.waiting and budget > 0 and not preempted_now
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            new.append(NewRequestData(
+                request.request_id, request.prompt_token_ids, list(request.output_token_ids),
+                request.sampling_params, request.eos_token_id,
+                self.kv_cache_manager.get_block_ids(request.request_id),
+                request.num_computed_tokens))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=self._preempted_req_ids,
+        )
+        self._finished_req_ids = []
+        self._preempted_req_ids = []
+        for request_id, num in num_scheduled.items():
+            self.requests[request_id].num_computed_tokens += num
+        return output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, finish requests that stop, free their blocks."""
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+        for request_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids,
+                                         strict=True):
+            request = self.requests.get(request_id)
+            if request is None or not token_ids:
+                continue  # aborted meanwhile, or a prompt chunk that samples nothing
+            new_token_ids = []
+            for token_id in token_ids:
+                request.append_output_token_id(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    break
+            if request.is_finished:
+                any_finished = True
+                self._free(request)
+            outputs.append(EngineCoreOutput(request_id, new_token_ids, request.finish_reason,
+                                            request.stop_reason))
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _check_stop(self, request: Request) -> bool:
+        """vLLM's stop rules; EOS and stop tokens count only from min_tokens on."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == request.eos_token_id:
+                request.finish(FinishReason.STOP)
+                return True
+            if last in request.stop_token_ids:
+                request.finish(FinishReason.STOP, stop_reason=last)
+                return True
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.config.max_model_len):
+            request.finish(FinishReason.LENGTH)
+            return True
+        return False
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._preempted_req_ids.append(request.request_id)
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.append(request.request_id)

@@ -1,0 +1,1 @@
+"""Runs the model: weight loading, the decoder, the model runner and the sampler."""

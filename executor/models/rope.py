@@ -1,0 +1,148 @@
+"""Rotary position embeddings with the scaling types Llama and Qwen configs use.
+
+The inverse frequencies are computed with the same float32 operations as transformers
+so that fp32 outputs agree with it bit for bit; cos/sin are cached for every position
+up to max_position once, and looked up by the step's flat `positions`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    rope_type: str
+    theta: float
+    params: dict[str, Any] = field(default_factory=dict)  # the config's scaling fields
+
+    @classmethod
+    def from_hf(cls, rope_parameters: dict[str, Any] | None, rope_theta: float | None,
+                rope_scaling: dict[str, Any] | None) -> RopeSpec:
+        """Accept transformers 5's `rope_parameters` and the older rope_theta/rope_scaling."""
+        params: dict[str, Any] = dict(rope_scaling or {})
+        params.update(rope_parameters or {})
+        theta = params.pop("rope_theta", None) or rope_theta or 10000.0
+        rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+        params.pop("type", None)
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {rope_type!r} "
+                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported")
+        return cls(rope_type, float(theta), params)
+
+
+def compute_inv_freq(spec: RopeSpec, head_dim: int, max_position: int
+                     ) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [head_dim // 2] float32, attention scaling for cos/sin)."""
+    dim = head_dim
+    inv_freq = 1.0 / (spec.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    p = spec.params
+    if spec.rope_type == "default":
+        return inv_freq, 1.0
+    if spec.rope_type == "linear":
+        return inv_freq / p["factor"], 1.0
+    if spec.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, p, max_position), 1.0
+    return _yarn_inv_freq(spec.theta, dim, p, max_position)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any], max_position: int
+                     ) -> torch.Tensor:
+    """Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band
+    between them blended smoothly."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p.get("original_max_position_embeddings") or max_position
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_position: int
+                   ) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, extrapolate high ones, ramp in between, and
+    scale attention by a log-of-factor temperature."""
+    orig = p.get("original_max_position_embeddings") or max_position
+    factor = p.get("factor") or max_position / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = p.get("attention_factor")
+    if attention is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all \
+            else mscale(factor)
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid dividing by zero in the ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = (interpolation * (1 - extrapolation_factor)
+                + extrapolation * extrapolation_factor)
+    return inv_freq, attention
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, shared by all layers of a model.
+
+    Neox-style rotation (halves, as transformers' rotate_half). The tables are float32
+    buffers outside the checkpoint; `reset_cache` recomputes them on the module's
+    device (the loader builds models on the meta device first).
+    """
+
+    cos_cache: torch.Tensor  # [max_position, head_dim] float32
+    sin_cache: torch.Tensor
+
+    def __init__(self, spec: RopeSpec, head_dim: int, max_position: int) -> None:
+        super().__init__()
+        self.spec, self.head_dim, self.max_position = spec, head_dim, max_position
+        self.register_buffer("cos_cache", torch.empty(max_position, head_dim), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(max_position, head_dim), persistent=False)
+        self.reset_cache()
+
+    def reset_cache(self) -> None:
+        device = self.cos_cache.device
+        inv_freq, attention_scaling = compute_inv_freq(self.spec, self.head_dim,
+                                                       self.max_position)
+        positions = torch.arange(self.max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_position, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
+        self.cos_cache = (emb.cos() * attention_scaling).to(device)
+        self.sin_cache = (emb.sin() * attention_scaling).to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> cos, sin: [T, 1, head_dim] in `dtype` (broadcast over heads)."""
+        return (self.cos_cache[positions].to(dtype)[:, None, :],
+                self.sin_cache[positions].to(dtype)[:, None, :])
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

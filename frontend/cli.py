@@ -1,0 +1,113 @@
+"""The `pagellm` command line: generate, make-model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from frontend.log import configure_logging
+from protocol.engine_args import EngineArgs
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="complete prompts and print the results",
+                       description="Complete prompts with a model (or --model demo).")
+    EngineArgs.add_cli_args(p)
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=32)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    s.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.set_defaults(func=_generate)
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from frontend.llm import LLM
+    from protocol.sampling_params import SamplingParams
+
+    args = EngineArgs.from_cli_args(ns)
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
+                            top_p=ns.top_p, top_k=ns.top_k, seed=ns.sampling_seed,
+                            ignore_eos=ns.ignore_eos)
+    if args.model == "demo":
+        print("NOTE: 'demo' is a tiny model with RANDOM weights: it shows the engine "
+              "working, its text is gibberish by design.", file=sys.stderr)
+    with LLM(**vars(args)) as llm:
+        start = time.perf_counter()
+        outputs = llm.generate(ns.prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    num_tokens = 0
+    for output in outputs:
+        completion = output.outputs[0]
+        num_tokens += len(completion.token_ids)
+        print(f"--- prompt: {output.prompt!r}")
+        print(f"    completion ({len(completion.token_ids)} tokens, "
+              f"finish_reason={completion.finish_reason}): {completion.text!r}")
+    print(f"{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f} s: "
+          f"{num_tokens / elapsed:.1f} output tokens/s")
+    return 0
+
+
+def _add_make_model(sub: argparse._SubParsersAction) -> None:
+    from frontend.demo_model import ARCHS, DTYPES
+
+    p = sub.add_parser("make-model", help="write a random-weight model and tokenizer",
+                       description="Write a random-weight Hugging Face model directory with "
+                       "a byte-level BPE tokenizer trained offline and a ChatML template.")
+    p.add_argument("--arch", choices=ARCHS, default="llama")
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2, dest="num_layers")
+    p.add_argument("--heads", type=int, default=4, dest="num_heads")
+    p.add_argument("--kv-heads", type=int, default=2, dest="num_kv_heads")
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--intermediate-size", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--max-position-embeddings", type=int, default=2048)
+    p.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction,
+                   default=None, help="default: untied for llama, tied for qwen")
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--rope-scaling", type=json.loads, default=None,
+                   help='JSON, e.g. \'{"rope_type": "linear", "factor": 2.0}\'')
+    p.add_argument("--init-std", type=float, default=0.08)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--max-shard-size", default=None, help="e.g. 100KB: write shards")
+    p.add_argument("out", metavar="OUT", help="output directory")
+    p.set_defaults(func=_make_model)
+
+
+def _make_model(ns: argparse.Namespace) -> int:
+    from frontend.demo_model import ModelSpec, make_model
+
+    fields = {k: v for k, v in vars(ns).items() if k not in ("command", "func", "out")}
+    path = make_model(ns.out, ModelSpec(**fields))
+    print(f"wrote a random-weight {ns.arch} model to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: serve LLMs fast.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_make_model(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    configure_logging()
+    ns = build_parser().parse_args(argv)
+    try:
+        return int(ns.func(ns))
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"pagellm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""`LLM`: offline, synchronous generation for scripts (vLLM's interface)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from frontend.core_client import EngineCoreClient, InprocClient
+from frontend.log import configure_logging
+from frontend.output_processor import OutputProcessor
+from frontend.outputs import RequestOutput
+from frontend.processor import Processor, PromptType
+from frontend.tokenizer import generation_eos_token_ids, load_tokenizer
+from protocol.engine_args import EngineArgs
+from protocol.messages import EngineCoreRequest
+from protocol.sampling_params import RequestOutputKind, SamplingParams
+from protocol.stats import EngineStats
+
+ChatMessages = list[dict[str, Any]]
+
+
+def resolve_model(args: EngineArgs) -> EngineArgs:
+    """'demo' names the built-in random-weight model, built once into a cache dir."""
+    if args.model != "demo":
+        return args
+    from frontend.demo_model import demo_model_dir
+
+    return args.replace(model=str(demo_model_dir()))
+
+
+class LLM:
+    """Generate completions for batches of prompts.
+
+    Every keyword argument is an `EngineArgs` field (`max_model_len`, `dtype`, ...);
+    unknown ones raise TypeError naming them.
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        configure_logging()
+        args = resolve_model(EngineArgs.from_kwargs(model=model, **kwargs))
+        self.engine_args = args
+        self.tokenizer = (None if args.skip_tokenizer_init
+                          else load_tokenizer(args.tokenizer or args.model))
+        self.engine_core: EngineCoreClient = InprocClient(args)
+        self.info = self.engine_core.info
+        self.processor = Processor(self.tokenizer, self.info,
+                                   generation_eos_token_ids(args.model))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+
+    # -- generation ----------------------------------------------------------------
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in input order.
+
+        prompts: a string, {"prompt_token_ids": [...]}, or a list of those.
+        sampling_params: one for all prompts or a list with one per prompt.
+        """
+        if self.engine_core is None:
+            raise RuntimeError("this LLM has been shut down")
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        elif not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} sampling_params for "
+                                 f"{len(prompt_list)} prompts; pass one, or one per prompt")
+        # Validate everything before sending anything: a bad prompt leaves no trace.
+        requests = [self._process(p, sp) for p, sp in zip(prompt_list, params_list,
+                                                          strict=True)]
+        for request, prompt_text in requests:
+            self.output_processor.add_request(request, prompt_text)
+            self.engine_core.add_request(request)
+        return self._run([r.request_id for r, _ in requests], use_tqdm)
+
+    def chat(self, messages: ChatMessages | Sequence[ChatMessages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (the tokenizer's chat
+        template, with the assistant's generation prompt)."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (this LLM has skip_tokenizer_init=True)")
+        conversations = ([messages] if messages and isinstance(messages[0], dict)
+                         else list(messages))
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            if not isinstance(conversation, list) or not all(
+                    isinstance(m, dict) and "role" in m for m in conversation):
+                raise TypeError("messages must be a list of {'role': ..., 'content': ...} "
+                                "dicts, or a list of such lists")
+            ids = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=False, **(chat_template_kwargs or {}))
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_stats(self) -> EngineStats:
+        return self.engine_core.get_stats()
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        engine_core = getattr(self, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+            self.engine_core = None  # type: ignore[assignment]
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- internals -----------------------------------------------------------------
+
+    def _process(self, prompt: PromptType, params: SamplingParams
+                 ) -> tuple[EngineCoreRequest, str | None]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got "
+                            f"{type(params).__name__}")
+        # Only finished outputs are needed here: skip building per-step outputs.
+        params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+        return self.processor.process_inputs(str(next(self._request_counter)), prompt, params)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(request_ids)) if use_tqdm else None
+        start, num_output_tokens = time.perf_counter(), 0
+        try:
+            while self.output_processor.has_unfinished_requests():
+                outputs = self.engine_core.get_output().outputs
+                num_output_tokens += sum(len(o.new_token_ids) for o in outputs)
+                processed = self.output_processor.process_outputs(outputs)
+                if processed.reqs_to_abort:
+                    self.engine_core.abort_requests(processed.reqs_to_abort)
+                if processed.errors:
+                    request_id, error = next(iter(processed.errors.items()))
+                    raise ValueError(f"request {request_id} failed in the engine: {error}")
+                for output in processed.request_outputs:
+                    results[output.request_id] = output
+                if bar is not None:
+                    bar.update(len(processed.request_outputs))
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"{num_output_tokens / elapsed:.1f} tok/s", refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+            unfinished = self.output_processor.abort_requests(request_ids)
+            if unfinished:  # interrupted or failed: leave no request behind in the engine
+                self.engine_core.abort_requests(unfinished)
+        return [results[r] for r in request_ids]
+
+
+def _engine_signature() -> inspect.Signature:
+    """`LLM(model, *, <every EngineArgs field>)`, so help() and IDEs show the options."""
+    kind = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                annotation=str)]
+    params += [inspect.Parameter(f.name, kind, default=f.default, annotation=f.type)
+               for f in dataclasses.fields(EngineArgs) if f.name != "model"]
+    return inspect.Signature(params, return_annotation=None)
+
+
+LLM.__init__.__signature__ = _engine_signature()  # type: ignore[attr-defined]
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)

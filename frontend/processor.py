@@ -1,0 +1,117 @@
+"""`Processor`: prompt in, validated `EngineCoreRequest` out.
+
+Everything a client can get wrong is caught here, in the frontend, with a ValueError
+(TypeError for a wrong type) that names the problem, before anything reaches the
+engine core; nothing is sent for a rejected request, so the engine keeps serving the
+rest untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from protocol.messages import EngineCoreRequest, EngineInfo
+from protocol.sampling_params import SamplingParams
+
+# A prompt: text, {"prompt": text}, or {"prompt_token_ids": [...]} (vLLM's forms).
+PromptType = str | dict[str, Any]
+
+
+class Processor:
+    def __init__(self, tokenizer: Any | None, info: EngineInfo,
+                 generation_eos_ids: list[int] | None = None) -> None:
+        """tokenizer None (skip_tokenizer_init): token-id prompts only, and EOS comes from
+        generation_config.json alone."""
+        self.tokenizer = tokenizer
+        self.info = info
+        eos_ids = list(generation_eos_ids or ())
+        self.eos_token_id: int | None = (tokenizer.eos_token_id if tokenizer is not None
+                                         else (eos_ids[0] if eos_ids else None))
+        # EOS ids from generation_config.json beyond the tokenizer's own.
+        self.extra_eos_ids = sorted(set(eos_ids) - {self.eos_token_id})
+
+    def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       arrival_time: float | None = None, priority: int = 0
+                       ) -> tuple[EngineCoreRequest, str | None]:
+        """Returns the engine request and the prompt text (None for token-id prompts)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got "
+                            f"{type(params).__name__}")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        params = self._resolve_params(params, len(prompt_ids))
+        request = EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority)
+        return request, prompt_text
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or len(prompt) != 1:
+                raise ValueError("a prompt dict takes exactly one of 'prompt' or "
+                                 f"'prompt_token_ids', got keys {sorted(prompt)}")
+            if "prompt_token_ids" in prompt:
+                return None, self._check_token_ids(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a string or a dict with 'prompt' or "
+                            f"'prompt_token_ids', got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer, and this engine was started with "
+                             "skip_tokenizer_init=True: pass {'prompt_token_ids': [...]}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"prompt is not valid text (position {e.start}: {e.reason})"
+                             ) from None
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("prompt tokenized to zero tokens")
+        return prompt, ids
+
+    def _check_token_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, list):
+            raise TypeError(f"prompt_token_ids must be a list of integers, got "
+                            f"{type(ids).__name__}")
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.info.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise TypeError(f"prompt_token_ids[{i}] must be an integer, got "
+                                f"{type(t).__name__} {t!r}")
+            if not 0 <= t < vocab:
+                raise ValueError(f"prompt_token_ids[{i}] = {t} is outside the vocabulary "
+                                 f"[0, {vocab})")
+        return list(ids)
+
+    def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """Settle max_tokens and the stop-token list; re-validates the (mutable) params."""
+        max_len = self.info.max_model_len
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: only n=1 is supported so far")
+        if prompt_len >= max_len:
+            raise ValueError(f"prompt is {prompt_len} tokens, but max_model_len is {max_len} "
+                             "(at least one token must be generated)")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = max_len - prompt_len
+        elif prompt_len + max_tokens > max_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) "
+                             f"exceeds max_model_len ({max_len})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True); "
+                             "use stop_token_ids")
+        stop_ids = list(params.stop_token_ids or ())
+        vocab = self.info.vocab_size
+        bad = [t for t in stop_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
+        if self.extra_eos_ids and not params.ignore_eos:
+            stop_ids += [t for t in self.extra_eos_ids if t not in stop_ids]
+        return params.clone(max_tokens=max_tokens, stop_token_ids=stop_ids or None)

@@ -1,0 +1,28 @@
+"""Engine statistics, returned by `get_stats()` on every client."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class StepTimings(msgspec.Struct, array_like=True, gc=False):
+    """Seconds spent in each phase of one engine step."""
+
+    schedule_s: float = 0.0
+    prepare_inputs_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    update_s: float = 0.0
+    output_encode_s: float = 0.0
+
+
+class EngineStats(msgspec.Struct, array_like=True, gc=False):
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float  # fraction of blocks held by requests, 0..1
+    prefix_cache_queries: int  # tokens looked up in the prefix cache, cumulative
+    prefix_cache_hits: int  # tokens found there, cumulative
+    num_preemptions: int  # cumulative
+    last_step: StepTimings

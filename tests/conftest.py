@@ -1,0 +1,116 @@
+"""Shared fixtures: small random-weight models, transformers references, and a KV-block
+leak check around every engine a test creates."""
+
+from __future__ import annotations
+
+import os
+
+# Triton's interpreter must be chosen before any @triton.jit decorator runs.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("PAGELLM_LOG_LEVEL", "WARNING")
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from frontend.demo_model import ModelSpec, make_model
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# Test models: every family, GQA, tied and untied, a head_dim that differs from
+# hidden_size / num_heads, and llama3 RoPE scaling. Tied models get a wider init so
+# that greedy paths are varied (see FIELD_NOTES).
+MODEL_SPECS: dict[str, ModelSpec] = {
+    "llama": ModelSpec(arch="llama", hidden_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, intermediate_size=128, vocab_size=1024,
+                       rope_scaling={"rope_type": "llama3", "factor": 4.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 256},
+                       init_std=0.1, seed=1),
+    "qwen2": ModelSpec(arch="qwen2", hidden_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=1, intermediate_size=96, vocab_size=1024,
+                       init_std=0.2, seed=2),
+    "qwen3": ModelSpec(arch="qwen3", hidden_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=32, intermediate_size=128, vocab_size=1024,
+                       init_std=0.2, seed=3),
+}
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "日本語のテキストと English mixed together, with ümlauts.",
+    "import os\nimport sys\n\nclass Engine:\n    def __init__(self, config):\n"
+    "        self.config = config\n        self.blocks = []\n" * 3,
+    "a b c d e f g h i j k l m n o p",
+    "Once upon a time, in a land far away, there lived a scheduler that never starved "
+    "a decode. " * 4,
+    "x",
+    "return self._cache.get(key, default) if key in self._cache else None",
+    "  \n\t whitespace-heavy   prompt \n\n",
+]
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: make_model(root / name, spec) for name, spec in MODEL_SPECS.items()}
+
+
+@pytest.fixture(scope="session")
+def hf_reference(model_dirs: dict[str, Path]) -> Callable[[str, list[int], int], list[int]]:
+    """Greedy continuation from transformers on the same weights (fp32, one prompt at a
+    time so that padding plays no part), memoized across tests."""
+    from transformers import AutoModelForCausalLM
+
+    models: dict[str, Any] = {}
+    cache: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+
+    def generate(name: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (name, tuple(prompt_ids), max_new_tokens)
+        if key not in cache:
+            if name not in models:
+                models[name] = AutoModelForCausalLM.from_pretrained(
+                    model_dirs[name], dtype=torch.float32).eval()
+            model = models[name]
+            with torch.no_grad():
+                out = model.generate(torch.tensor([prompt_ids]), do_sample=False,
+                                     max_new_tokens=max_new_tokens,
+                                     attention_mask=torch.ones(1, len(prompt_ids),
+                                                               dtype=torch.long))
+            cache[key] = out[0, len(prompt_ids):].tolist()
+        return cache[key]
+
+    return generate
+
+
+def assert_no_leaks(llm: Any) -> None:
+    """Every request finished or aborted: every KV block is free again."""
+    stats = llm.get_stats()
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0, stats
+    assert stats.num_free_blocks == stats.num_total_blocks, stats
+
+
+@pytest.fixture
+def make_llm() -> Iterator[Callable[..., Any]]:
+    """Create LLMs; on teardown assert that none leaked a block, then shut them down."""
+    from frontend import LLM
+
+    created: list[Any] = []
+
+    def factory(model: str | Path, **kwargs: Any) -> Any:
+        kwargs.setdefault("kv_cache_memory_bytes", 8 * 2**20)
+        llm = LLM(str(model), **kwargs)
+        created.append(llm)
+        return llm
+
+    yield factory
+    try:
+        for llm in created:
+            assert_no_leaks(llm)
+    finally:
+        for llm in created:
+            llm.shutdown()

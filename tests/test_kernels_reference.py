@@ -1,0 +1,276 @@
+"""kernels.reference against naive computations written here.
+
+The paged cache is filled by hand (not with write_kv_cache) through shuffled,
+non-contiguous block tables, and every slot no request owns holds NaN: a kernel that
+reads one of them cannot give a finite, correct answer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels.reference import paged_attention, write_kv_cache
+
+NUM_KV_HEADS = 2
+SENTINEL = -7.25  # exactly representable in every dtype tested
+
+
+# --------------------------------------------------------------------------- write_kv_cache
+
+
+def _slot(kv_cache: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key, value) stored at flat slot `slot`: block slot // block_size, offset % it."""
+    block_size = kv_cache.shape[2]
+    return kv_cache[0, slot // block_size, slot % block_size], \
+        kv_cache[1, slot // block_size, slot % block_size]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_write_kv_cache_scatters_to_slots_and_leaves_the_rest(cache_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 8, 3, 16
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), SENTINEL,
+                          dtype=cache_dtype)
+    num_slots = num_blocks * block_size
+    # Slots in random order, crossing blocks, with padding (-1) at the start, middle and end.
+    slots = torch.randperm(num_slots, generator=gen)[:11].tolist()
+    slot_mapping = torch.tensor([-1, *slots[:5], -1, -1, *slots[5:], -1], dtype=torch.int64)
+    num_tokens = slot_mapping.numel()
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)  # fp32: cast on write
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+
+    write_kv_cache(key, value, kv_cache, slot_mapping)
+
+    assert kv_cache.dtype == cache_dtype
+    written = set()
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        written.add(slot)
+        k, v = _slot(kv_cache, slot)
+        assert torch.equal(k, key[token].to(cache_dtype)), (token, slot)
+        assert torch.equal(v, value[token].to(cache_dtype)), (token, slot)
+    for slot in set(range(num_slots)) - written:
+        k, v = _slot(kv_cache, slot)
+        assert bool((k == SENTINEL).all()) and bool((v == SENTINEL).all()), slot
+
+
+def test_write_kv_cache_matches_flat_view_indexing() -> None:
+    """The layout contract: slot s is kv_cache[0/1].view(-1, H_kv, D)[s]."""
+    gen = torch.Generator().manual_seed(1)
+    kv_cache = torch.full((2, 4, 16, 2, 8), SENTINEL)
+    slot_mapping = torch.tensor([63, 0, 17, 16, 15, 40])
+    key = torch.randn(6, 2, 8, generator=gen)
+    value = torch.randn(6, 2, 8, generator=gen)
+    expected = kv_cache.clone()
+    for token, slot in enumerate(slot_mapping.tolist()):
+        expected[0].view(-1, 2, 8)[slot] = key[token]
+        expected[1].view(-1, 2, 8)[slot] = value[token]
+
+    write_kv_cache(key, value, kv_cache, slot_mapping)
+
+    assert torch.equal(kv_cache, expected)
+
+
+def test_write_kv_cache_all_padding_writes_nothing() -> None:
+    kv_cache = torch.full((2, 3, 4, 1, 8), SENTINEL)
+    key = torch.randn(3, 1, 8)
+    write_kv_cache(key, key.clone(), kv_cache, torch.tensor([-1, -1, -1]))
+    assert bool((kv_cache == SENTINEL).all())
+
+
+def test_write_kv_cache_keys_and_values_go_to_their_own_halves() -> None:
+    kv_cache = torch.full((2, 2, 4, 1, 4), SENTINEL)
+    key = torch.ones(1, 1, 4)
+    value = torch.full((1, 1, 4), 2.0)
+    write_kv_cache(key, value, kv_cache, torch.tensor([5]))
+    assert torch.equal(kv_cache[0, 1, 1], torch.ones(1, 4))
+    assert torch.equal(kv_cache[1, 1, 1], torch.full((1, 4), 2.0))
+
+
+# --------------------------------------------------------------------------- paged_attention
+
+
+@dataclass
+class _Batch:
+    query: torch.Tensor  # [T, H, D]
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, H_kv, D]
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    keys: list[torch.Tensor]  # per request [seq_len, H_kv, D], as stored (cache dtype)
+    values: list[torch.Tensor]
+
+
+def _request_shapes(block_size: int) -> list[tuple[int, int]]:
+    """(q_len, seq_len) per request: one mixed step, decodes interleaved with prefills."""
+    bs = block_size
+    return [
+        (1, 2 * bs + 3),  # decode, context crossing two block boundaries
+        (bs + 5, bs + 5),  # full prompt crossing a block boundary
+        (1, bs),  # decode, context exactly one block
+        (10, bs + 7),  # later chunk of a prompt whose rows cross a block boundary
+        (1, 1),  # single-token prompt
+        (2 * bs, 2 * bs),  # full prompt, exactly two blocks
+        (5, 2 * bs),  # later chunk ending exactly on a block boundary
+        (1, 3 * bs + 1),  # decode, first token of a new block
+        (3, 3),  # short full prompt inside one block
+    ]
+
+
+def _make_batch(num_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                seed: int, fill: float = float("nan")) -> _Batch:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = _request_shapes(block_size)
+    blocks_needed = [math.ceil(seq_len / block_size) for _, seq_len in shapes]
+    num_blocks = sum(blocks_needed) + 5  # a few blocks nobody owns
+    # Unused slots are NaN by default: reading one would poison the output.
+    kv_cache = torch.full((2, num_blocks, block_size, NUM_KV_HEADS, head_dim), fill,
+                          dtype=dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()  # shuffled block ids
+    max_blocks = max(blocks_needed) + 2
+    block_tables = torch.empty(len(shapes), max_blocks, dtype=torch.int32)
+    keys, values, queries, query_start_loc, seq_lens = [], [], [], [0], []
+    for i, ((q_len, seq_len), n) in enumerate(zip(shapes, blocks_needed, strict=True)):
+        own, order = order[:n], order[n:]
+        # Padding beyond the request's blocks: arbitrary ids (other requests', NaN blocks).
+        pad = torch.randint(0, num_blocks, (max_blocks - n,), generator=gen).tolist()
+        block_tables[i] = torch.tensor(own + pad, dtype=torch.int32)
+        k = torch.randn(seq_len, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
+        v = torch.randn(seq_len, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
+        pos = torch.arange(seq_len)  # scatter by hand through the block table
+        blocks = torch.tensor(own)[pos // block_size]
+        kv_cache[0, blocks, pos % block_size] = k
+        kv_cache[1, blocks, pos % block_size] = v
+        keys.append(k)
+        values.append(v)
+        queries.append(torch.randn(q_len, num_heads, head_dim, generator=gen).to(dtype))
+        query_start_loc.append(query_start_loc[-1] + q_len)
+        seq_lens.append(seq_len)
+    return _Batch(torch.cat(queries), kv_cache, block_tables, query_start_loc, seq_lens,
+                  keys, values)
+
+
+def _naive_attention(batch: _Batch, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + causal mask) v in float64, one request and head at a time.
+
+    Query row i of a request with q_len rows and context seq_len sits at position
+    seq_len - q_len + i and sees positions 0..that position.
+    """
+    num_tokens, num_heads, head_dim = batch.query.shape
+    group = num_heads // batch.keys[0].shape[1]
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float64)
+    for r, seq_len in enumerate(batch.seq_lens):
+        start, end = batch.query_start_loc[r], batch.query_start_loc[r + 1]
+        q_len = end - start
+        q = batch.query[start:end].double()
+        k, v = batch.keys[r].double(), batch.values[r].double()
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        masked = torch.arange(seq_len)[None, :] > q_pos  # [q_len, seq_len]
+        for h in range(num_heads):
+            kv_head = h // group
+            scores = q[:, h] @ k[:, kv_head].T * scale
+            scores = scores.masked_fill(masked, float("-inf"))
+            out[start:end, h] = scores.softmax(dim=-1) @ v[:, kv_head]
+    return out
+
+
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3),
+              torch.bfloat16: (1.6e-2, 2e-2)}  # (rtol, atol): fp16/bf16 output rounding
+
+
+def _check_against_naive(batch: _Batch, block_size: int, dtype: torch.dtype) -> None:
+    scale = batch.query.shape[-1] ** -0.5
+
+    out = paged_attention(batch.query, batch.kv_cache, batch.block_tables,
+                          batch.query_start_loc, batch.seq_lens, scale)
+
+    assert out.dtype == dtype
+    assert out.shape == batch.query.shape
+    expected = _naive_attention(batch, scale)
+    rtol, atol = TOLERANCES[dtype]
+    for r in range(len(batch.seq_lens)):  # per request, so a failure names the case
+        start, end = batch.query_start_loc[r], batch.query_start_loc[r + 1]
+        assert bool(torch.isfinite(out[start:end]).all()), \
+            f"request {r} {_request_shapes(block_size)[r]} read an unwritten (NaN) slot"
+        torch.testing.assert_close(
+            out[start:end].double(), expected[start:end], rtol=rtol, atol=atol,
+            msg=lambda m, r=r: f"request {r} (q_len, seq_len)="
+                               f"{_request_shapes(block_size)[r]}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("gqa_ratio", [1, 2, 4, 7])
+def test_paged_attention_matches_naive_dense_reference(gqa_ratio: int, block_size: int,
+                                                       head_dim: int, dtype: torch.dtype
+                                                       ) -> None:
+    """Mixed batch, shuffled block tables, every slot no request owns holding NaN."""
+    batch = _make_batch(gqa_ratio * NUM_KV_HEADS, head_dim, block_size, dtype,
+                        seed=gqa_ratio * 1000 + block_size + head_dim)
+    _check_against_naive(batch, block_size, dtype)
+
+
+@pytest.mark.parametrize("gqa_ratio", [1, 7])
+def test_paged_attention_matches_naive_on_a_zeroed_cache(gqa_ratio: int) -> None:
+    """The same mixed batch with unused slots zeroed: separates wrong arithmetic from
+    reading slots that should never be read (the NaN-filled test above)."""
+    batch = _make_batch(gqa_ratio * NUM_KV_HEADS, 32, 16, torch.float32, seed=gqa_ratio,
+                        fill=0.0)
+    _check_against_naive(batch, 16, torch.float32)
+
+
+@pytest.mark.parametrize("stale", [float("inf"), float("nan")])
+def test_decode_padding_never_reads_a_finished_requests_stale_block(stale: float) -> None:
+    """A zeroed cache is not enough: blocks are reused, and the model runner pads block
+    table rows with block 0. If a finished request left non-finite K/V in block 0 (an
+    fp16 overflow, say), a shorter decode batched with a longer one must not see it."""
+    block_size, head_dim = 4, 8
+    kv_cache = torch.zeros(2, 4, block_size, 1, head_dim)
+    kv_cache[:, 0] = stale  # block 0: freed, still holding another request's values
+    gen = torch.Generator().manual_seed(0)
+    keys = [torch.randn(3, 1, head_dim, generator=gen), torch.randn(6, 1, head_dim, generator=gen)]
+    values = [torch.randn(3, 1, head_dim, generator=gen),
+              torch.randn(6, 1, head_dim, generator=gen)]
+    kv_cache[0, 1, :3], kv_cache[1, 1, :3] = keys[0], values[0]  # request 0: block 1
+    kv_cache[0, 2:].view(-1, 1, head_dim)[:6] = keys[1]  # request 1: blocks 2, 3
+    kv_cache[1, 2:].view(-1, 1, head_dim)[:6] = values[1]
+    block_tables = torch.tensor([[1, 0], [2, 3]], dtype=torch.int32)  # row 0 padded with 0
+    query = torch.randn(2, 2, head_dim, generator=gen)
+    batch = _Batch(query, kv_cache, block_tables, [0, 1, 2], [3, 6], keys, values)
+
+    out = paged_attention(query, kv_cache, block_tables, [0, 1, 2], [3, 6], 0.3)
+
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out.double(), _naive_attention(batch, 0.3),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_uses_the_given_scale() -> None:
+    batch = _make_batch(4, 32, 16, torch.float32, seed=7, fill=0.0)
+    for scale in (0.05, 0.5):
+        out = paged_attention(batch.query, batch.kv_cache, batch.block_tables,
+                              batch.query_start_loc, batch.seq_lens, scale)
+        torch.testing.assert_close(out.double(), _naive_attention(batch, scale),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_is_independent_of_block_placement() -> None:
+    """Moving every block to another id (and updating the table) changes nothing."""
+    batch = _make_batch(4, 32, 16, torch.float32, seed=11, fill=0.0)
+    scale = 32 ** -0.5
+    out = paged_attention(batch.query, batch.kv_cache, batch.block_tables,
+                          batch.query_start_loc, batch.seq_lens, scale)
+    perm = torch.randperm(batch.kv_cache.shape[1], generator=torch.Generator().manual_seed(3))
+    moved = torch.empty_like(batch.kv_cache)
+    moved[:, perm] = batch.kv_cache  # old block b now lives at perm[b]
+    tables = perm[batch.block_tables.long()].to(torch.int32)
+    out_moved = paged_attention(batch.query, moved, tables, batch.query_start_loc,
+                                batch.seq_lens, scale)
+    torch.testing.assert_close(out_moved, out, rtol=1e-6, atol=1e-6)

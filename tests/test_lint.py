@@ -1,0 +1,63 @@
+"""The tree stays ruff- and mypy-clean, and the layering rules of docs/ARCHITECTURE.md hold."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ruff_is_clean():
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    result = subprocess.run([ruff, "check", str(ROOT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_is_clean():
+    mypy = shutil.which("mypy")
+    if mypy is None:
+        pytest.skip("mypy is not installed (pip install -e '.[test]')")
+    result = subprocess.run([mypy], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _imports(package: str) -> set[str]:
+    found = set()
+    for path in (ROOT / package).rglob("*.py"):
+        for line in path.read_text().splitlines():
+            m = re.match(r"\s*(?:from|import)\s+([a-zA-Z_]+)", line)
+            if m:
+                found.add(m.group(1))
+    return found
+
+
+def test_protocol_imports_neither_torch_nor_zmq_nor_other_packages():
+    assert not _imports("protocol") & {"torch", "zmq", "frontend", "enginecore", "executor",
+                                       "kernels", "pickle"}
+
+
+def test_scheduler_and_block_manager_are_free_of_torch():
+    for name in ("scheduler.py", "kv_cache_manager.py", "block_pool.py", "request.py"):
+        text = (ROOT / "enginecore" / name).read_text()
+        assert not re.search(r"^\s*(import|from)\s+(torch|executor)", text, re.M), name
+
+
+def test_imports_point_one_way():
+    assert "frontend" not in _imports("enginecore") | _imports("executor") | _imports("kernels")
+    assert not _imports("executor") & {"enginecore", "frontend"}
+    assert not _imports("kernels") & {"enginecore", "frontend", "executor"}
+
+
+@pytest.mark.parametrize("module", ["protocol", "enginecore.scheduler",
+                                    "enginecore.kv_cache_manager"])
+def test_pure_python_modules_import_without_torch(module):
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -1,0 +1,271 @@
+"""The `LLM` interface: prompt forms, per-prompt parameters, stop rules, text, chat,
+validation, lifecycle. References are transformers (via conftest), the tokenizer's own
+decode, or an earlier greedy run of the same engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from frontend import LLM, SamplingParams
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.output_processor import find_stop_string
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+@pytest.fixture
+def llama(model_dirs, make_llm):
+    return make_llm(model_dirs["llama"])
+
+
+def test_prompt_forms_and_input_order(llama, hf_reference):
+    texts = ["first prompt", "second, longer prompt with more tokens", "3"]
+    ids = [llama.tokenizer.encode(t) for t in texts]
+    outputs = llama.generate([texts[0], {"prompt_token_ids": ids[1]}, {"prompt": texts[2]}],
+                             GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outputs] == [texts[0], None, texts[2]]
+    assert [o.prompt_token_ids for o in outputs] == ids
+    assert len({o.request_id for o in outputs}) == 3
+    for o, prompt_ids in zip(outputs, ids, strict=True):
+        assert o.finished and o.outputs[0].index == 0
+        assert o.outputs[0].token_ids == hf_reference("llama", prompt_ids, 24)
+    single = llama.generate("first prompt", GREEDY, use_tqdm=False)
+    assert single[0].outputs[0].token_ids == outputs[0].outputs[0].token_ids
+
+
+def test_one_sampling_params_per_prompt(llama):
+    outputs = llama.generate(["a", "b", "c"], [SamplingParams(temperature=0, max_tokens=n)
+                                               for n in (1, 5, 9)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 5, 9]
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llama.generate(["a", "b"], [GREEDY], use_tqdm=False)
+
+
+def test_text_is_the_tokenizers_decode_of_the_tokens(llama):
+    outputs = llama.generate(["日本語", "héllo", "code:"], SamplingParams(temperature=0.8,
+                                                                         seed=1, max_tokens=40),
+                             use_tqdm=False)
+    for o in outputs:
+        c = o.outputs[0]
+        assert c.text == llama.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_incremental_detokenizer_never_splits_a_character(llama):
+    tokenizer = llama.tokenizer
+    text = " 日本語のテキスト ✓ 😀 naïve café"
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text.split())  # some characters span several tokens
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("prefix"), True)
+    deltas = [detok.update([t]) for t in ids]
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert "" in deltas  # at least one token completed no character on its own
+
+
+def test_stop_token_id_stops_at_its_first_occurrence(llama):
+    base = llama.generate("The quick brown fox", GREEDY, use_tqdm=False)[0].outputs[0]
+    stop_id = base.token_ids[5]
+    first = base.token_ids.index(stop_id)
+    out = llama.generate("The quick brown fox",
+                         SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]),
+                         use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[:first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+
+
+def test_eos_stops_unless_ignored_and_not_before_min_tokens(llama):
+    base = llama.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0]
+    eos = base.token_ids[3]
+    first = base.token_ids.index(eos)
+    llama.processor.eos_token_id = eos  # pretend the model's EOS is a token it emits
+    try:
+        out = llama.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == base.token_ids[:first + 1]
+        assert (out.finish_reason, out.stop_reason) == ("stop", None)
+        ignored = llama.generate("Hello", SamplingParams(temperature=0, max_tokens=24,
+                                                         ignore_eos=True),
+                                 use_tqdm=False)[0].outputs[0]
+        assert ignored.token_ids == base.token_ids and ignored.finish_reason == "length"
+        # Before min_tokens, EOS is masked out of the logits: it can neither be sampled
+        # nor stop the request, and the continuation differs from the base from there.
+        late = llama.generate("Hello", SamplingParams(temperature=0, max_tokens=24,
+                                                      min_tokens=first + 2),
+                              use_tqdm=False)[0].outputs[0]
+        assert eos not in late.token_ids[:first + 2]
+        assert late.token_ids[:first] == base.token_ids[:first]
+    finally:
+        llama.processor.eos_token_id = llama.tokenizer.eos_token_id
+
+
+def test_generation_config_eos_ids_become_stop_tokens(llama):
+    # The test models' generation_config lists <|endoftext|> (0) and <|im_end|> (2).
+    request, _ = llama.processor.process_inputs("x", "hi", SamplingParams())
+    assert request.eos_token_id == 0 and request.sampling_params.stop_token_ids == [2]
+    request, _ = llama.processor.process_inputs("y", "hi", SamplingParams(ignore_eos=True))
+    assert request.sampling_params.stop_token_ids is None
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_cuts_text_and_frees_the_request(llama, include):
+    base = llama.generate("def f(x):", SamplingParams(temperature=0, max_tokens=30),
+                          use_tqdm=False)[0].outputs[0]
+    text = base.text
+    start = len(text) // 2
+    stop = text[start:start + 3]
+    assert stop.strip()
+    cut = text.find(stop)
+    out = llama.generate("def f(x):", SamplingParams(temperature=0, max_tokens=30,
+                                                     stop=[stop],
+                                                     include_stop_str_in_output=include),
+                         use_tqdm=False)[0].outputs[0]
+    assert out.text == (text[:cut + len(stop)] if include else text[:cut])
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert len(out.token_ids) < len(base.token_ids)
+    assert out.token_ids == base.token_ids[:len(out.token_ids)]
+
+
+def test_find_stop_string_picks_the_earliest_hit_in_the_new_text():
+    assert find_stop_string("abcXYdefZ", 4, ["Z", "XYd"], False) == ("XYd", 3)
+    assert find_stop_string("abcXYdefZ", 1, ["XYd"], False) is None  # already searched
+    assert find_stop_string("abcXY", 1, ["XY"], True) == ("XY", None)  # nothing to cut
+
+
+def test_max_tokens_none_runs_to_max_model_len(model_dirs, make_llm):
+    llm = make_llm(model_dirs["llama"], max_model_len=40)
+    out = llm.generate({"prompt_token_ids": [5] * 10},
+                       SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 30 and out.finish_reason == "length"
+
+
+def test_seeded_sampling_is_independent_of_batch_and_preemption(model_dirs, make_llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=32)
+    llm = make_llm(model_dirs["qwen2"])
+    alone = llm.generate("seeded prompt", seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [f"other prompt {i} " * (i % 5 + 1) for i in range(64)]
+    batch = llm.generate(["seeded prompt", *others],
+                         [seeded] + [SamplingParams(temperature=1.0, max_tokens=32)] * 64,
+                         use_tqdm=False)
+    assert batch[0].outputs[0].token_ids == alone
+    probe = llm.engine_core.core.executor.runner.kv_cache_bytes_per_block()
+    small = make_llm(model_dirs["qwen2"], kv_cache_memory_bytes=12 * probe, max_model_len=160)
+    batch = small.generate(["seeded prompt", *others[:16]],
+                           [seeded] + [SamplingParams(temperature=1.0, max_tokens=32)] * 16,
+                           use_tqdm=False)
+    assert small.get_stats().num_preemptions > 0
+    assert batch[0].outputs[0].token_ids == alone
+    unseeded = llm.generate("seeded prompt", SamplingParams(temperature=1.0, max_tokens=32),
+                            use_tqdm=False)[0].outputs[0].token_ids
+    assert unseeded != alone
+
+
+def test_chat_applies_the_template_with_a_generation_prompt(llama):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi there"}]
+    out = llama.chat(messages, GREEDY, use_tqdm=False)[0]
+    template = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+    expected_ids = llama.tokenizer.encode(template + "<|im_start|>assistant\n")
+    assert out.prompt_token_ids == expected_ids
+    direct = llama.generate({"prompt_token_ids": expected_ids}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == direct.outputs[0].token_ids
+    two = llama.chat([messages, messages[1:]], GREEDY, use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == direct.outputs[0].token_ids
+    with pytest.raises(TypeError, match="messages"):
+        llama.chat([["not a message"]], GREEDY, use_tqdm=False)
+
+
+# --- validation: every bad input is rejected by name, and the engine is unaffected -------
+
+BAD_INPUTS = [
+    ("", GREEDY, ValueError, "empty"),
+    ({"prompt_token_ids": []}, GREEDY, ValueError, "empty"),
+    ({"prompt_token_ids": [1, 5000]}, GREEDY, ValueError, "vocabulary"),
+    ({"prompt_token_ids": [1, -3]}, GREEDY, ValueError, "vocabulary"),
+    ({"prompt_token_ids": [1, "2"]}, GREEDY, TypeError, "prompt_token_ids"),
+    ({"prompt_token_ids": [1, 2.0]}, GREEDY, TypeError, "prompt_token_ids"),
+    ({"prompt_token_ids": "1 2 3"}, GREEDY, TypeError, "prompt_token_ids"),
+    ({"prompt_ids": [1]}, GREEDY, ValueError, "prompt_token_ids"),
+    (42, GREEDY, TypeError, "prompt"),
+    ("bad \ud800 surrogate", GREEDY, ValueError, "prompt"),
+    ("x" * 3000, GREEDY, ValueError, "max_model_len"),
+    ({"prompt_token_ids": [1] * 2040}, SamplingParams(max_tokens=20), ValueError,
+     "max_model_len"),
+    ("ok", {"temperature": 0}, TypeError, "sampling_params"),
+    ("ok", SamplingParams(stop_token_ids=[99999]), ValueError, "stop_token_ids"),
+    ("ok", SamplingParams(n=2), ValueError, "n=2"),
+]
+
+
+def test_bad_inputs_raise_named_errors_and_leave_the_engine_serving(llama):
+    good = "a good prompt"
+    before = llama.generate(good, GREEDY, use_tqdm=False)[0].outputs[0]
+    for prompt, params, error, message in BAD_INPUTS:
+        with pytest.raises(error, match=message):
+            llama.generate([good, prompt], params, use_tqdm=False)
+        after = llama.generate(good, GREEDY, use_tqdm=False)[0].outputs[0]
+        assert after.token_ids == before.token_ids and after.text == before.text
+
+
+def test_mutated_sampling_params_are_revalidated(llama):
+    params = SamplingParams(temperature=0.5)
+    params.temperature = -1.0  # msgspec Structs are mutable: check again on the way in
+    with pytest.raises(ValueError, match="temperature"):
+        llama.generate("x", params, use_tqdm=False)
+
+
+def test_unknown_engine_option_is_a_type_error(model_dirs):
+    with pytest.raises(TypeError, match="max_num_sequences"):
+        LLM(str(model_dirs["llama"]), max_num_sequences=4)
+
+
+def test_start_up_errors_name_the_cause(model_dirs, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not-there"):
+        LLM(str(tmp_path / "not-there"))
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=4096)
+
+
+def test_context_manager_shuts_down(model_dirs):
+    with LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=2**20) as llm:
+        assert llm.generate("x", GREEDY, use_tqdm=False)[0].finished
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate("x", GREEDY, use_tqdm=False)
+
+
+def test_progress_bar_reports_tokens_per_second(llama, capsys):
+    llama.generate(["a", "b"], GREEDY, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "2/2" in err and "tok/s" in err
+
+
+def test_skip_tokenizer_init_takes_token_ids_and_returns_no_text(model_dirs, make_llm, llama):
+    ids = llama.tokenizer.encode("some prompt")
+    with_text = llama.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
+    llm = make_llm(model_dirs["llama"], skip_tokenizer_init=True)
+    assert llm.tokenizer is None
+    out = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == with_text.outputs[0].token_ids and out.text == ""
+    # EOS comes from generation_config.json alone: <|endoftext|> (0), then <|im_end|> (2).
+    request, _ = llm.processor.process_inputs("x", {"prompt_token_ids": ids}, GREEDY)
+    assert request.eos_token_id == 0 and request.sampling_params.stop_token_ids == [2]
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        llm.generate("text prompt", GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="stop strings"):
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(stop=["x"]), use_tqdm=False)
+    with pytest.raises(ValueError, match="chat"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
+
+
+def test_llm_signature_lists_every_engine_option():
+    import dataclasses
+    import inspect
+
+    from protocol.engine_args import EngineArgs
+
+    params = inspect.signature(LLM).parameters
+    for f in dataclasses.fields(EngineArgs):
+        assert f.name in params
+        if f.name != "model":
+            assert params[f.name].default == f.default
+    assert params["max_num_seqs"].default == 256 and params["block_size"].default == 16

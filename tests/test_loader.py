@@ -1,0 +1,505 @@
+"""executor.loader / executor.config / DecoderForCausalLM.load_weights.
+
+The judge of every loaded parameter is the checkpoint itself, read here with
+safetensors.torch.load_file and mapped to our merged layout by hand; the judge of the
+forward pass is transformers' AutoModelForCausalLM on the same directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import MODEL_SPECS
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from executor.attention import AttentionMetadata
+from executor.config import ModelConfig, resolve_model_config
+from executor.loader import load_model
+from executor.models.decoder import DecoderForCausalLM
+from frontend.demo_model import ModelSpec, make_model
+from protocol.engine_args import EngineArgs
+
+CPU = torch.device("cpu")
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# Tiny models (vocab 1024: the tokenizer conftest's MODEL_SPECS train is reused).
+SPECS: dict[str, ModelSpec] = {
+    "llama": ModelSpec(arch="llama", seed=11),  # untied, GQA 4/2
+    "llama-tied": ModelSpec(arch="llama", tie_word_embeddings=True, seed=12),
+    "qwen2": ModelSpec(arch="qwen2", num_kv_heads=1, seed=13),  # tied, qkv biases
+    "qwen2-untied": ModelSpec(arch="qwen2", tie_word_embeddings=False, seed=14),
+    "qwen3": ModelSpec(arch="qwen3", head_dim=32, seed=15),  # tied, q/k norm, head_dim != 16
+}
+
+
+Built = Callable[[ModelSpec], Path]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    """A model directory per spec, built once per module: tests must not modify it
+    (those that do work on `_copy`)."""
+    root = tmp_path_factory.mktemp("loader-models")
+    dirs: dict[str, Path] = {}
+
+    def get(spec: ModelSpec) -> Path:
+        key = repr(spec)
+        if key not in dirs:
+            dirs[key] = make_model(root / f"model{len(dirs)}", spec)
+        return dirs[key]
+
+    return get
+
+
+def _copy(model_dir: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(model_dir, tmp_path / model_dir.name))
+
+
+def _config(model_dir: Path, **kwargs: Any) -> ModelConfig:
+    return resolve_model_config(EngineArgs(model=str(model_dir), device="cpu", **kwargs))
+
+
+def _load(model_dir: Path, **kwargs: Any) -> DecoderForCausalLM:
+    return load_model(_config(model_dir, **kwargs), CPU)
+
+
+def _checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def _expected_params(ckpt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our parameter name -> the tensor it must hold: q/k/v and gate/up concatenated in
+    that order along dim 0, everything else under its checkpoint name."""
+    expected: dict[str, torch.Tensor] = {}
+    merged = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for name, tensor in ckpt.items():
+        parts = re.fullmatch(r"(.*)\.(\w+_proj)\.(weight|bias)", name)
+        target = next((m for m, srcs in merged.items() if parts and parts[2] in srcs), None)
+        if target is None:
+            expected[name] = tensor
+            continue
+        prefix, kind = parts[1], parts[3]
+        key = f"{prefix}.{target}.{kind}"
+        if key not in expected:
+            expected[key] = torch.cat([ckpt[f"{prefix}.{src}.{kind}"] for src in merged[target]])
+    return expected
+
+
+def _rewrite_single_file(model_dir: Path, edit: Callable[[dict[str, torch.Tensor]], None]
+                         ) -> None:
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _edit_config_json(model_dir: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    path = model_dir / "config.json"
+    raw = json.loads(path.read_text())
+    edit(raw)
+    path.write_text(json.dumps(raw))
+
+
+# --------------------------------------------------------------------------- correct loads
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_every_parameter_equals_its_checkpoint_tensor(built: Built, name: str) -> None:
+    spec = SPECS[name]
+    model_dir = built(spec)
+    ckpt = _checkpoint(model_dir)
+    if spec.arch == "qwen2":
+        assert "model.layers.0.self_attn.q_proj.bias" in ckpt
+    if spec.arch == "qwen3":
+        assert "model.layers.1.self_attn.k_norm.weight" in ckpt
+    assert ("lm_head.weight" in ckpt) != spec.effective_tie_word_embeddings
+
+    model = _load(model_dir)
+
+    params = dict(model.named_parameters())
+    expected = _expected_params(ckpt)
+    assert set(params) == set(expected)
+    for param_name, tensor in expected.items():
+        assert params[param_name].dtype == torch.float32, param_name
+        assert torch.equal(params[param_name], tensor), param_name
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_compute_logits_uses_lm_head_or_tied_embeddings(built: Built, name: str) -> None:
+    spec = SPECS[name]
+    model_dir = built(spec)
+    ckpt = _checkpoint(model_dir)
+    model = _load(model_dir)
+    hidden = torch.randn(3, spec.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    logits = model.compute_logits(hidden)
+
+    via_embed = hidden @ ckpt["model.embed_tokens.weight"].T
+    if spec.effective_tie_word_embeddings:
+        assert model.lm_head is None
+        torch.testing.assert_close(logits, via_embed, rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(logits, hidden @ ckpt["lm_head.weight"].T, rtol=1e-6,
+                                   atol=1e-6)
+        assert not torch.allclose(logits, via_embed)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_sharded_and_single_file_checkpoints_load_identically(built: Built, arch: str) -> None:
+    spec = ModelSpec(arch=arch, head_dim=32 if arch == "qwen3" else None, seed=21)
+    single = built(spec)
+    sharded = built(dataclasses.replace(spec, max_shard_size="100KB"))
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    assert not (single / "model.safetensors.index.json").exists()
+
+    from_single, from_shards = _load(single), _load(sharded)
+
+    single_params = dict(from_single.named_parameters())
+    shard_params = dict(from_shards.named_parameters())
+    assert set(single_params) == set(shard_params)
+    for name, param in single_params.items():
+        assert torch.equal(param, shard_params[name]), name
+    expected = _expected_params(_checkpoint(sharded))
+    for name, param in shard_params.items():
+        assert torch.equal(param, expected[name]), name
+
+
+# --------------------------------------------------------------------------- bad checkpoints
+
+PLAIN_KEYS = ["model.norm.weight", "model.layers.1.mlp.down_proj.weight",
+              "model.layers.0.input_layernorm.weight", "lm_head.weight"]
+MERGED_KEYS = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight",
+               "model.layers.1.mlp.up_proj.weight"]
+
+
+@pytest.mark.parametrize("key", PLAIN_KEYS)
+def test_missing_tensor_raises_naming_it(built: Built, tmp_path: Path, key: str) -> None:
+    model_dir = _copy(built(SPECS["llama"]), tmp_path)
+    _rewrite_single_file(model_dir, lambda t: t.pop(key))
+    config = _config(model_dir)
+    with pytest.raises(ValueError, match=re.escape(key)):
+        load_model(config, CPU)
+
+
+@pytest.mark.parametrize("key", [*MERGED_KEYS, "model.layers.0.self_attn.k_proj.bias"])
+def test_missing_merged_tensor_raises_naming_its_checkpoint_key(
+        built: Built, tmp_path: Path, key: str) -> None:
+    """q/k/v and gate/up are merged in our model; the error must still name the tensor
+    as the checkpoint spells it, not our internal "...qkv_proj.weight:q"."""
+    model_dir = _copy(built(SPECS["qwen2"]), tmp_path)
+    _rewrite_single_file(model_dir, lambda t: t.pop(key))
+    config = _config(model_dir)
+    with pytest.raises(ValueError, match=re.escape(key)):
+        load_model(config, CPU)
+
+
+@pytest.mark.parametrize("key", ["model.layers.0.self_attn.extra_proj.weight",
+                                 "model.layers.2.mlp.down_proj.weight",  # layer 2 of 2
+                                 "model.visual.weight"])
+def test_unknown_tensor_raises_naming_it(built: Built, tmp_path: Path, key: str) -> None:
+    model_dir = _copy(built(SPECS["llama"]), tmp_path)
+    _rewrite_single_file(model_dir, lambda t: t.update({key: torch.zeros(4, 4)}))
+    config = _config(model_dir)
+    with pytest.raises(ValueError, match=re.escape(key)):
+        load_model(config, CPU)
+
+
+def test_tied_checkpoint_carrying_an_lm_head_copy_loads(built: Built, tmp_path: Path) -> None:
+    model_dir = _copy(built(SPECS["qwen3"]), tmp_path)
+    ckpt = _checkpoint(model_dir)
+    _rewrite_single_file(model_dir, lambda t: t.update(
+        {"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    model = _load(model_dir)
+    assert model.lm_head is None
+    assert torch.equal(model.model.embed_tokens.weight, ckpt["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("key", ["model.norm.weight", "model.embed_tokens.weight"])
+def test_shape_mismatch_raises_naming_the_tensor(built: Built, tmp_path: Path, key: str) -> None:
+    model_dir = _copy(built(SPECS["llama"]), tmp_path)
+    _rewrite_single_file(model_dir, lambda t: t.update(
+        {key: torch.zeros(t[key].shape[0] + 1, *t[key].shape[1:])}))
+    config = _config(model_dir)
+    with pytest.raises(ValueError, match=re.escape(key)):
+        load_model(config, CPU)
+
+
+@pytest.mark.parametrize("key", MERGED_KEYS)
+def test_shape_mismatch_in_merged_tensor_raises_naming_its_checkpoint_key(
+        built: Built, tmp_path: Path, key: str) -> None:
+    model_dir = _copy(built(SPECS["llama"]), tmp_path)
+    _rewrite_single_file(model_dir, lambda t: t.update({key: t[key][1:].clone()}))
+    config = _config(model_dir)
+    with pytest.raises(ValueError, match=re.escape(key)):
+        load_model(config, CPU)
+
+
+def test_index_naming_a_missing_shard_raises(built: Built, tmp_path: Path) -> None:
+    model_dir = _copy(built(ModelSpec(max_shard_size="100KB", seed=31)), tmp_path)
+    shards = sorted(model_dir.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    shards[1].unlink()
+    config = _config(model_dir)
+    with pytest.raises(FileNotFoundError, match=re.escape(shards[1].name)):
+        load_model(config, CPU)
+
+
+def test_directory_without_weights_raises_pointing_at_dummy(built: Built, tmp_path: Path) -> None:
+    model_dir = _copy(built(SPECS["llama"]), tmp_path)
+    (model_dir / "model.safetensors").unlink()
+    config = _config(model_dir)  # config.json alone is enough to resolve
+    with pytest.raises(FileNotFoundError, match="load_format='dummy'"):
+        load_model(config, CPU)
+
+
+# --------------------------------------------------------------------------- resolve_model_config
+
+
+def test_missing_model_directory_raises_naming_it(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        _config(missing)
+
+
+def test_directory_without_config_json_raises_naming_it(tmp_path: Path) -> None:
+    model_dir = tmp_path / "empty-model"
+    model_dir.mkdir()
+    with pytest.raises(FileNotFoundError, match=re.escape(str(model_dir))) as info:
+        _config(model_dir)
+    assert "config.json" in str(info.value)
+
+
+def test_unsupported_architecture_raises_listing_supported(built: Built, tmp_path: Path) -> None:
+    model_dir = _copy(built(SPECS["llama"]), tmp_path)
+    _edit_config_json(model_dir, lambda raw: raw.update(architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as info:
+        _config(model_dir)
+    for arch in SUPPORTED:
+        assert arch in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_config_without_architectures_falls_back_to_model_type(
+        built: Built, tmp_path: Path, name: str) -> None:
+    """Configs written by `XConfig().save_pretrained()` carry no "architectures"; the
+    model_type ("llama", "qwen2", "qwen3") still identifies the family."""
+    model_dir = _copy(built(SPECS[name]), tmp_path)
+    _edit_config_json(model_dir, lambda raw: raw.pop("architectures"))
+
+    model = _load(model_dir)
+
+    expected = _expected_params(_checkpoint(model_dir))
+    params = dict(model.named_parameters())
+    assert set(params) == set(expected)  # qwen2 biases, qwen3 q/k norms included
+    for param_name, tensor in expected.items():
+        assert torch.equal(params[param_name], tensor), param_name
+
+
+def test_max_model_len_is_checked_against_max_position_embeddings(built: Built) -> None:
+    model_dir = built(ModelSpec(max_position_embeddings=512, seed=32))
+    assert _config(model_dir).max_model_len == 512
+    assert _config(model_dir, max_model_len=512).max_model_len == 512
+    assert _config(model_dir, max_model_len=100).max_model_len == 100
+    with pytest.raises(ValueError, match="max_model_len=513") as info:
+        _config(model_dir, max_model_len=513)
+    assert "512" in str(info.value)
+
+
+# --------------------------------------------------------------------------- dtype
+
+
+@pytest.mark.parametrize("saved", ["float32", "float16", "bfloat16"])
+def test_auto_dtype_takes_the_checkpoint_dtype(built: Built, saved: str) -> None:
+    model_dir = built(ModelSpec(arch="qwen2", dtype=saved, seed=33))
+    want = getattr(torch, saved)
+    ckpt = _checkpoint(model_dir)
+    assert all(t.dtype == want for t in ckpt.values())
+
+    config = _config(model_dir)  # dtype="auto" is the default
+    model = load_model(config, CPU)
+
+    assert config.dtype == want
+    expected = _expected_params(ckpt)
+    for name, param in model.named_parameters():
+        assert param.dtype == want, name
+        assert torch.equal(param, expected[name]), name
+
+
+@pytest.mark.parametrize(("saved", "asked"), [("float32", "bfloat16"), ("float32", "float16"),
+                                              ("bfloat16", "float32")])
+def test_explicit_dtype_overrides_the_checkpoint(built: Built, saved: str, asked: str) -> None:
+    model_dir = built(ModelSpec(arch="qwen3", head_dim=32, dtype=saved, seed=34))
+    want = getattr(torch, asked)
+    expected = _expected_params(_checkpoint(model_dir))
+
+    config = _config(model_dir, dtype=asked)
+    model = load_model(config, CPU)
+
+    assert config.dtype == want
+    for name, param in model.named_parameters():
+        assert param.dtype == want, name
+        assert torch.equal(param, expected[name].to(want)), name
+
+
+def test_rope_tables_stay_fp32_and_exact_in_a_bf16_model(built: Built) -> None:
+    """The loader casts the whole module to bf16; the RoPE tables must be recomputed in
+    fp32 afterwards, equal to transformers' cos/sin."""
+    model_dir = built(ModelSpec(
+        dtype="bfloat16", max_position_embeddings=1024, seed=35,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                      "original_max_position_embeddings": 256}))
+    config = _config(model_dir)
+    model = load_model(config, CPU)
+    rotary = model.model.rotary_emb
+    assert rotary.cos_cache.dtype == torch.float32
+
+    hf_rotary = LlamaRotaryEmbedding(config.hf_config)
+    positions = torch.arange(1024)[None]
+    cos, sin = hf_rotary(torch.zeros(1, dtype=torch.float32), positions)
+    assert hf_rotary.attention_scaling != 1.0
+    assert torch.equal(rotary.cos_cache, cos[0])
+    assert torch.equal(rotary.sin_cache, sin[0])
+
+
+# --------------------------------------------------------------------------- dummy weights
+
+
+def _dummy(model_dir: Path, seed: int, **kwargs: Any) -> DecoderForCausalLM:
+    return _load(model_dir, load_format="dummy", seed=seed, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_dummy_weights_need_no_safetensors(built: Built, tmp_path: Path, name: str) -> None:
+    model_dir = _copy(built(SPECS[name]), tmp_path)
+    shapes = {n: t.shape for n, t in _expected_params(_checkpoint(model_dir)).items()}
+    for file in model_dir.glob("*.safetensors"):
+        file.unlink()
+
+    model = _dummy(model_dir, seed=0)
+
+    params = dict(model.named_parameters())
+    assert {n: p.shape for n, p in params.items()} == shapes
+    for param_name, param in params.items():
+        assert param.dtype == torch.float32, param_name
+        assert bool(torch.isfinite(param).all()), param_name
+        if param_name.endswith("norm.weight"):
+            assert bool((param == 1).all()), param_name
+        elif param_name.endswith(".bias"):
+            assert bool((param == 0).all()), param_name
+        elif param.numel() >= 4096:  # N(0, 0.02) per the loader's docstring
+            assert 0.015 < param.std().item() < 0.025, param_name
+            assert abs(param.mean().item()) < 0.005, param_name
+
+
+def test_dummy_weights_are_seeded(built: Built, tmp_path: Path) -> None:
+    model_dir = _copy(built(SPECS["qwen2"]), tmp_path)
+    (model_dir / "model.safetensors").unlink()
+
+    first, again, other = (_dummy(model_dir, seed=s) for s in (0, 0, 1))
+
+    again_params, other_params = dict(again.named_parameters()), dict(other.named_parameters())
+    for param_name, param in first.named_parameters():
+        assert torch.equal(param, again_params[param_name]), param_name
+        if not param_name.endswith(("norm.weight", ".bias")):
+            assert not torch.equal(param, other_params[param_name]), param_name
+
+
+def test_dummy_weights_take_the_asked_dtype(built: Built, tmp_path: Path) -> None:
+    model_dir = _copy(built(SPECS["qwen3"]), tmp_path)
+    (model_dir / "model.safetensors").unlink()
+    model = _dummy(model_dir, seed=0, dtype="bfloat16")
+    fp32 = dict(_dummy(model_dir, seed=0).named_parameters())
+    for param_name, param in model.named_parameters():
+        assert param.dtype == torch.bfloat16, param_name
+        assert torch.equal(param, fp32[param_name].to(torch.bfloat16)), param_name
+
+
+# --------------------------------------------------------------------------- end to end
+
+BLOCK_SIZE = 16
+
+
+def _forward_paged(model: DecoderForCausalLM, prompt: list[int],
+                   steps: list[tuple[int, int]]) -> torch.Tensor:
+    """Run `prompt` through the model in `steps` ([start, end) slices: chunks of a prompt,
+    then decodes) on a paged cache with a shuffled block table; return the logits of
+    every position [len(prompt), vocab]. The cache is zeroed, as the model runner does
+    (tests/test_kernels_reference.py checks that unwritten slots are never read)."""
+    spec = model.spec
+    num_blocks = math.ceil(len(prompt) / BLOCK_SIZE) + 3
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randperm(num_blocks, generator=gen).to(torch.int32)  # padded with spares
+    kv_caches = [torch.zeros(2, num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
+                 for _ in range(spec.num_layers)]
+    logits = []
+    for start, end in steps:
+        positions = torch.arange(start, end)
+        slots = table[positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=table[None],
+            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            query_start_loc_cpu=[0, end - start], seq_lens_cpu=[end],
+            max_query_len=end - start, max_seq_len=end)
+        with torch.inference_mode():
+            hidden = model(torch.tensor(prompt[start:end]), positions, meta, kv_caches)
+            logits.append(model.compute_logits(hidden))
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("name", list(MODEL_SPECS))
+def test_logits_match_transformers_at_every_position(model_dirs: dict[str, Path],
+                                                     name: str) -> None:
+    model_dir = model_dirs[name]
+    vocab = MODEL_SPECS[name].vocab_size
+    prompt = torch.randint(0, vocab, (41,), generator=torch.Generator().manual_seed(7)).tolist()
+    # A chunk ending mid-block, a chunk ending exactly on a block boundary, then decodes.
+    steps = [(0, 21), (21, 32), (32, 39), (39, 40), (40, 41)]
+
+    ours = _forward_paged(_load(model_dir, dtype="float32"), prompt, steps)
+
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([prompt])).logits[0]
+    assert ours.shape == reference.shape == (len(prompt), vocab)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_attention_bias_on_all_four_projections_matches_transformers(
+        tmp_path: Path, model_type: str) -> None:
+    """Llama and Qwen3 configs with attention_bias=True put biases on q, k, v and o."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_cls, model_cls = ((LlamaConfig, LlamaForCausalLM) if model_type == "llama"
+                             else (Qwen3Config, Qwen3ForCausalLM))
+    config = config_cls(vocab_size=300, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, max_position_embeddings=128, attention_bias=True)
+    torch.manual_seed(0)
+    hf_model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            param.copy_(torch.randn_like(param) * (0.1 if "bias" in name else 0.2))
+    hf_model.save_pretrained(tmp_path)
+    assert "model.layers.0.self_attn.o_proj.bias" in _checkpoint(tmp_path)
+    prompt = list(range(3, 40))
+    ours = _forward_paged(_load(tmp_path, dtype="float32"), prompt, [(0, 20), (20, 37)])
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-4)

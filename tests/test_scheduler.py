@@ -1,0 +1,771 @@
+"""The token-budget scheduler, driven without a model.
+
+`FakeModelRunner` stands in for the executor: like `executor.model_runner.ModelRunner`
+it rebuilds each request's tokens and progress from the `SchedulerOutput`s alone, and a
+request samples one token exactly when this step's tokens bring its computed count level
+with its token count (`_prepare_inputs`); a partial prompt chunk samples nothing. Sampled
+tokens are `next_token(last token)` unless a test scripts them (to force EOS or a stop
+token), so every expected value below is computed by hand.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from enginecore.kv_cache_manager import KVCacheManager
+from enginecore.request import Request, RequestStatus
+from enginecore.scheduler import Scheduler, SchedulerConfig
+from protocol.messages import EngineCoreOutput, FinishReason
+from protocol.sampling_params import SamplingParams
+from protocol.scheduling import ModelRunnerOutput, SchedulerOutput
+
+EOS = 1000  # outside next_token's range [0, 1000): only scripted tokens are EOS
+
+
+def next_token(last: int) -> int:
+    return (last * 31 + 7) % 1000
+
+
+def expected_outputs(prompt: Sequence[int], num_tokens: int) -> list[int]:
+    tokens = [next_token(prompt[-1])]
+    while len(tokens) < num_tokens:
+        tokens.append(next_token(tokens[-1]))
+    return tokens
+
+
+# -- factories ---------------------------------------------------------------------------
+
+
+def create_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 64,
+                     max_model_len: int = 256, num_blocks: int = 64,
+                     block_size: int = 4) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
+                                     max_num_batched_tokens=max_num_batched_tokens,
+                                     max_model_len=max_model_len),
+                     KVCacheManager(num_blocks, block_size))
+
+
+def create_requests(num_requests: int, prompt_len: int | Sequence[int] = 8, *,
+                    max_tokens: int | Sequence[int] = 16, min_tokens: int = 0,
+                    stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
+                    eos_token_id: int | None = EOS, id_prefix: str = "r") -> list[Request]:
+    """Requests `{id_prefix}0`, `{id_prefix}1`, ... with distinct prompts."""
+    lens = [prompt_len] * num_requests if isinstance(prompt_len, int) else list(prompt_len)
+    maxes = [max_tokens] * num_requests if isinstance(max_tokens, int) else list(max_tokens)
+    assert len(lens) == len(maxes) == num_requests
+    requests = []
+    for i, (n, max_n) in enumerate(zip(lens, maxes, strict=True)):
+        params = SamplingParams(temperature=0.0, max_tokens=max_n, min_tokens=min_tokens,
+                                stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+        prompt = [(97 * i + 13 * j + 1) % 1000 for j in range(n)]
+        requests.append(Request(f"{id_prefix}{i}", prompt, params, eos_token_id,
+                                arrival_time=float(i)))
+    return requests
+
+
+@dataclass
+class _RunnerState:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class FakeModelRunner:
+    """The model runner's bookkeeping without the model (see the module docstring)."""
+
+    block_size: int
+    script: dict[str, list[int]] = field(default_factory=dict)  # req_id -> tokens to sample
+    states: dict[str, _RunnerState] = field(default_factory=dict)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in [*so.finished_req_ids, *so.preempted_req_ids]:
+            self.states.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.states[new.req_id] = _RunnerState(
+                new.prompt_token_ids + new.output_token_ids, list(new.block_ids),
+                new.num_computed_tokens)
+        for cached in so.scheduled_cached_reqs:
+            state = self.states[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+        req_ids = [c.req_id for c in so.scheduled_cached_reqs]
+        req_ids += [n.req_id for n in so.scheduled_new_reqs]
+        assert sorted(req_ids) == sorted(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for req_id in req_ids:
+            state = self.states[req_id]
+            end = state.num_computed_tokens + so.num_scheduled_tokens[req_id]
+            assert end <= len(state.token_ids), "scheduled tokens that do not exist"
+            assert end <= len(state.block_ids) * self.block_size, "no KV slot for a token"
+            state.num_computed_tokens = end
+            if end == len(state.token_ids):  # caught up: sample the next token
+                script = self.script.get(req_id)
+                token = script.pop(0) if script else next_token(state.token_ids[-1])
+                state.token_ids.append(token)
+                sampled.append([token])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(req_ids, sampled)
+
+
+def create_runner(scheduler: Scheduler, script: dict[str, list[int]] | None = None,
+                  ) -> FakeModelRunner:
+    return FakeModelRunner(scheduler.kv_cache_manager.block_size, dict(script or {}))
+
+
+def step(scheduler: Scheduler, runner: FakeModelRunner,
+         ) -> tuple[SchedulerOutput, dict[str, EngineCoreOutput]]:
+    """schedule -> execute -> update; the step's outputs keyed by request id."""
+    so = scheduler.schedule()
+    outputs = scheduler.update_from_output(so, runner.execute_model(so))
+    return so, {out.request_id: out for out in outputs}
+
+
+def run_to_completion(scheduler: Scheduler, runner: FakeModelRunner,
+                      max_steps: int = 1000) -> list[SchedulerOutput]:
+    """Step until every request finished; then no block may still be held."""
+    outputs = []
+    while scheduler.has_unfinished_requests():
+        assert len(outputs) < max_steps, "no progress"
+        outputs.append(step(scheduler, runner)[0])
+    assert_everything_free(scheduler)
+    return outputs
+
+
+def assert_everything_free(scheduler: Scheduler) -> None:
+    kv = scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_total_blocks
+    assert kv.req_to_blocks == {}
+    assert scheduler.requests == {}
+    assert not scheduler.waiting and not scheduler.running
+
+
+def add(scheduler: Scheduler, requests: Sequence[Request]) -> None:
+    for request in requests:
+        scheduler.add_request(request)
+
+
+# -- admission and the token budget ------------------------------------------------------
+
+
+def test_scheduler_config_rejects_non_positive_limits():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=0, max_model_len=8)
+
+
+def test_nothing_to_schedule_gives_an_empty_output():
+    so = create_scheduler().schedule()
+    assert so.is_empty
+    assert so.num_scheduled_tokens == {} and so.scheduled_new_reqs == []
+
+
+def test_new_prompts_are_scheduled_whole_with_fresh_blocks():
+    scheduler = create_scheduler(block_size=4)
+    requests = create_requests(3, [5, 4, 9])
+    add(scheduler, requests)
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens == {"r0": 5, "r1": 4, "r2": 9}
+    assert so.total_num_scheduled_tokens == 18
+    assert [(n.req_id, n.block_ids, n.num_computed_tokens) for n in so.scheduled_new_reqs] == [
+        ("r0", [0, 1], 0), ("r1", [2], 0), ("r2", [3, 4, 5], 0)]
+    assert [n.prompt_token_ids for n in so.scheduled_new_reqs] == [
+        r.prompt_token_ids for r in requests]
+    assert [r.num_computed_tokens for r in requests] == [5, 4, 9]  # advanced by schedule()
+    assert [r.status for r in requests] == [RequestStatus.RUNNING] * 3
+
+
+def test_duplicate_request_id_is_rejected():
+    scheduler = create_scheduler()
+    (request,) = create_requests(1)
+    scheduler.add_request(request)
+    (duplicate,) = create_requests(1)
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.add_request(duplicate)
+    assert list(scheduler.waiting) == [request]
+
+
+def test_request_id_can_be_reused_after_the_request_finished():
+    scheduler = create_scheduler()
+    add(scheduler, create_requests(1, max_tokens=1))
+    run_to_completion(scheduler, create_runner(scheduler))
+    (again,) = create_requests(1, max_tokens=1)
+    scheduler.add_request(again)
+    assert scheduler.requests == {"r0": again}
+
+
+def test_max_num_seqs_caps_running_requests():
+    scheduler = create_scheduler(max_num_seqs=2)
+    add(scheduler, create_requests(3, 4))
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens == {"r0": 4, "r1": 4}
+    assert scheduler.num_running == 2
+    assert [r.request_id for r in scheduler.waiting] == ["r2"]
+
+
+def test_waiting_request_is_admitted_when_a_running_one_finishes():
+    scheduler = create_scheduler(max_num_seqs=2)
+    add(scheduler, create_requests(3, 4, max_tokens=[1, 3, 1]))
+    runner = create_runner(scheduler)
+    _, outputs = step(scheduler, runner)
+    assert outputs["r0"].finish_reason == FinishReason.LENGTH
+    so, _ = step(scheduler, runner)
+    assert so.num_scheduled_tokens == {"r1": 1, "r2": 4}
+
+
+def test_new_prompts_and_decode_tokens_share_a_step():
+    scheduler = create_scheduler(max_num_batched_tokens=64)
+    add(scheduler, create_requests(2, 6))
+    runner = create_runner(scheduler)
+    step(scheduler, runner)
+    add(scheduler, create_requests(1, 10, id_prefix="late"))
+    so, _ = step(scheduler, runner)
+    assert so.num_scheduled_tokens == {"r0": 1, "r1": 1, "late0": 10}
+    assert [c.req_id for c in so.scheduled_cached_reqs] == ["r0", "r1"]
+    assert [n.req_id for n in so.scheduled_new_reqs] == ["late0"]
+    assert so.total_num_scheduled_tokens == 12
+
+
+def test_running_requests_are_scheduled_in_admission_order():
+    scheduler = create_scheduler()
+    add(scheduler, create_requests(3, [9, 2, 5]))
+    runner = create_runner(scheduler)
+    step(scheduler, runner)
+    so, _ = step(scheduler, runner)
+    assert [(c.req_id, c.num_computed_tokens) for c in so.scheduled_cached_reqs] == [
+        ("r0", 9), ("r1", 2), ("r2", 5)]
+
+
+def test_decodes_are_scheduled_before_new_prompts():
+    scheduler = create_scheduler(max_num_batched_tokens=8)
+    add(scheduler, create_requests(2, 3))
+    runner = create_runner(scheduler)
+    step(scheduler, runner)
+    add(scheduler, create_requests(1, 20, id_prefix="long"))
+    so = scheduler.schedule()
+    # The decodes take their token first; the prompt gets what is left of the budget.
+    assert so.num_scheduled_tokens == {"r0": 1, "r1": 1, "long0": 6}
+
+
+def test_decodes_use_the_budget_first_and_prompts_wait_when_none_is_left():
+    scheduler = create_scheduler(max_num_batched_tokens=2)
+    add(scheduler, create_requests(2, 1))
+    runner = create_runner(scheduler)
+    step(scheduler, runner)
+    add(scheduler, create_requests(1, 1, id_prefix="new"))
+    so, _ = step(scheduler, runner)
+    assert so.num_scheduled_tokens == {"r0": 1, "r1": 1}
+    assert [r.request_id for r in scheduler.waiting] == ["new0"]
+
+
+def test_long_prompt_is_chunked_while_decodes_continue_every_step():
+    scheduler = create_scheduler(max_num_batched_tokens=8)
+    add(scheduler, create_requests(1, 4, max_tokens=10))
+    runner = create_runner(scheduler)
+    step(scheduler, runner)
+    add(scheduler, create_requests(1, 20, id_prefix="long"))
+    scheduled = [step(scheduler, runner)[0].num_scheduled_tokens for _ in range(4)]
+    assert scheduled == [
+        {"r0": 1, "long0": 7},  # 7 of 20
+        {"r0": 1, "long0": 7},  # 14 of 20
+        {"r0": 1, "long0": 6},  # 20 of 20: samples
+        {"r0": 1, "long0": 1},  # its first decode
+    ]
+
+
+def test_partial_prompt_chunks_sample_nothing():
+    scheduler = create_scheduler(max_num_batched_tokens=8)
+    (request,) = create_requests(1, 20)
+    scheduler.add_request(request)
+    runner = create_runner(scheduler)
+    progress = []
+    for _ in range(3):
+        so, outputs = step(scheduler, runner)
+        progress.append((so.num_scheduled_tokens["r0"], request.num_computed_tokens,
+                         list(request.output_token_ids), "r0" in outputs))
+    first = next_token(request.prompt_token_ids[-1])
+    assert progress == [(8, 8, [], False), (8, 16, [], False), (4, 20, [first], True)]
+
+
+def test_chunked_prompt_continues_as_a_cached_request_with_its_progress():
+    scheduler = create_scheduler(max_num_batched_tokens=8, block_size=4)
+    add(scheduler, create_requests(1, 20))
+    runner = create_runner(scheduler)
+    first, _ = step(scheduler, runner)
+    second, _ = step(scheduler, runner)
+    assert [(n.req_id, n.block_ids, n.num_computed_tokens)
+            for n in first.scheduled_new_reqs] == [("r0", [0, 1], 0)]
+    assert second.scheduled_new_reqs == []
+    assert [(c.req_id, c.new_block_ids, c.num_computed_tokens)
+            for c in second.scheduled_cached_reqs] == [("r0", [2, 3], 8)]
+
+
+def test_waiting_requests_are_admitted_in_arrival_order():
+    scheduler = create_scheduler(max_num_batched_tokens=6)
+    add(scheduler, create_requests(3, [8, 1, 1]))
+    # r1 and r2 would fit whole, but r0 came first: it is split and takes the budget.
+    assert scheduler.schedule().num_scheduled_tokens == {"r0": 6}
+    assert [r.request_id for r in scheduler.waiting] == ["r1", "r2"]
+
+
+def test_total_num_scheduled_tokens_is_the_sum_over_requests():
+    scheduler = create_scheduler(max_num_batched_tokens=16)
+    add(scheduler, create_requests(4, [3, 5, 7, 9]))
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens == {"r0": 3, "r1": 5, "r2": 7, "r3": 1}
+    assert so.total_num_scheduled_tokens == 16
+
+
+def test_waiting_prompt_that_does_not_fit_the_cache_waits_without_preempting():
+    scheduler = create_scheduler(num_blocks=3, block_size=4)
+    add(scheduler, create_requests(1, 6, max_tokens=2))
+    runner = create_runner(scheduler)
+    step(scheduler, runner)  # r0 holds 2 of 3 blocks, enough for its 8 tokens
+    add(scheduler, create_requests(1, 8, id_prefix="big"))
+    so, _ = step(scheduler, runner)
+    assert so.num_scheduled_tokens == {"r0": 1}
+    assert so.preempted_req_ids == [] and scheduler.num_preemptions == 0
+    assert [r.request_id for r in scheduler.waiting] == ["big0"]
+    so, _ = step(scheduler, runner)  # r0 finished last step and freed its blocks
+    assert so.num_scheduled_tokens == {"big0": 8}
+
+
+# -- preemption ----------------------------------------------------------------------------
+
+# block_size 4, 5 blocks. r0 (8 tokens) gets blocks 0-1, r1 (4) block 2, r2 (8) blocks 3-4.
+# After step 1 each sampled a token: r0 and r2 need a third block, r1 a second one.
+
+
+def _full_cache_scheduler(max_tokens: int = 4,
+                          ) -> tuple[Scheduler, FakeModelRunner, list[Request]]:
+    scheduler = create_scheduler(max_num_seqs=3, num_blocks=5, block_size=4)
+    requests = create_requests(3, [8, 4, 8], max_tokens=max_tokens)
+    add(scheduler, requests)
+    runner = create_runner(scheduler)
+    so, _ = step(scheduler, runner)
+    assert so.num_scheduled_tokens == {"r0": 8, "r1": 4, "r2": 8}
+    assert scheduler.kv_cache_manager.num_free_blocks == 0
+    return scheduler, runner, requests
+
+
+def test_block_shortage_preempts_the_most_recently_admitted_request():
+    scheduler, runner, (r0, r1, r2) = _full_cache_scheduler()
+    so, _ = step(scheduler, runner)
+    assert so.preempted_req_ids == ["r2"]
+    assert so.num_scheduled_tokens == {"r0": 1, "r1": 1}
+    # r2's blocks 3, 4 went back as [4, 3]: r0 takes 4, r1 takes 3.
+    assert [(c.req_id, c.new_block_ids) for c in so.scheduled_cached_reqs] == [
+        ("r0", [4]), ("r1", [3])]
+    assert scheduler.running == [r0, r1]
+    assert list(scheduler.waiting) == [r2]
+
+
+def test_preempted_request_restarts_from_zero_and_keeps_its_outputs():
+    scheduler, runner, (_, _, r2) = _full_cache_scheduler()
+    outputs_before = list(r2.output_token_ids)
+    step(scheduler, runner)
+    assert r2.status == RequestStatus.PREEMPTED
+    assert r2.num_computed_tokens == 0
+    assert r2.output_token_ids == outputs_before == expected_outputs(r2.prompt_token_ids, 1)
+    assert r2.num_preemptions == 1
+    assert scheduler.num_preemptions == 1
+    assert scheduler.kv_cache_manager.get_block_ids("r2") == []
+
+
+def test_preempted_request_goes_to_the_front_of_the_waiting_queue():
+    scheduler, runner, _ = _full_cache_scheduler()
+    add(scheduler, create_requests(1, 1, id_prefix="later"))
+    step(scheduler, runner)
+    assert [r.request_id for r in scheduler.waiting] == ["r2", "later0"]
+
+
+def test_preempted_request_id_is_reported_in_one_scheduler_output_only():
+    scheduler, runner, _ = _full_cache_scheduler()
+    preempted = [step(scheduler, runner)[0].preempted_req_ids for _ in range(3)]
+    assert preempted == [["r2"], [], []]
+
+
+def test_resumed_request_is_sent_as_new_request_data_with_its_outputs():
+    scheduler, runner, (_, _, r2) = _full_cache_scheduler(max_tokens=2)
+    step(scheduler, runner)  # preempts r2; r0 and r1 sample their second, last token
+    so = scheduler.schedule()
+    assert [n.req_id for n in so.scheduled_new_reqs] == ["r2"]
+    (resumed,) = so.scheduled_new_reqs
+    assert resumed.prompt_token_ids == r2.prompt_token_ids
+    assert resumed.output_token_ids == expected_outputs(r2.prompt_token_ids, 1)
+    assert resumed.num_computed_tokens == 0
+    assert so.num_scheduled_tokens == {"r2": 9}  # prompt and output, recomputed
+    assert r2.status == RequestStatus.RUNNING
+
+
+def test_resumed_request_finishes_with_exactly_max_tokens_outputs():
+    scheduler, runner, requests = _full_cache_scheduler(max_tokens=4)
+    run_to_completion(scheduler, runner)
+    assert [r.num_preemptions for r in requests] == [0, 0, 1]
+    for request in requests:
+        assert request.output_token_ids == expected_outputs(request.prompt_token_ids, 4)
+        assert request.finish_reason == FinishReason.LENGTH
+
+
+def _self_preempting_scheduler() -> tuple[Scheduler, FakeModelRunner, list[Request]]:
+    """block_size 4, 3 blocks, budget 5: r0 (4 tokens) gets block 0, r1 (4) is split 1 + 3
+    into block 1, and r0's 5th token takes block 2. In step 3 r0 (context 6) fits its two
+    blocks, but r1 (context 5) needs a second one and none is free."""
+    scheduler = create_scheduler(max_num_batched_tokens=5, num_blocks=3, block_size=4)
+    requests = create_requests(2, 4, max_tokens=4)
+    add(scheduler, requests)
+    runner = create_runner(scheduler)
+    assert step(scheduler, runner)[0].num_scheduled_tokens == {"r0": 4, "r1": 1}
+    assert step(scheduler, runner)[0].num_scheduled_tokens == {"r0": 1, "r1": 3}
+    assert scheduler.kv_cache_manager.num_free_blocks == 0
+    return scheduler, runner, requests
+
+
+def test_the_newest_running_request_preempts_itself_when_it_needs_a_block():
+    scheduler, runner, (r0, r1) = _self_preempting_scheduler()
+    so, _ = step(scheduler, runner)
+    assert so.preempted_req_ids == ["r1"]
+    assert so.num_scheduled_tokens == {"r0": 1}
+    assert (r1.status, r1.num_computed_tokens) == (RequestStatus.PREEMPTED, 0)
+    assert scheduler.running == [r0]
+    run_to_completion(scheduler, runner)
+    assert r1.output_token_ids == expected_outputs(r1.prompt_token_ids, 4)
+
+
+def test_no_request_is_admitted_in_a_step_that_preempted():
+    scheduler, runner, (_, r1) = _self_preempting_scheduler()
+    so, _ = step(scheduler, runner)
+    assert so.scheduled_new_reqs == []
+    # r1 would fit now (a 4-token chunk in the one free block, 4 tokens of budget left)
+    # but must wait a step.
+    assert so.total_num_scheduled_tokens == 1
+    assert scheduler.kv_cache_manager.num_free_blocks == 1
+    assert list(scheduler.waiting) == [r1]
+    so, _ = step(scheduler, runner)
+    assert so.num_scheduled_tokens == {"r0": 1, "r1": 4}
+    assert [(n.req_id, n.output_token_ids) for n in so.scheduled_new_reqs] == [
+        ("r1", expected_outputs(r1.prompt_token_ids, 1))]
+
+
+def test_every_request_ends_with_its_own_tokens_after_preemptions():
+    scheduler = create_scheduler(max_num_seqs=4, max_num_batched_tokens=16, num_blocks=8,
+                                 block_size=4)
+    requests = create_requests(6, [5, 9, 3, 12, 7, 1], max_tokens=[9, 4, 12, 6, 10, 15])
+    add(scheduler, requests)
+    run_to_completion(scheduler, create_runner(scheduler))
+    assert scheduler.num_preemptions > 0
+    assert [r.output_token_ids for r in requests] == [
+        expected_outputs(r.prompt_token_ids, r.max_tokens) for r in requests]
+
+
+# -- stop rules ----------------------------------------------------------------------------
+
+
+def _run_one(request: Request, script: list[int], **scheduler_kwargs) -> list[EngineCoreOutput]:
+    """Run one request to completion; its EngineCoreOutputs, one per step that sampled."""
+    scheduler = create_scheduler(**scheduler_kwargs)
+    scheduler.add_request(request)
+    runner = create_runner(scheduler, {request.request_id: list(script)})
+    outputs = []
+    while scheduler.has_unfinished_requests():
+        assert len(outputs) < 100
+        outputs += step(scheduler, runner)[1].values()
+    assert_everything_free(scheduler)
+    return outputs
+
+
+def test_eos_finishes_with_stop_and_no_stop_reason():
+    (request,) = create_requests(1, 4, max_tokens=10)
+    outputs = _run_one(request, [5, 6, EOS, 7])
+    assert [(o.new_token_ids, o.finish_reason, o.stop_reason) for o in outputs] == [
+        ([5], None, None), ([6], None, None), ([EOS], FinishReason.STOP, None)]
+    assert request.output_token_ids == [5, 6, EOS]
+    assert request.status == RequestStatus.FINISHED
+
+
+def test_ignore_eos_keeps_generating_past_eos():
+    (request,) = create_requests(1, 4, max_tokens=3, ignore_eos=True)
+    outputs = _run_one(request, [EOS, EOS, 7])
+    assert request.output_token_ids == [EOS, EOS, 7]
+    assert outputs[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_request_without_an_eos_token_only_stops_at_length():
+    (request,) = create_requests(1, 4, max_tokens=3, eos_token_id=None)
+    _run_one(request, [EOS, EOS, EOS])
+    assert request.output_token_ids == [EOS, EOS, EOS]
+    assert request.finish_reason == FinishReason.LENGTH
+
+
+def test_stop_token_id_finishes_with_that_id_as_stop_reason():
+    (request,) = create_requests(1, 4, max_tokens=10, stop_token_ids=[42, 43])
+    outputs = _run_one(request, [5, 43, 42])
+    assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == (FinishReason.STOP, 43)
+    assert (request.finish_reason, request.stop_reason) == (FinishReason.STOP, 43)
+    assert request.output_token_ids == [5, 43]
+
+
+def test_min_tokens_suppresses_eos_until_reached():
+    (request,) = create_requests(1, 4, max_tokens=10, min_tokens=3)
+    _run_one(request, [EOS, EOS, EOS, 9])
+    assert request.output_token_ids == [EOS, EOS, EOS]
+    assert request.finish_reason == FinishReason.STOP
+
+
+def test_min_tokens_suppresses_stop_token_ids_until_reached():
+    (request,) = create_requests(1, 4, max_tokens=10, min_tokens=3, stop_token_ids=[42])
+    _run_one(request, [42, 42, 5, 42, 6])
+    assert request.output_token_ids == [42, 42, 5, 42]
+    assert (request.finish_reason, request.stop_reason) == (FinishReason.STOP, 42)
+
+
+def test_max_tokens_finishes_with_length():
+    (request,) = create_requests(1, 4, max_tokens=5)
+    outputs = _run_one(request, [])
+    assert request.output_token_ids == expected_outputs(request.prompt_token_ids, 5)
+    assert [o.finish_reason for o in outputs] == [None] * 4 + [FinishReason.LENGTH]
+    assert outputs[-1].stop_reason is None
+
+
+def test_eos_as_the_last_allowed_token_reports_stop_not_length():
+    (request,) = create_requests(1, 4, max_tokens=2)
+    outputs = _run_one(request, [5, EOS])
+    assert outputs[-1].finish_reason == FinishReason.STOP
+
+
+def test_reaching_max_model_len_finishes_with_length():
+    (request,) = create_requests(1, 7, max_tokens=100)
+    outputs = _run_one(request, [], max_model_len=10)
+    assert request.num_output_tokens == 3  # 7 + 3 = max_model_len
+    assert outputs[-1].finish_reason == FinishReason.LENGTH
+
+
+# -- finishing and aborting -----------------------------------------------------------------
+
+
+def test_finished_request_id_is_reported_once_in_finished_req_ids():
+    scheduler = create_scheduler()
+    add(scheduler, create_requests(2, 4, max_tokens=[1, 4]))
+    runner = create_runner(scheduler)
+    finished = [step(scheduler, runner)[0].finished_req_ids for _ in range(4)]
+    assert finished == [[], ["r0"], [], []]  # r1 finished in the 4th step's update
+    assert not scheduler.has_unfinished_requests()
+    assert [scheduler.schedule().finished_req_ids for _ in range(2)] == [["r1"], []]
+
+
+def test_finished_request_frees_its_blocks_in_the_step_it_finishes():
+    scheduler = create_scheduler(num_blocks=8, block_size=4)
+    add(scheduler, create_requests(2, [5, 9], max_tokens=[1, 4]))
+    step(scheduler, create_runner(scheduler))
+    assert scheduler.kv_cache_manager.get_block_ids("r0") == []
+    assert scheduler.kv_cache_manager.num_free_blocks == 8 - 3  # r1's 9 tokens
+    assert list(scheduler.requests) == ["r1"]
+
+
+def test_abort_of_a_waiting_request_removes_it_and_reports_it_next_step():
+    scheduler = create_scheduler(max_num_seqs=1)
+    r0, r1 = create_requests(2, 4)
+    add(scheduler, [r0, r1])
+    runner = create_runner(scheduler)
+    step(scheduler, runner)
+    assert scheduler.finish_requests(["r1"], FinishReason.ABORT) == ["r1"]
+    assert (r1.status, r1.finish_reason) == (RequestStatus.FINISHED, FinishReason.ABORT)
+    assert list(scheduler.waiting) == [] and "r1" not in scheduler.requests
+    so, _ = step(scheduler, runner)
+    assert so.finished_req_ids == ["r1"]
+    assert so.num_scheduled_tokens == {"r0": 1}
+
+
+def test_abort_of_a_running_request_frees_its_blocks():
+    scheduler = create_scheduler(num_blocks=8, block_size=4)
+    r0, r1 = create_requests(2, [9, 4])
+    add(scheduler, [r0, r1])
+    runner = create_runner(scheduler)
+    step(scheduler, runner)
+    assert scheduler.finish_requests(["r0"], FinishReason.ABORT) == ["r0"]
+    assert scheduler.running == [r1]
+    assert scheduler.kv_cache_manager.num_free_blocks == 8 - 1
+    so, _ = step(scheduler, runner)
+    assert so.finished_req_ids == ["r0"]
+    assert so.num_scheduled_tokens == {"r1": 1}
+
+
+def test_abort_of_a_preempted_request_removes_it_from_waiting():
+    scheduler, runner, (_, _, r2) = _full_cache_scheduler()
+    step(scheduler, runner)
+    assert r2.status == RequestStatus.PREEMPTED
+    assert scheduler.finish_requests(["r2"], FinishReason.ABORT) == ["r2"]
+    assert r2.finish_reason == FinishReason.ABORT
+    assert list(scheduler.waiting) == []
+    so, _ = step(scheduler, runner)
+    assert so.finished_req_ids == ["r2"]
+    run_to_completion(scheduler, runner)
+
+
+def test_abort_of_an_unknown_request_is_ignored():
+    scheduler = create_scheduler()
+    add(scheduler, create_requests(1))
+    assert scheduler.finish_requests(["nope"], FinishReason.ABORT) == []
+    assert list(scheduler.requests) == ["r0"]
+    assert scheduler.schedule().finished_req_ids == []
+
+
+def test_abort_between_schedule_and_update_drops_the_sampled_token():
+    scheduler = create_scheduler()
+    r0, r1 = create_requests(2, 4)
+    add(scheduler, [r0, r1])
+    runner = create_runner(scheduler)
+    so = scheduler.schedule()
+    runner_output = runner.execute_model(so)
+    scheduler.finish_requests(["r0"], FinishReason.ABORT)
+    outputs = scheduler.update_from_output(so, runner_output)
+    assert [o.request_id for o in outputs] == ["r1"]
+    assert r0.output_token_ids == []
+    scheduler.finish_requests(["r1"], FinishReason.ABORT)
+    assert_everything_free(scheduler)
+    assert scheduler.schedule().finished_req_ids == ["r0", "r1"]
+
+
+def test_abort_of_every_request_leaves_every_block_free():
+    scheduler, runner, _ = _full_cache_scheduler()
+    step(scheduler, runner)  # r0, r1 running; r2 preempted and waiting
+    add(scheduler, create_requests(1, 3, id_prefix="new"))
+    aborted = scheduler.finish_requests(["r2", "r0", "new0", "r1"], FinishReason.ABORT)
+    assert aborted == ["r2", "r0", "new0", "r1"]
+    assert_everything_free(scheduler)
+
+
+# -- a long randomized run ----------------------------------------------------------------
+
+# Both caches hold 96 slots of 4 tokens, enough for any one request at max_model_len (as the
+# executor guarantees) but far from all of them: preemption is routine.
+RANDOM_CONFIGS = {
+    "roomy_budget": {"max_num_seqs": 6, "max_num_batched_tokens": 32, "max_model_len": 96,
+                     "num_blocks": 24, "block_size": 4},
+    "tight_budget": {"max_num_seqs": 8, "max_num_batched_tokens": 6, "max_model_len": 96,
+                     "num_blocks": 24, "block_size": 4},
+}
+
+
+@dataclass
+class Trace:
+    config: dict[str, int]
+    scheduler: Scheduler
+    requests: list[Request]
+    steps: list[SchedulerOutput] = field(default_factory=list)
+    running_after_schedule: list[list[str]] = field(default_factory=list)
+    held_blocks: list[list[int]] = field(default_factory=list)  # every request's, per step
+    free_blocks: list[int] = field(default_factory=list)
+    streamed: dict[str, list[int]] = field(default_factory=dict)
+    finish_reasons: dict[str, FinishReason | None] = field(default_factory=dict)
+    flush: SchedulerOutput | None = None  # one more schedule() after the last request
+
+
+def random_run(config: dict[str, int], seed: int, num_requests: int = 50) -> Trace:
+    """Random prompt lengths, max_tokens and arrivals (0-2 new requests a step)."""
+    rng = random.Random(seed)
+    lens = [rng.randint(1, 60) for _ in range(num_requests)]
+    maxes = [rng.randint(1, min(36, config["max_model_len"] - n)) for n in lens]
+    scheduler = create_scheduler(**config)
+    trace = Trace(config, scheduler, create_requests(num_requests, lens, max_tokens=maxes))
+    pending = list(trace.requests)
+    runner = create_runner(scheduler)
+    kv = scheduler.kv_cache_manager
+    while pending or scheduler.has_unfinished_requests():
+        assert len(trace.steps) < 5000, "no progress"
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            if pending:
+                scheduler.add_request(pending.pop(0))
+        so = scheduler.schedule()
+        trace.steps.append(so)
+        trace.running_after_schedule.append([r.request_id for r in scheduler.running])
+        trace.held_blocks.append([b for blocks in kv.req_to_blocks.values() for b in blocks])
+        trace.free_blocks.append(kv.num_free_blocks)
+        for out in scheduler.update_from_output(so, runner.execute_model(so)):
+            trace.streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+            trace.finish_reasons[out.request_id] = out.finish_reason
+    trace.flush = scheduler.schedule()
+    return trace
+
+
+@pytest.fixture(scope="module", params=[(name, seed) for name in RANDOM_CONFIGS
+                                        for seed in (0, 1)],
+                ids=lambda p: f"{p[0]}-seed{p[1]}")
+def trace(request: pytest.FixtureRequest) -> Trace:
+    name, seed = request.param
+    return random_run(RANDOM_CONFIGS[name], seed)
+
+
+def test_random_run_preempts_and_chunks_so_the_checks_below_mean_something(trace):
+    assert trace.scheduler.num_preemptions >= 5
+    budget = trace.config["max_num_batched_tokens"]
+    assert sum(so.total_num_scheduled_tokens == budget for so in trace.steps) >= 10
+    assert any(so.scheduled_new_reqs and so.scheduled_cached_reqs for so in trace.steps)
+    assert any(so.preempted_req_ids for so in trace.steps)
+
+
+def test_token_budget_holds_every_step_under_random_load(trace):
+    for so in trace.steps:
+        assert so.total_num_scheduled_tokens <= trace.config["max_num_batched_tokens"]
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        assert all(n >= 1 for n in so.num_scheduled_tokens.values())
+
+
+def test_max_num_seqs_holds_every_step_under_random_load(trace):
+    for so, running in zip(trace.steps, trace.running_after_schedule, strict=True):
+        assert len(running) <= trace.config["max_num_seqs"]
+        assert len(so.num_scheduled_tokens) <= trace.config["max_num_seqs"]
+
+
+def test_every_running_request_is_scheduled_every_step_under_random_load(trace):
+    # Running requests are served before any admission and only the newest can be
+    # mid-prompt, so nothing running ever goes a step without tokens, even when the
+    # budget is smaller than max_num_seqs.
+    for so, running in zip(trace.steps, trace.running_after_schedule, strict=True):
+        assert sorted(running) == sorted(so.num_scheduled_tokens)
+
+
+def test_blocks_are_never_shared_or_lost_under_random_load(trace):
+    total = trace.config["num_blocks"]
+    for held, free in zip(trace.held_blocks, trace.free_blocks, strict=True):
+        assert len(held) == len(set(held))
+        assert len(held) + free == total
+
+
+def test_random_run_streams_exactly_max_tokens_correct_outputs_per_request(trace):
+    for request in trace.requests:
+        expected = expected_outputs(request.prompt_token_ids, request.max_tokens)
+        assert trace.streamed[request.request_id] == expected
+        assert request.output_token_ids == expected
+        assert trace.finish_reasons[request.request_id] == FinishReason.LENGTH
+
+
+def test_random_run_reports_every_request_finished_exactly_once(trace):
+    assert trace.flush is not None and trace.flush.is_empty
+    finished = [rid for so in [*trace.steps, trace.flush] for rid in so.finished_req_ids]
+    assert sorted(finished) == sorted(r.request_id for r in trace.requests)
+
+
+def test_random_run_leaves_every_block_free_and_no_request_behind(trace):
+    assert_everything_free(trace.scheduler)
+
+
+# -- the pure-Python promise -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", ["block_pool", "kv_cache_manager", "request", "scheduler"])
+def test_scheduler_and_block_manager_modules_do_not_import_torch(module):
+    source = Path(__file__).resolve().parents[1] / "enginecore" / f"{module}.py"
+    imported = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert not imported & {"torch", "executor", "kernels", "triton"}
