@@ -4,6 +4,7 @@ directly; `EngineCoreProc` (the process wrapper) adds the I/O threads."""
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.request import Request
@@ -17,7 +18,7 @@ from protocol.messages import (
     EngineInfo,
     FinishReason,
 )
-from protocol.stats import EngineStats, StepTimings
+from protocol.stats import STEP_WINDOW, EngineStats, StepTimings
 
 
 class EngineCore:
@@ -36,7 +37,8 @@ class EngineCore:
             max_num_batched_tokens=self.executor.max_num_batched_tokens,
             device=str(self.executor.device), dtype=str(model_config.dtype).removeprefix("torch."))
         self._rejected: list[EngineCoreOutput] = []  # bad requests, reported next step
-        self.last_step = StepTimings()
+        self.recent_steps: deque[StepTimings] = deque(maxlen=STEP_WINDOW)
+        self.num_steps = 0
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; one the engine cannot serve finishes with FinishReason.ERROR
@@ -66,10 +68,11 @@ class EngineCore:
             t2 = time.perf_counter()
             outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
             t3 = time.perf_counter()
-            self.last_step = StepTimings(
+            self.recent_steps.append(StepTimings(
                 schedule_s=t1 - t0, prepare_inputs_s=runner_output.prepare_inputs_s,
                 forward_s=runner_output.forward_s, sample_s=runner_output.sample_s,
-                update_s=t3 - t2)
+                update_s=t3 - t2))
+            self.num_steps += 1
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
 
     def get_stats(self) -> EngineStats:
@@ -79,7 +82,8 @@ class EngineCore:
             num_waiting_reqs=self.scheduler.num_waiting,
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
             kv_cache_usage=kv.usage(), prefix_cache_queries=0, prefix_cache_hits=0,
-            num_preemptions=self.scheduler.num_preemptions, last_step=self.last_step)
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
+            step_timings=mean_timings(self.recent_steps))
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -103,3 +107,9 @@ class EngineCore:
             return (f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds "
                     f"max_model_len ({self.info.max_model_len})")
         return None
+
+
+def mean_timings(steps: deque[StepTimings]) -> StepTimings:
+    n = max(len(steps), 1)
+    return StepTimings(*(sum(getattr(s, f) for s in steps) / n
+                         for f in StepTimings.__struct_fields__))

@@ -34,7 +34,7 @@ class KVCacheManager:
     def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """Blocks the request must add to hold `num_new_tokens` more computed tokens."""
         held = len(self.req_to_blocks.get(request.request_id, ()))
-        total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        total = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
         return max(0, total - held)
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
@@ -44,6 +44,8 @@ class KVCacheManager:
         when there are not enough free blocks.
         """
         needed = self.num_blocks_needed(request, num_new_tokens)
+        if needed == 0:  # the common decode step: room left in the last block
+            return []
         if needed > self.block_pool.num_free_blocks:
             return None
         new_blocks = self.block_pool.get_new_blocks(needed)

@@ -184,16 +184,17 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         """vLLM's stop rules; EOS and stop tokens count only from min_tokens on."""
         params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last == request.eos_token_id:
+        outputs = request.output_token_ids
+        last = outputs[-1]
+        if len(outputs) >= params.min_tokens:
+            if last == request.eos_token_id and not params.ignore_eos:
                 request.finish(FinishReason.STOP)
                 return True
             if last in request.stop_token_ids:
                 request.finish(FinishReason.STOP, stop_reason=last)
                 return True
-        if (request.num_output_tokens >= request.max_tokens
-                or request.num_tokens >= self.config.max_model_len):
+        if (len(outputs) >= request.max_tokens
+                or len(request.all_token_ids) >= self.config.max_model_len):
             request.finish(FinishReason.LENGTH)
             return True
         return False

@@ -2,6 +2,8 @@
 output processing. Text lives here; token ids, KV blocks and tensors live in the
 engine core."""
 
+from frontend.async_llm import AsyncLLM
+from frontend.core_client import EngineDeadError
 from frontend.llm import LLM
 from frontend.outputs import CompletionOutput, RequestOutput
 from protocol.engine_args import EngineArgs
@@ -9,8 +11,10 @@ from protocol.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "CompletionOutput",
     "EngineArgs",
+    "EngineDeadError",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from frontend.log import configure_logging
+from enginecore.log import configure_logging
 from protocol.engine_args import EngineArgs
 
 
@@ -96,10 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_make_model(sub)
+    sub.add_parser("engine-core", add_help=False,
+                   help="run a standalone engine core (see `pagellm engine-core --help`)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["engine-core"]:
+        from enginecore.__main__ import main as engine_core_main
+
+        return engine_core_main(argv[1:], prog="pagellm engine-core")
     configure_logging()
     ns = build_parser().parse_args(argv)
     try:

@@ -1,7 +1,9 @@
 """The engine-core clients: one interface, whatever side of a socket the core is on.
 
-`InprocClient` runs the `EngineCore` in this process (tests, debugging); each
-`get_output()` is one engine step.
+- `InprocClient` runs the `EngineCore` in this process (tests, debugging): each
+  `get_output()` is one engine step.
+- `SyncMPClient` / `AsyncMPClient` (frontend/mp_client.py) talk to an engine core in
+  another process over ZeroMQ.
 """
 
 from __future__ import annotations
@@ -13,8 +15,14 @@ from protocol.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from protocol.stats import EngineStats
 
 
+class EngineDeadError(RuntimeError):
+    """The engine core stopped; the message names why. Every pending and later call
+    on its client raises this."""
+
+
 class EngineCoreClient(ABC):
     info: EngineInfo
+    dead_error: str | None = None
 
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
@@ -23,17 +31,19 @@ class EngineCoreClient(ABC):
     def abort_requests(self, request_ids: list[str]) -> None: ...
 
     @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class SyncEngineCoreClient(EngineCoreClient):
+    @abstractmethod
     def get_output(self) -> EngineCoreOutputs:
-        """The next batch of outputs (blocks until the engine has produced one)."""
+        """The next outputs for this client (blocks until there are some)."""
 
     @abstractmethod
     def get_stats(self) -> EngineStats: ...
 
-    @abstractmethod
-    def shutdown(self) -> None: ...
 
-
-class InprocClient(EngineCoreClient):
+class InprocClient(SyncEngineCoreClient):
     def __init__(self, args: EngineArgs) -> None:
         from enginecore.core import EngineCore
 

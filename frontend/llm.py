@@ -7,10 +7,12 @@ import inspect
 import itertools
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from frontend.core_client import EngineCoreClient, InprocClient
-from frontend.log import configure_logging
+from enginecore.log import configure_logging
+from frontend.core_client import InprocClient, SyncEngineCoreClient
+from frontend.mp_client import CurveClientKeys, SyncMPClient
 from frontend.output_processor import OutputProcessor
 from frontend.outputs import RequestOutput
 from frontend.processor import Processor, PromptType
@@ -23,6 +25,10 @@ from protocol.stats import EngineStats
 ChatMessages = list[dict[str, Any]]
 
 
+# Options that shape the frontend itself, so they still apply when attaching.
+FRONTEND_OPTIONS = ("tokenizer", "skip_tokenizer_init")
+
+
 def resolve_model(args: EngineArgs) -> EngineArgs:
     """'demo' names the built-in random-weight model, built once into a cache dir."""
     if args.model != "demo":
@@ -32,20 +38,56 @@ def resolve_model(args: EngineArgs) -> EngineArgs:
     return args.replace(model=str(demo_model_dir()))
 
 
+def frontend_args(model: str, engine_kwargs: dict[str, Any], engine_address: str | None
+                  ) -> tuple[EngineArgs, Any]:
+    """Engine args (model resolved) and the tokenizer (None with skip_tokenizer_init).
+    Engine options given with `engine_address` are an error: that engine is already
+    configured, and silently ignoring them would mislead."""
+    configure_logging()
+    args = resolve_model(EngineArgs.from_kwargs(model=model, **engine_kwargs))
+    if engine_address is not None:
+        ignored = sorted(set(engine_kwargs) - set(FRONTEND_OPTIONS))
+        if ignored:
+            raise ValueError(f"engine option(s) {', '.join(ignored)} have no effect on the "
+                             f"engine core at {engine_address}: set them where it starts")
+    tokenizer = (None if args.skip_tokenizer_init
+                 else load_tokenizer(args.tokenizer or args.model))
+    return args, tokenizer
+
+
+def curve_keys(secret_key: str | None, server_public_key: str | None
+               ) -> CurveClientKeys | None:
+    if (secret_key is None) != (server_public_key is None):
+        raise ValueError("curve_secret_key and curve_server_public_key go together")
+    if secret_key is None or server_public_key is None:
+        return None
+    return CurveClientKeys(Path(secret_key), Path(server_public_key))
+
+
 class LLM:
     """Generate completions for batches of prompts.
 
-    Every keyword argument is an `EngineArgs` field (`max_model_len`, `dtype`, ...);
-    unknown ones raise TypeError naming them.
+    Keyword arguments are `EngineArgs` fields (`max_model_len`, `dtype`, ...); unknown
+    ones raise TypeError naming them. The engine core runs in a child process
+    (`multiprocess=False` keeps it in this one, for debugging), or, with
+    `engine_address`, is one already running elsewhere (CURVE key files if it requires
+    them); the model directory then only provides the tokenizer.
     """
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
-        configure_logging()
-        args = resolve_model(EngineArgs.from_kwargs(model=model, **kwargs))
+    def __init__(self, model: str, *, engine_address: str | None = None,
+                 multiprocess: bool = True, curve_secret_key: str | None = None,
+                 curve_server_public_key: str | None = None, **kwargs: Any) -> None:
+        self.engine_core: SyncEngineCoreClient | None = None
+        args, self.tokenizer = frontend_args(model, kwargs, engine_address)
         self.engine_args = args
-        self.tokenizer = (None if args.skip_tokenizer_init
-                          else load_tokenizer(args.tokenizer or args.model))
-        self.engine_core: EngineCoreClient = InprocClient(args)
+        if engine_address is not None:
+            self.engine_core = SyncMPClient(None, engine_address,
+                                            curve_keys(curve_secret_key,
+                                                       curve_server_public_key))
+        elif multiprocess:
+            self.engine_core = SyncMPClient(args)
+        else:
+            self.engine_core = InprocClient(args)
         self.info = self.engine_core.info
         self.processor = Processor(self.tokenizer, self.info,
                                    generation_eos_token_ids(args.model))
@@ -62,8 +104,7 @@ class LLM:
         prompts: a string, {"prompt_token_ids": [...]}, or a list of those.
         sampling_params: one for all prompts or a list with one per prompt.
         """
-        if self.engine_core is None:
-            raise RuntimeError("this LLM has been shut down")
+        engine_core = self._client()
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -82,7 +123,7 @@ class LLM:
                                                           strict=True)]
         for request, prompt_text in requests:
             self.output_processor.add_request(request, prompt_text)
-            self.engine_core.add_request(request)
+            engine_core.add_request(request)
         return self._run([r.request_id for r, _ in requests], use_tqdm)
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
@@ -108,15 +149,18 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_stats(self) -> EngineStats:
-        return self.engine_core.get_stats()
+        return self._client().get_stats()
 
     # -- lifecycle -----------------------------------------------------------------
 
     def shutdown(self) -> None:
         engine_core = getattr(self, "engine_core", None)
         if engine_core is not None:
+            self.engine_core = None
             engine_core.shutdown()
-            self.engine_core = None  # type: ignore[assignment]
+
+    def __del__(self) -> None:
+        self.shutdown()
 
     def __enter__(self) -> LLM:
         return self
@@ -135,17 +179,23 @@ class LLM:
         params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
         return self.processor.process_inputs(str(next(self._request_counter)), prompt, params)
 
+    def _client(self) -> SyncEngineCoreClient:
+        if self.engine_core is None:
+            raise RuntimeError("this LLM has been shut down")
+        return self.engine_core
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine_core = self._client()
         results: dict[str, RequestOutput] = {}
         bar = _progress_bar(len(request_ids)) if use_tqdm else None
         start, num_output_tokens = time.perf_counter(), 0
         try:
             while self.output_processor.has_unfinished_requests():
-                outputs = self.engine_core.get_output().outputs
+                outputs = engine_core.get_output().outputs
                 num_output_tokens += sum(len(o.new_token_ids) for o in outputs)
                 processed = self.output_processor.process_outputs(outputs)
                 if processed.reqs_to_abort:
-                    self.engine_core.abort_requests(processed.reqs_to_abort)
+                    engine_core.abort_requests(processed.reqs_to_abort)
                 if processed.errors:
                     request_id, error = next(iter(processed.errors.items()))
                     raise ValueError(f"request {request_id} failed in the engine: {error}")
@@ -159,8 +209,9 @@ class LLM:
             if bar is not None:
                 bar.close()
             unfinished = self.output_processor.abort_requests(request_ids)
-            if unfinished:  # interrupted or failed: leave no request behind in the engine
-                self.engine_core.abort_requests(unfinished)
+            if unfinished and engine_core.dead_error is None:
+                # Interrupted or failed: leave no request behind in the engine.
+                engine_core.abort_requests(unfinished)
         return [results[r] for r in request_ids]
 
 

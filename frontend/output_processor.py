@@ -7,6 +7,7 @@ shapes the output as CUMULATIVE, DELTA or FINAL_ONLY.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,9 +24,16 @@ class ProcessedOutputs:
     errors: dict[str, str] = field(default_factory=dict)  # request_id -> engine's message
 
 
+# AsyncLLM streams each request through its own queue: outputs, or the exception that
+# ends the stream.
+OutputQueue = asyncio.Queue[RequestOutput | BaseException]
+
+
 class RequestState:
-    def __init__(self, request: EngineCoreRequest, prompt: str | None, tokenizer: Any) -> None:
+    def __init__(self, request: EngineCoreRequest, prompt: str | None, tokenizer: Any,
+                 queue: OutputQueue | None = None) -> None:
         params = request.sampling_params
+        self.queue = queue
         self.request_id = request.request_id
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
@@ -104,14 +112,30 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
 
-    def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
+    def add_request(self, request: EngineCoreRequest, prompt: str | None,
+                    queue: OutputQueue | None = None) -> None:
+        """Track a request; with a queue its outputs go there instead of into the
+        `ProcessedOutputs` that `process_outputs` returns."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = RequestState(request, prompt, self.tokenizer)
+        self.requests[request.request_id] = RequestState(request, prompt, self.tokenizer,
+                                                         queue)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forget requests; returns those that were still unfinished here."""
-        return [r for r in request_ids if self.requests.pop(r, None) is not None]
+        """Forget requests; returns those that were still unfinished here. A queued
+        stream ends with a final output whose finish_reason is "abort"."""
+        aborted = []
+        for request_id in request_ids:
+            state = self.requests.pop(request_id, None)
+            if state is None:
+                continue
+            aborted.append(request_id)
+            if state.queue is not None:
+                state.finish_reason = FinishReason.ABORT
+                final = state.make_output()
+                if final is not None:
+                    state.queue.put_nowait(final)
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -123,14 +147,28 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted here while the engine was still stepping it
             if output.finish_reason == FinishReason.ERROR:
-                processed.errors[output.request_id] = output.error or "engine error"
+                error = output.error or "engine error"
+                if state.queue is not None:
+                    state.queue.put_nowait(ValueError(f"request {output.request_id} failed "
+                                                      f"in the engine: {error}"))
+                processed.errors[output.request_id] = error
                 del self.requests[output.request_id]
                 continue
             if state.update(output):
                 processed.reqs_to_abort.append(output.request_id)
             request_output = state.make_output()
             if request_output is not None:
-                processed.request_outputs.append(request_output)
+                if state.queue is not None:
+                    state.queue.put_nowait(request_output)
+                else:
+                    processed.request_outputs.append(request_output)
             if state.finish_reason is not None:
                 del self.requests[output.request_id]
         return processed
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every queued stream with `error` (the engine died) and forget them all."""
+        for state in self.requests.values():
+            if state.queue is not None:
+                state.queue.put_nowait(error)
+        self.requests.clear()

@@ -131,6 +131,21 @@ class EngineArgs:
                                help=f"{help_text} (default: {f.default})")
         return parser
 
+    def to_cli_args(self) -> list[str]:
+        """The flags that rebuild these args (non-defaults only): how a frontend starts
+        its engine-core process."""
+        argv = ["--model", self.model]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "model" or value == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            else:
+                argv += [flag, str(value)]
+        return argv
+
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
         values = vars(namespace)

@@ -9,6 +9,7 @@ with a default so that `omit_defaults` keeps messages short.
 from __future__ import annotations
 
 import enum
+import struct
 
 import msgspec
 
@@ -52,11 +53,50 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
+class UtilityMethod(enum.IntEnum):
+    """The fixed allow-list of calls a client may make into the engine core."""
+
+    GET_STATS = 0  # -> EngineStats
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, gc=False):
+    call_id: int
+    method: UtilityMethod
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The answer to one UtilityRequest: msgpack bytes of the method's result type
+    (see `protocol.utility.RESULT_TYPES`), or a failure message."""
+
+    call_id: int
+    result: bytes | None = None
+    failure: str | None = None
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """All outputs of one engine step (possibly empty)."""
+    """All outputs of one engine step for one client (possibly empty: a heartbeat).
+
+    `timestamp` is the engine's time.monotonic() when the step ended (system-wide on
+    Linux, so a frontend on the same host can measure its lag). `engine_dead` is the
+    engine's last message: why it stopped.
+    """
 
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    engine_dead: str | None = None
+
+
+class RequestType(bytes, enum.Enum):
+    """The first frame of every message a client sends on the engine's input socket."""
+
+    ADD = b"\x00"  # payload: EngineCoreRequest
+    ABORT = b"\x01"  # payload: list[str] of request ids
+    UTILITY = b"\x02"  # payload: UtilityRequest
+
+
+# The second frame of every input message: the sender's client index (from READY).
+CLIENT_INDEX = struct.Struct("<I")
 
 
 class EngineInfo(msgspec.Struct, array_like=True, gc=False):
@@ -70,3 +110,37 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):
     max_num_batched_tokens: int
     device: str
     dtype: str
+
+
+class HandshakeKind(enum.IntEnum):
+    HELLO = 0  # attach: the engine answers READY
+    BYE = 1  # leave: the engine aborts the client's unfinished requests
+
+
+class HandshakeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A client's message on the engine's handshake socket."""
+
+    kind: HandshakeKind
+    protocol_version: int
+    client_index: int | None = None  # for BYE: the index the engine gave in READY
+
+
+class HandshakeReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """READY: what the client needs to talk to the engine; or an error."""
+
+    info: EngineInfo | None = None
+    client_index: int | None = None
+    input_endpoint: str = ""  # PUSH requests here
+    output_endpoint: str = ""  # PULL this client's outputs here
+    error: str | None = None
+
+
+class StartupFailure(msgspec.Struct, array_like=True, gc=False):
+    """Written by a locally launched engine core on its status pipe when it cannot
+    start, so the frontend can name the cause."""
+
+    message: str
+    error_type: str = "RuntimeError"  # the exception's class name, e.g. "ValueError"
+
+
+PROTOCOL_VERSION = 1

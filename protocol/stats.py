@@ -17,6 +17,9 @@ class StepTimings(msgspec.Struct, array_like=True, gc=False):
 
 
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
+    """A snapshot of the engine core. `step_timings` is the mean over the last
+    `STEP_WINDOW` steps (output encoding: over the last messages sent)."""
+
     num_running_reqs: int
     num_waiting_reqs: int
     num_free_blocks: int
@@ -25,4 +28,8 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     prefix_cache_queries: int  # tokens looked up in the prefix cache, cumulative
     prefix_cache_hits: int  # tokens found there, cumulative
     num_preemptions: int  # cumulative
-    last_step: StepTimings
+    num_steps: int  # cumulative
+    step_timings: StepTimings
+
+
+STEP_WINDOW = 64

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
@@ -94,15 +95,30 @@ def assert_no_leaks(llm: Any) -> None:
     assert stats.num_free_blocks == stats.num_total_blocks, stats
 
 
+@pytest.fixture(autouse=True)
+def no_leftover_processes() -> Iterator[None]:
+    """No test leaves a process behind (engine cores above all)."""
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    _, alive = psutil.wait_procs([p for p in me.children(recursive=True)
+                                  if p.pid not in before], timeout=15)
+    for p in alive:
+        p.kill()
+    assert not alive, f"processes left behind: {[(p.pid, p.cmdline()[:4]) for p in alive]}"
+
+
 @pytest.fixture
 def make_llm() -> Iterator[Callable[..., Any]]:
-    """Create LLMs; on teardown assert that none leaked a block, then shut them down."""
+    """Create LLMs (in-process engine core unless multiprocess=True is passed); on
+    teardown assert that none leaked a block, then shut them down."""
     from frontend import LLM
 
     created: list[Any] = []
 
     def factory(model: str | Path, **kwargs: Any) -> Any:
         kwargs.setdefault("kv_cache_memory_bytes", 8 * 2**20)
+        kwargs.setdefault("multiprocess", False)
         llm = LLM(str(model), **kwargs)
         created.append(llm)
         return llm

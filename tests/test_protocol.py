@@ -98,7 +98,8 @@ MESSAGES = [
     SchedulerOutput([NewRequestData("r1", [1, 2], [3], PARAMS, 0, [4, 5], 0)],
                     [CachedRequestData("r2", [6], 17)], {"r1": 3, "r2": 1}, 4, ["r0"], ["r9"]),
     ModelRunnerOutput(["r1", "r2"], [[5], []], 0.1, 0.2, 0.3),
-    EngineStats(1, 2, 3, 4, 0.25, 10, 5, 1, StepTimings(1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3)),
+    EngineStats(1, 2, 3, 4, 0.25, 10, 5, 1, 7,
+                StepTimings(1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3)),
     EngineInfo("m", 2048, 1024, 16, 100, 2048, "cpu", "float32"),
 ]
 

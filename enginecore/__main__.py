@@ -1,0 +1,72 @@
+"""`python -m enginecore --model DIR [engine flags] --address tcp://HOST:PORT`
+
+A standalone engine core for supervisors (systemd, Kubernetes, an RL trainer): it
+binds one address, frontends attach there (`LLM(..., engine_address=ADDR)`), and it
+runs until SIGTERM. Frontends that start their own engine core run this same module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from enginecore.log import configure_logging
+from protocol.engine_args import EngineArgs
+from protocol.messages import StartupFailure
+
+logger = logging.getLogger("pagellm")
+
+
+def build_parser(prog: str = "python -m enginecore") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    EngineArgs.add_cli_args(parser)
+    net = parser.add_argument_group("serving")
+    net.add_argument("--address", required=True,
+                     help="where frontends attach: tcp://HOST:PORT or ipc://PATH")
+    net.add_argument("--curve-secret-key", type=Path, default=None,
+                     help="this engine's CURVE key pair (a zmq.auth '.key_secret' file); "
+                          "required to bind a non-loopback TCP address")
+    net.add_argument("--curve-authorized-keys", type=Path, default=None,
+                     help="directory of the public keys of frontends allowed to attach")
+    # Used by a frontend that launches its own engine core.
+    net.add_argument("--status-fd", type=int, default=None, help=argparse.SUPPRESS)
+    net.add_argument("--lifeline-fd", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m enginecore") -> int:
+    parser = build_parser(prog)
+    ns = parser.parse_args(argv)
+    if (ns.curve_secret_key is None) != (ns.curve_authorized_keys is None):
+        parser.error("--curve-secret-key and --curve-authorized-keys go together")
+    configure_logging()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+    try:
+        from enginecore.proc import EngineCoreProc
+        from enginecore.transport import CurveServerKeys
+
+        curve = (CurveServerKeys(ns.curve_secret_key, ns.curve_authorized_keys)
+                 if ns.curve_secret_key is not None else None)
+        proc = EngineCoreProc(EngineArgs.from_cli_args(ns), ns.address, curve, ns.lifeline_fd)
+    except Exception as e:
+        logger.error("engine core failed to start: %s: %s\n%s", type(e).__name__, e,
+                     traceback.format_exc())
+        if ns.status_fd is not None:
+            import msgspec
+
+            os.write(ns.status_fd, msgspec.msgpack.encode(StartupFailure(str(e),
+                                                                         type(e).__name__)))
+        return 1
+    return proc.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The engine core's side of ZeroMQ: where sockets bind, and CURVE authentication.
+
+Binding anything a network peer can reach requires CURVE: a TCP address other than
+loopback is refused unless the engine has a secret key and a directory of authorized
+client public keys (as written by `zmq.auth.create_certificates`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+
+logger = logging.getLogger("pagellm")
+
+
+@dataclass(frozen=True)
+class CurveServerKeys:
+    secret_key_file: Path  # this engine's key pair (zmq.auth "*.key_secret" file)
+    authorized_keys_dir: Path  # public keys of the frontends allowed in
+
+    def load(self) -> tuple[bytes, bytes]:
+        import zmq.auth
+
+        if not self.secret_key_file.is_file():
+            raise FileNotFoundError(f"CURVE secret key file not found: {self.secret_key_file}")
+        if not self.authorized_keys_dir.is_dir():
+            raise FileNotFoundError(
+                f"CURVE authorized keys directory not found: {self.authorized_keys_dir}")
+        public, secret = zmq.auth.load_certificate(self.secret_key_file)
+        if secret is None:
+            raise ValueError(f"{self.secret_key_file} holds no secret key (use the "
+                             "'.key_secret' file written by zmq.auth.create_certificates)")
+        return public, secret
+
+
+def tcp_host(address: str) -> str | None:
+    """'tcp://10.0.0.5:5555' -> '10.0.0.5'; None for other transports."""
+    if not address.startswith("tcp://"):
+        return None
+    host = urlsplit(address).hostname
+    if host is None:
+        raise ValueError(f"not a tcp://HOST:PORT address: {address!r}")
+    return host
+
+
+def is_loopback(address: str) -> bool:
+    """ipc:// and inproc:// stay on this machine; tcp:// only on a loopback host."""
+    if address.startswith(("ipc://", "inproc://")):
+        return True
+    host = tcp_host(address)
+    if host is None:
+        raise ValueError(f"unsupported address {address!r} (use tcp://HOST:PORT or ipc://PATH)")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name or wildcard ("*"): reachable from the network
+
+
+def data_endpoint(address: str, suffix: str) -> str:
+    """Where a data socket binds beside the handshake address: a sibling ipc path, or
+    a free port on the same TCP interface."""
+    if address.startswith("ipc://"):
+        return f"{address}.{suffix}"
+    return f"tcp://{tcp_host(address)}:*"
+
+
+class SocketFactory:
+    """Makes the engine's sockets, all of them CURVE servers when keys are given."""
+
+    def __init__(self, address: str, curve: CurveServerKeys | None) -> None:
+        if curve is None and not is_loopback(address):
+            raise ValueError(
+                f"refusing to bind {address} without authentication: a non-loopback TCP "
+                "address needs ZeroMQ CURVE keys (--curve-secret-key and "
+                "--curve-authorized-keys; see docs/ARCHITECTURE.md)")
+        self.address = address
+        self.context = zmq.Context()
+        self._auth: Any = None
+        self._keys: tuple[bytes, bytes] | None = None
+        if curve is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._keys = curve.load()
+            self._auth = ThreadAuthenticator(self.context, log=logger)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=str(curve.authorized_keys_dir))
+
+    def bind(self, kind: int, endpoint: str) -> tuple[zmq.Socket, str]:
+        """A bound socket and the endpoint it actually bound (ports resolved)."""
+        sock = self.context.socket(kind)
+        if self._keys is not None:
+            sock.curve_publickey, sock.curve_secretkey = self._keys
+            sock.curve_server = True
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow peer: queue
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.bind(endpoint)
+        return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+        self.context.destroy(linger=0)

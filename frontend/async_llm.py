@@ -1,0 +1,140 @@
+"""`AsyncLLM`: the engine for asyncio services (and the OpenAI server).
+
+    async for out in engine.generate(prompt, SamplingParams(...), request_id):
+        ...
+
+One output-handler task per event loop reads the engine core's outputs (zmq's asyncio
+support: no polling), detokenizes them, and puts each request's `RequestOutput`s on
+that request's queue; `generate` is an async generator over its queue. Leaving the
+loop early or cancelling the consuming task aborts the request in the engine core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from frontend.core_client import EngineDeadError
+from frontend.llm import curve_keys, frontend_args
+from frontend.mp_client import AsyncMPClient
+from frontend.output_processor import OutputProcessor, OutputQueue
+from frontend.outputs import RequestOutput
+from frontend.processor import Processor, PromptType
+from frontend.tokenizer import generation_eos_token_ids
+from protocol.sampling_params import SamplingParams
+from protocol.stats import EngineStats
+
+logger = logging.getLogger("pagellm")
+
+
+class AsyncLLM:
+    """Takes the same engine arguments as `LLM` (and `engine_address` / CURVE keys to
+    attach to a running engine core)."""
+
+    def __init__(self, model: str, *, engine_address: str | None = None,
+                 curve_secret_key: str | None = None,
+                 curve_server_public_key: str | None = None, **kwargs: Any) -> None:
+        self.engine_core: AsyncMPClient | None = None
+        args, self.tokenizer = frontend_args(model, kwargs, engine_address)
+        self.engine_args = args
+        if engine_address is None:
+            self.engine_core = AsyncMPClient(args)
+        else:
+            self.engine_core = AsyncMPClient(None, engine_address,
+                                             curve_keys(curve_secret_key,
+                                                        curve_server_public_key))
+        self.info = self.engine_core.info
+        self.processor = Processor(self.tokenizer, self.info,
+                                   generation_eos_token_ids(args.model))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._output_handler: asyncio.Task[None] | None = None
+        # How long after the engine produced them outputs are processed here (mean of
+        # recent batches; engine and frontend share time.monotonic() on one host).
+        self.output_lag_s = 0.0
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
+                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the request's outputs as `sampling_params.output_kind` asks."""
+        engine_core = self._client()
+        engine_core.check_alive()
+        self._ensure_output_handler()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        request, prompt_text = self.processor.process_inputs(
+            request_id, prompt, sampling_params or SamplingParams())
+        queue: OutputQueue = asyncio.Queue()
+        self.output_processor.add_request(request, prompt_text, queue)
+        finished = False
+        try:
+            engine_core.add_request(request)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # cancelled, or the consumer left the loop early
+                self._abort([request_id])
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request: its stream ends without a final output; its blocks are freed."""
+        self._abort([request_id])
+
+    async def get_stats(self) -> EngineStats:
+        self._ensure_output_handler()
+        return await self._client().get_stats_async()
+
+    @property
+    def is_dead(self) -> bool:
+        return self.engine_core is not None and self.engine_core.dead_error is not None
+
+    def shutdown(self) -> None:
+        if self._output_handler is not None:
+            self._output_handler.cancel()
+            self._output_handler = None
+        engine_core, self.engine_core = self.engine_core, None
+        if engine_core is not None:
+            engine_core.shutdown()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.shutdown()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _client(self) -> AsyncMPClient:
+        if self.engine_core is None:
+            raise RuntimeError("this AsyncLLM has been shut down")
+        return self.engine_core
+
+    def _abort(self, request_ids: list[str]) -> None:
+        unfinished = self.output_processor.abort_requests(request_ids)
+        if unfinished and self.engine_core is not None and not self.is_dead:
+            self.engine_core.abort_requests(unfinished)
+
+    def _ensure_output_handler(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._output_handler is None or self._output_handler.get_loop() is not loop:
+            self._output_handler = loop.create_task(self._handle_outputs())
+
+    async def _handle_outputs(self) -> None:
+        engine_core = self._client()
+        try:
+            while True:
+                outputs = await engine_core.get_output_async()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                if processed.reqs_to_abort:  # stop strings: stop the engine at once
+                    engine_core.abort_requests(processed.reqs_to_abort)
+                lag = time.monotonic() - outputs.timestamp
+                self.output_lag_s = 0.9 * self.output_lag_s + 0.1 * lag
+        except EngineDeadError as e:
+            self.output_processor.fail_all(e)
+        except Exception as e:  # a bug here must end the streams, not hang them
+            logger.exception("AsyncLLM output handler failed")
+            self.output_processor.fail_all(e)

@@ -1,0 +1,10 @@
+"""Typed utility calls: each allowed method's result type."""
+
+from __future__ import annotations
+
+from protocol.messages import UtilityMethod
+from protocol.stats import EngineStats
+
+RESULT_TYPES: dict[UtilityMethod, type] = {
+    UtilityMethod.GET_STATS: EngineStats,
+}

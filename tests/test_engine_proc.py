@@ -1,0 +1,411 @@
+"""The engine core in its own process: three clients, streaming, faults, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import psutil
+import pytest
+import zmq
+from conftest import PROMPTS
+
+from frontend import LLM, AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
+from protocol.messages import (
+    CLIENT_INDEX,
+    PROTOCOL_VERSION,
+    EngineCoreRequest,
+    HandshakeKind,
+    HandshakeReply,
+    HandshakeRequest,
+    RequestType,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+KV = 8 * 2**20
+
+
+def wait_until(predicate, timeout=5.0, interval=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def assert_all_free(stats):
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0, stats
+    assert stats.num_free_blocks == stats.num_total_blocks, stats
+
+
+@pytest.fixture(scope="module")
+def async_llm(model_dirs):
+    engine = AsyncLLM(str(model_dirs["llama"]), kv_cache_memory_bytes=KV)
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine, prompt, params, request_id):
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+def test_three_clients_give_transformers_tokens(model_dirs, hf_reference, async_llm):
+    expected = None
+    results = {}
+    for multiprocess in (False, True):
+        with LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=KV,
+                 multiprocess=multiprocess) as llm:
+            outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            results[multiprocess] = [o.outputs[0].token_ids for o in outputs]
+            assert_all_free(llm.get_stats())
+            if expected is None:
+                expected = [hf_reference("llama", llm.tokenizer.encode(p), 24) for p in PROMPTS]
+
+    async def run_async():
+        finals = await asyncio.gather(*[collect(async_llm, p, GREEDY, f"a{i}")
+                                        for i, p in enumerate(PROMPTS)])
+        return [f[-1].outputs[0].token_ids for f in finals]
+
+    results["async"] = asyncio.run(run_async())
+    assert results[False] == expected
+    assert results[True] == expected
+    assert results["async"] == expected
+
+
+def test_delta_stream_concatenates_to_the_final_output(async_llm):
+    base = dict(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True)
+
+    async def run():
+        delta = await collect(async_llm, "stream me",
+                              SamplingParams(**base, output_kind=RequestOutputKind.DELTA), "d")
+        final = await collect(async_llm, "stream me",
+                              SamplingParams(**base, output_kind=RequestOutputKind.FINAL_ONLY),
+                              "f")
+        cumulative = await collect(async_llm, "stream me", SamplingParams(**base), "c")
+        return delta, final, cumulative
+
+    delta, final, cumulative = asyncio.run(run())
+    assert len(final) == 1 and final[0].finished
+    assert len(delta) > 1 and delta[-1].finished and not delta[0].finished
+    tokens = [t for out in delta for t in out.outputs[0].token_ids]
+    assert tokens == final[0].outputs[0].token_ids
+    assert "".join(out.outputs[0].text for out in delta) == final[0].outputs[0].text
+    for earlier, later in itertools.pairwise(cumulative):
+        ids = later.outputs[0].token_ids
+        assert ids[:len(earlier.outputs[0].token_ids)] == earlier.outputs[0].token_ids
+    assert cumulative[-1].outputs[0].token_ids == final[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("how", ["cancel", "break", "abort"])
+def test_leaving_a_stream_frees_its_blocks(async_llm, how):
+    long = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+
+    async def run():
+        seen = []
+
+        async def consume():
+            async for out in async_llm.generate("a long story", long, f"long-{how}"):
+                seen.append(out)
+                if len(seen) == 3:
+                    if how == "break":
+                        break
+                    if how == "abort":
+                        await async_llm.abort(f"long-{how}")
+        task = asyncio.create_task(consume())
+        if how == "cancel":
+            while len(seen) < 3:
+                await asyncio.sleep(0.01)
+            task.cancel()
+        with __import__("contextlib").suppress(asyncio.CancelledError):
+            await task
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            stats = await async_llm.get_stats()
+            if stats.num_running_reqs == 0 and stats.num_free_blocks == stats.num_total_blocks:
+                break
+            await asyncio.sleep(0.02)
+        return seen, stats
+
+    seen, stats = asyncio.run(run())
+    assert_all_free(stats)
+    if how == "abort":  # the stream ends with a final output saying so
+        assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
+    assert len(seen[-1].outputs[0].token_ids) < 1000
+
+
+def test_thousand_concurrent_streams(async_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    prompts = [f"prompt number {i % 10}" for i in range(1000)]
+
+    async def run():
+        finals = await asyncio.gather(*[collect(async_llm, p, params, f"many-{i}")
+                                        for i, p in enumerate(prompts)])
+        return finals, await async_llm.get_stats()
+
+    finals, stats = asyncio.run(run())
+    assert all(f[-1].finished for f in finals)
+    by_prompt: dict[str, list[int]] = {}
+    for prompt, f in zip(prompts, finals, strict=True):
+        assert by_prompt.setdefault(prompt, f[-1].outputs[0].token_ids) == \
+            f[-1].outputs[0].token_ids
+    assert_all_free(stats)
+
+
+def test_duplicate_request_id_is_rejected_while_running(async_llm):
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def run():
+        first = async_llm.generate("x", long, "dup")
+        await first.__anext__()
+        with pytest.raises(ValueError, match="dup"):
+            await async_llm.generate("y", long, "dup").__anext__()
+        await first.aclose()
+
+    asyncio.run(run())
+
+
+def test_stop_string_aborts_the_request_in_the_engine(model_dirs):
+    with LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=KV) as llm:
+        base = llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=60),
+                            use_tqdm=False)[0].outputs[0]
+        stop = base.text[10:13]
+        out = llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=60,
+                                                       stop=[stop]),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.text == base.text[:base.text.find(stop)]
+        assert_all_free(llm.get_stats())  # the abort reached the engine before this call
+
+
+# --- faults ---------------------------------------------------------------------------
+
+
+def test_sigkill_mid_generation_fails_every_caller_within_a_second(model_dirs):
+    engine = AsyncLLM(str(model_dirs["llama"]), kv_cache_memory_bytes=KV)
+    long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+    pid = engine.engine_core.engine_process.pid
+    started = set()
+
+    async def stream(i):
+        async for _ in engine.generate(f"prompt {i}", long, f"k{i}"):
+            started.add(i)
+
+    async def run():
+        tasks = [asyncio.create_task(stream(i)) for i in range(8)]
+        deadline = time.monotonic() + 30
+        while len(started) < 8 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert len(started) == 8
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        elapsed = time.monotonic() - killed
+        with pytest.raises(EngineDeadError, match="SIGKILL"):
+            await collect(engine, "later", GREEDY, "later")
+        with pytest.raises(EngineDeadError):
+            await engine.get_stats()
+        return results, elapsed
+
+    try:
+        results, elapsed = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    assert "SIGKILL" in str(results[0])
+    assert elapsed < 1.0
+
+
+def test_sigkill_fails_a_blocked_llm_generate_within_a_second(model_dirs):
+    llm = LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=KV)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def generate():
+        try:
+            llm.generate(["a", "b"], SamplingParams(max_tokens=1500, ignore_eos=True,
+                                                    temperature=0),
+                         use_tqdm=False)
+        except BaseException as e:
+            errors.append(e)
+        done.set()
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    assert wait_until(lambda: llm.get_stats().num_running_reqs == 2)
+    killed = time.monotonic()
+    os.kill(llm.engine_core.engine_process.pid, signal.SIGKILL)
+    assert done.wait(5)
+    elapsed = time.monotonic() - killed
+    thread.join()
+    llm.shutdown()
+    assert len(errors) == 1 and isinstance(errors[0], EngineDeadError), errors
+    assert elapsed < 1.0
+
+
+FAULTY_ENGINE = textwrap.dedent("""
+    import sys
+    from enginecore.core import EngineCore
+
+    real_step = EngineCore.step
+    calls = 0
+
+    def faulty_step(self):
+        global calls
+        calls += 1
+        if calls == 5:
+            raise RuntimeError("injected fault in the busy loop")
+        return real_step(self)
+
+    EngineCore.step = faulty_step
+    from enginecore.__main__ import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_exception_in_the_busy_loop_reaches_callers_by_name(model_dirs, tmp_path):
+    address = f"ipc://{tmp_path}/faulty"
+    engine = subprocess.Popen([sys.executable, "-c", FAULTY_ENGINE, "--model",
+                               str(model_dirs["llama"]), "--kv-cache-memory-bytes", str(KV),
+                               "--address", address])
+    try:
+        llm = LLM(str(model_dirs["llama"]), engine_address=address)
+        with pytest.raises(EngineDeadError, match="injected fault in the busy loop"):
+            llm.generate(["a", "b"], SamplingParams(max_tokens=50), use_tqdm=False)
+        with pytest.raises(EngineDeadError, match="injected fault"):
+            llm.get_stats()
+        llm.shutdown()
+        assert engine.wait(10) == 1
+    finally:
+        engine.kill()
+        engine.wait()
+
+
+def _raw_hello(context, address):
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(address)
+    dealer.send(msgspec.msgpack.encode(HandshakeRequest(HandshakeKind.HELLO,
+                                                        PROTOCOL_VERSION)))
+    assert dealer.poll(10_000)
+    return dealer, msgspec.msgpack.decode(dealer.recv(), type=HandshakeReply)
+
+
+def test_garbage_frames_are_dropped_and_the_engine_keeps_serving(model_dirs):
+    with LLM(str(model_dirs["qwen3"]), kv_cache_memory_bytes=KV) as llm:
+        before = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+        context = zmq.Context()
+        try:
+            dealer, reply = _raw_hello(context, llm.engine_core.address)
+            push = context.socket(zmq.PUSH)
+            push.connect(reply.input_endpoint)
+            me = CLIENT_INDEX.pack(reply.client_index)
+            good = msgspec.msgpack.encode(EngineCoreRequest("r", [1, 2], GREEDY, 0, 0.0))
+            for frames in ([b"\x09", me, good],  # unknown type byte
+                           [RequestType.ADD.value],  # too few frames
+                           [RequestType.ADD.value, me, b"\xc1garbage"],  # not msgpack
+                           [RequestType.ADD.value, me, msgspec.msgpack.encode([1, 2])],
+                           [RequestType.ADD.value, b"\x63\x00\x00\x00", good],  # no such client
+                           [RequestType.ABORT.value, me, b"\x93\x01"],
+                           [RequestType.UTILITY.value, me, msgspec.msgpack.encode([0, 99])],
+                           [b"", b"", b"", b""]):
+                push.send_multipart(frames)
+            dealer.send(b"\x00\xffnot a handshake")
+            dealer.send_multipart([b"two", b"frames"])
+            time.sleep(0.3)
+        finally:
+            context.destroy(linger=0)
+        after = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in after] == \
+            [o.outputs[0].token_ids for o in before]
+        assert_all_free(llm.get_stats())
+
+
+def test_out_of_vocabulary_request_fails_alone(model_dirs, hf_reference):
+    engine = AsyncLLM(str(model_dirs["qwen2"]), kv_cache_memory_bytes=KV)
+    vocab = engine.info.vocab_size
+
+    async def bad_stream():
+        # Bypass the frontend's validation, as a client we did not write might.
+        request = EngineCoreRequest("bad", [5, vocab + 5], GREEDY.clone(max_tokens=4), 0,
+                                    time.time())
+        queue: asyncio.Queue = asyncio.Queue()
+        engine.output_processor.add_request(request, None, queue)
+        engine.engine_core.add_request(request)
+        item = await queue.get()
+        assert isinstance(item, ValueError)
+        raise item
+
+    async def run():
+        engine._ensure_output_handler()
+        goods = [collect(engine, p, GREEDY, f"g{i}") for i, p in enumerate(PROMPTS[:4])]
+        return await asyncio.gather(bad_stream(), *goods, return_exceptions=True)
+
+    try:
+        results = asyncio.run(run())
+        stats = asyncio.run(engine.get_stats())
+    finally:
+        engine.shutdown()
+    assert isinstance(results[0], ValueError) and "vocabulary" in str(results[0])
+    for prompt, outs in zip(PROMPTS[:4], results[1:], strict=True):
+        ids = engine.tokenizer.encode(prompt)
+        assert outs[-1].outputs[0].token_ids == hf_reference("qwen2", ids, 24)
+    assert_all_free(stats)
+
+
+# --- start-up and shutdown ------------------------------------------------------------
+
+
+def test_start_up_failure_in_the_engine_names_the_cause(model_dirs, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in model_dirs["llama"].iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    config = (broken / "config.json").read_text().replace("LlamaForCausalLM", "GPT9Model")
+    (broken / "config.json").write_text(config)
+    with pytest.raises(ValueError, match="engine core failed to start: unsupported "
+                                         "architecture 'GPT9Model'"):
+        LLM(str(broken))
+    with pytest.raises(ValueError, match="not enough memory for the KV cache"):
+        LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=4096)
+
+
+def test_shutdown_and_context_manager_leave_no_process(model_dirs):
+    with LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=KV) as llm:
+        pid = llm.engine_core.engine_process.pid
+        assert psutil.pid_exists(pid)
+    assert not psutil.pid_exists(pid)
+    engine = AsyncLLM(str(model_dirs["llama"]), kv_cache_memory_bytes=KV)
+    pid = engine.engine_core.engine_process.pid
+    engine.shutdown()
+    assert not psutil.pid_exists(pid)
+
+
+@pytest.mark.parametrize("exit_how", ["return", "sigkill"])
+def test_frontend_exit_leaves_no_orphan(model_dirs, exit_how):
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from frontend import LLM
+        llm = LLM({str(model_dirs["llama"])!r}, kv_cache_memory_bytes={KV})
+        print(llm.engine_core.engine_process.pid, flush=True)
+        if {exit_how!r} == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    frontend = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=120, cwd=Path(__file__).parents[1])
+    pid = int(frontend.stdout.split()[0])
+    assert wait_until(lambda: not _alive(pid), timeout=15), f"engine core {pid} orphaned"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
