@@ -207,3 +207,32 @@ def test_cli_help_documents_the_address(tmp_path):
                             capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 0 and "--address" in result.stdout
     assert "--curve-secret-key" in result.stdout and "--max-model-len" in result.stdout
+
+
+def test_async_llm_attaches_beside_a_sync_frontend(engine_at, model_dirs, hf_reference):
+    import asyncio
+
+    from frontend import AsyncLLM
+
+    _, address = engine_at()
+    engine = AsyncLLM(str(model_dirs["llama"]), engine_address=address)
+    llm = LLM(str(model_dirs["llama"]), engine_address=address)
+
+    async def stream(i: int, prompt: str) -> list[int]:
+        outs = [o async for o in engine.generate(prompt, GREEDY, str(i))]  # ids "0", "1"..
+        return outs[-1].outputs[0].token_ids
+
+    async def run() -> tuple[list[list[int]], list[list[int]]]:
+        sync = asyncio.to_thread(greedy_ids, llm, PROMPTS[:3])  # also ids "0", "1", ...
+        streams = asyncio.gather(*[stream(i, p) for i, p in enumerate(PROMPTS[3:6])])
+        return await asyncio.gather(sync, streams)
+
+    try:
+        sync_ids, async_ids = asyncio.run(run())
+        stats = asyncio.run(engine.get_stats())
+    finally:
+        engine.shutdown()
+        llm.shutdown()
+    expected = [hf_reference("llama", llm.tokenizer.encode(p), 16) for p in PROMPTS[:6]]
+    assert sync_ids == expected[:3] and async_ids == expected[3:]
+    assert stats.num_running_reqs == 0
