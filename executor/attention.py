@@ -1,18 +1,32 @@
-"""The attention layer and the per-step metadata it reads.
+"""The attention layer, the per-step metadata it reads, and the kernel backends.
 
 `Attention` writes the step's keys and values into its layer's paged cache and then
-attends over each request's context through the block tables. The torch reference
-kernels are the CPU path; the Triton kernels slot in here for CUDA.
+attends over each request's context through the block tables, with the backend the
+model runner chose: "torch" (kernels/reference.py, the CPU path) or "triton"
+(kernels/triton_attention.py; on the CPU through Triton's interpreter, for tests).
+The backend travels in the metadata, so the model code never branches on it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from kernels import reference
+
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+                 ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -27,6 +41,71 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    backend: AttentionBackend
+    num_segments: int = 1  # split-KV slices for decode-only batches (Triton)
+
+
+class TorchAttention:
+    name = "torch"
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+                 ) -> torch.Tensor:
+        reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        return reference.paged_attention(q, kv_cache, meta.block_tables,
+                                         meta.query_start_loc_cpu, meta.seq_lens_cpu, scale)
+
+
+class TritonAttention:
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kernels import triton_attention
+
+        self.kernels = triton_attention
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+                 ) -> torch.Tensor:
+        self.kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        return self.kernels.paged_attention(q, kv_cache, meta.block_tables,
+                                            meta.query_start_loc, meta.seq_lens, scale,
+                                            meta.max_query_len, meta.num_segments)
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """"auto" is Triton on CUDA and torch on the CPU; "triton" on the CPU runs the
+    kernels through Triton's interpreter (slow: for tests)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                         f"{name!r}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttention()
+    if device.type == "cpu":
+        # Must be set before the kernels' @triton.jit decorators run (module import).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        from kernels.triton_attention import interpreting
+
+        if not interpreting():
+            raise RuntimeError("attention_backend='triton' on the CPU needs "
+                               "TRITON_INTERPRET=1 before the Triton kernels are imported")
+    return TritonAttention()
+
+
+def num_kv_segments(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                    num_sms: int) -> int:
+    """Split-KV slices for a decode-only batch: enough programs to fill the GPU twice
+    over, each slice at least 256 keys long, at most 16 slices."""
+    if max_query_len != 1 or num_sms == 0:
+        return 1
+    programs = num_reqs * num_kv_heads
+    segments = 1
+    while (segments < 16 and programs * segments < 2 * num_sms
+           and max_seq_len // (segments * 2) >= 256):
+        segments *= 2
+    return segments
 
 
 class Attention(nn.Module):
@@ -39,7 +118,4 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, H_kv, D] -> [T, H, D]."""
         kv_cache = kv_caches[self.layer_idx]  # [2, num_blocks, block_size, H_kv, D]
-        reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        return reference.paged_attention(q, kv_cache, meta.block_tables,
-                                         meta.query_start_loc_cpu, meta.seq_lens_cpu,
-                                         self.scale)
+        return meta.backend(q, k, v, kv_cache, meta, self.scale)

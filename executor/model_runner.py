@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor.attention import AttentionMetadata
+from executor.attention import AttentionMetadata, get_attention_backend, num_kv_segments
 from executor.config import ModelConfig
 from executor.input_batch import InputBatch
 from executor.loader import load_model
@@ -44,10 +44,23 @@ class _StepInputs:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device, block_size: int,
-                 max_num_seqs: int, seed: int) -> None:
+                 max_num_seqs: int, seed: int, attention_backend: str = "auto") -> None:
         self.model_config = model_config
         self.device = device
         self.block_size = block_size
+        self.attention = get_attention_backend(attention_backend, device)
+        if self.attention.name == "triton":
+            from kernels.triton_attention import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_SIZES
+
+            if block_size not in SUPPORTED_BLOCK_SIZES:
+                raise ValueError(f"block_size={block_size} is not supported by the Triton "
+                                 f"attention kernels (supported: {SUPPORTED_BLOCK_SIZES})")
+            if model_config.spec.head_dim not in SUPPORTED_HEAD_SIZES:
+                raise ValueError(f"head_dim={model_config.spec.head_dim} is not supported by "
+                                 f"the Triton attention kernels ({SUPPORTED_HEAD_SIZES}); use "
+                                 "attention_backend='torch'")
+        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                        if device.type == "cuda" else 0)
         self.model = load_model(model_config, device)
         self.sampler = Sampler(device, seed)
         self.batch = InputBatch(max_num_seqs, model_config.max_model_len, block_size,
@@ -137,7 +150,10 @@ class ModelRunner:
             query_start_loc=_to(query_start_loc.astype(np.int32), dev),
             seq_lens=_to(ends.astype(np.int32), dev),
             query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=ends.tolist(),
-            max_query_len=int(counts.max()), max_seq_len=int(ends.max()))
+            max_query_len=int(counts.max()), max_seq_len=int(ends.max()),
+            backend=self.attention,
+            num_segments=num_kv_segments(num_reqs, self.model_config.spec.num_kv_heads,
+                                         int(counts.max()), int(ends.max()), self.num_sms))
         return _StepInputs(req_ids, _to(input_ids, dev), _to(positions, dev), meta,
                            _to(cu[sampling] - 1, dev), sampling, rows[sampling])
 

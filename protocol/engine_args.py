@@ -56,6 +56,9 @@ class EngineArgs:
         None, "KV-cache size in bytes (accepts 512MiB, 4GiB); overrides the automatic size.")
     load_format: str = _opt("auto", "'dummy' gives random weights of the right shapes.",
                             LOAD_FORMATS)
+    attention_backend: str = _opt(
+        "auto", "'auto' (triton on cuda, torch on cpu), 'triton' (on the CPU through "
+        "Triton's interpreter: slow, for tests) or 'torch'.", ("auto", "triton", "torch"))
     skip_tokenizer_init: bool = _opt(
         False, "Load no tokenizer: prompts must be token ids and outputs carry no text.")
 
@@ -83,6 +86,9 @@ class EngineArgs:
                     maximum=1.0, min_exclusive=True)
         check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1,
                   allow_none=True)
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            raise ValueError("attention_backend must be one of auto, triton, torch, got "
+                             f"{self.attention_backend!r}")
         if not isinstance(self.skip_tokenizer_init, bool):
             raise TypeError(f"skip_tokenizer_init must be a bool, got {self.skip_tokenizer_init!r}")
         if self.load_format not in LOAD_FORMATS:

@@ -77,3 +77,16 @@ def test_greedy_matches_under_preemption(name, model_dirs, hf_reference, make_ll
     assert llm.get_stats().num_preemptions > 0
     for output, reference in zip(outputs, expected, strict=True):
         assert output.outputs[0].token_ids == reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_greedy_matches_with_the_triton_kernels(name, model_dirs, hf_reference, make_llm):
+    """The Triton attention path (through the interpreter on the CPU) gives exactly
+    transformers' greedy tokens, over prompts, chunks and decodes."""
+    llm = make_llm(model_dirs[name], attention_backend="triton", max_num_batched_tokens=24)
+    prompts = PROMPTS[:3]
+    _, expected = _references(llm, name, hf_reference, prompts, 8)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8),
+                           use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -1,0 +1,128 @@
+"""The Triton kernels against their torch references (kernels/reference.py, itself
+checked against naive attention in test_kernels_reference.py), through Triton's
+interpreter on the CPU (TRITON_INTERPRET=1, set in conftest) or on a GPU."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels import triton_attention as tk
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NUM_KV_HEADS = 2
+
+# (query tokens this step, context length after it): a decode, a whole prompt, a later
+# chunk, a context that ends exactly on a block boundary, a one-token prompt, a chunk
+# that crosses a block boundary, a long decode.
+MIXED = [(1, 37), (20, 20), (9, 41), (1, 32), (1, 1), (5, 21), (1, 70)]
+
+
+def make_batch(requests: list[tuple[int, int]], num_heads: int, head_dim: int,
+               block_size: int, dtype: torch.dtype, seed: int = 0):
+    """A paged cache filled through shuffled block tables (unused slots NaN, table rows
+    padded with arbitrary blocks), queries, and the metadata both kernels take."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-seq // block_size) for _, seq in requests]
+    num_blocks = sum(blocks_per_req) + 3
+    order = torch.randperm(num_blocks, generator=gen)
+    cache = torch.full((2, num_blocks, block_size, NUM_KV_HEADS, head_dim), float("nan"))
+    max_blocks = max(blocks_per_req) + 2
+    tables = torch.randint(0, num_blocks, (len(requests), max_blocks), generator=gen)
+    used = 0
+    for i, ((_, seq), nb) in enumerate(zip(requests, blocks_per_req, strict=True)):
+        tables[i, :nb] = order[used:used + nb]
+        used += nb
+        for pos in range(seq):
+            block, slot = int(tables[i, pos // block_size]), pos % block_size
+            cache[:, block, slot] = torch.randn(2, NUM_KV_HEADS, head_dim, generator=gen)
+    query_lens = [q for q, _ in requests]
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    query = torch.randn(qsl[-1], num_heads, head_dim, generator=gen)
+    return (query.to(dtype).to(DEVICE), cache.to(dtype).to(DEVICE),
+            tables.to(torch.int32).to(DEVICE), qsl, [seq for _, seq in requests])
+
+
+def run_both(query, cache, tables, qsl, seq_lens, num_segments=1):
+    scale = query.shape[-1] ** -0.5
+    expected = reference.paged_attention(query, cache, tables, qsl, seq_lens, scale)
+    got = tk.paged_attention(
+        query, cache, tables, torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale,
+        max_query_len=max(b - a for a, b in itertools.pairwise(qsl)),
+        num_segments=num_segments)
+    return got, expected
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+
+CASES = (
+    # GQA ratios 1, 2, 4, 7
+    [(g, 64, 16, torch.float32) for g in (1, 2, 4, 7)]
+    # every supported head size
+    + [(2, d, 32, torch.float32) for d in (16, 32, 80, 96, 128, 256)]
+    # half precisions
+    + [(4, 64, 16, torch.float16), (4, 64, 16, torch.bfloat16), (7, 128, 32, torch.bfloat16)]
+)
+
+
+@pytest.mark.parametrize(("group", "head_dim", "block_size", "dtype"), CASES,
+                         ids=lambda v: str(v).removeprefix("torch."))
+def test_paged_attention_matches_reference_on_a_mixed_batch(group, head_dim, block_size,
+                                                            dtype):
+    batch = make_batch(MIXED, NUM_KV_HEADS * group, head_dim, block_size, dtype)
+    got, expected = run_both(*batch)
+    assert got.dtype == dtype and got.shape == expected.shape
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize(("group", "num_segments"), [(1, 2), (2, 4), (4, 4), (7, 2)])
+def test_split_kv_decode_matches_reference(group, num_segments):
+    # Few requests with long contexts, one segment left empty for the short one.
+    decodes = [(1, 100), (1, 33), (1, 16), (1, 130)]
+    batch = make_batch(decodes, NUM_KV_HEADS * group, 64, 16, torch.float32, seed=3)
+    got, expected = run_both(*batch, num_segments=num_segments)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("num_kv_heads", "head_dim", "dtype"),
+                         [(2, 64, torch.float32), (3, 80, torch.float16),
+                          (1, 32, torch.bfloat16)])
+def test_write_kv_cache_matches_reference(num_kv_heads, head_dim, dtype):
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.full((2, 5, 16, num_kv_heads, head_dim), -3.5, dtype=dtype, device=DEVICE)
+    expected = cache.clone()
+    slots = torch.tensor([-1, 17, 0, 79, -1, 40, 15, 16], device=DEVICE)
+    # A key that is a strided view, as the qkv projection's split gives.
+    qkv = torch.randn(len(slots), 3, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    key, value = qkv[:, 0].to(dtype), qkv[:, 1]
+    reference.write_kv_cache(key, value, expected, slots)
+    tk.write_kv_cache(key, value, cache, slots)
+    if dtype == torch.bfloat16 and tk.interpreting():
+        # The interpreter truncates fp32 -> bf16 instead of rounding: 1 ulp off.
+        torch.testing.assert_close(cache, expected, rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(cache, expected)
+
+
+def test_launchers_reject_what_the_kernels_cannot_take():
+    query, cache, tables, qsl, seq_lens = make_batch([(3, 3)], 2, 64, 16, torch.float32)
+    args = (torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), 0.1, 3)
+    with pytest.raises(AssertionError):  # int64 block table
+        tk.paged_attention(query, cache, tables.long(), *args)
+    with pytest.raises(AssertionError):  # dtype mismatch between query and cache
+        tk.paged_attention(query.half(), cache, tables, *args)
+    with pytest.raises(AssertionError):  # split-KV on a batch with a prompt
+        tk.paged_attention(query, cache, tables, *args, num_segments=2)
+    odd = torch.zeros(2, 4, 16, 2, 48, device=DEVICE)  # head size 48 is not supported
+    with pytest.raises(AssertionError):
+        tk.paged_attention(torch.zeros(3, 2, 48, device=DEVICE), odd, tables, *args)
+    with pytest.raises(AssertionError):  # int32 slot mapping
+        tk.write_kv_cache(query[:, :2], query[:, :2], cache, torch.zeros(3, dtype=torch.int32))
