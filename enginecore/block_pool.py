@@ -1,25 +1,33 @@
-"""Fixed-size KV-cache blocks and the pool that hands them out.
+"""Fixed-size KV-cache blocks and the pool that hands them out, with the prefix cache.
 
 The pool never touches tensors: a block is an index into the executor's paged KV
 cache. Free blocks sit in a doubly linked queue so that taking one, returning one and
-pulling one out of the middle (a prefix-cache hit on a freed block, later) are all O(1).
+pulling one out of the middle (a prefix-cache hit on a freed block) are all O(1).
 
     head <-> b7 <-> b2 <-> b9 <-> tail      popleft() takes b7; append() adds before tail
+
+A full block may carry a hash (enginecore/block_hash.py) and be found by it. When its
+last holder frees it, it keeps hash and content and joins the free queue's tail; it is
+evicted (its hash forgotten) only when popped from the head for a fresh allocation, so
+the least recently freed cached blocks go first (LRU).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from enginecore.block_hash import BlockHash
+
 
 class KVCacheBlock:
     """One block of `block_size` token slots, shared by `ref_cnt` requests."""
 
-    __slots__ = ("block_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None  # set while it is in the prefix cache
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -81,6 +89,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -93,8 +102,41 @@ class BlockPool:
             raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         blocks = [self.free_queue.popleft() for _ in range(num_blocks)]
         for block in blocks:
+            self._evict(block)
             block.ref_cnt = 1
         return blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits, pulling free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Make a full, held block findable by its hash (first block with a hash wins)."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is held, since a
+        running request would cache blocks again (vLLM's rule)."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks nobody holds go back to the queue.

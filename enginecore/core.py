@@ -28,8 +28,13 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=self.executor.max_num_batched_tokens,
-                            max_model_len=model_config.max_model_len),
-            KVCacheManager(self.executor.num_kv_blocks, args.block_size))
+                            max_model_len=model_config.max_model_len,
+                            long_prefill_token_threshold=args.long_prefill_token_threshold,
+                            policy=args.scheduling_policy),
+            KVCacheManager(self.executor.num_kv_blocks, args.block_size,
+                           args.enable_prefix_caching))
+        # Requests hash their blocks only when the prefix cache can use the hashes.
+        self._hash_block_size = args.block_size if args.enable_prefix_caching else None
         self.info = EngineInfo(
             model=args.model, max_model_len=model_config.max_model_len,
             vocab_size=model_config.vocab_size, block_size=args.block_size,
@@ -43,12 +48,25 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; one the engine cannot serve finishes with FinishReason.ERROR
         in the next step's outputs instead of raising into the busy loop."""
+        self.add_preprocessed(self.preprocess(request))
+
+    def preprocess(self, request: EngineCoreRequest) -> Request | EngineCoreOutput:
+        """Validate and hash the prompt's blocks. Touches no scheduler state, so
+        `EngineCoreProc` runs it in its input thread, off the busy loop."""
         error = self._validate(request)
         if error is not None:
-            self._rejected.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR,
-                                                   error=error))
-            return
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+            return EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=error)
+        return Request.from_engine_core_request(request, self._hash_block_size)
+
+    def add_preprocessed(self, item: Request | EngineCoreOutput) -> None:
+        if isinstance(item, EngineCoreOutput):
+            self._rejected.append(item)
+        elif item.request_id in self.scheduler.requests:
+            self._rejected.append(EngineCoreOutput(
+                item.request_id, [], FinishReason.ERROR,
+                error=f"request id {item.request_id!r} is already in use"))
+        else:
+            self.scheduler.add_request(item)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
@@ -81,9 +99,15 @@ class EngineCore:
             num_running_reqs=self.scheduler.num_running,
             num_waiting_reqs=self.scheduler.num_waiting,
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
-            kv_cache_usage=kv.usage(), prefix_cache_queries=0, prefix_cache_hits=0,
+            kv_cache_usage=kv.usage(), prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
             step_timings=mean_timings(self.recent_steps))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. after new weights); False while any request
+        holds blocks."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -91,8 +115,6 @@ class EngineCore:
     def _validate(self, request: EngineCoreRequest) -> str | None:
         """The engine's own checks: the frontend validates too, but a standalone engine
         core serves clients we did not write."""
-        if request.request_id in self.scheduler.requests:
-            return f"request id {request.request_id!r} is already in use"
         prompt = request.prompt_token_ids
         if not prompt:
             return "prompt_token_ids must not be empty"

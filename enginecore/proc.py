@@ -34,6 +34,7 @@ import msgspec
 import zmq
 
 from enginecore.core import EngineCore
+from enginecore.request import Request
 from enginecore.transport import CurveServerKeys, SocketFactory, data_endpoint
 from protocol.codec import MsgpackDecoder, MsgpackEncoder
 from protocol.engine_args import EngineArgs
@@ -67,7 +68,7 @@ class ShutdownRequested(Exception):
 # Items for the busy loop (from the input thread) ------------------------------------
 @dataclass
 class _Add:
-    request: EngineCoreRequest
+    request: Request | EngineCoreOutput  # preprocessed, or the error for a bad one
 
 
 @dataclass
@@ -178,7 +179,7 @@ class EngineCoreProc:
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, _Add):
-            self.core.add_request(item.request)
+            self.core.add_preprocessed(item.request)
         elif isinstance(item, _Abort):
             self.core.abort_requests(item.request_ids)
         elif isinstance(item, _Utility):
@@ -197,6 +198,9 @@ class EngineCoreProc:
                 stats = self.core.get_stats()
                 stats.step_timings.output_encode_s = self.encode_s
                 return UtilityOutput(request.call_id, result=msgspec.msgpack.encode(stats))
+            if request.method == UtilityMethod.RESET_PREFIX_CACHE:
+                reset = self.core.reset_prefix_cache()
+                return UtilityOutput(request.call_id, result=msgspec.msgpack.encode(reset))
             return UtilityOutput(request.call_id, failure=f"unknown method {request.method}")
         except Exception as e:
             return UtilityOutput(request.call_id, failure=f"{type(e).__name__}: {e}")
@@ -271,7 +275,7 @@ class EngineCoreProc:
         payload = decoders[kind].decode(frames[2])
         if kind == RequestType.ADD:
             payload.request_id = scope(client, payload.request_id)
-            self.input_queue.put(_Add(payload))
+            self.input_queue.put(_Add(self.core.preprocess(payload)))
         elif kind == RequestType.ABORT:
             self.input_queue.put(_Abort([scope(client, r) for r in payload]))
         else:

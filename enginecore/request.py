@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from enginecore.block_hash import BlockHash, extend_block_hashes
 from protocol.messages import EngineCoreRequest, FinishReason
 from protocol.sampling_params import SamplingParams
 
@@ -25,7 +26,10 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None,
-                 arrival_time: float = 0.0, priority: int = 0) -> None:
+                 arrival_time: float = 0.0, priority: int = 0,
+                 block_size: int | None = None, cache_salt: str | None = None) -> None:
+        """With a block_size, the hashes of its full blocks are kept up to date (prefix
+        caching): the prompt's here, once, and each output block as it fills."""
         if sampling_params.max_tokens is None:
             raise ValueError("max_tokens must be resolved before the engine core")
         self.request_id = request_id
@@ -43,11 +47,19 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        self.block_size = block_size
+        self.cache_salt = cache_salt
+        self.block_hashes: list[BlockHash] = []
+        if block_size is not None:
+            extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
 
     @classmethod
-    def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
+    def from_engine_core_request(cls, req: EngineCoreRequest, block_size: int | None = None
+                                 ) -> Request:
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params,
-                   req.eos_token_id, req.arrival_time, req.priority)
+                   req.eos_token_id, req.arrival_time, req.priority, block_size,
+                   req.cache_salt)
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +80,9 @@ class Request:
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.block_size is not None and len(self.all_token_ids) % self.block_size == 0:
+            extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size,
+                                self.cache_salt)
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.status = RequestStatus.FINISHED

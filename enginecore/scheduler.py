@@ -6,19 +6,29 @@ of a chunked prompt, or the one token it sampled last step. Running requests are
 first, in admission order, so decodes are never starved by arriving prompts; a prompt
 larger than what is left of the budget is split across steps.
 
-When the KV cache has no block for a running request, the most recently admitted
-running request is preempted: its blocks are freed, its generated tokens kept, and it
-goes back to the front of the queue to be recomputed when blocks free up.
+`long_prefill_token_threshold` caps one prompt's share of a step, so several long
+prompts advance together instead of one after another.
+
+A waiting request starts from its longest prefix-cache hit (the KV cache manager's
+`get_computed_blocks`): those tokens count as computed and are never scheduled.
+
+When the KV cache has no block for a running request, the running request that comes
+last is preempted: its blocks are freed (their cached content stays findable until
+evicted, so it usually resumes from a cache hit), its generated tokens kept, and it
+goes back to the waiting queue. Under FCFS, running requests are in admission order
+(the newest is preempted) and the waiting queue is in arrival order; under the
+"priority" policy both follow (priority, arrival time), lower first.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.request import Request, RequestStatus
+from enginecore.request_queue import SCHEDULING_POLICIES, create_request_queue, sort_key
 from protocol.messages import EngineCoreOutput, FinishReason
 from protocol.scheduling import (
     CachedRequestData,
@@ -33,11 +43,17 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole budget
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}")
 
 
 class Scheduler:
@@ -45,8 +61,8 @@ class Scheduler:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order; preemption takes the last
+        self.waiting = create_request_queue(config.policy)
+        self.running: list[Request] = []  # in policy order; preemption takes the last
         # What the model runner must forget before the next step.
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []
@@ -58,7 +74,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> list[str]:
         """Finish (e.g. abort) requests wherever they are; returns the ids that existed."""
@@ -100,11 +116,11 @@ class Scheduler:
         new: list[NewRequestData] = []
         preempted_now = False
 
-        # 1. Running requests, oldest first.
+        # 1. Running requests, in order.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(request, budget)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while block_ids is None:
                 victim = self.running.pop()
@@ -125,12 +141,19 @@ class Scheduler:
         #    only preempt again).
         while (self.waiting and budget > 0 and not preempted_now
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            request = self.waiting.peek()
+            hits = self.kv_cache_manager.get_computed_blocks(request)
+            num_hit_tokens = len(hits) * self.kv_cache_manager.block_size
+            num_new = self._num_new_tokens(request, budget, num_hit_tokens)
+            if self.kv_cache_manager.allocate_slots(request, num_new, hits) is None:
                 break
-            self.waiting.popleft()
-            self.running.append(request)
+            self.waiting.pop()
+            request.num_computed_tokens = num_hit_tokens
+            request.num_cached_tokens = num_hit_tokens
+            if self.config.policy == "priority":
+                bisect.insort(self.running, request, key=sort_key)
+            else:
+                self.running.append(request)
             request.status = RequestStatus.RUNNING
             new.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, list(request.output_token_ids),
@@ -181,6 +204,13 @@ class Scheduler:
 
     # -- helpers -------------------------------------------------------------------
 
+    def _num_new_tokens(self, request: Request, budget: int, num_hit_tokens: int = 0) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new:
+            num_new = threshold
+        return min(num_new, budget)
+
     def _check_stop(self, request: Request) -> bool:
         """vLLM's stop rules; EOS and stop tokens count only from min_tokens on."""
         params = request.sampling_params
@@ -205,7 +235,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.readd(request)
         self._preempted_req_ids.append(request.request_id)
 
     def _free(self, request: Request) -> None:

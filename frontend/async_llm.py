@@ -57,20 +57,23 @@ class AsyncLLM:
         self.output_lag_s = 0.0
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
-                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the request's outputs as `sampling_params.output_kind` asks."""
+                       request_id: str, priority: int = 0
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the request's outputs as `sampling_params.output_kind` asks (with
+        n > 1, each output carries the completions that changed, by index)."""
         engine_core = self._client()
         engine_core.check_alive()
         self._ensure_output_handler()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        request, prompt_text = self.processor.process_inputs(
-            request_id, prompt, sampling_params or SamplingParams())
+        processed = self.processor.process_inputs(
+            request_id, prompt, sampling_params or SamplingParams(), priority=priority)
         queue: OutputQueue = asyncio.Queue()
-        self.output_processor.add_request(request, prompt_text, queue)
+        self.output_processor.add_request(processed, queue)
         finished = False
         try:
-            engine_core.add_request(request)
+            for request in processed.engine_requests:
+                engine_core.add_request(request)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -89,6 +92,11 @@ class AsyncLLM:
     async def get_stats(self) -> EngineStats:
         self._ensure_output_handler()
         return await self._client().get_stats_async()
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False while requests hold KV blocks."""
+        self._ensure_output_handler()
+        return await self._client().reset_prefix_cache_async()
 
     @property
     def is_dead(self) -> bool:

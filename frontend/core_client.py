@@ -42,6 +42,9 @@ class SyncEngineCoreClient(EngineCoreClient):
     @abstractmethod
     def get_stats(self) -> EngineStats: ...
 
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool: ...
+
 
 class InprocClient(SyncEngineCoreClient):
     def __init__(self, args: EngineArgs) -> None:
@@ -61,6 +64,9 @@ class InprocClient(SyncEngineCoreClient):
 
     def get_stats(self) -> EngineStats:
         return self.core.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -13,12 +13,11 @@ from typing import Any
 from enginecore.log import configure_logging
 from frontend.core_client import InprocClient, SyncEngineCoreClient
 from frontend.mp_client import CurveClientKeys, SyncMPClient
-from frontend.output_processor import OutputProcessor
+from frontend.output_processor import OutputProcessor, ProcessedRequest
 from frontend.outputs import RequestOutput
 from frontend.processor import Processor, PromptType
 from frontend.tokenizer import generation_eos_token_ids, load_tokenizer
 from protocol.engine_args import EngineArgs
-from protocol.messages import EngineCoreRequest
 from protocol.sampling_params import RequestOutputKind, SamplingParams
 from protocol.stats import EngineStats
 
@@ -98,11 +97,15 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order.
 
-        prompts: a string, {"prompt_token_ids": [...]}, or a list of those.
-        sampling_params: one for all prompts or a list with one per prompt.
+        prompts: a string, {"prompt": ...} or {"prompt_token_ids": [...]} (either may add
+            "cache_salt"), or a list of those.
+        sampling_params: one for all prompts or a list with one per prompt; n > 1 gives
+            n completions per prompt.
+        priority: one per prompt, for scheduling_policy="priority" (lower first).
         """
         engine_core = self._client()
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
@@ -118,13 +121,17 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} sampling_params for "
                                  f"{len(prompt_list)} prompts; pass one, or one per prompt")
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         # Validate everything before sending anything: a bad prompt leaves no trace.
-        requests = [self._process(p, sp) for p, sp in zip(prompt_list, params_list,
-                                                          strict=True)]
-        for request, prompt_text in requests:
-            self.output_processor.add_request(request, prompt_text)
-            engine_core.add_request(request)
-        return self._run([r.request_id for r, _ in requests], use_tqdm)
+        requests = [self._process(p, sp, prio) for p, sp, prio in zip(
+            prompt_list, params_list, priorities, strict=True)]
+        for processed in requests:
+            self.output_processor.add_request(processed)
+            for request in processed.engine_requests:
+                engine_core.add_request(request)
+        return self._run([r.request_id for r in requests], use_tqdm)
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -151,6 +158,11 @@ class LLM:
     def get_stats(self) -> EngineStats:
         return self._client().get_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. after pushing new weights). False, changing
+        nothing, while requests hold KV blocks."""
+        return self._client().reset_prefix_cache()
+
     # -- lifecycle -----------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -170,14 +182,15 @@ class LLM:
 
     # -- internals -----------------------------------------------------------------
 
-    def _process(self, prompt: PromptType, params: SamplingParams
-                 ) -> tuple[EngineCoreRequest, str | None]:
+    def _process(self, prompt: PromptType, params: SamplingParams, priority: int
+                 ) -> ProcessedRequest:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got "
                             f"{type(params).__name__}")
         # Only finished outputs are needed here: skip building per-step outputs.
         params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-        return self.processor.process_inputs(str(next(self._request_counter)), prompt, params)
+        return self.processor.process_inputs(str(next(self._request_counter)), prompt, params,
+                                             priority=priority)
 
     def _client(self) -> SyncEngineCoreClient:
         if self.engine_core is None:
@@ -218,9 +231,8 @@ class LLM:
 def _engine_signature() -> inspect.Signature:
     """`LLM(model, *, <every EngineArgs field>)`, so help() and IDEs show the options."""
     kind = inspect.Parameter.KEYWORD_ONLY
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                annotation=str)]
+    own = inspect.signature(LLM.__init__).parameters
+    params = [p for name, p in own.items() if name != "kwargs"]
     params += [inspect.Parameter(f.name, kind, default=f.default, annotation=f.type)
                for f in dataclasses.fields(EngineArgs) if f.name != "model"]
     return inspect.Signature(params, return_annotation=None)

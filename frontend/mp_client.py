@@ -254,8 +254,9 @@ class MPClient(EngineCoreClient):
     def _close_transport(self) -> None:
         self._closed = True
         if self.engine_process is not None:
-            self.context.destroy(linger=0)
+            # Stop the engine first: it still talks to our sockets until it exits.
             self.engine_process.terminate()
+            self.context.destroy(linger=0)
         else:
             self.context.destroy()  # each socket's own linger: the BYE gets out
 
@@ -280,12 +281,17 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
         return item
 
     def get_stats(self) -> EngineStats:
-        request = self._utility_request(UtilityMethod.GET_STATS)
+        return self._call(UtilityMethod.GET_STATS)
+
+    def reset_prefix_cache(self) -> bool:
+        return self._call(UtilityMethod.RESET_PREFIX_CACHE)
+
+    def _call(self, method: UtilityMethod) -> Any:
+        request = self._utility_request(method)
         future: concurrent.futures.Future[EngineCoreOutputs] = concurrent.futures.Future()
         self._calls[request.call_id] = future
         self._send(RequestType.UTILITY, request)
-        outputs = future.result(timeout=UTILITY_TIMEOUT_S)
-        return self._utility_result(UtilityMethod.GET_STATS, outputs)
+        return self._utility_result(method, future.result(timeout=UTILITY_TIMEOUT_S))
 
     def _read_outputs(self) -> None:
         last_seen = time.monotonic()
@@ -348,13 +354,18 @@ class AsyncMPClient(MPClient):
         return item
 
     async def get_stats_async(self) -> EngineStats:
+        return await self._call_async(UtilityMethod.GET_STATS)
+
+    async def reset_prefix_cache_async(self) -> bool:
+        return await self._call_async(UtilityMethod.RESET_PREFIX_CACHE)
+
+    async def _call_async(self, method: UtilityMethod) -> Any:
         self._ensure_reader()
-        request = self._utility_request(UtilityMethod.GET_STATS)
+        request = self._utility_request(method)
         future: asyncio.Future[EngineCoreOutputs] = asyncio.get_running_loop().create_future()
         self._calls[request.call_id] = future
         self._send(RequestType.UTILITY, request)
-        outputs = await asyncio.wait_for(future, UTILITY_TIMEOUT_S)
-        return self._utility_result(UtilityMethod.GET_STATS, outputs)
+        return self._utility_result(method, await asyncio.wait_for(future, UTILITY_TIMEOUT_S))
 
     async def _read_outputs(self, socket: zmq.asyncio.Socket) -> None:
         timeout = HEARTBEAT_TIMEOUT_S if self.engine_process is None else None

@@ -1,8 +1,11 @@
 """`OutputProcessor`: engine-core outputs in, `RequestOutput`s out.
 
-Per request it detokenizes new tokens incrementally, checks stop strings (a hit
-finishes the request here and asks the caller to abort it in the engine core), and
-shapes the output as CUMULATIVE, DELTA or FINAL_ONLY.
+A request with `n` completions runs in the engine core as `n` child requests (the
+`Processor` fans it out); here each child is a `CompletionState` (incremental
+detokenization, stop strings) and the request a `RequestState` that assembles the
+children's completions into one `RequestOutput` as CUMULATIVE, DELTA or FINAL_ONLY
+asks. A stop-string hit finishes the child here and is reported so the caller aborts
+it in the engine core at once.
 """
 
 from __future__ import annotations
@@ -14,30 +17,38 @@ from typing import Any
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.outputs import CompletionOutput, RequestOutput
 from protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
-from protocol.sampling_params import RequestOutputKind
-
-
-@dataclass
-class ProcessedOutputs:
-    request_outputs: list[RequestOutput] = field(default_factory=list)
-    reqs_to_abort: list[str] = field(default_factory=list)  # stopped by a stop string
-    errors: dict[str, str] = field(default_factory=dict)  # request_id -> engine's message
-
+from protocol.sampling_params import RequestOutputKind, SamplingParams
 
 # AsyncLLM streams each request through its own queue: outputs, or the exception that
 # ends the stream.
 OutputQueue = asyncio.Queue[RequestOutput | BaseException]
 
 
-class RequestState:
-    def __init__(self, request: EngineCoreRequest, prompt: str | None, tokenizer: Any,
-                 queue: OutputQueue | None = None) -> None:
+@dataclass
+class ProcessedRequest:
+    """A validated request: what the user asked for, and the engine requests (one per
+    completion, child i with id `child_request_id(i, request_id)`) that serve it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    engine_requests: list[EngineCoreRequest]
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    reqs_to_abort: list[str] = field(default_factory=list)  # engine ids stopped by a string
+    errors: dict[str, str] = field(default_factory=dict)  # request_id -> engine's message
+
+
+class CompletionState:
+    """One completion: its tokens, text and stop state."""
+
+    def __init__(self, index: int, request: EngineCoreRequest, tokenizer: Any) -> None:
         params = request.sampling_params
-        self.queue = queue
-        self.request_id = request.request_id
-        self.prompt = prompt
-        self.prompt_token_ids = request.prompt_token_ids
-        self.output_kind = params.output_kind
+        self.index = index
         self.min_tokens = params.min_tokens
         self.stop = params.stop or []
         self.include_stop = params.include_stop_str_in_output
@@ -52,17 +63,16 @@ class RequestState:
         self.sent_tokens = 0
 
     @property
-    def text(self) -> str:
-        return self.detokenizer.text[:self.text_end]
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
     def update(self, output: EngineCoreOutput) -> bool:
-        """Absorb one step's tokens; True when a stop string finished the request."""
+        """Absorb one step's tokens; True when a stop string finished it here."""
         delta = self.detokenizer.update(output.new_token_ids)
         if output.finish_reason is not None:
             self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
             delta += self.detokenizer.flush()
-        if (self.stop and delta and self.finish_reason != FinishReason.ERROR
-                and len(self.detokenizer.token_ids) > self.min_tokens):
+        if self.stop and delta and len(self.detokenizer.token_ids) > self.min_tokens:
             hit = find_stop_string(self.detokenizer.text, len(delta), self.stop,
                                    self.include_stop)
             if hit is not None:
@@ -72,23 +82,56 @@ class RequestState:
                 return stopped_here
         return False
 
-    def make_output(self) -> RequestOutput | None:
-        finished = self.finish_reason is not None
-        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        text = self.text
-        if not finished and self.stop_buffer:
+    def completion(self, delta: bool) -> CompletionOutput:
+        text = self.detokenizer.text[:self.text_end]
+        if not self.finished and self.stop_buffer:
             text = text[:max(len(text) - self.stop_buffer, self.sent_text)]
         token_ids = self.detokenizer.token_ids
-        if self.output_kind == RequestOutputKind.DELTA:
+        if delta:
             text, self.sent_text = text[self.sent_text:], len(text)
             token_ids, self.sent_tokens = token_ids[self.sent_tokens:], len(token_ids)
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=list(token_ids),
-            finish_reason=str(self.finish_reason) if finished else None,
-            stop_reason=self.stop_reason)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [completion], finished)
+        return CompletionOutput(index=self.index, text=text, token_ids=list(token_ids),
+                                finish_reason=str(self.finish_reason) if self.finished
+                                else None, stop_reason=self.stop_reason)
+
+
+class RequestState:
+    """A user's request: its completions, and where its outputs go."""
+
+    def __init__(self, processed: ProcessedRequest, tokenizer: Any,
+                 queue: OutputQueue | None) -> None:
+        self.request_id = processed.request_id
+        self.prompt = processed.prompt
+        self.prompt_token_ids = processed.prompt_token_ids
+        self.output_kind = processed.params.output_kind
+        self.queue = queue
+        self.engine_ids = [r.request_id for r in processed.engine_requests]
+        self.completions = [CompletionState(i, r, tokenizer)
+                            for i, r in enumerate(processed.engine_requests)]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+    def make_output(self, changed: CompletionState) -> RequestOutput | None:
+        finished = self.finished
+        if self.output_kind == RequestOutputKind.FINAL_ONLY:
+            if not finished:
+                return None
+            outputs = [c.completion(delta=False) for c in self.completions]
+        elif self.output_kind == RequestOutputKind.DELTA:
+            outputs = [changed.completion(delta=True)]
+        else:  # CUMULATIVE: every completion that has begun
+            outputs = [c.completion(delta=False) for c in self.completions
+                       if c.detokenizer.token_ids or c.finished]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
+                             finished)
+
+    def emit(self, output: RequestOutput | BaseException, into: ProcessedOutputs) -> None:
+        if self.queue is not None:
+            self.queue.put_nowait(output)
+        elif isinstance(output, RequestOutput):
+            into.request_outputs.append(output)
 
 
 def find_stop_string(text: str, new_chars: int, stop: list[str], include: bool
@@ -111,31 +154,37 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
+        self._by_engine_id: dict[str, tuple[RequestState, CompletionState]] = {}
 
-    def add_request(self, request: EngineCoreRequest, prompt: str | None,
-                    queue: OutputQueue | None = None) -> None:
+    def add_request(self, processed: ProcessedRequest, queue: OutputQueue | None = None
+                    ) -> None:
         """Track a request; with a queue its outputs go there instead of into the
         `ProcessedOutputs` that `process_outputs` returns."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = RequestState(request, prompt, self.tokenizer,
-                                                         queue)
+        if processed.request_id in self.requests:
+            raise ValueError(f"request id {processed.request_id!r} is already in use")
+        state = RequestState(processed, self.tokenizer, queue)
+        self.requests[processed.request_id] = state
+        for engine_id, completion in zip(state.engine_ids, state.completions, strict=True):
+            self._by_engine_id[engine_id] = (state, completion)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forget requests; returns those that were still unfinished here. A queued
-        stream ends with a final output whose finish_reason is "abort"."""
-        aborted = []
+        """Forget requests; returns the engine ids of their unfinished completions (to
+        abort in the engine core). A queued stream ends with a final output whose
+        finish_reason is "abort"."""
+        to_abort: list[str] = []
         for request_id in request_ids:
-            state = self.requests.pop(request_id, None)
+            state = self._forget(request_id)
             if state is None:
                 continue
-            aborted.append(request_id)
-            if state.queue is not None:
-                state.finish_reason = FinishReason.ABORT
-                final = state.make_output()
-                if final is not None:
-                    state.queue.put_nowait(final)
-        return aborted
+            for engine_id, completion in zip(state.engine_ids, state.completions,
+                                             strict=True):
+                if not completion.finished:
+                    to_abort.append(engine_id)
+                    completion.finish_reason = FinishReason.ABORT
+            final = state.make_output(state.completions[0])
+            if state.queue is not None and final is not None:
+                state.queue.put_nowait(final)
+        return to_abort
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -143,27 +192,27 @@ class OutputProcessor:
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         processed = ProcessedOutputs()
         for output in outputs:
-            state = self.requests.get(output.request_id)
-            if state is None:
+            found = self._by_engine_id.get(output.request_id)
+            if found is None:
                 continue  # aborted here while the engine was still stepping it
+            state, completion = found
             if output.finish_reason == FinishReason.ERROR:
                 error = output.error or "engine error"
-                if state.queue is not None:
-                    state.queue.put_nowait(ValueError(f"request {output.request_id} failed "
-                                                      f"in the engine: {error}"))
-                processed.errors[output.request_id] = error
-                del self.requests[output.request_id]
+                state.emit(ValueError(f"request {state.request_id} failed in the engine: "
+                                      f"{error}"), processed)
+                processed.errors[state.request_id] = error
+                processed.reqs_to_abort += [e for e, c in zip(state.engine_ids,
+                                                              state.completions, strict=True)
+                                            if not c.finished and e != output.request_id]
+                self._forget(state.request_id)
                 continue
-            if state.update(output):
+            if completion.update(output):
                 processed.reqs_to_abort.append(output.request_id)
-            request_output = state.make_output()
+            request_output = state.make_output(completion)
             if request_output is not None:
-                if state.queue is not None:
-                    state.queue.put_nowait(request_output)
-                else:
-                    processed.request_outputs.append(request_output)
-            if state.finish_reason is not None:
-                del self.requests[output.request_id]
+                state.emit(request_output, processed)
+            if state.finished:
+                self._forget(state.request_id)
         return processed
 
     def fail_all(self, error: BaseException) -> None:
@@ -172,3 +221,11 @@ class OutputProcessor:
             if state.queue is not None:
                 state.queue.put_nowait(error)
         self.requests.clear()
+        self._by_engine_id.clear()
+
+    def _forget(self, request_id: str) -> RequestState | None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            for engine_id in state.engine_ids:
+                self._by_engine_id.pop(engine_id, None)
+        return state

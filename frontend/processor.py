@@ -11,11 +11,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from frontend.output_processor import ProcessedRequest
 from protocol.messages import EngineCoreRequest, EngineInfo
 from protocol.sampling_params import SamplingParams
 
 # A prompt: text, {"prompt": text}, or {"prompt_token_ids": [...]} (vLLM's forms).
 PromptType = str | dict[str, Any]
+
+
+def child_request_id(index: int, request_id: str) -> str:
+    """The engine-side id of completion `index` of a request with n > 1 (vLLM's form)."""
+    return f"{index}_{request_id}"
 
 
 class Processor:
@@ -33,28 +39,45 @@ class Processor:
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: float | None = None, priority: int = 0
-                       ) -> tuple[EngineCoreRequest, str | None]:
-        """Returns the engine request and the prompt text (None for token-id prompts)."""
+                       ) -> ProcessedRequest:
+        """Validate and tokenize; a request with n > 1 becomes n engine requests that
+        share the prompt (and, through the prefix cache, its KV blocks). With a seed,
+        completion i samples with seed + i: distinct and reproducible streams."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got "
                             f"{type(params).__name__}")
-        prompt_text, prompt_ids = self._tokenize(prompt)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an integer, got {priority!r}")
+        prompt_text, prompt_ids, cache_salt = self._tokenize(prompt)
         params = self._resolve_params(params, len(prompt_ids))
-        request = EngineCoreRequest(
-            request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
-            eos_token_id=self.eos_token_id,
-            arrival_time=time.time() if arrival_time is None else arrival_time,
-            priority=priority)
-        return request, prompt_text
+        arrival = time.time() if arrival_time is None else arrival_time
+        if params.n == 1:
+            children = [(request_id, params)]
+        else:
+            children = [(child_request_id(i, request_id),
+                         params.clone(n=1, seed=None if params.seed is None
+                                      else params.seed + i)) for i in range(params.n)]
+        engine_requests = [EngineCoreRequest(
+            request_id=child_id, prompt_token_ids=prompt_ids, sampling_params=child_params,
+            eos_token_id=self.eos_token_id, arrival_time=arrival, priority=priority,
+            cache_salt=cache_salt) for child_id, child_params in children]
+        return ProcessedRequest(request_id, prompt_text, prompt_ids, params, engine_requests)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        """(prompt text or None, token ids, cache_salt)."""
+        cache_salt = None
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown or len(prompt) != 1:
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            sources = {"prompt", "prompt_token_ids"} & set(prompt)
+            if unknown or len(sources) != 1:
                 raise ValueError("a prompt dict takes exactly one of 'prompt' or "
-                                 f"'prompt_token_ids', got keys {sorted(prompt)}")
+                                 "'prompt_token_ids' (and optionally 'cache_salt'), got keys "
+                                 f"{sorted(prompt)}")
+            cache_salt = prompt.get("cache_salt")
+            if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+                raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
             if "prompt_token_ids" in prompt:
-                return None, self._check_token_ids(prompt["prompt_token_ids"])
+                return None, self._check_token_ids(prompt["prompt_token_ids"]), cache_salt
             prompt = prompt["prompt"]
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a string or a dict with 'prompt' or "
@@ -72,7 +95,7 @@ class Processor:
         ids = self.tokenizer.encode(prompt)
         if not ids:
             raise ValueError("prompt tokenized to zero tokens")
-        return prompt, ids
+        return prompt, ids, cache_salt
 
     def _check_token_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, list):
@@ -93,8 +116,6 @@ class Processor:
     def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """Settle max_tokens and the stop-token list; re-validates the (mutable) params."""
         max_len = self.info.max_model_len
-        if params.n != 1:
-            raise ValueError(f"n={params.n}: only n=1 is supported so far")
         if prompt_len >= max_len:
             raise ValueError(f"prompt is {prompt_len} tokens, but max_model_len is {max_len} "
                              "(at least one token must be generated)")

@@ -56,6 +56,13 @@ class EngineArgs:
         None, "KV-cache size in bytes (accepts 512MiB, 4GiB); overrides the automatic size.")
     load_format: str = _opt("auto", "'dummy' gives random weights of the right shapes.",
                             LOAD_FORMATS)
+    enable_prefix_caching: bool = _opt(
+        True, "Reuse the KV of prompt prefixes already computed (hash-identified blocks).")
+    scheduling_policy: str = _opt(
+        "fcfs", "'fcfs' (arrival order) or 'priority' (lower `priority` first, then "
+        "arrival).", ("fcfs", "priority"))
+    long_prefill_token_threshold: int = _opt(
+        0, "Most tokens one prompt may take in a step (0: no cap below the step budget).")
     attention_backend: str = _opt(
         "auto", "'auto' (triton on cuda, torch on cpu), 'triton' (on the CPU through "
         "Triton's interpreter: slow, for tests) or 'torch'.", ("auto", "triton", "torch"))
@@ -86,6 +93,13 @@ class EngineArgs:
                     maximum=1.0, min_exclusive=True)
         check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1,
                   allow_none=True)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError("enable_prefix_caching must be a bool, got "
+                            f"{self.enable_prefix_caching!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("scheduling_policy must be 'fcfs' or 'priority', got "
+                             f"{self.scheduling_policy!r}")
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError("attention_backend must be one of auto, triton, torch, got "
                              f"{self.attention_backend!r}")

@@ -36,7 +36,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampling_params: SamplingParams  # max_tokens already resolved (never None here)
     eos_token_id: int | None
     arrival_time: float
-    priority: int = 0
+    priority: int = 0  # lower runs first under scheduling_policy="priority"
+    cache_salt: str | None = None  # requests with different salts never share KV blocks
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -57,6 +58,7 @@ class UtilityMethod(enum.IntEnum):
     """The fixed allow-list of calls a client may make into the engine core."""
 
     GET_STATS = 0  # -> EngineStats
+    RESET_PREFIX_CACHE = 1  # -> bool (False while blocks are held)
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, gc=False):

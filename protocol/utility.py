@@ -7,4 +7,5 @@ from protocol.stats import EngineStats
 
 RESULT_TYPES: dict[UtilityMethod, type] = {
     UtilityMethod.GET_STATS: EngineStats,
+    UtilityMethod.RESET_PREFIX_CACHE: bool,
 }

@@ -47,8 +47,8 @@ def test_greedy_matches_with_staggered_arrivals(name, model_dirs, hf_reference, 
     while pending or core.has_work():
         if pending and step % 3 == 0:  # one new request every third step
             i, ids = pending.pop(0)
-            request, _ = llm.processor.process_inputs(f"r{i}", {"prompt_token_ids": ids},
-                                                     params)
+            request = llm.processor.process_inputs(f"r{i}", {"prompt_token_ids": ids},
+                                                   params).engine_requests[0]
             core.add_request(request)
         if core.scheduler.num_running and core.scheduler.num_waiting:
             mixed_steps += 1

@@ -20,6 +20,7 @@ import zmq
 from conftest import PROMPTS
 
 from frontend import LLM, AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
+from frontend.output_processor import ProcessedRequest
 from protocol.messages import (
     CLIENT_INDEX,
     PROTOCOL_VERSION,
@@ -337,7 +338,9 @@ def test_out_of_vocabulary_request_fails_alone(model_dirs, hf_reference):
         request = EngineCoreRequest("bad", [5, vocab + 5], GREEDY.clone(max_tokens=4), 0,
                                     time.time())
         queue: asyncio.Queue = asyncio.Queue()
-        engine.output_processor.add_request(request, None, queue)
+        engine.output_processor.add_request(
+            ProcessedRequest("bad", None, request.prompt_token_ids, request.sampling_params,
+                             [request]), queue)
         engine.engine_core.add_request(request)
         item = await queue.get()
         assert isinstance(item, ValueError)

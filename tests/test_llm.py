@@ -100,9 +100,10 @@ def test_eos_stops_unless_ignored_and_not_before_min_tokens(llama):
 
 def test_generation_config_eos_ids_become_stop_tokens(llama):
     # The test models' generation_config lists <|endoftext|> (0) and <|im_end|> (2).
-    request, _ = llama.processor.process_inputs("x", "hi", SamplingParams())
+    request = llama.processor.process_inputs("x", "hi", SamplingParams()).engine_requests[0]
     assert request.eos_token_id == 0 and request.sampling_params.stop_token_ids == [2]
-    request, _ = llama.processor.process_inputs("y", "hi", SamplingParams(ignore_eos=True))
+    request = llama.processor.process_inputs(
+        "y", "hi", SamplingParams(ignore_eos=True)).engine_requests[0]
     assert request.sampling_params.stop_token_ids is None
 
 
@@ -193,7 +194,7 @@ BAD_INPUTS = [
      "max_model_len"),
     ("ok", {"temperature": 0}, TypeError, "sampling_params"),
     ("ok", SamplingParams(stop_token_ids=[99999]), ValueError, "stop_token_ids"),
-    ("ok", SamplingParams(n=2), ValueError, "n=2"),
+    ({"prompt": "x", "cache_salt": ""}, GREEDY, ValueError, "cache_salt"),
 ]
 
 
@@ -247,7 +248,8 @@ def test_skip_tokenizer_init_takes_token_ids_and_returns_no_text(model_dirs, mak
     out = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == with_text.outputs[0].token_ids and out.text == ""
     # EOS comes from generation_config.json alone: <|endoftext|> (0), then <|im_end|> (2).
-    request, _ = llm.processor.process_inputs("x", {"prompt_token_ids": ids}, GREEDY)
+    request = llm.processor.process_inputs("x", {"prompt_token_ids": ids},
+                                           GREEDY).engine_requests[0]
     assert request.eos_token_id == 0 and request.sampling_params.stop_token_ids == [2]
     with pytest.raises(ValueError, match="skip_tokenizer_init"):
         llm.generate("text prompt", GREEDY, use_tqdm=False)

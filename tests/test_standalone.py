@@ -81,9 +81,9 @@ def test_attach_detach_attach_gives_the_same_tokens(engine_at, model_dirs, hf_re
 def test_a_frontend_that_leaves_mid_generation_frees_its_blocks(engine_at, model_dirs):
     _, address = engine_at()
     first = LLM(str(model_dirs["llama"]), engine_address=address)
-    request, _ = first.processor.process_inputs(
+    request = first.processor.process_inputs(
         "left-behind", "x", SamplingParams(max_tokens=1500, ignore_eos=True))
-    first.engine_core.add_request(request)
+    first.engine_core.add_request(request.engine_requests[0])
     first.shutdown()  # BYE: the engine aborts what this frontend left running
     with LLM(str(model_dirs["llama"]), engine_address=address) as second:
         import time

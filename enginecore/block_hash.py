@@ -1,0 +1,37 @@
+"""Prefix-cache identities of full KV blocks.
+
+A full block's hash chains its parent's hash, its token ids and extra keys (the
+request's cache_salt, in the first block only: the chain carries it on):
+
+    hash(block k) = sha256(msgpack([hash(block k-1) or None, token_ids_k, extra_k]))
+
+so two requests share a block exactly when everything before it and in it is the same.
+sha256 over a stable encoding, never Python's `hash()`: it must not collide by
+accident, nor differ between processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import msgspec
+
+BlockHash = bytes
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int],
+               extra: tuple[str, ...] = ()) -> BlockHash:
+    return hashlib.sha256(_encode((parent, token_ids, extra))).digest()
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
+                        cache_salt: str | None) -> None:
+    """Append to `hashes` the hash of every full block of `token_ids` it lacks."""
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1,
+                       block_size):
+        parent = hashes[-1] if hashes else None
+        extra = (cache_salt,) if cache_salt is not None and parent is None else ()
+        hashes.append(hash_block(parent, token_ids[start:start + block_size], extra))
