@@ -40,7 +40,8 @@ class EngineCore:
             vocab_size=model_config.vocab_size, block_size=args.block_size,
             num_kv_blocks=self.executor.num_kv_blocks,
             max_num_batched_tokens=self.executor.max_num_batched_tokens,
-            device=str(self.executor.device), dtype=str(model_config.dtype).removeprefix("torch."))
+            device=str(self.executor.device), dtype=str(model_config.dtype).removeprefix("torch."),
+            max_logprobs=args.max_logprobs)
         self._rejected: list[EngineCoreOutput] = []  # bad requests, reported next step
         self.recent_steps: deque[StepTimings] = deque(maxlen=STEP_WINDOW)
         self.num_steps = 0
@@ -122,7 +123,20 @@ class EngineCore:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             return f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
-        max_tokens = request.sampling_params.max_tokens
+        params = request.sampling_params
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids),
+                          ("logit_bias", list(params.logit_bias or ())),
+                          ("stop_token_ids", params.stop_token_ids),
+                          ("bad_words_token_ids",
+                           [t for word in params.bad_words_token_ids or () for t in word])):
+            bad = [t for t in ids or () if not 0 <= t < vocab]
+            if bad:
+                return f"{name} outside the vocabulary [0, {vocab}): {bad[:5]}"
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.info.max_logprobs:
+                return f"{name}={asked} is more than max_logprobs={self.info.max_logprobs}"
+        max_tokens = params.max_tokens
         if max_tokens is None:
             return "sampling_params.max_tokens must be resolved before the engine core"
         if len(prompt) + max_tokens > self.info.max_model_len:

@@ -40,9 +40,11 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """The longest run of the request's full blocks found in the prefix cache.
 
-        Never the whole request: its last token is always computed, for its logits.
+        Never the whole request: its last token is always computed, for its logits. None
+        for a request that wants prompt logprobs: every prompt position must be computed.
         """
-        if not self.enable_prefix_caching:
+        if (not self.enable_prefix_caching
+                or request.sampling_params.prompt_logprobs is not None):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.request import Request, RequestStatus
 from enginecore.request_queue import SCHEDULING_POLICIES, create_request_queue, sort_key
-from protocol.messages import EngineCoreOutput, FinishReason
+from protocol.messages import EngineCoreOutput, FinishReason, TokenLogprobs
 from protocol.scheduling import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -185,8 +185,14 @@ class Scheduler:
         for request_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                          strict=True):
             request = self.requests.get(request_id)
-            if request is None or not token_ids:
-                continue  # aborted meanwhile, or a prompt chunk that samples nothing
+            if request is None:
+                continue  # aborted meanwhile
+            prompt_logprobs = self._new_prompt_logprobs(request, runner_output)
+            if not token_ids:  # a prompt chunk: samples nothing
+                if prompt_logprobs:
+                    outputs.append(EngineCoreOutput(request_id, [],
+                                                    new_prompt_logprobs=prompt_logprobs))
+                continue
             new_token_ids = []
             for token_id in token_ids:
                 request.append_output_token_id(token_id)
@@ -196,13 +202,30 @@ class Scheduler:
             if request.is_finished:
                 any_finished = True
                 self._free(request)
-            outputs.append(EngineCoreOutput(request_id, new_token_ids, request.finish_reason,
-                                            request.stop_reason))
+            logprobs = runner_output.logprobs.get(request_id)
+            outputs.append(EngineCoreOutput(
+                request_id, new_token_ids, request.finish_reason, request.stop_reason,
+                new_logprobs=[logprobs] if logprobs is not None else None,
+                new_prompt_logprobs=prompt_logprobs))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
     # -- helpers -------------------------------------------------------------------
+
+    @staticmethod
+    def _new_prompt_logprobs(request: Request, runner_output: ModelRunnerOutput
+                             ) -> list[TokenLogprobs] | None:
+        """This step's prompt logprobs, minus positions already sent (a request that
+        is recomputed after a preemption computes them again)."""
+        chunk = runner_output.prompt_logprobs.get(request.request_id)
+        if chunk is None:
+            return None
+        skip = max(0, request.num_prompt_logprobs_sent - chunk.start)
+        new = chunk.logprobs[skip:]
+        request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent,
+                                               chunk.start + len(chunk.logprobs))
+        return new or None
 
     def _num_new_tokens(self, request: Request, budget: int, num_hit_tokens: int = 0) -> int:
         num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens

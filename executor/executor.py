@@ -32,7 +32,8 @@ class Executor:
             8192 if self.device.type == "cuda" else 2048)
         self.block_size = args.block_size
         self.runner = ModelRunner(self.model_config, self.device, args.block_size,
-                                  args.max_num_seqs, args.seed, args.attention_backend)
+                                  args.max_num_seqs, args.seed, args.attention_backend,
+                                  args.logprobs_mode)
         self.num_kv_blocks = self._determine_num_kv_blocks(args)
         self.runner.initialize_kv_cache(self.num_kv_blocks)
         gib = self.num_kv_blocks * self.runner.kv_cache_bytes_per_block() / 2**30

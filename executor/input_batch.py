@@ -37,9 +37,20 @@ class InputBatch:
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)  # vocab size: off
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
-        # Per row, Python-side: rarely used fields.
+        self.presence = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition = np.ones(max_num_reqs, dtype=np.float32)
+        # Per row, Python-side: rarely used fields, keyed by row.
         self.seeds: dict[int, int] = {}
         self.stop_ids: dict[int, list[int]] = {}  # EOS + stop ids, banned before min_tokens
+        self.penalized: set[int] = set()
+        self.logit_bias: dict[int, dict[int, float]] = {}
+        self.allowed: dict[int, list[int]] = {}
+        self.bad_words: dict[int, list[list[int]]] = {}
+        self.num_logprobs: dict[int, int] = {}
+        self.num_prompt_logprobs: dict[int, int] = {}
+        self._optional = (self.seeds, self.stop_ids, self.logit_bias, self.allowed,
+                          self.bad_words, self.num_logprobs, self.num_prompt_logprobs)
         self.rows: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -63,8 +74,9 @@ class InputBatch:
     def remove(self, req_id: str) -> None:
         row = self.rows.pop(req_id, None)
         if row is not None:
-            self.seeds.pop(row, None)
-            self.stop_ids.pop(row, None)
+            for table in self._optional:
+                table.pop(row, None)
+            self.penalized.discard(row)
             self._free_rows.append(row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -92,3 +104,19 @@ class InputBatch:
             stop.append(eos_token_id)
         if params.min_tokens and stop:
             self.stop_ids[row] = stop
+        self.presence[row] = params.presence_penalty
+        self.frequency[row] = params.frequency_penalty
+        self.repetition[row] = params.repetition_penalty
+        if (params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0):
+            self.penalized.add(row)
+        if params.logit_bias:
+            self.logit_bias[row] = params.logit_bias
+        if params.allowed_token_ids:
+            self.allowed[row] = params.allowed_token_ids
+        if params.bad_words_token_ids:
+            self.bad_words[row] = params.bad_words_token_ids
+        if params.logprobs is not None:
+            self.num_logprobs[row] = params.logprobs
+        if params.prompt_logprobs is not None:
+            self.num_prompt_logprobs[row] = params.prompt_logprobs

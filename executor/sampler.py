@@ -1,8 +1,16 @@
 """Batched sampling: one pass over the step's logits with per-request parameters.
 
-Greedy rows take the argmax of the raw logits. Random rows are scaled by temperature,
-masked by min_p / top-k / top-p, and sampled with the exponential trick
-(argmax(p / q), q ~ Exp(1)), which needs no multinomial call and no host sync.
+    logits [B, V] (fp32)
+      -> raw logprobs (if asked for, logprobs_mode="raw_logprobs")
+      -> allowed_token_ids / banned tokens (min_tokens' EOS and stop ids, bad words)
+         / logit_bias
+      -> repetition, frequency and presence penalties
+      -> greedy rows: argmax
+      -> random rows: / temperature, top-k, top-p, min-p, then argmax(p / q), q ~ Exp(1)
+      -> processed logprobs (if asked for, logprobs_mode="processed_logprobs")
+
+Every stage is a tensor operation over the rows that need it; a stage no row needs is
+skipped entirely, so plain requests pay nothing for features they do not use.
 
 A seeded request draws its noise from a generator seeded by (seed, position of the
 token being sampled), so its tokens depend on nothing else: not on its batch-mates,
@@ -19,18 +27,51 @@ _MASK = float("-inf")
 
 
 @dataclass
+class Penalties:
+    """vLLM's penalties for the rows that use them (P of the B rows)."""
+
+    rows: torch.Tensor  # [P] int64
+    presence: torch.Tensor  # [P] float32
+    frequency: torch.Tensor  # [P] float32
+    repetition: torch.Tensor  # [P] float32
+    prompt_mask: torch.Tensor  # [P, V] bool: token occurs in the prompt
+    output_counts: torch.Tensor  # [P, V] float32: occurrences in the output so far
+
+
+@dataclass
 class SamplingMetadata:
-    """Per-row parameters for one step's logits [B, V]. Optional tensors are None when
-    no row needs them, so plain requests pay nothing for features they do not use."""
+    """Per-row parameters for one step's logits [B, V]. Optional parts are None when no
+    row needs them."""
 
     temperature: torch.Tensor  # [B] float32; 0 marks a greedy row
     all_greedy: bool
     any_greedy: bool
-    top_k: torch.Tensor | None  # [B] int64, vocab size where off
-    top_p: torch.Tensor | None  # [B] float32, 1.0 where off
-    min_p: torch.Tensor | None  # [B] float32, 0.0 where off
-    seeds: dict[int, int]  # row -> generator seed for seeded random rows
-    banned: list[tuple[int, list[int]]]  # (row, token ids masked this step: EOS before min_tokens)
+    top_k: torch.Tensor | None = None  # [B] int64, vocab size where off
+    top_p: torch.Tensor | None = None  # [B] float32, 1.0 where off
+    min_p: torch.Tensor | None = None  # [B] float32, 0.0 where off
+    seeds: dict[int, int] | None = None  # row -> generator seed for seeded random rows
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [N], token ids [N])
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids): only these
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, +
+    penalties: Penalties | None = None
+    logprob_rows: torch.Tensor | None = None  # [L] rows whose logprobs are returned
+    num_logprobs: int = 0  # top-k to return (the largest any of those rows asked for)
+    processed_logprobs: bool = False  # logprobs_mode="processed_logprobs"
+
+
+@dataclass
+class LogprobsTensors:
+    """For the logprob rows: the sampled token then the top-k, with logprobs."""
+
+    token_ids: torch.Tensor  # [L, 1 + K] int64
+    logprobs: torch.Tensor  # [L, 1 + K] float32
+    sampled_ranks: torch.Tensor  # [L] int64, 1-based rank of the sampled token
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None
 
 
 class Sampler:
@@ -39,26 +80,36 @@ class Sampler:
         # Noise for unseeded rows; seeded by the engine's seed for reproducible runs.
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """logits: [B, V] -> sampled token ids [B] int64 (on the device)."""
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits: [B, V] -> sampled token ids [B] (on the device), and logprobs."""
         logits = logits.float()
-        for row, token_ids in meta.banned:
-            logits[row, token_ids] = _MASK
+        raw_logprobs = None
+        if meta.logprob_rows is not None and not meta.processed_logprobs:
+            raw_logprobs = logits[meta.logprob_rows].log_softmax(dim=-1)
+        logits = apply_token_masks(logits, meta)
+        if meta.penalties is not None:
+            logits = apply_penalties(logits, meta.penalties)
         greedy = logits.argmax(dim=-1) if meta.any_greedy else None
         if meta.all_greedy:
             assert greedy is not None
-            return greedy
-        temperature = torch.where(meta.temperature > 0, meta.temperature, 1.0)
-        logits = logits / temperature[:, None]
-        if meta.top_k is not None or meta.top_p is not None:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = logits.softmax(dim=-1)
-        if meta.min_p is not None:
-            probs = apply_min_p(probs, meta.min_p)
-        sampled = self._exponential_sample(probs, meta.seeds)
-        if greedy is not None:
-            sampled = torch.where(meta.temperature > 0, sampled, greedy)
-        return sampled
+            sampled = greedy
+        else:
+            temperature = torch.where(meta.temperature > 0, meta.temperature, 1.0)
+            logits = logits / temperature[:, None]
+            if meta.top_k is not None or meta.top_p is not None:
+                logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+            probs = logits.softmax(dim=-1)
+            if meta.min_p is not None:
+                probs = apply_min_p(probs, meta.min_p)
+            sampled = self._exponential_sample(probs, meta.seeds or {})
+            if greedy is not None:
+                sampled = torch.where(meta.temperature > 0, sampled, greedy)
+        logprobs = None
+        if meta.logprob_rows is not None:
+            source = raw_logprobs if raw_logprobs is not None \
+                else logits[meta.logprob_rows].log_softmax(dim=-1)
+            logprobs = gather_logprobs(source, sampled[meta.logprob_rows], meta.num_logprobs)
+        return SamplerOutput(sampled, logprobs)
 
     def _exponential_sample(self, probs: torch.Tensor, seeds: dict[int, int]) -> torch.Tensor:
         q = torch.empty_like(probs)
@@ -67,6 +118,39 @@ class Sampler:
             generator = torch.Generator(device=probs.device).manual_seed(seed)
             q[row].exponential_(generator=generator)
         return probs.div_(q).argmax(dim=-1)
+
+
+def apply_token_masks(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """allowed_token_ids, banned tokens and logit_bias: index operations, no loops."""
+    if meta.allowed is not None:
+        rows, ids = meta.allowed
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[rows, ids] = True
+        restricted = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        restricted[rows] = True
+        logits = logits.masked_fill(restricted[:, None] & ~keep, _MASK)
+    if meta.banned is not None:
+        rows, ids = meta.banned
+        logits[rows, ids] = _MASK
+    if meta.logit_bias is not None:
+        rows, ids, values = meta.logit_bias
+        logits.index_put_((rows, ids), values, accumulate=True)
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """vLLM's (and transformers') rules: a token seen in the prompt or output has its
+    logit divided by repetition_penalty if positive, multiplied if not; the output's
+    counts then subtract frequency_penalty per occurrence and presence_penalty once."""
+    rows = logits[p.rows]  # [P, V]
+    output_mask = p.output_counts > 0
+    seen = p.prompt_mask | output_mask
+    repetition = torch.where(seen, p.repetition[:, None], 1.0)
+    rows = torch.where(rows > 0, rows / repetition, rows * repetition)
+    rows = rows - p.frequency[:, None] * p.output_counts
+    rows = rows - p.presence[:, None] * output_mask
+    logits[p.rows] = rows
+    return logits
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
@@ -93,6 +177,18 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Zero tokens less likely than min_p times the row's most likely token."""
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(-1)
     return probs.masked_fill(probs < threshold, 0.0)
+
+
+def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobsTensors:
+    """logprobs: [L, V]; chosen: [L] -> the chosen token and the top-k, with the chosen
+    token's 1-based rank (ties ranked in its favour)."""
+    k = min(k, logprobs.shape[-1])
+    chosen_lp = logprobs.gather(-1, chosen[:, None])  # [L, 1]
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0],
+                                                          chosen[:, None][:, :0])
+    return LogprobsTensors(torch.cat([chosen[:, None], top_ids], dim=-1),
+                           torch.cat([chosen_lp, top_lp], dim=-1), ranks)
 
 
 def mix_seed(seed: int, position: int) -> int:

@@ -17,10 +17,16 @@ _PRIME_TOKENS = 6
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any | None, prompt_token_ids: list[int],
-                 skip_special_tokens: bool) -> None:
-        """With no tokenizer (skip_tokenizer_init) it only collects token ids."""
+                 skip_special_tokens: bool, spaces_between_special_tokens: bool = True
+                 ) -> None:
+        """With no tokenizer (skip_tokenizer_init, detokenize=False) it only collects
+        token ids. spaces_between_special_tokens matters to slow tokenizers only: fast
+        ones never add spaces (as in transformers)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.decode_kwargs = {"skip_special_tokens": skip_special_tokens}
+        if self.tokenizer is not None and getattr(tokenizer, "_tokenizer", None) is None:
+            self.decode_kwargs["spaces_between_special_tokens"] = spaces_between_special_tokens
         self.token_ids: list[int] = []
         self.text = ""
         backend = getattr(tokenizer, "_tokenizer", None)
@@ -41,8 +47,7 @@ class IncrementalDetokenizer:
             pieces = [self._stream.step(self._backend, t) for t in new_token_ids]
             delta = "".join(p for p in pieces if p)
         else:  # a tokenizer without a fast backend: decode all, hold back partial chars
-            full = self.tokenizer.decode(self.token_ids,
-                                         skip_special_tokens=self.skip_special_tokens)
+            full = self.tokenizer.decode(self.token_ids, **self.decode_kwargs)
             if full.endswith("\ufffd"):
                 return ""
             delta = full[len(self.text):]
@@ -54,7 +59,7 @@ class IncrementalDetokenizer:
         bytes of an incomplete character decode to U+FFFD, as `tokenizer.decode` does)."""
         if self.tokenizer is None:
             return ""
-        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        full = self.tokenizer.decode(self.token_ids, **self.decode_kwargs)
         if len(full) <= len(self.text) or not full.startswith(self.text):
             return ""
         delta = full[len(self.text):]

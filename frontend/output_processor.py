@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.detokenizer import IncrementalDetokenizer
-from frontend.outputs import CompletionOutput, RequestOutput
-from protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from frontend.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
 from protocol.sampling_params import RequestOutputKind, SamplingParams
 
 # AsyncLLM streams each request through its own queue: outputs, or the exception that
@@ -48,6 +48,9 @@ class CompletionState:
 
     def __init__(self, index: int, request: EngineCoreRequest, tokenizer: Any) -> None:
         params = request.sampling_params
+        if not params.detokenize:
+            tokenizer = None  # token ids only: no text, no decoded logprob tokens
+        self.tokenizer = tokenizer
         self.index = index
         self.min_tokens = params.min_tokens
         self.stop = params.stop or []
@@ -55,7 +58,12 @@ class CompletionState:
         # Streamed text holds back what could still turn out to start a stop string.
         self.stop_buffer = max((len(s) for s in self.stop), default=1) - 1
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
-                                                  params.skip_special_tokens)
+                                                  params.skip_special_tokens,
+                                                  params.spaces_between_special_tokens)
+        self.logprobs: list[PositionLogprobs] | None = (
+            [] if params.logprobs is not None else None)
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.sent_logprobs = 0
         self.text_end: int | None = None  # text length after a stop string cut it
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
@@ -69,6 +77,11 @@ class CompletionState:
     def update(self, output: EngineCoreOutput) -> bool:
         """Absorb one step's tokens; True when a stop string finished it here."""
         delta = self.detokenizer.update(output.new_token_ids)
+        if self.logprobs is not None and output.new_logprobs:
+            for position in output.new_logprobs:
+                self.logprobs.append(logprob_dict(position, self.tokenizer))
+                self.cumulative_logprob = (self.cumulative_logprob or 0.0) + \
+                    position.logprobs[0]
         if output.finish_reason is not None:
             self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
             delta += self.detokenizer.flush()
@@ -87,12 +100,18 @@ class CompletionState:
         if not self.finished and self.stop_buffer:
             text = text[:max(len(text) - self.stop_buffer, self.sent_text)]
         token_ids = self.detokenizer.token_ids
+        logprobs = self.logprobs
         if delta:
             text, self.sent_text = text[self.sent_text:], len(text)
             token_ids, self.sent_tokens = token_ids[self.sent_tokens:], len(token_ids)
-        return CompletionOutput(index=self.index, text=text, token_ids=list(token_ids),
-                                finish_reason=str(self.finish_reason) if self.finished
-                                else None, stop_reason=self.stop_reason)
+            if logprobs is not None:
+                logprobs, self.sent_logprobs = logprobs[self.sent_logprobs:], len(logprobs)
+        return CompletionOutput(
+            index=self.index, text=text, token_ids=list(token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(logprobs) if logprobs is not None else None,
+            finish_reason=str(self.finish_reason) if self.finished else None,
+            stop_reason=self.stop_reason)
 
 
 class RequestState:
@@ -108,6 +127,14 @@ class RequestState:
         self.engine_ids = [r.request_id for r in processed.engine_requests]
         self.completions = [CompletionState(i, r, tokenizer)
                             for i, r in enumerate(processed.engine_requests)]
+        self.tokenizer = tokenizer if processed.params.detokenize else None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            [None] if processed.params.prompt_logprobs is not None else None)
+        self.sent_prompt_logprobs = 0
+
+    def add_prompt_logprobs(self, positions: list[TokenLogprobs]) -> None:
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs += [logprob_dict(p, self.tokenizer) for p in positions]
 
     @property
     def finished(self) -> bool:
@@ -124,14 +151,30 @@ class RequestState:
         else:  # CUMULATIVE: every completion that has begun
             outputs = [c.completion(delta=False) for c in self.completions
                        if c.detokenizer.token_ids or c.finished]
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is not None and self.output_kind == RequestOutputKind.DELTA:
+            prompt_logprobs, self.sent_prompt_logprobs = (
+                prompt_logprobs[self.sent_prompt_logprobs:], len(prompt_logprobs))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             finished)
+                             finished, list(prompt_logprobs) if prompt_logprobs is not None
+                             else None)
 
     def emit(self, output: RequestOutput | BaseException, into: ProcessedOutputs) -> None:
         if self.queue is not None:
             self.queue.put_nowait(output)
         elif isinstance(output, RequestOutput):
             into.request_outputs.append(output)
+
+
+def logprob_dict(position: TokenLogprobs, tokenizer: Any | None) -> PositionLogprobs:
+    """token id -> Logprob; the chosen token (first) keeps its own rank."""
+    result: PositionLogprobs = {}
+    for token_id, logprob, rank in zip(position.token_ids, position.logprobs, position.ranks,
+                                       strict=True):
+        if token_id not in result:
+            decoded = tokenizer.decode([token_id]) if tokenizer is not None else None
+            result[token_id] = Logprob(logprob, rank, decoded)
+    return result
 
 
 def find_stop_string(text: str, new_chars: int, stop: list[str], include: bool
@@ -206,6 +249,8 @@ class OutputProcessor:
                                             if not c.finished and e != output.request_id]
                 self._forget(state.request_id)
                 continue
+            if output.new_prompt_logprobs:
+                state.add_prompt_logprobs(output.new_prompt_logprobs)
             if completion.update(output):
                 processed.reqs_to_abort.append(output.request_id)
             request_output = state.make_output(completion)

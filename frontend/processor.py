@@ -49,14 +49,21 @@ class Processor:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an integer, got {priority!r}")
         prompt_text, prompt_ids, cache_salt = self._tokenize(prompt)
+        truncate = params.truncate_prompt_tokens
+        if truncate is not None:  # keep the last tokens; -1: as many as the model takes
+            keep = self.info.max_model_len if truncate == -1 else truncate
+            prompt_ids = prompt_ids[-keep:]
         params = self._resolve_params(params, len(prompt_ids))
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
             children = [(request_id, params)]
         else:
+            # The prompt's logprobs are the same for every completion: compute them once.
             children = [(child_request_id(i, request_id),
                          params.clone(n=1, seed=None if params.seed is None
-                                      else params.seed + i)) for i in range(params.n)]
+                                      else params.seed + i,
+                                      prompt_logprobs=params.prompt_logprobs if i == 0
+                                      else None)) for i in range(params.n)]
         engine_requests = [EngineCoreRequest(
             request_id=child_id, prompt_token_ids=prompt_ids, sampling_params=child_params,
             eos_token_id=self.eos_token_id, arrival_time=arrival, priority=priority,
@@ -128,11 +135,36 @@ class Processor:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True); "
                              "use stop_token_ids")
-        stop_ids = list(params.stop_token_ids or ())
         vocab = self.info.vocab_size
-        bad = [t for t in stop_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids),
+                          ("logit_bias", list(params.logit_bias or ()))):
+            bad = [t for t in ids or () if t >= vocab]
+            if bad:
+                raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.info.max_logprobs:
+                raise ValueError(f"{name}={asked} is more than this engine's max_logprobs "
+                                 f"({self.info.max_logprobs})")
+        stop_ids = list(params.stop_token_ids or ())
         if self.extra_eos_ids and not params.ignore_eos:
             stop_ids += [t for t in self.extra_eos_ids if t not in stop_ids]
-        return params.clone(max_tokens=max_tokens, stop_token_ids=stop_ids or None)
+        return params.clone(max_tokens=max_tokens, stop_token_ids=stop_ids or None,
+                            bad_words_token_ids=self._bad_words(params.bad_words))
+
+    def _bad_words(self, words: list[str] | None) -> list[list[int]] | None:
+        """Each bad word's token ids, alone and after a space (vLLM's rule: a word can
+        start a text or follow one)."""
+        if not words:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer (skip_tokenizer_init=True)")
+        sequences: list[list[int]] = []
+        for word in words:
+            for variant in (word, " " + word):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences

@@ -63,6 +63,11 @@ class EngineArgs:
         "arrival).", ("fcfs", "priority"))
     long_prefill_token_threshold: int = _opt(
         0, "Most tokens one prompt may take in a step (0: no cap below the step budget).")
+    max_logprobs: int = _opt(20, "Most logprobs / prompt_logprobs a request may ask for.")
+    logprobs_mode: str = _opt(
+        "raw_logprobs", "'raw_logprobs' (from the model's logits) or 'processed_logprobs' "
+        "(after penalties, masks, temperature, top-k/top-p).",
+        ("raw_logprobs", "processed_logprobs"))
     attention_backend: str = _opt(
         "auto", "'auto' (triton on cuda, torch on cpu), 'triton' (on the CPU through "
         "Triton's interpreter: slow, for tests) or 'torch'.", ("auto", "triton", "torch"))
@@ -100,6 +105,10 @@ class EngineArgs:
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority', got "
                              f"{self.scheduling_policy!r}")
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
+        check_int("max_logprobs", self.max_logprobs, minimum=0)
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError("logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', "
+                             f"got {self.logprobs_mode!r}")
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError("attention_backend must be one of auto, triton, torch, got "
                              f"{self.attention_backend!r}")

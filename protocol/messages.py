@@ -40,6 +40,16 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     cache_salt: str | None = None  # requests with different salts never share KV blocks
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Log-probabilities at one position: the chosen token first (the sampled one, or
+    the prompt's actual next token), then the top-k alternatives, most likely first.
+    Ranks are 1-based among the whole vocabulary."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one request produced in one engine step."""
 
@@ -48,6 +58,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id (or stop string) that hit
     error: str | None = None  # set with FinishReason.ERROR
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, if asked for
+    # Prompt positions computed this step: entry j predicts the prompt's next token.
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -112,6 +125,7 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):
     max_num_batched_tokens: int
     device: str
     dtype: str
+    max_logprobs: int = 20
 
 
 class HandshakeKind(enum.IntEnum):

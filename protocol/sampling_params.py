@@ -69,10 +69,14 @@ def check_bool(name: str, value: Any) -> None:
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """How to sample one request's completion (vLLM's names and defaults).
+    """How to sample one request's completion (vLLM's names, defaults and semantics).
 
     temperature 0 means greedy. top_k 0 or -1 and top_p 1 mean "off". max_tokens None
     means "up to max_model_len"; the frontend resolves it before the engine sees it.
+    Penalties follow vLLM: repetition_penalty over prompt and output (logits > 0
+    divided, others multiplied), presence/frequency penalties over the output only.
+    logprobs / prompt_logprobs: how many top alternatives to return per position (the
+    sampled or actual token is always included), at most the engine's max_logprobs.
     """
 
     n: int = 1
@@ -81,14 +85,27 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
-    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Set by the frontend from bad_words (each word with and without a leading space).
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         check_int("n", self.n, minimum=1)
@@ -97,32 +114,41 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         check_int("top_k", self.top_k, minimum=-1)
         check_float("min_p", self.min_p, minimum=0.0, maximum=1.0)
         check_int("seed", self.seed, allow_none=True)
+        check_float("presence_penalty", self.presence_penalty, minimum=-2.0, maximum=2.0)
+        check_float("frequency_penalty", self.frequency_penalty, minimum=-2.0, maximum=2.0)
+        check_float("repetition_penalty", self.repetition_penalty, minimum=0.0, maximum=2.0,
+                    min_exclusive=True)
         check_int("max_tokens", self.max_tokens, minimum=1, allow_none=True)
         check_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        check_bool("ignore_eos", self.ignore_eos)
-        check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
-        check_bool("skip_special_tokens", self.skip_special_tokens)
+        check_int("logprobs", self.logprobs, minimum=0, allow_none=True)
+        check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, allow_none=True)
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens",
+                     "spaces_between_special_tokens", "include_stop_str_in_output"):
+            check_bool(name, getattr(self, name))
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
-        if isinstance(self.stop, str):  # vLLM accepts a single string
-            self.stop = [self.stop]
-        if self.stop is not None:
-            if not isinstance(self.stop, list):
-                raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
-            for s in self.stop:
-                if not isinstance(s, str):
-                    raise TypeError(f"stop entries must be strings, got {type(s).__name__} {s!r}")
-                if not s:
-                    raise ValueError("stop entries must be non-empty strings")
-        if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, list):
-                raise TypeError(
-                    f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
-            for t in self.stop_token_ids:
-                check_int("stop_token_ids entry", t, minimum=0)
+            raise TypeError(f"output_kind must be a RequestOutputKind (0 cumulative, 1 delta, "
+                            f"2 final only), got {self.output_kind!r}")
+        self.stop = _string_list("stop", self.stop)
+        self.bad_words = _string_list("bad_words", self.bad_words)
+        _token_id_list("stop_token_ids", self.stop_token_ids, allow_empty=True)
+        _token_id_list("allowed_token_ids", self.allowed_token_ids, allow_empty=False)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias, got "
+                                f"{self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                check_int("logit_bias token id", token, minimum=0)
+                check_float(f"logit_bias[{token}]", bias, minimum=-100.0, maximum=100.0)
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (use stop_token_ids)")
+        if self.bad_words_token_ids is not None:
+            for ids in self.bad_words_token_ids:
+                _token_id_list("bad_words_token_ids entry", ids, allow_empty=False)
 
     @property
     def greedy(self) -> bool:
@@ -132,3 +158,30 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def clone(self, **changes: Any) -> SamplingParams:
         """A copy with `changes` applied (and validated again)."""
         return msgspec.structs.replace(self, **changes)
+
+
+def _string_list(name: str, value: Any) -> list[str] | None:
+    """None, or a list of non-empty strings (a single string is accepted, as vLLM)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise TypeError(f"{name} must be a string or a list of strings, got {value!r}")
+    for s in value:
+        if not isinstance(s, str):
+            raise TypeError(f"{name} entries must be strings, got {type(s).__name__} {s!r}")
+        if not s:
+            raise ValueError(f"{name} entries must be non-empty strings")
+    return value
+
+
+def _token_id_list(name: str, value: Any, allow_empty: bool) -> None:
+    if value is None:
+        return
+    if not isinstance(value, list):
+        raise TypeError(f"{name} must be a list of token ids (integers), got {value!r}")
+    if not value and not allow_empty:
+        raise ValueError(f"{name} must not be empty")
+    for t in value:
+        check_int(f"{name} entry", t, minimum=0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
+from protocol.messages import TokenLogprobs
 from protocol.sampling_params import SamplingParams
 
 
@@ -47,11 +48,22 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
         return self.total_num_scheduled_tokens == 0
 
 
+class PromptLogprobsChunk(msgspec.Struct, array_like=True, gc=False):
+    """Prompt logprobs computed in one step: entry j is for prompt position start + j
+    (predicting prompt token start + j + 1)."""
+
+    start: int
+    logprobs: list[TokenLogprobs]
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
-    """Per scheduled request, the sampled token ids (empty for a partial prefill)."""
+    """Per scheduled request, the sampled token ids (empty for a partial prefill), and
+    logprobs for the requests that asked for them."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
+    logprobs: dict[str, TokenLogprobs] = {}
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = {}
     prepare_inputs_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0

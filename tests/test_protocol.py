@@ -27,7 +27,8 @@ from protocol import (
     SchedulerOutput,
     StepTimings,
 )
-from protocol.messages import EngineInfo
+from protocol.messages import EngineInfo, TokenLogprobs
+from protocol.scheduling import PromptLogprobsChunk
 
 # --- SamplingParams -----------------------------------------------------------------
 
@@ -87,7 +88,11 @@ def test_clone_revalidates():
 
 PARAMS = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=3, max_tokens=9,
                         min_tokens=2, stop_token_ids=[4, 5], stop=["\n\n"], ignore_eos=True,
-                        output_kind=RequestOutputKind.DELTA)
+                        output_kind=RequestOutputKind.DELTA, presence_penalty=0.5,
+                        frequency_penalty=-0.5, repetition_penalty=1.2,
+                        logit_bias={7: -2.5}, allowed_token_ids=[1, 7], bad_words=["no"],
+                        logprobs=3, prompt_logprobs=0, detokenize=True,
+                        truncate_prompt_tokens=8, bad_words_token_ids=[[3, 4]])
 
 MESSAGES = [
     PARAMS,
@@ -97,7 +102,14 @@ MESSAGES = [
     EngineCoreOutputs([EngineCoreOutput("r1", [7, 8]), EngineCoreOutput("r2", [9])], 4.25),
     SchedulerOutput([NewRequestData("r1", [1, 2], [3], PARAMS, 0, [4, 5], 0)],
                     [CachedRequestData("r2", [6], 17)], {"r1": 3, "r2": 1}, 4, ["r0"], ["r9"]),
-    ModelRunnerOutput(["r1", "r2"], [[5], []], 0.1, 0.2, 0.3),
+    ModelRunnerOutput(["r1", "r2"], [[5], []],
+                      logprobs={"r1": TokenLogprobs([5, 1], [-0.5, -0.25], [2, 1])},
+                      prompt_logprobs={"r2": PromptLogprobsChunk(3, [
+                          TokenLogprobs([9], [-1.5], [4])])},
+                      prepare_inputs_s=0.1, forward_s=0.2, sample_s=0.3),
+    EngineCoreOutput("r3", [4], new_logprobs=[TokenLogprobs([4, 4, 2], [-0.1, -0.1, -3.0],
+                                                            [1, 1, 2])],
+                     new_prompt_logprobs=[TokenLogprobs([1], [-2.0], [7])]),
     EngineStats(1, 2, 3, 4, 0.25, 10, 5, 1, 7,
                 StepTimings(1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3)),
     EngineInfo("m", 2048, 1024, 16, 100, 2048, "cpu", "float32"),

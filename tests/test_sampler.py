@@ -21,27 +21,30 @@ CPU = torch.device("cpu")
 def _meta(batch: int, temperature: float | list[float], **kwargs) -> SamplingMetadata:
     temps = temperature if isinstance(temperature, list) else [temperature] * batch
     t = torch.tensor(temps, dtype=torch.float32)
-    fields = {"top_k": None, "top_p": None, "min_p": None, "seeds": {}, "banned": []}
-    fields.update(kwargs)
     return SamplingMetadata(temperature=t, all_greedy=bool((t == 0).all()),
-                            any_greedy=bool((t == 0).any()), **fields)
+                            any_greedy=bool((t == 0).any()), **kwargs)
+
+
+def sample(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    return sampler(logits, meta).sampled
 
 
 def test_greedy_rows_take_the_argmax():
     logits = torch.tensor([[0.1, 3.0, -1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
-    assert Sampler(CPU, 0)(logits, _meta(2, 0.0)).tolist() == [1, 0]
+    assert sample(Sampler(CPU, 0), logits, _meta(2, 0.0)).tolist() == [1, 0]
 
 
 def test_greedy_and_random_rows_mix_in_one_batch():
     logits = torch.tensor([[0.0, 9.0, 0.0], [0.0, 0.0, 0.0]])
-    out = Sampler(CPU, 0)(logits, _meta(2, [0.0, 1.0], top_k=torch.tensor([3, 1])))
+    out = sample(Sampler(CPU, 0), logits, _meta(2, [0.0, 1.0], top_k=torch.tensor([3, 1])))
     assert out[0].item() == 1
     assert out[1].item() in (0, 1, 2)
 
 
 def test_banned_tokens_are_never_chosen():
     logits = torch.tensor([[0.0, 9.0, 8.0]])
-    assert Sampler(CPU, 0)(logits, _meta(1, 0.0, banned=[(0, [1])])).tolist() == [2]
+    banned = (torch.tensor([0]), torch.tensor([1]))
+    assert sample(Sampler(CPU, 0), logits, _meta(1, 0.0, banned=banned)).tolist() == [2]
 
 
 def test_top_k_keeps_exactly_the_k_largest():
@@ -73,7 +76,7 @@ def test_masked_tokens_are_never_sampled():
     torch.manual_seed(0)
     logits = torch.randn(256, 50)
     top3 = logits.topk(3, dim=-1).indices
-    out = Sampler(CPU, 0)(logits, _meta(256, 1.5, top_k=torch.full((256,), 3)))
+    out = sample(Sampler(CPU, 0), logits, _meta(256, 1.5, top_k=torch.full((256,), 3)))
     assert (out[:, None] == top3).any(dim=-1).all()
 
 
@@ -85,7 +88,7 @@ def test_frequencies_match_softmax_at_temperature(temperature):
     sampler = Sampler(CPU, seed=1234)
     counts = torch.zeros(len(logits))
     for _ in range(draws // batch):
-        out = sampler(logits.expand(batch, -1).clone(), _meta(batch, temperature))
+        out = sample(sampler, logits.expand(batch, -1).clone(), _meta(batch, temperature))
         counts += torch.bincount(out, minlength=len(logits)).float()
     expected = torch.softmax(logits / temperature, dim=-1) * draws
     chi2 = float(((counts - expected) ** 2 / expected).sum())
@@ -96,11 +99,11 @@ def test_seeded_row_is_independent_of_its_batch():
     torch.manual_seed(1)
     logits = torch.randn(65, 100)
     seed = mix_seed(42, 7)
-    alone = Sampler(CPU, 0)(logits[:1].clone(), _meta(1, 1.0, seeds={0: seed}))
-    batch = Sampler(CPU, 99)(logits.clone(), _meta(65, 1.0, seeds={0: seed}))
+    alone = sample(Sampler(CPU, 0), logits[:1].clone(), _meta(1, 1.0, seeds={0: seed}))
+    batch = sample(Sampler(CPU, 99), logits.clone(), _meta(65, 1.0, seeds={0: seed}))
     assert alone[0] == batch[0]
-    draws = {int(Sampler(CPU, 0)(logits[:1].clone(), _meta(1, 1.0, seeds={0: mix_seed(42, p)}))
-             [0]) for p in range(40)}
+    draws = {int(sample(Sampler(CPU, 0), logits[:1].clone(),
+                        _meta(1, 1.0, seeds={0: mix_seed(42, p)}))[0]) for p in range(40)}
     assert len(draws) > 5  # different positions draw different noise
 
 
