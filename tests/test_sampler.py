@@ -110,3 +110,16 @@ def test_seeded_row_is_independent_of_its_batch():
 def test_mix_seed_separates_nearby_inputs():
     values = {mix_seed(s, p) for s in range(50) for p in range(50)}
     assert len(values) == 2500 and all(0 <= v < 2**63 for v in values)
+
+
+def test_top_p_never_samples_outside_the_nucleus():
+    torch.manual_seed(2)
+    logits = torch.randn(256, 50) * 2
+    probs = logits.softmax(dim=-1)
+    out = sample(Sampler(CPU, 3), logits.clone(),
+                 _meta(256, 1.0, top_p=torch.full((256,), 0.6)))
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass above each token
+    for row in range(256):
+        nucleus = set(order[row][before[row] < 0.6].tolist())
+        assert int(out[row]) in nucleus
