@@ -21,7 +21,7 @@ from typing import Any
 from frontend.core_client import EngineDeadError
 from frontend.llm import curve_keys, frontend_args
 from frontend.mp_client import AsyncMPClient
-from frontend.output_processor import OutputProcessor, OutputQueue
+from frontend.output_processor import OutputProcessor, OutputQueue, ProcessedRequest
 from frontend.outputs import RequestOutput
 from frontend.processor import Processor, PromptType
 from frontend.tokenizer import generation_eos_token_ids
@@ -61,13 +61,26 @@ class AsyncLLM:
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's outputs as `sampling_params.output_kind` asks (with
         n > 1, each output carries the completions that changed, by index)."""
+        processed = self.process(prompt, sampling_params, request_id, priority)
+        async for output in self.stream(processed):
+            yield output
+
+    def process(self, prompt: PromptType, sampling_params: SamplingParams | None,
+                request_id: str, priority: int = 0) -> ProcessedRequest:
+        """Validate and tokenize without starting anything (the server validates every
+        prompt of a request before it starts any)."""
+        self._client().check_alive()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        return self.processor.process_inputs(
+            request_id, prompt, sampling_params or SamplingParams(), priority=priority)
+
+    async def stream(self, processed: ProcessedRequest) -> AsyncGenerator[RequestOutput, None]:
+        """Run a processed request and stream its outputs."""
         engine_core = self._client()
         engine_core.check_alive()
         self._ensure_output_handler()
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        processed = self.processor.process_inputs(
-            request_id, prompt, sampling_params or SamplingParams(), priority=priority)
+        request_id = processed.request_id
         queue: OutputQueue = asyncio.Queue()
         self.output_processor.add_request(processed, queue)
         finished = False

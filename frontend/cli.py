@@ -91,11 +91,48 @@ def _make_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start an OpenAI-compatible HTTP server",
+                       description="Serve MODEL over an OpenAI-compatible HTTP API "
+                       "(needs the 'serve' extra: pip install -e '.[serve]').")
+    EngineArgs.add_cli_args(p, model_positional=True)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: MODEL as given)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--engine-address", default=None,
+                   help="attach to a running engine core instead of starting one")
+    s.add_argument("--curve-secret-key", default=None)
+    s.add_argument("--curve-server-public-key", default=None)
+    s.add_argument("--shutdown-timeout", type=int, default=30,
+                   help="seconds in-flight requests may finish after SIGTERM")
+    p.set_defaults(func=_serve)
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"pagellm serve needs the 'serve' extra ({e.name} is missing): "
+                         "pip install -e '.[serve]'") from None
+    from frontend.server.serve import run_server
+
+    return run_server(EngineArgs.from_cli_args(ns), ns.host, ns.port, ns.served_model_name,
+                      ns.api_key, ns.engine_address, ns.curve_secret_key,
+                      ns.curve_server_public_key, ns.shutdown_timeout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: serve LLMs fast.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_make_model(sub)
+    _add_serve(sub)
     sub.add_parser("engine-core", add_help=False,
                    help="run a standalone engine core (see `pagellm engine-core --help`)")
     return parser

@@ -1,0 +1,451 @@
+"""The OpenAI-compatible routes over `AsyncLLM`.
+
+    POST /v1/completions, /v1/chat/completions   (stream=true: server-sent events)
+    GET  /v1/models, /health, /version, /metrics
+    POST /tokenize, /detokenize
+
+Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a
+bad parameter (the message names it), 401 without the API key, 404 for another model,
+503 once the engine core is dead. A client that goes away aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from frontend.async_llm import AsyncLLM
+from frontend.core_client import EngineDeadError
+from frontend.output_processor import ProcessedRequest
+from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from frontend.server.api_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from frontend.server.metrics import ServerMetrics
+
+VERSION = "0.1.0"
+logger = logging.getLogger("pagellm")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None
+                 ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None
+                   ) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": status}}, status_code=status)
+
+
+def bad_request(message: str) -> APIError:
+    return APIError(400, message, "BadRequestError")
+
+
+def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None
+              ) -> FastAPI:
+    app = FastAPI(title="pagellm", version=VERSION)
+    metrics = ServerMetrics(served_model_name)
+    server = _Server(engine, served_model_name, metrics)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Any]]
+                           ) -> Any:
+        if api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "invalid or missing API key", "AuthenticationError")
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.kind, e.param)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return error_response(503, f"the engine core is dead: {e}", "ServiceUnavailableError")
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return error_response(500, f"internal error: {type(e).__name__}: {e}",
+                              "InternalServerError")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if engine.is_dead else 200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "pagellm", "root": engine.engine_args.model,
+            "max_model_len": engine.info.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        stats = None if engine.is_dead else await engine.get_stats()
+        return Response(metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = _decode(await request.body(), TokenizeRequest)
+        server.check_model(body.model)
+        ids = server.tokenize(body)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.info.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = _decode(await request.body(), DetokenizeRequest)
+        server.check_model(body.model)
+        vocab = engine.info.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"tokens: ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return {"prompt": server.tokenizer().decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = _decode(await request.body(), CompletionRequest)
+        return await _respond(request, body.stream, server.completions(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = _decode(await request.body(), ChatCompletionRequest)
+        return await _respond(request, body.stream, server.chat(body))
+
+    return app
+
+
+def _decode(data: bytes, kind: type[Any]) -> Any:
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except msgspec.ValidationError as e:
+        raise bad_request(f"invalid request: {e}") from None
+    except msgspec.DecodeError as e:
+        path = _invalid_text_path(data)
+        if path is not None:
+            raise bad_request(f"{path}: not valid text (a lone surrogate)") from None
+        raise bad_request(f"the body is not valid JSON: {e}") from None
+
+
+def _invalid_text_path(data: bytes) -> str | None:
+    """Where a JSON body (that the stdlib can parse) holds a string that is not valid
+    Unicode: msgspec refuses those, rightly, but names no field."""
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return None
+
+    def walk(node: Any, path: str) -> str | None:
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                found = walk(item, f"{path}.{key}" if path else str(key))
+                if found:
+                    return found
+        elif isinstance(node, list):
+            for i, item in enumerate(node):
+                found = walk(item, f"{path}[{i}]")
+                if found:
+                    return found
+        return None
+
+    return walk(value, "")
+
+
+async def _respond(request: Request, stream: bool, work: Any) -> Response:
+    """Run a handler coroutine (or start a stream) so that the client leaving cancels it,
+    which aborts its requests in the engine."""
+    if stream:
+        events = await work  # validation happens before the first byte goes out
+        return StreamingResponse(events, media_type="text/event-stream")
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():  # the client left: stop its requests
+        task.cancel()
+        return Response(status_code=499)
+    return JSONResponse(task.result())
+
+
+class _Server:
+    """Request handling shared by the routes."""
+
+    def __init__(self, engine: AsyncLLM, served_model_name: str, metrics: ServerMetrics
+                 ) -> None:
+        self.engine = engine
+        self.name = served_model_name
+        self.metrics = metrics
+
+    def tokenizer(self) -> Any:
+        if self.engine.tokenizer is None:
+            raise bad_request("this server was started with --skip-tokenizer-init")
+        return self.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise APIError(404, f"The model `{model}` does not exist (this server serves "
+                                f"`{self.name}`).", "NotFoundError", "model")
+
+    def tokenize(self, body: TokenizeRequest) -> list[int]:
+        tokenizer = self.tokenizer()
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt or messages")
+        if body.messages is not None:
+            return self._chat_prompt(body.messages, body.add_generation_prompt, None)
+        return list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+
+    def _chat_prompt(self, messages: list[Any], add_generation_prompt: bool,
+                     kwargs: dict[str, Any] | None) -> list[int]:
+        try:
+            conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        try:
+            ids = self.tokenizer().apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=False, **(kwargs or {}))
+        except Exception as e:  # a template error is the request's fault
+            raise bad_request(f"messages: the chat template failed: {e}") from None
+        return list(ids)
+
+    def _process(self, prompts: list[Any], params: Any, request_id: str, priority: int,
+                 salt: str | None) -> list[ProcessedRequest]:
+        """Validate every prompt before any starts; a bad one is a 400."""
+        processed = []
+        try:
+            for i, prompt in enumerate(prompts):
+                if salt is not None:
+                    prompt = {"prompt": prompt} if isinstance(prompt, str) else dict(prompt)
+                    prompt["cache_salt"] = salt
+                processed.append(self.engine.process(prompt, params, f"{request_id}-{i}",
+                                                     priority))
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from None
+        return processed
+
+    async def _run_all(self, processed: list[ProcessedRequest]
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Merge the prompts' streams: (prompt index, output) as they come."""
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = \
+            asyncio.Queue()
+
+        async def pump(i: int, request: ProcessedRequest) -> None:
+            tracker = self.metrics.tracker()
+            try:
+                async for output in self.engine.stream(request):
+                    tracker.observe(output, sum(len(c.token_ids) for c in output.outputs))
+                    queue.put_nowait((i, output))
+            except Exception as e:
+                queue.put_nowait(e)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(processed)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    # -- /v1/completions ---------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest) -> Any:
+        self.check_model(body.model)
+        try:
+            body.check_supported()
+            prompts = body.prompts()
+            echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+            params = body.sampling_params(body.max_tokens, body.logprobs, echo_logprobs)
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from None
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        processed = self._process(prompts, params, request_id, body.priority, body.cache_salt)
+        created = int(time.time())
+        header = {"id": request_id, "object": "text_completion", "created": created,
+                  "model": self.name}
+        if body.stream:
+            return self._stream_completions(processed, header, body)
+        finals: dict[int, RequestOutput] = {}
+        async for i, output in self._run_all(processed):
+            finals[i] = output
+        choices = []
+        for i in range(len(processed)):
+            out = finals[i]
+            prefix = self._echo(out) if body.echo else ""
+            for c in out.outputs:
+                choices.append({
+                    "index": i * body.n + c.index, "text": prefix + c.text,
+                    "logprobs": self._completion_logprobs(out, c, body.echo)
+                    if body.logprobs is not None else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+        return {**header, "choices": choices, "usage": _usage(processed, completion)}
+
+    def _echo(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.tokenizer().decode(out.prompt_token_ids) if self.engine.tokenizer else ""
+
+    @staticmethod
+    def _completion_logprobs(out: RequestOutput, c: CompletionOutput, echo: bool
+                             ) -> dict[str, Any]:
+        """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
+        positions: list[tuple[int, PositionLogprobs | None]] = []
+        if echo and out.prompt_logprobs is not None:
+            positions += list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True))
+        positions += list(zip(c.token_ids, c.logprobs or [], strict=False))
+        tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+        for token_id, entry in positions:
+            chosen = entry.get(token_id) if entry else None
+            text = chosen.decoded_token if chosen and chosen.decoded_token is not None \
+                else ""
+            tokens.append(text)
+            token_logprobs.append(chosen.logprob if chosen else None)
+            top.append({(lp.decoded_token or str(t)): lp.logprob for t, lp in entry.items()}
+                       if entry else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": offsets}
+
+    async def _stream_completions(self, processed: list[ProcessedRequest],
+                                  header: dict[str, Any], body: CompletionRequest
+                                  ) -> AsyncIterator[str]:
+        completion = 0
+        try:
+            async for i, out in self._run_all(processed):
+                for c in out.outputs:
+                    completion += len(c.token_ids)
+                    yield _sse({**header, "choices": [{
+                        "index": i * body.n + c.index, "text": c.text,
+                        "logprobs": self._completion_logprobs(out, c, False)
+                        if body.logprobs is not None else None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+            if body.include_usage:
+                yield _sse({**header, "choices": [], "usage": _usage(processed, completion)})
+        except EngineDeadError as e:
+            yield _sse({"error": {"message": f"the engine core is dead: {e}",
+                                  "type": "ServiceUnavailableError", "code": 503}})
+        yield "data: [DONE]\n\n"
+
+    # -- /v1/chat/completions ------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest) -> Any:
+        self.check_model(body.model)
+        try:
+            body.check_supported()
+            top = (body.top_logprobs or 0) if body.logprobs else None
+            params = body.sampling_params(body.completion_limit, top)
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from None
+        prompt_ids = self._chat_prompt(body.messages, body.add_generation_prompt,
+                                       body.chat_template_kwargs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        processed = self._process([{"prompt_token_ids": prompt_ids}], params, request_id,
+                                  body.priority, body.cache_salt)
+        header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                  "model": self.name}
+        if body.stream:
+            return self._stream_chat(processed, header, body)
+        final = None
+        async for _, out in self._run_all(processed):
+            final = out
+        assert final is not None
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _chat_logprobs(c, body.top_logprobs or 0)
+                    if body.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in final.outputs]
+        completion = sum(len(c.token_ids) for c in final.outputs)
+        return {**header, "choices": choices, "usage": _usage(processed, completion)}
+
+    async def _stream_chat(self, processed: list[ProcessedRequest], header: dict[str, Any],
+                           body: ChatCompletionRequest) -> AsyncIterator[str]:
+        header = {**header, "object": "chat.completion.chunk"}
+        started: set[int] = set()
+        completion = 0
+        try:
+            async for _, out in self._run_all(processed):
+                for c in out.outputs:
+                    completion += len(c.token_ids)
+                    if c.index not in started:  # the role first, as OpenAI does
+                        started.add(c.index)
+                        yield _sse({**header, "choices": [{
+                            "index": c.index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}]})
+                    yield _sse({**header, "choices": [{
+                        "index": c.index, "delta": {"content": c.text} if c.text else {},
+                        "logprobs": _chat_logprobs(c, body.top_logprobs or 0)
+                        if body.logprobs else None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+            if body.include_usage:
+                yield _sse({**header, "choices": [], "usage": _usage(processed, completion)})
+        except EngineDeadError as e:
+            yield _sse({"error": {"message": f"the engine core is dead: {e}",
+                                  "type": "ServiceUnavailableError", "code": 503}})
+        yield "data: [DONE]\n\n"
+
+
+def _chat_logprobs(c: CompletionOutput, top: int) -> dict[str, Any]:
+    content = []
+    for token_id, entry in zip(c.token_ids, c.logprobs or [], strict=False):
+        chosen = entry[token_id]
+        ranked = sorted(entry.items(), key=lambda item: item[1].rank)[:top]
+        content.append({
+            "token": chosen.decoded_token or "", "logprob": chosen.logprob,
+            "bytes": list((chosen.decoded_token or "").encode()),
+            "top_logprobs": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
+                              "bytes": list((lp.decoded_token or "").encode())}
+                             for _, lp in ranked]})
+    return {"content": content}
+
+
+def _usage(processed: list[ProcessedRequest], completion: int) -> dict[str, int]:
+    prompt = sum(len(p.prompt_token_ids) for p in processed)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {msgspec.json.encode(payload).decode()}\n\n"
