@@ -236,6 +236,7 @@ def print_table(s: dict[str, Any], request_rate: float, max_concurrency: int | N
         row(f"Median {name} (ms):", s[key]["median"])
         row(f"P99 {name} (ms):", s[key]["p99"])
     print("=" * 50)
+    print(f"(the client itself used {s['client_cpu_fraction']:.0%} of a core)")
 
 
 # -- --serve: a server of our own --------------------------------------------------------
@@ -318,9 +319,13 @@ async def benchmark(ns: argparse.Namespace, base_url: str) -> dict[str, Any]:
             raise SystemExit(f"the warm-up request failed: {warm.error}")
         print(f"model {model}: {ns.num_prompts} requests at {ns.request_rate} req/s, "
               f"max concurrency {ns.max_concurrency or 'none'}", file=sys.stderr)
+        cpu = time.process_time()
         results, duration = await run_load(client, model, specs, ns.request_rate,
                                            ns.max_concurrency, ns.seed)
+        cpu = time.process_time() - cpu
     summary = summarize(results, duration)
+    # The client competes with the server for cores: how much of one it used.
+    summary["client_cpu_fraction"] = cpu / duration
     print_table(summary, ns.request_rate, ns.max_concurrency)
     t0 = min(r.start for r in results)
     errors = [r.error for r in results if r.error is not None]

@@ -19,7 +19,6 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-
 from conftest import PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
