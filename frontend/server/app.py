@@ -349,20 +349,30 @@ class _Server:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
                 "text_offset": offsets}
 
-    async def _stream_completions(self, processed: list[ProcessedRequest],
-                                  header: dict[str, Any], body: CompletionRequest
-                                  ) -> AsyncIterator[str]:
+    def _stream_completions(self, processed: list[ProcessedRequest], header: dict[str, Any],
+                            body: CompletionRequest) -> AsyncIterator[str]:
+        def chunks(i: int, out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
+            return [{"index": i * body.n + c.index, "text": c.text,
+                     "logprobs": self._completion_logprobs(out, c, False)
+                     if body.logprobs is not None else None,
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]
+
+        return self._events(processed, header, body.include_usage, chunks)
+
+    async def _events(self, processed: list[ProcessedRequest], header: dict[str, Any],
+                      include_usage: bool,
+                      chunks: Callable[[int, RequestOutput, CompletionOutput],
+                                       list[dict[str, Any]]]) -> AsyncIterator[str]:
+        """Server-sent events: every completion update as `chunks` makes it, the usage
+        if asked, then [DONE]; the engine dying mid-stream becomes an error event."""
         completion = 0
         try:
             async for i, out in self._run_all(processed):
                 for c in out.outputs:
                     completion += len(c.token_ids)
-                    yield _sse({**header, "choices": [{
-                        "index": i * body.n + c.index, "text": c.text,
-                        "logprobs": self._completion_logprobs(out, c, False)
-                        if body.logprobs is not None else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
-            if body.include_usage:
+                    for choice in chunks(i, out, c):
+                        yield _sse({**header, "choices": [choice]})
+            if include_usage:
                 yield _sse({**header, "choices": [], "usage": _usage(processed, completion)})
         except EngineDeadError as e:
             yield _sse({"error": {"message": f"the engine core is dead: {e}",
@@ -400,31 +410,24 @@ class _Server:
         completion = sum(len(c.token_ids) for c in final.outputs)
         return {**header, "choices": choices, "usage": _usage(processed, completion)}
 
-    async def _stream_chat(self, processed: list[ProcessedRequest], header: dict[str, Any],
-                           body: ChatCompletionRequest) -> AsyncIterator[str]:
-        header = {**header, "object": "chat.completion.chunk"}
+    def _stream_chat(self, processed: list[ProcessedRequest], header: dict[str, Any],
+                     body: ChatCompletionRequest) -> AsyncIterator[str]:
         started: set[int] = set()
-        completion = 0
-        try:
-            async for _, out in self._run_all(processed):
-                for c in out.outputs:
-                    completion += len(c.token_ids)
-                    if c.index not in started:  # the role first, as OpenAI does
-                        started.add(c.index)
-                        yield _sse({**header, "choices": [{
-                            "index": c.index, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None}]})
-                    yield _sse({**header, "choices": [{
-                        "index": c.index, "delta": {"content": c.text} if c.text else {},
-                        "logprobs": _chat_logprobs(c, body.top_logprobs or 0)
-                        if body.logprobs else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
-            if body.include_usage:
-                yield _sse({**header, "choices": [], "usage": _usage(processed, completion)})
-        except EngineDeadError as e:
-            yield _sse({"error": {"message": f"the engine core is dead: {e}",
-                                  "type": "ServiceUnavailableError", "code": 503}})
-        yield "data: [DONE]\n\n"
+
+        def chunks(_: int, out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
+            choices = []
+            if c.index not in started:  # the role first, as OpenAI does
+                started.add(c.index)
+                choices.append({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None})
+            choices.append({"index": c.index, "delta": {"content": c.text} if c.text else {},
+                            "logprobs": _chat_logprobs(c, body.top_logprobs or 0)
+                            if body.logprobs else None,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            return choices
+
+        return self._events(processed, {**header, "object": "chat.completion.chunk"},
+                            body.include_usage, chunks)
 
 
 def _chat_logprobs(c: CompletionOutput, top: int) -> dict[str, Any]:
