@@ -65,7 +65,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m enginecore") 
             os.write(ns.status_fd, msgspec.msgpack.encode(StartupFailure(str(e),
                                                                          type(e).__name__)))
         return 1
-    return proc.run()
+    code = proc.run()
+    # Nothing is left to clean up: skip interpreter teardown (torch's and zmq's exit hooks
+    # could only delay a supervisor's restart).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -57,8 +57,10 @@ logger = logging.getLogger("pagellm")
 
 HEARTBEAT_INTERVAL_S = 0.5  # an idle client hears from the engine at least this often
 _POLL_MS = 100  # how often the input thread checks for shutdown
+_SIGNAL_CHECK_S = 0.2  # how often an idle busy loop lets signal handlers run
 # A client that has not connected its output socket yet is not "gone" (see _output_loop).
 CONNECT_GRACE_S = 10.0
+SHUTDOWN_GRACE_S = 15.0  # after this long in shutdown the process exits regardless
 
 
 class ShutdownRequested(Exception):
@@ -168,7 +170,14 @@ class EngineCoreProc:
         return code
 
     def _handle_inputs(self, block: bool) -> None:
-        item = self.input_queue.get() if block else None
+        item = None
+        while block and item is None:
+            # Wake now and then: a signal the kernel hands to another thread only runs
+            # its Python handler once the main thread runs bytecode again.
+            try:
+                item = self.input_queue.get(timeout=_SIGNAL_CHECK_S)
+            except queue.Empty:
+                continue
         while True:
             if item is not None:
                 self._handle(item)
@@ -206,6 +215,10 @@ class EngineCoreProc:
             return UtilityOutput(request.call_id, failure=f"{type(e).__name__}: {e}")
 
     def _shutdown(self, message: str) -> None:
+        # Whatever hangs below, a supervisor's SIGTERM must end the process.
+        watchdog = threading.Timer(SHUTDOWN_GRACE_S, os._exit, args=(1,))
+        watchdog.daemon = True
+        watchdog.start()
         self._stopping.set()
         self.output_queue.put(_Stop(message))
         for thread in self.threads[:2]:

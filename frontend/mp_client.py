@@ -53,6 +53,7 @@ LOCAL_STARTUP_TIMEOUT_S = 900.0  # loading a large model can take minutes
 REMOTE_HANDSHAKE_TIMEOUT_S = 30.0
 HEARTBEAT_TIMEOUT_S = 10.0  # an attached engine is dead after this long in silence
 UTILITY_TIMEOUT_S = 60.0
+_SIGNAL_CHECK_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -274,7 +275,7 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
         self._reader.start()
 
     def get_output(self) -> EngineCoreOutputs:
-        item = self._outputs.get()
+        item = _interruptible(self._outputs.get)
         if isinstance(item, EngineDeadError):
             self._outputs.put(item)  # every later call fails the same way
             raise item
@@ -291,7 +292,16 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
         future: concurrent.futures.Future[EngineCoreOutputs] = concurrent.futures.Future()
         self._calls[request.call_id] = future
         self._send(RequestType.UTILITY, request)
-        return self._utility_result(method, future.result(timeout=UTILITY_TIMEOUT_S))
+        deadline = time.monotonic() + UTILITY_TIMEOUT_S
+        while True:
+            try:  # short waits: Ctrl-C must reach a caller blocked here
+                outputs = future.result(timeout=_SIGNAL_CHECK_S)
+                break
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"engine core utility call {method.name} timed out"
+                                       ) from None
+        return self._utility_result(method, outputs)
 
     def _read_outputs(self) -> None:
         last_seen = time.monotonic()
@@ -411,6 +421,16 @@ class AsyncMPClient(MPClient):
             else:
                 self._loop.call_soon_threadsafe(self._reader.cancel)
         super().shutdown()
+
+
+def _interruptible(get: Any) -> Any:
+    """queue.get() that lets signal handlers (Ctrl-C) run: a signal the kernel hands to
+    another thread only runs once the main thread executes bytecode again."""
+    while True:
+        try:
+            return get(timeout=_SIGNAL_CHECK_S)
+        except queue.Empty:
+            continue
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:

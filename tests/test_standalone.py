@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,10 @@ def stop(engine: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
         engine.send_signal(sig)
     try:
         return engine.wait(20)
+    except subprocess.TimeoutExpired:
+        engine.send_signal(signal.SIGUSR1)  # faulthandler: print every thread's stack
+        time.sleep(1)
+        raise
     finally:
         if engine.poll() is None:
             engine.kill()
@@ -86,8 +91,6 @@ def test_a_frontend_that_leaves_mid_generation_frees_its_blocks(engine_at, model
     first.engine_core.add_request(request.engine_requests[0])
     first.shutdown()  # BYE: the engine aborts what this frontend left running
     with LLM(str(model_dirs["llama"]), engine_address=address) as second:
-        import time
-
         deadline = time.monotonic() + 5
         while second.get_stats().num_running_reqs and time.monotonic() < deadline:
             time.sleep(0.05)
