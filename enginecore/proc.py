@@ -52,6 +52,7 @@ from protocol.messages import (
     UtilityOutput,
     UtilityRequest,
 )
+from protocol.utility import NUM_ARGS
 
 logger = logging.getLogger("pagellm")
 
@@ -202,6 +203,10 @@ class EngineCoreProc:
             self.output_queue.put(_Unregister(item.client))
 
     def _call(self, request: UtilityRequest) -> UtilityOutput:
+        expected = NUM_ARGS.get(request.method)
+        if expected is not None and len(request.args) != expected:
+            return UtilityOutput(request.call_id, failure=(
+                f"{request.method.name} takes {expected} argument(s), got {len(request.args)}"))
         try:
             if request.method == UtilityMethod.GET_STATS:
                 stats = self.core.get_stats()

@@ -74,9 +74,10 @@ class UtilityMethod(enum.IntEnum):
     RESET_PREFIX_CACHE = 1  # -> bool (False while blocks are held)
 
 
-class UtilityRequest(msgspec.Struct, array_like=True, gc=False):
+class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     call_id: int
     method: UtilityMethod
+    args: list[int | float | str | bool | None] = []  # checked against the method
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

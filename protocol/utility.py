@@ -9,3 +9,7 @@ RESULT_TYPES: dict[UtilityMethod, type] = {
     UtilityMethod.GET_STATS: EngineStats,
     UtilityMethod.RESET_PREFIX_CACHE: bool,
 }
+NUM_ARGS: dict[UtilityMethod, int] = {
+    UtilityMethod.GET_STATS: 0,
+    UtilityMethod.RESET_PREFIX_CACHE: 0,
+}

@@ -24,11 +24,14 @@ from frontend.output_processor import ProcessedRequest
 from protocol.messages import (
     CLIENT_INDEX,
     PROTOCOL_VERSION,
+    EngineCoreOutputs,
     EngineCoreRequest,
     HandshakeKind,
     HandshakeReply,
     HandshakeRequest,
     RequestType,
+    UtilityMethod,
+    UtilityRequest,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -320,7 +323,19 @@ def test_garbage_frames_are_dropped_and_the_engine_keeps_serving(model_dirs):
                 push.send_multipart(frames)
             dealer.send(b"\x00\xffnot a handshake")
             dealer.send_multipart([b"two", b"frames"])
+            # A typed utility call with arguments the method does not take: a failure
+            # answer, not a crash.
+            pull = context.socket(zmq.PULL)
+            pull.connect(reply.output_endpoint)
             time.sleep(0.3)
+            push.send_multipart([RequestType.UTILITY.value, me, msgspec.msgpack.encode(
+                UtilityRequest(7, UtilityMethod.GET_STATS, [5]))])
+            answer = None
+            while answer is None and pull.poll(10_000):
+                answer = msgspec.msgpack.decode(pull.recv(), type=EngineCoreOutputs
+                                                ).utility_output
+            assert answer is not None and answer.call_id == 7
+            assert answer.result is None and "takes 0 argument" in answer.failure
         finally:
             context.destroy(linger=0)
         after = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)

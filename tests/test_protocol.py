@@ -27,7 +27,17 @@ from protocol import (
     SchedulerOutput,
     StepTimings,
 )
-from protocol.messages import EngineInfo, TokenLogprobs
+from protocol.messages import (
+    EngineInfo,
+    HandshakeKind,
+    HandshakeReply,
+    HandshakeRequest,
+    StartupFailure,
+    TokenLogprobs,
+    UtilityMethod,
+    UtilityOutput,
+    UtilityRequest,
+)
 from protocol.scheduling import PromptLogprobsChunk
 
 # --- SamplingParams -----------------------------------------------------------------
@@ -113,6 +123,17 @@ MESSAGES = [
     EngineStats(1, 2, 3, 4, 0.25, 10, 5, 1, 7,
                 StepTimings(1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3)),
     EngineInfo("m", 2048, 1024, 16, 100, 2048, "cpu", "float32"),
+    UtilityRequest(3, UtilityMethod.RESET_PREFIX_CACHE),
+    UtilityRequest(4, UtilityMethod.GET_STATS, [1, 2.5, "x", True, None]),
+    UtilityOutput(3, result=b"\xc3"),
+    UtilityOutput(4, failure="nope"),
+    EngineCoreOutputs([], 1.0, utility_output=UtilityOutput(5, b"\xc2"), engine_dead="gone"),
+    HandshakeRequest(HandshakeKind.HELLO, 1),
+    HandshakeRequest(HandshakeKind.BYE, 1, client_index=3),
+    HandshakeReply(EngineInfo("m", 64, 32, 16, 8, 64, "cpu", "float32", 5), 0, "ipc://a",
+                   "ipc://b"),
+    HandshakeReply(error="protocol version 9 is not supported"),
+    StartupFailure("model directory not found: /x", "FileNotFoundError"),
 ]
 
 
