@@ -10,10 +10,6 @@ from enginecore.block_pool import BlockPool, KVCacheBlock
 from enginecore.request import Request
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True) -> None:
@@ -55,10 +51,13 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """Blocks the request must add to hold `num_new_tokens` more computed tokens."""
-        held = len(self.req_to_blocks.get(request.request_id, ()))
-        total = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+    def num_blocks_needed(self, request: Request, num_new_tokens: int,
+                          num_hit_blocks: int = 0) -> int:
+        """Fresh blocks the request must add to hold `num_new_tokens` more computed
+        tokens, after taking `num_hit_blocks` prefix-cache hits."""
+        held = len(self.req_to_blocks.get(request.request_id, ())) + num_hit_blocks
+        computed = request.num_computed_tokens + num_hit_blocks * self.block_size
+        total = -(-(computed + num_new_tokens) // self.block_size)
         return max(0, total - held)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -75,8 +74,7 @@ class KVCacheManager:
         request_id = request.request_id
         held = self.req_to_blocks.get(request_id, [])
         computed = request.num_computed_tokens + len(hits) * self.block_size
-        total = -(-(computed + num_new_tokens) // self.block_size)
-        needed = max(0, total - len(held) - len(hits))
+        needed = self.num_blocks_needed(request, num_new_tokens, len(hits))
         evictable_hits = sum(1 for block in hits if block.ref_cnt == 0)
         if needed + evictable_hits > self.block_pool.num_free_blocks:
             return None

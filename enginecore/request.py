@@ -47,7 +47,6 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.num_prompt_logprobs_sent = 0  # prompt positions whose logprobs went out
         self.block_size = block_size
         self.cache_salt = cache_salt

@@ -14,8 +14,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from enginecore.request import Request
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
+from protocol.engine_args import SCHEDULING_POLICIES
 
 
 class RequestQueue(Protocol):

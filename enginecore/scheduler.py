@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.request import Request, RequestStatus
-from enginecore.request_queue import SCHEDULING_POLICIES, create_request_queue, sort_key
+from enginecore.request_queue import create_request_queue, sort_key
+from protocol.engine_args import SCHEDULING_POLICIES
 from protocol.messages import EngineCoreOutput, FinishReason, TokenLogprobs
 from protocol.scheduling import (
     CachedRequestData,
@@ -149,7 +150,6 @@ class Scheduler:
                 break
             self.waiting.pop()
             request.num_computed_tokens = num_hit_tokens
-            request.num_cached_tokens = num_hit_tokens
             if self.config.policy == "priority":
                 bisect.insort(self.running, request, key=sort_key)
             else:

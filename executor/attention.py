@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from kernels import reference
-
-ATTENTION_BACKENDS = ("auto", "triton", "torch")
+from protocol.engine_args import ATTENTION_BACKENDS
 
 
 class AttentionBackend(Protocol):

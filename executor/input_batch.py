@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocol.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from protocol.sampling_params import SamplingParams
 from protocol.scheduling import NewRequestData
 
 
@@ -91,7 +91,7 @@ class InputBatch:
 
     def _set_sampling(self, row: int, params: SamplingParams, eos_token_id: int | None
                       ) -> None:
-        greedy = params.temperature < GREEDY_TEMPERATURE
+        greedy = params.greedy
         self.temperature[row] = 0.0 if greedy else params.temperature
         self.top_p[row] = params.top_p
         self.top_k[row] = params.top_k if params.top_k > 0 else self.vocab_size

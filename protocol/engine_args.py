@@ -27,6 +27,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp32": "float32", "fp16": "float16",
                  "bf16": "bfloat16"}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 
@@ -60,17 +63,16 @@ class EngineArgs:
         True, "Reuse the KV of prompt prefixes already computed (hash-identified blocks).")
     scheduling_policy: str = _opt(
         "fcfs", "'fcfs' (arrival order) or 'priority' (lower `priority` first, then "
-        "arrival).", ("fcfs", "priority"))
+        "arrival).", SCHEDULING_POLICIES)
     long_prefill_token_threshold: int = _opt(
         0, "Most tokens one prompt may take in a step (0: no cap below the step budget).")
     max_logprobs: int = _opt(20, "Most logprobs / prompt_logprobs a request may ask for.")
     logprobs_mode: str = _opt(
         "raw_logprobs", "'raw_logprobs' (from the model's logits) or 'processed_logprobs' "
-        "(after penalties, masks, temperature, top-k/top-p).",
-        ("raw_logprobs", "processed_logprobs"))
+        "(after penalties, masks, temperature, top-k/top-p).", LOGPROBS_MODES)
     attention_backend: str = _opt(
         "auto", "'auto' (triton on cuda, torch on cpu), 'triton' (on the CPU through "
-        "Triton's interpreter: slow, for tests) or 'torch'.", ("auto", "triton", "torch"))
+        "Triton's interpreter: slow, for tests) or 'torch'.", ATTENTION_BACKENDS)
     skip_tokenizer_init: bool = _opt(
         False, "Load no tokenizer: prompts must be token ids and outputs carry no text.")
 
@@ -88,8 +90,6 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         check_int("seed", self.seed)
         check_int("block_size", self.block_size)
-        if self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {self.block_size}")
         check_int("max_model_len", self.max_model_len, minimum=1, allow_none=True)
         check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1,
@@ -98,25 +98,15 @@ class EngineArgs:
                     maximum=1.0, min_exclusive=True)
         check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1,
                   allow_none=True)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise TypeError("enable_prefix_caching must be a bool, got "
-                            f"{self.enable_prefix_caching!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError("scheduling_policy must be 'fcfs' or 'priority', got "
-                             f"{self.scheduling_policy!r}")
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
         check_int("max_logprobs", self.max_logprobs, minimum=0)
-        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
-            raise ValueError("logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', "
-                             f"got {self.logprobs_mode!r}")
-        if self.attention_backend not in ("auto", "triton", "torch"):
-            raise ValueError("attention_backend must be one of auto, triton, torch, got "
-                             f"{self.attention_backend!r}")
-        if not isinstance(self.skip_tokenizer_init, bool):
-            raise TypeError(f"skip_tokenizer_init must be a bool, got {self.skip_tokenizer_init!r}")
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(
-                f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        for f in dataclasses.fields(self):  # every option with choices, and every flag
+            value, choices = getattr(self, f.name), f.metadata.get("choices")
+            if choices is not None and f.name != "dtype" and value not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}, "
+                                 f"got {value!r}")
+            if isinstance(f.default, bool) and not isinstance(value, bool):
+                raise TypeError(f"{f.name} must be a bool, got {value!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
