@@ -5,7 +5,7 @@ engine core."""
 from frontend.async_llm import AsyncLLM
 from frontend.core_client import EngineDeadError
 from frontend.llm import LLM
-from frontend.outputs import CompletionOutput, RequestOutput
+from frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from protocol.engine_args import EngineArgs
 from protocol.sampling_params import RequestOutputKind, SamplingParams
 
@@ -15,6 +15,7 @@ __all__ = [
     "CompletionOutput",
     "EngineArgs",
     "EngineDeadError",
+    "Logprob",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
