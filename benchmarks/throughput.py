@@ -16,7 +16,6 @@ Prints a table and, with --output-json, writes the numbers.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
 import random
@@ -59,15 +58,22 @@ def result(engine: str, seconds: float, work: list[tuple[list[int], int]]) -> Re
                   (prompt_tokens + output_tokens) / seconds)
 
 
-def run_pagellm(args: EngineArgs, work: list[tuple[list[int], int]]) -> Result:
-    with LLM(**asdict(args)) as llm:
-        warm = [{"prompt_token_ids": work[0][0][:8]}]
-        llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-        prompts = [{"prompt_token_ids": p} for p, _ in work]
+def run_pagellm(args: EngineArgs, work: list[tuple[list[int], int]],
+                warmup: list[tuple[list[int], int]] | None = None) -> Result:
+    """Time `work` on a warmed-up engine. `warmup` (other prompts of the same shape: no
+    prefix-cache hits) makes Triton compile for long prefills and every split-KV slice
+    count before the clock starts; by default one short request warms up."""
+
+    def submit(llm: LLM, batch: list[tuple[list[int], int]]) -> list[Any]:
+        prompts = [{"prompt_token_ids": p} for p, _ in batch]
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                  for _, n in work]
+                  for _, n in batch]
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    with LLM(**asdict(args)) as llm:
+        submit(llm, warmup or [(work[0][0][:8], 4)])
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = submit(llm, work)
         seconds = time.perf_counter() - start
     assert [len(o.outputs[0].token_ids) for o in outputs] == [n for _, n in work]
     return result("pagellm", seconds, work)
@@ -84,23 +90,34 @@ def load_hf_model(args: EngineArgs, dtype: torch.dtype) -> Any:
 
 
 def run_transformers(args: EngineArgs, work: list[tuple[list[int], int]], batch_size: int,
-                     dtype: torch.dtype) -> Result:
-    model = load_hf_model(args, dtype).eval()
+                     dtype: torch.dtype, device: str = "cpu") -> Result:
+    """transformers' generate as a user batches it: input order, left padding, each
+    batch running to its longest request; one untimed short generate warms up."""
+    model = load_hf_model(args, dtype).to(device).eval()
     pad = 0
-    start = time.perf_counter()
+
+    def generate(batch: list[tuple[list[int], int]]) -> None:
+        longest_prompt = max(len(p) for p, _ in batch)
+        longest_output = max(n for _, n in batch)
+        ids = torch.tensor([[pad] * (longest_prompt - len(p)) + p for p, _ in batch],
+                           device=device)
+        mask = torch.tensor([[0] * (longest_prompt - len(p)) + [1] * len(p)
+                             for p, _ in batch], device=device)
+        model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad,
+                       max_new_tokens=longest_output, min_new_tokens=longest_output)
+
+    def sync() -> None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
     with torch.inference_mode():
+        generate([(p[:16], 4) for p, _ in work[:2]])
+        sync()
+        start = time.perf_counter()
         for i in range(0, len(work), batch_size):
-            batch = work[i:i + batch_size]
-            longest_prompt = max(len(p) for p, _ in batch)
-            longest_output = max(n for _, n in batch)
-            ids = torch.tensor([[pad] * (longest_prompt - len(p)) + p for p, _ in batch])
-            mask = torch.tensor([[0] * (longest_prompt - len(p)) + [1] * len(p)
-                                 for p, _ in batch])
-            model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad,
-                           max_new_tokens=longest_output, min_new_tokens=longest_output)
-    seconds = time.perf_counter() - start
-    del model
-    gc.collect()
+            generate(work[i:i + batch_size])
+        sync()
+        seconds = time.perf_counter() - start
     return result("transformers", seconds, work)
 
 

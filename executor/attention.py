@@ -39,7 +39,6 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]  # host copies: the reference path slices with them
     seq_lens_cpu: list[int]
     max_query_len: int
-    max_seq_len: int
     backend: AttentionBackend
     num_segments: int = 1  # split-KV slices for decode-only batches (Triton)
 

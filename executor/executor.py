@@ -31,55 +31,93 @@ class Executor:
         self.max_num_batched_tokens = args.max_num_batched_tokens or (
             8192 if self.device.type == "cuda" else 2048)
         self.block_size = args.block_size
+        cuda = self.device.type == "cuda"
+        if cuda:  # what others (and our CUDA context) hold before the weights arrive
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_before = total - free
         self.runner = ModelRunner(self.model_config, self.device, args.block_size,
-                                  args.max_num_seqs, args.seed, args.attention_backend,
-                                  args.logprobs_mode)
-        self.num_kv_blocks = self._determine_num_kv_blocks(args)
+                                  args.max_num_seqs, self.max_num_batched_tokens, args.seed,
+                                  args.attention_backend, args.logprobs_mode)
+        if args.kv_cache_memory_bytes is not None:
+            budget, source = args.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        elif cuda:
+            budget, source = self._profiled_cuda_budget(args, used_before), (
+                "gpu_memory_utilization after profiling")
+        else:
+            budget, source = self._cpu_budget(args), "available RAM"
+        self.num_kv_blocks = self._num_blocks(budget, source)
         self.runner.initialize_kv_cache(self.num_kv_blocks)
         gib = self.num_kv_blocks * self.runner.kv_cache_bytes_per_block() / 2**30
         logger.info("KV cache: %d blocks (%d tokens, %.2f GiB) on %s", self.num_kv_blocks,
                     self.num_kv_blocks * self.block_size, gib, self.device)
+        if cuda and not args.enforce_eager and self.runner.attention.name == "triton":
+            try:
+                graphs, seconds = self.runner.capture_cuda_graphs()
+            except RuntimeError as e:
+                raise RuntimeError(f"capturing CUDA graphs for decode steps failed ({e}); "
+                                   "enforce_eager=True runs without them") from e
+            logger.info("CUDA graphs: %d decode batch sizes captured in %.1f s", graphs,
+                        seconds)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
+        if self.runner.graphs is not None:
+            self.runner.graphs.clear()
         self.runner.kv_caches = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _determine_num_kv_blocks(self, args: EngineArgs) -> int:
+    def _num_blocks(self, budget: int, source: str) -> int:
         per_block = self.runner.kv_cache_bytes_per_block()
         max_len = self.model_config.max_model_len
         needed_blocks = -(-max_len // self.block_size)
-        if args.kv_cache_memory_bytes is not None:
-            budget, source = args.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-        elif self.device.type == "cpu":
-            # More than every running request at full length is never used.
-            useful = needed_blocks * args.max_num_seqs * per_block
-            share = int(psutil.virtual_memory().available * CPU_KV_CACHE_RAM_SHARE)
-            budget, source = min(share, useful), "available RAM"
-        else:
-            budget, source = self._cuda_kv_budget(args), "gpu_memory_utilization"
         num_blocks = budget // per_block
         if num_blocks < needed_blocks:
             raise ValueError(
                 f"not enough memory for the KV cache: {budget / 2**20:.1f} MiB "
-                f"(from {source}) holds {num_blocks * self.block_size} tokens, but one "
-                f"request of max_model_len={max_len} needs {needed_blocks} blocks "
+                f"(from {source}) holds {max(num_blocks, 0) * self.block_size} tokens, but "
+                f"one request of max_model_len={max_len} needs {needed_blocks} blocks "
                 f"({needed_blocks * per_block / 2**20:.1f} MiB); raise kv_cache_memory_bytes "
-                f"or gpu_memory_utilization, or lower max_model_len")
+                f"or gpu_memory_utilization, or lower max_model_len or "
+                f"max_num_batched_tokens")
         return int(num_blocks)
 
-    def _cuda_kv_budget(self, args: EngineArgs) -> int:
-        """gpu_memory_utilization x total, minus what is already taken and a reserve for
-        activations (the step's hidden states, MLP intermediates and logits in fp32)."""
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        free, _ = torch.cuda.mem_get_info(self.device)
-        spec = self.model_config.spec
-        tokens = self.max_num_batched_tokens
-        activations = tokens * (6 * spec.hidden_size + 4 * spec.intermediate_size) * 4 \
-            + args.max_num_seqs * spec.vocab_size * 4 * 3
-        used_by_others_and_us = total - free
-        return max(0, int(total * args.gpu_memory_utilization) - used_by_others_and_us
-                   - activations)
+    def _cpu_budget(self, args: EngineArgs) -> int:
+        """A share of available RAM, and never more than every running request at full
+        length could use."""
+        per_block = self.runner.kv_cache_bytes_per_block()
+        needed_blocks = -(-self.model_config.max_model_len // self.block_size)
+        useful = needed_blocks * args.max_num_seqs * per_block
+        return min(int(psutil.virtual_memory().available * CPU_KV_CACHE_RAM_SHARE), useful)
+
+    def _profiled_cuda_budget(self, args: EngineArgs, used_before: int) -> int:
+        """Profile the largest step, then give the KV cache what is left of its share."""
+        weights = torch.cuda.memory_allocated(self.device)
+        try:
+            activations = self.runner.profile_run()
+        except torch.cuda.OutOfMemoryError as e:
+            raise ValueError(
+                f"the largest step (max_num_batched_tokens={self.max_num_batched_tokens}, "
+                f"max_num_seqs={args.max_num_seqs}) does not fit in GPU memory next to the "
+                f"weights; lower max_num_batched_tokens or max_num_seqs") from e
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory the driver and libraries took outside torch's allocator since start-up.
+        non_torch = max(0, total - free - torch.cuda.memory_reserved(self.device)
+                        - used_before)
+        logger.info("Profiled step of %d tokens: weights %.2f GiB, peak activations "
+                    "%.2f GiB, other processes and CUDA context %.2f GiB, non-torch %.2f GiB",
+                    self.max_num_batched_tokens, weights / 2**30, activations / 2**30,
+                    used_before / 2**30, non_torch / 2**30)
+        return cuda_kv_cache_budget(total, args.gpu_memory_utilization, used_before,
+                                    weights, activations, non_torch)
+
+
+def cuda_kv_cache_budget(total: int, utilization: float, used_before: int, weights: int,
+                         activations: int, non_torch: int) -> int:
+    """The KV cache's bytes: the engine's share of the GPU (utilization x total) less
+    what is not ours to take (held by others and our CUDA context before we loaded),
+    our weights, the peak activations of the largest step, and memory the libraries took
+    outside torch's allocator. Negative when nothing is left."""
+    return int(total * utilization) - used_before - weights - activations - non_torch

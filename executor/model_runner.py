@@ -13,6 +13,11 @@ then new) with vectorized numpy:
     query_start_loc [R + 1]      request i owns rows query_start_loc[i]:[i+1]
     seq_lens      [R]            context length after this step
     logits_indices [S]           last row of each request that samples this step
+
+They are staged through `StepBuffers` (pinned host memory, non-blocking copies into
+device buffers allocated once), so the step's one wait on the device is for its
+sampled ids. Steps where every request computes one token replay a CUDA graph
+(`DecodeGraphs`) on those same buffers, padded to the next captured batch size.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from executor.attention import AttentionMetadata, get_attention_backend, num_kv_segments
 from executor.config import ModelConfig
+from executor.cuda_graphs import DecodeGraphs, capture_sizes
 from executor.input_batch import InputBatch
 from executor.loader import load_model
 from executor.sampler import (
@@ -35,8 +41,15 @@ from executor.sampler import (
     gather_logprobs,
     mix_seed,
 )
+from executor.step_buffers import StepBuffers
 from protocol.messages import TokenLogprobs
-from protocol.scheduling import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
+from protocol.sampling_params import SamplingParams
+from protocol.scheduling import (
+    ModelRunnerOutput,
+    NewRequestData,
+    PromptLogprobsChunk,
+    SchedulerOutput,
+)
 
 
 @dataclass
@@ -51,12 +64,14 @@ class _StepInputs:
     logits_indices: torch.Tensor
     sampling: np.ndarray  # indices into req_ids of the requests that sample
     sampling_rows: np.ndarray  # their InputBatch rows
+    graph_size: int | None  # the CUDA graph's batch size, or None: run eagerly
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device, block_size: int,
-                 max_num_seqs: int, seed: int, attention_backend: str = "auto",
-                 logprobs_mode: str = "raw_logprobs") -> None:
+                 max_num_seqs: int, max_num_batched_tokens: int, seed: int,
+                 attention_backend: str = "auto", logprobs_mode: str = "raw_logprobs"
+                 ) -> None:
         self.model_config = model_config
         self.processed_logprobs = logprobs_mode == "processed_logprobs"
         self.device = device
@@ -76,8 +91,23 @@ class ModelRunner:
                         if device.type == "cuda" else 0)
         self.model = load_model(model_config, device)
         self.sampler = Sampler(device, seed)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.batch = InputBatch(max_num_seqs, model_config.max_model_len, block_size,
                                 model_config.vocab_size)
+        tokens = max(max_num_batched_tokens, max_num_seqs)
+        max_blocks = self.batch.block_table.shape[1]
+        self.buffers = StepBuffers(device, {
+            "input_ids": ((tokens,), torch.int64), "positions": ((tokens,), torch.int64),
+            "slot_mapping": ((tokens,), torch.int64),
+            "block_tables": ((max_num_seqs, max_blocks), torch.int32),
+            "query_start_loc": ((max_num_seqs + 1,), torch.int32),
+            "seq_lens": ((max_num_seqs,), torch.int32),
+            "logits_indices": ((max_num_seqs,), torch.int64),
+            "temperature": ((max_num_seqs,), torch.float32),
+            "top_k": ((max_num_seqs,), torch.int64), "top_p": ((max_num_seqs,), torch.float32),
+            "min_p": ((max_num_seqs,), torch.float32)})
+        self.graphs: DecodeGraphs | None = None
         self.kv_caches: list[torch.Tensor] = []
 
     # -- KV cache ------------------------------------------------------------------
@@ -97,6 +127,82 @@ class ModelRunner:
                             spec.head_dim, dtype=self.model_config.dtype, device=self.device)
         self.kv_caches = list(cache.unbind(0))
 
+    # -- start-up: profiling and CUDA graphs ---------------------------------------
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Run the largest step the scheduler can make (max_num_batched_tokens prompt
+        tokens over up to max_num_seqs requests, every one sampling with top-k and
+        top-p) through the real step path, on a scratch KV cache just big enough.
+        Returns its peak activation memory in bytes on CUDA (0 on the CPU), which the
+        executor leaves free when it sizes the KV cache."""
+        max_len, bs = self.model_config.max_model_len, self.block_size
+        # The scheduler never runs more than max_num_seqs full-length requests at once.
+        tokens = min(self.max_num_batched_tokens, self.max_num_seqs * max_len)
+        reqs = max(min(self.max_num_seqs, tokens), -(-tokens // max_len))
+        lengths = [tokens // reqs + (i < tokens % reqs) for i in range(reqs)]
+        num_blocks = sum(-(-n // bs) for n in lengths)
+        saved_caches = self.kv_caches
+        self.initialize_kv_cache(num_blocks)
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
+        vocab = self.model_config.vocab_size
+        new, next_block = [], 0
+        for i, n in enumerate(lengths):
+            blocks = list(range(next_block, next_block + -(-n // bs)))
+            next_block += len(blocks)
+            new.append(NewRequestData(f"profile-{i}", [(i + j) % vocab for j in range(n)], [],
+                                      params, None, blocks, 0))
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            baseline = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.execute_model(SchedulerOutput(new, [], {r.req_id: len(r.prompt_token_ids)
+                                                     for r in new}, tokens, [], []))
+        peak = torch.cuda.max_memory_allocated(self.device) - baseline if cuda else 0
+        for request in new:
+            self.batch.remove(request.req_id)
+        self.kv_caches = saved_caches
+        if cuda:
+            torch.cuda.empty_cache()
+        return peak
+
+    def capture_cuda_graphs(self) -> tuple[int, float]:
+        """Capture the decode forward pass at every size of the ladder (after the KV
+        cache exists: the graphs hold its address). Returns (graphs, seconds)."""
+        assert self.device.type == "cuda" and self.kv_caches, "needs CUDA and a KV cache"
+        assert self.attention.name == "triton", "graphs need the Triton attention backend"
+        sizes = capture_sizes(self.max_num_seqs)
+        put = self.buffers.put
+        self.buffers.begin_step()
+        # Padding everywhere while capturing: no KV writes, no keys read.
+        largest = sizes[-1]
+        for name, fill in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1),
+                           ("block_tables", 0), ("seq_lens", 0)):
+            put(name, np.zeros(0, np.int64), fill, largest)
+        put("query_start_loc", np.arange(largest + 1))
+        self.buffers.end_step()
+        self.graphs = DecodeGraphs(sizes)
+        with torch.inference_mode():
+            seconds = self.graphs.capture(self._decode_forward)
+        return len(sizes), seconds
+
+    def _decode_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward pass a decode graph records: `size` one-token requests read from
+        the step buffers -> (hidden [size, H], logits [size, V])."""
+        buf = self.buffers.device_buffers
+        spec = self.model_config.spec
+        meta = AttentionMetadata(
+            slot_mapping=buf["slot_mapping"][:size], block_tables=buf["block_tables"][:size],
+            query_start_loc=buf["query_start_loc"][:size + 1], seq_lens=buf["seq_lens"][:size],
+            query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=1, backend=self.attention,
+            # Fixed at capture, for the longest context the graph may meet.
+            num_segments=num_kv_segments(size, spec.num_kv_heads, 1,
+                                         self.model_config.max_model_len, self.num_sms))
+        hidden = self.model(buf["input_ids"][:size], buf["positions"][:size], meta,
+                            self.kv_caches)
+        return hidden, self.model.compute_logits(hidden)
+
     # -- one step ------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -107,21 +213,28 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         inputs = self._prepare_inputs(scheduler_output)
         t1 = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
+        if inputs.graph_size is not None and self.graphs is not None:
+            hidden, all_logits = self.graphs.replay(inputs.graph_size)
+            logits = all_logits[inputs.logits_indices]  # [S, V]
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
         t2 = time.perf_counter()
         sampled_token_ids: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, TokenLogprobs] = {}
         if len(inputs.sampling):
             meta = self._sampling_metadata(inputs.sampling_rows)
             out = self.sampler(logits, meta)
-            sampled_np = out.sampled.cpu().numpy()  # the step's one host sync
+            # The step's one host sync; it also means every input copy is done.
+            sampled_np = out.sampled.cpu().numpy()
             self.batch.append_tokens(inputs.sampling_rows, sampled_np)
             for i, token_id in zip(inputs.sampling.tolist(), sampled_np.tolist(),
                                    strict=True):
                 sampled_token_ids[i] = [token_id]
             if out.logprobs is not None and meta.logprob_rows is not None:
                 logprobs = self._logprobs_by_request(inputs, meta.logprob_rows, out.logprobs)
+        else:  # nothing to wait for: the next step must check its copies are done
+            self.buffers.end_step()
         prompt_logprobs = self._prompt_logprobs(hidden, inputs) \
             if self.batch.num_prompt_logprobs else {}
         t3 = time.perf_counter()
@@ -162,36 +275,42 @@ class ModelRunner:
                         + positions % bs)
         batch.num_computed_tokens[rows] = ends
         sampling = np.flatnonzero(ends == batch.num_tokens[rows])  # caught up: sample
-        query_start_loc = np.concatenate(([0], cu))
-
-        dev = self.device
+        num_tokens = int(cu[-1])
+        # Every request computes one token: a CUDA graph's step, padded to its size.
+        graph_size = self.graphs.padded_size(num_reqs) \
+            if self.graphs is not None and num_tokens == num_reqs else None
+        put = self.buffers.put
+        self.buffers.begin_step()
         meta = AttentionMetadata(
-            slot_mapping=_to(slot_mapping, dev), block_tables=_to(block_tables, dev),
-            query_start_loc=_to(query_start_loc.astype(np.int32), dev),
-            seq_lens=_to(ends.astype(np.int32), dev),
-            query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=ends.tolist(),
-            max_query_len=int(counts.max()), max_seq_len=int(ends.max()),
-            backend=self.attention,
+            slot_mapping=put("slot_mapping", slot_mapping, -1, graph_size),
+            block_tables=put("block_tables", block_tables, 0, graph_size),
+            query_start_loc=put("query_start_loc", np.arange(graph_size + 1)
+                                if graph_size else np.concatenate(([0], cu))),
+            seq_lens=put("seq_lens", ends, 0, graph_size),
+            query_start_loc_cpu=[0, *cu.tolist()], seq_lens_cpu=ends.tolist(),
+            max_query_len=int(counts.max()), backend=self.attention,
             num_segments=num_kv_segments(num_reqs, self.model_config.spec.num_kv_heads,
                                          int(counts.max()), int(ends.max()), self.num_sms))
-        return _StepInputs(req_ids, rows, starts, counts, _to(input_ids, dev),
-                           _to(positions, dev), meta, _to(cu[sampling] - 1, dev), sampling,
-                           rows[sampling])
+        return _StepInputs(req_ids, rows, starts, counts,
+                           put("input_ids", input_ids, 0, graph_size),
+                           put("positions", positions, 0, graph_size), meta,
+                           put("logits_indices", cu[sampling] - 1), sampling,
+                           rows[sampling], graph_size)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         """Per-row parameters for the sampling rows (batch rows `rows`, sampler rows
         0..S-1), gathered from the batch; what no row needs stays None."""
-        batch, dev = self.batch, self.device
+        batch, dev, put = self.batch, self.device, self.buffers.put
         temperature = batch.temperature[rows]
         random = temperature > 0
         top_k, top_p, min_p = batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
         row_list = rows.tolist()
         meta = SamplingMetadata(
-            temperature=_to(temperature, dev), all_greedy=not random.any(),
+            temperature=put("temperature", temperature), all_greedy=not random.any(),
             any_greedy=not random.all(),
-            top_k=_to(top_k, dev) if (top_k[random] < batch.vocab_size).any() else None,
-            top_p=_to(top_p, dev) if (top_p[random] < 1.0).any() else None,
-            min_p=_to(min_p, dev) if (min_p[random] > 0.0).any() else None,
+            top_k=put("top_k", top_k) if (top_k[random] < batch.vocab_size).any() else None,
+            top_p=put("top_p", top_p) if (top_p[random] < 1.0).any() else None,
+            min_p=put("min_p", min_p) if (min_p[random] > 0.0).any() else None,
             processed_logprobs=self.processed_logprobs)
         if batch.seeds:
             meta.seeds = {i: mix_seed(batch.seeds[r], int(batch.num_tokens[r]))

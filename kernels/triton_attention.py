@@ -252,11 +252,13 @@ def _merge_segments_kernel(
     m = tl.load(segm_max_ptr + base + segments)  # [NUM_SEGMENTS]; -inf: empty segment
     l = tl.load(segm_sum_ptr + base + segments)  # noqa: E741
     m_all = tl.max(m, axis=0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # every segment empty
     weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
     dims = tl.arange(0, DIM_PAD)
     acc = tl.load(segm_out_ptr + (base + segments)[:, None] * DIM_PAD + dims[None, :])
     total = tl.sum(acc * weight[:, None], axis=0)
     norm = tl.sum(l * weight, axis=0)
+    norm = tl.where(norm == 0.0, 1.0, norm)  # no keys at all (a CUDA-graph padding row): 0
     tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims,
              (total / norm).to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 

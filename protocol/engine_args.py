@@ -73,6 +73,8 @@ class EngineArgs:
     attention_backend: str = _opt(
         "auto", "'auto' (triton on cuda, torch on cpu), 'triton' (on the CPU through "
         "Triton's interpreter: slow, for tests) or 'torch'.", ATTENTION_BACKENDS)
+    enforce_eager: bool = _opt(
+        False, "Run every step eagerly: no CUDA graphs for decode steps (cuda only).")
     skip_tokenizer_init: bool = _opt(
         False, "Load no tokenizer: prompts must be token ids and outputs carry no text.")
 

@@ -1,7 +1,13 @@
-"""On a CUDA machine (`pytest -m gpu`): the Triton path on the GPU against
-transformers. Skipped cleanly without a GPU."""
+"""On a CUDA machine (`pytest -m gpu`): the Triton path on the GPU, with and without
+CUDA graphs, against transformers; one host sync per step; the profiled KV cache.
+Skipped cleanly without a GPU.
+
+(The kernel tests in test_kernels_triton.py also run on the GPU there: conftest only
+selects Triton's interpreter when there is no GPU.)"""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -12,14 +18,109 @@ from frontend import SamplingParams
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
-def test_fp32_greedy_on_the_gpu_matches_transformers(name, model_dirs, hf_reference,
-                                                     make_llm):
+def test_fp32_greedy_on_the_gpu_matches_transformers(name, enforce_eager, model_dirs,
+                                                     hf_reference, make_llm):
     llm = make_llm(model_dirs[name], device="cuda", dtype="float32",
-                   attention_backend="triton", kv_cache_memory_bytes=64 * 2**20)
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32),
-                           use_tqdm=False)
+                   attention_backend="triton", kv_cache_memory_bytes=64 * 2**20,
+                   enforce_eager=enforce_eager)
+    runner = llm.engine_core.core.executor.runner
+    assert (runner.graphs is None) == enforce_eager
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         expected = hf_reference(name, llm.tokenizer.encode(prompt), 32)
         assert output.outputs[0].token_ids == expected, prompt
+
+
+def test_graphs_and_eager_give_identical_outputs(model_dirs, make_llm):
+    """Every batch size from 1 to 10 decodes through the graphs (padded up the
+    ladder) and gives exactly the eager run's tokens and logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+    results = []
+    for enforce_eager in (False, True):
+        llm = make_llm(model_dirs["qwen3"], device="cuda", dtype="float32",
+                       kv_cache_memory_bytes=64 * 2**20, enforce_eager=enforce_eager)
+        runs = [llm.generate(PROMPTS[:n], params, use_tqdm=False) for n in (1, 3, 10)]
+        results.append([[(c.token_ids, [sorted(lp.items()) for lp in c.logprobs or []])
+                         for o in run for c in o.outputs] for run in runs])
+        llm.shutdown()
+    graphs, eager = results
+    assert [[ids for ids, _ in run] for run in graphs] == \
+        [[ids for ids, _ in run] for run in eager]
+    for run_g, run_e in zip(graphs, eager, strict=True):
+        for (_, lps_g), (_, lps_e) in zip(run_g, run_e, strict=True):
+            for step_g, step_e in zip(lps_g, lps_e, strict=True):
+                assert [t for t, _ in step_g] == [t for t, _ in step_e]
+                for (_, a), (_, b) in zip(step_g, step_e, strict=True):
+                    assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_bf16_logprobs_on_the_gpu_are_close_to_transformers(name, model_dirs, make_llm):
+    """bf16 with CUDA graphs: each generated token's logprob is within bf16 tolerance
+    of transformers' fp32 logprob of that token after the same prefix, and every
+    chosen token is transformers' argmax or a near-tie with it."""
+    from transformers import AutoModelForCausalLM
+
+    llm = make_llm(model_dirs[name], device="cuda", dtype="bfloat16",
+                   kv_cache_memory_bytes=64 * 2**20)
+    hf = AutoModelForCausalLM.from_pretrained(model_dirs[name], dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0)
+    for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False),
+                              strict=True):
+        completion = output.outputs[0]
+        ids = output.prompt_token_ids + completion.token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0].float()
+        reference = logits.log_softmax(-1)[len(output.prompt_token_ids) - 1:-1]  # [N, V]
+        for step, (token, lps) in enumerate(zip(completion.token_ids, completion.logprobs,
+                                                strict=True)):
+            ours = lps[token].logprob
+            theirs = reference[step, token].item()
+            assert ours == pytest.approx(theirs, abs=0.08), (prompt, step)
+            assert reference[step].max().item() - theirs < 0.08, (prompt, step)
+
+
+def test_one_host_sync_per_decode_step(model_dirs, make_llm):
+    """A plain greedy step waits on the device once: for its sampled ids."""
+    llm = make_llm(model_dirs["llama"], device="cuda", dtype="float32",
+                   kv_cache_memory_bytes=64 * 2**20)
+    llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)  # warm up: kernels compiled
+    runner = llm.engine_core.core.executor.runner
+    syncs_per_step: list[int] = []
+    execute = runner.execute_model
+
+    def counted(scheduler_output):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = execute(scheduler_output)
+        syncs_per_step.append(sum("synchroniz" in str(w.message) for w in caught))
+        return result
+
+    runner.execute_model = counted
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        runner.execute_model = execute
+    assert len(syncs_per_step) >= 32
+    assert max(syncs_per_step) <= 1, syncs_per_step
+
+
+def test_kv_cache_is_sized_by_profiling(model_dirs, make_llm):
+    """Without kv_cache_memory_bytes the KV cache takes the engine's share of the GPU
+    less weights and the profiled activations: under the share, and most of it."""
+    share = 0.05
+    llm = make_llm(model_dirs["llama"], device="cuda", dtype="float32",
+                   kv_cache_memory_bytes=None, gpu_memory_utilization=share)
+    executor = llm.engine_core.core.executor
+    total = torch.cuda.get_device_properties(0).total_memory
+    kv_bytes = executor.num_kv_blocks * executor.runner.kv_cache_bytes_per_block()
+    assert 0.5 * share * total < kv_bytes < share * total
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 32 for o in outputs)

@@ -1,0 +1,299 @@
+"""The whole GPU benchmark suite in one command, one JSON file.
+
+    python benchmarks/gpu_suite.py --output-json gpu_results.json
+    python benchmarks/gpu_suite.py --parts kernel decode --output-json a.json   # a subset
+    python benchmarks/gpu_suite.py --merge a.json b.json --output-json gpu_results.json
+    python benchmarks/gpu_suite.py --smoke --output-json smoke.json             # CPU check
+
+Parts (names for --parts; a kind such as `decode` selects all of its parts):
+
+    kernel                       kernel_bench.py's full grid: decode paged attention's
+                                 bandwidth against copy bandwidth and torch SDPA
+    decode-<model>[-eager]       decode_roofline.py: batch-1 decode against the memory
+                                 roofline, with CUDA graphs and with --enforce-eager
+    throughput-<model>           throughput.py's workload: 256 requests, prompt and output
+                                 lengths uniform in 100..1024, ignore_eos, dummy bf16
+                                 weights, pagellm against transformers' generate (batches
+                                 of 64, on the GPU) in the same run
+
+for the models of benchmarks/configs (qwen2.5-0.5b, qwen2.5-1.5b). Every part runs in a
+fresh subprocess, so each starts with the GPU's memory free and a crash or a hang (killed
+after --part-timeout) costs only that part; the JSON is rewritten after every part, so a
+command killed from outside keeps what finished. Each part's entry holds its own results
+(with date, device and versions), the command that ran it, its exit status, its seconds
+and, when it failed, the tail of its output.
+
+Expected times on an H200 (estimates: first-run Triton compiles included): kernel 1-2
+min, each decode part about 1 min (engine start with CUDA-graph capture, then seconds of
+decoding), each throughput part 2-4 min (mostly transformers). The whole suite is close
+to 10 minutes, so a 10-minute window wants it split, e.g. `--parts kernel decode`, then
+one command per throughput part, then --merge.
+
+--smoke runs every part in its CPU form (kernel_bench and decode_roofline --smoke; the
+throughput parts on the demo model with a handful of tiny requests): numbers are
+meaningless, the wiring is proven.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark scripts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import decode_roofline
+import kernel_bench
+import torch
+from throughput import make_workload, run_pagellm, run_transformers
+
+from frontend.llm import resolve_model
+from protocol.engine_args import EngineArgs
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MODELS = {"qwen2.5-0.5b": HERE / "configs" / "qwen2.5-0.5b",
+          "qwen2.5-1.5b": HERE / "configs" / "qwen2.5-1.5b"}
+KINDS = ("kernel", "decode", "throughput")
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    name: str
+    kind: str  # one of KINDS
+    model: str | None = None  # a key of MODELS
+    enforce_eager: bool = False
+
+
+PARTS: list[Part] = [
+    Part("kernel", "kernel"),
+    *(Part(f"decode-{m}{'-eager' if eager else ''}", "decode", m, eager)
+      for m in MODELS for eager in (False, True)),
+    *(Part(f"throughput-{m}", "throughput", m) for m in MODELS),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ThroughputWorkload:
+    model: str
+    dtype: str
+    device: str
+    num_prompts: int
+    input_len: tuple[int, int]
+    output_len: tuple[int, int]
+    hf_batch_size: int
+    num_warmup_prompts: int
+
+
+def throughput_workload(model: str, smoke: bool) -> ThroughputWorkload:
+    if smoke:
+        return ThroughputWorkload("demo", "float32", "cpu", 4, (4, 16), (2, 8), 2, 2)
+    # HF batch 64: large enough that transformers' per-step overhead is shared by many
+    # requests, small enough that padding to each batch's longest request stays sane.
+    return ThroughputWorkload(str(MODELS[model]), "bfloat16", "cuda", 256, (100, 1024),
+                              (100, 1024), 64, 32)
+
+
+# --------------------------------------------------------------------------- parts (child)
+
+
+def throughput_part(model: str, smoke: bool) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    w = throughput_workload(model, smoke)
+    args = resolve_model(EngineArgs(
+        model=w.model, load_format="dummy", skip_tokenizer_init=True, dtype=w.dtype,
+        device=w.device, max_model_len=w.input_len[1] + w.output_len[1], seed=0))
+    vocab = AutoConfig.from_pretrained(args.model).get_text_config().vocab_size
+    work = make_workload(w.num_prompts, w.input_len, w.output_len, vocab, seed=0)
+    warmup = make_workload(w.num_warmup_prompts, w.input_len, w.output_len, vocab, seed=1)
+    pagellm = run_pagellm(args, work, warmup)
+    hf = run_transformers(args, work, w.hf_batch_size, getattr(torch, w.dtype), w.device)
+    return {"benchmark": "throughput", **kernel_bench.environment(torch.device(w.device)),
+            "smoke": smoke, "workload": dataclasses.asdict(w),
+            "engine_args": dataclasses.asdict(args),
+            "prompt_tokens": sum(len(p) for p, _ in work),
+            "output_tokens": sum(n for _, n in work),
+            "results": [dataclasses.asdict(pagellm), dataclasses.asdict(hf)],
+            "ratio_output_tokens_per_s": pagellm.output_tokens_per_s / hf.output_tokens_per_s}
+
+
+def run_part(part: Part, smoke: bool, output: Path) -> None:
+    """Run one part in this process and write its results to `output`."""
+    smoke_flag = ["--smoke"] if smoke else []
+    if part.kind == "kernel":
+        kernel_bench.main([*smoke_flag, "--output-json", str(output)])
+    elif part.kind == "decode":
+        assert part.model is not None
+        argv = smoke_flag if smoke else ["--model", str(MODELS[part.model])]
+        if part.enforce_eager:
+            argv = [*argv, "--enforce-eager"]
+        decode_roofline.main([*argv, "--output-json", str(output)])
+    else:
+        assert part.model is not None
+        results = throughput_part(part.model, smoke)
+        output.write_text(json.dumps(results, indent=2))
+
+
+# --------------------------------------------------------------------------- suite (parent)
+
+
+def run_in_subprocess(part: Part, smoke: bool, timeout_s: float) -> dict[str, Any]:
+    """Run a part in a fresh interpreter, echoing its output; its entry in the suite's
+    JSON. A part past timeout_s is killed (its engine core follows: it watches its
+    frontend)."""
+    with tempfile.TemporaryDirectory(prefix="gpu-suite-") as tmp:
+        output = Path(tmp) / "part.json"
+        command = [sys.executable, str(Path(__file__).resolve()), "--run-part", part.name,
+                   "--part-output", str(output), *(["--smoke"] if smoke else [])]
+        tail: collections.deque[str] = collections.deque(maxlen=60)
+        timed_out = threading.Event()
+        start = time.perf_counter()
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+        def kill() -> None:
+            timed_out.set()
+            proc.kill()
+
+        timer = threading.Timer(timeout_s, kill)
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sys.stdout.write(f"[{part.name}] {line}")
+                sys.stdout.flush()
+                tail.append(line)
+            returncode = proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        seconds = time.perf_counter() - start
+        result = json.loads(output.read_text()) if output.exists() else None
+    status = ("timeout" if timed_out.is_set() else "ok" if returncode == 0 else "failed")
+    entry: dict[str, Any] = {"status": status, "returncode": returncode, "seconds": seconds,
+                             "command": shlex.join(["python", "benchmarks/gpu_suite.py",
+                                                    *command[2:4], *command[6:]]),
+                             "result": result}
+    if status != "ok":
+        entry["output_tail"] = "".join(tail)
+    return entry
+
+
+def headline(entry: dict[str, Any]) -> str:
+    """One line per part for the summary table."""
+    r = entry.get("result")
+    if r is None:
+        return "no result"
+    if r["benchmark"] == "kernel_bench":
+        rows = [c for c in r["cases"] if c["matches_reference"]]
+        long = [c for c in rows if c["context"] >= 8192] or rows
+        worst = min((c["kernel_pct_of_copy"] for c in long), default=float("nan"))
+        return (f"copy {r['copy_bandwidth_gbps']:.0f} GB/s; long contexts >= "
+                f"{worst:.1f}% of copy (target {r['target_pct_of_copy']:.0f}%); "
+                f"{len(rows)}/{len(r['cases'])} cases match SDPA")
+    if r["benchmark"] == "decode_roofline":
+        if r["decode_tokens_per_s"] is None:
+            return "decode time below noise"
+        return (f"{r['decode_tokens_per_s']:.1f} tok/s = {r['pct_of_roofline']:.1f}% of "
+                f"roofline {r['roofline_tokens_per_s']:.1f} (target "
+                f"{r['target_pct_of_roofline']:.0f}%)")
+    pagellm, hf = r["results"]
+    return (f"pagellm {pagellm['output_tokens_per_s']:.0f} out tok/s, transformers "
+            f"{hf['output_tokens_per_s']:.0f}: {r['ratio_output_tokens_per_s']:.2f}x")
+
+
+def select_parts(names: list[str] | None, parser: argparse.ArgumentParser) -> list[Part]:
+    if not names:
+        return list(PARTS)
+    known = {p.name for p in PARTS} | set(KINDS)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"unknown part(s) {unknown}; known: {sorted(known)}")
+    return [p for p in PARTS if p.name in names or p.kind in names]
+
+
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """One suite JSON from several (later files win for a part run twice)."""
+    merged: dict[str, Any] | None = None
+    for path in paths:
+        data = json.loads(path.read_text())
+        if merged is None:
+            merged = {**data, "parts": {}, "merged_from": []}
+        merged["merged_from"].append({"file": str(path), "command": data.get("command"),
+                                      "date": data.get("date")})
+        merged["parts"].update(data["parts"])
+    assert merged is not None
+    return merged
+
+
+def write(results: dict[str, Any], path: Path | None) -> None:
+    if path is not None:
+        path.write_text(json.dumps(results, indent=2))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the selected parts (or merge files, or run one part as the suite's child);
+    return the suite's results, as written to --output-json."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-json", type=Path, default=None)
+    parser.add_argument("--parts", nargs="+", default=None,
+                        help=f"parts or kinds to run (default: all): "
+                             f"{', '.join(p.name for p in PARTS)}")
+    parser.add_argument("--smoke", action="store_true", help="every part in its CPU form")
+    parser.add_argument("--part-timeout", type=float, default=540.0,
+                        help="seconds before a part is killed (default: 540)")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="merge suite JSON files into --output-json; runs nothing")
+    parser.add_argument("--run-part", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--part-output", type=Path, default=None, help=argparse.SUPPRESS)
+    args = sys.argv[1:] if argv is None else argv
+    ns = parser.parse_args(args)
+    if ns.run_part is not None:
+        run_part(next(p for p in PARTS if p.name == ns.run_part), ns.smoke, ns.part_output)
+        return {}
+    if ns.merge:
+        merged = merge(ns.merge)
+        write(merged, ns.output_json)
+        return merged
+
+    results: dict[str, Any] = {
+        "benchmark": "gpu_suite", "smoke": ns.smoke,
+        "command": shlex.join(["python", "benchmarks/gpu_suite.py", *args]),
+        # The device is named at the end: this process keeps off the GPU while parts run.
+        **kernel_bench.environment(torch.device("cpu")), "device": None, "parts": {}}
+    for part in select_parts(ns.parts, parser):
+        print(f"=== {part.name}", flush=True)
+        entry = run_in_subprocess(part, ns.smoke, ns.part_timeout)
+        results["parts"][part.name] = entry
+        write(results, ns.output_json)
+    device = torch.device("cuda" if torch.cuda.is_available() and not ns.smoke else "cpu")
+    results.update({k: v for k, v in kernel_bench.environment(device).items()
+                    if k in ("device", "device_type", "cuda")})
+    write(results, ns.output_json)
+    print(f"\n{results['device']}, torch {results['torch']}, triton {results['triton']}, "
+          f"transformers {results['transformers']}")
+    for name, entry in results["parts"].items():
+        seconds = f"{entry['seconds']:.0f}s" if "seconds" in entry else "-"
+        print(f"{name:<28}{entry['status']:<9}{seconds:>6}  {headline(entry)}")
+    return results
+
+
+if __name__ == "__main__":
+    suite = main()
+    failed = [n for n, e in suite.get("parts", {}).items()
+              if e["status"] != "ok"]
+    sys.exit(1 if failed else 0)

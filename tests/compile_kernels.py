@@ -1,0 +1,156 @@
+"""Compile the Triton kernels for NVIDIA GPUs on a machine without one.
+
+Triton compiles ahead of time for a named target with its bundled ptxas, so a CPU
+machine can prove that every specialization the launchers ask for builds for Hopper
+(sm_90) and Ampere (sm_80) — the interpreter accepts things real compilation rejects,
+such as a `tl.dot` smaller than 16x16 — and read each kernel's register, spill and
+shared-memory use from the cubin.
+
+The launchers run for real on meta tensors with their kernels swapped for recorders, so
+the constexprs and arguments compiled are exactly the ones a launch would use.
+
+    python tests/compile_kernels.py     # JSON lines: one per specialization
+
+Run without TRITON_INTERPRET (the test that calls it starts a clean process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import triton_attention as ta
+
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+          torch.int32: "i32", torch.int64: "i64"}
+TARGETS = (GPUTarget("cuda", 90, 32), GPUTarget("cuda", 80, 32))
+
+
+class _Recorder:
+    """Stands in for a JIT kernel: `kernel[grid](*args, **constexprs)` records the call."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.calls.append((args, kwargs))
+        return launch
+
+
+def _source(kernel: Any, args: tuple[Any, ...], constexprs: dict[str, Any]) -> ASTSource:
+    """The ASTSource a launch with these arguments compiles: pointer types from the
+    tensors' dtypes, 16-divisibility where a real launch would detect it (every
+    tensor allocation is 16-byte aligned)."""
+    names = kernel.arg_names
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for i, (name, value) in enumerate(zip(names, args, strict=False)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if abs(value) < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32"
+    for name in constexprs:
+        signature[name] = "constexpr"
+    return ASTSource(fn=kernel, signature=signature,
+                     constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                     attrs=attrs)
+
+
+def _resource_usage(cubin: bytes, tmp: Path) -> dict[str, int]:
+    path = tmp / "kernel.cubin"
+    path.write_bytes(cubin)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    text = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(path)],
+                          capture_output=True, text=True, check=True).stdout
+    usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    return {k.lower(): int(v) for k, v in usage.items()}
+
+
+def _cases() -> list[tuple[str, dict[str, Any]]]:
+    """(launcher, arguments) pairs covering what the engine launches: every head size
+    and dtype, both block sizes, GQA groups 1/2/4/7/8, split-KV."""
+    cases: list[tuple[str, dict[str, Any]]] = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for head_dim in ta.SUPPORTED_HEAD_SIZES:
+            cases.append(("attention", dict(dtype=dtype, head_dim=head_dim, group=4,
+                                            block_size=16, segments=1)))
+            cases.append(("write", dict(dtype=dtype, head_dim=head_dim, block_size=16)))
+    for group in (1, 2, 7, 8):
+        cases.append(("attention", dict(dtype=torch.bfloat16, head_dim=128, group=group,
+                                        block_size=32, segments=1)))
+    for dtype in (torch.float32, torch.bfloat16):
+        for head_dim in (64, 128):
+            cases.append(("attention", dict(dtype=dtype, head_dim=head_dim, group=7,
+                                            block_size=16, segments=8)))
+    return cases
+
+
+def _launch(kind: str, p: dict[str, Any]) -> None:
+    meta = torch.device("meta")
+    kv_heads, num_reqs, num_blocks = 2, 3, 8
+    heads = kv_heads * p.get("group", 1)
+    kv_cache = torch.empty(2, num_blocks, p["block_size"], kv_heads, p["head_dim"],
+                           dtype=p["dtype"], device=meta)
+    if kind == "write":
+        key = torch.empty(5, kv_heads, p["head_dim"], dtype=p["dtype"], device=meta)
+        ta.write_kv_cache(key, key, kv_cache, torch.empty(5, dtype=torch.int64, device=meta))
+        return
+    tokens = num_reqs if p["segments"] > 1 else 7
+    query = torch.empty(tokens, heads, p["head_dim"], dtype=p["dtype"], device=meta)
+    ta.paged_attention(query, kv_cache, torch.empty(num_reqs, 4, dtype=torch.int32, device=meta),
+                       torch.empty(num_reqs + 1, dtype=torch.int32, device=meta),
+                       torch.empty(num_reqs, dtype=torch.int32, device=meta), 0.125,
+                       max_query_len=1 if p["segments"] > 1 else 5, num_segments=p["segments"])
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") != "1", "compile without the interpreter"
+    recorders = {name: _Recorder(getattr(ta, name)) for name in (
+        "_write_kv_cache_kernel", "_paged_attention_kernel", "_merge_segments_kernel")}
+    for name, recorder in recorders.items():
+        setattr(ta, name, recorder)
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"compile_kernels_{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    seen: set[str] = set()
+    for kind, params in _cases():
+        _launch(kind, params)
+        for recorder in recorders.values():
+            for args, constexprs in recorder.calls:
+                src = _source(recorder.kernel, args, constexprs)
+                if src.hash() in seen:
+                    continue
+                seen.add(src.hash())
+                for target in TARGETS:
+                    compiled = triton.compile(src, target=target)
+                    print(json.dumps({
+                        "kernel": recorder.kernel.__name__, "arch": target.arch,
+                        "case": {k: str(v) for k, v in params.items()},
+                        "constexprs": {k: str(v) for k, v in constexprs.items()},
+                        "num_warps": compiled.metadata.num_warps,
+                        **_resource_usage(compiled.asm["cubin"], tmp)}), flush=True)
+            recorder.calls.clear()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The GPU benchmark scripts, in their CPU smoke forms: CI proves that they run, that a
+wrong kernel cannot report a speed, and that their JSON has what a GPU session will read,
+before a GPU session spends its scarce time on them."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # benchmarks/ is scripts, not a package
+
+import decode_roofline  # noqa: E402
+import gpu_suite  # noqa: E402
+import kernel_bench  # noqa: E402
+
+CASE_TIMINGS = ("kernel_us", "kernel_gbps", "kernel_pct_of_copy", "sdpa_us", "sdpa_gbps",
+                "sdpa_pct_of_copy", "speedup_vs_sdpa")
+
+
+def run_json(main: Any, argv: list[str], path: Path) -> dict[str, Any]:
+    """Run a benchmark's main with --output-json; the file must hold what it returned."""
+    results = main([*argv, "--output-json", str(path)])
+    assert json.loads(path.read_text()) == json.loads(json.dumps(results))
+    return results
+
+
+def assert_kernel_results(results: dict[str, Any], num_cases: int) -> None:
+    assert results["benchmark"] == "kernel_bench" and results["smoke"] is True
+    for key in ("date", "device", "torch", "triton", "copy_bandwidth_gbps", "timing",
+                "sdpa_variant", "target_pct_of_copy", "skipped"):
+        assert key in results, key
+    assert results["copy_bandwidth_gbps"] > 0
+    assert len(results["cases"]) == num_cases
+    for case in results["cases"]:
+        assert case["matches_reference"] is True, case
+        assert case["max_rel_err"] <= case["tolerance"] == kernel_bench.TOLERANCE[
+            kernel_bench.torch.float32]
+        assert all(case[k] > 0 for k in CASE_TIMINGS), case
+
+
+def test_kernel_bench_smoke_matches_sdpa_and_reports_bandwidth(tmp_path):
+    results = run_json(kernel_bench.main, ["--smoke"], tmp_path / "kernel.json")
+    assert_kernel_results(results, num_cases=4)
+    assert {(c["batch"], c["context"]) for c in results["cases"]} == {
+        (1, 20), (2, 20), (1, 40), (2, 40)}
+    case = results["cases"][0]
+    # K and V of every context token (4 bytes each in fp32) + queries read + outputs written
+    assert case["bytes_moved"] == (case["batch"] * case["context"] * 2 * 2 * 16 * 4
+                                   + 2 * case["batch"] * 4 * 16 * 4)
+
+
+def test_kernel_bench_split_kv_matches_sdpa_and_skips_over_budget(tmp_path):
+    results = run_json(kernel_bench.main, ["--smoke", "--num-segments", "2", "--batches",
+                                           "3", "--contexts", "40", "100000",
+                                           "--max-kv-gib", "0.01"], tmp_path / "k.json")
+    assert_kernel_results(results, num_cases=1)
+    assert results["cases"][0]["num_segments"] == 2
+    assert [(s["batch"], s["context"]) for s in results["skipped"]] == [(3, 100000)]
+
+
+def test_kernel_bench_reports_no_speed_for_a_wrong_kernel(tmp_path, monkeypatch):
+    from kernels import triton_attention
+
+    real = triton_attention.paged_attention
+
+    def off_by_a_bit(*args: Any, **kwargs: Any) -> Any:
+        return real(*args, **kwargs) * 1.01
+
+    monkeypatch.setattr(triton_attention, "paged_attention", off_by_a_bit)
+    path = tmp_path / "kernel.json"
+    with pytest.raises(AssertionError, match="differs from SDPA"):
+        kernel_bench.main(["--smoke", "--batches", "2", "--contexts", "40",
+                           "--output-json", str(path)])
+    (case,) = json.loads(path.read_text())["cases"]
+    assert case["matches_reference"] is False and case["max_rel_err"] > case["tolerance"]
+    assert not set(CASE_TIMINGS) & set(case)
+
+
+def test_decode_bytes_per_step_of_qwen25_05b_counts_the_tied_embedding_once():
+    traffic = decode_roofline.bytes_per_decode_step(
+        str(BENCHMARKS / "configs" / "qwen2.5-0.5b"), element_size=2, context=1000)
+    assert traffic["tied_embeddings"] is True
+    assert traffic["num_params"] == 494_032_768  # Qwen2.5-0.5B's published 0.49B
+    assert traffic["weight_bytes"] == 2 * 494_032_768
+    # 24 layers x K,V x 2 KV heads x head_dim 64 x 2 bytes per token
+    assert traffic["kv_bytes_per_step"] == 24 * 2 * 2 * 64 * 2 * 1000
+    assert traffic["bytes_per_step"] == traffic["weight_bytes"] + traffic["kv_bytes_per_step"]
+
+
+def test_decode_roofline_smoke_measures_decode_against_the_roofline(tmp_path):
+    results = run_json(decode_roofline.main, ["--smoke"], tmp_path / "decode.json")
+    assert results["benchmark"] == "decode_roofline" and results["model"] == "demo"
+    assert results["engine_args"]["dtype"] == "float32"
+    assert results["engine_args"]["device"] == "cpu"
+    assert results["long_len"] == results["short_len"] + 8
+    assert len(results["short_s"]) == len(results["long_s"]) == results["repeats"]
+    # The demo model's input embedding is untied: a step reads one row of it (fp32).
+    config = json.loads((Path(results["engine_args"]["model"]) / "config.json").read_text())
+    assert results["tied_embeddings"] is False
+    assert results["weight_bytes"] == 4 * (results["num_params"] - (config["vocab_size"] - 1)
+                                           * config["hidden_size"])
+    assert results["roofline_tokens_per_s"] == pytest.approx(
+        results["copy_bandwidth_gbps"] * 1e9 / results["bytes_per_step"])
+    if results["decode_tokens_per_s"] is not None:  # None only if noise beat 8 tokens
+        assert results["pct_of_roofline"] == pytest.approx(
+            100 * results["decode_tokens_per_s"] / results["roofline_tokens_per_s"])
+
+
+def test_gpu_suite_parts_select_by_name_or_kind():
+    parser = gpu_suite.argparse.ArgumentParser()
+    assert [p.name for p in gpu_suite.select_parts(["kernel", "throughput-qwen2.5-0.5b"],
+                                                   parser)] == [
+        "kernel", "throughput-qwen2.5-0.5b"]
+    decode = gpu_suite.select_parts(["decode"], parser)
+    assert len(decode) == 4 and sum(p.enforce_eager for p in decode) == 2
+    with pytest.raises(SystemExit):
+        gpu_suite.select_parts(["nope"], parser)
+
+
+def test_gpu_suite_merges_split_runs(tmp_path):
+    for i, names in enumerate((["kernel"], ["decode-qwen2.5-0.5b", "kernel"])):
+        (tmp_path / f"{i}.json").write_text(json.dumps(
+            {"benchmark": "gpu_suite", "command": f"run {i}", "date": "d",
+             "parts": {n: {"status": "ok", "run": i} for n in names}}))
+    merged = gpu_suite.main(["--merge", str(tmp_path / "0.json"), str(tmp_path / "1.json"),
+                             "--output-json", str(tmp_path / "all.json")])
+    assert merged["parts"] == {"kernel": {"status": "ok", "run": 1},
+                               "decode-qwen2.5-0.5b": {"status": "ok", "run": 1}}
+    assert [m["command"] for m in merged["merged_from"]] == ["run 0", "run 1"]
+    assert json.loads((tmp_path / "all.json").read_text()) == merged
+
+
+def test_gpu_suite_kills_a_part_past_its_timeout():
+    entry = gpu_suite.run_in_subprocess(gpu_suite.PARTS[0], smoke=True, timeout_s=0.2)
+    assert entry["status"] == "timeout" and entry["returncode"] != 0
+    assert entry["result"] is None and "output_tail" in entry
+
+
+@pytest.mark.slow
+def test_gpu_suite_smoke_runs_every_part_in_a_subprocess(tmp_path):
+    results = run_json(gpu_suite.main, ["--smoke"], tmp_path / "suite.json")
+    for key in ("date", "device", "torch", "triton", "transformers", "command"):
+        assert key in results, key
+    assert "--smoke" in results["command"]
+    assert list(results["parts"]) == [p.name for p in gpu_suite.PARTS]
+    for name, entry in results["parts"].items():
+        assert entry["status"] == "ok", entry.get("output_tail")
+        r = entry["result"]
+        if name == "kernel":
+            assert_kernel_results(r, num_cases=4)
+        elif name.startswith("decode-"):
+            assert r["benchmark"] == "decode_roofline"
+            assert r["enforce_eager"] is name.endswith("-eager")
+        else:
+            assert r["benchmark"] == "throughput"
+            pagellm, hf = r["results"]
+            assert (pagellm["engine"], hf["engine"]) == ("pagellm", "transformers")
+            assert r["workload"]["num_prompts"] == 4 and r["output_tokens"] > 0
+            for engine in (pagellm, hf):
+                assert engine["output_tokens_per_s"] == pytest.approx(
+                    r["output_tokens"] / engine["seconds"])
