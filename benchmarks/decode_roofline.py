@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # kernel_bench, when i
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import torch
-from kernel_bench import environment, measure_copy_bandwidth
+from kernel_bench import environment, measure_copy_bandwidth, parse_with_defaults
 
 from frontend import LLM, SamplingParams
 from frontend.llm import resolve_model
@@ -131,12 +131,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="decode tokens measured (the long run has short + this many)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--copy-mib", type=int, default=None)
-    parser.add_argument("--output-json", type=Path, default=None)
-    ns = parser.parse_args(argv)
-    for key, value in (SMOKE_DEFAULTS if ns.smoke else GPU_DEFAULTS).items():
-        if getattr(ns, key) is None:
-            setattr(ns, key, value)
-    return ns
+    return parse_with_defaults(parser, argv, GPU_DEFAULTS, SMOKE_DEFAULTS)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

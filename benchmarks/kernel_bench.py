@@ -260,9 +260,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--copy-mib", type=int, default=None,
                         help="size of the copy that measures the device's bandwidth")
     parser.add_argument("--seed", type=int, default=0)
+    return parse_with_defaults(parser, argv, GPU_DEFAULTS, SMOKE_DEFAULTS)
+
+
+def parse_with_defaults(parser: argparse.ArgumentParser, argv: list[str] | None,
+                        gpu: dict[str, Any], smoke: dict[str, Any]) -> argparse.Namespace:
+    """Add --output-json and parse; options left unset take the GPU run's default, or
+    the --smoke run's (the parser must define --smoke)."""
     parser.add_argument("--output-json", type=Path, default=None)
     ns = parser.parse_args(argv)
-    for key, value in (SMOKE_DEFAULTS if ns.smoke else GPU_DEFAULTS).items():
+    for key, value in (smoke if ns.smoke else gpu).items():
         if getattr(ns, key) is None:
             setattr(ns, key, value)
     return ns

@@ -31,6 +31,8 @@ class Executor:
         self.max_num_batched_tokens = args.max_num_batched_tokens or (
             8192 if self.device.type == "cuda" else 2048)
         self.block_size = args.block_size
+        # Blocks one request of max_model_len needs: the cache must hold at least that.
+        self.blocks_per_request = -(-self.model_config.max_model_len // self.block_size)
         cuda = self.device.type == "cuda"
         if cuda:  # what others (and our CUDA context) hold before the weights arrive
             free, total = torch.cuda.mem_get_info(self.device)
@@ -48,7 +50,7 @@ class Executor:
         self.num_kv_blocks = self._num_blocks(budget, source)
         self.runner.initialize_kv_cache(self.num_kv_blocks)
         gib = self.num_kv_blocks * self.runner.kv_cache_bytes_per_block() / 2**30
-        logger.info("KV cache: %d blocks (%d tokens, %.2f GiB) on %s", self.num_kv_blocks,
+        logger.info("KV cache: %d blocks (%d tokens), %.2f GiB on %s", self.num_kv_blocks,
                     self.num_kv_blocks * self.block_size, gib, self.device)
         if cuda and not args.enforce_eager and self.runner.attention.name == "triton":
             try:
@@ -71,8 +73,7 @@ class Executor:
 
     def _num_blocks(self, budget: int, source: str) -> int:
         per_block = self.runner.kv_cache_bytes_per_block()
-        max_len = self.model_config.max_model_len
-        needed_blocks = -(-max_len // self.block_size)
+        max_len, needed_blocks = self.model_config.max_model_len, self.blocks_per_request
         num_blocks = budget // per_block
         if num_blocks < needed_blocks:
             raise ValueError(
@@ -87,9 +88,8 @@ class Executor:
     def _cpu_budget(self, args: EngineArgs) -> int:
         """A share of available RAM, and never more than every running request at full
         length could use."""
-        per_block = self.runner.kv_cache_bytes_per_block()
-        needed_blocks = -(-self.model_config.max_model_len // self.block_size)
-        useful = needed_blocks * args.max_num_seqs * per_block
+        useful = (self.blocks_per_request * args.max_num_seqs
+                  * self.runner.kv_cache_bytes_per_block())
         return min(int(psutil.virtual_memory().available * CPU_KV_CACHE_RAM_SHARE), useful)
 
     def _profiled_cuda_budget(self, args: EngineArgs, used_before: int) -> int:

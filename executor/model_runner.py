@@ -141,17 +141,14 @@ class ModelRunner:
         tokens = min(self.max_num_batched_tokens, self.max_num_seqs * max_len)
         reqs = max(min(self.max_num_seqs, tokens), -(-tokens // max_len))
         lengths = [tokens // reqs + (i < tokens % reqs) for i in range(reqs)]
-        num_blocks = sum(-(-n // bs) for n in lengths)
+        first_block = np.cumsum([0] + [-(-n // bs) for n in lengths]).tolist()
         saved_caches = self.kv_caches
-        self.initialize_kv_cache(num_blocks)
+        self.initialize_kv_cache(first_block[-1])
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
         vocab = self.model_config.vocab_size
-        new, next_block = [], 0
-        for i, n in enumerate(lengths):
-            blocks = list(range(next_block, next_block + -(-n // bs)))
-            next_block += len(blocks)
-            new.append(NewRequestData(f"profile-{i}", [(i + j) % vocab for j in range(n)], [],
-                                      params, None, blocks, 0))
+        new = [NewRequestData(f"profile-{i}", [(i + j) % vocab for j in range(n)], [], params,
+                              None, list(range(first_block[i], first_block[i + 1])), 0)
+               for i, n in enumerate(lengths)]
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
@@ -279,15 +276,17 @@ class ModelRunner:
         # Every request computes one token: a CUDA graph's step, padded to its size.
         graph_size = self.graphs.padded_size(num_reqs) \
             if self.graphs is not None and num_tokens == num_reqs else None
+        query_start_loc = np.concatenate(([0], cu))
         put = self.buffers.put
         self.buffers.begin_step()
         meta = AttentionMetadata(
             slot_mapping=put("slot_mapping", slot_mapping, -1, graph_size),
             block_tables=put("block_tables", block_tables, 0, graph_size),
+            # Graph padding rows continue the one-token-per-request pattern.
             query_start_loc=put("query_start_loc", np.arange(graph_size + 1)
-                                if graph_size else np.concatenate(([0], cu))),
+                                if graph_size else query_start_loc),
             seq_lens=put("seq_lens", ends, 0, graph_size),
-            query_start_loc_cpu=[0, *cu.tolist()], seq_lens_cpu=ends.tolist(),
+            query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=ends.tolist(),
             max_query_len=int(counts.max()), backend=self.attention,
             num_segments=num_kv_segments(num_reqs, self.model_config.spec.num_kv_heads,
                                          int(counts.max()), int(ends.max()), self.num_sms))
