@@ -132,6 +132,11 @@ class BlockPool:
         self.cached.clear()
         return True
 
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Make blocks unfindable (a failed step may have left them half written)."""
+        for block in blocks:
+            self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:

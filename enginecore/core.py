@@ -3,13 +3,14 @@ directly; `EngineCoreProc` (the process wrapper) adds the I/O threads."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
 from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.request import Request
 from enginecore.scheduler import Scheduler, SchedulerConfig
-from executor.executor import Executor
+from executor.executor import Executor, StepFailed
 from protocol.engine_args import EngineArgs
 from protocol.messages import (
     EngineCoreOutput,
@@ -41,58 +42,76 @@ class EngineCore:
             num_kv_blocks=self.executor.num_kv_blocks,
             max_num_batched_tokens=self.executor.max_num_batched_tokens,
             device=str(self.executor.device), dtype=str(model_config.dtype).removeprefix("torch."),
-            max_logprobs=args.max_logprobs)
-        self._rejected: list[EngineCoreOutput] = []  # bad requests, reported next step
+            max_logprobs=args.max_logprobs, max_num_seqs=args.max_num_seqs)
+        # Requests refused before they reached the scheduler, reported next step.
+        self._rejected: dict[int, list[EngineCoreOutput]] = {}
         self.recent_steps: deque[StepTimings] = deque(maxlen=STEP_WINDOW)
         self.num_steps = 0
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest, client_index: int = 0) -> None:
         """Queue a request; one the engine cannot serve finishes with FinishReason.ERROR
         in the next step's outputs instead of raising into the busy loop."""
-        self.add_preprocessed(self.preprocess(request))
+        try:
+            self.add_preprocessed(self.preprocess(request, client_index))
+        except RequestRejected as e:
+            self._reject(client_index, request.request_id, str(e))
 
-    def preprocess(self, request: EngineCoreRequest) -> Request | EngineCoreOutput:
-        """Validate and hash the prompt's blocks. Touches no scheduler state, so
-        `EngineCoreProc` runs it in its input thread, off the busy loop."""
+    def preprocess(self, request: EngineCoreRequest, client_index: int = 0) -> Request:
+        """Validate and hash the prompt's blocks (RequestRejected names what is wrong).
+        Touches no scheduler state, so `EngineCoreProc` runs it in its input thread,
+        off the busy loop."""
         error = self._validate(request)
         if error is not None:
-            return EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=error)
-        return Request.from_engine_core_request(request, self._hash_block_size)
+            raise RequestRejected(error)
+        return Request.from_engine_core_request(request, self._hash_block_size, client_index)
 
-    def add_preprocessed(self, item: Request | EngineCoreOutput) -> None:
-        if isinstance(item, EngineCoreOutput):
-            self._rejected.append(item)
-        elif item.request_id in self.scheduler.requests:
-            self._rejected.append(EngineCoreOutput(
-                item.request_id, [], FinishReason.ERROR,
-                error=f"request id {item.request_id!r} is already in use"))
+    def add_preprocessed(self, request: Request) -> None:
+        if request.request_id in self.scheduler.requests:
+            self._reject(request.client_index, request.request_id,
+                         f"request id {request.request_id!r} is already in use")
         else:
-            self.scheduler.add_request(item)
+            self.scheduler.add_request(request)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str], client_index: int | None = None) -> None:
+        """Abort requests; with a client_index, only those that client sent."""
+        if client_index is not None:
+            requests = self.scheduler.requests
+            request_ids = [r for r in request_ids
+                           if r in requests and requests[r].client_index == client_index]
         self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
+
+    def abort_client(self, client_index: int) -> None:
+        """A frontend left: abort everything it left running."""
+        self.scheduler.finish_requests(self.scheduler.request_ids_of(client_index),
+                                       FinishReason.ABORT)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._rejected)
 
-    def step(self) -> EngineCoreOutputs:
-        """Schedule, execute, update: one continuous-batching iteration."""
-        outputs, self._rejected = self._rejected, []
+    def step(self) -> dict[int, EngineCoreOutputs]:
+        """Schedule, execute, update: one continuous-batching iteration. Outputs are
+        grouped by client (0 for an in-process engine)."""
+        outputs, self._rejected = self._rejected, {}
         # A step with nothing to run still tells the runner which requests to forget.
         if self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests():
             t0 = time.perf_counter()
             scheduler_output = self.scheduler.schedule()
             t1 = time.perf_counter()
-            runner_output = self.executor.execute_model(scheduler_output)
+            try:
+                runner_output = self.executor.execute_model(scheduler_output)
+            except StepFailed as e:  # the step's requests fail; the engine goes on
+                _merge(outputs, self.scheduler.fail_step(scheduler_output, str(e)))
+                self.executor.retain_requests({r.request_id for r in self.scheduler.running})
+                return _by_client(outputs)
             t2 = time.perf_counter()
-            outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+            _merge(outputs, self.scheduler.update_from_output(scheduler_output, runner_output))
             t3 = time.perf_counter()
             self.recent_steps.append(StepTimings(
                 schedule_s=t1 - t0, prepare_inputs_s=runner_output.prepare_inputs_s,
                 forward_s=runner_output.forward_s, sample_s=runner_output.sample_s,
                 update_s=t3 - t2))
             self.num_steps += 1
-        return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
+        return _by_client(outputs)
 
     def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
@@ -113,9 +132,17 @@ class EngineCore:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
+    def _reject(self, client_index: int, request_id: str, error: str) -> None:
+        self._rejected.setdefault(client_index, []).append(
+            EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error))
+
     def _validate(self, request: EngineCoreRequest) -> str | None:
-        """The engine's own checks: the frontend validates too, but a standalone engine
-        core serves clients we did not write."""
+        """What the engine checks itself although the frontend did: a standalone engine
+        core also serves clients we did not write, so every value that reaches an
+        array, a tensor index or an allocation is bounded here (SamplingParams has
+        checked its own ranges when it was decoded)."""
+        if not request.request_id:
+            return "request_id must not be empty"
         prompt = request.prompt_token_ids
         if not prompt:
             return "prompt_token_ids must not be empty"
@@ -123,19 +150,18 @@ class EngineCore:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             return f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+        if request.eos_token_id is not None and not 0 <= request.eos_token_id < vocab:
+            return f"eos_token_id={request.eos_token_id} is outside the vocabulary [0, {vocab})"
+        if not math.isfinite(request.arrival_time):
+            return f"arrival_time must be a finite number, got {request.arrival_time}"
         params = request.sampling_params
-        for name, ids in (("allowed_token_ids", params.allowed_token_ids),
-                          ("logit_bias", list(params.logit_bias or ())),
-                          ("stop_token_ids", params.stop_token_ids),
-                          ("bad_words_token_ids",
-                           [t for word in params.bad_words_token_ids or () for t in word])):
-            bad = [t for t in ids or () if not 0 <= t < vocab]
-            if bad:
-                return f"{name} outside the vocabulary [0, {vocab}): {bad[:5]}"
-        for name in ("logprobs", "prompt_logprobs"):
-            asked = getattr(params, name)
-            if asked is not None and asked > self.info.max_logprobs:
-                return f"{name}={asked} is more than max_logprobs={self.info.max_logprobs}"
+        if params.n != 1:
+            return f"n must be 1 in an engine-core request (the frontend sends one request " \
+                   f"per completion), got {params.n}"
+        try:
+            params.check_against_model(vocab, self.info.max_logprobs)
+        except ValueError as e:
+            return str(e)
         max_tokens = params.max_tokens
         if max_tokens is None:
             return "sampling_params.max_tokens must be resolved before the engine core"
@@ -143,6 +169,21 @@ class EngineCore:
             return (f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds "
                     f"max_model_len ({self.info.max_model_len})")
         return None
+
+
+class RequestRejected(ValueError):
+    """A request the engine cannot serve; the message says why."""
+
+
+def _merge(into: dict[int, list[EngineCoreOutput]], more: dict[int, list[EngineCoreOutput]]
+           ) -> None:
+    for client, outputs in more.items():
+        into.setdefault(client, []).extend(outputs)
+
+
+def _by_client(outputs: dict[int, list[EngineCoreOutput]]) -> dict[int, EngineCoreOutputs]:
+    now = time.monotonic()
+    return {client: EngineCoreOutputs(outs, now) for client, outs in outputs.items()}
 
 
 def mean_timings(steps: deque[StepTimings]) -> StepTimings:

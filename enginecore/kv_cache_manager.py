@@ -99,9 +99,13 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = max(start, end)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, keep_cached: bool = True) -> None:
+        """Return the request's blocks; with keep_cached=False their hashes are
+        forgotten first (their content cannot be trusted)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        if not keep_cached:
+            self.block_pool.uncache(blocks)
         self.block_pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:

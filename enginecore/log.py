@@ -1,17 +1,63 @@
-"""Logging for entry points: INFO lines such as the KV-cache size at start-up."""
+"""Logging for entry points: INFO lines such as the KV-cache size at start-up, and a
+rate limit on repeated warnings (a flood of bad messages or connections must not turn
+into a flood of log lines)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import threading
+import time
 
 logger = logging.getLogger("pagellm")
+
+RATE_LIMIT_WINDOW_S = 5.0
+
+
+class RateLimitFilter(logging.Filter):
+    """Lets a WARNING-or-worse record through at most once per window per message
+    template (`record.msg`, before its arguments are filled in); the next one that
+    passes says how many were suppressed. INFO and below always pass."""
+
+    def __init__(self, window_s: float = RATE_LIMIT_WINDOW_S) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, str], float] = {}
+        self._suppressed: dict[tuple[str, str], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key = (record.name, str(record.msg))
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(key, -self.window_s) < self.window_s:
+                self._suppressed[key] = self._suppressed.get(key, 0) + 1
+                return False
+            self._last[key] = now
+            suppressed = self._suppressed.pop(key, 0)
+            if len(self._last) > 10_000:  # templates are few; never grow without bound
+                self._last.clear()
+        if suppressed:
+            record.msg = f"{record.msg} ({suppressed} similar message(s) suppressed)"
+        return True
+
+
+def rate_limit(*logger_names: str) -> None:
+    """Put a RateLimitFilter on these loggers (once each)."""
+    for name in logger_names:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, RateLimitFilter) for f in target.filters):
+            target.addFilter(RateLimitFilter())
 
 
 def configure_logging() -> None:
     """INFO to stderr for the `pagellm` logger unless the application configured it
-    already; PAGELLM_LOG_LEVEL=WARNING quiets it."""
+    already; PAGELLM_LOG_LEVEL=WARNING quiets it. Repeated warnings are rate-limited
+    either way."""
+    rate_limit("pagellm")
     if logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)

@@ -1,50 +1,57 @@
 """`EngineCoreProc`: the engine core as a process, served over ZeroMQ.
 
-    frontend(s)                                  engine-core process
-    DEALER ── HELLO / BYE ──────────▶ ROUTER  (the one address a supervisor configures)
-    PUSH ──── [type, client, payload] ▶ PULL   ─ input thread: decode, scope ids ─┐
-                                                                              queue
-                                                 busy loop (main thread): step ◀┘
-    PULL ◀─── EngineCoreOutputs ────── PUSH    ─ output thread: split per client,
-              (one PUSH per client)                encode, send; heartbeats
+    frontend(s)                                 engine-core process
+    DEALER ── HELLO / ADD / ABORT / ─────▶ ROUTER  (the one address a supervisor
+              UTILITY / BYE                         configures): input thread — who sent
+                                                    it (the connection), decode ─▶ queue
+                                                busy loop (main thread): step ◀──────┘
+    PULL ◀─── EngineCoreOutputs ────────── PUSH    output thread: outputs by client,
+              (one PUSH per client)                 encode, send, heartbeats; watches
+                                                    each client's output connection
 
-Requests and outputs travel over PUSH/PULL; the handshake socket tells each frontend
-its client index and where the data sockets are. Request ids are scoped per client
-("<client>:<id>") on the way in and unscoped on the way out, so several frontends can
-use the same ids and each receives only its own outputs. No pickle anywhere: every
-payload is a typed msgspec Struct, and a frame that does not decode is logged and
-dropped.
+Who a message comes from is the ROUTER's routing id of the connection it arrived on,
+assigned by ZeroMQ (never a field the client writes), so no client can act for
+another. A client is told its index and its own output endpoint in READY. Everything
+a client can make the engine hold is bounded: the number of clients (MAX_CLIENTS),
+the size of a message (MAX_MESSAGE_BYTES), the outputs queued for a client that stops
+reading (OUTPUT_HWM: it is dropped), and a client that never connects its output
+socket is dropped after CONNECT_GRACE_S. No pickle anywhere; a message that does not
+decode is logged (rate-limited) and dropped, and a request the engine cannot serve
+fails alone with an error output. An I/O thread that dies takes the engine down with
+a message to every client, never leaving a process that heartbeats but is deaf.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import signal
-import struct
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from enginecore.core import EngineCore
+from enginecore.core import EngineCore, RequestRejected
 from enginecore.request import Request
 from enginecore.transport import CurveServerKeys, SocketFactory, data_endpoint
+from enginecore.transport import monitor as monitor_socket
 from protocol.codec import MsgpackDecoder, MsgpackEncoder
 from protocol.engine_args import EngineArgs
 from protocol.messages import (
-    CLIENT_INDEX,
     PROTOCOL_VERSION,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    HandshakeKind,
+    FinishReason,
     HandshakeReply,
     HandshakeRequest,
     RequestType,
@@ -57,25 +64,34 @@ from protocol.utility import NUM_ARGS
 logger = logging.getLogger("pagellm")
 
 HEARTBEAT_INTERVAL_S = 0.5  # an idle client hears from the engine at least this often
-_POLL_MS = 100  # how often the input thread checks for shutdown
+CONNECT_GRACE_S = 10.0  # a client must connect its output socket within this long
+MAX_CLIENTS = 64  # frontends attached at once
+MAX_MESSAGE_BYTES = 64 * 2**20  # larger messages: ZeroMQ drops the connection
+OUTPUT_HWM = 10_000  # outputs queued for one client before it counts as not reading
+_POLL_MS = 100  # how often the I/O threads check for shutdown
 _SIGNAL_CHECK_S = 0.2  # how often an idle busy loop lets signal handlers run
-# A client that has not connected its output socket yet is not "gone" (see _output_loop).
-CONNECT_GRACE_S = 10.0
-SHUTDOWN_GRACE_S = 15.0  # after this long in shutdown the process exits regardless
+_WATCH_S = 0.1  # how often the output thread looks at its clients' connections
+SHUTDOWN_GRACE_S = 15.0  # after this long in the final shutdown the process exits anyway
 
 
-class ShutdownRequested(Exception):
-    """Raised in the main thread by SIGTERM / SIGINT."""
+class ShutdownRequested(BaseException):
+    """Raised in the main thread by a second SIGTERM / SIGINT: stop now (a
+    BaseException, so that no `except Exception` on the way swallows it)."""
+
+
+class EngineThreadDied(Exception):
+    """An I/O thread of the engine core died."""
 
 
 # Items for the busy loop (from the input thread) ------------------------------------
 @dataclass
 class _Add:
-    request: Request | EngineCoreOutput  # preprocessed, or the error for a bad one
+    request: Request  # validated and hashed
 
 
 @dataclass
 class _Abort:
+    client: int
     request_ids: list[str]
 
 
@@ -90,11 +106,30 @@ class _ClientGone:
     client: int
 
 
+@dataclass
+class _ThreadDied:
+    message: str
+
+
 # Items for the output thread ---------------------------------------------------------
 @dataclass
+class _Client:
+    """An attached frontend. Its sockets belong to the output thread once registered."""
+
+    index: int
+    identity: bytes  # the ROUTER routing id of its connection
+    socket: zmq.Socket  # PUSH: its outputs
+    monitor: zmq.Socket  # events of that socket
+    endpoint: str  # where that socket is bound
+    registered: float = field(default_factory=time.monotonic)
+    open_fds: set[int] = field(default_factory=set)  # its socket's open connections
+    handshakes: int = 0  # connections that completed the ZMTP (and CURVE) handshake
+    last_sent: float = field(default_factory=time.monotonic)
+
+
+@dataclass
 class _Register:
-    client: int
-    socket: zmq.Socket
+    client: _Client
 
 
 @dataclass
@@ -104,43 +139,40 @@ class _Unregister:
 
 @dataclass
 class _Send:
-    client: int | None  # None: split the step's outputs by client
-    outputs: EngineCoreOutputs
+    outputs: dict[int, EngineCoreOutputs]  # client index -> its outputs
 
 
 @dataclass
 class _Stop:
-    message: str | None  # the last word to every client (why the engine stopped)
-
-
-def scope(client: int, request_id: str) -> str:
-    return f"{client}:{request_id}"
-
-
-def unscope(scoped: str) -> tuple[int, str]:
-    client, _, request_id = scoped.partition(":")
-    return int(client), request_id
+    message: str  # the last word to every client (why the engine stopped)
 
 
 class EngineCoreProc:
     def __init__(self, args: EngineArgs, address: str, curve: CurveServerKeys | None = None,
-                 lifeline_fd: int | None = None) -> None:
+                 lifeline_fd: int | None = None, shutdown_timeout: float = 0.0) -> None:
         self.address = address
-        self.sockets = SocketFactory(address, curve)  # refuses unsafe binds before loading
+        self.shutdown_timeout = shutdown_timeout
+        # Refuses unsafe binds before loading. A launched engine (it has a lifeline) owns
+        # its socket directory, the launching frontend's private one.
+        self.sockets = SocketFactory(address, curve, owns_directory=lifeline_fd is not None)
         self.core = EngineCore(args)
-        self.handshake, _ = self.sockets.bind(zmq.ROUTER, address)
-        self.input, self.input_endpoint = self.sockets.bind(zmq.PULL,
-                                                            data_endpoint(address, "in"))
+        self.frontends, _ = self.sockets.bind(zmq.ROUTER, address)
+        self.frontends.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone peer raises
+        self.frontends.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.input_queue: queue.Queue[Any] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
-        self.clients: set[int] = set()
+        self._lock = threading.Lock()  # guards the two maps below
+        self._identities: dict[bytes, int] = {}  # connection -> client index
+        self._clients: dict[int, _Client] = {}
         self._next_client = 0
+        self._accepting = threading.Event()  # cleared while draining for shutdown
+        self._accepting.set()
         self._stopping = threading.Event()
+        self._stop_requested: float | None = None  # when the first SIGTERM/SIGINT came
         self.encode_s = 0.0  # mean output encoding time, updated by the output thread
-        self.threads = [threading.Thread(target=self._input_loop, name="engine-input",
-                                         daemon=True),
-                        threading.Thread(target=self._output_loop, name="engine-output",
-                                         daemon=True)]
+        self._last_word_sent = False
+        self.threads = [self._thread(self._input_loop, "input"),
+                        self._thread(self._output_loop, "output")]
         if lifeline_fd is not None:
             self.threads.append(threading.Thread(target=_watch_lifeline, args=(lifeline_fd,),
                                                  name="engine-lifeline", daemon=True))
@@ -148,31 +180,50 @@ class EngineCoreProc:
     # -- the busy loop ---------------------------------------------------------------
 
     def run(self) -> int:
-        """Serve until SIGTERM/SIGINT (exit 0) or a failure in the loop (exit 1)."""
+        """Serve until SIGTERM/SIGINT (exit 0, after draining for up to
+        `shutdown_timeout` seconds) or a failure in the loop (exit 1)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _raise_shutdown)
+            signal.signal(sig, self._on_signal)
         for thread in self.threads:
             thread.start()
         logger.info("engine core ready at %s", self.address)
         code, message = 0, "engine core shut down"
         try:
-            while True:
+            while not self._drained():
                 self._handle_inputs(block=not self.core.has_work())
                 if self.core.has_work():
                     outputs = self.core.step()
-                    if outputs.outputs:
-                        self.output_queue.put(_Send(None, outputs))
+                    if outputs:
+                        self.output_queue.put(_Send(outputs))
         except ShutdownRequested:
-            logger.info("engine core: shutting down on signal")
+            logger.info("engine core: stopping now (second signal)")
         except Exception as e:  # the loop's failure is every client's EngineDeadError
             code, message = 1, f"engine core failed: {type(e).__name__}: {e}"
             logger.error("%s\n%s", message, traceback.format_exc())
         self._shutdown(message)
         return code
 
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._stop_requested is not None:
+            raise ShutdownRequested(signal.Signals(signum).name)
+        self._stop_requested = time.monotonic()
+        self._accepting.clear()  # new requests and frontends are refused from now on
+        logger.info("engine core: %s, draining for up to %.0f s", signal.Signals(signum).name,
+                    self.shutdown_timeout)
+
+    def _drained(self) -> bool:
+        """After a stop signal: True once nothing runs, or the drain time is up."""
+        if self._stop_requested is None:
+            return False
+        timed_out = time.monotonic() - self._stop_requested >= self.shutdown_timeout
+        if timed_out and self.core.scheduler.has_unfinished_requests():
+            logger.warning("engine core: shutdown timeout; aborting %d unfinished request(s)",
+                           len(self.core.scheduler.requests))
+        return timed_out or not self.core.has_work()
+
     def _handle_inputs(self, block: bool) -> None:
         item = None
-        while block and item is None:
+        while block and item is None and self._stop_requested is None:
             # Wake now and then: a signal the kernel hands to another thread only runs
             # its Python handler once the main thread runs bytecode again.
             try:
@@ -188,19 +239,23 @@ class EngineCoreProc:
                 return
 
     def _handle(self, item: Any) -> None:
-        if isinstance(item, _Add):
-            self.core.add_preprocessed(item.request)
-        elif isinstance(item, _Abort):
-            self.core.abort_requests(item.request_ids)
-        elif isinstance(item, _Utility):
-            self.output_queue.put(_Send(item.client, EngineCoreOutputs(
-                timestamp=time.monotonic(), utility_output=self._call(item.request))))
-        elif isinstance(item, _ClientGone):
-            self.clients.discard(item.client)
-            prefix = scope(item.client, "")
-            self.core.abort_requests([r for r in self.core.scheduler.requests
-                                      if r.startswith(prefix)])
-            self.output_queue.put(_Unregister(item.client))
+        if isinstance(item, _ThreadDied):
+            raise EngineThreadDied(item.message)
+        try:
+            if isinstance(item, _Add):
+                self.core.add_preprocessed(item.request)
+            elif isinstance(item, _Abort):
+                self.core.abort_requests(item.request_ids, item.client)
+            elif isinstance(item, _Utility):
+                self.output_queue.put(_Send({item.client: EngineCoreOutputs(
+                    timestamp=time.monotonic(), utility_output=self._call(item.request))}))
+            elif isinstance(item, _ClientGone):
+                self.core.abort_client(item.client)
+        except Exception as e:  # one client's message must not stop the engine
+            logger.exception("engine core: could not handle %s", type(item).__name__)
+            if isinstance(item, _Add):
+                self._error_to(item.request.client_index, item.request.request_id,
+                               f"{type(e).__name__}: {e}")
 
     def _call(self, request: UtilityRequest) -> UtilityOutput:
         expected = NUM_ARGS.get(request.method)
@@ -219,153 +274,268 @@ class EngineCoreProc:
         except Exception as e:
             return UtilityOutput(request.call_id, failure=f"{type(e).__name__}: {e}")
 
+    def _error_to(self, client: int, request_id: str, error: str) -> None:
+        """Fail one request that never reached the scheduler."""
+        self.output_queue.put(_Send({client: EngineCoreOutputs(
+            [EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error)],
+            time.monotonic())}))
+
     def _shutdown(self, message: str) -> None:
         # Whatever hangs below, a supervisor's SIGTERM must end the process.
         watchdog = threading.Timer(SHUTDOWN_GRACE_S, os._exit, args=(1,))
         watchdog.daemon = True
         watchdog.start()
+        self._accepting.clear()
         self._stopping.set()
         self.output_queue.put(_Stop(message))
         for thread in self.threads[:2]:
             thread.join(timeout=5)
+        if not self.threads[1].is_alive() and not self._last_word_sent:
+            self._last_word(message)  # the output thread died: say it from here
         self.core.shutdown()
         self.sockets.close()
 
     # -- input thread ----------------------------------------------------------------
 
+    def _thread(self, target: Callable[[], None], name: str) -> threading.Thread:
+        def run() -> None:
+            try:
+                target()
+            except BaseException as e:  # a dead I/O thread must take the engine down
+                message = f"engine core {name} thread failed: {type(e).__name__}: {e}"
+                logger.error("%s\n%s", message, traceback.format_exc())
+                self.input_queue.put(_ThreadDied(message))
+        return threading.Thread(target=run, name=f"engine-{name}", daemon=True)
+
     def _input_loop(self) -> None:
-        hello = MsgpackDecoder(HandshakeRequest)
         decoders = {RequestType.ADD: MsgpackDecoder(EngineCoreRequest),
                     RequestType.ABORT: MsgpackDecoder(list[str]),
-                    RequestType.UTILITY: MsgpackDecoder(UtilityRequest)}
-        poller = zmq.Poller()
-        poller.register(self.handshake, zmq.POLLIN)
-        poller.register(self.input, zmq.POLLIN)
+                    RequestType.UTILITY: MsgpackDecoder(UtilityRequest),
+                    RequestType.HELLO: MsgpackDecoder(HandshakeRequest)}
         while not self._stopping.is_set():
-            events = dict(poller.poll(_POLL_MS))
-            if self.handshake in events:
-                frames = self.handshake.recv_multipart()
-                self._on_handshake(frames, hello)
-            if self.input in events:
-                frames = self.input.recv_multipart()
-                try:
-                    self._on_input(frames, decoders)
-                except (msgspec.DecodeError, ValueError, struct.error) as e:
-                    logger.warning("dropped a malformed message (%d frames): %s",
-                                   len(frames), e)
+            if not self.frontends.poll(_POLL_MS):
+                continue
+            frames = self.frontends.recv_multipart()
+            try:
+                self._on_message(frames, decoders)
+            except (msgspec.DecodeError, ValueError) as e:
+                logger.warning("engine core: dropped a malformed message: %s", e)
+            except Exception as e:  # no message may stop this thread
+                logger.exception("engine core: could not handle a message: %s", e)
 
-    def _on_handshake(self, frames: list[bytes], decoder: MsgpackDecoder[Any]) -> None:
-        identity, payload = frames[0], frames[-1]
+    def _on_message(self, frames: list[bytes], decoders: dict[RequestType, Any]) -> None:
+        if len(frames) != 3:
+            raise ValueError(f"expected a type frame and a payload, got {len(frames) - 1} "
+                             "frame(s)")
+        identity, kind, payload = frames[0], RequestType(frames[1]), frames[2]
+        with self._lock:
+            client = self._identities.get(identity)
+        if kind == RequestType.HELLO:
+            self._hello(identity, client, decoders[kind].decode(payload))
+            return
+        if client is None:
+            raise ValueError(f"{kind.name} from a connection that has not attached (HELLO)")
+        if kind == RequestType.BYE:
+            self._forget_client(client)
+            self.output_queue.put(_Unregister(client))
+        elif kind == RequestType.ADD:
+            self._add(client, payload, decoders[kind])
+        elif kind == RequestType.ABORT:
+            self.input_queue.put(_Abort(client, decoders[kind].decode(payload)))
+        else:
+            self.input_queue.put(_Utility(client, decoders[kind].decode(payload)))
+
+    def _add(self, client: int, payload: bytes, decoder: MsgpackDecoder[Any]) -> None:
         try:
             request = decoder.decode(payload)
-        except msgspec.DecodeError as e:
-            logger.warning("dropped a malformed handshake: %s", e)
+        except msgspec.ValidationError as e:  # e.g. a sampling value out of range
+            request_id = _request_id_of(payload)
+            if request_id is None:
+                raise
+            self._error_to(client, request_id, f"invalid request: {e}")
             return
-        if request.kind == HandshakeKind.BYE:
-            if request.client_index in self.clients:
-                self.clients.discard(request.client_index)
-                self.input_queue.put(_ClientGone(request.client_index))
+        if not self._accepting.is_set():
+            self._error_to(client, request.request_id, "the engine core is shutting down")
             return
-        if request.protocol_version != PROTOCOL_VERSION:
-            reply = HandshakeReply(error=f"protocol version {request.protocol_version} is "
-                                         f"not supported (engine speaks {PROTOCOL_VERSION})")
-        else:
-            client = self._next_client
-            self._next_client += 1
-            # The output thread owns the socket from here on (queue.put is the barrier).
-            sock, endpoint = self.sockets.bind(zmq.PUSH,
-                                               data_endpoint(self.address, f"out{client}"))
-            self.output_queue.put(_Register(client, sock))
-            self.clients.add(client)
-            reply = HandshakeReply(info=self.core.info, client_index=client,
-                                   input_endpoint=self.input_endpoint,
-                                   output_endpoint=endpoint)
-            logger.info("frontend %d attached", client)
-        self.handshake.send_multipart([identity, msgspec.msgpack.encode(reply)])
+        try:
+            self.input_queue.put(_Add(self.core.preprocess(request, client)))
+        except RequestRejected as e:
+            self._error_to(client, request.request_id, str(e))
 
-    def _on_input(self, frames: list[bytes], decoders: dict[RequestType, Any]) -> None:
-        if len(frames) != 3:
-            raise ValueError(f"expected 3 frames, got {len(frames)}")
-        kind = RequestType(frames[0])  # ValueError for an unknown type byte
-        (client,) = CLIENT_INDEX.unpack(frames[1])
-        if client not in self.clients:
-            raise ValueError(f"unknown client index {client}")
-        payload = decoders[kind].decode(frames[2])
-        if kind == RequestType.ADD:
-            payload.request_id = scope(client, payload.request_id)
-            self.input_queue.put(_Add(self.core.preprocess(payload)))
-        elif kind == RequestType.ABORT:
-            self.input_queue.put(_Abort([scope(client, r) for r in payload]))
-        else:
-            self.input_queue.put(_Utility(client, payload))
+    def _hello(self, identity: bytes, client: int | None, request: HandshakeRequest) -> None:
+        error = None
+        if request.protocol_version != PROTOCOL_VERSION:
+            error = (f"protocol version {request.protocol_version} is not supported (engine "
+                     f"speaks {PROTOCOL_VERSION})")
+        elif client is not None:
+            error = f"this connection is already attached as frontend {client}"
+        elif not self._accepting.is_set():
+            error = "the engine core is shutting down"
+        elif len(self._clients) >= MAX_CLIENTS:
+            error = f"the engine core serves at most {MAX_CLIENTS} frontends at once"
+        if error is not None:
+            self._reply(identity, HandshakeReply(error=error))
+            return
+        index = self._next_client
+        try:
+            sock, endpoint = self.sockets.bind(zmq.PUSH, data_endpoint(self.address,
+                                                                       f"out{index}"))
+        except zmq.ZMQError as e:  # e.g. out of file descriptors
+            self._reply(identity, HandshakeReply(error=f"cannot attach a frontend: {e}"))
+            return
+        sock.setsockopt(zmq.SNDHWM, OUTPUT_HWM)
+        events = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        monitor = monitor_socket(sock, events)
+        self._next_client += 1
+        record = _Client(index, identity, sock, monitor, endpoint)
+        with self._lock:
+            self._identities[identity] = index
+            self._clients[index] = record
+        self.output_queue.put(_Register(record))  # the output thread owns its sockets now
+        self._reply(identity, HandshakeReply(info=self.core.info, client_index=index,
+                                             output_endpoint=endpoint))
+        logger.info("frontend %d attached", index)
+
+    def _reply(self, identity: bytes, reply: HandshakeReply) -> None:
+        self.frontends.send_multipart([identity, msgspec.msgpack.encode(reply)])
+
+    def _forget_client(self, index: int) -> None:
+        """The client is gone (BYE, lost connection, not reading): requests from its
+        connection are refused from now on and the busy loop aborts what it left."""
+        with self._lock:
+            record = self._clients.pop(index, None)
+            if record is None:
+                return
+            self._identities.pop(record.identity, None)
+        self.input_queue.put(_ClientGone(index))
+        logger.info("frontend %d detached", index)
 
     # -- output thread ---------------------------------------------------------------
 
     def _output_loop(self) -> None:
-        sockets: dict[int, zmq.Socket] = {}
-        last_sent: dict[int, float] = {}
-        registered: dict[int, float] = {}
+        clients: dict[int, _Client] = {}  # owned by this thread
         encoder = MsgpackEncoder()
         buffer = bytearray()
+        last_watch = 0.0
 
-        def send(client: int, outputs: EngineCoreOutputs) -> None:
-            sock = sockets.get(client)
-            if sock is None:
+        def drop(record: _Client, reason: str) -> None:
+            logger.warning("frontend %d %s: dropping it and aborting its requests",
+                           record.index, reason)
+            clients.pop(record.index, None)
+            _close(record)
+            self._forget_client(record.index)
+
+        def send(index: int, outputs: EngineCoreOutputs, last: bool = False) -> None:
+            record = clients.get(index)
+            if record is None:
                 return  # the client left
             start = time.perf_counter()
             encoder.encode_into(outputs, buffer)
             self.encode_s = 0.9 * self.encode_s + 0.1 * (time.perf_counter() - start)
             try:
-                sock.send(buffer, flags=zmq.NOBLOCK)  # copies: the buffer is reused
-                last_sent[client] = time.monotonic()
-            except zmq.Again:  # no peer: the frontend is gone without a BYE...
-                if time.monotonic() - registered[client] < CONNECT_GRACE_S:
-                    return  # ...or still connecting: only heartbeats can be sent yet
-                logger.warning("frontend %d is unreachable; aborting its requests", client)
-                sockets.pop(client).close(linger=0)
-                last_sent.pop(client, None)
-                self.input_queue.put(_ClientGone(client))
+                record.socket.send(buffer, flags=zmq.NOBLOCK)  # copies: the buffer is reused
+                record.last_sent = time.monotonic()
+            except zmq.Again:  # gone, or connected with a full queue: it stopped reading
+                if last:
+                    return
+                record.monitor.poll(int(_WATCH_S * 1000))  # a departure may be on its way
+                reason = _watch(record, time.monotonic())
+                if reason is None and record.handshakes:
+                    reason = f"stopped reading its outputs (a queue of {OUTPUT_HWM} is full)"
+                if reason is not None:
+                    drop(record, reason)
 
         while True:
             try:
-                item = self.output_queue.get(timeout=HEARTBEAT_INTERVAL_S)
+                item = self.output_queue.get(timeout=_WATCH_S if clients else _POLL_MS / 1000)
             except queue.Empty:
                 item = None
             if isinstance(item, _Register):
-                sockets[item.client] = item.socket
-                last_sent[item.client] = registered[item.client] = time.monotonic()
+                clients[item.client.index] = item.client
             elif isinstance(item, _Unregister):
-                last_sent.pop(item.client, None)
-                sock = sockets.pop(item.client, None)
-                if sock is not None:
-                    sock.close(linger=1000)
-            elif isinstance(item, _Send) and item.client is not None:
-                send(item.client, item.outputs)
+                record = clients.pop(item.client, None)
+                if record is not None:
+                    _close(record, linger_ms=1000)
             elif isinstance(item, _Send):
-                for client, outputs in _split_by_client(item.outputs).items():
-                    send(client, outputs)
+                for index, outputs in item.outputs.items():
+                    send(index, outputs)
             elif isinstance(item, _Stop):
-                for client in list(sockets):
-                    send(client, EngineCoreOutputs(timestamp=time.monotonic(),
-                                                   engine_dead=item.message))
-                for sock in sockets.values():
-                    sock.close(linger=1000)  # let the last word reach the frontends
+                for index in list(clients):
+                    send(index, EngineCoreOutputs(timestamp=time.monotonic(),
+                                                  engine_dead=item.message), last=True)
+                for record in clients.values():
+                    _close(record, linger_ms=1000)  # let the last word reach the frontends
+                clients.clear()
+                self._last_word_sent = True
                 return
             now = time.monotonic()
-            for client in [c for c, t in last_sent.items() if now - t > HEARTBEAT_INTERVAL_S]:
-                send(client, EngineCoreOutputs(timestamp=now))
+            if now - last_watch >= _WATCH_S:
+                last_watch = now
+                for record in list(clients.values()):
+                    reason = _watch(record, now)
+                    if reason is not None:
+                        drop(record, reason)
+                for record in [r for r in clients.values()
+                               if now - r.last_sent > HEARTBEAT_INTERVAL_S]:
+                    send(record.index, EngineCoreOutputs(timestamp=now))
+
+    def _last_word(self, message: str) -> None:
+        """The output thread is gone: tell every client why, from this thread."""
+        with self._lock:
+            records = list(self._clients.values())
+        data = msgspec.msgpack.encode(EngineCoreOutputs(timestamp=time.monotonic(),
+                                                        engine_dead=message))
+        for record in records:
+            with contextlib.suppress(zmq.ZMQError):
+                record.socket.send(data, flags=zmq.NOBLOCK)
+            _close(record, linger_ms=1000)
 
 
-def _split_by_client(outputs: EngineCoreOutputs) -> dict[int, EngineCoreOutputs]:
-    per_client: dict[int, list[EngineCoreOutput]] = {}
-    for output in outputs.outputs:
-        client, output.request_id = unscope(output.request_id)
-        per_client.setdefault(client, []).append(output)
-    return {c: EngineCoreOutputs(outs, outputs.timestamp) for c, outs in per_client.items()}
+def _watch(record: _Client, now: float) -> str | None:
+    """Apply the client's pending socket events; why it must be dropped, if it must.
+
+    ACCEPTED and DISCONNECTED carry the connection's descriptor; HANDSHAKE_SUCCEEDED
+    (ZMTP, and CURVE when configured) does not, so peers are counted by it: a stranger
+    whose CURVE handshake fails comes and goes without counting."""
+    while record.monitor.poll(0):
+        event = recv_monitor_message(record.monitor)
+        kind, value = event["event"], event["value"]
+        if kind == zmq.EVENT_ACCEPTED:
+            record.open_fds.add(value)
+        elif kind == zmq.EVENT_DISCONNECTED:
+            record.open_fds.discard(value)
+        elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            record.handshakes += 1
+    if record.handshakes > 1:
+        # Outputs are round-robined between peers: a second one would read this
+        # client's outputs. Fail closed.
+        return "got a second connection on its output socket"
+    if record.handshakes and not record.open_fds:
+        return "disconnected"
+    if not record.handshakes and now - record.registered > CONNECT_GRACE_S:
+        return f"did not connect its output socket within {CONNECT_GRACE_S:.0f} s"
+    return None
 
 
-def _raise_shutdown(signum: int, frame: FrameType | None) -> None:
-    raise ShutdownRequested(signal.Signals(signum).name)
+def _close(record: _Client, linger_ms: int = 0) -> None:
+    with contextlib.suppress(zmq.ZMQError):
+        record.socket.disable_monitor()
+    record.monitor.close(linger=0)
+    record.socket.close(linger=linger_ms)
+    if record.endpoint.startswith("ipc://"):  # no socket file per departed client
+        with contextlib.suppress(OSError):
+            os.unlink(record.endpoint.removeprefix("ipc://"))
+
+
+def _request_id_of(payload: bytes) -> str | None:
+    """The id of an ADD that failed validation, to tell its sender why."""
+    try:
+        fields = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(fields, list) and fields and isinstance(fields[0], str) and fields[0]:
+        return fields[0]
+    return None
 
 
 def _watch_lifeline(fd: int) -> None:

@@ -27,9 +27,12 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None,
                  arrival_time: float = 0.0, priority: int = 0,
-                 block_size: int | None = None, cache_salt: str | None = None) -> None:
+                 block_size: int | None = None, cache_salt: str | None = None,
+                 client_index: int = 0) -> None:
         """With a block_size, the hashes of its full blocks are kept up to date (prefix
-        caching): the prompt's here, once, and each output block as it fills."""
+        caching): the prompt's here, once, and each output block as it fills.
+        `client_index` is the frontend it came from, as the engine core's socket knows
+        it (never a field the client writes): its outputs go there."""
         if sampling_params.max_tokens is None:
             raise ValueError("max_tokens must be resolved before the engine core")
         self.request_id = request_id
@@ -38,6 +41,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.priority = priority
+        self.client_index = client_index
         self.max_tokens: int = sampling_params.max_tokens
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         self.output_token_ids: list[int] = []
@@ -55,11 +59,11 @@ class Request:
             extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
 
     @classmethod
-    def from_engine_core_request(cls, req: EngineCoreRequest, block_size: int | None = None
-                                 ) -> Request:
+    def from_engine_core_request(cls, req: EngineCoreRequest, block_size: int | None = None,
+                                 client_index: int = 0) -> Request:
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params,
                    req.eos_token_id, req.arrival_time, req.priority, block_size,
-                   req.cache_salt)
+                   req.cache_salt, client_index)
 
     @property
     def num_tokens(self) -> int:

@@ -96,6 +96,9 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def request_ids_of(self, client_index: int) -> list[str]:
+        return [r.request_id for r in self.requests.values() if r.client_index == client_index]
+
     def has_finished_requests(self) -> bool:
         """Finished or preempted ids the model runner has not been told about yet."""
         return bool(self._finished_req_ids or self._preempted_req_ids)
@@ -178,9 +181,10 @@ class Scheduler:
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append sampled tokens, finish requests that stop, free their blocks."""
-        outputs: list[EngineCoreOutput] = []
+                           runner_output: ModelRunnerOutput) -> dict[int, list[EngineCoreOutput]]:
+        """Append sampled tokens, finish requests that stop, free their blocks. Outputs
+        are grouped by the client each request came from."""
+        outputs: dict[int, list[EngineCoreOutput]] = {}
         any_finished = False
         for request_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                          strict=True):
@@ -190,8 +194,8 @@ class Scheduler:
             prompt_logprobs = self._new_prompt_logprobs(request, runner_output)
             if not token_ids:  # a prompt chunk: samples nothing
                 if prompt_logprobs:
-                    outputs.append(EngineCoreOutput(request_id, [],
-                                                    new_prompt_logprobs=prompt_logprobs))
+                    outputs.setdefault(request.client_index, []).append(EngineCoreOutput(
+                        request_id, [], new_prompt_logprobs=prompt_logprobs))
                 continue
             new_token_ids = []
             for token_id in token_ids:
@@ -203,12 +207,34 @@ class Scheduler:
                 any_finished = True
                 self._free(request)
             logprobs = runner_output.logprobs.get(request_id)
-            outputs.append(EngineCoreOutput(
+            outputs.setdefault(request.client_index, []).append(EngineCoreOutput(
                 request_id, new_token_ids, request.finish_reason, request.stop_reason,
                 new_logprobs=[logprobs] if logprobs is not None else None,
                 new_prompt_logprobs=prompt_logprobs))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def fail_step(self, scheduler_output: SchedulerOutput, error: str
+                  ) -> dict[int, list[EngineCoreOutput]]:
+        """The executor could not run this step: finish every request in it with
+        FinishReason.ERROR. Their blocks leave the prefix cache too: a block registered
+        for tokens this step was to compute may hold anything."""
+        outputs: dict[int, list[EngineCoreOutput]] = {}
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish(FinishReason.ERROR)
+            self.kv_cache_manager.free(request, keep_cached=False)
+            del self.requests[request_id]
+            self._finished_req_ids.append(request_id)
+            outputs.setdefault(request.client_index, []).append(EngineCoreOutput(
+                request_id, [], FinishReason.ERROR, error=error))
         return outputs
 
     # -- helpers -------------------------------------------------------------------

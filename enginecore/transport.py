@@ -7,8 +7,12 @@ client public keys (as written by `zmq.auth.create_certificates`).
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import ipaddress
+import itertools
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,19 @@ class CurveServerKeys:
             raise ValueError(f"{self.secret_key_file} holds no secret key (use the "
                              "'.key_secret' file written by zmq.auth.create_certificates)")
         return public, secret
+
+
+_monitor_ids = itertools.count()
+
+
+def monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A PAIR socket that receives `sock`'s events (zmq.utils.monitor's format). Each
+    monitor gets its own inproc address: a socket monitored again after
+    `disable_monitor()` would otherwise reuse one that may still be bound."""
+    events_socket = sock.get_monitor_socket(events,
+                                            f"inproc://pagellm-monitor-{next(_monitor_ids)}")
+    events_socket.setsockopt(zmq.LINGER, 0)
+    return events_socket
 
 
 def tcp_host(address: str) -> str | None:
@@ -73,16 +90,31 @@ def data_endpoint(address: str, suffix: str) -> str:
 
 
 class SocketFactory:
-    """Makes the engine's sockets, all of them CURVE servers when keys are given."""
+    """Makes the engine's sockets, all of them CURVE servers when keys are given.
 
-    def __init__(self, address: str, curve: CurveServerKeys | None) -> None:
+    For an ipc:// address the socket files live beside the address: ZeroMQ removes
+    them when the sockets close, stale ones from a killed run are removed here, and
+    with `owns_directory` (an engine launched by a frontend, in the frontend's private
+    temporary directory) the whole directory goes on close.
+    """
+
+    def __init__(self, address: str, curve: CurveServerKeys | None,
+                 owns_directory: bool = False) -> None:
         if curve is None and not is_loopback(address):
             raise ValueError(
                 f"refusing to bind {address} without authentication: a non-loopback TCP "
                 "address needs ZeroMQ CURVE keys (--curve-secret-key and "
                 "--curve-authorized-keys; see docs/ARCHITECTURE.md)")
         self.address = address
+        self.ipc_path = Path(address.removeprefix("ipc://")) if address.startswith("ipc://") \
+            else None
+        self.owns_directory = owns_directory and self.ipc_path is not None
+        if self.ipc_path is not None:  # per-client sockets a SIGKILLed engine left behind
+            for stale in self.ipc_path.parent.glob(glob.escape(self.ipc_path.name) + ".out*"):
+                with contextlib.suppress(OSError):
+                    stale.unlink()
         self.context = zmq.Context()
+        self._ipc_files: list[Path] = []
         self._auth: Any = None
         self._keys: tuple[bytes, bytes] | None = None
         if curve is not None:
@@ -99,12 +131,22 @@ class SocketFactory:
         if self._keys is not None:
             sock.curve_publickey, sock.curve_secretkey = self._keys
             sock.curve_server = True
-        sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow peer: queue
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.bind(endpoint)
-        return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if bound.startswith("ipc://"):
+            self._ipc_files.append(Path(bound.removeprefix("ipc://")))
+        return sock, bound
 
     def close(self) -> None:
         if self._auth is not None:
             self._auth.stop()
         self.context.destroy(linger=0)
+        for path in self._ipc_files:  # ZeroMQ unlinks them only eventually, if at all
+            with contextlib.suppress(OSError):
+                path.unlink()
+        if self.owns_directory and self.ipc_path is not None:
+            shutil.rmtree(self.ipc_path.parent, ignore_errors=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import torch
 
 from executor.models.decoder import DecoderSpec
 from protocol.engine_args import EngineArgs
+from protocol.validation import check_model_config
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -46,7 +48,11 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
         raise FileNotFoundError(f"model directory not found: {args.model}")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {args.model} has no config.json")
-    hf_config = AutoConfig.from_pretrained(path)
+    try:
+        check_model_config(json.loads((path / "config.json").read_text()))
+        hf_config = AutoConfig.from_pretrained(path)
+    except (ValueError, TypeError, KeyError, ArithmeticError) as e:
+        raise ValueError(f"{path / 'config.json'}: {e}") from e
     spec = DecoderSpec.from_hf_config(hf_config)
 
     if args.dtype == "auto":

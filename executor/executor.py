@@ -62,7 +62,23 @@ class Executor:
                         seconds)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+        """Run one step. A failure that leaves the device usable (out of memory, a bad
+        value that slipped past validation) is a StepFailed: the engine core fails the
+        step's requests and goes on. A device fault (a CUDA error poisons the context)
+        propagates: the engine core dies and says why."""
+        try:
+            return self.runner.execute_model(scheduler_output)
+        except Exception as e:
+            if is_device_fault(e):
+                raise
+            logger.exception("engine step failed; failing its %d request(s)",
+                             len(scheduler_output.num_scheduled_tokens))
+            raise StepFailed(f"the engine step failed: {type(e).__name__}: {e}") from e
+
+    def retain_requests(self, request_ids: set[str]) -> None:
+        """After a failed step: forget every request but these (the runner's state for
+        the failed ones may be half updated)."""
+        self.runner.retain(request_ids)
 
     def shutdown(self) -> None:
         if self.runner.graphs is not None:
@@ -112,6 +128,22 @@ class Executor:
                     used_before / 2**30, non_torch / 2**30)
         return cuda_kv_cache_budget(total, args.gpu_memory_utilization, used_before,
                                     weights, activations, non_torch)
+
+
+class StepFailed(RuntimeError):
+    """One engine step could not run; the device is still usable."""
+
+
+def is_device_fault(error: BaseException) -> bool:
+    """A CUDA error (illegal address, device-side assert, ...) leaves the context
+    unusable: nothing after it can be trusted. Out-of-memory is not one."""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return isinstance(error, RuntimeError) and ("CUDA error" in str(error)
+                                                or "device-side assert" in str(error))
 
 
 def cuda_kv_cache_budget(total: int, utilization: float, used_before: int, weights: int,

@@ -94,7 +94,9 @@ class InputBatch:
         greedy = params.greedy
         self.temperature[row] = 0.0 if greedy else params.temperature
         self.top_p[row] = params.top_p
-        self.top_k[row] = params.top_k if params.top_k > 0 else self.vocab_size
+        # top_k beyond the vocabulary means "all of it": off, like 0 and -1.
+        self.top_k[row] = min(params.top_k, self.vocab_size) if params.top_k > 0 \
+            else self.vocab_size
         self.min_p[row] = params.min_p
         self.min_tokens[row] = params.min_tokens
         if params.seed is not None and not greedy:

@@ -51,6 +51,10 @@ from protocol.scheduling import (
     SchedulerOutput,
 )
 
+# Prompt positions whose logprobs are computed at once (bounds the [positions, vocab]
+# logits a long prompt chunk would otherwise materialize).
+PROMPT_LOGPROBS_SLICE = 256
+
 
 @dataclass
 class _StepInputs:
@@ -239,6 +243,11 @@ class ModelRunner:
                                  prepare_inputs_s=t1 - t0, forward_s=t2 - t1,
                                  sample_s=t3 - t2)
 
+    def retain(self, req_ids: set[str]) -> None:
+        """Drop the state of every request not in `req_ids`."""
+        for req_id in [r for r in self.batch.rows if r not in req_ids]:
+            self.batch.remove(req_id)
+
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.batch
         for req_id in so.finished_req_ids:
@@ -410,12 +419,21 @@ class ModelRunner:
             end = min(start + int(inputs.counts[i]), int(batch.num_prompt_tokens[row]) - 1)
             if end <= start:
                 continue
-            flat = torch.arange(end - start, device=hidden.device) + int(offsets[i])
-            logprobs = self.model.compute_logits(hidden[flat]).float().log_softmax(dim=-1)
-            targets = _to(batch.token_ids[row, start + 1:end + 1].astype(np.int64),
-                          self.device)
-            t = gather_logprobs(logprobs, targets, k)
-            ids, lps, ranks = t.token_ids.tolist(), t.logprobs.tolist(), t.sampled_ranks.tolist()
+            ids: list[list[int]] = []
+            lps: list[list[float]] = []
+            ranks: list[int] = []
+            # A slice of positions at a time: [positions, vocab] fp32 logits for a whole
+            # prompt chunk could take gigabytes (8192 positions x 152k vocabulary).
+            for lo in range(start, end, PROMPT_LOGPROBS_SLICE):
+                hi = min(lo + PROMPT_LOGPROBS_SLICE, end)
+                flat = torch.arange(hi - lo, device=hidden.device) + int(offsets[i]) + lo - start
+                logprobs = self.model.compute_logits(hidden[flat]).float().log_softmax(dim=-1)
+                targets = _to(batch.token_ids[row, lo + 1:hi + 1].astype(np.int64),
+                              self.device)
+                t = gather_logprobs(logprobs, targets, k)
+                ids += t.token_ids.tolist()
+                lps += t.logprobs.tolist()
+                ranks += t.sampled_ranks.tolist()
             result[inputs.req_ids[i]] = PromptLogprobsChunk(start, [
                 TokenLogprobs(ids[j], lps[j], [ranks[j], *range(1, k + 1)])
                 for j in range(end - start)])

@@ -7,16 +7,22 @@ One output-handler task per event loop reads the engine core's outputs (zmq's as
 support: no polling), detokenizes them, and puts each request's `RequestOutput`s on
 that request's queue; `generate` is an async generator over its queue. Leaving the
 loop early or cancelling the consuming task aborts the request in the engine core.
+
+Tokenization and chat templates never run on the event loop: they run on one
+tokenizer thread (`run_in_tokenizer_thread`), one job at a time, so a long prompt
+delays other prompts' tokenization but never the loop (health checks, streams).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from frontend.core_client import EngineDeadError
 from frontend.llm import curve_keys, frontend_args
@@ -29,6 +35,7 @@ from protocol.sampling_params import SamplingParams
 from protocol.stats import EngineStats
 
 logger = logging.getLogger("pagellm")
+T = TypeVar("T")
 
 
 class AsyncLLM:
@@ -39,6 +46,10 @@ class AsyncLLM:
                  curve_secret_key: str | None = None,
                  curve_server_public_key: str | None = None, **kwargs: Any) -> None:
         self.engine_core: AsyncMPClient | None = None
+        self._output_handler: asyncio.Task[None] | None = None
+        # One thread: the tokenizers library's objects are not safe to use from several
+        # threads at once, and one job at a time keeps prompts in arrival order.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagellm-tokenize")
         args, self.tokenizer = frontend_args(model, kwargs, engine_address)
         self.engine_args = args
         if engine_address is None:
@@ -51,7 +62,6 @@ class AsyncLLM:
         self.processor = Processor(self.tokenizer, self.info,
                                    generation_eos_token_ids(args.model))
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._output_handler: asyncio.Task[None] | None = None
         # How long after the engine produced them outputs are processed here (mean of
         # recent batches; engine and frontend share time.monotonic() on one host).
         self.output_lag_s = 0.0
@@ -61,14 +71,23 @@ class AsyncLLM:
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's outputs as `sampling_params.output_kind` asks (with
         n > 1, each output carries the completions that changed, by index)."""
-        processed = self.process(prompt, sampling_params, request_id, priority)
+        processed = await self.run_in_tokenizer_thread(
+            self.process, prompt, sampling_params, request_id, priority)
         async for output in self.stream(processed):
             yield output
+
+    async def run_in_tokenizer_thread(self, fn: Callable[..., T], *args: Any,
+                                      **kwargs: Any) -> T:
+        """Run tokenizer work (`process`, chat templates, encode/decode) off the loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread,
+                                          functools.partial(fn, *args, **kwargs))
 
     def process(self, prompt: PromptType, sampling_params: SamplingParams | None,
                 request_id: str, priority: int = 0) -> ProcessedRequest:
         """Validate and tokenize without starting anything (the server validates every
-        prompt of a request before it starts any)."""
+        prompt of a request before it starts any). Blocking: from the event loop, call it
+        through `run_in_tokenizer_thread`."""
         self._client().check_alive()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -116,6 +135,7 @@ class AsyncLLM:
         return self.engine_core is not None and self.engine_core.dead_error is not None
 
     def shutdown(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         if self._output_handler is not None:
             self._output_handler.cancel()
             self._output_handler = None

@@ -9,7 +9,8 @@ import time
 from collections.abc import Sequence
 
 from enginecore.log import configure_logging
-from protocol.engine_args import EngineArgs
+from frontend.server.options import MAX_BODY_BYTES, ServerOptions
+from protocol.engine_args import EngineArgs, parse_bytes
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -55,7 +56,7 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _add_make_model(sub: argparse._SubParsersAction) -> None:
-    from frontend.demo_model import ARCHS, DTYPES
+    from executor.demo_model import ARCHS, DTYPES
 
     p = sub.add_parser("make-model", help="write a random-weight model and tokenizer",
                        description="Write a random-weight Hugging Face model directory with "
@@ -83,7 +84,7 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _make_model(ns: argparse.Namespace) -> int:
-    from frontend.demo_model import ModelSpec, make_model
+    from executor.demo_model import ModelSpec, make_model
 
     fields = {k: v for k, v in vars(ns).items() if k not in ("command", "func", "out")}
     path = make_model(ns.out, ModelSpec(**fields))
@@ -102,13 +103,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: MODEL as given)")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, "
+                        "/metrics and /version")
     s.add_argument("--engine-address", default=None,
                    help="attach to a running engine core instead of starting one")
     s.add_argument("--curve-secret-key", default=None)
     s.add_argument("--curve-server-public-key", default=None)
-    s.add_argument("--shutdown-timeout", type=int, default=30,
-                   help="seconds in-flight requests may finish after SIGTERM")
+    s.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds in-flight requests may finish after SIGTERM (default: 5)")
+    s.add_argument("--max-body-size", type=parse_bytes, default=MAX_BODY_BYTES,
+                   help="largest request body accepted, e.g. 16MiB (default: 16MiB)")
+    s.add_argument("--max-connections", type=int, default=None,
+                   help="most open HTTP connections; above it the connection idle longest "
+                        "is closed (default: 2048, or fewer if file descriptors are short)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat template (rendered in a "
+                        "sandboxed child process with a time limit)")
     p.set_defaults(func=_serve)
 
 
@@ -122,9 +132,17 @@ def _serve(ns: argparse.Namespace) -> int:
                          "pip install -e '.[serve]'") from None
     from frontend.server.serve import run_server
 
-    return run_server(EngineArgs.from_cli_args(ns), ns.host, ns.port, ns.served_model_name,
-                      ns.api_key, ns.engine_address, ns.curve_secret_key,
-                      ns.curve_server_public_key, ns.shutdown_timeout)
+    if ns.shutdown_timeout < 0:
+        raise ValueError("--shutdown-timeout must be >= 0")
+    if ns.max_connections is not None and ns.max_connections < 1:
+        raise ValueError("--max-connections must be >= 1")
+    args = EngineArgs.from_cli_args(ns)
+    options = ServerOptions(served_model_name=ns.served_model_name or args.model,
+                            api_key=ns.api_key, max_body_bytes=ns.max_body_size,
+                            trust_request_chat_template=ns.trust_request_chat_template)
+    return run_server(args, options, ns.host, ns.port, ns.engine_address,
+                      ns.curve_secret_key, ns.curve_server_public_key, ns.shutdown_timeout,
+                      ns.max_connections)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 
 from protocol.engine_args import EngineArgs
@@ -60,7 +61,8 @@ class InprocClient(SyncEngineCoreClient):
         self.core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        return self.core.step()
+        outputs = self.core.step()
+        return outputs.get(0) or EngineCoreOutputs(timestamp=time.monotonic())
 
     def get_stats(self) -> EngineStats:
         return self.core.get_stats()

@@ -37,6 +37,14 @@ _ERROR_TYPES: dict[str, type[Exception]] = {
                             RuntimeError, NotADirectoryError, PermissionError)}
 
 
+def child_env() -> dict[str, str]:
+    """The environment for a Python child process of ours: it imports our packages even
+    when we run from a source checkout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
 class EngineStartupError(RuntimeError):
     """Carries the child's failure until it is re-raised with its own type."""
 
@@ -56,17 +64,15 @@ class EngineProcess:
         status_read, status_write = os.pipe()
         lifeline_read, lifeline_write = os.pipe()
         self._lifeline_write: int | None = lifeline_write
-        env = dict(os.environ)
-        # The child imports our packages even when we run from a source checkout.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH"))
-                                            if p)
+        env = child_env()
         # Leave a core to this (frontend) process: it detokenizes while the engine steps,
         # and OpenMP threads spinning on an oversubscribed CPU slow the forward pass
         # several-fold (BENCHMARKS.md). An explicit OMP_NUM_THREADS wins.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
+        # No drain on SIGTERM: we only stop it once we no longer want its outputs.
         cmd = [sys.executable, "-m", "enginecore", *args.to_cli_args(),
-               "--address", self.address, "--status-fd", str(status_write),
-               "--lifeline-fd", str(lifeline_read)]
+               "--address", self.address, "--shutdown-timeout", "0",
+               "--status-fd", str(status_write), "--lifeline-fd", str(lifeline_read)]
         self.proc = subprocess.Popen(cmd, pass_fds=(status_write, lifeline_read), env=env)
         os.close(status_write)
         os.close(lifeline_read)
@@ -121,6 +127,11 @@ class EngineProcess:
                     os.close(pidfd)
         while self.proc.poll() is None:  # reaps without blocking on the wait lock
             time.sleep(0.01)
+
+    def remove_socket_dir(self) -> None:
+        """Once connected, the socket files are not needed: remove them, so that nothing
+        stays in /tmp even if this process and the engine are both killed."""
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
 
     def terminate(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after `timeout_s`; reap; remove the temporary files."""

@@ -32,9 +32,9 @@ def resolve_model(args: EngineArgs) -> EngineArgs:
     """'demo' names the built-in random-weight model, built once into a cache dir."""
     if args.model != "demo":
         return args
-    from frontend.demo_model import demo_model_dir
+    from executor.demo_model import resolve_model as resolve
 
-    return args.replace(model=str(demo_model_dir()))
+    return args.replace(model=resolve(args.model))
 
 
 def frontend_args(model: str, engine_kwargs: dict[str, Any], engine_address: str | None

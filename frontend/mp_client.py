@@ -2,14 +2,15 @@
 `AsyncMPClient` (for `AsyncLLM`).
 
 Either launches its own engine core (`EngineProcess`) or attaches to a running one at
-`engine_address`. The handshake (DEALER → the engine's ROUTER) returns the engine's
-facts, this client's index and the data endpoints; requests then go out on a PUSH
-socket and this client's outputs come back on a PULL socket.
+`engine_address`. One DEALER socket connects to the engine's ROUTER: HELLO answered by
+READY (the engine's facts, this client's index and its output endpoint), then requests,
+aborts, utility calls and BYE; this client's outputs come back on a PULL socket.
 
 The engine's death reaches every caller as `EngineDeadError` naming the cause: from
 the engine's last message, from the child process's exit (a watcher thread waits on
-it, so a SIGKILL is noticed at once), or, for an engine elsewhere, from missing
-heartbeats.
+it, so a SIGKILL is noticed at once), from a socket losing its connection (ZeroMQ's
+monitor events: an engine elsewhere that dies is noticed at once too), or, for an
+engine that hangs silently, from missing heartbeats.
 """
 
 from __future__ import annotations
@@ -29,17 +30,17 @@ from urllib.parse import urlsplit
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
+from enginecore.transport import monitor as monitor_socket
 from frontend.core_client import EngineCoreClient, EngineDeadError, SyncEngineCoreClient
 from frontend.engine_process import EngineProcess
 from protocol.codec import MsgpackDecoder, MsgpackEncoder
 from protocol.engine_args import EngineArgs
 from protocol.messages import (
-    CLIENT_INDEX,
     PROTOCOL_VERSION,
     EngineCoreOutputs,
     EngineCoreRequest,
-    HandshakeKind,
     HandshakeReply,
     HandshakeRequest,
     RequestType,
@@ -54,6 +55,7 @@ REMOTE_HANDSHAKE_TIMEOUT_S = 30.0
 HEARTBEAT_TIMEOUT_S = 10.0  # an attached engine is dead after this long in silence
 UTILITY_TIMEOUT_S = 60.0
 _SIGNAL_CHECK_S = 0.2
+_EXIT_WAIT_S = 1.0  # a lost connection to a launched engine: wait this long for its exit
 
 
 @dataclass(frozen=True)
@@ -101,70 +103,66 @@ class MPClient(EngineCoreClient):
         self._closed = False
         self._death_lock = threading.Lock()
         try:
-            self._handshake_socket, reply = self._handshake()
+            self.engine, reply = self._handshake()
+            assert reply.info is not None and reply.client_index is not None
+            self.output = self._connect_output(_endpoint_for(self.address,
+                                                             reply.output_endpoint))
         except BaseException:
             self._close_transport()
             raise
-        assert reply.info is not None and reply.client_index is not None
         self.info = reply.info
         self.client_index = reply.client_index
-        self._client_frame = CLIENT_INDEX.pack(reply.client_index)
-        self.input = self._socket(zmq.PUSH, _endpoint_for(self.address, reply.input_endpoint))
-        self.output = self._socket(zmq.PULL, _endpoint_for(self.address,
-                                                           reply.output_endpoint),
-                                   wait_connected=True)
+        # Created here, read only by the watcher thread (sockets are not thread-safe).
+        monitors = [monitor_socket(s, zmq.EVENT_DISCONNECTED)
+                    for s in (self.engine, self.output)]
+        if self.engine_process is not None:
+            # Connected: the socket files are no longer needed, so nothing is left behind
+            # even if both processes are killed.
+            self.engine_process.remove_socket_dir()
+            threading.Thread(target=self._watch_process, name="engine-watcher",
+                             daemon=True).start()
+        threading.Thread(target=self._watch_connection, args=(monitors,),
+                         name="engine-connection", daemon=True).start()
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
         self._call_ids = itertools.count()
-        if self.engine_process is not None:
-            threading.Thread(target=self._watch_process, name="engine-watcher",
-                             daemon=True).start()
 
     # -- start-up --------------------------------------------------------------------
 
-    def _socket(self, kind: int, endpoint: str, wait_connected: bool = False) -> zmq.Socket:
+    def _new_socket(self, kind: int) -> zmq.Socket:
         sock = self.context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block a request: queue it
+        sock.setsockopt(zmq.RCVHWM, 0)  # take outputs off the wire as they come
         if self.curve is not None:
             self.curve.configure(sock)
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) if wait_connected \
-            else None
-        sock.connect(endpoint)
-        if monitor is not None:
-            # The engine drops outputs for a client that has not connected yet: wait.
-            if not monitor.poll(int(REMOTE_HANDSHAKE_TIMEOUT_S * 1000)):
-                raise TimeoutError(f"could not connect to the engine core's {endpoint}")
-            sock.disable_monitor()
-            monitor.close(linger=0)
         return sock
 
     def _handshake(self) -> tuple[zmq.Socket, HandshakeReply]:
-        sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.curve is not None:
-            self.curve.configure(sock)
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                          | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        sock = self._new_socket(zmq.DEALER)
+        monitor = monitor_socket(sock, zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                 | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         sock.connect(self.address)
-        sock.send(msgspec.msgpack.encode(HandshakeRequest(HandshakeKind.HELLO,
-                                                          PROTOCOL_VERSION)))
+        sock.send_multipart([RequestType.HELLO.value,
+                             msgspec.msgpack.encode(HandshakeRequest(PROTOCOL_VERSION))])
         local = self.engine_process is not None
         timeout = LOCAL_STARTUP_TIMEOUT_S if local else REMOTE_HANDSHAKE_TIMEOUT_S
         deadline = time.monotonic() + timeout
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        attached = False
         try:
             while time.monotonic() < deadline:
                 events = dict(poller.poll(100))
                 if sock in events:
-                    reply = msgspec.msgpack.decode(sock.recv(), type=HandshakeReply)
+                    reply = msgspec.msgpack.decode(sock.recv_multipart()[-1],
+                                                   type=HandshakeReply)
                     if reply.error is not None:
                         raise RuntimeError(f"engine core at {self.address} refused this "
                                            f"frontend: {reply.error}")
+                    attached = True
                     return sock, reply
                 if monitor in events:
                     raise PermissionError(
@@ -181,10 +179,22 @@ class MPClient(EngineCoreClient):
         finally:
             sock.disable_monitor()
             monitor.close(linger=0)
-        sock.close(linger=0)
+            if not attached:
+                sock.close(linger=0)
         raise TimeoutError(
             f"no answer from an engine core at {self.address} within {timeout:.0f} s "
             "(is it running? if it requires CURVE, are the keys right?)")
+
+    def _connect_output(self, endpoint: str) -> zmq.Socket:
+        sock = self._new_socket(zmq.PULL)
+        monitor = monitor_socket(sock, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        sock.connect(endpoint)
+        # The engine drops outputs for a client that has not connected yet: wait.
+        if not monitor.poll(int(REMOTE_HANDSHAKE_TIMEOUT_S * 1000)):
+            raise TimeoutError(f"could not connect to the engine core's {endpoint}")
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        return sock
 
     # -- requests --------------------------------------------------------------------
 
@@ -197,8 +207,7 @@ class MPClient(EngineCoreClient):
 
     def _send(self, kind: RequestType, payload: Any) -> None:
         self.check_alive()
-        self.input.send_multipart([kind.value, self._client_frame,
-                                   self._encoder.encode(payload)])
+        self.engine.send_multipart([kind.value, self._encoder.encode(payload)])
 
     def _utility_request(self, method: UtilityMethod) -> UtilityRequest:
         return UtilityRequest(next(self._call_ids), method)
@@ -226,6 +235,32 @@ class MPClient(EngineCoreClient):
         if not self._closed:
             self._on_dead(self.engine_process.exit_cause() or "engine core exited")
 
+    def _watch_connection(self, monitors: list[zmq.Socket]) -> None:
+        """Both sockets' connections: losing either means the engine is gone (it
+        aborts what we sent when it loses us too)."""
+        poller = zmq.Poller()
+        for monitor in monitors:
+            poller.register(monitor, zmq.POLLIN)
+        try:
+            while not self._closed and self.dead_error is None:
+                events = dict(poller.poll(100))
+                if not any(m in events and recv_monitor_message(m) for m in monitors):
+                    continue
+                cause = f"lost the connection to the engine core at {self.address}"
+                if self.engine_process is not None:  # the exit says more, if it comes
+                    deadline = time.monotonic() + _EXIT_WAIT_S
+                    while self.engine_process.exit_cause() is None \
+                            and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    cause = self.engine_process.exit_cause() or cause
+                self._on_dead(cause)
+        except zmq.ZMQError:
+            return  # the context was closed under us: shutting down
+        finally:
+            for monitor in monitors:
+                with contextlib.suppress(zmq.ZMQError):
+                    monitor.close(linger=0)
+
     def _on_dead(self, cause: str) -> None:
         with self._death_lock:
             if self.dead_error is not None or self._closed:
@@ -247,9 +282,8 @@ class MPClient(EngineCoreClient):
         if self.engine_process is None and self.dead_error is None:
             # Attached: tell the engine we leave, so it aborts what we left running.
             with contextlib.suppress(zmq.ZMQError):
-                self._handshake_socket.send(msgspec.msgpack.encode(HandshakeRequest(
-                    HandshakeKind.BYE, PROTOCOL_VERSION, self.client_index)))
-                self._handshake_socket.setsockopt(zmq.LINGER, 1000)
+                self.engine.send_multipart([RequestType.BYE.value, b""])
+                self.engine.setsockopt(zmq.LINGER, 1000)
         self._close_transport()
 
     def _close_transport(self) -> None:
@@ -328,14 +362,15 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
     def _notify_dead(self, cause: str) -> None:
         self._outputs.put(EngineDeadError(cause))
         for future in list(self._calls.values()):
-            future.set_exception(EngineDeadError(cause))
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                future.set_exception(EngineDeadError(cause))
         self._calls.clear()
 
 
 class AsyncMPClient(MPClient):
     """For `AsyncLLM`: an asyncio task reads this client's outputs through zmq's
-    asyncio support (no polling); requests go out on the plain PUSH socket, whose sends
-    never block (no high-water mark)."""
+    asyncio support (no polling); requests go out on the plain DEALER socket, whose
+    sends never block (no high-water mark)."""
 
     def __init__(self, args: EngineArgs | None, engine_address: str | None = None,
                  curve: CurveClientKeys | None = None) -> None:

@@ -27,7 +27,8 @@ OutputQueue = asyncio.Queue[RequestOutput | BaseException]
 @dataclass
 class ProcessedRequest:
     """A validated request: what the user asked for, and the engine requests (one per
-    completion, child i with id `child_request_id(i, request_id)`) that serve it."""
+    completion, each with an engine-side id from `Processor.engine_request_id`) that
+    serve it."""
 
     request_id: str
     prompt: str | None

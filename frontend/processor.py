@@ -8,20 +8,26 @@ rest untouched.
 
 from __future__ import annotations
 
+import itertools
+import secrets
 import time
 from typing import Any
 
 from frontend.output_processor import ProcessedRequest
 from protocol.messages import EngineCoreRequest, EngineInfo
 from protocol.sampling_params import SamplingParams
+from protocol.validation import INT64_MAX, INT64_MIN, check_int
 
 # A prompt: text, {"prompt": text}, or {"prompt_token_ids": [...]} (vLLM's forms).
 PromptType = str | dict[str, Any]
 
 
-def child_request_id(index: int, request_id: str) -> str:
-    """The engine-side id of completion `index` of a request with n > 1 (vLLM's form)."""
-    return f"{index}_{request_id}"
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for: the longest entry of the vocabulary
+    (added tokens included). Byte-level BPE entries have one character per byte and
+    SentencePiece ones one per character, so no token decodes to more characters than
+    its entry has."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
 class Processor:
@@ -36,6 +42,18 @@ class Processor:
                                          else (eos_ids[0] if eos_ids else None))
         # EOS ids from generation_config.json beyond the tokenizer's own.
         self.extra_eos_ids = sorted(set(eos_ids) - {self.eos_token_id})
+        # A text longer than this cannot fit in max_model_len tokens: refuse it before
+        # spending time tokenizing it.
+        self.max_prompt_chars = info.max_model_len * (max_token_chars(tokenizer)
+                                                      if tokenizer is not None else 1)
+        # Engine-side request ids: unique across this frontend's requests (whatever ids
+        # its users choose) and, with a random part, across the frontends of one engine.
+        self._id_nonce = secrets.token_hex(4)
+        self._id_counter = itertools.count()
+
+    def engine_request_id(self, request_id: str, index: int) -> str:
+        """The engine's id for completion `index` of the user's request `request_id`."""
+        return f"{request_id}-{index}-{self._id_nonce}{next(self._id_counter):x}"
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: float | None = None, priority: int = 0
@@ -46,8 +64,10 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got "
                             f"{type(params).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise TypeError(f"priority must be an integer, got {priority!r}")
+        check_int("priority", priority, minimum=INT64_MIN, maximum=INT64_MAX)
+        if params.n > self.info.max_num_seqs:
+            raise ValueError(f"n={params.n} is more than this engine runs at once "
+                             f"(max_num_seqs={self.info.max_num_seqs})")
         prompt_text, prompt_ids, cache_salt = self._tokenize(prompt)
         truncate = params.truncate_prompt_tokens
         if truncate is not None:  # keep the last tokens; -1: as many as the model takes
@@ -56,12 +76,11 @@ class Processor:
         params = self._resolve_params(params, len(prompt_ids))
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
-            children = [(request_id, params)]
+            children = [(self.engine_request_id(request_id, 0), params)]
         else:
             # The prompt's logprobs are the same for every completion: compute them once.
-            children = [(child_request_id(i, request_id),
-                         params.clone(n=1, seed=None if params.seed is None
-                                      else params.seed + i,
+            children = [(self.engine_request_id(request_id, i),
+                         params.clone(n=1, seed=_child_seed(params.seed, i),
                                       prompt_logprobs=params.prompt_logprobs if i == 0
                                       else None)) for i in range(params.n)]
         engine_requests = [EngineCoreRequest(
@@ -91,6 +110,10 @@ class Processor:
                             f"'prompt_token_ids', got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("prompt must not be empty")
+        if len(prompt) > self.max_prompt_chars:
+            raise ValueError(f"prompt is {len(prompt)} characters: more than "
+                             f"max_model_len={self.info.max_model_len} tokens can hold "
+                             f"({self.max_prompt_chars} characters at most)")
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer, and this engine was started with "
                              "skip_tokenizer_init=True: pass {'prompt_token_ids': [...]}")
@@ -135,19 +158,7 @@ class Processor:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True); "
                              "use stop_token_ids")
-        vocab = self.info.vocab_size
-        for name, ids in (("stop_token_ids", params.stop_token_ids),
-                          ("allowed_token_ids", params.allowed_token_ids),
-                          ("logit_bias", list(params.logit_bias or ()))):
-            bad = [t for t in ids or () if t >= vocab]
-            if bad:
-                raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary "
-                                 f"[0, {vocab})")
-        for name in ("logprobs", "prompt_logprobs"):
-            asked = getattr(params, name)
-            if asked is not None and asked > self.info.max_logprobs:
-                raise ValueError(f"{name}={asked} is more than this engine's max_logprobs "
-                                 f"({self.info.max_logprobs})")
+        params.check_against_model(self.info.vocab_size, self.info.max_logprobs)
         stop_ids = list(params.stop_token_ids or ())
         if self.extra_eos_ids and not params.ignore_eos:
             stop_ids += [t for t in self.extra_eos_ids if t not in stop_ids]
@@ -168,3 +179,10 @@ class Processor:
                 if ids and ids not in sequences:
                     sequences.append(ids)
         return sequences
+
+
+def _child_seed(seed: int | None, index: int) -> int | None:
+    """Completion `index` samples with seed + index, wrapped into int64."""
+    if seed is None:
+        return None
+    return (seed + index - INT64_MIN) % 2**64 + INT64_MIN

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from protocol.validation import check_model_config
+
 
 def load_tokenizer(path: str) -> Any:
     """A transformers tokenizer from a local directory, with a clear error if absent."""
@@ -15,8 +17,11 @@ def load_tokenizer(path: str) -> Any:
     if not directory.is_dir():
         raise FileNotFoundError(f"tokenizer directory not found: {path}")
     try:
+        config = directory / "config.json"
+        if config.is_file():  # transformers reads it too, and trips over bad sizes
+            check_model_config(json.loads(config.read_text()))
         return AutoTokenizer.from_pretrained(directory)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError, ArithmeticError) as e:
         raise ValueError(f"could not load a tokenizer from {path}: {e}") from e
 
 

@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.sampling_params import check_float, check_int
+from protocol.validation import INT64_MAX, INT64_MIN, check_float, check_int
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp32": "float32", "fp16": "float16",
@@ -90,7 +90,7 @@ class EngineArgs:
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?",
                                                                   self.device):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        check_int("seed", self.seed)
+        check_int("seed", self.seed, minimum=INT64_MIN, maximum=INT64_MAX)
         check_int("block_size", self.block_size)
         check_int("max_model_len", self.max_model_len, minimum=1, allow_none=True)
         check_int("max_num_seqs", self.max_num_seqs, minimum=1)
@@ -144,7 +144,7 @@ class EngineArgs:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction,
                                    default=f.default, help=help_text)
                 continue
-            convert: Any = _parse_bytes if f.name.endswith("_bytes") else kind
+            convert: Any = parse_bytes if f.name.endswith("_bytes") else kind
             if optional:
                 convert = _optional(convert)
             group.add_argument(flag, type=convert, default=f.default,
@@ -193,7 +193,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
           "gib": 2**30}
 
 
-def _parse_bytes(text: str) -> int:
+def parse_bytes(text: str) -> int:
     """'4GiB' -> 4294967296; plain integers pass through."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:

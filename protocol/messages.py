@@ -9,7 +9,6 @@ with a default so that `omit_defaults` keeps messages short.
 from __future__ import annotations
 
 import enum
-import struct
 
 import msgspec
 
@@ -104,15 +103,14 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 class RequestType(bytes, enum.Enum):
-    """The first frame of every message a client sends on the engine's input socket."""
+    """The first frame of every message a client sends to the engine core's socket;
+    the second (and last) frame is the payload."""
 
     ADD = b"\x00"  # payload: EngineCoreRequest
     ABORT = b"\x01"  # payload: list[str] of request ids
     UTILITY = b"\x02"  # payload: UtilityRequest
-
-
-# The second frame of every input message: the sender's client index (from READY).
-CLIENT_INDEX = struct.Struct("<I")
+    HELLO = b"\x03"  # payload: HandshakeRequest; answered by a HandshakeReply
+    BYE = b"\x04"  # payload: empty; the engine aborts what the client left running
 
 
 class EngineInfo(msgspec.Struct, array_like=True, gc=False):
@@ -127,27 +125,20 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):
     device: str
     dtype: str
     max_logprobs: int = 20
+    max_num_seqs: int = 256
 
 
-class HandshakeKind(enum.IntEnum):
-    HELLO = 0  # attach: the engine answers READY
-    BYE = 1  # leave: the engine aborts the client's unfinished requests
+class HandshakeRequest(msgspec.Struct, array_like=True, gc=False):
+    """HELLO: a client asks to attach."""
 
-
-class HandshakeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A client's message on the engine's handshake socket."""
-
-    kind: HandshakeKind
     protocol_version: int
-    client_index: int | None = None  # for BYE: the index the engine gave in READY
 
 
 class HandshakeReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """READY: what the client needs to talk to the engine; or an error."""
+    """READY (what the client needs to talk to the engine), or an error."""
 
     info: EngineInfo | None = None
     client_index: int | None = None
-    input_endpoint: str = ""  # PUSH requests here
     output_endpoint: str = ""  # PULL this client's outputs here
     error: str | None = None
 
@@ -160,4 +151,4 @@ class StartupFailure(msgspec.Struct, array_like=True, gc=False):
     error_type: str = "RuntimeError"  # the exception's class name, e.g. "ValueError"
 
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2

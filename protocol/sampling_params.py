@@ -9,12 +9,22 @@ it could reach the GPU.
 from __future__ import annotations
 
 import enum
-import math
 from typing import Any
 
 import msgspec
 
+from protocol.validation import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    check_bool,
+    check_float,
+    check_int,
+)
+
 GREEDY_TEMPERATURE = 1e-5
+MAX_STRINGS = 1024  # stop strings, bad words
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -23,49 +33,6 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # everything generated so far
     DELTA = 1  # only what is new since the last output
     FINAL_ONLY = 2  # a single output when the request finishes
-
-
-def _is_int(value: Any) -> bool:
-    # bool is a subclass of int; `max_tokens=True` is a bug in the caller, not 1.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def check_int(name: str, value: Any, *, minimum: int | None = None, allow_none: bool = False,
-              maximum: int | None = None) -> None:
-    """Raise TypeError/ValueError naming `name` unless `value` is an int in range."""
-    if value is None and allow_none:
-        return
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
-
-
-def check_float(name: str, value: Any, *, minimum: float | None = None,
-                maximum: float | None = None, min_exclusive: bool = False) -> None:
-    """Raise TypeError/ValueError naming `name` unless `value` is a finite number in range."""
-    if not _is_number(value):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value}")
-    if minimum is not None:
-        if min_exclusive and value <= minimum:
-            raise ValueError(f"{name} must be > {minimum}, got {value}")
-        if not min_exclusive and value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
-
-
-def check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -108,28 +75,35 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
-        check_int("n", self.n, minimum=1)
-        check_float("temperature", self.temperature, minimum=0.0)
+        # Every bound is the width of where the value goes (protocol/validation.py):
+        # counts into int32 arrays, seeds into 64-bit generators, floats into float32
+        # rows. What needs the model (the vocabulary, max_model_len, max_num_seqs,
+        # max_logprobs) is checked by the InputProcessor.
+        check_int("n", self.n, minimum=1, maximum=INT32_MAX)
+        check_float("temperature", self.temperature, minimum=0.0, maximum=FLOAT32_MAX)
         check_float("top_p", self.top_p, minimum=0.0, maximum=1.0, min_exclusive=True)
-        check_int("top_k", self.top_k, minimum=-1)
+        check_int("top_k", self.top_k, minimum=-1, maximum=INT32_MAX)
         check_float("min_p", self.min_p, minimum=0.0, maximum=1.0)
-        check_int("seed", self.seed, allow_none=True)
+        check_int("seed", self.seed, minimum=INT64_MIN, maximum=INT64_MAX, allow_none=True)
         check_float("presence_penalty", self.presence_penalty, minimum=-2.0, maximum=2.0)
         check_float("frequency_penalty", self.frequency_penalty, minimum=-2.0, maximum=2.0)
         check_float("repetition_penalty", self.repetition_penalty, minimum=0.0, maximum=2.0,
                     min_exclusive=True)
-        check_int("max_tokens", self.max_tokens, minimum=1, allow_none=True)
-        check_int("min_tokens", self.min_tokens, minimum=0)
+        check_int("max_tokens", self.max_tokens, minimum=1, maximum=INT32_MAX,
+                  allow_none=True)
+        check_int("min_tokens", self.min_tokens, minimum=0, maximum=INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        check_int("logprobs", self.logprobs, minimum=0, allow_none=True)
-        check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, allow_none=True)
+        check_int("logprobs", self.logprobs, minimum=0, maximum=INT32_MAX, allow_none=True)
+        check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=INT32_MAX,
+                  allow_none=True)
         for name in ("ignore_eos", "detokenize", "skip_special_tokens",
                      "spaces_between_special_tokens", "include_stop_str_in_output"):
             check_bool(name, getattr(self, name))
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
-            check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
+            check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1,
+                      maximum=INT32_MAX)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(f"output_kind must be a RequestOutputKind (0 cumulative, 1 delta, "
                             f"2 final only), got {self.output_kind!r}")
@@ -142,13 +116,38 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 raise TypeError(f"logit_bias must be a dict of token id -> bias, got "
                                 f"{self.logit_bias!r}")
             for token, bias in self.logit_bias.items():
-                check_int("logit_bias token id", token, minimum=0)
+                check_int("logit_bias token id", token, minimum=0, maximum=INT32_MAX)
                 check_float(f"logit_bias[{token}]", bias, minimum=-100.0, maximum=100.0)
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (use stop_token_ids)")
         if self.bad_words_token_ids is not None:
             for ids in self.bad_words_token_ids:
                 _token_id_list("bad_words_token_ids entry", ids, allow_empty=False)
+
+    def check_against_model(self, vocab_size: int, max_logprobs: int) -> None:
+        """What needs the model, checked once by the frontend and again by the engine core
+        (which also serves clients we did not write): token ids within the vocabulary,
+        lists of them no longer than it, logprobs within max_logprobs."""
+        words = self.bad_words_token_ids or []
+        if len(words) > 2 * MAX_STRINGS:  # each bad word gives two sequences
+            raise ValueError(f"bad_words_token_ids has {len(words)} sequences, more than "
+                             f"{2 * MAX_STRINGS}")
+        for name, ids in (("stop_token_ids", self.stop_token_ids or []),
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("logit_bias", list(self.logit_bias or ())),
+                          ("bad_words_token_ids", [t for word in words for t in word])):
+            if len(ids) > vocab_size and name != "bad_words_token_ids":
+                raise ValueError(f"{name} has {len(ids)} entries, more than the vocabulary "
+                                 f"({vocab_size})")
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(self, name)
+            if asked is not None and asked > max_logprobs:
+                raise ValueError(f"{name}={asked} is more than this engine's max_logprobs "
+                                 f"({max_logprobs})")
 
     @property
     def greedy(self) -> bool:
@@ -161,13 +160,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 
 def _string_list(name: str, value: Any) -> list[str] | None:
-    """None, or a list of non-empty strings (a single string is accepted, as vLLM)."""
+    """None, or a list of non-empty strings (a single string is accepted, as vLLM).
+    At most MAX_STRINGS: each is searched for (stop) or tokenized (bad words) per
+    request, so their number is work a client could otherwise inflate at will."""
     if value is None:
         return None
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list):
         raise TypeError(f"{name} must be a string or a list of strings, got {value!r}")
+    if len(value) > MAX_STRINGS:
+        raise ValueError(f"{name} has {len(value)} entries, more than {MAX_STRINGS}")
     for s in value:
         if not isinstance(s, str):
             raise TypeError(f"{name} entries must be strings, got {type(s).__name__} {s!r}")
@@ -184,4 +187,4 @@ def _token_id_list(name: str, value: Any, allow_empty: bool) -> None:
     if not value and not allow_empty:
         raise ValueError(f"{name} must not be empty")
     for t in value:
-        check_int(f"{name} entry", t, minimum=0)
+        check_int(f"{name} entry", t, minimum=0, maximum=INT32_MAX)

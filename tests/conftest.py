@@ -13,14 +13,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("PAGELLM_LOG_LEVEL", "WARNING")
 
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+from helpers import free_port, start_engine, stop
 
-from frontend.demo_model import ModelSpec, make_model
+from executor.demo_model import ModelSpec, make_model
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -100,15 +102,41 @@ def assert_no_leaks(llm: Any) -> None:
 
 @pytest.fixture(autouse=True)
 def no_leftover_processes() -> Iterator[None]:
-    """No test leaves a process behind (engine cores above all)."""
+    """No test leaves a process behind (engine cores above all). Children that a
+    longer-lived process (a module's server) starts during the test are that process's
+    own: they are checked when it stops."""
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     yield
-    _, alive = psutil.wait_procs([p for p in me.children(recursive=True)
-                                  if p.pid not in before], timeout=15)
+
+    def started_here(p: psutil.Process) -> bool:
+        try:
+            return not any(parent.pid in before for parent in p.parents())
+        except psutil.NoSuchProcess:
+            return False
+
+    new = [p for p in me.children(recursive=True) if p.pid not in before and started_here(p)]
+    _, alive = psutil.wait_procs(new, timeout=15)
     for p in alive:
         p.kill()
     assert not alive, f"processes left behind: {[(p.pid, p.cmdline()[:4]) for p in alive]}"
+
+
+@pytest.fixture
+def engine_at(model_dirs):
+    """Start standalone engine cores; stop them all after the test."""
+    started: list[subprocess.Popen] = []
+
+    def start(name: str = "llama", address: str | None = None, *extra: str,
+              module: str = "enginecore") -> tuple[subprocess.Popen, str]:
+        address = address or f"tcp://127.0.0.1:{free_port()}"
+        engine = start_engine(model_dirs[name], address, *extra, module=module)
+        started.append(engine)
+        return engine, address
+
+    yield start
+    for engine in started:
+        stop(engine)
 
 
 @pytest.fixture

@@ -41,6 +41,7 @@ def test_greedy_matches_with_staggered_arrivals(name, model_dirs, hf_reference, 
     core = llm.engine_core.core
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     got: dict[str, list[int]] = {}
+    names: dict[str, str] = {}  # engine request id -> "r<i>"
     pending = list(enumerate(prompt_ids))
     step = 0
     mixed_steps = 0
@@ -49,12 +50,14 @@ def test_greedy_matches_with_staggered_arrivals(name, model_dirs, hf_reference, 
             i, ids = pending.pop(0)
             request = llm.processor.process_inputs(f"r{i}", {"prompt_token_ids": ids},
                                                    params).engine_requests[0]
+            names[request.request_id] = f"r{i}"
             core.add_request(request)
         if core.scheduler.num_running and core.scheduler.num_waiting:
             mixed_steps += 1
-        outputs: list[EngineCoreOutput] = core.step().outputs
+        outputs: list[EngineCoreOutput] = [o for by_client in core.step().values()
+                                           for o in by_client.outputs]
         for out in outputs:
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            got.setdefault(names[out.request_id], []).extend(out.new_token_ids)
         step += 1
     assert mixed_steps > 0
     for i, reference in enumerate(expected):

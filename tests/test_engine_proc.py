@@ -13,26 +13,13 @@ import threading
 import time
 from pathlib import Path
 
-import msgspec
 import psutil
 import pytest
-import zmq
 from conftest import PROMPTS
 
 from frontend import LLM, AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
 from frontend.output_processor import ProcessedRequest
-from protocol.messages import (
-    CLIENT_INDEX,
-    PROTOCOL_VERSION,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    HandshakeKind,
-    HandshakeReply,
-    HandshakeRequest,
-    RequestType,
-    UtilityMethod,
-    UtilityRequest,
-)
+from protocol.messages import EngineCoreRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 KV = 8 * 2**20
@@ -291,57 +278,6 @@ def test_exception_in_the_busy_loop_reaches_callers_by_name(model_dirs, tmp_path
     finally:
         engine.kill()
         engine.wait()
-
-
-def _raw_hello(context, address):
-    dealer = context.socket(zmq.DEALER)
-    dealer.connect(address)
-    dealer.send(msgspec.msgpack.encode(HandshakeRequest(HandshakeKind.HELLO,
-                                                        PROTOCOL_VERSION)))
-    assert dealer.poll(10_000)
-    return dealer, msgspec.msgpack.decode(dealer.recv(), type=HandshakeReply)
-
-
-def test_garbage_frames_are_dropped_and_the_engine_keeps_serving(model_dirs):
-    with LLM(str(model_dirs["qwen3"]), kv_cache_memory_bytes=KV) as llm:
-        before = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
-        context = zmq.Context()
-        try:
-            dealer, reply = _raw_hello(context, llm.engine_core.address)
-            push = context.socket(zmq.PUSH)
-            push.connect(reply.input_endpoint)
-            me = CLIENT_INDEX.pack(reply.client_index)
-            good = msgspec.msgpack.encode(EngineCoreRequest("r", [1, 2], GREEDY, 0, 0.0))
-            for frames in ([b"\x09", me, good],  # unknown type byte
-                           [RequestType.ADD.value],  # too few frames
-                           [RequestType.ADD.value, me, b"\xc1garbage"],  # not msgpack
-                           [RequestType.ADD.value, me, msgspec.msgpack.encode([1, 2])],
-                           [RequestType.ADD.value, b"\x63\x00\x00\x00", good],  # no such client
-                           [RequestType.ABORT.value, me, b"\x93\x01"],
-                           [RequestType.UTILITY.value, me, msgspec.msgpack.encode([0, 99])],
-                           [b"", b"", b"", b""]):
-                push.send_multipart(frames)
-            dealer.send(b"\x00\xffnot a handshake")
-            dealer.send_multipart([b"two", b"frames"])
-            # A typed utility call with arguments the method does not take: a failure
-            # answer, not a crash.
-            pull = context.socket(zmq.PULL)
-            pull.connect(reply.output_endpoint)
-            time.sleep(0.3)
-            push.send_multipart([RequestType.UTILITY.value, me, msgspec.msgpack.encode(
-                UtilityRequest(7, UtilityMethod.GET_STATS, [5]))])
-            answer = None
-            while answer is None and pull.poll(10_000):
-                answer = msgspec.msgpack.decode(pull.recv(), type=EngineCoreOutputs
-                                                ).utility_output
-            assert answer is not None and answer.call_id == 7
-            assert answer.result is None and "takes 0 argument" in answer.failure
-        finally:
-            context.destroy(linger=0)
-        after = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in after] == \
-            [o.outputs[0].token_ids for o in before]
-        assert_all_free(llm.get_stats())
 
 
 def test_out_of_vocabulary_request_fails_alone(model_dirs, hf_reference):

@@ -25,9 +25,9 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from executor.attention import AttentionMetadata, TorchAttention
 from executor.config import ModelConfig, resolve_model_config
+from executor.demo_model import ModelSpec, make_model
 from executor.loader import load_model
 from executor.models.decoder import DecoderForCausalLM
-from frontend.demo_model import ModelSpec, make_model
 from protocol.engine_args import EngineArgs
 
 CPU = torch.device("cpu")

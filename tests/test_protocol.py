@@ -29,7 +29,6 @@ from protocol import (
 )
 from protocol.messages import (
     EngineInfo,
-    HandshakeKind,
     HandshakeReply,
     HandshakeRequest,
     StartupFailure,
@@ -128,10 +127,8 @@ MESSAGES = [
     UtilityOutput(3, result=b"\xc3"),
     UtilityOutput(4, failure="nope"),
     EngineCoreOutputs([], 1.0, utility_output=UtilityOutput(5, b"\xc2"), engine_dead="gone"),
-    HandshakeRequest(HandshakeKind.HELLO, 1),
-    HandshakeRequest(HandshakeKind.BYE, 1, client_index=3),
-    HandshakeReply(EngineInfo("m", 64, 32, 16, 8, 64, "cpu", "float32", 5), 0, "ipc://a",
-                   "ipc://b"),
+    HandshakeRequest(2),
+    HandshakeReply(EngineInfo("m", 64, 32, 16, 8, 64, "cpu", "float32", 5, 4), 0, "ipc://b"),
     HandshakeReply(error="protocol version 9 is not supported"),
     StartupFailure("model directory not found: /x", "FileNotFoundError"),
 ]

@@ -124,8 +124,13 @@ def step(scheduler: Scheduler, runner: FakeModelRunner,
          ) -> tuple[SchedulerOutput, dict[str, EngineCoreOutput]]:
     """schedule -> execute -> update; the step's outputs keyed by request id."""
     so = scheduler.schedule()
-    outputs = scheduler.update_from_output(so, runner.execute_model(so))
+    outputs = flat(scheduler.update_from_output(so, runner.execute_model(so)))
     return so, {out.request_id: out for out in outputs}
+
+
+def flat(by_client: dict[int, list[EngineCoreOutput]]) -> list[EngineCoreOutput]:
+    """The step's outputs, whichever clients they go to."""
+    return [out for outputs in by_client.values() for out in outputs]
 
 
 def run_to_completion(scheduler: Scheduler, runner: FakeModelRunner,
@@ -624,7 +629,7 @@ def test_abort_between_schedule_and_update_drops_the_sampled_token():
     so = scheduler.schedule()
     runner_output = runner.execute_model(so)
     scheduler.finish_requests(["r0"], FinishReason.ABORT)
-    outputs = scheduler.update_from_output(so, runner_output)
+    outputs = flat(scheduler.update_from_output(so, runner_output))
     assert [o.request_id for o in outputs] == ["r1"]
     assert r0.output_token_ids == []
     scheduler.finish_requests(["r1"], FinishReason.ABORT)
@@ -687,7 +692,7 @@ def random_run(config: dict[str, int], seed: int, num_requests: int = 50) -> Tra
         trace.running_after_schedule.append([r.request_id for r in scheduler.running])
         trace.held_blocks.append([b for blocks in kv.req_to_blocks.values() for b in blocks])
         trace.free_blocks.append(kv.num_free_blocks)
-        for out in scheduler.update_from_output(so, runner.execute_model(so)):
+        for out in flat(scheduler.update_from_output(so, runner.execute_model(so))):
             trace.streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
             trace.finish_reasons[out.request_id] = out.finish_reason
     trace.flush = scheduler.schedule()

@@ -101,7 +101,7 @@ def test_priority_policy_serves_the_most_important_first(model_dirs, make_llm):
         core.add_request(EngineCoreRequest(rid, [5, 6, 7], params, None, 0.0, priority))
     order: list[str] = []
     while core.has_work():
-        for out in core.step().outputs:
+        for out in [o for by_client in core.step().values() for o in by_client.outputs]:
             if out.finished:
                 order.append(out.request_id)
     assert order == ["high", "mid", "low"]

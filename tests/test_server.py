@@ -9,88 +9,12 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import openai
-import psutil
 import pytest
 from conftest import PROMPTS
-
-ROOT = Path(__file__).resolve().parents[1]
-NAME = "test-model"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model_dir: Path, *flags: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PAGELLM_LOG_LEVEL": "WARNING"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "frontend.cli", "serve", str(model_dir), "--port",
-             str(self.port), "--served-model-name", NAME, "--kv-cache-memory-bytes", "8MiB",
-             *flags], cwd=ROOT, env=env)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "the server exited during start-up"
-            try:
-                if self.get("/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("the server did not come up")
-
-    def request(self, method: str, path: str, body: object = None,
-                headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"content-type": "application/json",
-                                              **(headers or {})})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as response:
-                return response.status, response.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
-
-    def get(self, path: str) -> tuple[int, bytes]:
-        return self.request("GET", path)
-
-    def post(self, path: str, body: object, **kw: dict[str, str]) -> tuple[int, dict]:
-        status, data = self.request("POST", path, body, **kw)
-        return status, json.loads(data)
-
-    def client(self, key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
-
-    def metric(self, name: str) -> float:
-        text = self.get("/metrics")[1].decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name + "{"))
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(60)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-
-    def engine_pid(self) -> int:
-        children = psutil.Process(self.proc.pid).children(recursive=True)
-        return next(c.pid for c in children if "enginecore" in " ".join(c.cmdline()))
+from helpers import NAME, Server
 
 
 def wait_idle(server: Server, timeout: float = 5.0) -> None:
@@ -319,6 +243,18 @@ BAD = [  # (path, body, text the 400's message must contain)
                               "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
      "text content"),
+    ("/v1/completions", {"prompt": "x", "top_k": 2**63}, "top_k must be <= 2147483647"),
+    ("/v1/completions", {"prompt": "x", "n": 20000}, "max_num_seqs"),
+    ("/v1/completions", {"prompt": ["x"] * 200, "n": 2}, "max_num_seqs"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, "seed must be <="),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e39}, "temperature must be <="),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "chat_template": "{{ 1 }}"}, "--trust-request-chat-template"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+     "--trust-request-chat-template"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"tokenize": False}}, "tokenize"),
     ("/tokenize", {"prompt": "x", "messages": []}, "exactly one"),
     ("/detokenize", {"tokens": [-1]}, "outside the vocabulary"),
 ]
@@ -334,6 +270,13 @@ def test_bad_requests_get_400s_that_name_the_problem(server):
     assert status == 400  # no body at all
     status, data = server.request("POST", "/v1/completions", b"{not json")
     assert status == 400 and b"JSON" in data
+    # Finding 9: 3,000-deep JSON was a 500 naming RecursionError.
+    deep = b'{"messages": [], "chat_template_kwargs": {"a": ' + b"[" * 3000 + b"]" * 3000 + \
+        b"}}"
+    status, data = server.request("POST", "/v1/chat/completions", deep)
+    assert status == 400 and b"nests JSON too deeply" in data
+    status, data = server.request("POST", "/v1/chat/completions", deep[:-100])  # unclosed
+    assert status == 400 and b"nests JSON too deeply" in data
     with pytest.raises(openai.NotFoundError, match="gpt-4"):
         server.client().completions.create(model="gpt-4", prompt="x", max_tokens=2)
     ok = server.client().completions.create(model=NAME, prompt="still serving",

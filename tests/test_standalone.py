@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,57 +13,11 @@ from pathlib import Path
 import pytest
 import zmq.auth
 from conftest import PROMPTS
+from helpers import ROOT, free_port, stop
 
 from frontend import LLM, EngineDeadError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
-KV = str(8 * 2**20)
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_engine(model_dir: Path, address: str, *extra: str,
-                 module: str = "enginecore") -> subprocess.Popen:
-    cmd = [sys.executable, "-m", module] + (["engine-core"] if module != "enginecore" else [])
-    return subprocess.Popen([*cmd, "--model", str(model_dir), "--kv-cache-memory-bytes", KV,
-                             "--address", address, *extra], cwd=ROOT)
-
-
-def stop(engine: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
-    if engine.poll() is None:
-        engine.send_signal(sig)
-    try:
-        return engine.wait(20)
-    except subprocess.TimeoutExpired:
-        engine.send_signal(signal.SIGUSR1)  # faulthandler: print every thread's stack
-        time.sleep(1)
-        raise
-    finally:
-        if engine.poll() is None:
-            engine.kill()
-            engine.wait()
-
-
-@pytest.fixture
-def engine_at(model_dirs):
-    """Start standalone engine cores; stop them all after the test."""
-    started: list[subprocess.Popen] = []
-
-    def start(name: str = "llama", address: str | None = None, *extra: str,
-              module: str = "enginecore") -> tuple[subprocess.Popen, str]:
-        address = address or f"tcp://127.0.0.1:{free_port()}"
-        engine = start_engine(model_dirs[name], address, *extra, module=module)
-        started.append(engine)
-        return engine, address
-
-    yield start
-    for engine in started:
-        stop(engine)
 
 
 def greedy_ids(llm: LLM, prompts: list[str]) -> list[list[int]]:
@@ -136,17 +89,33 @@ def test_signals_stop_the_engine_core_gracefully(engine_at, model_dirs, sig):
             greedy_ids(llm, PROMPTS[:2])
 
 
-def test_a_vanished_engine_is_noticed_by_its_heartbeat(engine_at, model_dirs, monkeypatch):
+def test_a_killed_engine_is_noticed_from_the_socket_within_a_second(engine_at, model_dirs):
+    engine, address = engine_at()
+    with LLM(str(model_dirs["llama"]), engine_address=address) as llm:
+        greedy_ids(llm, PROMPTS[:1])
+        killed = time.monotonic()
+        engine.kill()  # SIGKILL: no last word, but the connection drops
+        engine.wait()
+        with pytest.raises(EngineDeadError, match="lost the connection"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1000, ignore_eos=True,
+                                                     temperature=0), use_tqdm=False)
+        assert time.monotonic() - killed < 1.5
+
+
+def test_a_silently_hung_engine_is_noticed_by_its_heartbeat(engine_at, model_dirs,
+                                                            monkeypatch):
     import frontend.mp_client
 
     monkeypatch.setattr(frontend.mp_client, "HEARTBEAT_TIMEOUT_S", 1.5)
     engine, address = engine_at()
     with LLM(str(model_dirs["llama"]), engine_address=address) as llm:
         greedy_ids(llm, PROMPTS[:1])
-        engine.kill()  # SIGKILL: no last word
-        engine.wait()
-        with pytest.raises(EngineDeadError, match="no heartbeat"):
-            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+        engine.send_signal(signal.SIGSTOP)  # alive, connected, and silent
+        try:
+            with pytest.raises(EngineDeadError, match="no heartbeat"):
+                llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+        finally:
+            engine.send_signal(signal.SIGCONT)
 
 
 def test_bad_arguments_exit_non_zero_with_a_message(model_dirs, tmp_path):

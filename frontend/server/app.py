@@ -6,18 +6,26 @@
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a
 bad parameter (the message names it), 401 without the API key, 404 for another model,
-503 once the engine core is dead. A client that goes away aborts its requests.
+408 / 413 for a body that arrives too slowly / is too large, 503 once the engine core
+is dead. A client that goes away aborts its requests.
+
+What a client sends is bounded where it enters: the API key guards every route but
+/health, /metrics and /version; bodies are capped (`max_body_bytes`) and must arrive
+within BODY_TIMEOUT_S; JSON nested too deeply is a 400; tokenization and chat templates
+run off the event loop (the tokenizer thread), and templates sent by clients only with
+`trust_request_chat_template`, in a killable sandbox process (template_sandbox.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 import msgspec
@@ -35,9 +43,17 @@ from frontend.server.api_models import (
     TokenizeRequest,
 )
 from frontend.server.metrics import ServerMetrics
+from frontend.server.options import ServerOptions
+from frontend.server.template_sandbox import ChatTemplateSandbox, TemplateTimeout
 
 VERSION = "0.1.0"
 logger = logging.getLogger("pagellm")
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # no API key needed
+BODY_TIMEOUT_S = 30.0  # a request body must arrive within this long
+
+ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]],
+                    Callable[[MutableMapping[str, Any]], Awaitable[None]]], Awaitable[None]]
 
 
 class APIError(Exception):
@@ -57,20 +73,40 @@ def bad_request(message: str) -> APIError:
     return APIError(400, message, "BadRequestError")
 
 
-def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None
-              ) -> FastAPI:
-    app = FastAPI(title="pagellm", version=VERSION)
-    metrics = ServerMetrics(served_model_name)
-    server = _Server(engine, served_model_name, metrics)
+class APIKeyGuard:
+    """ASGI middleware: every route but OPEN_PATHS needs `Authorization: Bearer KEY`
+    (unknown routes and the generated docs included, so nothing is learned without
+    it)."""
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Any]]
-                           ) -> Any:
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "invalid or missing API key", "AuthenticationError")
-        return await call_next(request)
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: MutableMapping[str, Any],
+                       receive: Callable[[], Awaitable[Any]],
+                       send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "invalid or missing API key",
+                                          "AuthenticationError")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: AsyncLLM, options: ServerOptions,
+              sandbox: ChatTemplateSandbox | None = None) -> FastAPI:
+    """The routes. `sandbox` renders request-supplied chat templates (required, and
+    only used, with options.trust_request_chat_template)."""
+    app = FastAPI(title="pagellm", version=VERSION)
+    metrics = ServerMetrics(options.served_model_name)
+    server = _Server(engine, options, metrics, sandbox)
+    if options.api_key is not None:
+        app.add_middleware(APIKeyGuard, api_key=options.api_key)
+
+    async def body_of(request: Request, kind: type[Any]) -> Any:
+        return _decode(await _read_body(request, options.max_body_bytes), kind)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -97,7 +133,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": int(time.time()),
+            "id": options.served_model_name, "object": "model", "created": int(time.time()),
             "owned_by": "pagellm", "root": engine.engine_args.model,
             "max_model_len": engine.info.max_model_len}]}
 
@@ -108,37 +144,67 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = _decode(await request.body(), TokenizeRequest)
+        body = await body_of(request, TokenizeRequest)
         server.check_model(body.model)
-        ids = server.tokenize(body)
+        ids = await server.tokenize(body)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.info.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = _decode(await request.body(), DetokenizeRequest)
+        body = await body_of(request, DetokenizeRequest)
         server.check_model(body.model)
         vocab = engine.info.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"tokens: ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return {"prompt": server.tokenizer().decode(body.tokens)}
+        text = await engine.run_in_tokenizer_thread(server.tokenizer().decode, body.tokens)
+        return {"prompt": text}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = _decode(await request.body(), CompletionRequest)
+        body = await body_of(request, CompletionRequest)
         return await _respond(request, body.stream, server.completions(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = _decode(await request.body(), ChatCompletionRequest)
+        body = await body_of(request, ChatCompletionRequest)
         return await _respond(request, body.stream, server.chat(body))
 
     return app
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, at most `limit` bytes (413), arriving within BODY_TIMEOUT_S (408)."""
+    length = request.headers.get("content-length", "")
+    too_large = APIError(413, f"the request body is larger than {limit} bytes",
+                         "RequestEntityTooLargeError")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+                       "RequestTimeoutError") from None
+    return b"".join(chunks)
+
+
 def _decode(data: bytes, kind: type[Any]) -> Any:
     try:
         return msgspec.json.decode(data, type=kind)
+    except RecursionError:
+        raise bad_request("the body nests JSON too deeply") from None
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the body is not valid UTF-8 (byte {e.start})") from None
     except msgspec.ValidationError as e:
         raise bad_request(f"invalid request: {e}") from None
     except msgspec.DecodeError as e:
@@ -153,7 +219,7 @@ def _invalid_text_path(data: bytes) -> str | None:
     Unicode: msgspec refuses those, rightly, but names no field."""
     try:
         value = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
     def walk(node: Any, path: str) -> str | None:
@@ -174,7 +240,10 @@ def _invalid_text_path(data: bytes) -> str | None:
                     return found
         return None
 
-    return walk(value, "")
+    try:
+        return walk(value, "")
+    except RecursionError:
+        return None
 
 
 async def _respond(request: Request, stream: bool, work: Any) -> Response:
@@ -203,11 +272,23 @@ async def _respond(request: Request, stream: bool, work: Any) -> Response:
 class _Server:
     """Request handling shared by the routes."""
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str, metrics: ServerMetrics
-                 ) -> None:
+    def __init__(self, engine: AsyncLLM, options: ServerOptions, metrics: ServerMetrics,
+                 sandbox: ChatTemplateSandbox | None) -> None:
+        if options.trust_request_chat_template and sandbox is None:
+            raise ValueError("trust_request_chat_template needs a ChatTemplateSandbox")
         self.engine = engine
-        self.name = served_model_name
+        self.options = options
+        self.name = options.served_model_name
         self.metrics = metrics
+        self.sandbox = sandbox
+        # chat_template_kwargs are template variables: names that are parameters of
+        # apply_chat_template (tokenize, return_tensors, ...) would change what it does.
+        self.reserved_kwargs: frozenset[str] = frozenset()
+        if engine.tokenizer is not None:
+            parameters = inspect.signature(engine.tokenizer.apply_chat_template).parameters
+            self.reserved_kwargs = frozenset(
+                name for name, p in parameters.items()
+                if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
 
     def tokenizer(self) -> Any:
         if self.engine.tokenizer is None:
@@ -219,42 +300,94 @@ class _Server:
             raise APIError(404, f"The model `{model}` does not exist (this server serves "
                                 f"`{self.name}`).", "NotFoundError", "model")
 
-    def tokenize(self, body: TokenizeRequest) -> list[int]:
+    def check_prompt_chars(self, name: str, chars: int) -> None:
+        """Refuse text that cannot fit in max_model_len tokens before tokenizing it."""
+        limit = self.engine.processor.max_prompt_chars
+        if chars > limit:
+            raise bad_request(f"{name} is {chars} characters: more than max_model_len="
+                              f"{self.engine.info.max_model_len} tokens can hold ({limit} "
+                              "characters at most)")
+
+    async def tokenize(self, body: TokenizeRequest) -> list[int]:
         tokenizer = self.tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages")
         if body.messages is not None:
-            return self._chat_prompt(body.messages, body.add_generation_prompt, None)
-        return list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            return await self._chat_prompt(body.messages, body.add_generation_prompt, None,
+                                           None)
+        assert body.prompt is not None
+        self.check_prompt_chars("prompt", len(body.prompt))
+        ids = await self.engine.run_in_tokenizer_thread(
+            tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+        return list(ids)
 
-    def _chat_prompt(self, messages: list[Any], add_generation_prompt: bool,
-                     kwargs: dict[str, Any] | None) -> list[int]:
+    async def _chat_prompt(self, messages: list[Any], add_generation_prompt: bool,
+                           kwargs: dict[str, Any] | None, template: str | None
+                           ) -> list[int]:
+        """The conversation's prompt ids: the model's chat template on the tokenizer
+        thread, or a template from the request in the sandbox (if trusted)."""
+        tokenizer = self.tokenizer()
         try:
             conversation = [{"role": m.role, "content": m.text()} for m in messages]
         except ValueError as e:
             raise bad_request(str(e)) from None
+        self.check_prompt_chars("messages", sum(len(m["content"]) for m in conversation))
+        kwargs = dict(kwargs or {})
+        if "chat_template" in kwargs:
+            template = kwargs.pop("chat_template")
+        reserved = sorted(set(kwargs) & self.reserved_kwargs)
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may only set template variables, not "
+                              f"{', '.join(reserved)}")
+        if template is not None and not self.options.trust_request_chat_template:
+            raise bad_request("chat templates from requests are refused (start the server "
+                              "with --trust-request-chat-template to allow them)")
         try:
-            ids = self.tokenizer().apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
-                return_dict=False, **(kwargs or {}))
+            if template is None:
+                ids = await self.engine.run_in_tokenizer_thread(
+                    tokenizer.apply_chat_template, conversation,
+                    add_generation_prompt=add_generation_prompt, tokenize=True,
+                    return_dict=False, **kwargs)
+            else:
+                if not isinstance(template, str):
+                    raise bad_request("chat_template must be a string")
+                assert self.sandbox is not None
+                text = await asyncio.to_thread(self.sandbox.render, template, conversation,
+                                               add_generation_prompt, kwargs)
+                ids = await self.engine.run_in_tokenizer_thread(
+                    tokenizer.encode, text, add_special_tokens=False)
+        except APIError:
+            raise
+        except TemplateTimeout as e:
+            raise bad_request(f"messages: {e}") from None
         except Exception as e:  # a template error is the request's fault
             raise bad_request(f"messages: the chat template failed: {e}") from None
         return list(ids)
 
-    def _process(self, prompts: list[Any], params: Any, request_id: str, priority: int,
-                 salt: str | None) -> list[ProcessedRequest]:
-        """Validate every prompt before any starts; a bad one is a 400."""
-        processed = []
-        try:
+    async def _process(self, prompts: list[Any], params: Any, request_id: str, priority: int,
+                       salt: str | None) -> list[ProcessedRequest]:
+        """Validate every prompt before any starts (on the tokenizer thread); a bad one
+        is a 400. One HTTP request may not ask for more sequences than the engine runs
+        at once."""
+        limit = self.engine.info.max_num_seqs
+        if len(prompts) * params.n > limit:
+            raise bad_request(f"{len(prompts)} prompt(s) x n={params.n} is more sequences "
+                              f"than this engine runs at once (max_num_seqs={limit})")
+
+        def process_all() -> list[ProcessedRequest]:
+            processed = []
             for i, prompt in enumerate(prompts):
                 if salt is not None:
                     prompt = {"prompt": prompt} if isinstance(prompt, str) else dict(prompt)
                     prompt["cache_salt"] = salt
                 processed.append(self.engine.process(prompt, params, f"{request_id}-{i}",
                                                      priority))
+            return processed
+
+        try:
+            return await self.engine.run_in_tokenizer_thread(process_all)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
-        return processed
 
     async def _run_all(self, processed: list[ProcessedRequest]
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -300,7 +433,8 @@ class _Server:
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        processed = self._process(prompts, params, request_id, body.priority, body.cache_salt)
+        processed = await self._process(prompts, params, request_id, body.priority,
+                                        body.cache_salt)
         created = int(time.time())
         header = {"id": request_id, "object": "text_completion", "created": created,
                   "model": self.name}
@@ -389,11 +523,11 @@ class _Server:
             params = body.sampling_params(body.completion_limit, top)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
-        prompt_ids = self._chat_prompt(body.messages, body.add_generation_prompt,
-                                       body.chat_template_kwargs)
+        prompt_ids = await self._chat_prompt(body.messages, body.add_generation_prompt,
+                                             body.chat_template_kwargs, body.chat_template)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        processed = self._process([{"prompt_token_ids": prompt_ids}], params, request_id,
-                                  body.priority, body.cache_salt)
+        processed = await self._process([{"prompt_token_ids": prompt_ids}], params,
+                                        request_id, body.priority, body.cache_salt)
         header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                   "model": self.name}
         if body.stream:

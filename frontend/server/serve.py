@@ -9,36 +9,50 @@ stops the engine core and exits 0.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import signal
 from typing import Any
 
+from enginecore.log import rate_limit
 from frontend.async_llm import AsyncLLM
 from frontend.llm import FRONTEND_OPTIONS
 from frontend.server.app import build_app
+from frontend.server.connections import ConnectionLimits, GuardedH11Protocol, connection_limit
+from frontend.server.options import ServerOptions
+from frontend.server.template_sandbox import ChatTemplateSandbox
 from protocol.engine_args import EngineArgs
 
 logger = logging.getLogger("pagellm")
 
 
-def run_server(args: EngineArgs, host: str, port: int, served_model_name: str | None,
-               api_key: str | None, engine_address: str | None = None,
-               curve_secret_key: str | None = None,
-               curve_server_public_key: str | None = None,
-               shutdown_timeout: float = 30.0) -> int:
+def run_server(args: EngineArgs, options: ServerOptions, host: str, port: int,
+               engine_address: str | None = None, curve_secret_key: str | None = None,
+               curve_server_public_key: str | None = None, shutdown_timeout: float = 5.0,
+               max_connections: int | None = None) -> int:
     import uvicorn
 
-    options = {k: v for k, v in dataclasses.asdict(args).items() if k != "model"}
+    engine_options = {k: v for k, v in dataclasses.asdict(args).items() if k != "model"}
     if engine_address is not None:  # the engine is configured where it runs
         defaults = EngineArgs(model=args.model)
-        options = {k: v for k, v in options.items()
-                   if k in FRONTEND_OPTIONS and v != getattr(defaults, k)}
+        engine_options = {k: v for k, v in engine_options.items()
+                          if k in FRONTEND_OPTIONS and v != getattr(defaults, k)}
     engine = AsyncLLM(args.model, engine_address=engine_address,
                       curve_secret_key=curve_secret_key,
-                      curve_server_public_key=curve_server_public_key, **options)
-    app = build_app(engine, served_model_name or args.model, api_key)
+                      curve_server_public_key=curve_server_public_key, **engine_options)
+    sandbox = None
+    if options.trust_request_chat_template and engine.tokenizer is not None:
+        sandbox = ChatTemplateSandbox(engine.engine_args.tokenizer or engine.engine_args.model)
+    app = build_app(engine, options, sandbox)
+    limits = ConnectionLimits(max_connections=connection_limit(
+        max_connections or ConnectionLimits.max_connections))
     config = uvicorn.Config(app, host=host, port=port, log_level="info",
+                            http=functools.partial(GuardedH11Protocol,  # type: ignore[arg-type]
+                                                   limits=limits),
                             timeout_graceful_shutdown=max(1, round(shutdown_timeout)))
+    # uvicorn configures its loggers in Config(): rate-limit their warnings after that
+    # (invalid requests, refused connections and failed accepts come in floods).
+    rate_limit("uvicorn.error", "asyncio")
     server = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it is done; with these as the
     # handlers it restores, that ends nothing and the process exits 0.
@@ -48,6 +62,8 @@ def run_server(args: EngineArgs, host: str, port: int, served_model_name: str | 
         server.run()
     finally:
         engine.shutdown()
+        if sandbox is not None:
+            sandbox.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     logger.info("server stopped")

@@ -12,7 +12,7 @@ small models repeat one token, and norms at 1 / biases at 0 would let a loader t
 them still pass a comparison. See ``make_model``.
 
 torch, transformers and tokenizers are imported inside the functions that need them: the
-frontend package must stay cheap to import (no torch at import time).
+CLI (`pagellm make-model`) and resolving `--model demo` must stay cheap to import.
 """
 
 from __future__ import annotations
@@ -488,3 +488,9 @@ def demo_model_dir() -> pathlib.Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def resolve_model(model: str) -> str:
+    """'demo' names the built-in random-weight model (built once into a cache dir); any
+    other value is a model directory and passes through."""
+    return str(demo_model_dir()) if model == "demo" else model

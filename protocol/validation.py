@@ -1,0 +1,104 @@
+"""Range checks shared by everything a client can set (`SamplingParams`, `EngineArgs`,
+the engine core's checks of foreign requests).
+
+Every integer or float a client sends ends up in a tensor, a numpy array, a msgpack
+frame or an allocation, each with a fixed width; a value outside it must be refused
+where it enters, with a message that names the field and the allowed range, and never
+surface as an OverflowError deep inside the engine loop. These bounds are the widths
+of those destinations.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+INT32_MAX = 2**31 - 1  # counts that land in int32 arrays (token counts, top-k, ...)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds, priorities: msgpack's int64
+FLOAT32_MAX = 3.4028234663852886e38  # per-row sampling values live in float32 tensors
+
+
+def _is_int(value: Any) -> bool:
+    # bool is a subclass of int; `max_tokens=True` is a bug in the caller, not 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None,
+              maximum: int | None = None, allow_none: bool = False) -> None:
+    """Raise TypeError/ValueError naming `name` unless `value` is an int in range."""
+    if value is None and allow_none:
+        return
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(_out_of_range(name, f">= {minimum}", minimum, maximum, "[", value))
+    if maximum is not None and value > maximum:
+        raise ValueError(_out_of_range(name, f"<= {maximum}", minimum, maximum, "[", value))
+
+
+def check_float(name: str, value: Any, *, minimum: float | None = None,
+                maximum: float | None = None, min_exclusive: bool = False) -> None:
+    """Raise TypeError/ValueError naming `name` unless `value` is a finite number in
+    range (ints are numbers too, however large)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be a finite number, got {_short(value)}")
+    lower = "(" if min_exclusive else "["
+    if minimum is not None and (value <= minimum if min_exclusive else value < minimum):
+        bound = f"{'>' if min_exclusive else '>='} {_fmt(minimum)}"
+        raise ValueError(_out_of_range(name, bound, minimum, maximum, lower, value))
+    if maximum is not None and value > maximum:
+        raise ValueError(_out_of_range(name, f"<= {_fmt(maximum)}", minimum, maximum, lower,
+                                       value))
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_model_config(config: Any) -> None:
+    """The sizes a model's config.json gives, each checked by name before transformers
+    reads them (the frontend for the tokenizer, the engine for the model): a zero or a
+    fraction would otherwise surface as a ZeroDivisionError or a shape error deep in
+    config or model construction."""
+    if not isinstance(config, dict):
+        raise ValueError("config.json must hold a JSON object")
+    sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "max_position_embeddings"]
+    sizes += [name for name in ("num_key_value_heads", "head_dim")
+              if config.get(name) is not None]
+    for name in sizes:
+        value = config.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
+    if kv_heads is not None and heads % kv_heads:
+        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of "
+                         f"num_key_value_heads ({kv_heads})")
+    if config.get("head_dim") is None and config["hidden_size"] % heads:
+        raise ValueError(f"hidden_size ({config['hidden_size']}) must be a multiple of "
+                         f"num_attention_heads ({heads}) when there is no head_dim")
+
+
+def _out_of_range(name: str, bound: str, minimum: float | None, maximum: float | None,
+                  lower: str, value: float) -> str:
+    """'top_k must be <= 2147483647 (allowed: [-1, 2147483647]), got 2**63'."""
+    allowed = "" if minimum is None or maximum is None else \
+        f" (allowed: {lower}{_fmt(minimum)}, {_fmt(maximum)}])"
+    return f"{name} must be {bound}{allowed}, got {_short(value)}"
+
+
+def _short(value: float) -> str:
+    """A value for a message: an int of a thousand digits is not worth echoing."""
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}" if isinstance(value, float) and abs(value) >= 1e6 else str(value)

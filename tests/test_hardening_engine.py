@@ -1,0 +1,596 @@
+"""No request, frame or client can stop the engine core for anyone else (issue 12).
+
+Each finding of the hostile review has a regression test here: bounds on every value a
+client sends, foreign engine-core requests, the handshake flood, identity from the
+connection, a client that stops reading, I/O threads that die, a step that fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgspec
+import pytest
+import zmq
+from conftest import PROMPTS, assert_no_leaks
+from helpers import KV, ROOT, RawEngineClient, free_port, raw_hello, stop
+
+from frontend import LLM, AsyncLLM, EngineDeadError, SamplingParams
+from protocol.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    RequestType,
+    UtilityMethod,
+    UtilityRequest,
+)
+from protocol.validation import FLOAT32_MAX, INT32_MAX, INT64_MAX, INT64_MIN
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+# An engine core with small limits, so that the limits can be reached in a test.
+TIGHT_ENGINE = textwrap.dedent("""
+    import sys
+    import enginecore.proc as proc
+    proc.CONNECT_GRACE_S = 1.0
+    proc.OUTPUT_HWM = 20
+    proc.MAX_CLIENTS = 8
+    from enginecore.__main__ import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.fixture(scope="module")
+def tight_engine(model_dirs):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    engine = subprocess.Popen([sys.executable, "-c", TIGHT_ENGINE, "--model",
+                               str(model_dirs["llama"]), "--kv-cache-memory-bytes", KV,
+                               "--address", address], cwd=ROOT)
+    yield engine, address
+    stop(engine)
+
+
+@pytest.fixture(scope="module")
+def attached(tight_engine, model_dirs):
+    """A well-behaved frontend on the tight engine, and its greedy tokens for PROMPTS."""
+    _, address = tight_engine
+    llm = LLM(str(model_dirs["llama"]), engine_address=address)
+    reference = greedy_ids(llm)
+    yield llm, reference
+    llm.shutdown()
+
+
+def greedy_ids(llm: LLM, prompts: list[str] = PROMPTS[:4]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def still_serves(attached) -> None:
+    llm, reference = attached
+    assert greedy_ids(llm) == reference
+
+
+# --- bounds where values enter ----------------------------------------------------------
+
+INT_FIELDS = {  # field: (smallest allowed, largest allowed)
+    "n": (1, INT32_MAX), "top_k": (-1, INT32_MAX), "seed": (INT64_MIN, INT64_MAX),
+    "max_tokens": (1, INT32_MAX), "min_tokens": (0, INT32_MAX), "logprobs": (0, INT32_MAX),
+    "prompt_logprobs": (0, INT32_MAX), "truncate_prompt_tokens": (1, INT32_MAX),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INT_FIELDS))
+def test_every_sampling_integer_is_bounded_by_its_destination(name):
+    low, high = INT_FIELDS[name]
+    extra = {"max_tokens": None} if name == "min_tokens" else {}
+    for value in (low, high):
+        params = SamplingParams(**{name: value, **extra})  # the bounds themselves pass...
+        decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+        assert getattr(decoded, name) == value  # ...and survive the wire
+    for value in (low - 1, high + 1, 2**64, -(2**70)):
+        if name == "truncate_prompt_tokens" and value == low - 1:
+            continue  # 0 is refused, -1 means "as many as the model takes"
+        with pytest.raises(ValueError, match=rf"{name} must be .*allowed: \[{low}, {high}\]"):
+            SamplingParams(**{name: value, **extra})
+
+
+@pytest.mark.parametrize("name, value", [
+    ("temperature", 10**400), ("temperature", 1e39), ("top_p", 2**80), ("min_p", -(10**400)),
+    ("presence_penalty", 10**30), ("repetition_penalty", float("nan")),
+])
+def test_every_sampling_float_is_finite_and_bounded(name, value):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: value})
+    assert SamplingParams(temperature=FLOAT32_MAX).temperature == FLOAT32_MAX
+
+
+def test_token_id_lists_and_biases_are_bounded():
+    for kwargs in ({"stop_token_ids": [2**40]}, {"allowed_token_ids": [2**31]},
+                   {"logit_bias": {2**31: 1.0}}, {"bad_words_token_ids": [[1, 2**63]]}):
+        with pytest.raises(ValueError, match="must be <= 2147483647"):
+            SamplingParams(**kwargs)
+
+
+def test_lists_a_client_sends_are_bounded(model_dirs, make_llm):
+    """Stop strings are searched and bad words tokenized per request, token-id lists
+    gathered every step: their lengths are work a client could otherwise inflate."""
+    with pytest.raises(ValueError, match="stop has 1025 entries, more than 1024"):
+        SamplingParams(stop=["x"] * 1025)
+    with pytest.raises(ValueError, match="bad_words has 1025 entries"):
+        SamplingParams(bad_words=["x"] * 1025)
+    llm = make_llm(model_dirs["llama"])
+    vocab = llm.info.vocab_size
+    for kwargs, message in (({"allowed_token_ids": [1] * (vocab + 1)}, "allowed_token_ids"),
+                            ({"stop_token_ids": [2] * (vocab + 1)}, "stop_token_ids")):
+        with pytest.raises(ValueError, match=f"{message} has {vocab + 1} entries"):
+            llm.generate("hi", SamplingParams(**kwargs), use_tqdm=False)
+
+
+def test_top_k_beyond_the_vocabulary_means_all_of_it(model_dirs, make_llm):
+    """Finding 1: top_k=2**63 overflowed an int64 array in the engine loop. Now it is
+    refused where it enters, and any top_k the int32 bound admits is clamped."""
+    llm = make_llm(model_dirs["llama"])
+    with pytest.raises(ValueError, match="top_k"):
+        llm.generate("hi", SamplingParams(top_k=2**63, temperature=0.5), use_tqdm=False)
+    sampled = {}
+    for top_k in (0, llm.info.vocab_size, INT32_MAX):
+        params = SamplingParams(top_k=top_k, temperature=0.9, seed=11, max_tokens=10)
+        sampled[top_k] = llm.generate("hi", params, use_tqdm=False)[0].outputs[0].token_ids
+    assert sampled[0] == sampled[llm.info.vocab_size] == sampled[INT32_MAX]
+
+
+def test_n_is_bounded_by_max_num_seqs(model_dirs, make_llm):
+    """Finding 4: n=20000 stalled the server while it fanned out."""
+    llm = make_llm(model_dirs["llama"], max_num_seqs=4)
+    with pytest.raises(ValueError, match=r"n=5 is more than .*max_num_seqs=4"):
+        llm.generate("hi", SamplingParams(n=5), use_tqdm=False)
+    assert len(llm.generate("hi", SamplingParams(n=4), use_tqdm=False)[0].outputs) == 4
+
+
+def test_seeds_of_completions_wrap_within_64_bits(model_dirs, make_llm):
+    llm = make_llm(model_dirs["llama"])
+    params = SamplingParams(n=3, seed=INT64_MAX - 1, temperature=1.0, max_tokens=6)
+    first = [c.token_ids for c in llm.generate("x", params, use_tqdm=False)[0].outputs]
+    again = [c.token_ids for c in llm.generate("x", params, use_tqdm=False)[0].outputs]
+    assert first == again and len({tuple(t) for t in first}) == 3
+
+
+def test_priority_is_bounded_to_64_bits(model_dirs, make_llm):
+    llm = make_llm(model_dirs["llama"])
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(["a"], GREEDY, use_tqdm=False, priority=[2**63])
+
+
+def test_a_prompt_too_long_for_the_model_is_refused_before_it_is_tokenized(
+        model_dirs, make_llm, monkeypatch):
+    llm = make_llm(model_dirs["llama"])
+    calls = []
+    monkeypatch.setattr(llm.tokenizer, "encode", lambda *a, **k: calls.append(a) or [1])
+    too_long = "a" * (llm.processor.max_prompt_chars + 1)
+    with pytest.raises(ValueError, match=r"characters: more than max_model_len"):
+        llm.generate(too_long, GREEDY, use_tqdm=False)
+    assert calls == []
+
+
+def test_model_config_values_are_checked_with_their_names(model_dirs, tmp_path):
+    """Finding 9: num_attention_heads=0 gave a bare ZeroDivisionError."""
+    import json
+    import shutil
+
+    for field, value in (("num_attention_heads", 0), ("hidden_size", -64),
+                         ("vocab_size", 0), ("num_hidden_layers", 0),
+                         ("num_key_value_heads", 3), ("max_position_embeddings", 0)):
+        broken = tmp_path / field
+        shutil.copytree(model_dirs["llama"], broken)
+        config = json.loads((broken / "config.json").read_text())
+        config[field] = value
+        (broken / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=field):
+            LLM(str(broken), multiprocess=False, kv_cache_memory_bytes=int(KV))
+
+
+# --- the engine core and its foreign clients ---------------------------------------------
+
+def request(request_id: str, prompt: list[int], **params) -> EngineCoreRequest:
+    fields = {"max_tokens": 4, "temperature": 0.0, **params}
+    eos = fields.pop("eos_token_id", None)
+    return EngineCoreRequest(request_id, prompt, SamplingParams(**fields), eos, time.time())
+
+
+def test_foreign_requests_the_engine_cannot_serve_fail_alone(tight_engine, attached):
+    """Finding 5: a raw request with eos_token_id=10**9 and min_tokens killed the engine."""
+    _, address = tight_engine
+    client = RawEngineClient(address)
+    vocab = client.reply.info.vocab_size
+    try:
+        bad = {
+            "eos": request("eos", [5, 6], eos_token_id=10**9, min_tokens=2),
+            "negative-eos": request("negative-eos", [5], eos_token_id=-1),
+            "n": request("n", [5], n=3),
+            "vocab": request("vocab", [5, vocab]),
+            "long": request("long", [5] * 10, max_tokens=client.reply.info.max_model_len),
+            "stop-ids": request("stop-ids", [5], stop_token_ids=[vocab + 1]),
+            "logprobs": request("logprobs", [5], logprobs=1000),
+            "empty": request("empty", []),
+        }
+        bad["nan"] = request("nan", [5])
+        bad["nan"].arrival_time = float("nan")
+        for r in bad.values():
+            client.send(RequestType.ADD, r)
+        # Out of range for SamplingParams: refused while decoding, still answered by id.
+        client.send(RequestType.ADD, msgspec.msgpack.encode(
+            ["top-k", [5], {"top_k": 2**63}, None, 0.0]))
+        errors = {}
+        for _ in range(len(bad) + 1):
+            out = client.outputs_until(lambda o: o.finish_reason is not None)[-1]
+            assert out.finish_reason == FinishReason.ERROR, out
+            errors[out.request_id] = out.error
+        assert "eos_token_id=1000000000" in errors["eos"]
+        assert "eos_token_id=-1" in errors["negative-eos"]
+        assert "n must be 1" in errors["n"]
+        assert "vocabulary" in errors["vocab"] and "vocabulary" in errors["stop-ids"]
+        assert "max_model_len" in errors["long"] and "max_logprobs" in errors["logprobs"]
+        assert "arrival_time" in errors["nan"] and "must not be empty" in errors["empty"]
+        assert "top_k" in errors["top-k"]
+        client.send(RequestType.ADD, request("good", [5, 6, 7]))
+        assert client.finished("good").finish_reason == FinishReason.LENGTH
+    finally:
+        client.close()
+    still_serves(attached)
+
+
+def test_garbage_frames_are_dropped_and_the_engine_keeps_serving(tight_engine, attached):
+    _, address = tight_engine
+    client = RawEngineClient(address)
+    try:
+        good = msgspec.msgpack.encode(request("r", [1, 2]))
+        for frames in ([b"\x09", good],  # unknown type byte
+                       [RequestType.ADD.value],  # no payload
+                       [RequestType.ADD.value, good, b"extra"],  # too many frames
+                       [RequestType.ADD.value, b"\xc1garbage"],  # not msgpack
+                       [RequestType.ADD.value, msgspec.msgpack.encode([1, 2])],
+                       [RequestType.ABORT.value, b"\x93\x01"],
+                       [RequestType.UTILITY.value, msgspec.msgpack.encode([0, 99])],
+                       [RequestType.HELLO.value, b"\xff"],
+                       [b"", b""]):
+            client.dealer.send_multipart(frames)
+        # A typed utility call with arguments the method does not take: a failure
+        # answer, not a crash.
+        client.send(RequestType.UTILITY, UtilityRequest(7, UtilityMethod.GET_STATS, [5]))
+        deadline = time.monotonic() + 10
+        answer = None
+        while answer is None and time.monotonic() < deadline:
+            if client.output.poll(100):
+                answer = msgspec.msgpack.decode(client.output.recv(),
+                                                type=EngineCoreOutputs).utility_output
+        assert answer is not None and answer.call_id == 7
+        assert answer.result is None and "takes 0 argument" in answer.failure
+    finally:
+        client.close()
+    still_serves(attached)
+
+
+def test_a_handshake_flood_neither_deafens_nor_kills_the_engine(tight_engine, attached,
+                                                                model_dirs):
+    """Finding 2: ~1,024 HELLOs killed the input thread while heartbeats went on, so an
+    attached LLM.generate hung forever. Now: one attachment per connection, at most
+    MAX_CLIENTS (8 here), a clear refusal beyond, and slots come back when clients go."""
+    _, address = tight_engine
+    context = zmq.Context()
+    crowd: list[RawEngineClient] = []
+    try:
+        one = context.socket(zmq.DEALER)
+        one.setsockopt(zmq.LINGER, 0)
+        one.connect(address)
+        replies = [raw_hello(one) for _ in range(300)]  # HELLO after HELLO, one connection
+        assert replies[0].error is None
+        assert all("already attached" in r.error for r in replies[1:])
+        # `one` never connects its output socket: dropped after the grace (1 s here),
+        # which frees its slot for the seven below (the fixture's frontend is the 8th).
+        time.sleep(2.0)
+        crowd = [RawEngineClient(address) for _ in range(7)]
+        assert [c.reply.error for c in crowd] == [None] * 7
+        extra = RawEngineClient(address)
+        crowd.append(extra)
+        assert "at most 8 frontends" in extra.reply.error
+        with pytest.raises(RuntimeError, match="at most 8 frontends"):
+            LLM(str(model_dirs["llama"]), engine_address=address)
+        still_serves(attached)
+        for c in crowd:  # clients that leave free their slots at once
+            c.close()
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                late = LLM(str(model_dirs["llama"]), engine_address=address)
+                break
+            except RuntimeError:
+                assert time.monotonic() < deadline, "slots never came back"
+                time.sleep(0.1)
+        assert greedy_ids(late) == attached[1]
+        late.shutdown()
+    finally:
+        for c in crowd:
+            c.close()
+        context.destroy(linger=0)
+
+
+def test_identity_comes_from_the_connection(tight_engine, attached):
+    """Finding 9: any local process could disconnect another client by writing its
+    index. Now a BYE or an ABORT acts only on the sender's own connection."""
+    _, address = tight_engine
+    llm, reference = attached
+    victim = llm.processor.process_inputs("victim", "a long one",
+                                          SamplingParams(max_tokens=300, ignore_eos=True,
+                                                         temperature=0.0))
+    victim_id = victim.engine_requests[0].request_id
+    llm.output_processor.add_request(victim)
+    llm.engine_core.add_request(victim.engine_requests[0])
+    attacker = RawEngineClient(address)
+    try:
+        attacker.send(RequestType.ABORT, [victim_id])  # even knowing the id
+        attacker.send(RequestType.BYE, b"")
+        attacker.send(RequestType.ADD, request("after-bye", [1, 2]))
+        (final,) = llm._run(["victim"], use_tqdm=False)
+        assert final.outputs[0].finish_reason == "length"
+        assert len(final.outputs[0].token_ids) == 300
+        assert not attacker.output.poll(300)  # after BYE nothing more is served
+    finally:
+        attacker.close()
+    assert greedy_ids(llm) == reference
+
+
+def test_a_client_that_stops_reading_is_dropped_and_its_requests_aborted(tight_engine,
+                                                                          attached):
+    """Finding 9: a client that never read made the engine's memory grow without bound.
+    Its queue is bounded (OUTPUT_HWM, 20 here): past it, the client is dropped."""
+    _, address = tight_engine
+    llm, _ = attached
+    sleeper = RawEngineClient(address, rcvhwm=1)
+    try:
+        for i in range(8):
+            sleeper.send(RequestType.ADD, request(f"s{i}", [1, 2, 3], max_tokens=1500,
+                                                  ignore_eos=True))
+        deadline = time.monotonic() + 60
+        while True:  # the sleeper's requests run, then get aborted when it is dropped
+            stats = llm.get_stats()
+            if stats.num_running_reqs == 0 and stats.num_steps > 30:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.1)
+        assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        sleeper.close()
+    still_serves(attached)
+
+
+# --- death is loud, and a failed step fails alone -------------------------------------------
+
+DYING_INPUT_THREAD = textwrap.dedent("""
+    import sys
+    import enginecore.proc as proc
+
+    real = proc.EngineCoreProc._on_message
+    seen = 0
+
+    def flaky(self, frames, decoders):
+        global seen
+        seen += 1
+        if len(frames) == 3 and frames[2] == b"die":
+            raise SystemExit("injected: the input thread dies")
+        return real(self, frames, decoders)
+
+    proc.EngineCoreProc._on_message = flaky
+    from enginecore.__main__ import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_an_io_thread_that_dies_takes_the_engine_down_loudly(model_dirs):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    engine = subprocess.Popen([sys.executable, "-c", DYING_INPUT_THREAD, "--model",
+                               str(model_dirs["llama"]), "--kv-cache-memory-bytes", KV,
+                               "--address", address], cwd=ROOT)
+    try:
+        llm = LLM(str(model_dirs["llama"]), engine_address=address)
+        greedy_ids(llm, PROMPTS[:1])
+        killer = RawEngineClient(address)
+        killer.send(RequestType.UTILITY, b"die")
+        assert engine.wait(20) == 1  # not a heartbeating zombie
+        with pytest.raises(EngineDeadError, match="input thread failed"):
+            greedy_ids(llm, PROMPTS[:1])
+        killer.close()
+        llm.shutdown()
+    finally:
+        stop(engine)
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(model_dirs, make_llm,
+                                                                hf_reference, monkeypatch):
+    """The safety net under validation: an exception inside the step fails the step's
+    requests (an error output each) and the engine serves the next ones correctly;
+    blocks computed in the failed step are not reused from the prefix cache."""
+    from executor.input_batch import InputBatch
+
+    llm = make_llm(model_dirs["llama"])
+    real = InputBatch._set_sampling
+
+    def poisoned(self, row, params, eos_token_id):
+        if params.min_p == 0.125:  # the marked request
+            raise IndexError("injected bad value")
+        return real(self, row, params, eos_token_id)
+
+    monkeypatch.setattr(InputBatch, "_set_sampling", poisoned)
+    prompt = PROMPTS[4]  # long: its prompt blocks are registered in the failed step
+    with pytest.raises(ValueError, match="the engine step failed: IndexError: injected"):
+        llm.generate(prompt, SamplingParams(min_p=0.125, max_tokens=5), use_tqdm=False)
+    assert_no_leaks(llm)
+    out = llm.generate([prompt, PROMPTS[1]], SamplingParams(temperature=0, max_tokens=10),
+                       use_tqdm=False)
+    for text, o in zip([prompt, PROMPTS[1]], out, strict=True):
+        assert o.outputs[0].token_ids == hf_reference("llama", llm.tokenizer.encode(text), 10)
+
+
+def test_device_faults_are_fatal_and_other_failures_are_not(model_dirs, make_llm,
+                                                           monkeypatch):
+    import torch
+
+    from executor.executor import StepFailed, is_device_fault
+
+    assert is_device_fault(RuntimeError("CUDA error: an illegal memory access was "
+                                        "encountered"))
+    assert not is_device_fault(torch.cuda.OutOfMemoryError("CUDA out of memory"))
+    assert not is_device_fault(ValueError("bad"))
+    llm = make_llm(model_dirs["llama"])
+    core = llm.engine_core.core
+    runner = core.executor.runner
+
+    def fault(_):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(runner, "execute_model", fault)
+    core.add_request(request("x", [1, 2, 3]))
+    with pytest.raises(RuntimeError, match="device-side assert") as info:
+        core.step()
+    assert not isinstance(info.value, StepFailed)
+    monkeypatch.undo()
+    core.abort_requests(["x"])
+    core.step()
+
+
+# --- ids ----------------------------------------------------------------------------------
+
+def test_user_ids_never_collide_with_the_children_of_another_request(model_dirs):
+    """Finding 8: in AsyncLLM a user id "0_r1" collided with the first child of an n=2
+    request "r1", which then never finished; the error leaked the scoped id "0:0_r1"."""
+    engine = AsyncLLM(str(model_dirs["llama"]), kv_cache_memory_bytes=int(KV))
+
+    async def collect(prompt, params, request_id):
+        return [o async for o in engine.generate(prompt, params, request_id)][-1]
+
+    async def run():
+        two = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=8)
+        return await asyncio.wait_for(asyncio.gather(
+            collect("x", two, "r1"), collect("y", GREEDY, "0_r1"),
+            collect("z", GREEDY, "1_r1"), collect("w", GREEDY, "r1-0")), 60)
+
+    async def duplicate():
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        first = engine.generate("x", long, "dup")
+        await first.__anext__()
+        with pytest.raises(ValueError) as info:
+            await engine.generate("y", long, "dup").__anext__()
+        await first.aclose()
+        return str(info.value)
+
+    try:
+        results = asyncio.run(run())
+        message = asyncio.run(duplicate())
+    finally:
+        engine.shutdown()
+    assert [r.request_id for r in results] == ["r1", "0_r1", "1_r1", "r1-0"]
+    assert len(results[0].outputs) == 2 and all(r.finished for r in results)
+    assert message == "request id 'dup' is already in use"
+
+
+# --- shutdown and leftovers ---------------------------------------------------------------
+
+def test_sigterm_drains_for_at_most_the_shutdown_timeout(model_dirs, engine_at):
+    """Finding 9: SIGTERM waited for every stream with no bound. The engine core now
+    finishes what runs for up to --shutdown-timeout seconds, then aborts and exits 0."""
+    engine, address = engine_at("llama", None, "--shutdown-timeout", "1")
+    llm = LLM(str(model_dirs["llama"]), engine_address=address)
+    try:
+        processed = llm.processor.process_inputs(
+            "endless", "x", SamplingParams(max_tokens=1900, ignore_eos=True, temperature=0))
+        llm.output_processor.add_request(processed)
+        llm.engine_core.add_request(processed.engine_requests[0])
+        while llm.get_stats().num_running_reqs == 0:
+            time.sleep(0.02)
+        signalled = time.monotonic()
+        engine.send_signal(signal.SIGTERM)
+        assert engine.wait(15) == 0
+        assert time.monotonic() - signalled < 6
+        with pytest.raises(EngineDeadError, match="shut down"):
+            llm._run(["endless"], use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_sigterm_lets_a_short_request_finish(model_dirs, engine_at, hf_reference):
+    engine, address = engine_at("llama", None, "--shutdown-timeout", "30")
+    llm = LLM(str(model_dirs["llama"]), engine_address=address)
+    try:
+        params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
+        processed = llm.processor.process_inputs("short", PROMPTS[1], params)
+        llm.output_processor.add_request(processed)
+        llm.engine_core.add_request(processed.engine_requests[0])
+        while llm.get_stats().num_running_reqs == 0:
+            time.sleep(0.01)
+        engine.send_signal(signal.SIGTERM)
+        (out,) = llm._run(["short"], use_tqdm=False)
+        assert out.outputs[0].token_ids == hf_reference(
+            "llama", llm.tokenizer.encode(PROMPTS[1]), 40)
+        assert engine.wait(15) == 0
+        with pytest.raises((EngineDeadError, RuntimeError)):  # then it is gone
+            llm.generate("more", GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_no_socket_directory_is_left_behind(model_dirs, tmp_path):
+    """Finding 9: /tmp/pagellm-* stayed behind after a SIGKILL."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from frontend import LLM
+        llm = LLM({str(model_dirs["llama"])!r}, kv_cache_memory_bytes={KV})
+        print(llm.engine_core.engine_process.pid, flush=True)
+        print(len(os.listdir({str(tmp_path)!r})), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT, env=env)
+    pid, entries_while_running = map(int, result.stdout.split()[:2])
+    assert entries_while_running == 0  # removed as soon as the sockets connected
+    deadline = time.monotonic() + 15
+    while _alive(pid):
+        assert time.monotonic() < deadline, "engine core orphaned"
+        time.sleep(0.05)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_engine_core_accepts_the_demo_model(tmp_path):
+    """Finding 9: `pagellm engine-core --model demo` was refused."""
+    address = f"ipc://{tmp_path}/demo-engine"
+    env = {**os.environ, "PAGELLM_CACHE_DIR": str(tmp_path / "cache")}
+    engine = subprocess.Popen([sys.executable, "-m", "frontend.cli", "engine-core", "--model",
+                               "demo", "--kv-cache-memory-bytes", "32MiB", "--address",
+                               address], cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "demo-engine").exists():
+            assert engine.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        client = RawEngineClient(address)
+        assert client.reply.info.model.endswith(tmp_path.joinpath("cache").name) or \
+            "cache" in client.reply.info.model
+        client.send(RequestType.ADD, request("d", [5, 6, 7]))
+        assert client.finished("d").finish_reason == FinishReason.LENGTH
+        client.close()
+    finally:
+        assert stop(engine) == 0
+    assert not list(tmp_path.glob("demo-engine*"))  # socket files removed on exit
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
