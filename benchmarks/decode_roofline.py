@@ -50,9 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch
 from kernel_bench import environment, measure_copy_bandwidth, parse_with_defaults
 
-from frontend import LLM, SamplingParams
-from frontend.llm import resolve_model
-from protocol.engine_args import EngineArgs
+from pagellm import LLM, SamplingParams
+from pagellm.frontend.llm import resolve_model
+from pagellm.protocol.engine_args import EngineArgs
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_PCT_OF_ROOFLINE = 75.0

@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from executor.demo_model import ModelSpec, make_model
-from frontend import AsyncLLM, RequestOutputKind, SamplingParams
-from protocol.stats import EngineStats
+from pagellm import AsyncLLM, RequestOutputKind, SamplingParams
+from pagellm.executor.demo_model import ModelSpec, make_model
+from pagellm.protocol.stats import EngineStats
 
 TINY = ModelSpec(arch="llama", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                  intermediate_size=64, vocab_size=512, max_position_embeddings=2048)

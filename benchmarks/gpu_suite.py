@@ -57,8 +57,8 @@ import kernel_bench
 import torch
 from throughput import make_workload, run_pagellm, run_transformers
 
-from frontend.llm import resolve_model
-from protocol.engine_args import EngineArgs
+from pagellm.frontend.llm import resolve_model
+from pagellm.protocol.engine_args import EngineArgs
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

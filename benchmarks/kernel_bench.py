@@ -183,8 +183,8 @@ def gather_contiguous(kv_cache: torch.Tensor, block_tables: torch.Tensor, contex
 
 def run_case(ns: argparse.Namespace, batch: int, context: int, device: torch.device,
              dtype: torch.dtype, num_sms: int, copy_gbps: float, gqa: bool) -> dict[str, Any]:
-    from executor.attention import num_kv_segments
-    from kernels.triton_attention import paged_attention
+    from pagellm.executor.attention import num_kv_segments
+    from pagellm.kernels.triton_attention import paged_attention
 
     generator = torch.Generator(device=device).manual_seed(ns.seed + batch * 100003 + context)
     case = make_case(batch, context, ns.num_heads, ns.num_kv_heads, ns.head_dim,
@@ -281,15 +281,15 @@ def select_device(smoke: bool) -> torch.device:
     import). A smoke run in a process that already compiled the kernels for a GPU (a test
     session on a GPU machine) runs its tiny shapes on that GPU."""
     if smoke:
-        if "kernels.triton_attention" not in sys.modules and not torch.cuda.is_available():
+        if "pagellm.kernels.triton_attention" not in sys.modules and not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"
-        from kernels.triton_attention import interpreting
+        from pagellm.kernels.triton_attention import interpreting
 
         if interpreting():
             return torch.device("cpu")
     if not torch.cuda.is_available():
         raise SystemExit("kernel_bench needs CUDA, or --smoke with TRITON_INTERPRET=1 "
-                         "set before kernels.triton_attention is imported")
+                         "set before pagellm.kernels.triton_attention is imported")
     return torch.device("cuda")
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from frontend import AsyncLLM, RequestOutputKind, SamplingParams
-from frontend.llm import resolve_model
-from protocol.engine_args import EngineArgs
+from pagellm import AsyncLLM, RequestOutputKind, SamplingParams
+from pagellm.frontend.llm import resolve_model
+from pagellm.protocol.engine_args import EngineArgs
 
 
 async def serve(engine: AsyncLLM, prompts: list[list[int]], output_len: int

@@ -267,7 +267,7 @@ def launched_server(model: str, serve_args: str, timeout: float) -> Iterator[str
     if any(a in ("--port", "--host") or a.startswith(("--port=", "--host=")) for a in extra):
         raise SystemExit("--serve picks the host and port itself: drop them from --serve-args")
     port = _free_port()
-    cmd = [sys.executable, "-m", "frontend.cli", "serve", model, "--port", str(port), *extra]
+    cmd = [sys.executable, "-m", "pagellm", "serve", model, "--port", str(port), *extra]
     log_fd, log_name = tempfile.mkstemp(prefix="serve_bench-", suffix=".log")
     log = Path(log_name)
     print(f"starting: {shlex.join(cmd)} (log: {log})", file=sys.stderr)

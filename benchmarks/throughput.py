@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch
 
-from frontend import LLM, SamplingParams
-from frontend.llm import resolve_model
-from protocol.engine_args import EngineArgs
+from pagellm import LLM, SamplingParams
+from pagellm.frontend.llm import resolve_model
+from pagellm.protocol.engine_args import EngineArgs
 
 
 @dataclass

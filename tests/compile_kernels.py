@@ -31,7 +31,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_attention as ta
+from pagellm.kernels import triton_attention as ta
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
           torch.int32: "i32", torch.int64: "i64"}

@@ -22,7 +22,7 @@ import psutil
 import pytest
 from helpers import free_port, start_engine, stop
 
-from executor.demo_model import ModelSpec, make_model
+from pagellm.executor.demo_model import ModelSpec, make_model
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -128,7 +128,7 @@ def engine_at(model_dirs):
     started: list[subprocess.Popen] = []
 
     def start(name: str = "llama", address: str | None = None, *extra: str,
-              module: str = "enginecore") -> tuple[subprocess.Popen, str]:
+              module: str = "pagellm.enginecore") -> tuple[subprocess.Popen, str]:
         address = address or f"tcp://127.0.0.1:{free_port()}"
         engine = start_engine(model_dirs[name], address, *extra, module=module)
         started.append(engine)
@@ -143,7 +143,7 @@ def engine_at(model_dirs):
 def make_llm() -> Iterator[Callable[..., Any]]:
     """Create LLMs (in-process engine core unless multiprocess=True is passed); on
     teardown assert that none leaked a block, then shut them down."""
-    from frontend import LLM
+    from pagellm import LLM
 
     created: list[Any] = []
 

@@ -32,8 +32,8 @@ def free_port() -> int:
 
 
 def start_engine(model_dir: Path, address: str, *extra: str,
-                 module: str = "enginecore") -> subprocess.Popen:
-    cmd = [sys.executable, "-m", module] + (["engine-core"] if module != "enginecore" else [])
+                 module: str = "pagellm.enginecore") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", module] + (["engine-core"] if module == "pagellm" else [])
     return subprocess.Popen([*cmd, "--model", str(model_dir), "--kv-cache-memory-bytes", KV,
                              "--address", address, *extra], cwd=ROOT)
 
@@ -62,7 +62,7 @@ class Server:
         env = {**os.environ, "PAGELLM_LOG_LEVEL": "WARNING"}
         self.log = None if log is None else open(log, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "frontend.cli", "serve", str(model_dir), "--port",
+            [sys.executable, "-m", "pagellm", "serve", str(model_dir), "--port",
              str(self.port), "--served-model-name", NAME, "--kv-cache-memory-bytes", "8MiB",
              *flags], cwd=ROOT, env=env, stderr=self.log)
         deadline = time.monotonic() + 120
@@ -122,7 +122,7 @@ class Server:
 
     def engine_pid(self) -> int:
         children = psutil.Process(self.proc.pid).children(recursive=True)
-        return next(c.pid for c in children if "enginecore" in " ".join(c.cmdline()))
+        return next(c.pid for c in children if "pagellm.enginecore" in " ".join(c.cmdline()))
 
 
 class RawEngineClient:
@@ -161,7 +161,7 @@ class RawEngineClient:
 
     def outputs_until(self, done: Callable[[Any], bool], timeout: float = 30.0) -> list[Any]:
         """Every EngineCoreOutput received until `done(output)` is true for one."""
-        from protocol.messages import EngineCoreOutputs
+        from pagellm.protocol.messages import EngineCoreOutputs
 
         assert self.output is not None
         got: list[Any] = []
@@ -190,7 +190,12 @@ class RawEngineClient:
 
 def raw_hello(dealer: Any) -> Any:
     """Send HELLO on a DEALER connected to an engine core; its HandshakeReply."""
-    from protocol.messages import PROTOCOL_VERSION, HandshakeReply, HandshakeRequest, RequestType
+    from pagellm.protocol.messages import (
+        PROTOCOL_VERSION,
+        HandshakeReply,
+        HandshakeRequest,
+        RequestType,
+    )
 
     dealer.send_multipart([RequestType.HELLO.value,
                            msgspec.msgpack.encode(HandshakeRequest(PROTOCOL_VERSION))])

@@ -64,7 +64,7 @@ def test_kernel_bench_split_kv_matches_sdpa_and_skips_over_budget(tmp_path):
 
 
 def test_kernel_bench_reports_no_speed_for_a_wrong_kernel(tmp_path, monkeypatch):
-    from kernels import triton_attention
+    from pagellm.kernels import triton_attention
 
     real = triton_attention.paged_attention
 

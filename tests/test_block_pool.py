@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from enginecore.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from enginecore.kv_cache_manager import KVCacheManager
-from enginecore.request import Request
-from protocol.sampling_params import SamplingParams
+from pagellm.enginecore.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from pagellm.enginecore.kv_cache_manager import KVCacheManager
+from pagellm.enginecore.request import Request
+from pagellm.protocol.sampling_params import SamplingParams
 
 
 def make_blocks(n: int) -> list[KVCacheBlock]:

@@ -11,7 +11,7 @@ import pytest
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "frontend.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pagellm", *args], capture_output=True,
                           text=True, timeout=300, env={**os.environ, **(env or {})})
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from conftest import PROMPTS
 
-from frontend import SamplingParams
-from protocol.messages import EngineCoreOutput
+from pagellm import SamplingParams
+from pagellm.protocol.messages import EngineCoreOutput
 
 MAX_TOKENS = 40
 
@@ -48,7 +48,7 @@ def test_greedy_matches_with_staggered_arrivals(name, model_dirs, hf_reference, 
     while pending or core.has_work():
         if pending and step % 3 == 0:  # one new request every third step
             i, ids = pending.pop(0)
-            request = llm.processor.process_inputs(f"r{i}", {"prompt_token_ids": ids},
+            request = llm.input_processor.process_inputs(f"r{i}", {"prompt_token_ids": ids},
                                                    params).engine_requests[0]
             names[request.request_id] = f"r{i}"
             core.add_request(request)

@@ -1,4 +1,4 @@
-"""Tests for executor.demo_model: offline tokenizer training and random-weight HF models.
+"""Tests for pagellm.executor.demo_model: offline tokenizer training and random-weight HF models.
 
 The rest of the suite trusts these models as references (our engine vs transformers on
 the same weights), so these tests check what a reference needs: transformers loads them
@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from executor import demo_model
-from executor.demo_model import (
+from pagellm.executor import demo_model
+from pagellm.executor.demo_model import (
     DEMO_SPEC,
     DEMO_VERSION,
     ModelSpec,
@@ -408,7 +408,7 @@ def test_demo_model_dir_lost_race_keeps_winner(
 def test_module_import_is_cheap() -> None:
     """The CLI must not pull in torch / transformers just by importing this module."""
     code = (
-        "import sys, executor.demo_model\n"
+        "import sys, pagellm.executor.demo_model\n"
         "heavy = {'torch', 'transformers', 'tokenizers'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
     )

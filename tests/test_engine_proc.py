@@ -17,9 +17,9 @@ import psutil
 import pytest
 from conftest import PROMPTS
 
-from frontend import LLM, AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
-from frontend.output_processor import ProcessedRequest
-from protocol.messages import EngineCoreRequest
+from pagellm import LLM, AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
+from pagellm.frontend.output_processor import ProcessedRequest
+from pagellm.protocol.messages import EngineCoreRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 KV = 8 * 2**20
@@ -244,7 +244,7 @@ def test_sigkill_fails_a_blocked_llm_generate_within_a_second(model_dirs):
 
 FAULTY_ENGINE = textwrap.dedent("""
     import sys
-    from enginecore.core import EngineCore
+    from pagellm.enginecore.core import EngineCore
 
     real_step = EngineCore.step
     calls = 0
@@ -257,7 +257,7 @@ FAULTY_ENGINE = textwrap.dedent("""
         return real_step(self)
 
     EngineCore.step = faulty_step
-    from enginecore.__main__ import main
+    from pagellm.enginecore.__main__ import main
     sys.exit(main(sys.argv[1:]))
 """)
 
@@ -346,7 +346,7 @@ def test_shutdown_and_context_manager_leave_no_process(model_dirs):
 def test_frontend_exit_leaves_no_orphan(model_dirs, exit_how):
     script = textwrap.dedent(f"""
         import os, signal, sys
-        from frontend import LLM
+        from pagellm import LLM
         llm = LLM({str(model_dirs["llama"])!r}, kv_cache_memory_bytes={KV})
         print(llm.engine_core.engine_process.pid, flush=True)
         if {exit_how!r} == "sigkill":

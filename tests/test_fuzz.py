@@ -17,8 +17,8 @@ from helpers import NAME, RawEngineClient, Server, free_port, start_engine, stop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from frontend import LLM, SamplingParams
-from protocol.messages import EngineCoreRequest, RequestType
+from pagellm import LLM, SamplingParams
+from pagellm.protocol.messages import EngineCoreRequest, RequestType
 
 FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import PROMPTS
 
-from frontend import SamplingParams
+from pagellm import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

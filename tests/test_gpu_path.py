@@ -14,13 +14,13 @@ import pytest
 import torch
 from conftest import PROMPTS
 
-from executor.attention import num_kv_segments
-from executor.cuda_graphs import DecodeGraphs, capture_sizes
-from executor.executor import cuda_kv_cache_budget
-from executor.step_buffers import StepBuffers
-from frontend import SamplingParams
-from kernels import reference
-from kernels import triton_attention as tk
+from pagellm import SamplingParams
+from pagellm.executor.attention import num_kv_segments
+from pagellm.executor.cuda_graphs import DecodeGraphs, capture_sizes
+from pagellm.executor.executor import cuda_kv_cache_budget
+from pagellm.executor.step_buffers import StepBuffers
+from pagellm.kernels import reference
+from pagellm.kernels import triton_attention as tk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -132,7 +132,7 @@ def test_profile_run_leaves_no_trace(model_dirs, hf_reference, make_llm):
 
 
 def test_enforce_eager_is_an_engine_option(make_llm, model_dirs):
-    from protocol.engine_args import EngineArgs
+    from pagellm.protocol.engine_args import EngineArgs
 
     assert EngineArgs(model="demo", enforce_eager=True).enforce_eager
     assert "--enforce-eager" in EngineArgs(model="demo", enforce_eager=True).to_cli_args()

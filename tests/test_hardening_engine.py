@@ -21,8 +21,8 @@ import zmq
 from conftest import PROMPTS, assert_no_leaks
 from helpers import KV, ROOT, RawEngineClient, free_port, raw_hello, stop
 
-from frontend import LLM, AsyncLLM, EngineDeadError, SamplingParams
-from protocol.messages import (
+from pagellm import LLM, AsyncLLM, EngineDeadError, SamplingParams
+from pagellm.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
@@ -30,18 +30,18 @@ from protocol.messages import (
     UtilityMethod,
     UtilityRequest,
 )
-from protocol.validation import FLOAT32_MAX, INT32_MAX, INT64_MAX, INT64_MIN
+from pagellm.protocol.validation import FLOAT32_MAX, INT32_MAX, INT64_MAX, INT64_MIN
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 # An engine core with small limits, so that the limits can be reached in a test.
 TIGHT_ENGINE = textwrap.dedent("""
     import sys
-    import enginecore.proc as proc
+    import pagellm.enginecore.proc as proc
     proc.CONNECT_GRACE_S = 1.0
     proc.OUTPUT_HWM = 20
     proc.MAX_CLIENTS = 8
-    from enginecore.__main__ import main
+    from pagellm.enginecore.__main__ import main
     sys.exit(main(sys.argv[1:]))
 """)
 
@@ -111,7 +111,7 @@ def test_every_sampling_float_is_finite_and_bounded(name, value):
 
 def test_token_id_lists_and_biases_are_bounded():
     for kwargs in ({"stop_token_ids": [2**40]}, {"allowed_token_ids": [2**31]},
-                   {"logit_bias": {2**31: 1.0}}, {"bad_words_token_ids": [[1, 2**63]]}):
+                   {"logit_bias": {2**31: 1.0}}):
         with pytest.raises(ValueError, match="must be <= 2147483647"):
             SamplingParams(**kwargs)
 
@@ -171,7 +171,7 @@ def test_a_prompt_too_long_for_the_model_is_refused_before_it_is_tokenized(
     llm = make_llm(model_dirs["llama"])
     calls = []
     monkeypatch.setattr(llm.tokenizer, "encode", lambda *a, **k: calls.append(a) or [1])
-    too_long = "a" * (llm.processor.max_prompt_chars + 1)
+    too_long = "a" * (llm.input_processor.max_prompt_chars + 1)
     with pytest.raises(ValueError, match=r"characters: more than max_model_len"):
         llm.generate(too_long, GREEDY, use_tqdm=False)
     assert calls == []
@@ -217,7 +217,11 @@ def test_foreign_requests_the_engine_cannot_serve_fail_alone(tight_engine, attac
             "stop-ids": request("stop-ids", [5], stop_token_ids=[vocab + 1]),
             "logprobs": request("logprobs", [5], logprobs=1000),
             "empty": request("empty", []),
+            "bad-words": request("bad-words", [5]),
+            "bad-words-empty": request("bad-words-empty", [5]),
         }
+        bad["bad-words"].bad_words_token_ids = [[1, 2**40]]
+        bad["bad-words-empty"].bad_words_token_ids = [[]]
         bad["nan"] = request("nan", [5])
         bad["nan"].arrival_time = float("nan")
         for r in bad.values():
@@ -237,6 +241,8 @@ def test_foreign_requests_the_engine_cannot_serve_fail_alone(tight_engine, attac
         assert "max_model_len" in errors["long"] and "max_logprobs" in errors["logprobs"]
         assert "arrival_time" in errors["nan"] and "must not be empty" in errors["empty"]
         assert "top_k" in errors["top-k"]
+        assert "outside the vocabulary" in errors["bad-words"]
+        assert "must not be empty" in errors["bad-words-empty"]
         client.send(RequestType.ADD, request("good", [5, 6, 7]))
         assert client.finished("good").finish_reason == FinishReason.LENGTH
     finally:
@@ -324,7 +330,7 @@ def test_identity_comes_from_the_connection(tight_engine, attached):
     index. Now a BYE or an ABORT acts only on the sender's own connection."""
     _, address = tight_engine
     llm, reference = attached
-    victim = llm.processor.process_inputs("victim", "a long one",
+    victim = llm.input_processor.process_inputs("victim", "a long one",
                                           SamplingParams(max_tokens=300, ignore_eos=True,
                                                          temperature=0.0))
     victim_id = victim.engine_requests[0].request_id
@@ -372,7 +378,7 @@ def test_a_client_that_stops_reading_is_dropped_and_its_requests_aborted(tight_e
 
 DYING_INPUT_THREAD = textwrap.dedent("""
     import sys
-    import enginecore.proc as proc
+    import pagellm.enginecore.proc as proc
 
     real = proc.EngineCoreProc._on_message
     seen = 0
@@ -385,7 +391,7 @@ DYING_INPUT_THREAD = textwrap.dedent("""
         return real(self, frames, decoders)
 
     proc.EngineCoreProc._on_message = flaky
-    from enginecore.__main__ import main
+    from pagellm.enginecore.__main__ import main
     sys.exit(main(sys.argv[1:]))
 """)
 
@@ -414,7 +420,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(model_dirs, mak
     """The safety net under validation: an exception inside the step fails the step's
     requests (an error output each) and the engine serves the next ones correctly;
     blocks computed in the failed step are not reused from the prefix cache."""
-    from executor.input_batch import InputBatch
+    from pagellm.executor.input_batch import InputBatch
 
     llm = make_llm(model_dirs["llama"])
     real = InputBatch._set_sampling
@@ -439,7 +445,7 @@ def test_device_faults_are_fatal_and_other_failures_are_not(model_dirs, make_llm
                                                            monkeypatch):
     import torch
 
-    from executor.executor import StepFailed, is_device_fault
+    from pagellm.executor.executor import StepFailed, is_device_fault
 
     assert is_device_fault(RuntimeError("CUDA error: an illegal memory access was "
                                         "encountered"))
@@ -505,7 +511,7 @@ def test_sigterm_drains_for_at_most_the_shutdown_timeout(model_dirs, engine_at):
     engine, address = engine_at("llama", None, "--shutdown-timeout", "1")
     llm = LLM(str(model_dirs["llama"]), engine_address=address)
     try:
-        processed = llm.processor.process_inputs(
+        processed = llm.input_processor.process_inputs(
             "endless", "x", SamplingParams(max_tokens=1900, ignore_eos=True, temperature=0))
         llm.output_processor.add_request(processed)
         llm.engine_core.add_request(processed.engine_requests[0])
@@ -526,7 +532,7 @@ def test_sigterm_lets_a_short_request_finish(model_dirs, engine_at, hf_reference
     llm = LLM(str(model_dirs["llama"]), engine_address=address)
     try:
         params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
-        processed = llm.processor.process_inputs("short", PROMPTS[1], params)
+        processed = llm.input_processor.process_inputs("short", PROMPTS[1], params)
         llm.output_processor.add_request(processed)
         llm.engine_core.add_request(processed.engine_requests[0])
         while llm.get_stats().num_running_reqs == 0:
@@ -546,7 +552,7 @@ def test_no_socket_directory_is_left_behind(model_dirs, tmp_path):
     """Finding 9: /tmp/pagellm-* stayed behind after a SIGKILL."""
     script = textwrap.dedent(f"""
         import os, signal, sys
-        from frontend import LLM
+        from pagellm import LLM
         llm = LLM({str(model_dirs["llama"])!r}, kv_cache_memory_bytes={KV})
         print(llm.engine_core.engine_process.pid, flush=True)
         print(len(os.listdir({str(tmp_path)!r})), flush=True)
@@ -568,7 +574,7 @@ def test_engine_core_accepts_the_demo_model(tmp_path):
     """Finding 9: `pagellm engine-core --model demo` was refused."""
     address = f"ipc://{tmp_path}/demo-engine"
     env = {**os.environ, "PAGELLM_CACHE_DIR": str(tmp_path / "cache")}
-    engine = subprocess.Popen([sys.executable, "-m", "frontend.cli", "engine-core", "--model",
+    engine = subprocess.Popen([sys.executable, "-m", "pagellm", "engine-core", "--model",
                                "demo", "--kv-cache-memory-bytes", "32MiB", "--address",
                                address], cwd=ROOT, env=env)
     try:

@@ -165,7 +165,7 @@ def test_the_connection_guard_closes_slow_headers_and_refuses_only_when_all_are_
     """GuardedH11Protocol on its own, with a short header timeout."""
     import uvicorn
 
-    from frontend.server.connections import ConnectionLimits, GuardedH11Protocol
+    from pagellm.frontend.server.connections import ConnectionLimits, GuardedH11Protocol
 
     release = threading.Event()
 
@@ -247,7 +247,7 @@ def _get(port: int, path: str) -> int:
 def test_a_body_that_never_arrives_times_out(monkeypatch):
     from fastapi import Request
 
-    from frontend.server import app as server_app
+    from pagellm.frontend.server import app as server_app
 
     monkeypatch.setattr(server_app, "BODY_TIMEOUT_S", 0.2)
 

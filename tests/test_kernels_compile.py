@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import triton
 
-from kernels.triton_attention import SUPPORTED_HEAD_SIZES
+from pagellm.kernels.triton_attention import SUPPORTED_HEAD_SIZES
 
 SCRIPT = Path(__file__).with_name("compile_kernels.py")
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"

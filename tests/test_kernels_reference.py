@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.reference import paged_attention, write_kv_cache
+from pagellm.kernels.reference import paged_attention, write_kv_cache
 
 NUM_KV_HEADS = 2
 SENTINEL = -7.25  # exactly representable in every dtype tested

@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from kernels import reference
-from kernels import triton_attention as tk
+from pagellm.kernels import reference
+from pagellm.kernels import triton_attention as tk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_KV_HEADS = 2

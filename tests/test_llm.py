@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from frontend import LLM, SamplingParams
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.output_processor import find_stop_string
+from pagellm import LLM, SamplingParams
+from pagellm.frontend.detokenizer import IncrementalDetokenizer
+from pagellm.frontend.output_processor import find_stop_string
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -78,7 +78,7 @@ def test_eos_stops_unless_ignored_and_not_before_min_tokens(llama):
     base = llama.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0]
     eos = base.token_ids[3]
     first = base.token_ids.index(eos)
-    llama.processor.eos_token_id = eos  # pretend the model's EOS is a token it emits
+    llama.input_processor.eos_token_id = eos  # pretend the model's EOS is a token it emits
     try:
         out = llama.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0]
         assert out.token_ids == base.token_ids[:first + 1]
@@ -95,14 +95,14 @@ def test_eos_stops_unless_ignored_and_not_before_min_tokens(llama):
         assert eos not in late.token_ids[:first + 2]
         assert late.token_ids[:first] == base.token_ids[:first]
     finally:
-        llama.processor.eos_token_id = llama.tokenizer.eos_token_id
+        llama.input_processor.eos_token_id = llama.tokenizer.eos_token_id
 
 
 def test_generation_config_eos_ids_become_stop_tokens(llama):
     # The test models' generation_config lists <|endoftext|> (0) and <|im_end|> (2).
-    request = llama.processor.process_inputs("x", "hi", SamplingParams()).engine_requests[0]
+    request = llama.input_processor.process_inputs("x", "hi", SamplingParams()).engine_requests[0]
     assert request.eos_token_id == 0 and request.sampling_params.stop_token_ids == [2]
-    request = llama.processor.process_inputs(
+    request = llama.input_processor.process_inputs(
         "y", "hi", SamplingParams(ignore_eos=True)).engine_requests[0]
     assert request.sampling_params.stop_token_ids is None
 
@@ -248,7 +248,7 @@ def test_skip_tokenizer_init_takes_token_ids_and_returns_no_text(model_dirs, mak
     out = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == with_text.outputs[0].token_ids and out.text == ""
     # EOS comes from generation_config.json alone: <|endoftext|> (0), then <|im_end|> (2).
-    request = llm.processor.process_inputs("x", {"prompt_token_ids": ids},
+    request = llm.input_processor.process_inputs("x", {"prompt_token_ids": ids},
                                            GREEDY).engine_requests[0]
     assert request.eos_token_id == 0 and request.sampling_params.stop_token_ids == [2]
     with pytest.raises(ValueError, match="skip_tokenizer_init"):
@@ -263,7 +263,7 @@ def test_llm_signature_lists_every_engine_option():
     import dataclasses
     import inspect
 
-    from protocol.engine_args import EngineArgs
+    from pagellm.protocol.engine_args import EngineArgs
 
     params = inspect.signature(LLM).parameters
     for f in dataclasses.fields(EngineArgs):

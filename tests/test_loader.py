@@ -23,12 +23,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from executor.attention import AttentionMetadata, TorchAttention
-from executor.config import ModelConfig, resolve_model_config
-from executor.demo_model import ModelSpec, make_model
-from executor.loader import load_model
-from executor.models.decoder import DecoderForCausalLM
-from protocol.engine_args import EngineArgs
+from pagellm.executor.attention import AttentionMetadata, TorchAttention
+from pagellm.executor.config import ModelConfig, resolve_model_config
+from pagellm.executor.demo_model import ModelSpec, make_model
+from pagellm.executor.loader import load_model
+from pagellm.executor.models.decoder import DecoderForCausalLM
+from pagellm.protocol.engine_args import EngineArgs
 
 CPU = torch.device("cpu")
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")

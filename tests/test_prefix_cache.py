@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from enginecore.block_hash import extend_block_hashes, hash_block
-from enginecore.kv_cache_manager import KVCacheManager
-from enginecore.request import Request
-from enginecore.scheduler import Scheduler, SchedulerConfig
-from protocol.messages import FinishReason
-from protocol.sampling_params import SamplingParams
-from protocol.scheduling import ModelRunnerOutput, SchedulerOutput
+from pagellm.enginecore.block_hash import extend_block_hashes, hash_block
+from pagellm.enginecore.kv_cache_manager import KVCacheManager
+from pagellm.enginecore.request import Request
+from pagellm.enginecore.scheduler import Scheduler, SchedulerConfig
+from pagellm.protocol.messages import FinishReason
+from pagellm.protocol.sampling_params import SamplingParams
+from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 
 BS = 4
 
@@ -29,7 +29,7 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 4, priority: int
 def make_scheduler(num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 16,
                    caching: bool = True, policy: str = "fcfs", threshold: int = 0
                    ) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, 512, threshold, policy),
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, threshold, policy),
                      KVCacheManager(num_blocks, BS, caching))
 
 

@@ -10,7 +10,7 @@ import math
 import msgspec
 import pytest
 
-from protocol import (
+from pagellm.protocol import (
     CachedRequestData,
     EngineArgs,
     EngineCoreOutput,
@@ -27,7 +27,7 @@ from protocol import (
     SchedulerOutput,
     StepTimings,
 )
-from protocol.messages import (
+from pagellm.protocol.messages import (
     EngineInfo,
     HandshakeReply,
     HandshakeRequest,
@@ -37,7 +37,7 @@ from protocol.messages import (
     UtilityOutput,
     UtilityRequest,
 )
-from protocol.scheduling import PromptLogprobsChunk
+from pagellm.protocol.scheduling import PromptLogprobsChunk
 
 # --- SamplingParams -----------------------------------------------------------------
 
@@ -101,11 +101,12 @@ PARAMS = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=3, max_tokens=
                         frequency_penalty=-0.5, repetition_penalty=1.2,
                         logit_bias={7: -2.5}, allowed_token_ids=[1, 7], bad_words=["no"],
                         logprobs=3, prompt_logprobs=0, detokenize=True,
-                        truncate_prompt_tokens=8, bad_words_token_ids=[[3, 4]])
+                        truncate_prompt_tokens=8)
 
 MESSAGES = [
     PARAMS,
-    EngineCoreRequest("r1", [1, 2, 3], PARAMS, 0, 123.5, priority=2),
+    EngineCoreRequest("r1", [1, 2, 3], PARAMS, 0, 123.5, priority=2,
+                      bad_words_token_ids=[[3, 4], [9]]),
     EngineCoreOutput("r1", [7], FinishReason.STOP, stop_reason=5),
     EngineCoreOutput("r2", [], FinishReason.ERROR, error="bad request"),
     EngineCoreOutputs([EngineCoreOutput("r1", [7, 8]), EngineCoreOutput("r2", [9])], 4.25),

@@ -24,8 +24,8 @@ from transformers import AutoConfig, LlamaConfig, Qwen2Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from executor.models.decoder import DecoderSpec
-from executor.models.rope import RopeSpec, RotaryEmbedding, apply_rotary, compute_inv_freq
+from pagellm.executor.models.decoder import DecoderSpec
+from pagellm.executor.models.rope import RopeSpec, RotaryEmbedding, apply_rotary, compute_inv_freq
 
 NUM_HEADS = 4
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from executor.sampler import (
+from pagellm.executor.sampler import (
     Sampler,
     SamplingMetadata,
     apply_min_p,

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from executor.sampler import Penalties, apply_penalties
-from frontend import SamplingParams
+from pagellm import SamplingParams
+from pagellm.executor.sampler import Penalties, apply_penalties
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 

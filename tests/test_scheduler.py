@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from enginecore.kv_cache_manager import KVCacheManager
-from enginecore.request import Request, RequestStatus
-from enginecore.scheduler import Scheduler, SchedulerConfig
-from protocol.messages import EngineCoreOutput, FinishReason
-from protocol.sampling_params import SamplingParams
-from protocol.scheduling import ModelRunnerOutput, SchedulerOutput
+from pagellm.enginecore.kv_cache_manager import KVCacheManager
+from pagellm.enginecore.request import Request, RequestStatus
+from pagellm.enginecore.scheduler import Scheduler, SchedulerConfig
+from pagellm.protocol.messages import EngineCoreOutput, FinishReason
+from pagellm.protocol.sampling_params import SamplingParams
+from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 
 EOS = 1000  # outside next_token's range [0, 1000): only scripted tokens are EOS
 
@@ -43,11 +43,9 @@ def expected_outputs(prompt: Sequence[int], num_tokens: int) -> list[int]:
 
 
 def create_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 64,
-                     max_model_len: int = 256, num_blocks: int = 64,
-                     block_size: int = 4) -> Scheduler:
+                     num_blocks: int = 64, block_size: int = 4) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
-                                     max_num_batched_tokens=max_num_batched_tokens,
-                                     max_model_len=max_model_len),
+                                     max_num_batched_tokens=max_num_batched_tokens),
                      KVCacheManager(num_blocks, block_size))
 
 
@@ -162,7 +160,7 @@ def add(scheduler: Scheduler, requests: Sequence[Request]) -> None:
 
 def test_scheduler_config_rejects_non_positive_limits():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=0, max_model_len=8)
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=0)
 
 
 def test_nothing_to_schedule_gives_an_empty_output():
@@ -378,7 +376,6 @@ def test_preempted_request_restarts_from_zero_and_keeps_its_outputs():
     assert r2.status == RequestStatus.PREEMPTED
     assert r2.num_computed_tokens == 0
     assert r2.output_token_ids == outputs_before == expected_outputs(r2.prompt_token_ids, 1)
-    assert r2.num_preemptions == 1
     assert scheduler.num_preemptions == 1
     assert scheduler.kv_cache_manager.get_block_ids("r2") == []
 
@@ -411,8 +408,8 @@ def test_resumed_request_is_sent_as_new_request_data_with_its_outputs():
 
 def test_resumed_request_finishes_with_exactly_max_tokens_outputs():
     scheduler, runner, requests = _full_cache_scheduler(max_tokens=4)
-    run_to_completion(scheduler, runner)
-    assert [r.num_preemptions for r in requests] == [0, 0, 1]
+    steps = run_to_completion(scheduler, runner)
+    assert [r for so in steps for r in so.preempted_req_ids] == ["r2"]
     for request in requests:
         assert request.output_token_ids == expected_outputs(request.prompt_token_ids, 4)
         assert request.finish_reason == FinishReason.LENGTH
@@ -544,13 +541,6 @@ def test_eos_as_the_last_allowed_token_reports_stop_not_length():
     assert outputs[-1].finish_reason == FinishReason.STOP
 
 
-def test_reaching_max_model_len_finishes_with_length():
-    (request,) = create_requests(1, 7, max_tokens=100)
-    outputs = _run_one(request, [], max_model_len=10)
-    assert request.num_output_tokens == 3  # 7 + 3 = max_model_len
-    assert outputs[-1].finish_reason == FinishReason.LENGTH
-
-
 # -- finishing and aborting -----------------------------------------------------------------
 
 
@@ -677,7 +667,7 @@ def random_run(config: dict[str, int], seed: int, num_requests: int = 50) -> Tra
     rng = random.Random(seed)
     lens = [rng.randint(1, 60) for _ in range(num_requests)]
     maxes = [rng.randint(1, min(36, config["max_model_len"] - n)) for n in lens]
-    scheduler = create_scheduler(**config)
+    scheduler = create_scheduler(**{k: v for k, v in config.items() if k != "max_model_len"})
     trace = Trace(config, scheduler, create_requests(num_requests, lens, max_tokens=maxes))
     pending = list(trace.requests)
     runner = create_runner(scheduler)
@@ -766,7 +756,7 @@ def test_random_run_leaves_every_block_free_and_no_request_behind(trace):
 
 @pytest.mark.parametrize("module", ["block_pool", "kv_cache_manager", "request", "scheduler"])
 def test_scheduler_and_block_manager_modules_do_not_import_torch(module):
-    source = Path(__file__).resolve().parents[1] / "enginecore" / f"{module}.py"
+    source = Path(__file__).resolve().parents[1] / "pagellm" / "enginecore" / f"{module}.py"
     imported = set()
     for node in ast.walk(ast.parse(source.read_text())):
         if isinstance(node, ast.Import):

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from frontend import AsyncLLM, RequestOutputKind, SamplingParams
-from protocol import EngineCoreRequest
+from pagellm import AsyncLLM, RequestOutputKind, SamplingParams
+from pagellm.protocol import EngineCoreRequest
 
 SYSTEM = ("You are a careful assistant. Answer briefly, cite nothing, and never make up "
           "facts about schedulers, caches or blocks. ") * 2
@@ -116,7 +116,7 @@ def test_priorities_flow_from_generate(model_dirs, make_llm):
 
 
 def test_reset_prefix_cache_across_processes(model_dirs):
-    from frontend import LLM
+    from pagellm import LLM
 
     prompt = SYSTEM + QUESTIONS[2]
     with LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=8 * 2**20) as llm:

@@ -1,4 +1,4 @@
-"""A standalone engine core (`python -m enginecore`) that frontends attach to."""
+"""A standalone engine core (`python -m pagellm.enginecore`) that frontends attach to."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import zmq.auth
 from conftest import PROMPTS
 from helpers import ROOT, free_port, stop
 
-from frontend import LLM, EngineDeadError, SamplingParams
+from pagellm import LLM, EngineDeadError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
@@ -39,7 +39,7 @@ def test_attach_detach_attach_gives_the_same_tokens(engine_at, model_dirs, hf_re
 def test_a_frontend_that_leaves_mid_generation_frees_its_blocks(engine_at, model_dirs):
     _, address = engine_at()
     first = LLM(str(model_dirs["llama"]), engine_address=address)
-    request = first.processor.process_inputs(
+    request = first.input_processor.process_inputs(
         "left-behind", "x", SamplingParams(max_tokens=1500, ignore_eos=True))
     first.engine_core.add_request(request.engine_requests[0])
     first.shutdown()  # BYE: the engine aborts what this frontend left running
@@ -81,7 +81,7 @@ def test_engine_options_are_refused_when_attaching(engine_at, model_dirs):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signals_stop_the_engine_core_gracefully(engine_at, model_dirs, sig):
-    engine, address = engine_at(module="frontend.cli")  # `pagellm engine-core ...`
+    engine, address = engine_at(module="pagellm")  # `pagellm engine-core ...`
     with LLM(str(model_dirs["llama"]), engine_address=address) as llm:
         greedy_ids(llm, PROMPTS[:2])
         assert stop(engine, sig) == 0
@@ -104,9 +104,9 @@ def test_a_killed_engine_is_noticed_from_the_socket_within_a_second(engine_at, m
 
 def test_a_silently_hung_engine_is_noticed_by_its_heartbeat(engine_at, model_dirs,
                                                             monkeypatch):
-    import frontend.mp_client
+    import pagellm.frontend.mp_client
 
-    monkeypatch.setattr(frontend.mp_client, "HEARTBEAT_TIMEOUT_S", 1.5)
+    monkeypatch.setattr(pagellm.frontend.mp_client, "HEARTBEAT_TIMEOUT_S", 1.5)
     engine, address = engine_at()
     with LLM(str(model_dirs["llama"]), engine_address=address) as llm:
         greedy_ids(llm, PROMPTS[:1])
@@ -119,7 +119,7 @@ def test_a_silently_hung_engine_is_noticed_by_its_heartbeat(engine_at, model_dir
 
 
 def test_bad_arguments_exit_non_zero_with_a_message(model_dirs, tmp_path):
-    run = [sys.executable, "-m", "enginecore"]
+    run = [sys.executable, "-m", "pagellm.enginecore"]
     result = subprocess.run([*run, "--model", str(model_dirs["llama"])], capture_output=True,
                             text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 2 and "--address" in result.stderr
@@ -146,7 +146,7 @@ def keys(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_non_loopback_bind_needs_curve_keys(model_dirs):
-    result = subprocess.run([sys.executable, "-m", "enginecore", "--model",
+    result = subprocess.run([sys.executable, "-m", "pagellm.enginecore", "--model",
                              str(model_dirs["llama"]), "--address",
                              f"tcp://0.0.0.0:{free_port()}"],
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -175,7 +175,7 @@ def test_curve_admits_the_right_key_and_refuses_a_wrong_one(engine_at, model_dir
 
 def test_cli_help_documents_the_address(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "frontend.cli", "engine-core", "--help"],
+    result = subprocess.run([sys.executable, "-m", "pagellm", "engine-core", "--help"],
                             capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 0 and "--address" in result.stdout
     assert "--curve-secret-key" in result.stdout and "--max-model-len" in result.stdout
@@ -184,7 +184,7 @@ def test_cli_help_documents_the_address(tmp_path):
 def test_async_llm_attaches_beside_a_sync_frontend(engine_at, model_dirs, hf_reference):
     import asyncio
 
-    from frontend import AsyncLLM
+    from pagellm import AsyncLLM
 
     _, address = engine_at()
     engine = AsyncLLM(str(model_dirs["llama"]), engine_address=address)

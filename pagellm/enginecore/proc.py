@@ -1,0 +1,552 @@
+"""`EngineCoreProc`: the engine core as a process, served over ZeroMQ.
+
+    frontend(s)                                 engine-core process
+    DEALER ── HELLO / ADD / ABORT / ─────▶ ROUTER  (the one address a supervisor
+              UTILITY / BYE                         configures): input thread — who sent
+                                                    it (the connection), decode ─▶ queue
+                                                busy loop (main thread): step ◀──────┘
+    PULL ◀─── EngineCoreOutputs ────────── PUSH    output thread: outputs by client,
+              (one PUSH per client)                 encode, send, heartbeats; watches
+                                                    each client's output connection
+
+Who a message comes from is the ROUTER's routing id of the connection it arrived on,
+assigned by ZeroMQ (never a field the client writes), so no client can act for
+another. A client is told its index and its own output endpoint in READY. Everything
+a client can make the engine hold is bounded: the number of clients (MAX_CLIENTS),
+the size of a message (MAX_MESSAGE_BYTES), the outputs queued for a client that stops
+reading (OUTPUT_HWM: it is dropped), and a client that never connects its output
+socket is dropped after CONNECT_GRACE_S. No pickle anywhere; a message that does not
+decode is logged (rate-limited) and dropped, and a request the engine cannot serve
+fails alone with an error output. An I/O thread that dies takes the engine down with
+a message to every client, never leaving a process that heartbeats but is deaf.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from pagellm.enginecore.core import EngineCore, RequestRejected
+from pagellm.enginecore.request import Request
+from pagellm.enginecore.transport import CurveServerKeys, SocketFactory, data_endpoint
+from pagellm.enginecore.transport import monitor as monitor_socket
+from pagellm.protocol.codec import MsgpackDecoder, MsgpackEncoder
+from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.messages import (
+    PROTOCOL_VERSION,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    HandshakeReply,
+    HandshakeRequest,
+    RequestType,
+    UtilityMethod,
+    UtilityOutput,
+    UtilityRequest,
+)
+from pagellm.protocol.utility import NUM_ARGS
+
+logger = logging.getLogger("pagellm")
+
+HEARTBEAT_INTERVAL_S = 0.5  # an idle client hears from the engine at least this often
+CONNECT_GRACE_S = 10.0  # a client must connect its output socket within this long
+MAX_CLIENTS = 64  # frontends attached at once
+MAX_MESSAGE_BYTES = 64 * 2**20  # larger messages: ZeroMQ drops the connection
+OUTPUT_HWM = 10_000  # outputs queued for one client before it counts as not reading
+_POLL_MS = 100  # how often the I/O threads check for shutdown
+_SIGNAL_CHECK_S = 0.2  # how often an idle busy loop lets signal handlers run
+_WATCH_S = 0.1  # how often the output thread looks at its clients' connections
+SHUTDOWN_GRACE_S = 15.0  # after this long in the final shutdown the process exits anyway
+
+
+class ShutdownRequested(BaseException):
+    """Raised in the main thread by a second SIGTERM / SIGINT: stop now (a
+    BaseException, so that no `except Exception` on the way swallows it)."""
+
+
+class EngineThreadDied(Exception):
+    """An I/O thread of the engine core died."""
+
+
+# Items for the busy loop (from the input thread) ------------------------------------
+@dataclass
+class _Add:
+    request: Request  # validated and hashed
+
+
+@dataclass
+class _Abort:
+    client: int
+    request_ids: list[str]
+
+
+@dataclass
+class _Utility:
+    client: int
+    request: UtilityRequest
+
+
+@dataclass
+class _ClientGone:
+    client: int
+
+
+@dataclass
+class _ThreadDied:
+    message: str
+
+
+# Items for the output thread ---------------------------------------------------------
+@dataclass
+class _Client:
+    """An attached frontend. Its sockets belong to the output thread once registered."""
+
+    index: int
+    identity: bytes  # the ROUTER routing id of its connection
+    socket: zmq.Socket  # PUSH: its outputs
+    monitor: zmq.Socket  # events of that socket
+    endpoint: str  # where that socket is bound
+    registered: float = field(default_factory=time.monotonic)
+    open_fds: set[int] = field(default_factory=set)  # its socket's open connections
+    handshakes: int = 0  # connections that completed the ZMTP (and CURVE) handshake
+    last_sent: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Register:
+    client: _Client
+
+
+@dataclass
+class _Unregister:
+    client: int
+
+
+@dataclass
+class _Send:
+    outputs: dict[int, EngineCoreOutputs]  # client index -> its outputs
+
+
+@dataclass
+class _Stop:
+    message: str  # the last word to every client (why the engine stopped)
+
+
+class EngineCoreProc:
+    def __init__(self, args: EngineArgs, address: str, curve: CurveServerKeys | None = None,
+                 lifeline_fd: int | None = None, shutdown_timeout: float = 0.0) -> None:
+        self.address = address
+        self.shutdown_timeout = shutdown_timeout
+        # Refuses unsafe binds before loading. A launched engine (it has a lifeline) owns
+        # its socket directory, the launching frontend's private one.
+        self.sockets = SocketFactory(address, curve, owns_directory=lifeline_fd is not None)
+        self.core = EngineCore(args)
+        self.frontends, _ = self.sockets.bind(zmq.ROUTER, address)
+        self.frontends.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone peer raises
+        self.frontends.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.input_queue: queue.Queue[Any] = queue.Queue()
+        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self._lock = threading.Lock()  # guards the two maps below
+        self._identities: dict[bytes, int] = {}  # connection -> client index
+        self._clients: dict[int, _Client] = {}
+        self._next_client = 0
+        self._accepting = threading.Event()  # cleared while draining for shutdown
+        self._accepting.set()
+        self._stopping = threading.Event()
+        self._stop_requested: float | None = None  # when the first SIGTERM/SIGINT came
+        self.encode_s = 0.0  # mean output encoding time, updated by the output thread
+        self._last_word_sent = False
+        self.threads = [self._thread(self._input_loop, "input"),
+                        self._thread(self._output_loop, "output")]
+        if lifeline_fd is not None:
+            self.threads.append(threading.Thread(target=_watch_lifeline, args=(lifeline_fd,),
+                                                 name="engine-lifeline", daemon=True))
+
+    # -- the busy loop ---------------------------------------------------------------
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (exit 0, after draining for up to
+        `shutdown_timeout` seconds) or a failure in the loop (exit 1)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        for thread in self.threads:
+            thread.start()
+        logger.info("engine core ready at %s", self.address)
+        code, message = 0, "engine core shut down"
+        try:
+            while not self._drained():
+                self._handle_inputs(block=not self.core.has_work())
+                if self.core.has_work():
+                    outputs = self.core.step()
+                    if outputs:
+                        self.output_queue.put(_Send(outputs))
+        except ShutdownRequested:
+            logger.info("engine core: stopping now (second signal)")
+        except Exception as e:  # the loop's failure is every client's EngineDeadError
+            code, message = 1, f"engine core failed: {type(e).__name__}: {e}"
+            logger.error("%s\n%s", message, traceback.format_exc())
+        self._shutdown(message)
+        return code
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._stop_requested is not None:
+            raise ShutdownRequested(signal.Signals(signum).name)
+        self._stop_requested = time.monotonic()
+        self._accepting.clear()  # new requests and frontends are refused from now on
+        logger.info("engine core: %s, draining for up to %.0f s", signal.Signals(signum).name,
+                    self.shutdown_timeout)
+
+    def _drained(self) -> bool:
+        """After a stop signal: True once nothing runs, or the drain time is up."""
+        if self._stop_requested is None:
+            return False
+        timed_out = time.monotonic() - self._stop_requested >= self.shutdown_timeout
+        if timed_out and self.core.scheduler.has_unfinished_requests():
+            logger.warning("engine core: shutdown timeout; aborting %d unfinished request(s)",
+                           len(self.core.scheduler.requests))
+        return timed_out or not self.core.has_work()
+
+    def _handle_inputs(self, block: bool) -> None:
+        item = None
+        while block and item is None and self._stop_requested is None:
+            # Wake now and then: a signal the kernel hands to another thread only runs
+            # its Python handler once the main thread runs bytecode again.
+            try:
+                item = self.input_queue.get(timeout=_SIGNAL_CHECK_S)
+            except queue.Empty:
+                continue
+        while True:
+            if item is not None:
+                self._handle(item)
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, _ThreadDied):
+            raise EngineThreadDied(item.message)
+        try:
+            if isinstance(item, _Add):
+                self.core.add_preprocessed(item.request)
+            elif isinstance(item, _Abort):
+                self.core.abort_requests(item.request_ids, item.client)
+            elif isinstance(item, _Utility):
+                self.output_queue.put(_Send({item.client: EngineCoreOutputs(
+                    timestamp=time.monotonic(), utility_output=self._call(item.request))}))
+            elif isinstance(item, _ClientGone):
+                self.core.abort_client(item.client)
+        except Exception as e:  # one client's message must not stop the engine
+            logger.exception("engine core: could not handle %s", type(item).__name__)
+            if isinstance(item, _Add):
+                self._error_to(item.request.client_index, item.request.request_id,
+                               f"{type(e).__name__}: {e}")
+
+    def _call(self, request: UtilityRequest) -> UtilityOutput:
+        expected = NUM_ARGS.get(request.method)
+        if expected is not None and len(request.args) != expected:
+            return UtilityOutput(request.call_id, failure=(
+                f"{request.method.name} takes {expected} argument(s), got {len(request.args)}"))
+        try:
+            if request.method == UtilityMethod.GET_STATS:
+                stats = self.core.get_stats()
+                stats.step_timings.output_encode_s = self.encode_s
+                return UtilityOutput(request.call_id, result=msgspec.msgpack.encode(stats))
+            if request.method == UtilityMethod.RESET_PREFIX_CACHE:
+                reset = self.core.reset_prefix_cache()
+                return UtilityOutput(request.call_id, result=msgspec.msgpack.encode(reset))
+            return UtilityOutput(request.call_id, failure=f"unknown method {request.method}")
+        except Exception as e:
+            return UtilityOutput(request.call_id, failure=f"{type(e).__name__}: {e}")
+
+    def _error_to(self, client: int, request_id: str, error: str) -> None:
+        """Fail one request that never reached the scheduler."""
+        self.output_queue.put(_Send({client: EngineCoreOutputs(
+            [EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error)],
+            time.monotonic())}))
+
+    def _shutdown(self, message: str) -> None:
+        # Whatever hangs below, a supervisor's SIGTERM must end the process.
+        watchdog = threading.Timer(SHUTDOWN_GRACE_S, os._exit, args=(1,))
+        watchdog.daemon = True
+        watchdog.start()
+        self._accepting.clear()
+        self._stopping.set()
+        self.output_queue.put(_Stop(message))
+        for thread in self.threads[:2]:
+            thread.join(timeout=5)
+        if not self.threads[1].is_alive() and not self._last_word_sent:
+            self._last_word(message)  # the output thread died: say it from here
+        self.core.shutdown()
+        self.sockets.close()
+
+    # -- input thread ----------------------------------------------------------------
+
+    def _thread(self, target: Callable[[], None], name: str) -> threading.Thread:
+        def run() -> None:
+            try:
+                target()
+            except BaseException as e:  # a dead I/O thread must take the engine down
+                message = f"engine core {name} thread failed: {type(e).__name__}: {e}"
+                logger.error("%s\n%s", message, traceback.format_exc())
+                self.input_queue.put(_ThreadDied(message))
+        return threading.Thread(target=run, name=f"engine-{name}", daemon=True)
+
+    def _input_loop(self) -> None:
+        decoders = {RequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+                    RequestType.ABORT: MsgpackDecoder(list[str]),
+                    RequestType.UTILITY: MsgpackDecoder(UtilityRequest),
+                    RequestType.HELLO: MsgpackDecoder(HandshakeRequest)}
+        while not self._stopping.is_set():
+            if not self.frontends.poll(_POLL_MS):
+                continue
+            frames = self.frontends.recv_multipart()
+            try:
+                self._on_message(frames, decoders)
+            except (msgspec.DecodeError, ValueError) as e:
+                logger.warning("engine core: dropped a malformed message: %s", e)
+            except Exception as e:  # no message may stop this thread
+                logger.exception("engine core: could not handle a message: %s", e)
+
+    def _on_message(self, frames: list[bytes], decoders: dict[RequestType, Any]) -> None:
+        if len(frames) != 3:
+            raise ValueError(f"expected a type frame and a payload, got {len(frames) - 1} "
+                             "frame(s)")
+        identity, kind, payload = frames[0], RequestType(frames[1]), frames[2]
+        with self._lock:
+            client = self._identities.get(identity)
+        if kind == RequestType.HELLO:
+            self._hello(identity, client, decoders[kind].decode(payload))
+            return
+        if client is None:
+            raise ValueError(f"{kind.name} from a connection that has not attached (HELLO)")
+        if kind == RequestType.BYE:
+            self._forget_client(client)
+            self.output_queue.put(_Unregister(client))
+        elif kind == RequestType.ADD:
+            self._add(client, payload, decoders[kind])
+        elif kind == RequestType.ABORT:
+            self.input_queue.put(_Abort(client, decoders[kind].decode(payload)))
+        else:
+            self.input_queue.put(_Utility(client, decoders[kind].decode(payload)))
+
+    def _add(self, client: int, payload: bytes, decoder: MsgpackDecoder[Any]) -> None:
+        try:
+            request = decoder.decode(payload)
+        except msgspec.ValidationError as e:  # e.g. a sampling value out of range
+            request_id = _request_id_of(payload)
+            if request_id is None:
+                raise
+            self._error_to(client, request_id, f"invalid request: {e}")
+            return
+        if not self._accepting.is_set():
+            self._error_to(client, request.request_id, "the engine core is shutting down")
+            return
+        try:
+            self.input_queue.put(_Add(self.core.preprocess(request, client)))
+        except RequestRejected as e:
+            self._error_to(client, request.request_id, str(e))
+
+    def _hello(self, identity: bytes, client: int | None, request: HandshakeRequest) -> None:
+        error = None
+        if request.protocol_version != PROTOCOL_VERSION:
+            error = (f"protocol version {request.protocol_version} is not supported (engine "
+                     f"speaks {PROTOCOL_VERSION})")
+        elif client is not None:
+            error = f"this connection is already attached as frontend {client}"
+        elif not self._accepting.is_set():
+            error = "the engine core is shutting down"
+        elif len(self._clients) >= MAX_CLIENTS:
+            error = f"the engine core serves at most {MAX_CLIENTS} frontends at once"
+        if error is not None:
+            self._reply(identity, HandshakeReply(error=error))
+            return
+        index = self._next_client
+        try:
+            sock, endpoint = self.sockets.bind(zmq.PUSH, data_endpoint(self.address,
+                                                                       f"out{index}"))
+        except zmq.ZMQError as e:  # e.g. out of file descriptors
+            self._reply(identity, HandshakeReply(error=f"cannot attach a frontend: {e}"))
+            return
+        sock.setsockopt(zmq.SNDHWM, OUTPUT_HWM)
+        events = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        monitor = monitor_socket(sock, events)
+        self._next_client += 1
+        record = _Client(index, identity, sock, monitor, endpoint)
+        with self._lock:
+            self._identities[identity] = index
+            self._clients[index] = record
+        self.output_queue.put(_Register(record))  # the output thread owns its sockets now
+        self._reply(identity, HandshakeReply(info=self.core.info, client_index=index,
+                                             output_endpoint=endpoint))
+        logger.info("frontend %d attached", index)
+
+    def _reply(self, identity: bytes, reply: HandshakeReply) -> None:
+        self.frontends.send_multipart([identity, msgspec.msgpack.encode(reply)])
+
+    def _forget_client(self, index: int) -> None:
+        """The client is gone (BYE, lost connection, not reading): requests from its
+        connection are refused from now on and the busy loop aborts what it left."""
+        with self._lock:
+            record = self._clients.pop(index, None)
+            if record is None:
+                return
+            self._identities.pop(record.identity, None)
+        self.input_queue.put(_ClientGone(index))
+        logger.info("frontend %d detached", index)
+
+    # -- output thread ---------------------------------------------------------------
+
+    def _output_loop(self) -> None:
+        clients: dict[int, _Client] = {}  # owned by this thread
+        encoder = MsgpackEncoder()
+        buffer = bytearray()
+        last_watch = 0.0
+
+        def drop(record: _Client, reason: str) -> None:
+            logger.warning("frontend %d %s: dropping it and aborting its requests",
+                           record.index, reason)
+            clients.pop(record.index, None)
+            _close(record)
+            self._forget_client(record.index)
+
+        def send(index: int, outputs: EngineCoreOutputs, last: bool = False) -> None:
+            record = clients.get(index)
+            if record is None:
+                return  # the client left
+            start = time.perf_counter()
+            encoder.encode_into(outputs, buffer)
+            self.encode_s = 0.9 * self.encode_s + 0.1 * (time.perf_counter() - start)
+            try:
+                record.socket.send(buffer, flags=zmq.NOBLOCK)  # copies: the buffer is reused
+                record.last_sent = time.monotonic()
+            except zmq.Again:  # gone, or connected with a full queue: it stopped reading
+                if last:
+                    return
+                record.monitor.poll(int(_WATCH_S * 1000))  # a departure may be on its way
+                reason = _watch(record, time.monotonic())
+                if reason is None and record.handshakes:
+                    reason = f"stopped reading its outputs (a queue of {OUTPUT_HWM} is full)"
+                if reason is not None:
+                    drop(record, reason)
+
+        while True:
+            try:
+                item = self.output_queue.get(timeout=_WATCH_S if clients else _POLL_MS / 1000)
+            except queue.Empty:
+                item = None
+            if isinstance(item, _Register):
+                clients[item.client.index] = item.client
+            elif isinstance(item, _Unregister):
+                record = clients.pop(item.client, None)
+                if record is not None:
+                    _close(record, linger_ms=1000)
+            elif isinstance(item, _Send):
+                for index, outputs in item.outputs.items():
+                    send(index, outputs)
+            elif isinstance(item, _Stop):
+                for index in list(clients):
+                    send(index, EngineCoreOutputs(timestamp=time.monotonic(),
+                                                  engine_dead=item.message), last=True)
+                for record in clients.values():
+                    _close(record, linger_ms=1000)  # let the last word reach the frontends
+                clients.clear()
+                self._last_word_sent = True
+                return
+            now = time.monotonic()
+            if now - last_watch >= _WATCH_S:
+                last_watch = now
+                for record in list(clients.values()):
+                    reason = _watch(record, now)
+                    if reason is not None:
+                        drop(record, reason)
+                for record in [r for r in clients.values()
+                               if now - r.last_sent > HEARTBEAT_INTERVAL_S]:
+                    send(record.index, EngineCoreOutputs(timestamp=now))
+
+    def _last_word(self, message: str) -> None:
+        """The output thread is gone: tell every client why, from this thread."""
+        with self._lock:
+            records = list(self._clients.values())
+        data = msgspec.msgpack.encode(EngineCoreOutputs(timestamp=time.monotonic(),
+                                                        engine_dead=message))
+        for record in records:
+            with contextlib.suppress(zmq.ZMQError):
+                record.socket.send(data, flags=zmq.NOBLOCK)
+            _close(record, linger_ms=1000)
+
+
+def _watch(record: _Client, now: float) -> str | None:
+    """Apply the client's pending socket events; why it must be dropped, if it must.
+
+    ACCEPTED and DISCONNECTED carry the connection's descriptor; HANDSHAKE_SUCCEEDED
+    (ZMTP, and CURVE when configured) does not, so peers are counted by it: a stranger
+    whose CURVE handshake fails comes and goes without counting."""
+    while record.monitor.poll(0):
+        event = recv_monitor_message(record.monitor)
+        kind, value = event["event"], event["value"]
+        if kind == zmq.EVENT_ACCEPTED:
+            record.open_fds.add(value)
+        elif kind == zmq.EVENT_DISCONNECTED:
+            record.open_fds.discard(value)
+        elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            record.handshakes += 1
+    if record.handshakes > 1:
+        # Outputs are round-robined between peers: a second one would read this
+        # client's outputs. Fail closed.
+        return "got a second connection on its output socket"
+    if record.handshakes and not record.open_fds:
+        return "disconnected"
+    if not record.handshakes and now - record.registered > CONNECT_GRACE_S:
+        return f"did not connect its output socket within {CONNECT_GRACE_S:.0f} s"
+    return None
+
+
+def _close(record: _Client, linger_ms: int = 0) -> None:
+    with contextlib.suppress(zmq.ZMQError):
+        record.socket.disable_monitor()
+    record.monitor.close(linger=0)
+    record.socket.close(linger=linger_ms)
+    if record.endpoint.startswith("ipc://"):  # no socket file per departed client
+        with contextlib.suppress(OSError):
+            os.unlink(record.endpoint.removeprefix("ipc://"))
+
+
+def _request_id_of(payload: bytes) -> str | None:
+    """The id of an ADD that failed validation, to tell its sender why."""
+    try:
+        fields = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(fields, list) and fields and isinstance(fields[0], str) and fields[0]:
+        return fields[0]
+    return None
+
+
+def _watch_lifeline(fd: int) -> None:
+    """The frontend that launched us holds the other end: EOF means it is gone."""
+    while True:
+        try:
+            if not os.read(fd, 1):
+                break
+        except InterruptedError:
+            continue
+        except OSError:
+            break
+    logger.info("engine core: launching frontend is gone")
+    os.kill(os.getpid(), signal.SIGTERM)

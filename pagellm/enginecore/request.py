@@ -1,0 +1,91 @@
+"""The engine core's per-request state."""
+
+from __future__ import annotations
+
+import enum
+
+from pagellm.enginecore.block_hash import BlockHash, extend_block_hashes
+from pagellm.protocol.messages import EngineCoreRequest, FinishReason
+from pagellm.protocol.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class Request:
+    """A request's tokens and progress.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache; the scheduler's whole
+    job is to move it toward `num_tokens` (prompt plus output) step by step. A prompt,
+    a chunk of a prompt and a decode token are all just "tokens not yet computed".
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, eos_token_id: int | None,
+                 arrival_time: float = 0.0, priority: int = 0,
+                 block_size: int | None = None, cache_salt: str | None = None,
+                 client_index: int = 0, bad_words_token_ids: list[list[int]] | None = None
+                 ) -> None:
+        """With a block_size, the hashes of its full blocks are kept up to date (prefix
+        caching): the prompt's here, once, and each output block as it fills.
+        `client_index` is the frontend it came from, as the engine core's socket knows
+        it (never a field the client writes): its outputs go there."""
+        if sampling_params.max_tokens is None:
+            raise ValueError("max_tokens must be resolved before the engine core")
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.client_index = client_index
+        self.bad_words_token_ids = bad_words_token_ids
+        self.max_tokens: int = sampling_params.max_tokens
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.num_prompt_logprobs_sent = 0  # prompt positions whose logprobs went out
+        self.block_size = block_size
+        self.cache_salt = cache_salt
+        self.block_hashes: list[BlockHash] = []
+        if block_size is not None:
+            extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, block_size: int | None = None,
+                                 client_index: int = 0) -> Request:
+        return cls(req.request_id, req.prompt_token_ids, req.sampling_params,
+                   req.eos_token_id, req.arrival_time, req.priority, block_size,
+                   req.cache_salt, client_index, req.bad_words_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.block_size is not None and len(self.all_token_ids) % self.block_size == 0:
+            extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size,
+                                self.cache_salt)
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

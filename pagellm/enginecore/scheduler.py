@@ -1,0 +1,289 @@
+"""The token-budget scheduler (pure Python, no torch).
+
+Every step hands out at most `max_num_batched_tokens` tokens of work. Each request
+needs `num_tokens - num_computed_tokens` more tokens computed: a whole prompt, the rest
+of a chunked prompt, or the one token it sampled last step. Running requests are served
+first, in admission order, so decodes are never starved by arriving prompts; a prompt
+larger than what is left of the budget is split across steps.
+
+`long_prefill_token_threshold` caps one prompt's share of a step, so several long
+prompts advance together instead of one after another.
+
+A waiting request starts from its longest prefix-cache hit (the KV cache manager's
+`get_computed_blocks`): those tokens count as computed and are never scheduled.
+
+When the KV cache has no block for a running request, the running request that comes
+last is preempted: its blocks are freed (their cached content stays findable until
+evicted, so it usually resumes from a cache hit), its generated tokens kept, and it
+goes back to the waiting queue. Under FCFS, running requests are in admission order
+(the newest is preempted) and the waiting queue is in arrival order; under the
+"priority" policy both follow (priority, arrival time), lower first.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pagellm.enginecore.kv_cache_manager import KVCacheManager
+from pagellm.enginecore.request import Request, RequestStatus
+from pagellm.enginecore.request_queue import create_request_queue, sort_key
+from pagellm.protocol.messages import EngineCoreOutput, FinishReason, TokenLogprobs
+from pagellm.protocol.scheduling import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """From `EngineArgs`, which checked the values; max_num_batched_tokens is settled
+    by the executor (its default depends on the device)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole budget
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got "
+                             f"{self.max_num_batched_tokens}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(config.policy)
+        self.running: list[Request] = []  # in policy order; preemption takes the last
+        # What the model runner must forget before the next step.
+        self._finished_req_ids: list[str] = []
+        self._preempted_req_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> list[str]:
+        """Finish (e.g. abort) requests wherever they are; returns the ids that existed."""
+        found = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish(reason)
+            self._free(request)
+            found.append(request_id)
+        return found
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def request_ids_of(self, client_index: int) -> list[str]:
+        return [r.request_id for r in self.requests.values() if r.client_index == client_index]
+
+    def has_finished_requests(self) -> bool:
+        """Finished or preempted ids the model runner has not been told about yet."""
+        return bool(self._finished_req_ids or self._preempted_req_ids)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached: list[CachedRequestData] = []
+        new: list[NewRequestData] = []
+        preempted_now = False
+
+        # 1. Running requests, in order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, budget)
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            while block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_now = True
+                if victim is request:
+                    break
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if block_ids is None:
+                break  # the request preempted itself; everything after it is gone too
+            cached.append(CachedRequestData(request.request_id, block_ids,
+                                            request.num_computed_tokens))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, unless this step had to preempt (admitting now would
+        #    only preempt again).
+        while (self.waiting and budget > 0 and not preempted_now
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting.peek()
+            hits = self.kv_cache_manager.get_computed_blocks(request)
+            num_hit_tokens = len(hits) * self.kv_cache_manager.block_size
+            num_new = self._num_new_tokens(request, budget, num_hit_tokens)
+            if self.kv_cache_manager.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.pop()
+            request.num_computed_tokens = num_hit_tokens
+            if self.config.policy == "priority":
+                bisect.insort(self.running, request, key=sort_key)
+            else:
+                self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            new.append(NewRequestData(
+                request.request_id, request.prompt_token_ids, list(request.output_token_ids),
+                request.sampling_params, request.eos_token_id,
+                self.kv_cache_manager.get_block_ids(request.request_id),
+                request.num_computed_tokens, request.bad_words_token_ids))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=self._preempted_req_ids,
+        )
+        self._finished_req_ids = []
+        self._preempted_req_ids = []
+        for request_id, num in num_scheduled.items():
+            self.requests[request_id].num_computed_tokens += num
+        return output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> dict[int, list[EngineCoreOutput]]:
+        """Append sampled tokens, finish requests that stop, free their blocks. Outputs
+        are grouped by the client each request came from."""
+        outputs: dict[int, list[EngineCoreOutput]] = {}
+        any_finished = False
+        for request_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids,
+                                         strict=True):
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # aborted meanwhile
+            prompt_logprobs = self._new_prompt_logprobs(request, runner_output)
+            if not token_ids:  # a prompt chunk: samples nothing
+                if prompt_logprobs:
+                    outputs.setdefault(request.client_index, []).append(EngineCoreOutput(
+                        request_id, [], new_prompt_logprobs=prompt_logprobs))
+                continue
+            new_token_ids = []
+            for token_id in token_ids:
+                request.append_output_token_id(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    break
+            if request.is_finished:
+                any_finished = True
+                self._free(request)
+            logprobs = runner_output.logprobs.get(request_id)
+            outputs.setdefault(request.client_index, []).append(EngineCoreOutput(
+                request_id, new_token_ids, request.finish_reason, request.stop_reason,
+                new_logprobs=[logprobs] if logprobs is not None else None,
+                new_prompt_logprobs=prompt_logprobs))
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def fail_step(self, scheduler_output: SchedulerOutput, error: str
+                  ) -> dict[int, list[EngineCoreOutput]]:
+        """The executor could not run this step: finish every request in it with
+        FinishReason.ERROR. Their blocks leave the prefix cache too: a block registered
+        for tokens this step was to compute may hold anything."""
+        outputs: dict[int, list[EngineCoreOutput]] = {}
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish(FinishReason.ERROR)
+            self.kv_cache_manager.free(request, keep_cached=False)
+            del self.requests[request_id]
+            self._finished_req_ids.append(request_id)
+            outputs.setdefault(request.client_index, []).append(EngineCoreOutput(
+                request_id, [], FinishReason.ERROR, error=error))
+        return outputs
+
+    # -- helpers -------------------------------------------------------------------
+
+    @staticmethod
+    def _new_prompt_logprobs(request: Request, runner_output: ModelRunnerOutput
+                             ) -> list[TokenLogprobs] | None:
+        """This step's prompt logprobs, minus positions already sent (a request that
+        is recomputed after a preemption computes them again)."""
+        chunk = runner_output.prompt_logprobs.get(request.request_id)
+        if chunk is None:
+            return None
+        skip = max(0, request.num_prompt_logprobs_sent - chunk.start)
+        new = chunk.logprobs[skip:]
+        request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent,
+                                               chunk.start + len(chunk.logprobs))
+        return new or None
+
+    def _num_new_tokens(self, request: Request, budget: int, num_hit_tokens: int = 0) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new:
+            num_new = threshold
+        return min(num_new, budget)
+
+    def _check_stop(self, request: Request) -> bool:
+        """vLLM's stop rules; EOS and stop tokens count only from min_tokens on."""
+        params = request.sampling_params
+        outputs = request.output_token_ids
+        last = outputs[-1]
+        if len(outputs) >= params.min_tokens:
+            if last == request.eos_token_id and not params.ignore_eos:
+                request.finish(FinishReason.STOP)
+                return True
+            if last in request.stop_token_ids:
+                request.finish(FinishReason.STOP, stop_reason=last)
+                return True
+        # prompt + max_tokens <= max_model_len was checked when the request arrived.
+        if len(outputs) >= request.max_tokens:
+            request.finish(FinishReason.LENGTH)
+            return True
+        return False
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.waiting.readd(request)
+        self._preempted_req_ids.append(request.request_id)
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.append(request.request_id)

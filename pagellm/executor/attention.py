@@ -1,0 +1,119 @@
+"""The attention layer, the per-step metadata it reads, and the kernel backends.
+
+`Attention` writes the step's keys and values into its layer's paged cache and then
+attends over each request's context through the block tables, with the backend the
+model runner chose: "torch" (kernels/reference.py, the CPU path) or "triton"
+(kernels/triton_attention.py; on the CPU through Triton's interpreter, for tests).
+The backend travels in the metadata, so the model code never branches on it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from pagellm.kernels import reference
+from pagellm.protocol.engine_args import ATTENTION_BACKENDS
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+                 ) -> torch.Tensor: ...
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the flat batch goes and what it attends to."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32, context length including this step
+    query_start_loc_cpu: list[int]  # host copies: the reference path slices with them
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    backend: AttentionBackend
+    num_segments: int = 1  # split-KV slices for decode-only batches (Triton)
+
+
+class TorchAttention:
+    name = "torch"
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+                 ) -> torch.Tensor:
+        reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        return reference.paged_attention(q, kv_cache, meta.block_tables,
+                                         meta.query_start_loc_cpu, meta.seq_lens_cpu, scale)
+
+
+class TritonAttention:
+    name = "triton"
+
+    def __init__(self) -> None:
+        from pagellm.kernels import triton_attention
+
+        self.kernels = triton_attention
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+                 ) -> torch.Tensor:
+        self.kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        return self.kernels.paged_attention(q, kv_cache, meta.block_tables,
+                                            meta.query_start_loc, meta.seq_lens, scale,
+                                            meta.max_query_len, meta.num_segments)
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """"auto" is Triton on CUDA and torch on the CPU; "triton" on the CPU runs the
+    kernels through Triton's interpreter (slow: for tests)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                         f"{name!r}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttention()
+    if device.type == "cpu":
+        # Must be set before the kernels' @triton.jit decorators run (module import).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        from pagellm.kernels.triton_attention import interpreting
+
+        if not interpreting():
+            raise RuntimeError("attention_backend='triton' on the CPU needs "
+                               "TRITON_INTERPRET=1 before the Triton kernels are imported")
+    return TritonAttention()
+
+
+def num_kv_segments(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                    num_sms: int) -> int:
+    """Split-KV slices for a decode-only batch: enough programs to fill the GPU twice
+    over, each slice at least 256 keys long, at most 16 slices."""
+    if max_query_len != 1 or num_sms == 0:
+        return 1
+    programs = num_reqs * num_kv_heads
+    segments = 1
+    while (segments < 16 and programs * segments < 2 * num_sms
+           and max_seq_len // (segments * 2) >= 256):
+        segments *= 2
+    return segments
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_idx: int, scale: float) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, H_kv, D] -> [T, H, D]."""
+        kv_cache = kv_caches[self.layer_idx]  # [2, num_blocks, block_size, H_kv, D]
+        return meta.backend(q, k, v, kv_cache, meta, self.scale)

@@ -1,0 +1,155 @@
+"""The executor: what the engine core calls to run the model.
+
+One process today (the model runner lives in the engine core's process). Tensor
+parallelism would put workers in other processes behind this same interface, which is
+why it only takes and returns protocol Structs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from pagellm.executor.config import ModelConfig, resolve_device, resolve_model_config
+from pagellm.executor.model_runner import ModelRunner
+from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("pagellm")
+
+# Share of available RAM the CPU KV cache may take by default: the rest stays for the
+# weights' working set, activations, the frontend and the OS.
+CPU_KV_CACHE_RAM_SHARE = 0.3
+
+
+class Executor:
+    def __init__(self, args: EngineArgs) -> None:
+        self.device = resolve_device(args.device)
+        self.model_config: ModelConfig = resolve_model_config(args)
+        self.max_num_batched_tokens = args.max_num_batched_tokens or (
+            8192 if self.device.type == "cuda" else 2048)
+        self.block_size = args.block_size
+        # Blocks one request of max_model_len needs: the cache must hold at least that.
+        self.blocks_per_request = -(-self.model_config.max_model_len // self.block_size)
+        cuda = self.device.type == "cuda"
+        if cuda:  # what others (and our CUDA context) hold before the weights arrive
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_before = total - free
+        self.runner = ModelRunner(self.model_config, self.device, args.block_size,
+                                  args.max_num_seqs, self.max_num_batched_tokens, args.seed,
+                                  args.attention_backend, args.logprobs_mode)
+        if args.kv_cache_memory_bytes is not None:
+            budget, source = args.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        elif cuda:
+            budget, source = self._profiled_cuda_budget(args, used_before), (
+                "gpu_memory_utilization after profiling")
+        else:
+            budget, source = self._cpu_budget(args), "available RAM"
+        self.num_kv_blocks = self._num_blocks(budget, source)
+        self.runner.initialize_kv_cache(self.num_kv_blocks)
+        gib = self.num_kv_blocks * self.runner.kv_cache_bytes_per_block() / 2**30
+        logger.info("KV cache: %d blocks (%d tokens), %.2f GiB on %s", self.num_kv_blocks,
+                    self.num_kv_blocks * self.block_size, gib, self.device)
+        if cuda and not args.enforce_eager and self.runner.attention.name == "triton":
+            try:
+                graphs, seconds = self.runner.capture_cuda_graphs()
+            except RuntimeError as e:
+                raise RuntimeError(f"capturing CUDA graphs for decode steps failed ({e}); "
+                                   "enforce_eager=True runs without them") from e
+            logger.info("CUDA graphs: %d decode batch sizes captured in %.1f s", graphs,
+                        seconds)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. A failure that leaves the device usable (out of memory, a bad
+        value that slipped past validation) is a StepFailed: the engine core fails the
+        step's requests and goes on. A device fault (a CUDA error poisons the context)
+        propagates: the engine core dies and says why."""
+        try:
+            return self.runner.execute_model(scheduler_output)
+        except Exception as e:
+            if is_device_fault(e):
+                raise
+            logger.exception("engine step failed; failing its %d request(s)",
+                             len(scheduler_output.num_scheduled_tokens))
+            raise StepFailed(f"the engine step failed: {type(e).__name__}: {e}") from e
+
+    def retain_requests(self, request_ids: set[str]) -> None:
+        """After a failed step: forget every request but these (the runner's state for
+        the failed ones may be half updated)."""
+        self.runner.retain(request_ids)
+
+    def shutdown(self) -> None:
+        if self.runner.graphs is not None:
+            self.runner.graphs.clear()
+        self.runner.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _num_blocks(self, budget: int, source: str) -> int:
+        per_block = self.runner.kv_cache_bytes_per_block()
+        max_len, needed_blocks = self.model_config.max_model_len, self.blocks_per_request
+        num_blocks = budget // per_block
+        if num_blocks < needed_blocks:
+            raise ValueError(
+                f"not enough memory for the KV cache: {budget / 2**20:.1f} MiB "
+                f"(from {source}) holds {max(num_blocks, 0) * self.block_size} tokens, but "
+                f"one request of max_model_len={max_len} needs {needed_blocks} blocks "
+                f"({needed_blocks * per_block / 2**20:.1f} MiB); raise kv_cache_memory_bytes "
+                f"or gpu_memory_utilization, or lower max_model_len or "
+                f"max_num_batched_tokens")
+        return int(num_blocks)
+
+    def _cpu_budget(self, args: EngineArgs) -> int:
+        """A share of available RAM, and never more than every running request at full
+        length could use."""
+        useful = (self.blocks_per_request * args.max_num_seqs
+                  * self.runner.kv_cache_bytes_per_block())
+        return min(int(psutil.virtual_memory().available * CPU_KV_CACHE_RAM_SHARE), useful)
+
+    def _profiled_cuda_budget(self, args: EngineArgs, used_before: int) -> int:
+        """Profile the largest step, then give the KV cache what is left of its share."""
+        weights = torch.cuda.memory_allocated(self.device)
+        try:
+            activations = self.runner.profile_run()
+        except torch.cuda.OutOfMemoryError as e:
+            raise ValueError(
+                f"the largest step (max_num_batched_tokens={self.max_num_batched_tokens}, "
+                f"max_num_seqs={args.max_num_seqs}) does not fit in GPU memory next to the "
+                f"weights; lower max_num_batched_tokens or max_num_seqs") from e
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory the driver and libraries took outside torch's allocator since start-up.
+        non_torch = max(0, total - free - torch.cuda.memory_reserved(self.device)
+                        - used_before)
+        logger.info("Profiled step of %d tokens: weights %.2f GiB, peak activations "
+                    "%.2f GiB, other processes and CUDA context %.2f GiB, non-torch %.2f GiB",
+                    self.max_num_batched_tokens, weights / 2**30, activations / 2**30,
+                    used_before / 2**30, non_torch / 2**30)
+        return cuda_kv_cache_budget(total, args.gpu_memory_utilization, used_before,
+                                    weights, activations, non_torch)
+
+
+class StepFailed(RuntimeError):
+    """One engine step could not run; the device is still usable."""
+
+
+def is_device_fault(error: BaseException) -> bool:
+    """A CUDA error (illegal address, device-side assert, ...) leaves the context
+    unusable: nothing after it can be trusted. Out-of-memory is not one."""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return isinstance(error, RuntimeError) and ("CUDA error" in str(error)
+                                                or "device-side assert" in str(error))
+
+
+def cuda_kv_cache_budget(total: int, utilization: float, used_before: int, weights: int,
+                         activations: int, non_torch: int) -> int:
+    """The KV cache's bytes: the engine's share of the GPU (utilization x total) less
+    what is not ours to take (held by others and our CUDA context before we loaded),
+    our weights, the peak activations of the largest step, and memory the libraries took
+    outside torch's allocator. Negative when nothing is left."""
+    return int(total * utilization) - used_before - weights - activations - non_torch

@@ -1,0 +1,446 @@
+"""The model runner: turns a `SchedulerOutput` into one forward pass and sampled ids.
+
+Per-request state persists between steps in an `InputBatch` (vLLM's persistent
+batch): token ids, block table and progress arrive once, then only changes; tokens it
+samples are appended to its own copy, so a decode step needs no token ids from the
+scheduler. Each step builds one flat, unpadded batch (requests in the order cached,
+then new) with vectorized numpy:
+
+    input_ids     [T]            the tokens computed this step
+    positions     [T]            their positions in their requests
+    slot_mapping  [T]            block_id * block_size + offset of each token's KV
+    block_tables  [R, max_blk]   each request's blocks (rows zero-padded)
+    query_start_loc [R + 1]      request i owns rows query_start_loc[i]:[i+1]
+    seq_lens      [R]            context length after this step
+    logits_indices [S]           last row of each request that samples this step
+
+They are staged through `StepBuffers` (pinned host memory, non-blocking copies into
+device buffers allocated once), so the step's one wait on the device is for its
+sampled ids. Steps where every request computes one token replay a CUDA graph
+(`DecodeGraphs`) on those same buffers, padded to the next captured batch size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagellm.executor.attention import AttentionMetadata, get_attention_backend, num_kv_segments
+from pagellm.executor.config import ModelConfig
+from pagellm.executor.cuda_graphs import DecodeGraphs, capture_sizes
+from pagellm.executor.input_batch import InputBatch
+from pagellm.executor.loader import load_model
+from pagellm.executor.sampler import (
+    LogprobsTensors,
+    Penalties,
+    Sampler,
+    SamplingMetadata,
+    gather_logprobs,
+    mix_seed,
+)
+from pagellm.executor.step_buffers import StepBuffers
+from pagellm.protocol.messages import TokenLogprobs
+from pagellm.protocol.sampling_params import SamplingParams
+from pagellm.protocol.scheduling import (
+    ModelRunnerOutput,
+    NewRequestData,
+    PromptLogprobsChunk,
+    SchedulerOutput,
+)
+
+# Prompt positions whose logprobs are computed at once (bounds the [positions, vocab]
+# logits a long prompt chunk would otherwise materialize).
+PROMPT_LOGPROBS_SLICE = 256
+
+
+@dataclass
+class _StepInputs:
+    req_ids: list[str]
+    rows: np.ndarray  # [R] InputBatch row of each request
+    starts: np.ndarray  # [R] computed tokens before this step
+    counts: np.ndarray  # [R] tokens computed this step
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling: np.ndarray  # indices into req_ids of the requests that sample
+    sampling_rows: np.ndarray  # their InputBatch rows
+    graph_size: int | None  # the CUDA graph's batch size, or None: run eagerly
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, device: torch.device, block_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, seed: int,
+                 attention_backend: str = "auto", logprobs_mode: str = "raw_logprobs"
+                 ) -> None:
+        self.model_config = model_config
+        self.processed_logprobs = logprobs_mode == "processed_logprobs"
+        self.device = device
+        self.block_size = block_size
+        self.attention = get_attention_backend(attention_backend, device)
+        if self.attention.name == "triton":
+            from pagellm.kernels.triton_attention import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_SIZES
+
+            if block_size not in SUPPORTED_BLOCK_SIZES:
+                raise ValueError(f"block_size={block_size} is not supported by the Triton "
+                                 f"attention kernels (supported: {SUPPORTED_BLOCK_SIZES})")
+            if model_config.spec.head_dim not in SUPPORTED_HEAD_SIZES:
+                raise ValueError(f"head_dim={model_config.spec.head_dim} is not supported by "
+                                 f"the Triton attention kernels ({SUPPORTED_HEAD_SIZES}); use "
+                                 "attention_backend='torch'")
+        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                        if device.type == "cuda" else 0)
+        self.model = load_model(model_config, device)
+        self.sampler = Sampler(device, seed)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.batch = InputBatch(max_num_seqs, model_config.max_model_len, block_size,
+                                model_config.vocab_size)
+        tokens = max(max_num_batched_tokens, max_num_seqs)
+        max_blocks = self.batch.block_table.shape[1]
+        self.buffers = StepBuffers(device, {
+            "input_ids": ((tokens,), torch.int64), "positions": ((tokens,), torch.int64),
+            "slot_mapping": ((tokens,), torch.int64),
+            "block_tables": ((max_num_seqs, max_blocks), torch.int32),
+            "query_start_loc": ((max_num_seqs + 1,), torch.int32),
+            "seq_lens": ((max_num_seqs,), torch.int32),
+            "logits_indices": ((max_num_seqs,), torch.int64),
+            "temperature": ((max_num_seqs,), torch.float32),
+            "top_k": ((max_num_seqs,), torch.int64), "top_p": ((max_num_seqs,), torch.float32),
+            "min_p": ((max_num_seqs,), torch.float32)})
+        self.graphs: DecodeGraphs | None = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    # -- KV cache ------------------------------------------------------------------
+
+    def kv_cache_bytes_per_block(self) -> int:
+        spec = self.model_config.spec
+        element = torch.empty((), dtype=self.model_config.dtype).element_size()
+        return (spec.num_layers * 2 * self.block_size * spec.num_kv_heads * spec.head_dim
+                * element)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        spec = self.model_config.spec
+        # [layers, K|V, blocks, block_size, kv_heads, head_dim]. Not zeroed (on the CPU
+        # pages are committed as blocks get used): no kernel reads a slot its request has
+        # not written.
+        cache = torch.empty(spec.num_layers, 2, num_blocks, self.block_size, spec.num_kv_heads,
+                            spec.head_dim, dtype=self.model_config.dtype, device=self.device)
+        self.kv_caches = list(cache.unbind(0))
+
+    # -- start-up: profiling and CUDA graphs ---------------------------------------
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Run the largest step the scheduler can make (max_num_batched_tokens prompt
+        tokens over up to max_num_seqs requests, every one sampling with top-k and
+        top-p) through the real step path, on a scratch KV cache just big enough.
+        Returns its peak activation memory in bytes on CUDA (0 on the CPU), which the
+        executor leaves free when it sizes the KV cache."""
+        max_len, bs = self.model_config.max_model_len, self.block_size
+        # The scheduler never runs more than max_num_seqs full-length requests at once.
+        tokens = min(self.max_num_batched_tokens, self.max_num_seqs * max_len)
+        reqs = max(min(self.max_num_seqs, tokens), -(-tokens // max_len))
+        lengths = [tokens // reqs + (i < tokens % reqs) for i in range(reqs)]
+        first_block = np.cumsum([0] + [-(-n // bs) for n in lengths]).tolist()
+        saved_caches = self.kv_caches
+        self.initialize_kv_cache(first_block[-1])
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
+        vocab = self.model_config.vocab_size
+        new = [NewRequestData(f"profile-{i}", [(i + j) % vocab for j in range(n)], [], params,
+                              None, list(range(first_block[i], first_block[i + 1])), 0)
+               for i, n in enumerate(lengths)]
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            baseline = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.execute_model(SchedulerOutput(new, [], {r.req_id: len(r.prompt_token_ids)
+                                                     for r in new}, tokens, [], []))
+        peak = torch.cuda.max_memory_allocated(self.device) - baseline if cuda else 0
+        for request in new:
+            self.batch.remove(request.req_id)
+        self.kv_caches = saved_caches
+        if cuda:
+            torch.cuda.empty_cache()
+        return peak
+
+    def capture_cuda_graphs(self) -> tuple[int, float]:
+        """Capture the decode forward pass at every size of the ladder (after the KV
+        cache exists: the graphs hold its address). Returns (graphs, seconds)."""
+        assert self.device.type == "cuda" and self.kv_caches, "needs CUDA and a KV cache"
+        assert self.attention.name == "triton", "graphs need the Triton attention backend"
+        sizes = capture_sizes(self.max_num_seqs)
+        put = self.buffers.put
+        self.buffers.begin_step()
+        # Padding everywhere while capturing: no KV writes, no keys read.
+        largest = sizes[-1]
+        for name, fill in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1),
+                           ("block_tables", 0), ("seq_lens", 0)):
+            put(name, np.zeros(0, np.int64), fill, largest)
+        put("query_start_loc", np.arange(largest + 1))
+        self.buffers.end_step()
+        self.graphs = DecodeGraphs(sizes)
+        with torch.inference_mode():
+            seconds = self.graphs.capture(self._decode_forward)
+        return len(sizes), seconds
+
+    def _decode_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward pass a decode graph records: `size` one-token requests read from
+        the step buffers -> (hidden [size, H], logits [size, V])."""
+        buf = self.buffers.device_buffers
+        spec = self.model_config.spec
+        meta = AttentionMetadata(
+            slot_mapping=buf["slot_mapping"][:size], block_tables=buf["block_tables"][:size],
+            query_start_loc=buf["query_start_loc"][:size + 1], seq_lens=buf["seq_lens"][:size],
+            query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=1, backend=self.attention,
+            # Fixed at capture, for the longest context the graph may meet.
+            num_segments=num_kv_segments(size, spec.num_kv_heads, 1,
+                                         self.model_config.max_model_len, self.num_sms))
+        hidden = self.model(buf["input_ids"][:size], buf["positions"][:size], meta,
+                            self.kv_caches)
+        return hidden, self.model.compute_logits(hidden)
+
+    # -- one step ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput([], [])
+        inputs = self._prepare_inputs(scheduler_output)
+        t1 = time.perf_counter()
+        if inputs.graph_size is not None and self.graphs is not None:
+            hidden, all_logits = self.graphs.replay(inputs.graph_size)
+            logits = all_logits[inputs.logits_indices]  # [S, V]
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
+        t2 = time.perf_counter()
+        sampled_token_ids: list[list[int]] = [[] for _ in inputs.req_ids]
+        logprobs: dict[str, TokenLogprobs] = {}
+        if len(inputs.sampling):
+            meta = self._sampling_metadata(inputs.sampling_rows)
+            out = self.sampler(logits, meta)
+            # The step's one host sync; it also means every input copy is done.
+            sampled_np = out.sampled.cpu().numpy()
+            self.batch.append_tokens(inputs.sampling_rows, sampled_np)
+            for i, token_id in zip(inputs.sampling.tolist(), sampled_np.tolist(),
+                                   strict=True):
+                sampled_token_ids[i] = [token_id]
+            if out.logprobs is not None and meta.logprob_rows is not None:
+                logprobs = self._logprobs_by_request(inputs, meta.logprob_rows, out.logprobs)
+        else:  # nothing to wait for: the next step must check its copies are done
+            self.buffers.end_step()
+        prompt_logprobs = self._prompt_logprobs(hidden, inputs) \
+            if self.batch.num_prompt_logprobs else {}
+        t3 = time.perf_counter()
+        return ModelRunnerOutput(inputs.req_ids, sampled_token_ids, logprobs, prompt_logprobs,
+                                 prepare_inputs_s=t1 - t0, forward_s=t2 - t1,
+                                 sample_s=t3 - t2)
+
+    def retain(self, req_ids: set[str]) -> None:
+        """Drop the state of every request not in `req_ids`."""
+        for req_id in [r for r in self.batch.rows if r not in req_ids]:
+            self.batch.remove(req_id)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.batch
+        for req_id in so.finished_req_ids:
+            batch.remove(req_id)
+        for req_id in so.preempted_req_ids:
+            batch.remove(req_id)
+        for new in so.scheduled_new_reqs:
+            batch.add(new)
+        for cached in so.scheduled_cached_reqs:
+            row = batch.rows[cached.req_id]
+            if cached.new_block_ids:
+                batch.append_blocks(row, cached.new_block_ids)
+            batch.num_computed_tokens[row] = cached.num_computed_tokens
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
+        batch, bs = self.batch, self.block_size
+        req_ids = [c.req_id for c in so.scheduled_cached_reqs]
+        req_ids += [n.req_id for n in so.scheduled_new_reqs]
+        num_reqs = len(req_ids)
+        rows = np.fromiter((batch.rows[r] for r in req_ids), np.int64, num_reqs)
+        counts = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64,
+                             num_reqs)
+        starts = batch.num_computed_tokens[rows].astype(np.int64)
+        ends = starts + counts
+        cu = np.cumsum(counts)
+        req_index = np.repeat(np.arange(num_reqs), counts)  # [T] request of each token
+        positions = starts[req_index] + np.arange(cu[-1]) - (cu - counts)[req_index]
+        input_ids = batch.token_ids[rows[req_index], positions].astype(np.int64)
+        block_tables = batch.block_table[rows, :batch.num_blocks[rows].max()]
+        slot_mapping = (block_tables[req_index, positions // bs].astype(np.int64) * bs
+                        + positions % bs)
+        batch.num_computed_tokens[rows] = ends
+        sampling = np.flatnonzero(ends == batch.num_tokens[rows])  # caught up: sample
+        num_tokens = int(cu[-1])
+        # Every request computes one token: a CUDA graph's step, padded to its size.
+        graph_size = self.graphs.padded_size(num_reqs) \
+            if self.graphs is not None and num_tokens == num_reqs else None
+        query_start_loc = np.concatenate(([0], cu))
+        put = self.buffers.put
+        self.buffers.begin_step()
+        meta = AttentionMetadata(
+            slot_mapping=put("slot_mapping", slot_mapping, -1, graph_size),
+            block_tables=put("block_tables", block_tables, 0, graph_size),
+            # Graph padding rows continue the one-token-per-request pattern.
+            query_start_loc=put("query_start_loc", np.arange(graph_size + 1)
+                                if graph_size else query_start_loc),
+            seq_lens=put("seq_lens", ends, 0, graph_size),
+            query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=ends.tolist(),
+            max_query_len=int(counts.max()), backend=self.attention,
+            num_segments=num_kv_segments(num_reqs, self.model_config.spec.num_kv_heads,
+                                         int(counts.max()), int(ends.max()), self.num_sms))
+        return _StepInputs(req_ids, rows, starts, counts,
+                           put("input_ids", input_ids, 0, graph_size),
+                           put("positions", positions, 0, graph_size), meta,
+                           put("logits_indices", cu[sampling] - 1), sampling,
+                           rows[sampling], graph_size)
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """Per-row parameters for the sampling rows (batch rows `rows`, sampler rows
+        0..S-1), gathered from the batch; what no row needs stays None."""
+        batch, dev, put = self.batch, self.device, self.buffers.put
+        temperature = batch.temperature[rows]
+        random = temperature > 0
+        top_k, top_p, min_p = batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
+        row_list = rows.tolist()
+        meta = SamplingMetadata(
+            temperature=put("temperature", temperature), all_greedy=not random.any(),
+            any_greedy=not random.all(),
+            top_k=put("top_k", top_k) if (top_k[random] < batch.vocab_size).any() else None,
+            top_p=put("top_p", top_p) if (top_p[random] < 1.0).any() else None,
+            min_p=put("min_p", min_p) if (min_p[random] > 0.0).any() else None,
+            processed_logprobs=self.processed_logprobs)
+        if batch.seeds:
+            meta.seeds = {i: mix_seed(batch.seeds[r], int(batch.num_tokens[r]))
+                          for i, r in enumerate(row_list) if r in batch.seeds}
+        banned = self._banned_tokens(row_list)
+        if banned:
+            meta.banned = (_to(np.array([i for i, _ in banned]), dev),
+                           _to(np.array([t for _, t in banned]), dev))
+        if batch.allowed:
+            pairs = [(i, t) for i, r in enumerate(row_list) for t in batch.allowed.get(r, ())]
+            if pairs:
+                meta.allowed = (_to(np.array([i for i, _ in pairs]), dev),
+                                _to(np.array([t for _, t in pairs]), dev))
+        if batch.logit_bias:
+            triples = [(i, t, b) for i, r in enumerate(row_list)
+                       for t, b in batch.logit_bias.get(r, {}).items()]
+            if triples:
+                meta.logit_bias = (_to(np.array([i for i, _, _ in triples]), dev),
+                                   _to(np.array([t for _, t, _ in triples]), dev),
+                                   _to(np.array([b for _, _, b in triples], np.float32), dev))
+        if batch.penalized:
+            meta.penalties = self._penalties([(i, r) for i, r in enumerate(row_list)
+                                              if r in batch.penalized])
+        if batch.num_logprobs:
+            which = [i for i, r in enumerate(row_list) if r in batch.num_logprobs]
+            if which:
+                meta.logprob_rows = _to(np.array(which), dev)
+                meta.num_logprobs = max(batch.num_logprobs[row_list[i]] for i in which)
+        return meta
+
+    def _banned_tokens(self, rows: list[int]) -> list[tuple[int, int]]:
+        """(sampler row, token) pairs masked this step: EOS and stop ids before
+        min_tokens, and the last token of any bad word whose other tokens end the
+        output so far."""
+        batch = self.batch
+        banned: list[tuple[int, int]] = []
+        if not (batch.stop_ids or batch.bad_words):
+            return banned
+        for i, r in enumerate(rows):
+            num_output = int(batch.num_tokens[r] - batch.num_prompt_tokens[r])
+            if r in batch.stop_ids and num_output < batch.min_tokens[r]:
+                banned += [(i, t) for t in batch.stop_ids[r]]
+            for word in batch.bad_words.get(r, ()):
+                prefix = len(word) - 1
+                end = int(batch.num_tokens[r])
+                if prefix <= num_output and (prefix == 0 or batch.token_ids[
+                        r, end - prefix:end].tolist() == word[:-1]):
+                    banned.append((i, word[-1]))
+        return banned
+
+    def _penalties(self, which: list[tuple[int, int]]) -> Penalties:
+        """Prompt masks and output counts [P, V] for the penalized rows, built by
+        scatters over padded token arrays (one extra column takes the padding)."""
+        batch, dev, vocab = self.batch, self.device, self.batch.vocab_size
+        rows = np.array([r for _, r in which])
+        prompt_lens = batch.num_prompt_tokens[rows]
+        output_lens = batch.num_tokens[rows] - prompt_lens
+        width_p, width_o = int(prompt_lens.max()), max(int(output_lens.max()), 1)
+        prompt = np.full((len(rows), width_p), vocab, dtype=np.int64)
+        output = np.full((len(rows), width_o), vocab, dtype=np.int64)
+        for j, r in enumerate(rows.tolist()):
+            prompt[j, :prompt_lens[j]] = batch.token_ids[r, :prompt_lens[j]]
+            output[j, :output_lens[j]] = batch.token_ids[r, prompt_lens[j]:batch.num_tokens[r]]
+        prompt_mask = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev)
+        prompt_mask.scatter_(1, _to(prompt, dev), True)
+        counts = torch.zeros(len(rows), vocab + 1, dtype=torch.float32, device=dev)
+        counts.scatter_add_(1, _to(output, dev), torch.ones(output.shape, device=dev))
+        return Penalties(rows=_to(np.array([i for i, _ in which]), dev),
+                         presence=_to(batch.presence[rows], dev),
+                         frequency=_to(batch.frequency[rows], dev),
+                         repetition=_to(batch.repetition[rows], dev),
+                         prompt_mask=prompt_mask[:, :vocab], output_counts=counts[:, :vocab])
+
+    def _logprobs_by_request(self, inputs: _StepInputs, logprob_rows: torch.Tensor,
+                             tensors: LogprobsTensors) -> dict[str, TokenLogprobs]:
+        ids, lps = tensors.token_ids.tolist(), tensors.logprobs.tolist()
+        ranks = tensors.sampled_ranks.tolist()
+        result = {}
+        for j, i in enumerate(logprob_rows.tolist()):
+            k = self.batch.num_logprobs[int(inputs.sampling_rows[i])]
+            req_id = inputs.req_ids[int(inputs.sampling[i])]
+            result[req_id] = TokenLogprobs(ids[j][:k + 1], lps[j][:k + 1],
+                                           [ranks[j], *range(1, k + 1)])
+        return result
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: _StepInputs
+                         ) -> dict[str, PromptLogprobsChunk]:
+        """Logprobs of the prompt's own next tokens at the prompt positions computed
+        this step (from the raw logits), for the requests that asked."""
+        batch = self.batch
+        result = {}
+        offsets = np.cumsum(inputs.counts) - inputs.counts
+        for i, row in enumerate(inputs.rows.tolist()):
+            k = batch.num_prompt_logprobs.get(row)
+            if k is None:
+                continue
+            start = int(inputs.starts[i])
+            end = min(start + int(inputs.counts[i]), int(batch.num_prompt_tokens[row]) - 1)
+            if end <= start:
+                continue
+            ids: list[list[int]] = []
+            lps: list[list[float]] = []
+            ranks: list[int] = []
+            # A slice of positions at a time: [positions, vocab] fp32 logits for a whole
+            # prompt chunk could take gigabytes (8192 positions x 152k vocabulary).
+            for lo in range(start, end, PROMPT_LOGPROBS_SLICE):
+                hi = min(lo + PROMPT_LOGPROBS_SLICE, end)
+                flat = torch.arange(hi - lo, device=hidden.device) + int(offsets[i]) + lo - start
+                logprobs = self.model.compute_logits(hidden[flat]).float().log_softmax(dim=-1)
+                targets = _to(batch.token_ids[row, lo + 1:hi + 1].astype(np.int64),
+                              self.device)
+                t = gather_logprobs(logprobs, targets, k)
+                ids += t.token_ids.tolist()
+                lps += t.logprobs.tolist()
+                ranks += t.sampled_ranks.tolist()
+            result[inputs.req_ids[i]] = PromptLogprobsChunk(start, [
+                TokenLogprobs(ids[j], lps[j], [ranks[j], *range(1, k + 1)])
+                for j in range(end - start)])
+        return result
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array -> tensor on `device` (no copy on the CPU)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)

@@ -1,0 +1,260 @@
+"""One decoder for the Llama, Qwen2/Qwen2.5 and Qwen3 families.
+
+The families differ only in data, carried by `DecoderSpec`: qkv bias (Qwen2), per-head
+q/k RMSNorm and a head_dim independent of hidden_size (Qwen3), tied embeddings, and the
+RoPE variant. q/k/v and gate/up projections are stored merged (one GEMM each);
+`load_weights` maps the checkpoint's separate tensors into them.
+
+The forward pass takes the step's flat, unpadded token batch:
+    input_ids [T], positions [T] -> hidden states [T, hidden_size]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.executor.attention import Attention, AttentionMetadata
+from pagellm.executor.models.rope import RopeSpec, RotaryEmbedding, apply_rotary
+
+# model_type -> architecture, for configs that do not list "architectures".
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position: int
+    rope: RopeSpec
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> DecoderSpec:
+        archs = list(getattr(config, "architectures", None) or [])
+        model_type = getattr(config, "model_type", "")
+        arch = archs[0] if archs else SUPPORTED_ARCHITECTURES.get(model_type, model_type)
+        if arch not in SUPPORTED_ARCHITECTURES.values():
+            raise ValueError(f"unsupported architecture {arch!r} "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES.values())})")
+        # Qwen2 always has q/k/v biases and never an o_proj bias; Llama, Mistral and
+        # Qwen3 put `attention_bias` on all four projections.
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (supported: silu)")
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window",
+                                                               arch == "MistralForCausalLM"):
+            raise ValueError("sliding-window attention is not supported")
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=not is_qwen2 and attention_bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            max_position=config.max_position_embeddings,
+            rope=RopeSpec.from_hf(getattr(config, "rope_parameters", None),
+                                  getattr(config, "rope_theta", None),
+                                  getattr(config, "rope_scaling", None)),
+        )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, optionally fused with the residual add before it."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual); x: [..., size]."""
+        if residual is not None:
+            x = x + residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype), x
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (spec.num_heads, spec.num_kv_heads,
+                                                            spec.head_dim)
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.attn = Attention(layer_idx, spec.head_dim ** -0.5)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, _ = self.q_norm(q)
+            k, _ = self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v, meta, kv_caches)  # [T, H, D]
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(spec, layer_idx)
+        self.mlp = DecoderMLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                residual: torch.Tensor | None, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, meta, kv_caches)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions, x.dtype)  # looked up once for all layers
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(rope, x, residual, meta, kv_caches)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+# Checkpoint tensor -> (our parameter, shard) for the merged projections.
+_STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"),
+            ("v_proj", "qkv_proj", "v"), ("gate_proj", "gate_up_proj", 0),
+            ("up_proj", "gate_up_proj", 1))
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec)
+        self.lm_head = (None if spec.tie_word_embeddings
+                        else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden_size] -> logits [N, vocab_size]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in; raise naming every missing or unexpected tensor
+        by its checkpoint name."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # older checkpoints store the RoPE table; we compute it
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # some tied checkpoints still carry a copy
+            target, shard = name, None
+            for ckpt, merged, shard_id in _STACKED:
+                if f".{ckpt}." in name:
+                    target, shard = name.replace(ckpt, merged), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                unexpected.append(name)
+                continue
+            self._copy_shard(param, tensor, shard, name)
+            loaded.add(name)
+        missing = sorted(self._expected_checkpoint_keys(params) - loaded)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:8]}"
+                             f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}")
+
+    @staticmethod
+    def _expected_checkpoint_keys(params: dict[str, nn.Parameter]) -> set[str]:
+        """The checkpoint names our parameters load from (merged ones split back)."""
+        keys = set()
+        for name in params:
+            parts = [name.replace(merged, ckpt) for ckpt, merged, _ in _STACKED
+                     if f".{merged}." in name]
+            keys.update(parts or [name])
+        return keys
+
+    def _copy_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard: str | int | None,
+                    name: str) -> None:
+        with torch.no_grad():
+            if shard is None:
+                dest = param
+            elif isinstance(shard, int):  # gate (0) / up (1)
+                size = self.spec.intermediate_size
+                dest = param[shard * size:(shard + 1) * size]
+            else:
+                q_size = self.spec.num_heads * self.spec.head_dim
+                kv_size = self.spec.num_kv_heads * self.spec.head_dim
+                offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
+                                "v": (q_size + kv_size, kv_size)}[shard]
+                dest = param[offset:offset + size]
+            if dest.shape != tensor.shape:
+                raise ValueError(f"shape mismatch for {name}: checkpoint "
+                                 f"{tuple(tensor.shape)}, model {tuple(dest.shape)}")
+            dest.copy_(tensor)

@@ -1,0 +1,195 @@
+"""`AsyncLLM`: the engine for asyncio services (and the OpenAI server).
+
+    async for out in engine.generate(prompt, SamplingParams(...), request_id):
+        ...
+
+One output-handler task per event loop reads the engine core's outputs (zmq's asyncio
+support: no polling), detokenizes them, and puts each request's `RequestOutput`s on
+that request's queue; `generate` is an async generator over its queue. Leaving the
+loop early or cancelling the consuming task aborts the request in the engine core.
+
+Tokenization and chat templates never run on the event loop: they run on one
+tokenizer thread (`run_in_tokenizer_thread`), one job at a time, so a long prompt
+delays other prompts' tokenization but never the loop (health checks, streams).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from pagellm.executor.demo_model import resolve_model
+from pagellm.frontend.core_client import EngineDeadError, make_client
+from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagellm.frontend.mp_client import AsyncMPClient, CurveClientKeys
+from pagellm.frontend.output_processor import OutputProcessor, OutputQueue
+from pagellm.frontend.outputs import RequestOutput
+from pagellm.frontend.tokenizer import generation_eos_token_ids, tokenizer_for
+from pagellm.logger import configure_logging
+from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.sampling_params import SamplingParams
+from pagellm.protocol.stats import EngineStats
+
+logger = logging.getLogger("pagellm")
+T = TypeVar("T")
+
+
+class AsyncLLM:
+    """Takes the same engine arguments as `LLM` (and `engine_address` / CURVE keys to
+    attach to a running engine core)."""
+
+    def __init__(self, model: str, *, engine_address: str | None = None,
+                 curve_secret_key: str | None = None,
+                 curve_server_public_key: str | None = None, **kwargs: Any) -> None:
+        self._start(EngineArgs.from_kwargs(model=model, **kwargs), engine_address,
+                    CurveClientKeys.from_paths(curve_secret_key, curve_server_public_key))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, *, engine_address: str | None = None,
+                         curve: CurveClientKeys | None = None) -> AsyncLLM:
+        """vLLM's constructor for services that already hold their `EngineArgs`."""
+        engine = cls.__new__(cls)
+        engine._start(engine_args, engine_address, curve)
+        return engine
+
+    def _start(self, args: EngineArgs, engine_address: str | None,
+               curve: CurveClientKeys | None) -> None:
+        self.engine_core: AsyncMPClient | None = None
+        self._output_handler: asyncio.Task[None] | None = None
+        # One thread: the tokenizers library's objects are not safe to use from several
+        # threads at once, and one job at a time keeps prompts in arrival order.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagellm-tokenize")
+        configure_logging()
+        self.engine_args = args = args.replace(model=resolve_model(args.model))
+        self.tokenizer = tokenizer_for(args)
+        self.engine_core = make_client(args, asyncio_mode=True, engine_address=engine_address,
+                                       curve=curve)
+        self.info = self.engine_core.info
+        self.input_processor = InputProcessor(self.tokenizer, self.info,
+                                              generation_eos_token_ids(args.model))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # How long after the engine produced them outputs are processed here (mean of
+        # recent batches; engine and frontend share time.monotonic() on one host).
+        self.output_lag_s = 0.0
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
+                       request_id: str, priority: int = 0
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the request's outputs as `sampling_params.output_kind` asks (with
+        n > 1, each output carries the completions that changed, by index)."""
+        processed = await self.run_in_tokenizer_thread(
+            self.process, prompt, sampling_params, request_id, priority)
+        async for output in self.stream(processed):
+            yield output
+
+    async def run_in_tokenizer_thread(self, fn: Callable[..., T], *args: Any,
+                                      **kwargs: Any) -> T:
+        """Run tokenizer work (`process`, chat templates, encode/decode) off the loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread,
+                                          functools.partial(fn, *args, **kwargs))
+
+    def process(self, prompt: PromptType, sampling_params: SamplingParams | None,
+                request_id: str, priority: int = 0) -> ProcessedRequest:
+        """Validate and tokenize without starting anything (the server validates every
+        prompt of a request before it starts any). Blocking: from the event loop, call it
+        through `run_in_tokenizer_thread`."""
+        self._client().check_alive()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        return self.input_processor.process_inputs(
+            request_id, prompt, sampling_params or SamplingParams(), priority=priority)
+
+    async def stream(self, processed: ProcessedRequest) -> AsyncGenerator[RequestOutput, None]:
+        """Run a processed request and stream its outputs."""
+        engine_core = self._client()
+        engine_core.check_alive()
+        self._ensure_output_handler()
+        request_id = processed.request_id
+        queue: OutputQueue = asyncio.Queue()
+        self.output_processor.add_request(processed, queue)
+        finished = False
+        try:
+            for request in processed.engine_requests:
+                engine_core.add_request(request)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # cancelled, or the consumer left the loop early
+                self._abort([request_id])
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request: its stream ends without a final output; its blocks are freed."""
+        self._abort([request_id])
+
+    async def get_stats(self) -> EngineStats:
+        self._ensure_output_handler()
+        return await self._client().get_stats_async()
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False while requests hold KV blocks."""
+        self._ensure_output_handler()
+        return await self._client().reset_prefix_cache_async()
+
+    @property
+    def is_dead(self) -> bool:
+        return self.engine_core is not None and self.engine_core.dead_error is not None
+
+    def shutdown(self) -> None:
+        if getattr(self, "_tokenizer_thread", None) is None:
+            return  # failed before anything started
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        if self._output_handler is not None:
+            self._output_handler.cancel()
+            self._output_handler = None
+        engine_core, self.engine_core = self.engine_core, None
+        if engine_core is not None:
+            engine_core.shutdown()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.shutdown()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _client(self) -> AsyncMPClient:
+        if self.engine_core is None:
+            raise RuntimeError("this AsyncLLM has been shut down")
+        return self.engine_core
+
+    def _abort(self, request_ids: list[str]) -> None:
+        unfinished = self.output_processor.abort_requests(request_ids)
+        if unfinished and self.engine_core is not None and not self.is_dead:
+            self.engine_core.abort_requests(unfinished)
+
+    def _ensure_output_handler(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._output_handler is None or self._output_handler.get_loop() is not loop:
+            self._output_handler = loop.create_task(self._handle_outputs())
+
+    async def _handle_outputs(self) -> None:
+        engine_core = self._client()
+        try:
+            while True:
+                outputs = await engine_core.get_output_async()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                if processed.reqs_to_abort:  # stop strings: stop the engine at once
+                    engine_core.abort_requests(processed.reqs_to_abort)
+                lag = time.monotonic() - outputs.timestamp
+                self.output_lag_s = 0.9 * self.output_lag_s + 0.1 * lag
+        except EngineDeadError as e:
+            self.output_processor.fail_all(e)
+        except Exception as e:  # a bug here must end the streams, not hang them
+            logger.exception("AsyncLLM output handler failed")
+            self.output_processor.fail_all(e)

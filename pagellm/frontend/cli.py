@@ -1,0 +1,175 @@
+"""The `pagellm` command line: generate, make-model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from pagellm.frontend.server.options import MAX_BODY_BYTES, ServerOptions
+from pagellm.logger import configure_logging
+from pagellm.protocol.engine_args import EngineArgs, parse_bytes
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="complete prompts and print the results",
+                       description="Complete prompts with a model (or --model demo).")
+    EngineArgs.add_cli_args(p)
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=32)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    s.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.set_defaults(func=_generate)
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from pagellm.frontend.llm import LLM
+    from pagellm.protocol.sampling_params import SamplingParams
+
+    args = EngineArgs.from_cli_args(ns)
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
+                            top_p=ns.top_p, top_k=ns.top_k, seed=ns.sampling_seed,
+                            ignore_eos=ns.ignore_eos)
+    if args.model == "demo":
+        print("NOTE: 'demo' is a tiny model with RANDOM weights: it shows the engine "
+              "working, its text is gibberish by design.", file=sys.stderr)
+    with LLM(**vars(args)) as llm:
+        start = time.perf_counter()
+        outputs = llm.generate(ns.prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    num_tokens = 0
+    for output in outputs:
+        completion = output.outputs[0]
+        num_tokens += len(completion.token_ids)
+        print(f"--- prompt: {output.prompt!r}")
+        print(f"    completion ({len(completion.token_ids)} tokens, "
+              f"finish_reason={completion.finish_reason}): {completion.text!r}")
+    print(f"{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f} s: "
+          f"{num_tokens / elapsed:.1f} output tokens/s")
+    return 0
+
+
+def _add_make_model(sub: argparse._SubParsersAction) -> None:
+    from pagellm.executor.demo_model import ARCHS, DTYPES
+
+    p = sub.add_parser("make-model", help="write a random-weight model and tokenizer",
+                       description="Write a random-weight Hugging Face model directory with "
+                       "a byte-level BPE tokenizer trained offline and a ChatML template.")
+    p.add_argument("--arch", choices=ARCHS, default="llama")
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2, dest="num_layers")
+    p.add_argument("--heads", type=int, default=4, dest="num_heads")
+    p.add_argument("--kv-heads", type=int, default=2, dest="num_kv_heads")
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--intermediate-size", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--max-position-embeddings", type=int, default=2048)
+    p.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction,
+                   default=None, help="default: untied for llama, tied for qwen")
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--rope-scaling", type=json.loads, default=None,
+                   help='JSON, e.g. \'{"rope_type": "linear", "factor": 2.0}\'')
+    p.add_argument("--init-std", type=float, default=0.08)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--max-shard-size", default=None, help="e.g. 100KB: write shards")
+    p.add_argument("out", metavar="OUT", help="output directory")
+    p.set_defaults(func=_make_model)
+
+
+def _make_model(ns: argparse.Namespace) -> int:
+    from pagellm.executor.demo_model import ModelSpec, make_model
+
+    fields = {k: v for k, v in vars(ns).items() if k not in ("command", "func", "out")}
+    path = make_model(ns.out, ModelSpec(**fields))
+    print(f"wrote a random-weight {ns.arch} model to {path}")
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start an OpenAI-compatible HTTP server",
+                       description="Serve MODEL over an OpenAI-compatible HTTP API "
+                       "(needs the 'serve' extra: pip install -e '.[serve]').")
+    EngineArgs.add_cli_args(p, model_positional=True)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: MODEL as given)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health, "
+                        "/metrics and /version")
+    s.add_argument("--engine-address", default=None,
+                   help="attach to a running engine core instead of starting one")
+    s.add_argument("--curve-secret-key", default=None)
+    s.add_argument("--curve-server-public-key", default=None)
+    s.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds in-flight requests may finish after SIGTERM (default: 5)")
+    s.add_argument("--max-body-size", type=parse_bytes, default=MAX_BODY_BYTES,
+                   help="largest request body accepted, e.g. 16MiB (default: 16MiB)")
+    s.add_argument("--max-connections", type=int, default=None,
+                   help="most open HTTP connections; above it the connection idle longest "
+                        "is closed (default: 2048, or fewer if file descriptors are short)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat template (rendered in a "
+                        "sandboxed child process with a time limit)")
+    p.set_defaults(func=_serve)
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"pagellm serve needs the 'serve' extra ({e.name} is missing): "
+                         "pip install -e '.[serve]'") from None
+    from pagellm.frontend.server.serve import run_server
+
+    if ns.shutdown_timeout < 0:
+        raise ValueError("--shutdown-timeout must be >= 0")
+    if ns.max_connections is not None and ns.max_connections < 1:
+        raise ValueError("--max-connections must be >= 1")
+    args = EngineArgs.from_cli_args(ns)
+    options = ServerOptions(served_model_name=ns.served_model_name or args.model,
+                            api_key=ns.api_key, max_body_bytes=ns.max_body_size,
+                            trust_request_chat_template=ns.trust_request_chat_template)
+    return run_server(args, options, ns.host, ns.port, ns.engine_address,
+                      ns.curve_secret_key, ns.curve_server_public_key, ns.shutdown_timeout,
+                      ns.max_connections)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: serve LLMs fast.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_make_model(sub)
+    _add_serve(sub)
+    sub.add_parser("engine-core", add_help=False,
+                   help="run a standalone engine core (see `pagellm engine-core --help`)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["engine-core"]:
+        from pagellm.enginecore.__main__ import main as engine_core_main
+
+        return engine_core_main(argv[1:], prog="pagellm engine-core")
+    configure_logging()
+    ns = build_parser().parse_args(argv)
+    try:
+        return int(ns.func(ns))
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"pagellm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

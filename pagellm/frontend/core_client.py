@@ -1,0 +1,125 @@
+"""The engine-core clients: one interface, whatever side of a socket the core is on.
+
+- `InprocClient` runs the `EngineCore` in this process (tests, debugging): each
+  `get_output()` is one engine step.
+- `SyncMPClient` / `AsyncMPClient` (frontend/mp_client.py) talk to an engine core in
+  another process over ZeroMQ.
+
+`make_client` is the one place that chooses between them, for `LLM`, `AsyncLLM` and
+the server alike (vLLM's `EngineCoreClient.make_client`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Literal, overload
+
+from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from pagellm.protocol.stats import EngineStats
+
+if TYPE_CHECKING:
+    from pagellm.frontend.mp_client import AsyncMPClient, CurveClientKeys
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core stopped; the message names why. Every pending and later call
+    on its client raises this."""
+
+
+class EngineCoreClient(ABC):
+    info: EngineInfo
+    dead_error: str | None = None
+
+    @abstractmethod
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    @abstractmethod
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+# Engine options that shape the frontend itself, so they apply when attaching too.
+FRONTEND_OPTIONS = frozenset({"model", "tokenizer", "skip_tokenizer_init"})
+
+
+@overload
+def make_client(args: EngineArgs, *, asyncio_mode: Literal[False], multiprocess: bool = ...,
+                engine_address: str | None = ..., curve: CurveClientKeys | None = ...
+                ) -> SyncEngineCoreClient: ...
+
+
+@overload
+def make_client(args: EngineArgs, *, asyncio_mode: Literal[True], multiprocess: bool = ...,
+                engine_address: str | None = ..., curve: CurveClientKeys | None = ...
+                ) -> AsyncMPClient: ...
+
+
+def make_client(args: EngineArgs, *, asyncio_mode: bool, multiprocess: bool = True,
+                engine_address: str | None = None, curve: CurveClientKeys | None = None
+                ) -> SyncEngineCoreClient | AsyncMPClient:
+    """The engine core's client: in this process (`multiprocess=False`, for `LLM`
+    only), in a child process launched here, or already running at `engine_address`
+    (CURVE keys if it requires them). Engine options given with `engine_address` are an
+    error: that engine is configured where it runs, and ignoring them would mislead."""
+    from pagellm.frontend.mp_client import AsyncMPClient, SyncMPClient
+
+    if engine_address is not None:
+        configured = [f.name for f in dataclasses.fields(args)
+                      if f.name not in FRONTEND_OPTIONS and getattr(args, f.name) != f.default]
+        if configured:
+            raise ValueError(f"engine option(s) {', '.join(configured)} have no effect on "
+                             f"the engine core at {engine_address}: set them where it starts")
+        return AsyncMPClient(None, engine_address, curve) if asyncio_mode \
+            else SyncMPClient(None, engine_address, curve)
+    if curve is not None:
+        raise ValueError("CURVE keys are for attaching to an engine core (engine_address)")
+    if asyncio_mode:
+        if not multiprocess:
+            raise ValueError("AsyncLLM runs its engine core in a process of its own "
+                             "(multiprocess=False is for LLM)")
+        return AsyncMPClient(args)
+    return SyncMPClient(args) if multiprocess else InprocClient(args)
+
+
+class SyncEngineCoreClient(EngineCoreClient):
+    @abstractmethod
+    def get_output(self) -> EngineCoreOutputs:
+        """The next outputs for this client (blocks until there are some)."""
+
+    @abstractmethod
+    def get_stats(self) -> EngineStats: ...
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool: ...
+
+
+class InprocClient(SyncEngineCoreClient):
+    def __init__(self, args: EngineArgs) -> None:
+        from pagellm.enginecore.core import EngineCore
+
+        self.core = EngineCore(args)
+        self.info = self.core.info
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        outputs = self.core.step()
+        return outputs.get(0) or EngineCoreOutputs(timestamp=time.monotonic())
+
+    def get_stats(self) -> EngineStats:
+        return self.core.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

@@ -1,0 +1,205 @@
+"""`LLM`: offline, synchronous generation for scripts (vLLM's interface)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pagellm.executor.demo_model import resolve_model
+from pagellm.frontend.core_client import SyncEngineCoreClient, make_client
+from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagellm.frontend.mp_client import CurveClientKeys
+from pagellm.frontend.output_processor import OutputProcessor
+from pagellm.frontend.outputs import RequestOutput
+from pagellm.frontend.tokenizer import generation_eos_token_ids, tokenizer_for
+from pagellm.logger import configure_logging
+from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.protocol.stats import EngineStats
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate completions for batches of prompts.
+
+    Keyword arguments are `EngineArgs` fields (`max_model_len`, `dtype`, ...); unknown
+    ones raise TypeError naming them. The engine core runs in a child process
+    (`multiprocess=False` keeps it in this one, for debugging), or, with
+    `engine_address`, is one already running elsewhere (CURVE key files if it requires
+    them); the model directory then only provides the tokenizer.
+    """
+
+    def __init__(self, model: str, *, engine_address: str | None = None,
+                 multiprocess: bool = True, curve_secret_key: str | None = None,
+                 curve_server_public_key: str | None = None, **kwargs: Any) -> None:
+        self.engine_core: SyncEngineCoreClient | None = None
+        configure_logging()
+        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.engine_args = args = args.replace(model=resolve_model(args.model))
+        self.tokenizer = tokenizer_for(args)
+        self.engine_core = make_client(
+            args, asyncio_mode=False, multiprocess=multiprocess, engine_address=engine_address,
+            curve=CurveClientKeys.from_paths(curve_secret_key, curve_server_public_key))
+        self.info = self.engine_core.info
+        self.input_processor = InputProcessor(self.tokenizer, self.info,
+                                              generation_eos_token_ids(args.model))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+
+    # -- generation ----------------------------------------------------------------
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in input order.
+
+        prompts: a string, {"prompt": ...} or {"prompt_token_ids": [...]} (either may add
+            "cache_salt"), or a list of those.
+        sampling_params: one for all prompts or a list with one per prompt; n > 1 gives
+            n completions per prompt.
+        priority: one per prompt, for scheduling_policy="priority" (lower first).
+        """
+        engine_core = self._client()
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        elif not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} sampling_params for "
+                                 f"{len(prompt_list)} prompts; pass one, or one per prompt")
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        # Validate everything before sending anything: a bad prompt leaves no trace.
+        requests = [self._process(p, sp, prio) for p, sp, prio in zip(
+            prompt_list, params_list, priorities, strict=True)]
+        for processed in requests:
+            self.output_processor.add_request(processed)
+            for request in processed.engine_requests:
+                engine_core.add_request(request)
+        return self._run([r.request_id for r in requests], use_tqdm)
+
+    def chat(self, messages: ChatMessages | Sequence[ChatMessages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (the tokenizer's chat
+        template, with the assistant's generation prompt)."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (this LLM has skip_tokenizer_init=True)")
+        conversations = ([messages] if messages and isinstance(messages[0], dict)
+                         else list(messages))
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            if not isinstance(conversation, list) or not all(
+                    isinstance(m, dict) and "role" in m for m in conversation):
+                raise TypeError("messages must be a list of {'role': ..., 'content': ...} "
+                                "dicts, or a list of such lists")
+            ids = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=False, **(chat_template_kwargs or {}))
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_stats(self) -> EngineStats:
+        return self._client().get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. after pushing new weights). False, changing
+        nothing, while requests hold KV blocks."""
+        return self._client().reset_prefix_cache()
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        engine_core = getattr(self, "engine_core", None)
+        if engine_core is not None:
+            self.engine_core = None
+            engine_core.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- internals -----------------------------------------------------------------
+
+    def _process(self, prompt: PromptType, params: SamplingParams, priority: int
+                 ) -> ProcessedRequest:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got "
+                            f"{type(params).__name__}")
+        # Only finished outputs are needed here: skip building per-step outputs.
+        return self.input_processor.process_inputs(
+            str(next(self._request_counter)), prompt, params, priority=priority,
+            output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def _client(self) -> SyncEngineCoreClient:
+        if self.engine_core is None:
+            raise RuntimeError("this LLM has been shut down")
+        return self.engine_core
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine_core = self._client()
+        results: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(request_ids)) if use_tqdm else None
+        start, num_output_tokens = time.perf_counter(), 0
+        try:
+            while self.output_processor.has_unfinished_requests():
+                outputs = engine_core.get_output().outputs
+                num_output_tokens += sum(len(o.new_token_ids) for o in outputs)
+                processed = self.output_processor.process_outputs(outputs)
+                if processed.reqs_to_abort:
+                    engine_core.abort_requests(processed.reqs_to_abort)
+                if processed.errors:
+                    request_id, error = next(iter(processed.errors.items()))
+                    raise ValueError(f"request {request_id} failed in the engine: {error}")
+                for output in processed.request_outputs:
+                    results[output.request_id] = output
+                if bar is not None:
+                    bar.update(len(processed.request_outputs))
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"{num_output_tokens / elapsed:.1f} tok/s", refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+            unfinished = self.output_processor.abort_requests(request_ids)
+            if unfinished and engine_core.dead_error is None:
+                # Interrupted or failed: leave no request behind in the engine.
+                engine_core.abort_requests(unfinished)
+        return [results[r] for r in request_ids]
+
+
+def _engine_signature() -> inspect.Signature:
+    """`LLM(model, *, <every EngineArgs field>)`, so help() and IDEs show the options."""
+    kind = inspect.Parameter.KEYWORD_ONLY
+    own = inspect.signature(LLM.__init__).parameters
+    params = [p for name, p in own.items() if name != "kwargs"]
+    params += [inspect.Parameter(f.name, kind, default=f.default, annotation=f.type)
+               for f in dataclasses.fields(EngineArgs) if f.name != "model"]
+    return inspect.Signature(params, return_annotation=None)
+
+
+LLM.__init__.__signature__ = _engine_signature()  # type: ignore[attr-defined]
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)

@@ -1,0 +1,486 @@
+"""Clients of an engine core in another process: `SyncMPClient` (for `LLM`) and
+`AsyncMPClient` (for `AsyncLLM`).
+
+Either launches its own engine core (`EngineProcess`) or attaches to a running one at
+`engine_address`. One DEALER socket connects to the engine's ROUTER: HELLO answered by
+READY (the engine's facts, this client's index and its output endpoint), then requests,
+aborts, utility calls and BYE; this client's outputs come back on a PULL socket.
+
+The engine's death reaches every caller as `EngineDeadError` naming the cause: from
+the engine's last message, from the child process's exit (a watcher thread waits on
+it, so a SIGKILL is noticed at once), from a socket losing its connection (ZeroMQ's
+monitor events: an engine elsewhere that dies is noticed at once too), or, for an
+engine that hangs silently, from missing heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
+
+from pagellm.enginecore.transport import monitor as monitor_socket
+from pagellm.frontend.core_client import EngineCoreClient, EngineDeadError, SyncEngineCoreClient
+from pagellm.frontend.engine_process import EngineProcess
+from pagellm.protocol.codec import MsgpackDecoder, MsgpackEncoder
+from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.messages import (
+    PROTOCOL_VERSION,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    HandshakeReply,
+    HandshakeRequest,
+    RequestType,
+    UtilityMethod,
+    UtilityRequest,
+)
+from pagellm.protocol.stats import EngineStats
+from pagellm.protocol.utility import RESULT_TYPES
+
+LOCAL_STARTUP_TIMEOUT_S = 900.0  # loading a large model can take minutes
+REMOTE_HANDSHAKE_TIMEOUT_S = 30.0
+HEARTBEAT_TIMEOUT_S = 10.0  # an attached engine is dead after this long in silence
+UTILITY_TIMEOUT_S = 60.0
+_SIGNAL_CHECK_S = 0.2
+_EXIT_WAIT_S = 1.0  # a lost connection to a launched engine: wait this long for its exit
+
+
+@dataclass(frozen=True)
+class CurveClientKeys:
+    """Key files for an engine core that requires CURVE (zmq.auth's format)."""
+
+    secret_key_file: Path  # this frontend's key pair ("*.key_secret")
+    server_public_key_file: Path  # the engine's public key ("*.key")
+
+    @classmethod
+    def from_paths(cls, secret_key: str | None, server_public_key: str | None
+                   ) -> CurveClientKeys | None:
+        """Both or neither (None: no CURVE)."""
+        if (secret_key is None) != (server_public_key is None):
+            raise ValueError("curve_secret_key and curve_server_public_key go together")
+        if secret_key is None or server_public_key is None:
+            return None
+        return cls(Path(secret_key), Path(server_public_key))
+
+    def configure(self, sock: zmq.Socket) -> None:
+        import zmq.auth
+
+        for path in (self.secret_key_file, self.server_public_key_file):
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"CURVE key file not found: {path}")
+        public, secret = zmq.auth.load_certificate(self.secret_key_file)
+        if secret is None:
+            raise ValueError(f"{self.secret_key_file} holds no secret key")
+        server_public, _ = zmq.auth.load_certificate(self.server_public_key_file)
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+        sock.curve_serverkey = server_public
+
+
+def _endpoint_for(engine_address: str, endpoint: str) -> str:
+    """The engine reports where it bound (maybe 0.0.0.0): reach it at the host we used."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host = urlsplit(engine_address).hostname or "127.0.0.1"
+    port = urlsplit(endpoint).port
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class MPClient(EngineCoreClient):
+    """What both multi-process clients share: start-up, handshake, sending, death."""
+
+    def __init__(self, args: EngineArgs | None, engine_address: str | None = None,
+                 curve: CurveClientKeys | None = None) -> None:
+        if (args is None) == (engine_address is None):
+            raise ValueError("give engine args to launch an engine core, or an address")
+        self.engine_process = EngineProcess(args) if args is not None else None
+        self.address = engine_address or self.engine_process.address  # type: ignore[union-attr]
+        self.curve = curve
+        self.context = zmq.Context()
+        self.dead_error: str | None = None
+        self._closed = False
+        self._death_lock = threading.Lock()
+        try:
+            self.engine, reply = self._handshake()
+            assert reply.info is not None and reply.client_index is not None
+            self.output = self._connect_output(_endpoint_for(self.address,
+                                                             reply.output_endpoint))
+        except BaseException:
+            self._close_transport()
+            raise
+        self.info = reply.info
+        self.client_index = reply.client_index
+        # Created here, read only by the watcher thread (sockets are not thread-safe).
+        monitors = [monitor_socket(s, zmq.EVENT_DISCONNECTED)
+                    for s in (self.engine, self.output)]
+        if self.engine_process is not None:
+            # Connected: the socket files are no longer needed, so nothing is left behind
+            # even if both processes are killed.
+            self.engine_process.remove_socket_dir()
+            threading.Thread(target=self._watch_process, name="engine-watcher",
+                             daemon=True).start()
+        threading.Thread(target=self._watch_connection, args=(monitors,),
+                         name="engine-connection", daemon=True).start()
+        self._encoder = MsgpackEncoder()
+        self._decoder = MsgpackDecoder(EngineCoreOutputs)
+        self._call_ids = itertools.count()
+
+    # -- start-up --------------------------------------------------------------------
+
+    def _new_socket(self, kind: int) -> zmq.Socket:
+        sock = self.context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block a request: queue it
+        sock.setsockopt(zmq.RCVHWM, 0)  # take outputs off the wire as they come
+        if self.curve is not None:
+            self.curve.configure(sock)
+        return sock
+
+    def _handshake(self) -> tuple[zmq.Socket, HandshakeReply]:
+        sock = self._new_socket(zmq.DEALER)
+        monitor = monitor_socket(sock, zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                 | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        sock.connect(self.address)
+        sock.send_multipart([RequestType.HELLO.value,
+                             msgspec.msgpack.encode(HandshakeRequest(PROTOCOL_VERSION))])
+        local = self.engine_process is not None
+        timeout = LOCAL_STARTUP_TIMEOUT_S if local else REMOTE_HANDSHAKE_TIMEOUT_S
+        deadline = time.monotonic() + timeout
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        attached = False
+        try:
+            while time.monotonic() < deadline:
+                events = dict(poller.poll(100))
+                if sock in events:
+                    reply = msgspec.msgpack.decode(sock.recv_multipart()[-1],
+                                                   type=HandshakeReply)
+                    if reply.error is not None:
+                        raise RuntimeError(f"engine core at {self.address} refused this "
+                                           f"frontend: {reply.error}")
+                    attached = True
+                    return sock, reply
+                if monitor in events:
+                    raise PermissionError(
+                        f"CURVE authentication with the engine core at {self.address} "
+                        "failed: it does not accept this frontend's key, or the engine's "
+                        "public key given here is wrong")
+                if self.engine_process is not None:
+                    failure = self.engine_process.startup_failure()
+                    if failure is not None:
+                        raise failure.reraise()
+                    cause = self.engine_process.exit_cause()
+                    if cause is not None:
+                        raise RuntimeError(f"engine core failed to start: {cause}")
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            if not attached:
+                sock.close(linger=0)
+        raise TimeoutError(
+            f"no answer from an engine core at {self.address} within {timeout:.0f} s "
+            "(is it running? if it requires CURVE, are the keys right?)")
+
+    def _connect_output(self, endpoint: str) -> zmq.Socket:
+        sock = self._new_socket(zmq.PULL)
+        monitor = monitor_socket(sock, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        sock.connect(endpoint)
+        # The engine drops outputs for a client that has not connected yet: wait.
+        if not monitor.poll(int(REMOTE_HANDSHAKE_TIMEOUT_S * 1000)):
+            raise TimeoutError(f"could not connect to the engine core's {endpoint}")
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        return sock
+
+    # -- requests --------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(RequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead_error is None and not self._closed:
+            self._send(RequestType.ABORT, request_ids)
+
+    def _send(self, kind: RequestType, payload: Any) -> None:
+        self.check_alive()
+        self.engine.send_multipart([kind.value, self._encoder.encode(payload)])
+
+    def _utility_request(self, method: UtilityMethod) -> UtilityRequest:
+        return UtilityRequest(next(self._call_ids), method)
+
+    @staticmethod
+    def _utility_result(method: UtilityMethod, outputs: EngineCoreOutputs) -> Any:
+        result = outputs.utility_output
+        assert result is not None
+        if result.failure is not None:
+            raise RuntimeError(f"engine core utility call {method.name} failed: "
+                               f"{result.failure}")
+        return msgspec.msgpack.decode(result.result or b"", type=RESULT_TYPES[method])
+
+    # -- death and shutdown ----------------------------------------------------------
+
+    def check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        if self._closed:
+            raise RuntimeError("this engine-core client has been shut down")
+
+    def _watch_process(self) -> None:
+        assert self.engine_process is not None
+        self.engine_process.wait_exit()
+        if not self._closed:
+            self._on_dead(self.engine_process.exit_cause() or "engine core exited")
+
+    def _watch_connection(self, monitors: list[zmq.Socket]) -> None:
+        """Both sockets' connections: losing either means the engine is gone (it
+        aborts what we sent when it loses us too)."""
+        poller = zmq.Poller()
+        for monitor in monitors:
+            poller.register(monitor, zmq.POLLIN)
+        try:
+            while not self._closed and self.dead_error is None:
+                events = dict(poller.poll(100))
+                if not any(m in events and recv_monitor_message(m) for m in monitors):
+                    continue
+                cause = f"lost the connection to the engine core at {self.address}"
+                if self.engine_process is not None:  # the exit says more, if it comes
+                    deadline = time.monotonic() + _EXIT_WAIT_S
+                    while self.engine_process.exit_cause() is None \
+                            and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    cause = self.engine_process.exit_cause() or cause
+                self._on_dead(cause)
+        except zmq.ZMQError:
+            return  # the context was closed under us: shutting down
+        finally:
+            for monitor in monitors:
+                with contextlib.suppress(zmq.ZMQError):
+                    monitor.close(linger=0)
+
+    def _on_dead(self, cause: str) -> None:
+        with self._death_lock:
+            if self.dead_error is not None or self._closed:
+                return
+            self.dead_error = cause
+        self._notify_dead(cause)
+
+    def _notify_dead(self, cause: str) -> None:
+        """Wake every waiter (subclasses)."""
+
+    def _check_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.engine_dead is not None:
+            self._on_dead(outputs.engine_dead)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.engine_process is None and self.dead_error is None:
+            # Attached: tell the engine we leave, so it aborts what we left running.
+            with contextlib.suppress(zmq.ZMQError):
+                self.engine.send_multipart([RequestType.BYE.value, b""])
+                self.engine.setsockopt(zmq.LINGER, 1000)
+        self._close_transport()
+
+    def _close_transport(self) -> None:
+        self._closed = True
+        if self.engine_process is not None:
+            # Stop the engine first: it still talks to our sockets until it exits.
+            self.engine_process.terminate()
+            self.context.destroy(linger=0)
+        else:
+            self.context.destroy()  # each socket's own linger: the BYE gets out
+
+
+class SyncMPClient(MPClient, SyncEngineCoreClient):
+    """For `LLM`: a thread reads this client's outputs into a queue."""
+
+    def __init__(self, args: EngineArgs | None, engine_address: str | None = None,
+                 curve: CurveClientKeys | None = None) -> None:
+        super().__init__(args, engine_address, curve)
+        self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        self._calls: dict[int, concurrent.futures.Future[EngineCoreOutputs]] = {}
+        self._reader = threading.Thread(target=self._read_outputs, name="engine-outputs",
+                                        daemon=True)
+        self._reader.start()
+
+    def get_output(self) -> EngineCoreOutputs:
+        item = _interruptible(self._outputs.get)
+        if isinstance(item, EngineDeadError):
+            self._outputs.put(item)  # every later call fails the same way
+            raise item
+        return item
+
+    def get_stats(self) -> EngineStats:
+        return self._call(UtilityMethod.GET_STATS)
+
+    def reset_prefix_cache(self) -> bool:
+        return self._call(UtilityMethod.RESET_PREFIX_CACHE)
+
+    def _call(self, method: UtilityMethod) -> Any:
+        request = self._utility_request(method)
+        future: concurrent.futures.Future[EngineCoreOutputs] = concurrent.futures.Future()
+        self._calls[request.call_id] = future
+        self._send(RequestType.UTILITY, request)
+        deadline = time.monotonic() + UTILITY_TIMEOUT_S
+        while True:
+            try:  # short waits: Ctrl-C must reach a caller blocked here
+                outputs = future.result(timeout=_SIGNAL_CHECK_S)
+                break
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"engine core utility call {method.name} timed out"
+                                       ) from None
+        return self._utility_result(method, outputs)
+
+    def _read_outputs(self) -> None:
+        last_seen = time.monotonic()
+        attached = self.engine_process is None
+        while not self._closed and self.dead_error is None:
+            try:
+                if not self.output.poll(100):
+                    if attached and time.monotonic() - last_seen > HEARTBEAT_TIMEOUT_S:
+                        self._on_dead(f"no heartbeat from the engine core at {self.address} "
+                                      f"for {HEARTBEAT_TIMEOUT_S:.0f} s")
+                    continue
+                outputs = self._decoder.decode(self.output.recv())
+            except zmq.ZMQError:
+                return  # the context was closed under us: shutting down
+            last_seen = time.monotonic()
+            self._check_outputs(outputs)
+            if outputs.utility_output is not None:
+                future = self._calls.pop(outputs.utility_output.call_id, None)
+                if future is not None:
+                    future.set_result(outputs)
+            if outputs.outputs:
+                self._outputs.put(outputs)
+
+    def _notify_dead(self, cause: str) -> None:
+        self._outputs.put(EngineDeadError(cause))
+        for future in list(self._calls.values()):
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                future.set_exception(EngineDeadError(cause))
+        self._calls.clear()
+
+
+class AsyncMPClient(MPClient):
+    """For `AsyncLLM`: an asyncio task reads this client's outputs through zmq's
+    asyncio support (no polling); requests go out on the plain DEALER socket, whose
+    sends never block (no high-water mark)."""
+
+    def __init__(self, args: EngineArgs | None, engine_address: str | None = None,
+                 curve: CurveClientKeys | None = None) -> None:
+        super().__init__(args, engine_address, curve)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
+        self._calls: dict[int, asyncio.Future[EngineCoreOutputs]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    def _ensure_reader(self) -> asyncio.Queue[EngineCoreOutputs | EngineDeadError]:
+        loop = asyncio.get_running_loop()
+        if self._queue is None or self._loop is not loop:
+            self._loop = loop
+            self._queue = asyncio.Queue()
+            if self.dead_error is not None:
+                self._queue.put_nowait(EngineDeadError(self.dead_error))
+            socket = zmq.asyncio.Socket.from_socket(self.output)
+            self._reader = loop.create_task(self._read_outputs(socket))
+        return self._queue
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        item = await self._ensure_reader().get()
+        if isinstance(item, EngineDeadError):
+            self._ensure_reader().put_nowait(item)
+            raise item
+        return item
+
+    async def get_stats_async(self) -> EngineStats:
+        return await self._call_async(UtilityMethod.GET_STATS)
+
+    async def reset_prefix_cache_async(self) -> bool:
+        return await self._call_async(UtilityMethod.RESET_PREFIX_CACHE)
+
+    async def _call_async(self, method: UtilityMethod) -> Any:
+        self._ensure_reader()
+        request = self._utility_request(method)
+        future: asyncio.Future[EngineCoreOutputs] = asyncio.get_running_loop().create_future()
+        self._calls[request.call_id] = future
+        self._send(RequestType.UTILITY, request)
+        return self._utility_result(method, await asyncio.wait_for(future, UTILITY_TIMEOUT_S))
+
+    async def _read_outputs(self, socket: zmq.asyncio.Socket) -> None:
+        timeout = HEARTBEAT_TIMEOUT_S if self.engine_process is None else None
+        while not self._closed and self.dead_error is None:
+            try:
+                data = await asyncio.wait_for(socket.recv(), timeout)
+            except TimeoutError:
+                self._on_dead(f"no heartbeat from the engine core at {self.address} for "
+                              f"{HEARTBEAT_TIMEOUT_S:.0f} s")
+                return
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            outputs = self._decoder.decode(data)
+            self._check_outputs(outputs)
+            if outputs.utility_output is not None:
+                future = self._calls.pop(outputs.utility_output.call_id, None)
+                if future is not None and not future.done():
+                    future.set_result(outputs)
+            if outputs.outputs and self._queue is not None:
+                self._queue.put_nowait(outputs)
+
+    def _notify_dead(self, cause: str) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # nobody waits yet; later calls see dead_error
+        if _in_loop(loop):
+            self._wake_all(cause)
+        else:
+            loop.call_soon_threadsafe(self._wake_all, cause)
+
+    def _wake_all(self, cause: str) -> None:
+        if self._queue is not None:
+            self._queue.put_nowait(EngineDeadError(cause))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(cause))
+        self._calls.clear()
+
+    def shutdown(self) -> None:
+        if self._reader is not None and self._loop is not None and not self._loop.is_closed():
+            if _in_loop(self._loop):
+                self._reader.cancel()
+            else:
+                self._loop.call_soon_threadsafe(self._reader.cancel)
+        super().shutdown()
+
+
+def _interruptible(get: Any) -> Any:
+    """queue.get() that lets signal handlers (Ctrl-C) run: a signal the kernel hands to
+    another thread only runs once the main thread executes bytecode again."""
+    while True:
+        try:
+            return get(timeout=_SIGNAL_CHECK_S)
+        except queue.Empty:
+            continue
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+

@@ -1,0 +1,270 @@
+"""`OutputProcessor`: engine-core outputs in, `RequestOutput`s out.
+
+A request with `n` completions runs in the engine core as `n` child requests (the
+`InputProcessor` fans it out); here each child is a `CompletionState` (incremental
+detokenization, stop strings) and the request a `RequestState` that assembles the
+children's completions into one `RequestOutput` as CUMULATIVE, DELTA or FINAL_ONLY
+asks. A stop-string hit finishes the child here and is reported so the caller aborts
+it in the engine core at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagellm.frontend.detokenizer import IncrementalDetokenizer
+from pagellm.frontend.input_processor import ProcessedRequest
+from pagellm.frontend.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagellm.protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    TokenLogprobs,
+)
+from pagellm.protocol.sampling_params import RequestOutputKind
+
+# AsyncLLM streams each request through its own queue: outputs, or the exception that
+# ends the stream.
+OutputQueue = asyncio.Queue[RequestOutput | BaseException]
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    reqs_to_abort: list[str] = field(default_factory=list)  # engine ids stopped by a string
+    errors: dict[str, str] = field(default_factory=dict)  # request_id -> engine's message
+
+
+class CompletionState:
+    """One completion: its tokens, text and stop state."""
+
+    def __init__(self, index: int, request: EngineCoreRequest, tokenizer: Any) -> None:
+        params = request.sampling_params
+        if not params.detokenize:
+            tokenizer = None  # token ids only: no text, no decoded logprob tokens
+        self.tokenizer = tokenizer
+        self.index = index
+        self.min_tokens = params.min_tokens
+        self.stop = params.stop or []
+        self.include_stop = params.include_stop_str_in_output
+        # Streamed text holds back what could still turn out to start a stop string.
+        self.stop_buffer = max((len(s) for s in self.stop), default=1) - 1
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
+                                                  params.skip_special_tokens,
+                                                  params.spaces_between_special_tokens)
+        self.logprobs: list[PositionLogprobs] | None = (
+            [] if params.logprobs is not None else None)
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.sent_logprobs = 0
+        self.text_end: int | None = None  # text length after a stop string cut it
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.sent_text = 0  # DELTA bookkeeping
+        self.sent_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, output: EngineCoreOutput) -> bool:
+        """Absorb one step's tokens; True when a stop string finished it here."""
+        delta = self.detokenizer.update(output.new_token_ids)
+        if self.logprobs is not None and output.new_logprobs:
+            for position in output.new_logprobs:
+                self.logprobs.append(logprob_dict(position, self.tokenizer))
+                self.cumulative_logprob = (self.cumulative_logprob or 0.0) + \
+                    position.logprobs[0]
+        if output.finish_reason is not None:
+            self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
+            delta += self.detokenizer.flush()
+        if self.stop and delta and len(self.detokenizer.token_ids) > self.min_tokens:
+            hit = find_stop_string(self.detokenizer.text, len(delta), self.stop,
+                                   self.include_stop)
+            if hit is not None:
+                self.stop_reason, self.text_end = hit
+                stopped_here = self.finish_reason is None
+                self.finish_reason = FinishReason.STOP
+                return stopped_here
+        return False
+
+    def completion(self, delta: bool) -> CompletionOutput:
+        text = self.detokenizer.text[:self.text_end]
+        if not self.finished and self.stop_buffer:
+            text = text[:max(len(text) - self.stop_buffer, self.sent_text)]
+        token_ids = self.detokenizer.token_ids
+        logprobs = self.logprobs
+        if delta:
+            text, self.sent_text = text[self.sent_text:], len(text)
+            token_ids, self.sent_tokens = token_ids[self.sent_tokens:], len(token_ids)
+            if logprobs is not None:
+                logprobs, self.sent_logprobs = logprobs[self.sent_logprobs:], len(logprobs)
+        return CompletionOutput(
+            index=self.index, text=text, token_ids=list(token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(logprobs) if logprobs is not None else None,
+            finish_reason=str(self.finish_reason) if self.finished else None,
+            stop_reason=self.stop_reason)
+
+
+class RequestState:
+    """A user's request: its completions, and where its outputs go."""
+
+    def __init__(self, processed: ProcessedRequest, tokenizer: Any,
+                 queue: OutputQueue | None) -> None:
+        self.request_id = processed.request_id
+        self.prompt = processed.prompt
+        self.prompt_token_ids = processed.prompt_token_ids
+        self.output_kind = processed.params.output_kind
+        self.queue = queue
+        self.engine_ids = [r.request_id for r in processed.engine_requests]
+        self.completions = [CompletionState(i, r, tokenizer)
+                            for i, r in enumerate(processed.engine_requests)]
+        self.tokenizer = tokenizer if processed.params.detokenize else None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            [None] if processed.params.prompt_logprobs is not None else None)
+        self.sent_prompt_logprobs = 0
+
+    def add_prompt_logprobs(self, positions: list[TokenLogprobs]) -> None:
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs += [logprob_dict(p, self.tokenizer) for p in positions]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+    def make_output(self, changed: CompletionState) -> RequestOutput | None:
+        finished = self.finished
+        if self.output_kind == RequestOutputKind.FINAL_ONLY:
+            if not finished:
+                return None
+            outputs = [c.completion(delta=False) for c in self.completions]
+        elif self.output_kind == RequestOutputKind.DELTA:
+            outputs = [changed.completion(delta=True)]
+        else:  # CUMULATIVE: every completion that has begun
+            outputs = [c.completion(delta=False) for c in self.completions
+                       if c.detokenizer.token_ids or c.finished]
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is not None and self.output_kind == RequestOutputKind.DELTA:
+            prompt_logprobs, self.sent_prompt_logprobs = (
+                prompt_logprobs[self.sent_prompt_logprobs:], len(prompt_logprobs))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
+                             finished, list(prompt_logprobs) if prompt_logprobs is not None
+                             else None)
+
+    def emit(self, output: RequestOutput | BaseException, into: ProcessedOutputs) -> None:
+        if self.queue is not None:
+            self.queue.put_nowait(output)
+        elif isinstance(output, RequestOutput):
+            into.request_outputs.append(output)
+
+
+def logprob_dict(position: TokenLogprobs, tokenizer: Any | None) -> PositionLogprobs:
+    """token id -> Logprob; the chosen token (first) keeps its own rank."""
+    result: PositionLogprobs = {}
+    for token_id, logprob, rank in zip(position.token_ids, position.logprobs, position.ranks,
+                                       strict=True):
+        if token_id not in result:
+            decoded = tokenizer.decode([token_id]) if tokenizer is not None else None
+            result[token_id] = Logprob(logprob, rank, decoded)
+    return result
+
+
+def find_stop_string(text: str, new_chars: int, stop: list[str], include: bool
+                     ) -> tuple[str, int | None] | None:
+    """The earliest stop string in the text's new tail: (string, where to cut the text,
+    None for no cut). Only the last `new_chars` characters, plus overlap, are searched."""
+    best: tuple[int, str] | None = None
+    for s in stop:
+        index = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, s)
+    if best is None:
+        return None
+    index, s = best
+    cut = index + len(s) if include else index
+    return s, (None if cut >= len(text) else cut)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self._by_engine_id: dict[str, tuple[RequestState, CompletionState]] = {}
+
+    def add_request(self, processed: ProcessedRequest, queue: OutputQueue | None = None
+                    ) -> None:
+        """Track a request; with a queue its outputs go there instead of into the
+        `ProcessedOutputs` that `process_outputs` returns."""
+        if processed.request_id in self.requests:
+            raise ValueError(f"request id {processed.request_id!r} is already in use")
+        state = RequestState(processed, self.tokenizer, queue)
+        self.requests[processed.request_id] = state
+        for engine_id, completion in zip(state.engine_ids, state.completions, strict=True):
+            self._by_engine_id[engine_id] = (state, completion)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget requests; returns the engine ids of their unfinished completions (to
+        abort in the engine core). A queued stream ends with a final output whose
+        finish_reason is "abort"."""
+        to_abort: list[str] = []
+        for request_id in request_ids:
+            state = self._forget(request_id)
+            if state is None:
+                continue
+            for engine_id, completion in zip(state.engine_ids, state.completions,
+                                             strict=True):
+                if not completion.finished:
+                    to_abort.append(engine_id)
+                    completion.finish_reason = FinishReason.ABORT
+            final = state.make_output(state.completions[0])
+            if state.queue is not None and final is not None:
+                state.queue.put_nowait(final)
+        return to_abort
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        processed = ProcessedOutputs()
+        for output in outputs:
+            found = self._by_engine_id.get(output.request_id)
+            if found is None:
+                continue  # aborted here while the engine was still stepping it
+            state, completion = found
+            if output.finish_reason == FinishReason.ERROR:
+                error = output.error or "engine error"
+                state.emit(ValueError(f"request {state.request_id} failed in the engine: "
+                                      f"{error}"), processed)
+                processed.errors[state.request_id] = error
+                processed.reqs_to_abort += [e for e, c in zip(state.engine_ids,
+                                                              state.completions, strict=True)
+                                            if not c.finished and e != output.request_id]
+                self._forget(state.request_id)
+                continue
+            if output.new_prompt_logprobs:
+                state.add_prompt_logprobs(output.new_prompt_logprobs)
+            if completion.update(output):
+                processed.reqs_to_abort.append(output.request_id)
+            request_output = state.make_output(completion)
+            if request_output is not None:
+                state.emit(request_output, processed)
+            if state.finished:
+                self._forget(state.request_id)
+        return processed
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every queued stream with `error` (the engine died) and forget them all."""
+        for state in self.requests.values():
+            if state.queue is not None:
+                state.queue.put_nowait(error)
+        self.requests.clear()
+        self._by_engine_id.clear()
+
+    def _forget(self, request_id: str) -> RequestState | None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            for engine_id in state.engine_ids:
+                self._by_engine_id.pop(engine_id, None)
+        return state

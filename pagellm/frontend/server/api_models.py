@@ -1,0 +1,187 @@
+"""OpenAI API request bodies as msgspec Structs, and their translation to
+`SamplingParams`.
+
+Bodies are decoded strictly: a wrong type or an unknown field is a 400 whose message
+names the field (`$.max_tokens`). Fields of OpenAI's API that change nothing here
+(user, service_tier, store, metadata) are accepted and ignored; features we do not
+serve (tools, response_format, suffix, best_of > n) are refused by name rather than
+silently dropped. vLLM's extra sampling fields are accepted in the body too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What both endpoints share: OpenAI's fields and vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Accepted for compatibility; they change nothing here.
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    # vLLM's extra sampling fields.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """Defaults follow OpenAI's (temperature 1, top_p 1), not greedy."""
+        bias = None
+        if self.logit_bias is not None:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                if not key.lstrip("-").isdigit():
+                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                bias[int(key)] = value
+        extra: dict[str, Any] = {}
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                extra[name] = value
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens,
+            stop=[self.stop] if isinstance(self.stop, str) else self.stop, seed=self.seed,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logit_bias=bias, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            stop_token_ids=self.stop_token_ids, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            output_kind=RequestOutputKind.DELTA if self.stream
+            else RequestOutputKind.FINAL_ONLY, **extra)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    # A string, strings, token ids, or lists of token ids (msgspec takes one list type
+    # in a union: the item kinds are checked in prompts()).
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | dict[str, Any]]:
+        """Each prompt as the InputProcessor takes it (text, or token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(p, int) for p in prompt):
+            return [{"prompt_token_ids": list(prompt)}]  # one prompt of token ids
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        if all(isinstance(p, list) for p in prompt):
+            return [{"prompt_token_ids": p} for p in prompt]
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids "
+                         "or a list of lists of token ids, not a mix")
+
+    def check_supported(self) -> None:
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (it must be absent or equal n)")
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream")
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text; content parts must all be text."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"messages: only text content parts are supported, got "
+                                 f"{part.get('type')!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        if not self.messages:
+            raise ValueError("messages must not be empty")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError("tools are not supported")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError("response_format other than text is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,589 @@
+"""The OpenAI-compatible routes over `AsyncLLM`.
+
+    POST /v1/completions, /v1/chat/completions   (stream=true: server-sent events)
+    GET  /v1/models, /health, /version, /metrics
+    POST /tokenize, /detokenize
+
+Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a
+bad parameter (the message names it), 401 without the API key, 404 for another model,
+408 / 413 for a body that arrives too slowly / is too large, 503 once the engine core
+is dead. A client that goes away aborts its requests.
+
+What a client sends is bounded where it enters: the API key guards every route but
+/health, /metrics and /version; bodies are capped (`max_body_bytes`) and must arrive
+within BODY_TIMEOUT_S; JSON nested too deeply is a 400; tokenization and chat templates
+run off the event loop (the tokenizer thread), and templates sent by clients only with
+`trust_request_chat_template`, in a killable sandbox process (template_sandbox.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagellm.frontend.async_llm import AsyncLLM
+from pagellm.frontend.core_client import EngineDeadError
+from pagellm.frontend.input_processor import ProcessedRequest, child_request_id
+from pagellm.frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagellm.frontend.server.api_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagellm.frontend.server.metrics import ServerMetrics
+from pagellm.frontend.server.options import ServerOptions
+from pagellm.frontend.server.template_sandbox import ChatTemplateSandbox, TemplateTimeout
+from pagellm.version import __version__
+
+VERSION = __version__
+logger = logging.getLogger("pagellm")
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # no API key needed
+BODY_TIMEOUT_S = 30.0  # a request body must arrive within this long
+
+ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]],
+                    Callable[[MutableMapping[str, Any]], Awaitable[None]]], Awaitable[None]]
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None
+                 ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None
+                   ) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": status}}, status_code=status)
+
+
+def bad_request(message: str) -> APIError:
+    return APIError(400, message, "BadRequestError")
+
+
+class APIKeyGuard:
+    """ASGI middleware: every route but OPEN_PATHS needs `Authorization: Bearer KEY`
+    (unknown routes and the generated docs included, so nothing is learned without
+    it)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: MutableMapping[str, Any],
+                       receive: Callable[[], Awaitable[Any]],
+                       send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "invalid or missing API key",
+                                          "AuthenticationError")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: AsyncLLM, options: ServerOptions,
+              sandbox: ChatTemplateSandbox | None = None) -> FastAPI:
+    """The routes. `sandbox` renders request-supplied chat templates (required, and
+    only used, with options.trust_request_chat_template)."""
+    app = FastAPI(title="pagellm", version=VERSION)
+    metrics = ServerMetrics(options.served_model_name)
+    server = _Server(engine, options, metrics, sandbox)
+    if options.api_key is not None:
+        app.add_middleware(APIKeyGuard, api_key=options.api_key)
+
+    async def body_of(request: Request, kind: type[Any]) -> Any:
+        return _decode(await _read_body(request, options.max_body_bytes), kind)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.kind, e.param)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return error_response(503, f"the engine core is dead: {e}", "ServiceUnavailableError")
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return error_response(500, f"internal error: {type(e).__name__}: {e}",
+                              "InternalServerError")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if engine.is_dead else 200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": options.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "pagellm", "root": engine.engine_args.model,
+            "max_model_len": engine.info.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        stats = None if engine.is_dead else await engine.get_stats()
+        return Response(metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await body_of(request, TokenizeRequest)
+        server.check_model(body.model)
+        ids = await server.tokenize(body)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.info.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await body_of(request, DetokenizeRequest)
+        server.check_model(body.model)
+        vocab = engine.info.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"tokens: ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        text = await engine.run_in_tokenizer_thread(server.tokenizer().decode, body.tokens)
+        return {"prompt": text}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await body_of(request, CompletionRequest)
+        return await _respond(request, body.stream, server.completions(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await body_of(request, ChatCompletionRequest)
+        return await _respond(request, body.stream, server.chat(body))
+
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, at most `limit` bytes (413), arriving within BODY_TIMEOUT_S (408)."""
+    length = request.headers.get("content-length", "")
+    too_large = APIError(413, f"the request body is larger than {limit} bytes",
+                         "RequestEntityTooLargeError")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+                       "RequestTimeoutError") from None
+    return b"".join(chunks)
+
+
+def _decode(data: bytes, kind: type[Any]) -> Any:
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except RecursionError:
+        raise bad_request("the body nests JSON too deeply") from None
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the body is not valid UTF-8 (byte {e.start})") from None
+    except msgspec.ValidationError as e:
+        raise bad_request(f"invalid request: {e}") from None
+    except msgspec.DecodeError as e:
+        path = _invalid_text_path(data)
+        if path is not None:
+            raise bad_request(f"{path}: not valid text (a lone surrogate)") from None
+        raise bad_request(f"the body is not valid JSON: {e}") from None
+
+
+def _invalid_text_path(data: bytes) -> str | None:
+    """Where a JSON body (that the stdlib can parse) holds a string that is not valid
+    Unicode: msgspec refuses those, rightly, but names no field."""
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+
+    def walk(node: Any, path: str) -> str | None:
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                found = walk(item, f"{path}.{key}" if path else str(key))
+                if found:
+                    return found
+        elif isinstance(node, list):
+            for i, item in enumerate(node):
+                found = walk(item, f"{path}[{i}]")
+                if found:
+                    return found
+        return None
+
+    try:
+        return walk(value, "")
+    except RecursionError:
+        return None
+
+
+async def _respond(request: Request, stream: bool, work: Any) -> Response:
+    """Run a handler coroutine (or start a stream) so that the client leaving cancels it,
+    which aborts its requests in the engine."""
+    if stream:
+        events = await work  # validation happens before the first byte goes out
+        return StreamingResponse(events, media_type="text/event-stream")
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():  # the client left: stop its requests
+        task.cancel()
+        return Response(status_code=499)
+    return JSONResponse(task.result())
+
+
+class _Server:
+    """Request handling shared by the routes."""
+
+    def __init__(self, engine: AsyncLLM, options: ServerOptions, metrics: ServerMetrics,
+                 sandbox: ChatTemplateSandbox | None) -> None:
+        if options.trust_request_chat_template and sandbox is None:
+            raise ValueError("trust_request_chat_template needs a ChatTemplateSandbox")
+        self.engine = engine
+        self.options = options
+        self.name = options.served_model_name
+        self.metrics = metrics
+        self.sandbox = sandbox
+        # chat_template_kwargs are template variables: names that are parameters of
+        # apply_chat_template (tokenize, return_tensors, ...) would change what it does.
+        self.reserved_kwargs: frozenset[str] = frozenset()
+        if engine.tokenizer is not None:
+            parameters = inspect.signature(engine.tokenizer.apply_chat_template).parameters
+            self.reserved_kwargs = frozenset(
+                name for name, p in parameters.items()
+                if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+    def tokenizer(self) -> Any:
+        if self.engine.tokenizer is None:
+            raise bad_request("this server was started with --skip-tokenizer-init")
+        return self.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise APIError(404, f"The model `{model}` does not exist (this server serves "
+                                f"`{self.name}`).", "NotFoundError", "model")
+
+    def check_prompt_chars(self, name: str, chars: int) -> None:
+        """Refuse text that cannot fit in max_model_len tokens before tokenizing it."""
+        limit = self.engine.input_processor.max_prompt_chars
+        if chars > limit:
+            raise bad_request(f"{name} is {chars} characters: more than max_model_len="
+                              f"{self.engine.info.max_model_len} tokens can hold ({limit} "
+                              "characters at most)")
+
+    async def tokenize(self, body: TokenizeRequest) -> list[int]:
+        tokenizer = self.tokenizer()
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt or messages")
+        if body.messages is not None:
+            return await self._chat_prompt(body.messages, body.add_generation_prompt, None,
+                                           None)
+        assert body.prompt is not None
+        self.check_prompt_chars("prompt", len(body.prompt))
+        ids = await self.engine.run_in_tokenizer_thread(
+            tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+        return list(ids)
+
+    async def _chat_prompt(self, messages: list[Any], add_generation_prompt: bool,
+                           kwargs: dict[str, Any] | None, template: str | None
+                           ) -> list[int]:
+        """The conversation's prompt ids: the model's chat template on the tokenizer
+        thread, or a template from the request in the sandbox (if trusted)."""
+        tokenizer = self.tokenizer()
+        try:
+            conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        self.check_prompt_chars("messages", sum(len(m["content"]) for m in conversation))
+        kwargs = dict(kwargs or {})
+        if "chat_template" in kwargs:
+            template = kwargs.pop("chat_template")
+        reserved = sorted(set(kwargs) & self.reserved_kwargs)
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may only set template variables, not "
+                              f"{', '.join(reserved)}")
+        if template is not None and not self.options.trust_request_chat_template:
+            raise bad_request("chat templates from requests are refused (start the server "
+                              "with --trust-request-chat-template to allow them)")
+        try:
+            if template is None:
+                ids = await self.engine.run_in_tokenizer_thread(
+                    tokenizer.apply_chat_template, conversation,
+                    add_generation_prompt=add_generation_prompt, tokenize=True,
+                    return_dict=False, **kwargs)
+            else:
+                if not isinstance(template, str):
+                    raise bad_request("chat_template must be a string")
+                assert self.sandbox is not None
+                text = await asyncio.to_thread(self.sandbox.render, template, conversation,
+                                               add_generation_prompt, kwargs)
+                ids = await self.engine.run_in_tokenizer_thread(
+                    tokenizer.encode, text, add_special_tokens=False)
+        except APIError:
+            raise
+        except TemplateTimeout as e:
+            raise bad_request(f"messages: {e}") from None
+        except Exception as e:  # a template error is the request's fault
+            raise bad_request(f"messages: the chat template failed: {e}") from None
+        return list(ids)
+
+    async def _process(self, prompts: list[Any], params: Any, request_id: str, priority: int,
+                       salt: str | None) -> list[ProcessedRequest]:
+        """Validate every prompt before any starts (on the tokenizer thread); a bad one
+        is a 400. One HTTP request may not ask for more sequences than the engine runs
+        at once."""
+        limit = self.engine.info.max_num_seqs
+        if len(prompts) * params.n > limit:
+            raise bad_request(f"{len(prompts)} prompt(s) x n={params.n} is more sequences "
+                              f"than this engine runs at once (max_num_seqs={limit})")
+
+        def process_all() -> list[ProcessedRequest]:
+            processed = []
+            for i, prompt in enumerate(prompts):
+                if salt is not None:
+                    prompt = {"prompt": prompt} if isinstance(prompt, str) else dict(prompt)
+                    prompt["cache_salt"] = salt
+                processed.append(self.engine.process(
+                    prompt, params, child_request_id(request_id, i), priority))
+            return processed
+
+        try:
+            return await self.engine.run_in_tokenizer_thread(process_all)
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from None
+
+    async def _run_all(self, processed: list[ProcessedRequest]
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Merge the prompts' streams: (prompt index, output) as they come."""
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = \
+            asyncio.Queue()
+
+        async def pump(i: int, request: ProcessedRequest) -> None:
+            tracker = self.metrics.tracker()
+            try:
+                async for output in self.engine.stream(request):
+                    tracker.observe(output, sum(len(c.token_ids) for c in output.outputs))
+                    queue.put_nowait((i, output))
+            except Exception as e:
+                queue.put_nowait(e)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(processed)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    # -- /v1/completions ---------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest) -> Any:
+        self.check_model(body.model)
+        try:
+            body.check_supported()
+            prompts = body.prompts()
+            echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+            params = body.sampling_params(body.max_tokens, body.logprobs, echo_logprobs)
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from None
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        processed = await self._process(prompts, params, request_id, body.priority,
+                                        body.cache_salt)
+        created = int(time.time())
+        header = {"id": request_id, "object": "text_completion", "created": created,
+                  "model": self.name}
+        if body.stream:
+            return self._stream_completions(processed, header, body)
+        finals: dict[int, RequestOutput] = {}
+        async for i, output in self._run_all(processed):
+            finals[i] = output
+        choices = []
+        for i in range(len(processed)):
+            out = finals[i]
+            prefix = self._echo(out) if body.echo else ""
+            for c in out.outputs:
+                choices.append({
+                    "index": i * body.n + c.index, "text": prefix + c.text,
+                    "logprobs": self._completion_logprobs(out, c, body.echo)
+                    if body.logprobs is not None else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+        return {**header, "choices": choices, "usage": _usage(processed, completion)}
+
+    def _echo(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.tokenizer().decode(out.prompt_token_ids) if self.engine.tokenizer else ""
+
+    @staticmethod
+    def _completion_logprobs(out: RequestOutput, c: CompletionOutput, echo: bool
+                             ) -> dict[str, Any]:
+        """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
+        positions: list[tuple[int, PositionLogprobs | None]] = []
+        if echo and out.prompt_logprobs is not None:
+            positions += list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True))
+        positions += list(zip(c.token_ids, c.logprobs or [], strict=False))
+        tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+        for token_id, entry in positions:
+            chosen = entry.get(token_id) if entry else None
+            text = chosen.decoded_token if chosen and chosen.decoded_token is not None \
+                else ""
+            tokens.append(text)
+            token_logprobs.append(chosen.logprob if chosen else None)
+            top.append({(lp.decoded_token or str(t)): lp.logprob for t, lp in entry.items()}
+                       if entry else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": offsets}
+
+    def _stream_completions(self, processed: list[ProcessedRequest], header: dict[str, Any],
+                            body: CompletionRequest) -> AsyncIterator[str]:
+        def chunks(i: int, out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
+            return [{"index": i * body.n + c.index, "text": c.text,
+                     "logprobs": self._completion_logprobs(out, c, False)
+                     if body.logprobs is not None else None,
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]
+
+        return self._events(processed, header, body.include_usage, chunks)
+
+    async def _events(self, processed: list[ProcessedRequest], header: dict[str, Any],
+                      include_usage: bool,
+                      chunks: Callable[[int, RequestOutput, CompletionOutput],
+                                       list[dict[str, Any]]]) -> AsyncIterator[str]:
+        """Server-sent events: every completion update as `chunks` makes it, the usage
+        if asked, then [DONE]; the engine dying mid-stream becomes an error event."""
+        completion = 0
+        try:
+            async for i, out in self._run_all(processed):
+                for c in out.outputs:
+                    completion += len(c.token_ids)
+                    for choice in chunks(i, out, c):
+                        yield _sse({**header, "choices": [choice]})
+            if include_usage:
+                yield _sse({**header, "choices": [], "usage": _usage(processed, completion)})
+        except EngineDeadError as e:
+            yield _sse({"error": {"message": f"the engine core is dead: {e}",
+                                  "type": "ServiceUnavailableError", "code": 503}})
+        yield "data: [DONE]\n\n"
+
+    # -- /v1/chat/completions ------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest) -> Any:
+        self.check_model(body.model)
+        try:
+            body.check_supported()
+            top = (body.top_logprobs or 0) if body.logprobs else None
+            params = body.sampling_params(body.completion_limit, top)
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from None
+        prompt_ids = await self._chat_prompt(body.messages, body.add_generation_prompt,
+                                             body.chat_template_kwargs, body.chat_template)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        processed = await self._process([{"prompt_token_ids": prompt_ids}], params,
+                                        request_id, body.priority, body.cache_salt)
+        header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                  "model": self.name}
+        if body.stream:
+            return self._stream_chat(processed, header, body)
+        final = None
+        async for _, out in self._run_all(processed):
+            final = out
+        assert final is not None
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _chat_logprobs(c, body.top_logprobs or 0)
+                    if body.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in final.outputs]
+        completion = sum(len(c.token_ids) for c in final.outputs)
+        return {**header, "choices": choices, "usage": _usage(processed, completion)}
+
+    def _stream_chat(self, processed: list[ProcessedRequest], header: dict[str, Any],
+                     body: ChatCompletionRequest) -> AsyncIterator[str]:
+        started: set[int] = set()
+
+        def chunks(_: int, out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
+            choices = []
+            if c.index not in started:  # the role first, as OpenAI does
+                started.add(c.index)
+                choices.append({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None})
+            choices.append({"index": c.index, "delta": {"content": c.text} if c.text else {},
+                            "logprobs": _chat_logprobs(c, body.top_logprobs or 0)
+                            if body.logprobs else None,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            return choices
+
+        return self._events(processed, {**header, "object": "chat.completion.chunk"},
+                            body.include_usage, chunks)
+
+
+def _chat_logprobs(c: CompletionOutput, top: int) -> dict[str, Any]:
+    content = []
+    for token_id, entry in zip(c.token_ids, c.logprobs or [], strict=False):
+        chosen = entry[token_id]
+        ranked = sorted(entry.items(), key=lambda item: item[1].rank)[:top]
+        content.append({
+            "token": chosen.decoded_token or "", "logprob": chosen.logprob,
+            "bytes": list((chosen.decoded_token or "").encode()),
+            "top_logprobs": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
+                              "bytes": list((lp.decoded_token or "").encode())}
+                             for _, lp in ranked]})
+    return {"content": content}
+
+
+def _usage(processed: list[ProcessedRequest], completion: int) -> dict[str, int]:
+    prompt = sum(len(p.prompt_token_ids) for p in processed)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {msgspec.json.encode(payload).decode()}\n\n"

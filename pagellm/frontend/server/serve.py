@@ -1,0 +1,68 @@
+"""`pagellm serve MODEL [--host H] [--port P] [engine flags]`: the server's process.
+
+The engine core starts (or is attached to) before the socket opens, so /health answers
+only once requests can be served. SIGTERM or SIGINT stops accepting connections, lets
+in-flight requests finish for up to --shutdown-timeout seconds (then aborts them),
+stops the engine core and exits 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+from typing import Any
+
+from pagellm.frontend.async_llm import AsyncLLM
+from pagellm.frontend.mp_client import CurveClientKeys
+from pagellm.frontend.server.app import build_app
+from pagellm.frontend.server.connections import (
+    ConnectionLimits,
+    GuardedH11Protocol,
+    connection_limit,
+)
+from pagellm.frontend.server.options import ServerOptions
+from pagellm.frontend.server.template_sandbox import ChatTemplateSandbox
+from pagellm.logger import rate_limit
+from pagellm.protocol.engine_args import EngineArgs
+
+logger = logging.getLogger("pagellm")
+
+
+def run_server(args: EngineArgs, options: ServerOptions, host: str, port: int,
+               engine_address: str | None = None, curve_secret_key: str | None = None,
+               curve_server_public_key: str | None = None, shutdown_timeout: float = 5.0,
+               max_connections: int | None = None) -> int:
+    import uvicorn
+
+    engine = AsyncLLM.from_engine_args(
+        args, engine_address=engine_address,
+        curve=CurveClientKeys.from_paths(curve_secret_key, curve_server_public_key))
+    sandbox = None
+    if options.trust_request_chat_template and engine.tokenizer is not None:
+        sandbox = ChatTemplateSandbox(engine.engine_args.tokenizer or engine.engine_args.model)
+    app = build_app(engine, options, sandbox)
+    limits = ConnectionLimits(max_connections=connection_limit(
+        max_connections or ConnectionLimits.max_connections))
+    config = uvicorn.Config(app, host=host, port=port, log_level="info",
+                            http=functools.partial(GuardedH11Protocol,  # type: ignore[arg-type]
+                                                   limits=limits),
+                            timeout_graceful_shutdown=max(1, round(shutdown_timeout)))
+    # uvicorn configures its loggers in Config(): rate-limit their warnings after that
+    # (invalid requests, refused connections and failed accepts come in floods).
+    rate_limit("uvicorn.error", "asyncio")
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it is done; with these as the
+    # handlers it restores, that ends nothing and the process exits 0.
+    previous: dict[signal.Signals, Any] = {
+        sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+        if sandbox is not None:
+            sandbox.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    logger.info("server stopped")
+    return 0

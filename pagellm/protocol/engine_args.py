@@ -1,0 +1,201 @@
+"""`EngineArgs`: every engine option, defined once.
+
+`LLM(...)` and `AsyncLLM(...)` keyword arguments, the `pagellm` CLI flags
+(`--max-model-len` style) and the standalone engine core's flags are all derived from
+the one dataclass below, so each entry point accepts the same options under vLLM's
+names. Unknown options raise TypeError naming them: RL frameworks pass whole config
+dicts through, and a silently ignored typo would be worse than a crash.
+
+The dataclass only checks values that need no model (ranges, spellings). Options that
+depend on the model (max_model_len against the config, the KV cache size against
+memory) are resolved and checked once when the engine core starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagellm.protocol.validation import INT64_MAX, INT64_MIN, check_float, check_int
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp32": "float32", "fp16": "float16",
+                 "bf16": "bfloat16"}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineArgs:
+    """Engine options, with vLLM's names and defaults."""
+
+    model: str = field(metadata={"help": "Hugging Face model directory, or 'demo'."})
+    tokenizer: str | None = _opt(None, "Tokenizer directory (default: the model's).")
+    dtype: str = _opt("auto", "Weight and activation dtype; 'auto' takes the config's.",
+                      DTYPES + tuple(DTYPE_ALIASES))
+    device: str = _opt("auto", "'auto' (cuda when available, else cpu), 'cpu' or 'cuda[:N]'.")
+    seed: int = _opt(0, "Seed for unseeded sampling and dummy weights.")
+    block_size: int = _opt(16, "Tokens per KV-cache block.", BLOCK_SIZES)
+    max_model_len: int | None = _opt(
+        None, "Longest prompt plus output (default: the config's max_position_embeddings).")
+    max_num_seqs: int = _opt(256, "Most requests running at once.")
+    max_num_batched_tokens: int | None = _opt(
+        None, "Most tokens computed in one step (default: 8192 on cuda, 2048 on cpu).")
+    gpu_memory_utilization: float = _opt(
+        0.9, "Share of GPU memory the engine may use (weights, activations, KV cache).")
+    kv_cache_memory_bytes: int | None = _opt(
+        None, "KV-cache size in bytes (accepts 512MiB, 4GiB); overrides the automatic size.")
+    load_format: str = _opt("auto", "'dummy' gives random weights of the right shapes.",
+                            LOAD_FORMATS)
+    enable_prefix_caching: bool = _opt(
+        True, "Reuse the KV of prompt prefixes already computed (hash-identified blocks).")
+    scheduling_policy: str = _opt(
+        "fcfs", "'fcfs' (arrival order) or 'priority' (lower `priority` first, then "
+        "arrival).", SCHEDULING_POLICIES)
+    long_prefill_token_threshold: int = _opt(
+        0, "Most tokens one prompt may take in a step (0: no cap below the step budget).")
+    max_logprobs: int = _opt(20, "Most logprobs / prompt_logprobs a request may ask for.")
+    logprobs_mode: str = _opt(
+        "raw_logprobs", "'raw_logprobs' (from the model's logits) or 'processed_logprobs' "
+        "(after penalties, masks, temperature, top-k/top-p).", LOGPROBS_MODES)
+    attention_backend: str = _opt(
+        "auto", "'auto' (triton on cuda, torch on cpu), 'triton' (on the CPU through "
+        "Triton's interpreter: slow, for tests) or 'torch'.", ATTENTION_BACKENDS)
+    enforce_eager: bool = _opt(
+        False, "Run every step eagerly: no CUDA graphs for decode steps (cuda only).")
+    skip_tokenizer_init: bool = _opt(
+        False, "Load no tokenizer: prompts must be token ids and outputs carry no text.")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty path or 'demo', got {self.model!r}")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise TypeError(f"tokenizer must be a path, got {self.tokenizer!r}")
+        dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype)
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?",
+                                                                  self.device):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        check_int("seed", self.seed, minimum=INT64_MIN, maximum=INT64_MAX)
+        check_int("block_size", self.block_size)
+        check_int("max_model_len", self.max_model_len, minimum=1, allow_none=True)
+        check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1,
+                  allow_none=True)
+        check_float("gpu_memory_utilization", self.gpu_memory_utilization, minimum=0.0,
+                    maximum=1.0, min_exclusive=True)
+        check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1,
+                  allow_none=True)
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
+        check_int("max_logprobs", self.max_logprobs, minimum=0)
+        for f in dataclasses.fields(self):  # every option with choices, and every flag
+            value, choices = getattr(self, f.name), f.metadata.get("choices")
+            if choices is not None and f.name != "dtype" and value not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}, "
+                                 f"got {value!r}")
+            if isinstance(f.default, bool) and not isinstance(value, bool):
+                raise TypeError(f"{f.name} must be a bool, got {value!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """Build from keyword arguments, naming every unknown one in the TypeError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s): {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(names))})")
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, model_positional: bool = False
+                     ) -> argparse.ArgumentParser:
+        """Add one `--flag-name` per field (`model` as a positional when asked)."""
+        hints = typing.get_type_hints(cls)
+        group = parser.add_argument_group("engine options")
+        for f in dataclasses.fields(cls):
+            kind, optional = _base_type(hints[f.name])
+            help_text = f.metadata.get("help", "")
+            if f.name == "model":
+                if model_positional:
+                    group.add_argument("model", help=help_text)
+                else:
+                    group.add_argument("--model", required=True, help=help_text)
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                   default=f.default, help=help_text)
+                continue
+            convert: Any = parse_bytes if f.name.endswith("_bytes") else kind
+            if optional:
+                convert = _optional(convert)
+            group.add_argument(flag, type=convert, default=f.default,
+                               choices=f.metadata.get("choices"),
+                               help=f"{help_text} (default: {f.default})")
+        return parser
+
+    def to_cli_args(self) -> list[str]:
+        """The flags that rebuild these args (non-defaults only): how a frontend starts
+        its engine-core process."""
+        argv = ["--model", self.model]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "model" or value == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            else:
+                argv += [flag, str(value)]
+        return argv
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
+        values = vars(namespace)
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)
+                      if f.name in values})
+
+
+def _base_type(hint: Any) -> tuple[type, bool]:
+    """(int, True) for `int | None`; (str, False) for `str`."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], True
+    return hint, False
+
+
+def _optional(convert: Any) -> Any:
+    def parse(text: str) -> Any:
+        return None if text.lower() == "none" else convert(text)
+    parse.__name__ = getattr(convert, "__name__", "value")
+    return parse
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB' -> 4294967296; plain integers pass through."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 4GiB or 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

@@ -1,0 +1,156 @@
+"""Messages between the frontend and the engine core.
+
+Everything here is a msgspec Struct encoded with msgpack; `array_like=True` sends
+fields by position (no key strings on the wire) and `gc=False` keeps the many small
+objects of a busy step out of the cyclic garbage collector. New fields go at the end
+with a default so that `omit_defaults` keeps messages short.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from pagellm.protocol.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished. `str()` gives the OpenAI spelling ("stop", "length")."""
+
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or max_model_len reached
+    ABORT = 2  # aborted by the client
+    ERROR = 3  # the request could not be served; `EngineCoreOutput.error` says why
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A tokenized, validated request, as the frontend hands it to the engine core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # max_tokens already resolved (never None here)
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0  # lower runs first under scheduling_policy="priority"
+    cache_salt: str | None = None  # requests with different salts never share KV blocks
+    # sampling_params.bad_words as token ids, each word alone and after a space.
+    bad_words_token_ids: list[list[int]] | None = None
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Log-probabilities at one position: the chosen token first (the sampled one, or
+    the prompt's actual next token), then the top-k alternatives, most likely first.
+    Ranks are 1-based among the whole vocabulary."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one request produced in one engine step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id (or stop string) that hit
+    error: str | None = None  # set with FinishReason.ERROR
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, if asked for
+    # Prompt positions computed this step: entry j predicts the prompt's next token.
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class UtilityMethod(enum.IntEnum):
+    """The fixed allow-list of calls a client may make into the engine core."""
+
+    GET_STATS = 0  # -> EngineStats
+    RESET_PREFIX_CACHE = 1  # -> bool (False while blocks are held)
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    call_id: int
+    method: UtilityMethod
+    args: list[int | float | str | bool | None] = []  # checked against the method
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The answer to one UtilityRequest: msgpack bytes of the method's result type
+    (see `pagellm.protocol.utility.RESULT_TYPES`), or a failure message."""
+
+    call_id: int
+    result: bytes | None = None
+    failure: str | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """All outputs of one engine step for one client (possibly empty: a heartbeat).
+
+    `timestamp` is the engine's time.monotonic() when the step ended (system-wide on
+    Linux, so a frontend on the same host can measure its lag). `engine_dead` is the
+    engine's last message: why it stopped.
+    """
+
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    engine_dead: str | None = None
+
+
+class RequestType(bytes, enum.Enum):
+    """The first frame of every message a client sends to the engine core's socket;
+    the second (and last) frame is the payload."""
+
+    ADD = b"\x00"  # payload: EngineCoreRequest
+    ABORT = b"\x01"  # payload: list[str] of request ids
+    UTILITY = b"\x02"  # payload: UtilityRequest
+    HELLO = b"\x03"  # payload: HandshakeRequest; answered by a HandshakeReply
+    BYE = b"\x04"  # payload: empty; the engine aborts what the client left running
+
+
+class EngineInfo(msgspec.Struct, array_like=True, gc=False):
+    """What the frontend learns from the engine core once it is ready."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+    max_num_batched_tokens: int
+    device: str
+    dtype: str
+    max_logprobs: int = 20
+    max_num_seqs: int = 256
+
+
+class HandshakeRequest(msgspec.Struct, array_like=True, gc=False):
+    """HELLO: a client asks to attach."""
+
+    protocol_version: int
+
+
+class HandshakeReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """READY (what the client needs to talk to the engine), or an error."""
+
+    info: EngineInfo | None = None
+    client_index: int | None = None
+    output_endpoint: str = ""  # PULL this client's outputs here
+    error: str | None = None
+
+
+class StartupFailure(msgspec.Struct, array_like=True, gc=False):
+    """Written by a locally launched engine core on its status pipe when it cannot
+    start, so the frontend can name the cause."""
+
+    message: str
+    error_type: str = "RuntimeError"  # the exception's class name, e.g. "ValueError"
+
+
+PROTOCOL_VERSION = 2

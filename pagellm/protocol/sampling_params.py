@@ -1,0 +1,185 @@
+"""Sampling parameters, with vLLM's field names and semantics.
+
+`SamplingParams` crosses the process boundary inside every `EngineCoreRequest`, so it
+is a msgspec Struct; it validates itself on construction (and again when decoded), so
+a bad value is rejected in the frontend with a message naming the field, long before
+it could reach the GPU.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from pagellm.protocol.validation import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    check_bool,
+    check_float,
+    check_int,
+)
+
+GREEDY_TEMPERATURE = 1e-5
+MAX_STRINGS = 1024  # stop strings, bad words
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each streamed `RequestOutput` holds."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # a single output when the request finishes
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """How to sample one request's completion (vLLM's names, defaults and semantics).
+
+    temperature 0 means greedy. top_k 0 or -1 and top_p 1 mean "off". max_tokens None
+    means "up to max_model_len"; the frontend resolves it before the engine sees it.
+    Penalties follow vLLM: repetition_penalty over prompt and output (logits > 0
+    divided, others multiplied), presence/frequency penalties over the output only.
+    logprobs / prompt_logprobs: how many top alternatives to return per position (the
+    sampled or actual token is always included), at most the engine's max_logprobs.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        # Every bound is the width of where the value goes (protocol/validation.py):
+        # counts into int32 arrays, seeds into 64-bit generators, floats into float32
+        # rows. What needs the model (the vocabulary, max_model_len, max_num_seqs,
+        # max_logprobs) is checked by the InputProcessor.
+        check_int("n", self.n, minimum=1, maximum=INT32_MAX)
+        check_float("temperature", self.temperature, minimum=0.0, maximum=FLOAT32_MAX)
+        check_float("top_p", self.top_p, minimum=0.0, maximum=1.0, min_exclusive=True)
+        check_int("top_k", self.top_k, minimum=-1, maximum=INT32_MAX)
+        check_float("min_p", self.min_p, minimum=0.0, maximum=1.0)
+        check_int("seed", self.seed, minimum=INT64_MIN, maximum=INT64_MAX, allow_none=True)
+        check_float("presence_penalty", self.presence_penalty, minimum=-2.0, maximum=2.0)
+        check_float("frequency_penalty", self.frequency_penalty, minimum=-2.0, maximum=2.0)
+        check_float("repetition_penalty", self.repetition_penalty, minimum=0.0, maximum=2.0,
+                    min_exclusive=True)
+        check_int("max_tokens", self.max_tokens, minimum=1, maximum=INT32_MAX,
+                  allow_none=True)
+        check_int("min_tokens", self.min_tokens, minimum=0, maximum=INT32_MAX)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        check_int("logprobs", self.logprobs, minimum=0, maximum=INT32_MAX, allow_none=True)
+        check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=INT32_MAX,
+                  allow_none=True)
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens",
+                     "spaces_between_special_tokens", "include_stop_str_in_output"):
+            check_bool(name, getattr(self, name))
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1,
+                      maximum=INT32_MAX)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind (0 cumulative, 1 delta, "
+                            f"2 final only), got {self.output_kind!r}")
+        self.stop = _string_list("stop", self.stop)
+        self.bad_words = _string_list("bad_words", self.bad_words)
+        _token_id_list("stop_token_ids", self.stop_token_ids, allow_empty=True)
+        _token_id_list("allowed_token_ids", self.allowed_token_ids, allow_empty=False)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias, got "
+                                f"{self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                check_int("logit_bias token id", token, minimum=0, maximum=INT32_MAX)
+                check_float(f"logit_bias[{token}]", bias, minimum=-100.0, maximum=100.0)
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (use stop_token_ids)")
+
+    def check_against_model(self, vocab_size: int, max_logprobs: int) -> None:
+        """What needs the model, checked by the frontend and again by the engine core
+        (which also serves clients we did not write): token ids within the vocabulary,
+        lists of them no longer than it, logprobs within max_logprobs."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids or []),
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("logit_bias", list(self.logit_bias or ()))):
+            check_token_ids(name, ids, vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(self, name)
+            if asked is not None and asked > max_logprobs:
+                raise ValueError(f"{name}={asked} is more than this engine's max_logprobs "
+                                 f"({max_logprobs})")
+
+    @property
+    def greedy(self) -> bool:
+        # vLLM treats temperatures below 1e-5 as greedy too: dividing by them overflows.
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        """A copy with `changes` applied (and validated again)."""
+        return msgspec.structs.replace(self, **changes)
+
+
+def check_token_ids(name: str, ids: list[int], vocab_size: int) -> None:
+    """No more ids than the vocabulary has, each within it (non-negative already)."""
+    if len(ids) > vocab_size:
+        raise ValueError(f"{name} has {len(ids)} entries, more than the vocabulary "
+                         f"({vocab_size})")
+    bad = [t for t in ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary "
+                         f"[0, {vocab_size})")
+
+
+def _string_list(name: str, value: Any) -> list[str] | None:
+    """None, or a list of non-empty strings (a single string is accepted, as vLLM).
+    At most MAX_STRINGS: each is searched for (stop) or tokenized (bad words) per
+    request, so their number is work a client could otherwise inflate at will."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise TypeError(f"{name} must be a string or a list of strings, got {value!r}")
+    if len(value) > MAX_STRINGS:
+        raise ValueError(f"{name} has {len(value)} entries, more than {MAX_STRINGS}")
+    for s in value:
+        if not isinstance(s, str):
+            raise TypeError(f"{name} entries must be strings, got {type(s).__name__} {s!r}")
+        if not s:
+            raise ValueError(f"{name} entries must be non-empty strings")
+    return value
+
+
+def _token_id_list(name: str, value: Any, allow_empty: bool) -> None:
+    if value is None:
+        return
+    if not isinstance(value, list):
+        raise TypeError(f"{name} must be a list of token ids (integers), got {value!r}")
+    if not value and not allow_empty:
+        raise ValueError(f"{name} must not be empty")
+    for t in value:
+        check_int(f"{name} entry", t, minimum=0, maximum=INT32_MAX)

@@ -1,0 +1,70 @@
+"""What the scheduler hands the executor, and what comes back.
+
+These are protocol Structs (not torch objects) because with tensor parallelism the
+executor's workers live in other processes and receive them over the wire.
+
+The model runner keeps per-request state between steps (vLLM's persistent batch): a
+request is sent in full once (`NewRequestData`, also when it resumes after a
+preemption, with the tokens it had generated), and afterwards only what changed
+(`CachedRequestData`). The runner appends the tokens it samples to its own copy.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pagellm.protocol.messages import TokenLogprobs
+from pagellm.protocol.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, gc=False):
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resuming after a preemption
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    block_ids: list[int]  # the request's whole block table
+    num_computed_tokens: int  # tokens whose KV is already in the cache
+    bad_words_token_ids: list[list[int]] | None = None
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
+    req_id: str
+    new_block_ids: list[int]  # appended to the request's block table
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
+    """One step's work. Requests run in the order cached, then new."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str]  # finished or aborted since the last step: forget them
+    preempted_req_ids: list[str]  # preempted since the last step: forget them too
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class PromptLogprobsChunk(msgspec.Struct, array_like=True, gc=False):
+    """Prompt logprobs computed in one step: entry j is for prompt position start + j
+    (predicting prompt token start + j + 1)."""
+
+    start: int
+    logprobs: list[TokenLogprobs]
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
+    """Per scheduled request, the sampled token ids (empty for a partial prefill), and
+    logprobs for the requests that asked for them."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, TokenLogprobs] = {}
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = {}
+    prepare_inputs_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
