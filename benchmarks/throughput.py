@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.frontend.llm import resolve_model
+from pagellm.executor.demo_model import resolve_model
 from pagellm.protocol.engine_args import EngineArgs
 
 

@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m pagellm.engin
         curve = (CurveServerKeys(ns.curve_secret_key, ns.curve_authorized_keys)
                  if ns.curve_secret_key is not None else None)
         args = EngineArgs.from_cli_args(ns)
-        proc = EngineCoreProc(args.replace(model=resolve_model(args.model)), ns.address,
+        proc = EngineCoreProc(resolve_model(args), ns.address,
                               curve, ns.lifeline_fd, ns.shutdown_timeout)
     except Exception as e:
         logger.error("engine core failed to start: %s: %s\n%s", type(e).__name__, e,

@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pagellm.protocol.engine_args import EngineArgs
+
 if TYPE_CHECKING:
     import tokenizers
     import torch
@@ -490,7 +492,7 @@ def demo_model_dir() -> pathlib.Path:
     return final
 
 
-def resolve_model(model: str) -> str:
-    """'demo' names the built-in random-weight model (built once into a cache dir); any
-    other value is a model directory and passes through."""
-    return str(demo_model_dir()) if model == "demo" else model
+def resolve_model(args: EngineArgs) -> EngineArgs:
+    """`model="demo"` names the built-in random-weight model (built once into a cache
+    dir); any other model is a directory and passes through."""
+    return args.replace(model=str(demo_model_dir())) if args.model == "demo" else args

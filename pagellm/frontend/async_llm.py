@@ -66,7 +66,7 @@ class AsyncLLM:
         # threads at once, and one job at a time keeps prompts in arrival order.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagellm-tokenize")
         configure_logging()
-        self.engine_args = args = args.replace(model=resolve_model(args.model))
+        self.engine_args = args = resolve_model(args)
         self.tokenizer = tokenizer_for(args)
         self.engine_core = make_client(args, asyncio_mode=True, engine_address=engine_address,
                                        curve=curve)

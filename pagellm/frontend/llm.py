@@ -40,7 +40,7 @@ class LLM:
         self.engine_core: SyncEngineCoreClient | None = None
         configure_logging()
         args = EngineArgs.from_kwargs(model=model, **kwargs)
-        self.engine_args = args = args.replace(model=resolve_model(args.model))
+        self.engine_args = args = resolve_model(args)
         self.tokenizer = tokenizer_for(args)
         self.engine_core = make_client(
             args, asyncio_mode=False, multiprocess=multiprocess, engine_address=engine_address,
