@@ -74,8 +74,10 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> list[str]:
-        """Finish (e.g. abort) requests wherever they are; returns the ids that existed."""
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason,
+                        keep_cached: bool = True) -> list[str]:
+        """Finish (e.g. abort) requests wherever they are; returns the ids that existed.
+        keep_cached=False also takes their blocks out of the prefix cache."""
         found = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
@@ -86,7 +88,7 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             request.finish(reason)
-            self._free(request)
+            self._free(request, keep_cached)
             found.append(request_id)
         return found
 
@@ -217,21 +219,14 @@ class Scheduler:
         """The executor could not run this step: finish every request in it with
         FinishReason.ERROR. Their blocks leave the prefix cache too: a block registered
         for tokens this step was to compute may hold anything."""
+        failed = [self.requests[r] for r in scheduler_output.num_scheduled_tokens
+                  if r in self.requests]
+        self.finish_requests([r.request_id for r in failed], FinishReason.ERROR,
+                             keep_cached=False)
         outputs: dict[int, list[EngineCoreOutput]] = {}
-        for request_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(request_id)
-            if request is None:
-                continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
-            request.finish(FinishReason.ERROR)
-            self.kv_cache_manager.free(request, keep_cached=False)
-            del self.requests[request_id]
-            self._finished_req_ids.append(request_id)
+        for request in failed:
             outputs.setdefault(request.client_index, []).append(EngineCoreOutput(
-                request_id, [], FinishReason.ERROR, error=error))
+                request.request_id, [], FinishReason.ERROR, error=error))
         return outputs
 
     # -- helpers -------------------------------------------------------------------
@@ -283,7 +278,7 @@ class Scheduler:
         self.waiting.readd(request)
         self._preempted_req_ids.append(request.request_id)
 
-    def _free(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free(self, request: Request, keep_cached: bool = True) -> None:
+        self.kv_cache_manager.free(request, keep_cached)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
