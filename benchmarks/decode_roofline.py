@@ -74,6 +74,7 @@ def bytes_per_decode_step(model_dir: str, element_size: int, context: float
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         model = AutoModelForCausalLM.from_config(config)
+    model.tie_weights()  # transformers 5.0 leaves a model built on "meta" untied
     params = {id(p): p for p in model.parameters()}  # a tied weight appears once
     num_params = sum(p.numel() for p in params.values())
     embedding = model.get_input_embeddings().weight

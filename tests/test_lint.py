@@ -77,3 +77,20 @@ def test_imports_point_one_way():
 def test_pure_python_modules_import_without_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_every_dependency_has_a_floor_that_ci_pins():
+    """CI's oldest-versions leg pins what .ci/oldest_constraints.py prints: one pin per
+    requirement, at the floor pyproject.toml declares (torch: the CPU wheel CI has)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    out = subprocess.run([sys.executable, str(ROOT / ".ci/oldest_constraints.py")],
+                         capture_output=True, text=True, check=True).stdout.split()
+    pins = dict(line.split("==") for line in out)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = project["dependencies"] + project["optional-dependencies"]["serve"] \
+        + project["optional-dependencies"]["test"]
+    for requirement in declared:
+        name, floor = re.fullmatch(r"([\w.-]+)>=([\w.]+)", requirement).groups()
+        assert pins[name.lower()] == (floor if name != "torch" else "2.13.0"), requirement
+    assert len(pins) == len({r.split(">=")[0].lower() for r in declared})

@@ -51,6 +51,16 @@ def test_a_plain_install_runs_the_engine_the_server_and_the_standalone_core(whee
                            cwd=work, env=env, capture_output=True, text=True, check=True)
     assert str(env_dir) in where.stdout, where.stdout  # the installed copy, not ours
 
+    # Hugging Face's `kernels` package beside it: both import, neither overwrote the other
+    # (when pagellm installed a top-level `kernels`, this is what broke).
+    subprocess.run([python, "-m", "pip", "install", "-q", "kernels"], check=True, timeout=300)
+    both = subprocess.run([python, "-c", (
+        "import kernels, pagellm.kernels.triton_attention as ours\n"
+        "assert hasattr(kernels, 'get_kernel'), kernels.__file__\n"
+        "print(ours.SUPPORTED_BLOCK_SIZES)")], cwd=work, env=env, capture_output=True,
+        text=True, timeout=300)
+    assert both.returncode == 0, both.stderr
+
     # The README's first command (the multi-process engine on the demo model).
     generate = subprocess.run(
         [env_dir / "bin" / "pagellm", "generate", "--model", "demo", "--kv-cache-memory-bytes",

@@ -127,10 +127,15 @@ class BlockPool:
         running request would cache blocks again (vLLM's rule)."""
         if self.num_free_blocks != self.num_blocks:
             return False
+        self.forget_cached()
+        return True
+
+    def forget_cached(self) -> None:
+        """Make every block unfindable, held ones included (new weights: no KV computed
+        before them may be reused; held blocks still serve the requests holding them)."""
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
-        return True
 
     def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Make blocks unfindable (a failed step may have left them half written)."""

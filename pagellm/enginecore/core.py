@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from pagellm.enginecore.kv_cache_manager import KVCacheManager
 from pagellm.enginecore.request import Request
@@ -18,9 +20,11 @@ from pagellm.protocol.messages import (
     EngineCoreRequest,
     EngineInfo,
     FinishReason,
+    UtilityMethod,
 )
 from pagellm.protocol.sampling_params import MAX_STRINGS, check_token_ids
 from pagellm.protocol.stats import STEP_WINDOW, EngineStats, StepTimings
+from pagellm.protocol.utility import WeightUpdate, convert_args
 
 
 class EngineCore:
@@ -43,8 +47,15 @@ class EngineCore:
             max_num_batched_tokens=self.executor.max_num_batched_tokens,
             device=str(self.executor.device), dtype=str(model_config.dtype).removeprefix("torch."),
             max_logprobs=args.max_logprobs, max_num_seqs=args.max_num_seqs)
-        # Requests refused before they reached the scheduler, reported next step.
-        self._rejected: dict[int, list[EngineCoreOutput]] = {}
+        # Outputs made outside a step (refused or aborted requests), sent with the next.
+        self._outbox: dict[int, list[EngineCoreOutput]] = {}
+        # Pausing: None while scheduling, else the PauseMode. Requests that arrive while
+        # paused in mode "keep" wait here until resume; in the other modes they fail.
+        self.paused: str | None = None
+        self._held: list[Request] = []
+        self._sleep_level = 0
+        self._updating = False  # between start_weight_update and finish_weight_update
+        self.weight_version: str | None = None
         self.recent_steps: deque[StepTimings] = deque(maxlen=STEP_WINDOW)
         self.num_steps = 0
 
@@ -66,13 +77,25 @@ class EngineCore:
         return Request.from_engine_core_request(request, self._hash_block_size, client_index)
 
     def add_preprocessed(self, request: Request) -> None:
+        if self.paused is not None and self.paused != "keep":
+            self._reject(request.client_index, request.request_id, self._refusal(),
+                         unavailable=True)
+            return
         try:
-            self.scheduler.add_request(request)
+            if any(r.request_id == request.request_id for r in self._held):
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            if self.paused == "keep":
+                self._held.append(request)
+            else:
+                self.scheduler.add_request(request)
         except ValueError as e:  # the id is in use (two frontends, or a foreign client)
             self._reject(request.client_index, request.request_id, str(e))
 
     def abort_requests(self, request_ids: list[str], client_index: int | None = None) -> None:
         """Abort requests; with a client_index, only those that client sent."""
+        ids = set(request_ids)
+        self._held = [r for r in self._held if r.request_id not in ids
+                      or (client_index is not None and r.client_index != client_index)]
         if client_index is not None:
             requests = self.scheduler.requests
             request_ids = [r for r in request_ids
@@ -81,18 +104,89 @@ class EngineCore:
 
     def abort_client(self, client_index: int) -> None:
         """A frontend left: abort everything it left running."""
+        self._held = [r for r in self._held if r.client_index != client_index]
         self.scheduler.finish_requests(self.scheduler.request_ids_of(client_index),
                                        FinishReason.ABORT)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._rejected)
+        scheduler = self.scheduler
+        return bool(self._outbox) or (self.paused != "keep" and (
+            scheduler.has_unfinished_requests() or scheduler.has_finished_requests()))
+
+    # -- pause and sleep (vLLM's semantics; the RL rollout loop) ---------------------
+
+    def pause(self, mode: str) -> bool:
+        """Stop scheduling. "abort": in-flight requests finish now with reason abort;
+        "wait": they run to the end first (`pause_settled()` says when); "keep": they
+        stay where they are until `resume()`. New requests fail, except in "keep" mode,
+        where they wait for the resume. Returns `pause_settled()`."""
+        if mode == "abort":
+            for request in [*self.scheduler.requests.values(), *self._held]:
+                self._outbox.setdefault(request.client_index, []).append(
+                    EngineCoreOutput(request.request_id, [], FinishReason.ABORT))
+            self.scheduler.finish_requests(list(self.scheduler.requests), FinishReason.ABORT)
+            self._held = []
+        self.paused = mode
+        return self.pause_settled()
+
+    def pause_settled(self) -> bool:
+        """True once nothing runs that a pause in mode "wait" waits for."""
+        return self.paused != "wait" or not self.scheduler.has_unfinished_requests()
+
+    def resume(self) -> None:
+        if self.executor.sleeping:
+            raise RuntimeError(f"cannot resume: {self._state()}; call wake_up() first")
+        self.paused, self._sleep_level = None, 0
+        held, self._held = self._held, []
+        for request in held:
+            self.add_preprocessed(request)
+
+    def sleep(self, level: int, mode: str) -> None:
+        """Pause in `mode`, then (level >= 1, once the pause has settled: call again
+        from the loop until `pause_settled()`) free memory and the prefix cache."""
+        self.pause(mode)
+        self._sleep_level = max(self._sleep_level, level)
+
+    def finish_sleep(self, level: int) -> None:
+        """The memory half of `sleep`, once `pause_settled()`."""
+        if level == 0 or self.paused is None:  # level 0, or resumed meanwhile
+            return
+        self.scheduler.preempt_all()  # mode "keep": they recompute after waking
+        self.scheduler.kv_cache_manager.forget_cached()
+        self.executor.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Allocate the named memory again (None: everything, and scheduling); the
+        scheduler resumes once nothing is asleep. True when fully awake."""
+        memory_tags = ["weights", "kv_cache"] if tags is None else \
+            [t for t in tags if t != "scheduling"]
+        self.executor.wake_up(memory_tags)
+        if self.paused is not None and not self.executor.sleeping and (
+                tags is None or "scheduling" in tags or self._sleep_level > 0):
+            self.resume()
+        return self.paused is None
+
+    def is_sleeping(self) -> bool:
+        """vLLM's meaning: paused (any level, level 0 included) or memory asleep."""
+        return self.paused is not None or bool(self.executor.sleeping)
+
+    def _state(self) -> str:
+        asleep = ", ".join(sorted(self.executor.sleeping))
+        if asleep:
+            return f"the engine is sleeping (level {self._sleep_level}: {asleep} freed)"
+        return f"the engine is paused (mode {self.paused!r})"
+
+    def _refusal(self) -> str:
+        action = "wake_up()" if self._sleep_level or self.executor.sleeping \
+            else "resume_generation()"
+        return f"request refused: {self._state()}; requests are served again after {action}"
 
     def step(self) -> dict[int, EngineCoreOutputs]:
         """Schedule, execute, update: one continuous-batching iteration. Outputs are
         grouped by client (0 for an in-process engine)."""
-        outputs, self._rejected = self._rejected, {}
+        outputs, self._outbox = self._outbox, {}
         # A step with nothing to run still tells the runner which requests to forget.
-        if self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests():
+        if self.has_work():
             t0 = time.perf_counter()
             scheduler_output = self.scheduler.schedule()
             t1 = time.perf_counter()
@@ -123,6 +217,59 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
             step_timings=mean_timings(self.recent_steps))
 
+    def call_utility(self, method: UtilityMethod, args: list[Any]) -> Any:
+        """Run one utility call (arguments converted and checked against the method's
+        signature). A sleep or pause in mode "wait" that has not settled returns a
+        `Deferred`: the caller steps the engine until `pause_settled()`, then calls
+        its `finish()` for the result."""
+        a = convert_args(method, args)
+        if method == UtilityMethod.GET_STATS:
+            return self.get_stats()
+        if method == UtilityMethod.RESET_PREFIX_CACHE:
+            return self.reset_prefix_cache()
+        if method == UtilityMethod.SLEEP:
+            level = a[0]
+            if level > 0 and not self.executor.enable_sleep_mode:
+                raise RuntimeError("sleep levels 1 and 2 need the engine started with "
+                                   "enable_sleep_mode=True")
+            self.sleep(level, a[1])
+            return Deferred(lambda: self.finish_sleep(level), self.pause_settled())
+        if method == UtilityMethod.WAKE_UP:
+            return self.wake_up(a[0])
+        if method == UtilityMethod.IS_SLEEPING:
+            return self.is_sleeping()
+        if method == UtilityMethod.PAUSE:
+            return Deferred(lambda: None, self.pause(a[0]))
+        if method == UtilityMethod.RESUME:
+            return self.resume()
+        if method == UtilityMethod.IS_PAUSED:
+            return self.paused is not None
+        if method == UtilityMethod.COLLECTIVE_RPC:
+            return self.executor.collective_rpc(*a)
+        if method == UtilityMethod.UPDATE_WEIGHTS:
+            return self.update_weights(a[0])
+        if method == UtilityMethod.INIT_WEIGHT_TRANSFER_ENGINE:
+            return self.executor.init_weight_transfer_engine(a[0])
+        if method == UtilityMethod.START_WEIGHT_UPDATE:
+            if self._updating:
+                raise RuntimeError("a weight update is already in progress")
+            self._updating = True
+            return None
+        if method == UtilityMethod.FINISH_WEIGHT_UPDATE:
+            if not self._updating:
+                raise RuntimeError("no weight update in progress: start_weight_update first")
+            self._updating, self.weight_version = False, a[0]
+            self.scheduler.kv_cache_manager.forget_cached()
+            return None
+        raise ValueError(f"unknown utility method {method!r}")
+
+    def update_weights(self, update: WeightUpdate) -> int:
+        """Load new weights (all checked before the first copy); cached prefixes are
+        forgotten (their KV came from the old weights). Returns the tensors loaded."""
+        loaded = self.executor.update_weights(update)
+        self.scheduler.kv_cache_manager.forget_cached()
+        return loaded
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (e.g. after new weights); False while any request
         holds blocks."""
@@ -131,9 +278,10 @@ class EngineCore:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
-    def _reject(self, client_index: int, request_id: str, error: str) -> None:
-        self._rejected.setdefault(client_index, []).append(
-            EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error))
+    def _reject(self, client_index: int, request_id: str, error: str,
+                unavailable: bool = False) -> None:
+        self._outbox.setdefault(client_index, []).append(EngineCoreOutput(
+            request_id, [], FinishReason.ERROR, error=error, unavailable=unavailable))
 
     def _validate(self, request: EngineCoreRequest) -> str | None:
         """What the engine checks itself although the frontend did: a standalone engine
@@ -176,6 +324,15 @@ class EngineCore:
             return (f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds "
                     f"max_model_len ({self.info.max_model_len})")
         return None
+
+
+class Deferred:
+    """A utility call's result that waits for the pause to settle (mode "wait");
+    `settled` says it need not wait."""
+
+    def __init__(self, finish: Callable[[], Any], settled: bool) -> None:
+        self.finish = finish
+        self.settled = settled
 
 
 class RequestRejected(ValueError):

@@ -40,7 +40,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pagellm.enginecore.core import EngineCore, RequestRejected
+from pagellm.enginecore.core import Deferred, EngineCore, RequestRejected
 from pagellm.enginecore.request import Request
 from pagellm.enginecore.transport import CurveServerKeys, SocketFactory, data_endpoint
 from pagellm.enginecore.transport import monitor as monitor_socket
@@ -59,7 +59,6 @@ from pagellm.protocol.messages import (
     UtilityOutput,
     UtilityRequest,
 )
-from pagellm.protocol.utility import NUM_ARGS
 
 logger = logging.getLogger("pagellm")
 
@@ -169,6 +168,8 @@ class EngineCoreProc:
         self._accepting.set()
         self._stopping = threading.Event()
         self._stop_requested: float | None = None  # when the first SIGTERM/SIGINT came
+        # Utility calls answered once a pause in mode "wait" settles.
+        self._deferred: list[tuple[int, UtilityRequest, Deferred]] = []
         self.encode_s = 0.0  # mean output encoding time, updated by the output thread
         self._last_word_sent = False
         self.threads = [self._thread(self._input_loop, "input"),
@@ -195,6 +196,7 @@ class EngineCoreProc:
                     outputs = self.core.step()
                     if outputs:
                         self.output_queue.put(_Send(outputs))
+                self._answer_deferred()
         except ShutdownRequested:
             logger.info("engine core: stopping now (second signal)")
         except Exception as e:  # the loop's failure is every client's EngineDeadError
@@ -247,8 +249,10 @@ class EngineCoreProc:
             elif isinstance(item, _Abort):
                 self.core.abort_requests(item.request_ids, item.client)
             elif isinstance(item, _Utility):
-                self.output_queue.put(_Send({item.client: EngineCoreOutputs(
-                    timestamp=time.monotonic(), utility_output=self._call(item.request))}))
+                answer = self._call(item.client, item.request)
+                if answer is not None:
+                    self.output_queue.put(_Send({item.client: EngineCoreOutputs(
+                        timestamp=time.monotonic(), utility_output=answer)}))
             elif isinstance(item, _ClientGone):
                 self.core.abort_client(item.client)
         except Exception as e:  # one client's message must not stop the engine
@@ -257,22 +261,36 @@ class EngineCoreProc:
                 self._error_to(item.request.client_index, item.request.request_id,
                                f"{type(e).__name__}: {e}")
 
-    def _call(self, request: UtilityRequest) -> UtilityOutput:
-        expected = NUM_ARGS.get(request.method)
-        if expected is not None and len(request.args) != expected:
-            return UtilityOutput(request.call_id, failure=(
-                f"{request.method.name} takes {expected} argument(s), got {len(request.args)}"))
+    def _call(self, client: int, request: UtilityRequest) -> UtilityOutput | None:
+        """Answer a utility call, or (a pause in mode "wait" still draining) remember it:
+        `_answer_deferred` answers once the pause has settled."""
         try:
-            if request.method == UtilityMethod.GET_STATS:
-                stats = self.core.get_stats()
-                stats.step_timings.output_encode_s = self.encode_s
-                return UtilityOutput(request.call_id, result=msgspec.msgpack.encode(stats))
-            if request.method == UtilityMethod.RESET_PREFIX_CACHE:
-                reset = self.core.reset_prefix_cache()
-                return UtilityOutput(request.call_id, result=msgspec.msgpack.encode(reset))
-            return UtilityOutput(request.call_id, failure=f"unknown method {request.method}")
+            result = self.core.call_utility(request.method, request.args)
+            if isinstance(result, Deferred):
+                if not result.settled:
+                    self._deferred.append((client, request, result))
+                    return None
+                result = result.finish()
+            return self._result(request, result)
         except Exception as e:
             return UtilityOutput(request.call_id, failure=f"{type(e).__name__}: {e}")
+
+    def _result(self, request: UtilityRequest, result: Any) -> UtilityOutput:
+        if request.method == UtilityMethod.GET_STATS:
+            result.step_timings.output_encode_s = self.encode_s
+        return UtilityOutput(request.call_id, result=msgspec.msgpack.encode(result))
+
+    def _answer_deferred(self) -> None:
+        if not self._deferred or not self.core.pause_settled():
+            return
+        deferred, self._deferred = self._deferred, []
+        for client, request, result in deferred:
+            try:
+                output = self._result(request, result.finish())
+            except Exception as e:
+                output = UtilityOutput(request.call_id, failure=f"{type(e).__name__}: {e}")
+            self.output_queue.put(_Send({client: EngineCoreOutputs(
+                timestamp=time.monotonic(), utility_output=output)}))
 
     def _error_to(self, client: int, request_id: str, error: str) -> None:
         """Fail one request that never reached the scheduler."""

@@ -270,6 +270,12 @@ class Scheduler:
             return True
         return False
 
+    def preempt_all(self) -> None:
+        """Send every running request back to waiting, keeping its tokens (sleep with
+        mode "keep": the KV cache is about to be freed, so they recompute on waking)."""
+        while self.running:
+            self._preempt(self.running.pop())
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED

@@ -8,14 +8,28 @@ why it only takes and returns protocol Structs.
 from __future__ import annotations
 
 import logging
+import time
+from typing import Any
 
+import msgspec
 import psutil
 import torch
 
+from pagellm.executor import extension, memory
 from pagellm.executor.config import ModelConfig, resolve_device, resolve_model_config
+from pagellm.executor.extension import load_extension
 from pagellm.executor.model_runner import ModelRunner
+from pagellm.executor.models.decoder import SKIP
+from pagellm.executor.tensor_codec import decode_value, encode_value
+from pagellm.executor.weight_transfer import (
+    TransferInit,
+    WeightGroup,
+    open_update,
+    receive,
+)
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
+from pagellm.protocol.utility import WeightUpdate
 
 logger = logging.getLogger("pagellm")
 
@@ -52,14 +66,143 @@ class Executor:
         gib = self.num_kv_blocks * self.runner.kv_cache_bytes_per_block() / 2**30
         logger.info("KV cache: %d blocks (%d tokens), %.2f GiB on %s", self.num_kv_blocks,
                     self.num_kv_blocks * self.block_size, gib, self.device)
-        if cuda and not args.enforce_eager and self.runner.attention.name == "triton":
-            try:
-                graphs, seconds = self.runner.capture_cuda_graphs()
-            except RuntimeError as e:
-                raise RuntimeError(f"capturing CUDA graphs for decode steps failed ({e}); "
-                                   "enforce_eager=True runs without them") from e
-            logger.info("CUDA graphs: %d decode batch sizes captured in %.1f s", graphs,
-                        seconds)
+        self.use_cuda_graphs = (cuda and not args.enforce_eager
+                                and self.runner.attention.name == "triton")
+        self._capture_graphs()
+        self.enable_sleep_mode = args.enable_sleep_mode
+        self.sleeping: set[str] = set()  # tags ("weights", "kv_cache") now freed
+        self._weight_shapes = memory.shapes(self.runner.model)
+        self._weight_backup: dict[str, torch.Tensor] | None = None
+        self.worker, self.rpc_methods = load_extension(args.worker_extension_cls, self)
+        self.weight_transfer = args.weight_transfer_config
+        self._group: WeightGroup | None = None
+
+    def _capture_graphs(self) -> None:
+        if not self.use_cuda_graphs:
+            return
+        try:
+            graphs, seconds = self.runner.capture_cuda_graphs()
+        except RuntimeError as e:
+            raise RuntimeError(f"capturing CUDA graphs for decode steps failed ({e}); "
+                               "enforce_eager=True runs without them") from e
+        logger.info("CUDA graphs: %d decode batch sizes captured in %.1f s", graphs, seconds)
+
+    # -- sleep mode ------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Level 1: the KV cache is freed and the weights go to host memory (where they
+        already are on the CPU); level 2: both are discarded. What is freed goes back to
+        the system (`memory.release`). Tags already asleep stay as they are."""
+        if not self.enable_sleep_mode:
+            raise RuntimeError("sleep levels 1 and 2 need the engine started with "
+                               "enable_sleep_mode=True")
+        t0, before = time.perf_counter(), memory.used_bytes(self.device)
+        if self.runner.graphs is not None:  # they hold the addresses about to be freed
+            self.runner.graphs.clear()
+            self.runner.graphs = None
+        if "kv_cache" not in self.sleeping:
+            self.runner.kv_caches = []
+            self.sleeping.add("kv_cache")
+        if "weights" not in self.sleeping:
+            self._weight_backup = memory.offload(self.runner.model, keep=level == 1)
+            self.sleeping.add("weights")
+        elif level == 2:
+            self._weight_backup = None  # a level-1 sleep deepened: the host copy goes too
+        memory.release(self.device)
+        after = memory.used_bytes(self.device)
+        logger.info("sleep level %d: freed %.1f MiB in %.2f s; %.1f MiB still used on %s",
+                    level, (before - after) / 2**20, time.perf_counter() - t0, after / 2**20,
+                    self.device)
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Allocate (and, after level 1, refill) what `tags` name; CUDA graphs are captured
+        again once everything is back (their addresses changed)."""
+        t0, before = time.perf_counter(), memory.used_bytes(self.device)
+        if "weights" in tags and "weights" in self.sleeping:
+            memory.restore(self.runner.model, self._weight_shapes, self._weight_backup)
+            self._weight_backup = None  # the host copy is freed now, not at the next sleep
+            self.sleeping.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self.sleeping:
+            self.runner.initialize_kv_cache(self.num_kv_blocks)
+            self.sleeping.discard("kv_cache")
+        if not self.sleeping and self.runner.graphs is None:
+            self._capture_graphs()
+        memory.release(self.device)
+        after = memory.used_bytes(self.device)
+        logger.info("wake up %s: %.1f MiB allocated in %.2f s; %.1f MiB used on %s",
+                    ",".join(tags), (after - before) / 2**20, time.perf_counter() - t0,
+                    after / 2**20, self.device)
+
+    # -- weight updates and collective_rpc ----------------------------------------
+
+    def update_weights(self, update: WeightUpdate) -> int:
+        """Copy the update's tensors into the model; every name, shape and dtype is
+        checked before the first copy. Returns the number of tensors loaded."""
+        if self.weight_transfer is None:
+            raise RuntimeError("weight updates need the engine started with "
+                               "weight_transfer_config={'backend': 'ipc'}")
+        if "weights" in self.sleeping:
+            raise RuntimeError("the weights are asleep; wake_up(tags=['weights']) first")
+        if update.buffer is not None:
+            with open_update(update) as tensors:
+                self._load_checked(tensors)
+            return len(tensors)
+        if self._group is None:
+            raise RuntimeError("a weight update without a buffer arrives over the "
+                               "weight-transfer group: init_weight_transfer_engine first")
+        problems = [self._problem(spec.name, spec.shape) for spec in update.specs]
+        limit = 2 * memory.parameter_bytes(self.runner.model)
+        tensors = receive(self._group, update.specs, [p is None for p in problems], limit)
+        refuse(problems)
+        self._load_checked(tensors)
+        return len(tensors)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's group (backend "nccl"; "ipc" needs nothing). Blocks until
+        the trainer joins too, at most TRANSFER_TIMEOUT_S."""
+        if self.weight_transfer is None:
+            raise RuntimeError("weight updates need the engine started with "
+                               "weight_transfer_config")
+        if self.weight_transfer["backend"] != "nccl":
+            return
+        if self._group is not None:
+            raise RuntimeError("the weight-transfer engine is already initialized")
+        init = msgspec.convert(init_info, TransferInit)
+        self._group = WeightGroup(init, rank=init.rank_offset + self.worker.rank)
+
+    def _problem(self, name: str, shape: list[int] | torch.Size) -> str | None:
+        """What is wrong with loading a tensor of `shape` as checkpoint tensor `name`."""
+        dest = self.runner.model.destination(name)
+        if dest is None:
+            return f"{name}: no such weight in the model"
+        if dest is not SKIP and tuple(dest.shape) != tuple(shape):
+            return f"{name}: shape {tuple(shape)}, the model's is {tuple(dest.shape)}"
+        return None
+
+    def _load_checked(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy only when every tensor fits: a bad update changes nothing."""
+        refuse([self._problem(name, tensor.shape) for name, tensor in tensors])
+        model = self.runner.model
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in tensors:
+                dest = model.destination(name, params)
+                if dest is not None and dest is not SKIP:
+                    dest.copy_(tensor, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the sources may go away on return
+
+    def collective_rpc(self, method: str, args: list[Any], kwargs: dict[str, Any]
+                       ) -> list[Any]:
+        """One result per worker (one worker today); tensors in and out travel as
+        msgpack extensions (tensor_codec)."""
+        try:
+            result = extension.call(self.worker, self.rpc_methods, method,
+                                    decode_value(args), decode_value(kwargs))
+        except Exception as e:
+            raise RuntimeError(f"collective_rpc {method!r} failed on worker "
+                               f"{self.worker.rank}: {type(e).__name__}: {e}") from e
+        return [encode_value(result)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. A failure that leaves the device usable (out of memory, a bad
@@ -128,6 +271,15 @@ class Executor:
                     used_before / 2**30, non_torch / 2**30)
         return cuda_kv_cache_budget(total, args.gpu_memory_utilization, used_before,
                                     weights, activations, non_torch)
+
+
+def refuse(problems: list[str | None]) -> None:
+    """Raise naming up to eight problems, if there are any."""
+    found = [p for p in problems if p is not None]
+    if found:
+        more = f" (and {len(found) - 8} more)" if len(found) > 8 else ""
+        raise ValueError(f"weight update refused, old weights kept: "
+                         f"{'; '.join(found[:8])}{more}")
 
 
 class StepFailed(RuntimeError):

@@ -25,14 +25,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from pagellm.executor.demo_model import resolve_model
-from pagellm.frontend.core_client import EngineDeadError, make_client
+from pagellm.frontend.core_client import UTILITY_TIMEOUT_S, EngineDeadError, make_client
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagellm.frontend.mp_client import AsyncMPClient, CurveClientKeys
 from pagellm.frontend.output_processor import OutputProcessor, OutputQueue
 from pagellm.frontend.outputs import RequestOutput
+from pagellm.frontend.rl import WeightsArg, init_info_of, weight_update
 from pagellm.frontend.tokenizer import generation_eos_token_ids, tokenizer_for
 from pagellm.logger import configure_logging
 from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.sampling_params import SamplingParams
 from pagellm.protocol.stats import EngineStats
 
@@ -141,6 +143,63 @@ class AsyncLLM:
         """Forget every cached prefix; False while requests hold KV blocks."""
         self._ensure_output_handler()
         return await self._client().reset_prefix_cache_async()
+
+    # -- RL rollouts (as `LLM`'s methods, awaitable) ---------------------------------
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """See `LLM.sleep`."""
+        await self._utility(UtilityMethod.SLEEP, level, mode, timeout=None)
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """See `LLM.wake_up`."""
+        return await self._utility(UtilityMethod.WAKE_UP, tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self._utility(UtilityMethod.IS_SLEEPING)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Stop scheduling: "abort" in-flight requests (their streams end with
+        finish_reason "abort"), "wait" until they finish (new ones fail meanwhile), or
+        "keep" them, and new ones, for `resume_generation()`."""
+        await self._utility(UtilityMethod.PAUSE, mode, timeout=None)
+
+    async def resume_generation(self) -> None:
+        await self._utility(UtilityMethod.RESUME)
+
+    async def is_paused(self) -> bool:
+        return await self._utility(UtilityMethod.IS_PAUSED)
+
+    async def update_weights(self, weights: WeightsArg) -> int:
+        """See `LLM.update_weights` (the shared-memory copy runs off the event loop)."""
+        with contextlib.ExitStack() as stack:
+            update = await asyncio.to_thread(stack.enter_context, weight_update(weights))
+            return await self._utility(UtilityMethod.UPDATE_WEIGHTS, update, timeout=None)
+
+    async def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:
+        """See `LLM.init_weight_transfer_engine`."""
+        await self._utility(UtilityMethod.INIT_WEIGHT_TRANSFER_ENGINE, init_info_of(request),
+                            timeout=None)
+
+    async def start_weight_update(self) -> None:
+        await self._utility(UtilityMethod.START_WEIGHT_UPDATE)
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self._utility(UtilityMethod.FINISH_WEIGHT_UPDATE, weight_version)
+
+    async def collective_rpc(self, method: str, timeout: float | None = None,
+                             args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+                             ) -> list[Any]:
+        """See `LLM.collective_rpc`."""
+        from pagellm.executor.tensor_codec import decode_value, encode_value
+
+        return decode_value(await self._utility(
+            UtilityMethod.COLLECTIVE_RPC, method, encode_value(list(args)),
+            encode_value(kwargs or {}), timeout=timeout))
+
+    async def _utility(self, method: UtilityMethod, *args: Any,
+                       timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
+        self._ensure_output_handler()
+        return await self._client().call_utility_async(method, *args, timeout=timeout)
 
     @property
     def is_dead(self) -> bool:

@@ -119,6 +119,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (rendered in a "
                         "sandboxed child process with a time limit)")
+    s.add_argument("--enable-dev-endpoints", action="store_true",
+                   help="add the RL control routes: /sleep, /wake_up, /pause, /resume, "
+                        "/collective_rpc, the weight-update phases, ... (behind --api-key)")
     p.set_defaults(func=_serve)
 
 
@@ -139,7 +142,8 @@ def _serve(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     options = ServerOptions(served_model_name=ns.served_model_name or args.model,
                             api_key=ns.api_key, max_body_bytes=ns.max_body_size,
-                            trust_request_chat_template=ns.trust_request_chat_template)
+                            trust_request_chat_template=ns.trust_request_chat_template,
+                            enable_dev_endpoints=ns.enable_dev_endpoints)
     return run_server(args, options, ns.host, ns.port, ns.engine_address,
                       ns.curve_secret_key, ns.curve_server_public_key, ns.shutdown_timeout,
                       ns.max_connections)

@@ -14,14 +14,24 @@ from __future__ import annotations
 import dataclasses
 import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from pagellm.protocol.engine_args import EngineArgs
-from pagellm.protocol.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from pagellm.protocol.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    UtilityMethod,
+)
 from pagellm.protocol.stats import EngineStats
 
 if TYPE_CHECKING:
     from pagellm.frontend.mp_client import AsyncMPClient, CurveClientKeys
+
+
+# How long a utility call may take by default (None: a pause or sleep in mode "wait",
+# which lasts as long as the requests it waits for).
+UTILITY_TIMEOUT_S = 60.0
 
 
 class EngineDeadError(RuntimeError):
@@ -92,10 +102,17 @@ class SyncEngineCoreClient(EngineCoreClient):
         """The next outputs for this client (blocks until there are some)."""
 
     @abstractmethod
-    def get_stats(self) -> EngineStats: ...
+    def call_utility(self, method: UtilityMethod, *args: Any,
+                     timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
+        """Call the engine core's `method` (see pagellm.protocol.utility.SIGNATURES);
+        its failure raises RuntimeError naming it, `timeout` (None: no limit) a
+        TimeoutError."""
 
-    @abstractmethod
-    def reset_prefix_cache(self) -> bool: ...
+    def get_stats(self) -> EngineStats:
+        return self.call_utility(UtilityMethod.GET_STATS)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.call_utility(UtilityMethod.RESET_PREFIX_CACHE)
 
 
 class InprocClient(SyncEngineCoreClient):
@@ -104,6 +121,7 @@ class InprocClient(SyncEngineCoreClient):
 
         self.core = EngineCore(args)
         self.info = self.core.info
+        self._stepped: list[EngineCoreOutputs] = []
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.core.add_request(request)
@@ -112,14 +130,27 @@ class InprocClient(SyncEngineCoreClient):
         self.core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
+        if self._stepped:  # outputs of steps run while a call waited for a pause
+            return self._stepped.pop(0)
         outputs = self.core.step()
         return outputs.get(0) or EngineCoreOutputs(timestamp=time.monotonic())
 
-    def get_stats(self) -> EngineStats:
-        return self.core.get_stats()
+    def call_utility(self, method: UtilityMethod, *args: Any,
+                     timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
+        from pagellm.enginecore.core import Deferred
 
-    def reset_prefix_cache(self) -> bool:
-        return self.core.reset_prefix_cache()
+        try:
+            result = self.core.call_utility(method, list(args))
+            if isinstance(result, Deferred):
+                while not self.core.pause_settled():
+                    outputs = self.core.step().get(0)
+                    if outputs is not None:
+                        self._stepped.append(outputs)
+                result = result.finish()
+        except Exception as e:  # the same error as from an engine in another process
+            raise RuntimeError(f"engine core utility call {method.name.lower()} failed: "
+                               f"{type(e).__name__}: {e}") from e
+        return result
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -15,9 +15,11 @@ from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, P
 from pagellm.frontend.mp_client import CurveClientKeys
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.outputs import RequestOutput
+from pagellm.frontend.rl import WeightsArg, init_info_of, weight_update
 from pagellm.frontend.tokenizer import generation_eos_token_ids, tokenizer_for
 from pagellm.logger import configure_logging
 from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.protocol.stats import EngineStats
 
@@ -120,6 +122,74 @@ class LLM:
         """Forget every cached prefix (e.g. after pushing new weights). False, changing
         nothing, while requests hold KV blocks."""
         return self._client().reset_prefix_cache()
+
+    # -- RL rollouts: sleep, pause, weight updates, collective_rpc (vLLM's names) -----
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Pause scheduling (in-flight requests: "abort" them, "wait" for them, or
+        "keep" them for later) and, at level 1, free the KV cache and move the weights
+        to host memory; at level 2, discard both. Needs enable_sleep_mode=True for
+        levels 1 and 2. Requests sent while asleep fail, except in mode "keep"."""
+        self._client().call_utility(UtilityMethod.SLEEP, level, mode, timeout=None)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Allocate again what `tags` name ("weights", "kv_cache", "scheduling"; None:
+        all). Scheduling resumes once nothing is asleep; True when fully awake."""
+        return self._client().call_utility(UtilityMethod.WAKE_UP, tags)
+
+    def is_sleeping(self) -> bool:
+        """True while paused or while any memory is asleep (vLLM's meaning)."""
+        return self._client().call_utility(UtilityMethod.IS_SLEEPING)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop scheduling without freeing memory; `mode` as for `sleep`."""
+        self._client().call_utility(UtilityMethod.PAUSE, mode, timeout=None)
+
+    def resume_generation(self) -> None:
+        self._client().call_utility(UtilityMethod.RESUME)
+
+    def is_paused(self) -> bool:
+        return self._client().call_utility(UtilityMethod.IS_PAUSED)
+
+    def update_weights(self, weights: WeightsArg) -> int:
+        """Load new weights into the running engine: `(checkpoint name, tensor)` pairs
+        (Hugging Face names, full tensors, any subset of the model's). They travel
+        through shared memory, not the socket; the engine checks every name, shape and
+        dtype before copying (a bad update leaves the old weights serving) and forgets
+        cached prefixes. Needs weight_transfer_config={"backend": "ipc"}. Returns the
+        number of tensors loaded. A trainer process on the same host may instead write
+        the shared memory itself (`pagellm.executor.weight_transfer.shared_weights`) and
+        pass the `WeightUpdate` it yields."""
+        with weight_update(weights) as update:
+            return self._client().call_utility(UtilityMethod.UPDATE_WEIGHTS, update,
+                                               timeout=None)
+
+    def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:
+        """vLLM's phase 0: {"init_info": {"master_address", "master_port", "rank_offset",
+        "world_size"}} joins the trainer's group (backend "nccl"; call it while the
+        trainer calls `pagellm.executor.weight_transfer.trainer_init`)."""
+        self._client().call_utility(UtilityMethod.INIT_WEIGHT_TRANSFER_ENGINE,
+                                    init_info_of(request), timeout=None)
+
+    def start_weight_update(self) -> None:
+        self._client().call_utility(UtilityMethod.START_WEIGHT_UPDATE)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Ends the round: cached prefixes are forgotten."""
+        self._client().call_utility(UtilityMethod.FINISH_WEIGHT_UPDATE, weight_version)
+
+    def collective_rpc(self, method: str, timeout: float | None = None,
+                       args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+                       ) -> list[Any]:
+        """Call `method` of the worker extension (worker_extension_cls) on every worker;
+        one result each. A method is a name, never a callable: nothing is pickled.
+        Arguments and results are msgpack values and tensors."""
+        from pagellm.executor.tensor_codec import decode_value, encode_value
+
+        results = self._client().call_utility(
+            UtilityMethod.COLLECTIVE_RPC, method, encode_value(list(args)),
+            encode_value(kwargs or {}), timeout=timeout)
+        return decode_value(results)
 
     # -- lifecycle -----------------------------------------------------------------
 

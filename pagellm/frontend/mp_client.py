@@ -33,7 +33,12 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from pagellm.enginecore.transport import monitor as monitor_socket
-from pagellm.frontend.core_client import EngineCoreClient, EngineDeadError, SyncEngineCoreClient
+from pagellm.frontend.core_client import (
+    UTILITY_TIMEOUT_S,
+    EngineCoreClient,
+    EngineDeadError,
+    SyncEngineCoreClient,
+)
 from pagellm.frontend.engine_process import EngineProcess
 from pagellm.protocol.codec import MsgpackDecoder, MsgpackEncoder
 from pagellm.protocol.engine_args import EngineArgs
@@ -48,12 +53,11 @@ from pagellm.protocol.messages import (
     UtilityRequest,
 )
 from pagellm.protocol.stats import EngineStats
-from pagellm.protocol.utility import RESULT_TYPES
+from pagellm.protocol.utility import SIGNATURES
 
 LOCAL_STARTUP_TIMEOUT_S = 900.0  # loading a large model can take minutes
 REMOTE_HANDSHAKE_TIMEOUT_S = 30.0
 HEARTBEAT_TIMEOUT_S = 10.0  # an attached engine is dead after this long in silence
-UTILITY_TIMEOUT_S = 60.0
 _SIGNAL_CHECK_S = 0.2
 _EXIT_WAIT_S = 1.0  # a lost connection to a launched engine: wait this long for its exit
 
@@ -219,17 +223,17 @@ class MPClient(EngineCoreClient):
         self.check_alive()
         self.engine.send_multipart([kind.value, self._encoder.encode(payload)])
 
-    def _utility_request(self, method: UtilityMethod) -> UtilityRequest:
-        return UtilityRequest(next(self._call_ids), method)
+    def _utility_request(self, method: UtilityMethod, args: tuple[Any, ...]) -> UtilityRequest:
+        return UtilityRequest(next(self._call_ids), method, list(args))
 
     @staticmethod
     def _utility_result(method: UtilityMethod, outputs: EngineCoreOutputs) -> Any:
         result = outputs.utility_output
         assert result is not None
         if result.failure is not None:
-            raise RuntimeError(f"engine core utility call {method.name} failed: "
+            raise RuntimeError(f"engine core utility call {method.name.lower()} failed: "
                                f"{result.failure}")
-        return msgspec.msgpack.decode(result.result or b"", type=RESULT_TYPES[method])
+        return msgspec.msgpack.decode(result.result or b"", type=SIGNATURES[method].result)
 
     # -- death and shutdown ----------------------------------------------------------
 
@@ -325,26 +329,22 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
             raise item
         return item
 
-    def get_stats(self) -> EngineStats:
-        return self._call(UtilityMethod.GET_STATS)
-
-    def reset_prefix_cache(self) -> bool:
-        return self._call(UtilityMethod.RESET_PREFIX_CACHE)
-
-    def _call(self, method: UtilityMethod) -> Any:
-        request = self._utility_request(method)
+    def call_utility(self, method: UtilityMethod, *args: Any,
+                     timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
+        request = self._utility_request(method, args)
         future: concurrent.futures.Future[EngineCoreOutputs] = concurrent.futures.Future()
         self._calls[request.call_id] = future
         self._send(RequestType.UTILITY, request)
-        deadline = time.monotonic() + UTILITY_TIMEOUT_S
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:  # short waits: Ctrl-C must reach a caller blocked here
                 outputs = future.result(timeout=_SIGNAL_CHECK_S)
                 break
             except concurrent.futures.TimeoutError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"engine core utility call {method.name} timed out"
-                                       ) from None
+                if deadline is not None and time.monotonic() > deadline:
+                    self._calls.pop(request.call_id, None)
+                    raise TimeoutError(f"engine core utility call {method.name.lower()} "
+                                       f"timed out after {timeout} s") from None
         return self._utility_result(method, outputs)
 
     def _read_outputs(self) -> None:
@@ -409,25 +409,32 @@ class AsyncMPClient(MPClient):
         return item
 
     async def get_stats_async(self) -> EngineStats:
-        return await self._call_async(UtilityMethod.GET_STATS)
+        return await self.call_utility_async(UtilityMethod.GET_STATS)
 
     async def reset_prefix_cache_async(self) -> bool:
-        return await self._call_async(UtilityMethod.RESET_PREFIX_CACHE)
+        return await self.call_utility_async(UtilityMethod.RESET_PREFIX_CACHE)
 
-    async def _call_async(self, method: UtilityMethod) -> Any:
+    async def call_utility_async(self, method: UtilityMethod, *args: Any,
+                                 timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
         self._ensure_reader()
-        request = self._utility_request(method)
+        request = self._utility_request(method, args)
         future: asyncio.Future[EngineCoreOutputs] = asyncio.get_running_loop().create_future()
         self._calls[request.call_id] = future
         self._send(RequestType.UTILITY, request)
-        return self._utility_result(method, await asyncio.wait_for(future, UTILITY_TIMEOUT_S))
+        try:
+            outputs = await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            self._calls.pop(request.call_id, None)
+            raise TimeoutError(f"engine core utility call {method.name.lower()} timed out "
+                               f"after {timeout} s") from None
+        return self._utility_result(method, outputs)
 
     async def _read_outputs(self, socket: zmq.asyncio.Socket) -> None:
         timeout = HEARTBEAT_TIMEOUT_S if self.engine_process is None else None
         while not self._closed and self.dead_error is None:
             try:
                 data = await asyncio.wait_for(socket.recv(), timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin on Python 3.10
                 self._on_dead(f"no heartbeat from the engine core at {self.address} for "
                               f"{HEARTBEAT_TIMEOUT_S:.0f} s")
                 return

@@ -30,6 +30,11 @@ from pagellm.protocol.sampling_params import RequestOutputKind
 OutputQueue = asyncio.Queue[RequestOutput | BaseException]
 
 
+class EngineUnavailableError(ValueError):
+    """The engine refused a request for its state (paused or asleep), not for the
+    request: the same request may succeed after resume_generation() / wake_up()."""
+
+
 @dataclass
 class ProcessedOutputs:
     request_outputs: list[RequestOutput] = field(default_factory=list)
@@ -235,8 +240,9 @@ class OutputProcessor:
             state, completion = found
             if output.finish_reason == FinishReason.ERROR:
                 error = output.error or "engine error"
-                state.emit(ValueError(f"request {state.request_id} failed in the engine: "
-                                      f"{error}"), processed)
+                kind = EngineUnavailableError if output.unavailable else ValueError
+                state.emit(kind(f"request {state.request_id} failed in the engine: "
+                                f"{error}"), processed)
                 processed.errors[state.request_id] = error
                 processed.reqs_to_abort += [e for e, c in zip(state.engine_ids,
                                                               state.completions, strict=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import types
 import typing
@@ -31,6 +32,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+# "ipc": shared memory on the same host; "nccl": a torch.distributed group with the
+# trainer (gloo: host tensors; see executor/weight_transfer.py).
+WEIGHT_TRANSFER_BACKENDS = ("ipc", "nccl")
 
 
 def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
@@ -77,6 +81,13 @@ class EngineArgs:
         False, "Run every step eagerly: no CUDA graphs for decode steps (cuda only).")
     skip_tokenizer_init: bool = _opt(
         False, "Load no tokenizer: prompts must be token ids and outputs carry no text.")
+    enable_sleep_mode: bool = _opt(
+        False, "Allow sleep levels 1 and 2 (free the KV cache and the weights between "
+        "RL rollouts).")
+    weight_transfer_config: dict[str, Any] | None = field(default=None, metadata={
+        "help": 'Enable weight updates: JSON such as {"backend": "ipc"} (backends: ipc, nccl).'})
+    worker_extension_cls: str | None = _opt(
+        None, "'package.module.Class' whose public methods collective_rpc may call.")
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -102,6 +113,17 @@ class EngineArgs:
                   allow_none=True)
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
         check_int("max_logprobs", self.max_logprobs, minimum=0)
+        config = self.weight_transfer_config
+        if config is not None and (not isinstance(config, dict) or set(config) != {"backend"}
+                                   or config["backend"] not in WEIGHT_TRANSFER_BACKENDS):
+            raise ValueError(f"weight_transfer_config must be {{'backend': B}} with B one of "
+                             f"{', '.join(WEIGHT_TRANSFER_BACKENDS)}, got {config!r}")
+        if self.worker_extension_cls is not None and not (
+                isinstance(self.worker_extension_cls, str)
+                and re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+",
+                                 self.worker_extension_cls)):
+            raise ValueError("worker_extension_cls must be 'package.module.Class', got "
+                             f"{self.worker_extension_cls!r}")
         for f in dataclasses.fields(self):  # every option with choices, and every flag
             value, choices = getattr(self, f.name), f.metadata.get("choices")
             if choices is not None and f.name != "dtype" and value not in choices:
@@ -144,7 +166,8 @@ class EngineArgs:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction,
                                    default=f.default, help=help_text)
                 continue
-            convert: Any = parse_bytes if f.name.endswith("_bytes") else kind
+            convert: Any = parse_bytes if f.name.endswith("_bytes") else \
+                parse_json if kind is dict else kind
             if optional:
                 convert = _optional(convert)
             group.add_argument(flag, type=convert, default=f.default,
@@ -163,6 +186,8 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             if isinstance(value, bool):
                 argv.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, dict):
+                argv += [flag, json.dumps(value)]
             else:
                 argv += [flag, str(value)]
         return argv
@@ -175,11 +200,24 @@ class EngineArgs:
 
 
 def _base_type(hint: Any) -> tuple[type, bool]:
-    """(int, True) for `int | None`; (str, False) for `str`."""
+    """(int, True) for `int | None`; (str, False) for `str`; (dict, True) for
+    `dict[str, Any] | None`."""
+    optional = False
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return args[0], True
-    return hint, False
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        optional = True
+    return typing.get_origin(hint) or hint, optional
+
+
+def parse_json(text: str) -> dict[str, Any]:
+    """A JSON object from the command line (`--weight-transfer-config '{...}'`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _optional(convert: Any) -> Any:

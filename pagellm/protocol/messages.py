@@ -9,6 +9,7 @@ with a default so that `omit_defaults` keeps messages short.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -62,6 +63,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_logprobs: list[TokenLogprobs] | None = None  # one per new token, if asked for
     # Prompt positions computed this step: entry j predicts the prompt's next token.
     new_prompt_logprobs: list[TokenLogprobs] | None = None
+    # With FinishReason.ERROR: refused for the engine's state (paused or asleep), not
+    # for the request itself; trying again later may succeed (HTTP 503).
+    unavailable: bool = False
 
     @property
     def finished(self) -> bool:
@@ -71,14 +75,26 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 class UtilityMethod(enum.IntEnum):
     """The fixed allow-list of calls a client may make into the engine core."""
 
-    GET_STATS = 0  # -> EngineStats
-    RESET_PREFIX_CACHE = 1  # -> bool (False while blocks are held)
+    GET_STATS = 0
+    RESET_PREFIX_CACHE = 1
+    SLEEP = 2
+    WAKE_UP = 3
+    IS_SLEEPING = 4
+    PAUSE = 5
+    RESUME = 6
+    IS_PAUSED = 7
+    COLLECTIVE_RPC = 8
+    UPDATE_WEIGHTS = 9
+    INIT_WEIGHT_TRANSFER_ENGINE = 10
+    START_WEIGHT_UPDATE = 11
+    FINISH_WEIGHT_UPDATE = 12
+    # Arguments and result types: pagellm.protocol.utility.SIGNATURES.
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     call_id: int
     method: UtilityMethod
-    args: list[int | float | str | bool | None] = []  # checked against the method
+    args: list[Any] = []  # converted to the method's argument tuple, which checks them
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -204,31 +204,53 @@ class DecoderForCausalLM(nn.Module):
         return F.linear(hidden, weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in; raise naming every missing or unexpected tensor
+        """Copy a whole checkpoint in; raise naming every missing or unexpected tensor
         by its checkpoint name."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         unexpected: list[str] = []
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue  # older checkpoints store the RoPE table; we compute it
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # some tied checkpoints still carry a copy
-            target, shard = name, None
-            for ckpt, merged, shard_id in _STACKED:
-                if f".{ckpt}." in name:
-                    target, shard = name.replace(ckpt, merged), shard_id
-                    break
-            param = params.get(target)
-            if param is None:
+            dest = self.destination(name, params)
+            if dest is None:
                 unexpected.append(name)
                 continue
-            self._copy_shard(param, tensor, shard, name)
+            if dest is not SKIP:
+                check_shape(name, tensor, dest)
+                with torch.no_grad():
+                    dest.copy_(tensor)
             loaded.add(name)
         missing = sorted(self._expected_checkpoint_keys(params) - loaded)
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:8]}"
                              f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}")
+
+    def destination(self, name: str, params: dict[str, nn.Parameter] | None = None
+                    ) -> torch.Tensor | None:
+        """The parameter (or the slice of a merged one) that checkpoint tensor `name`
+        loads into; SKIP for tensors we compute or share; None for a name the model
+        does not have."""
+        if "rotary_emb.inv_freq" in name:
+            return SKIP  # older checkpoints store the RoPE table; we compute it
+        if name == "lm_head.weight" and self.lm_head is None:
+            return SKIP  # some tied checkpoints still carry a copy
+        target, shard = name, None
+        for ckpt, merged, shard_id in _STACKED:
+            if f".{ckpt}." in name:
+                target, shard = name.replace(ckpt, merged), shard_id
+                break
+        param = (params if params is not None else dict(self.named_parameters())).get(target)
+        if param is None:
+            return None
+        if shard is None:
+            return param
+        if isinstance(shard, int):  # gate (0) / up (1)
+            size = self.spec.intermediate_size
+            return param[shard * size:(shard + 1) * size]
+        q_size = self.spec.num_heads * self.spec.head_dim
+        kv_size = self.spec.num_kv_heads * self.spec.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
+                        "v": (q_size + kv_size, kv_size)}[shard]
+        return param[offset:offset + size]
 
     @staticmethod
     def _expected_checkpoint_keys(params: dict[str, nn.Parameter]) -> set[str]:
@@ -240,21 +262,12 @@ class DecoderForCausalLM(nn.Module):
             keys.update(parts or [name])
         return keys
 
-    def _copy_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard: str | int | None,
-                    name: str) -> None:
-        with torch.no_grad():
-            if shard is None:
-                dest = param
-            elif isinstance(shard, int):  # gate (0) / up (1)
-                size = self.spec.intermediate_size
-                dest = param[shard * size:(shard + 1) * size]
-            else:
-                q_size = self.spec.num_heads * self.spec.head_dim
-                kv_size = self.spec.num_kv_heads * self.spec.head_dim
-                offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
-                                "v": (q_size + kv_size, kv_size)}[shard]
-                dest = param[offset:offset + size]
-            if dest.shape != tensor.shape:
-                raise ValueError(f"shape mismatch for {name}: checkpoint "
-                                 f"{tuple(tensor.shape)}, model {tuple(dest.shape)}")
-            dest.copy_(tensor)
+
+# A checkpoint tensor that loads into nothing (computed or tied), distinct from None.
+SKIP = torch.empty(0)
+
+
+def check_shape(name: str, tensor: torch.Tensor, dest: torch.Tensor) -> None:
+    if dest.shape != tensor.shape:
+        raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                         f"model {tuple(dest.shape)}")

@@ -3,11 +3,13 @@
     POST /v1/completions, /v1/chat/completions   (stream=true: server-sent events)
     GET  /v1/models, /health, /version, /metrics
     POST /tokenize, /detokenize
+    RL controls (sleep, wake_up, pause, weight updates, ...) with enable_dev_endpoints:
+    see dev_routes.py
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a
 bad parameter (the message names it), 401 without the API key, 404 for another model,
-408 / 413 for a body that arrives too slowly / is too large, 503 once the engine core
-is dead. A client that goes away aborts its requests.
+408 / 413 for a body that arrives too slowly / is too large, 503 while the engine is
+paused or asleep and once the engine core is dead. A client that goes away aborts its requests.
 
 What a client sends is bounded where it enters: the API key guards every route but
 /health, /metrics and /version; bodies are capped (`max_body_bytes`) and must arrive
@@ -35,6 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagellm.frontend.async_llm import AsyncLLM
 from pagellm.frontend.core_client import EngineDeadError
 from pagellm.frontend.input_processor import ProcessedRequest, child_request_id
+from pagellm.frontend.output_processor import EngineUnavailableError
 from pagellm.frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagellm.frontend.server.api_models import (
     ChatCompletionRequest,
@@ -42,6 +45,7 @@ from pagellm.frontend.server.api_models import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagellm.frontend.server.dev_routes import add_dev_routes
 from pagellm.frontend.server.metrics import ServerMetrics
 from pagellm.frontend.server.options import ServerOptions
 from pagellm.frontend.server.template_sandbox import ChatTemplateSandbox, TemplateTimeout
@@ -117,6 +121,10 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
         return error_response(503, f"the engine core is dead: {e}", "ServiceUnavailableError")
 
+    @app.exception_handler(EngineUnavailableError)
+    async def unavailable(_: Request, e: EngineUnavailableError) -> JSONResponse:
+        return error_response(503, str(e), "ServiceUnavailableError")
+
     @app.exception_handler(Exception)
     async def internal(_: Request, e: Exception) -> JSONResponse:
         logger.exception("internal error")
@@ -171,6 +179,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
         body = await body_of(request, ChatCompletionRequest)
         return await _respond(request, body.stream, server.chat(body))
 
+    if options.enable_dev_endpoints:
+        add_dev_routes(app, engine, body_of, APIError)
     return app
 
 
@@ -193,7 +203,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
     try:
         await asyncio.wait_for(read(), BODY_TIMEOUT_S)
-    except TimeoutError:
+    except asyncio.TimeoutError:  # not the builtin on Python 3.10
         raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
                        "RequestTimeoutError") from None
     return b"".join(chunks)

@@ -16,3 +16,4 @@ class ServerOptions:
     api_key: str | None = None  # guards every route but /health, /metrics, /version
     max_body_bytes: int = MAX_BODY_BYTES
     trust_request_chat_template: bool = False  # requests may bring a chat template
+    enable_dev_endpoints: bool = False  # the RL control routes (dev_routes.py)

@@ -1,0 +1,132 @@
+"""An RL loop with pagellm as the rollout engine, end to end on the CPU.
+
+The policy is the built-in demo model (a tiny llama with random weights); the toy,
+verifiable reward is the share of even token ids in a completion. Each iteration:
+
+  1. generate n samples per prompt, with the sampled tokens' logprobs;
+  2. put the engine to sleep (level 2: weights and KV cache discarded) while the
+     trainer, in its own process, takes one REINFORCE step with plain torch and
+     transformers on the same weights;
+  3. wake the weights, push the new ones from the trainer over the "nccl" backend (a
+     torch.distributed group: gloo on the CPU), wake the KV cache, go again.
+
+It prints the mean reward (it rises) and the largest difference between the engine's
+logprobs of the sampled tokens and the trainer's own for the same tokens (the
+rollout/training mismatch; fp32: at most 1e-4). The last line is a JSON summary.
+
+    python examples/rl_rollout.py [--iterations 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import socket
+import statistics
+from multiprocessing.connection import Connection
+from typing import Any
+
+N_SAMPLES = 8
+MAX_TOKENS = 8
+PROMPTS = [[5, 17, 29], [101, 7], [64, 65, 66, 67], [900, 3, 44]]
+
+
+def reward(token_ids: list[int]) -> float:
+    """The verifiable reward: the share of even token ids."""
+    return sum(t % 2 == 0 for t in token_ids) / len(token_ids)
+
+
+def trainer(model_dir: str, init_info: dict[str, Any], conn: Connection, lr: float) -> None:
+    """The trainer process: rank 0 of the weight-transfer group. Per iteration it gets
+    the rollouts, reports its logprobs' mismatch with the engine's, takes one policy
+    gradient step, and broadcasts the new weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagellm.executor.weight_transfer import trainer_init, trainer_send_weights, update_info_for
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    group = trainer_init(init_info)  # waits for the engine to join
+    while True:
+        batch = conn.recv()
+        if batch is None:
+            return
+        mismatch, losses = 0.0, []
+        advantages = torch.tensor([r for *_, r in batch])
+        advantages = advantages - advantages.mean()
+        for (prompt, tokens, engine_logprobs, _), advantage in zip(batch, advantages,
+                                                                    strict=True):
+            ids = torch.tensor([prompt + tokens])
+            logprobs = model(ids).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+            taken = logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+            mismatch = max(mismatch, float((taken.detach() - torch.tensor(
+                engine_logprobs)).abs().max()))
+            losses.append(-advantage * taken.sum())
+        optimizer.zero_grad()
+        torch.stack(losses).mean().backward()
+        optimizer.step()
+        weights = [(name, p.detach()) for name, p in model.state_dict().items()]
+        conn.send((mismatch, update_info_for(weights)))
+        conn.recv()  # the engine is inside update_weights: broadcast now
+        trainer_send_weights(weights, group)
+
+
+def main() -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iterations", type=int, default=12)
+    parser.add_argument("--lr", type=float, default=0.5)
+    ns = parser.parse_args()
+
+    from pagellm import LLM, SamplingParams
+    from pagellm.executor.demo_model import demo_model_dir
+
+    model_dir = str(demo_model_dir())
+    with socket.socket() as s:  # a free port for the group's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                 "world_size": 2}
+    here, there = multiprocessing.get_context("spawn").Pipe()
+    trainer_process = multiprocessing.get_context("spawn").Process(
+        target=trainer, args=(model_dir, init_info, there, ns.lr), daemon=True)
+    trainer_process.start()
+    rewards, mismatches = [], []
+    with LLM(model_dir, enable_sleep_mode=True, weight_transfer_config={"backend": "nccl"},
+             kv_cache_memory_bytes=16 * 2**20) as llm:
+        llm.init_weight_transfer_engine({"init_info": init_info})
+        for iteration in range(ns.iterations):
+            params = SamplingParams(n=N_SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS,
+                                    logprobs=0, seed=iteration)
+            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                   use_tqdm=False)
+            batch = [(out.prompt_token_ids, c.token_ids,
+                      [position[t].logprob for t, position in zip(c.token_ids, c.logprobs,
+                                                                  strict=True)],
+                      reward(c.token_ids))
+                     for out in outputs for c in out.outputs]
+            rewards.append(statistics.mean(r for *_, r in batch))
+            llm.sleep(level=2)  # the trainer has the machine
+            here.send(batch)
+            mismatch, update_info = here.recv()
+            mismatches.append(mismatch)
+            llm.wake_up(tags=["weights"])
+            llm.start_weight_update()
+            here.send("go")
+            llm.update_weights({"update_info": update_info})
+            llm.finish_weight_update(weight_version=str(iteration + 1))
+            llm.wake_up(tags=["kv_cache"])
+            print(f"iteration {iteration:2d}: mean reward {rewards[-1]:.3f}, "
+                  f"max |engine - trainer| logprob {mismatch:.2e}", flush=True)
+    here.send(None)
+    trainer_process.join(30)
+    summary = {"first_reward": rewards[0], "last_reward": rewards[-1],
+               "max_mismatch": max(mismatches)}
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

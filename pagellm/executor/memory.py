@@ -1,0 +1,98 @@
+"""Freeing and restoring the engine's big allocations for sleep mode.
+
+Sleeping must give memory back to the system, not to a cache inside this process:
+on CUDA, torch's caching allocator keeps freed blocks until `empty_cache()`; on the
+CPU, glibc keeps freed heap pages (tensors below its mmap threshold, which grows up to
+32 MiB) until `malloc_trim`. `release()` does both, so the RSS or the device's free
+memory shows the drop.
+
+Parameters are emptied in place (`param.data` swapped for a 0-element tensor), so the
+module tree, tied weights (one Parameter object) and every buffer (RoPE tables) stay
+as they are: after waking, the same objects are filled again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+from collections.abc import Callable
+
+import psutil
+import torch
+from torch import nn
+
+
+def parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Each parameter once (a tied weight appears under its first name)."""
+    return list(model.named_parameters())
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for _, p in parameters(model))
+
+
+def offload(model: nn.Module, keep: bool) -> dict[str, torch.Tensor] | None:
+    """Empty every parameter's storage; with `keep`, return a host copy of each (pinned
+    when they live on CUDA, so waking copies at full bus speed). Shapes stay readable
+    through the returned copies or through `shapes()` taken beforehand."""
+    backup: dict[str, torch.Tensor] = {}
+    for name, param in parameters(model):
+        if keep:
+            if param.device.type == "cpu":
+                backup[name] = param.data  # already host memory: keep it as it is
+            else:
+                host = torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
+                host.copy_(param.data)
+                backup[name] = host
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    return backup if keep else None
+
+
+def shapes(model: nn.Module) -> dict[str, torch.Size]:
+    return {name: param.shape for name, param in parameters(model)}
+
+
+def restore(model: nn.Module, sizes: dict[str, torch.Size],
+            backup: dict[str, torch.Tensor] | None) -> None:
+    """Allocate every parameter again at its size, filled from `backup` when given
+    (contents undefined otherwise: level 2 waits for new weights)."""
+    for name, param in parameters(model):
+        if backup is not None and backup[name].device == param.device:
+            param.data = backup[name]
+            continue
+        param.data = torch.empty(sizes[name], dtype=param.dtype, device=param.device)
+        if backup is not None:
+            param.data.copy_(backup[name], non_blocking=True)
+    if backup is not None and any(p.device.type == "cuda" for _, p in parameters(model)):
+        torch.cuda.synchronize()  # the host copies may be freed once this returns
+
+
+def release(device: torch.device) -> None:
+    """Hand freed memory back to the system (see the module docstring)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def used_bytes(device: torch.device) -> int:
+    """What this process holds on `device`: allocated CUDA memory, or the RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_reserved(device))
+    return int(psutil.Process().memory_info().rss)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None elsewhere (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim
+        return trim
+    except (OSError, AttributeError):
+        return None

@@ -1,0 +1,68 @@
+"""Tensors inside msgpack values, without pickle: a msgpack extension (code 1) whose
+payload is `[dtype name, shape, raw bytes]`. Used for `collective_rpc` arguments and
+results, where any msgpack value may carry tensors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import torch
+
+TENSOR_EXT = 1
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in (
+        "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8",
+        "uint8", "bool")}
+MAX_DIMS = 8
+
+
+def encode_value(value: Any) -> Any:
+    """`value` with every tensor (in lists, tuples and dict values) replaced by an Ext."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().to("cpu").contiguous()
+        name = str(tensor.dtype).removeprefix("torch.")
+        if name not in DTYPES:
+            raise TypeError(f"tensors of dtype {name} cannot be sent")
+        raw = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        return msgspec.msgpack.Ext(TENSOR_EXT, msgspec.msgpack.encode(
+            [name, list(tensor.shape), raw]))
+    if isinstance(value, (list, tuple)):
+        return [encode_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: encode_value(v) for k, v in value.items()}
+    return value
+
+
+def decode_value(value: Any) -> Any:
+    """The inverse of `encode_value`; a malformed tensor raises ValueError."""
+    if isinstance(value, msgspec.msgpack.Ext):
+        return _tensor(value)
+    if isinstance(value, list):
+        return [decode_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: decode_value(v) for k, v in value.items()}
+    return value
+
+
+def _tensor(ext: msgspec.msgpack.Ext) -> torch.Tensor:
+    if ext.code != TENSOR_EXT:
+        raise ValueError(f"unknown msgpack extension type {ext.code}")
+    try:
+        name, shape, raw = msgspec.msgpack.decode(ext.data, type=tuple[str, list[int], bytes])
+    except msgspec.DecodeError as e:
+        raise ValueError(f"malformed tensor: {e}") from None
+    dtype = DTYPES.get(name)
+    if dtype is None:
+        raise ValueError(f"unknown tensor dtype {name!r} (known: {', '.join(DTYPES)})")
+    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+        raise ValueError(f"bad tensor shape {shape}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * dtype.itemsize != len(raw):
+        raise ValueError(f"tensor of shape {shape} and dtype {name} needs "
+                         f"{numel * dtype.itemsize} bytes, got {len(raw)}")
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)

@@ -1,0 +1,147 @@
+"""The RL control routes (`pagellm serve --enable-dev-endpoints`), in vLLM's shapes:
+
+    POST /sleep?level=1&mode=abort      {"status": "sleeping", "level": 1}
+    POST /wake_up?tags=weights&tags=..  {"status": "awake" | "sleeping", "tags": [...] | null}
+    GET  /is_sleeping                   {"is_sleeping": bool}
+    POST /pause?mode=abort              {"status": "paused"}
+    POST /resume                        {"status": "resumed"}
+    GET  /is_paused                     {"is_paused": bool}
+    POST /reset_prefix_cache            {"reset": bool}
+    GET  /get_world_size                {"world_size": 1}
+    POST /collective_rpc                {"method", "args", "kwargs", "timeout"} -> {"results"}
+    POST /init_weight_transfer_engine   {"init_info": {...}}
+    POST /start_weight_update
+    POST /update_weights                {"update_info": {"names", "dtype_names", "shapes"}}
+    POST /finish_weight_update          {"weight_version": str} (optional)
+
+They drive the whole engine, so they exist only when asked for (vLLM hides them behind
+a dev mode too) and sit behind the API key like every other route. A call the engine
+refuses (a bad value, the wrong state) is a 400 naming why; a collective_rpc past its
+timeout a 504.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+from fastapi import FastAPI, Query, Request
+
+from pagellm.frontend.async_llm import AsyncLLM
+from pagellm.frontend.core_client import EngineDeadError
+
+T = TypeVar("T")
+
+
+class CollectiveRpcRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    timeout: float | None = None
+
+
+class InitRequest(msgspec.Struct, forbid_unknown_fields=True):
+    init_info: dict[str, Any]
+
+
+class UpdateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    update_info: dict[str, Any]
+
+
+class FinishRequest(msgspec.Struct, forbid_unknown_fields=True):
+    weight_version: str | None = None
+
+
+def add_dev_routes(app: FastAPI, engine: AsyncLLM,
+                   body_of: Callable[[Request, type[Any]], Awaitable[Any]],
+                   error: Callable[[int, str, str], Exception]) -> None:
+    async def control(call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except EngineDeadError:
+            raise
+        except TimeoutError as e:
+            raise error(504, str(e), "TimeoutError") from None
+        except (RuntimeError, ValueError) as e:
+            raise error(400, str(e), "BadRequestError") from None
+
+    @app.post("/sleep")
+    async def sleep(level: str = "1", mode: str = "abort") -> dict[str, Any]:
+        if not level.isdigit():
+            raise error(400, f"level must be 0, 1 or 2, got {level!r}", "BadRequestError")
+        await control(engine.sleep(int(level), mode))
+        return {"status": "sleeping", "level": int(level)}
+
+    @app.post("/wake_up")
+    async def wake_up(tags: list[str] | None = Query(None)) -> dict[str, Any]:  # noqa: B008
+        awake = await control(engine.wake_up(tags))
+        return {"status": "awake" if awake else "sleeping", "tags": tags}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": await control(engine.is_sleeping())}
+
+    @app.post("/pause")
+    async def pause(mode: str = "abort") -> dict[str, str]:
+        await control(engine.pause_generation(mode))
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume() -> dict[str, str]:
+        await control(engine.resume_generation())
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused() -> dict[str, bool]:
+        return {"is_paused": await control(engine.is_paused())}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, bool]:
+        return {"reset": await control(engine.reset_prefix_cache())}
+
+    @app.get("/get_world_size")
+    async def get_world_size() -> dict[str, int]:
+        return {"world_size": 1}
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(request: Request) -> dict[str, Any]:
+        body = await body_of(request, CollectiveRpcRequest)
+        results = await control(engine.collective_rpc(body.method, body.timeout,
+                                                      tuple(body.args), body.kwargs))
+        return {"results": [_jsonable(r) for r in results]}
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(request: Request) -> dict[str, str]:
+        body = await body_of(request, InitRequest)
+        await control(engine.init_weight_transfer_engine({"init_info": body.init_info}))
+        return {"message": "Weight transfer initialized"}
+
+    @app.post("/start_weight_update")
+    async def start_weight_update() -> dict[str, str]:
+        await control(engine.start_weight_update())
+        return {"message": "Weight update started"}
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> dict[str, str]:
+        body = await body_of(request, UpdateRequest)
+        await control(engine.update_weights({"update_info": body.update_info}))
+        return {"message": "Weights updated"}
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> dict[str, str]:
+        body = await body_of(request, FinishRequest) \
+            if int(request.headers.get("content-length") or 0) else FinishRequest()
+        await control(engine.finish_weight_update(body.weight_version))
+        return {"message": "Weight update finished"}
+
+
+def _jsonable(value: Any) -> Any:
+    """A collective_rpc result as JSON: tensors become nested lists."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return value

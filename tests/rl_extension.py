@@ -1,0 +1,33 @@
+"""A worker extension for the collective_rpc tests (`worker_extension_cls=
+"rl_extension.Probe"`): the engine imports it by name."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+class Probe:
+    model_runner: Any  # set by the worker this class is mixed into
+
+    def weight_checksum(self) -> float:
+        """Sum of every parameter: the trainer's own sum says whether an update landed."""
+        return float(sum(p.detach().double().sum() for p in self.model_runner.model.parameters()))
+
+    def embedding_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.model_runner.model.model.embed_tokens.weight[rows.long()].clone()
+
+    def describe(self, prefix: str, *, scale: float = 1.0) -> dict[str, Any]:
+        return {"prefix": prefix, "scale": scale, "rank": getattr(self, "rank", None)}
+
+    def fail(self) -> None:
+        raise ValueError("probe failed on purpose")
+
+    def nap(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    def _private(self) -> None:  # not callable through collective_rpc
+        raise AssertionError("unreachable")

@@ -1,0 +1,664 @@
+"""The RL rollout engine: sleep and wake, weight updates, collective_rpc, pause and
+resume. References: transformers on the same (or perturbed) weights, the engine's own
+tokens before sleeping, and the engine process's RSS measured from outside."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import assert_no_leaks
+
+from pagellm import LLM, AsyncLLM, SamplingParams
+from pagellm.executor.loader import iterate_safetensors, safetensors_files
+from pagellm.executor.weight_transfer import shared_weights, shm_dir
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+PROMPTS = ["Hello", "The quick brown fox", "def fibonacci(n):", "a b c d e f"]
+TESTS = Path(__file__).parent
+
+
+def greedy(llm: LLM, prompts: list = PROMPTS, params: SamplingParams = GREEDY
+           ) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    return dict(iterate_safetensors(safetensors_files(model_dir)))
+
+
+def perturbed(model_dir: Path, seed: int = 0, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """The model's checkpoint with noise added to every tensor: weights no engine had."""
+    generator = torch.Generator().manual_seed(seed)
+    return {name: t + scale * torch.randn(t.shape, generator=generator)
+            for name, t in checkpoint(model_dir).items()}
+
+
+def hf_model(model_dir: Path, weights: dict[str, torch.Tensor] | None = None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if weights is not None:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+        model.tie_weights()
+    return model
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=n,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def rss(llm: LLM) -> int:
+    return psutil.Process(llm.engine_core.engine_process.pid).memory_info().rss
+
+
+def leftover_buffers() -> list[Path]:
+    return sorted(shm_dir().glob("pagellm-weights-*"))
+
+
+def parameter_count(model_dir: Path) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def big_config(tmp_path_factory) -> Path:
+    """A config-only llama of about 80 MB of fp32 weights (dummy-loaded), long enough
+    for the ROLL guide's max_model_len=8000: RSS drops are measurable above noise."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("big")
+    LlamaConfig(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=2, intermediate_size=1536, vocab_size=8192,
+                max_position_embeddings=8192, tie_word_embeddings=False).save_pretrained(path)
+    return path
+
+
+# --- weight updates ---------------------------------------------------------------------
+
+
+def test_update_weights_gives_transformers_tokens_and_logprobs_on_the_new_weights(model_dirs):
+    model_dir = model_dirs["llama"]
+    new = perturbed(model_dir)
+    reference = hf_model(model_dir, new)
+    with LLM(str(model_dir), weight_transfer_config={"backend": "ipc"},
+             kv_cache_memory_bytes=8 * 2**20) as llm:
+        before = greedy(llm)
+        assert llm.update_weights(new.items()) == len(new)
+        params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1)
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert not leftover_buffers()
+        assert [o.outputs[0].token_ids for o in outputs] != before  # the update landed
+        for out in outputs:
+            completion = out.outputs[0]
+            assert completion.token_ids == hf_greedy(reference, out.prompt_token_ids, 10)
+            ids = out.prompt_token_ids + completion.token_ids
+            with torch.no_grad():
+                logprobs = reference(torch.tensor([ids])).logits[0].log_softmax(-1)
+            start = len(out.prompt_token_ids) - 1
+            for j, (token, position) in enumerate(zip(completion.token_ids,
+                                                      completion.logprobs, strict=True)):
+                assert abs(position[token].logprob - float(logprobs[start + j, token])) < 1e-4
+        assert_no_leaks(llm)
+
+
+def test_an_update_forgets_cached_prefixes(model_dirs):
+    """A prompt whose prefix was cached under the old weights is recomputed."""
+    model_dir = model_dirs["llama"]
+    new = perturbed(model_dir, seed=1)
+    reference = hf_model(model_dir, new)
+    prompt = {"prompt_token_ids": list(range(5, 69))}  # four full blocks
+    with LLM(str(model_dir), weight_transfer_config={"backend": "ipc"},
+             kv_cache_memory_bytes=8 * 2**20, multiprocess=False) as llm:
+        greedy(llm, [prompt])
+        llm.update_weights(new.items())
+        hits = llm.get_stats().prefix_cache_hits
+        assert greedy(llm, [prompt]) == [hf_greedy(reference, prompt["prompt_token_ids"], 10)]
+        assert llm.get_stats().prefix_cache_hits == hits
+
+
+def test_a_bad_update_is_refused_whole_and_the_old_weights_keep_serving(model_dirs):
+    model_dir = model_dirs["llama"]
+    new = perturbed(model_dir)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    bad = dict(new)
+    bad[name] = new[name][:-1]  # one row short
+    bad["model.layers.9.mlp.up_proj.weight"] = torch.zeros(3, 3)  # no such layer
+    with LLM(str(model_dir), weight_transfer_config={"backend": "ipc"},
+             kv_cache_memory_bytes=8 * 2**20) as llm:
+        before = greedy(llm)
+        with pytest.raises(RuntimeError) as info:
+            llm.update_weights(bad.items())
+        message = str(info.value)
+        assert "old weights kept" in message and name in message
+        assert "model.layers.9.mlp.up_proj.weight: no such weight" in message
+        with pytest.raises(ValueError, match="dtype int64 is not a weight dtype"):
+            llm.update_weights([(name, torch.zeros(2, dtype=torch.int64))])
+        assert greedy(llm) == before  # not one tensor of the bad update was copied
+        assert not leftover_buffers()
+        assert_no_leaks(llm)
+
+
+def test_updates_need_weight_transfer_config_and_buffers_come_only_from_shm(model_dirs):
+    model_dir = model_dirs["llama"]
+    with LLM(str(model_dir), kv_cache_memory_bytes=8 * 2**20, multiprocess=False) as llm, \
+            pytest.raises(RuntimeError, match="weight_transfer_config"):
+        llm.update_weights(checkpoint(model_dir).items())
+    with LLM(str(model_dir), weight_transfer_config={"backend": "ipc"},
+             kv_cache_memory_bytes=8 * 2**20) as llm:
+        before = greedy(llm)
+        with shared_weights(perturbed(model_dir).items()) as update:
+            for path in ("/etc/passwd", str(shm_dir() / "other-file"),
+                         str(shm_dir() / "pagellm-weights-missing")):
+                with pytest.raises(RuntimeError, match="weight buffer"):
+                    llm.update_weights(type(update)(update.specs, path, update.buffer_bytes))
+            with pytest.raises(RuntimeError, match="regular file of"):
+                llm.update_weights(type(update)(update.specs, update.buffer, 7))
+        assert greedy(llm) == before
+
+
+TRAINER = """
+import sys
+from pathlib import Path
+
+import msgspec
+from test_rl import perturbed
+
+from pagellm.executor.weight_transfer import shared_weights
+
+with shared_weights(perturbed(Path(sys.argv[1]), seed=7).items()) as update:
+    sys.stdout.write(msgspec.msgpack.encode(update).hex() + "\\n")
+    sys.stdout.flush()
+    sys.stdin.readline()  # the driver's update_weights has returned: free the buffer
+"""
+
+
+def test_a_trainer_in_another_process_pushes_weights_through_shared_memory(model_dirs):
+    """The trainer writes its weights to shared memory and hands the driver only the
+    (msgspec) description; the driver's LLM loads them."""
+    import msgspec
+
+    from pagellm.protocol.utility import WeightUpdate
+
+    model_dir = model_dirs["llama"]
+    reference = hf_model(model_dir, perturbed(model_dir, seed=7))
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(model_dir)], cwd=TESTS,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        with LLM(str(model_dir), weight_transfer_config={"backend": "ipc"},
+                 kv_cache_memory_bytes=8 * 2**20) as llm:
+            line = trainer.stdout.readline()
+            update = msgspec.msgpack.decode(bytes.fromhex(line), type=WeightUpdate)
+            assert llm.update_weights(update) == len(update.specs)
+            trainer.stdin.write("done\n")
+            trainer.stdin.flush()
+            out = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0]
+            assert out.outputs[0].token_ids == hf_greedy(reference, out.prompt_token_ids, 10)
+        assert trainer.wait(30) == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    assert not leftover_buffers()
+
+
+NCCL_TRAINER = """
+import json
+import sys
+from pathlib import Path
+
+from test_rl import perturbed
+
+from pagellm.executor.weight_transfer import trainer_init, trainer_send_weights, update_info_for
+
+model_dir, init_info, bad = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3] == "bad"
+group = trainer_init(init_info)  # waits for the engine to join
+weights = perturbed(model_dir, seed=7)
+if bad:  # one tensor a row short: the engine must refuse it and still drain the rest
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights[name] = weights[name][:-1]
+print(json.dumps(update_info_for(weights.items())), flush=True)
+sys.stdin.readline()
+trainer_send_weights(weights.items(), group)
+print("sent", flush=True)
+"""
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_trainer_broadcasts_weights_over_the_nccl_backend(model_dirs, bad):
+    """vLLM's four phases with the trainer in its own process (gloo on the CPU): init
+    (both sides join), start, update (the engine receives what the trainer
+    broadcasts), finish. A bad tensor is refused after the transfer drained, and the
+    old weights keep serving."""
+    from helpers import free_port
+
+    model_dir = model_dirs["llama"]
+    init_info = {"master_address": "127.0.0.1", "master_port": free_port(),
+                 "rank_offset": 1, "world_size": 2}
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", NCCL_TRAINER, str(model_dir), json.dumps(init_info),
+         "bad" if bad else "good"],
+        cwd=TESTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        with LLM(str(model_dir), weight_transfer_config={"backend": "nccl"},
+                 kv_cache_memory_bytes=8 * 2**20) as llm:
+            before = greedy(llm)
+            llm.init_weight_transfer_engine({"init_info": init_info})
+            update_info = json.loads(trainer.stdout.readline())
+            llm.start_weight_update()
+            with pytest.raises(RuntimeError, match="already in progress"):
+                llm.start_weight_update()
+            trainer.stdin.write("go\n")
+            trainer.stdin.flush()
+            if bad:
+                with pytest.raises(RuntimeError, match=r"old weights kept: model\.layers\.1"):
+                    llm.update_weights({"update_info": update_info})
+            else:
+                assert llm.update_weights({"update_info": update_info}) == len(
+                    update_info["names"])
+            llm.finish_weight_update(weight_version="step-1")
+            assert trainer.stdout.readline().strip() == "sent"
+            if bad:
+                assert greedy(llm) == before
+            else:
+                reference = hf_model(model_dir, perturbed(model_dir, seed=7))
+                out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+                assert [o.outputs[0].token_ids for o in out] == [
+                    hf_greedy(reference, o.prompt_token_ids, 10) for o in out]
+            assert_no_leaks(llm)
+        assert trainer.wait(30) == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+
+
+def test_phases_out_of_order_and_bad_init_info_are_errors(model_dirs):
+    with LLM(str(model_dirs["llama"]), weight_transfer_config={"backend": "nccl"},
+             kv_cache_memory_bytes=8 * 2**20, multiprocess=False) as llm:
+        with pytest.raises(RuntimeError, match="start_weight_update first"):
+            llm.finish_weight_update()
+        with pytest.raises(RuntimeError, match="init_weight_transfer_engine first"):
+            llm.update_weights({"update_info": {"names": [], "dtype_names": [],
+                                                "shapes": []}})
+        with pytest.raises(RuntimeError, match="world_size"):
+            llm.init_weight_transfer_engine({"init_info": {
+                "master_address": "127.0.0.1", "master_port": 1, "world_size": 1}})
+        with pytest.raises(ValueError, match="init_info"):
+            llm.init_weight_transfer_engine({"master_port": 1})
+
+
+# --- sleep and wake ---------------------------------------------------------------------
+
+
+def test_level_1_wakes_to_the_same_tokens_and_level_2_to_the_pushed_weights(model_dirs):
+    model_dir = model_dirs["qwen2"]
+    with LLM(str(model_dir), enable_sleep_mode=True, weight_transfer_config={"backend": "ipc"},
+             kv_cache_memory_bytes=8 * 2**20) as llm:
+        before = greedy(llm)
+        llm.sleep(level=1)
+        assert llm.is_sleeping()
+        assert llm.wake_up() is True and not llm.is_sleeping()
+        assert greedy(llm) == before
+        llm.sleep(level=2)
+        assert llm.wake_up(tags=["weights"]) is False  # the KV cache still sleeps
+        assert llm.is_sleeping()
+        new = perturbed(model_dir, seed=3)
+        llm.update_weights(new.items())
+        assert llm.wake_up(tags=["kv_cache"]) is True
+        reference = hf_model(model_dir, new)
+        out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == [
+            hf_greedy(reference, o.prompt_token_ids, 10) for o in out]
+        assert_no_leaks(llm)
+
+
+def test_asleep_requests_fail_naming_the_state_and_waking_twice_is_harmless(model_dirs):
+    with LLM(str(model_dirs["llama"]), enable_sleep_mode=True,
+             kv_cache_memory_bytes=8 * 2**20) as llm:
+        before = greedy(llm)
+        llm.sleep(level=1)
+        llm.sleep(level=1)  # twice: a no-op (frameworks call worker-level sleep directly)
+        with pytest.raises(ValueError, match=r"sleeping \(level 1.*wake_up\(\)"):
+            llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+        with pytest.raises(RuntimeError, match="call wake_up"):
+            llm.resume_generation()
+        assert llm.wake_up(["kv_cache"]) is False
+        assert llm.wake_up(["kv_cache"]) is False  # already awake: nothing changes
+        assert llm.wake_up(["weights"]) is True
+        assert llm.wake_up() is True
+        assert greedy(llm) == before
+        llm.sleep(level=0)  # scheduling only
+        assert llm.is_sleeping() and llm.is_paused()
+        assert llm.wake_up(["scheduling"]) is True
+        assert greedy(llm) == before
+        assert_no_leaks(llm)
+
+
+def test_sleep_levels_need_enable_sleep_mode_and_bad_arguments_name_the_call(model_dirs):
+    with LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=8 * 2**20,
+             multiprocess=False) as llm:
+        with pytest.raises(RuntimeError, match="enable_sleep_mode=True"):
+            llm.sleep(level=1)
+        assert not llm.is_sleeping()
+        with pytest.raises(RuntimeError, match="bad arguments for sleep"):
+            llm.sleep(level=3)
+        with pytest.raises(RuntimeError, match="bad arguments for wake_up"):
+            llm.wake_up(tags=["everything"])
+        with pytest.raises(RuntimeError, match="bad arguments for pause"):
+            llm.pause_generation(mode="later")
+        assert greedy(llm, PROMPTS[:1])
+
+
+def test_sleeping_gives_the_memory_back_to_the_system(big_config):
+    """RSS of the engine process, measured from outside: level 1 frees the KV cache
+    (the part that was written), level 2 also the ~80 MB of weights."""
+    with LLM(str(big_config), load_format="dummy", skip_tokenizer_init=True,
+             enable_sleep_mode=True, kv_cache_memory_bytes=64 * 2**20, max_model_len=1024,
+             max_num_batched_tokens=4096) as llm:
+        bytes_per_token = 4 * 2 * 2 * 64 * 4  # layers x K|V x kv_heads x head_dim x fp32
+        # Write ~45 MiB of KV: 11 distinct prompts of 1000 tokens (freed blocks go to the
+        # back of the free queue, so each prompt writes blocks no other one wrote).
+        prompts = [{"prompt_token_ids": [(7 * i + j) % 8000 + 1 for j in range(1000)]}
+                   for i in range(11)]
+        llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+        written = 11 * 1000 * bytes_per_token
+        weights = parameter_count(big_config) * 4  # fp32
+        time.sleep(0.2)
+        awake = rss(llm)
+        llm.sleep(level=1)
+        level1 = rss(llm)
+        assert awake - level1 > 0.8 * written, (awake, level1, written)
+        llm.wake_up()
+        llm.sleep(level=2)
+        level2 = rss(llm)
+        assert awake - level2 > 0.8 * (written + weights), (awake, level2, written + weights)
+        assert llm.wake_up() is True  # fresh, unwritten memory: the RSS grows as it is used
+
+
+def test_the_roll_guide_configuration_works_as_written(big_config):
+    with LLM(str(big_config), gpu_memory_utilization=0.8, block_size=16, max_model_len=8000,
+             load_format="dummy", enable_sleep_mode=True, skip_tokenizer_init=True) as llm:
+        params = SamplingParams(n=4, top_p=0.99, top_k=100, temperature=0.99, max_tokens=8)
+        outputs = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], params, use_tqdm=False)
+        assert len(outputs[0].outputs) == 4
+        assert all(len(c.token_ids) == 8 for c in outputs[0].outputs)
+        llm.sleep(level=1)
+        llm.wake_up()
+        outputs = llm.generate([{"prompt_token_ids": [5, 6]}], params, use_tqdm=False)
+        assert len(outputs[0].outputs) == 4
+
+
+@pytest.mark.slow
+def test_fifty_cycles_of_sleep_update_wake_leak_nothing(model_dirs):
+    model_dir = model_dirs["llama"]
+    weights = [perturbed(model_dir, seed=s) for s in range(2)]
+    with LLM(str(model_dir), enable_sleep_mode=True, weight_transfer_config={"backend": "ipc"},
+             kv_cache_memory_bytes=8 * 2**20) as llm:
+        results = []
+        for cycle in range(50):
+            results.append(greedy(llm, PROMPTS[:2]))
+            llm.sleep(level=2 if cycle % 2 else 1)
+            llm.wake_up(["weights"])
+            llm.update_weights(weights[cycle % 2].items())
+            assert llm.wake_up() is True
+            if cycle == 4:
+                baseline = rss(llm)
+            assert_no_leaks(llm)
+        assert rss(llm) - baseline < 16 * 2**20  # no growth cycle over cycle
+        # Same weights, same tokens, whichever path (level 1 or 2) led there.
+        assert all(r == results[1] for r in results[1::2])
+        assert all(r == results[2] for r in results[2::2])
+        assert not leftover_buffers()
+
+
+# --- pause and resume (AsyncLLM: requests in flight) ------------------------------------
+
+
+async def _collect(engine: AsyncLLM, prompt, params, request_id):
+    final = None
+    async for out in engine.generate(prompt, params, request_id=request_id):
+        final = out
+    return final
+
+
+def test_pause_in_each_mode_with_requests_in_flight(model_dirs):
+    model_dir = model_dirs["llama"]
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def main() -> None:
+        engine = AsyncLLM(str(model_dir), kv_cache_memory_bytes=8 * 2**20)
+        try:
+            reference = await _collect(engine, PROMPTS[1], long, "ref")
+            # abort: in-flight requests end now, with reason "abort"
+            task = asyncio.create_task(_collect(engine, PROMPTS[1], long, "a"))
+            await asyncio.sleep(0.3)
+            await engine.pause_generation(mode="abort")
+            aborted = await asyncio.wait_for(task, 30)
+            assert aborted.outputs[0].finish_reason == "abort"
+            assert len(aborted.outputs[0].token_ids) < 400
+            with pytest.raises(ValueError, match=r"paused.*resume_generation"):
+                await _collect(engine, PROMPTS[0], long, "refused")
+            await engine.resume_generation()
+            # wait: the call returns when they are done, and they finish normally
+            task = asyncio.create_task(_collect(engine, PROMPTS[1], long, "w"))
+            await asyncio.sleep(0.3)
+            await engine.pause_generation(mode="wait")  # returns once "w" has finished
+            assert await engine.is_paused()
+            waited = await asyncio.wait_for(task, 10)
+            assert waited.outputs[0].finish_reason == "length"
+            assert waited.outputs[0].token_ids == reference.outputs[0].token_ids
+            await engine.resume_generation()
+            # keep: frozen in place, then continued: the same tokens as never paused
+            task = asyncio.create_task(_collect(engine, PROMPTS[1], long, "k"))
+            await asyncio.sleep(0.3)
+            await engine.pause_generation(mode="keep")
+            late = asyncio.create_task(_collect(engine, PROMPTS[1], long, "late"))
+            stats = await engine.get_stats()
+            await asyncio.sleep(0.5)
+            assert not task.done() and not late.done()
+            assert (await engine.get_stats()).num_steps == stats.num_steps  # frozen
+            await engine.resume_generation()
+            kept, queued = await asyncio.wait_for(asyncio.gather(task, late), 60)
+            assert kept.outputs[0].token_ids == reference.outputs[0].token_ids
+            assert queued.outputs[0].token_ids == reference.outputs[0].token_ids
+            stats = await engine.get_stats()
+            assert stats.num_free_blocks == stats.num_total_blocks
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_sleep_in_keep_mode_continues_the_requests_after_waking(model_dirs):
+    """Their KV is freed with the cache: they recompute after waking, same tokens."""
+    model_dir = model_dirs["llama"]
+    long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+
+    async def main() -> None:
+        engine = AsyncLLM(str(model_dir), enable_sleep_mode=True,
+                          kv_cache_memory_bytes=8 * 2**20)
+        try:
+            reference = await _collect(engine, PROMPTS[2], long, "ref")
+            task = asyncio.create_task(_collect(engine, PROMPTS[2], long, "k"))
+            await asyncio.sleep(0.3)
+            await engine.sleep(level=1, mode="keep")
+            assert await engine.is_sleeping() and not task.done()
+            assert await engine.wake_up() is True
+            kept = await asyncio.wait_for(task, 60)
+            assert kept.outputs[0].token_ids == reference.outputs[0].token_ids
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+# --- collective_rpc ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_collective_rpc_calls_extension_methods_by_name(model_dirs, monkeypatch,
+                                                        multiprocess):
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))  # the engine process imports rl_extension
+    model_dir = model_dirs["llama"]
+    weights = checkpoint(model_dir)
+    with LLM(str(model_dir), worker_extension_cls="rl_extension.Probe",
+             weight_transfer_config={"backend": "ipc"}, kv_cache_memory_bytes=8 * 2**20,
+             multiprocess=multiprocess) as llm:
+        [checksum] = llm.collective_rpc("weight_checksum")
+        expected = float(sum(t.double().sum() for t in weights.values()))
+        assert abs(checksum - expected) < 1e-6 * max(1.0, abs(expected))
+        [rows] = llm.collective_rpc("embedding_rows", args=(torch.tensor([3, 5]),))
+        assert torch.equal(rows, weights["model.embed_tokens.weight"][[3, 5]])
+        assert llm.collective_rpc("describe", args=("x",), kwargs={"scale": 2.5}) == [
+            {"prefix": "x", "scale": 2.5, "rank": 0}]
+        with pytest.raises(RuntimeError, match=r"collective_rpc.*unknown method '_private'"):
+            llm.collective_rpc("_private")
+        with pytest.raises(RuntimeError, match="probe failed on purpose"):
+            llm.collective_rpc("fail")
+        if multiprocess:  # a timeout is an error for the caller; the engine goes on
+            with pytest.raises(TimeoutError, match=r"collective_rpc timed out after 0\.5 s"):
+                llm.collective_rpc("nap", timeout=0.5, args=(2.0,))
+        assert greedy(llm, PROMPTS[:1])
+        assert_no_leaks(llm)
+
+
+def test_collective_rpc_without_an_extension_and_a_bad_extension(model_dirs):
+    with LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=8 * 2**20,
+             multiprocess=False) as llm, \
+            pytest.raises(RuntimeError, match="set worker_extension_cls"):
+        llm.collective_rpc("weight_checksum")
+    with pytest.raises(ValueError, match="cannot be imported"):
+        LLM(str(model_dirs["llama"]), worker_extension_cls="no_such_module.Class",
+            kv_cache_memory_bytes=8 * 2**20, multiprocess=False)
+
+
+def test_cli_takes_the_rl_options_as_vllm_spells_them():
+    import argparse
+
+    from pagellm.protocol.engine_args import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args([
+        "--model", "m", "--enable-sleep-mode", "--weight-transfer-config",
+        json.dumps({"backend": "ipc"}), "--worker-extension-cls", "pkg.mod.Ext"]))
+    assert args.enable_sleep_mode and args.weight_transfer_config == {"backend": "ipc"}
+    assert EngineArgs.from_cli_args(parser.parse_args(args.to_cli_args())) == args
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--weight-transfer-config", "{not json"])
+    with pytest.raises(ValueError, match="weight_transfer_config must be"):
+        EngineArgs(model="m", weight_transfer_config={"backend": "carrier-pigeon"})
+
+
+# --- the HTTP dev routes ----------------------------------------------------------------
+
+
+def test_dev_routes_drive_sleep_pause_rpc_and_nccl_updates_over_http(model_dirs, monkeypatch):
+    from helpers import NAME, Server, free_port
+
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    model_dir = model_dirs["llama"]
+    plain = Server(model_dir)
+    try:
+        assert plain.request("POST", "/sleep?level=1")[0] == 404  # off unless asked for
+    finally:
+        plain.stop()
+    server = Server(model_dir, "--enable-dev-endpoints", "--enable-sleep-mode",
+                    "--weight-transfer-config", '{"backend": "nccl"}',
+                    "--worker-extension-cls", "rl_extension.Probe", "--api-key", "k")
+    key = {"Authorization": "Bearer k"}
+    trainer = None
+    try:
+        def call(method: str, path: str, body: object = None) -> tuple[int, dict]:
+            status, data = server.request(method, path, body, headers=key)
+            return status, json.loads(data)
+
+        def complete() -> str:
+            response = server.client("k").completions.create(
+                model=NAME, prompt=PROMPTS[1],
+                max_tokens=8, temperature=0)
+            return response.choices[0].text
+
+        assert server.request("POST", "/sleep?level=1")[0] == 401  # behind the API key
+        before = complete()
+        assert call("POST", "/sleep?level=1") == (200, {"status": "sleeping", "level": 1})
+        assert call("GET", "/is_sleeping") == (200, {"is_sleeping": True})
+        status, body = call("POST", "/v1/completions", {
+            "model": NAME, "prompt": "x", "max_tokens": 2})
+        assert status == 503 and "sleeping" in body["error"]["message"]
+        assert call("POST", "/wake_up?tags=kv_cache") == (
+            200, {"status": "sleeping", "tags": ["kv_cache"]})
+        assert call("POST", "/wake_up") == (200, {"status": "awake", "tags": None})
+        assert complete() == before
+        assert call("POST", "/pause?mode=keep") == (200, {"status": "paused"})
+        assert call("GET", "/is_paused") == (200, {"is_paused": True})
+        assert call("POST", "/resume") == (200, {"status": "resumed"})
+        for path in ("/sleep?level=7", "/sleep?level=x", "/pause?mode=soon",
+                     "/wake_up?tags=everything"):
+            status, body = call("POST", path)
+            assert status == 400 and body["error"]["message"], path
+        assert call("GET", "/get_world_size") == (200, {"world_size": 1})
+        assert call("POST", "/reset_prefix_cache") == (200, {"reset": True})
+        status, body = call("POST", "/collective_rpc", {"method": "describe", "args": ["p"],
+                                                        "kwargs": {"scale": 3.0}})
+        assert (status, body) == (200, {"results": [{"prefix": "p", "scale": 3.0,
+                                                     "rank": 0}]})
+        status, body = call("POST", "/collective_rpc", {"method": "fail"})
+        assert status == 400 and "probe failed on purpose" in body["error"]["message"]
+        status, body = call("POST", "/collective_rpc", {"method": "nap", "args": [2.0],
+                                                        "timeout": 0.3})
+        assert status == 504
+        # The weight-update phases with a trainer broadcasting (gloo).
+        init_info = {"master_address": "127.0.0.1", "master_port": free_port(),
+                     "rank_offset": 1, "world_size": 2}
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", NCCL_TRAINER, str(model_dir), json.dumps(init_info),
+             "good"], cwd=TESTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert call("POST", "/init_weight_transfer_engine", {"init_info": init_info}) == (
+            200, {"message": "Weight transfer initialized"})
+        update_info = json.loads(trainer.stdout.readline())
+        assert call("POST", "/start_weight_update")[0] == 200
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+        assert call("POST", "/update_weights", {"update_info": update_info}) == (
+            200, {"message": "Weights updated"})
+        assert call("POST", "/finish_weight_update", {"weight_version": "1"})[0] == 200
+        assert trainer.wait(30) == 0
+        reference = hf_model(model_dir, perturbed(model_dir, seed=7))
+        ids = server.post("/tokenize", {"prompt": PROMPTS[1]}, headers=key)[1]["tokens"]
+        tokens = hf_greedy(reference, ids, 8)
+        from transformers import AutoTokenizer
+
+        assert complete() == AutoTokenizer.from_pretrained(model_dir).decode(tokens)
+    finally:
+        if trainer is not None and trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        assert server.stop() == 0
+
+
+@pytest.mark.slow
+def test_the_rl_rollout_example_raises_the_reward_with_matching_logprobs():
+    """examples/rl_rollout.py end to end: generate, sleep, train (another process),
+    push over the nccl backend, wake; the reward rises and the engine's logprobs of the
+    sampled tokens equal the trainer's within 1e-4 (fp32)."""
+    result = subprocess.run([sys.executable, str(TESTS.parent / "examples/rl_rollout.py"),
+                             "--iterations", "6"], capture_output=True, text=True,
+                            timeout=600, check=True)
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["last_reward"] > summary["first_reward"] + 0.2, summary
+    assert summary["max_mismatch"] <= 1e-4, summary
