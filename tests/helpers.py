@@ -133,6 +133,7 @@ class RawEngineClient:
         import zmq
 
         self.context = zmq.Context()
+        self.context.setsockopt(zmq.LINGER, 0)  # a leaked client never blocks its finalizer
         self.dealer = self.context.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.connect(address)

@@ -288,6 +288,7 @@ def test_a_handshake_flood_neither_deafens_nor_kills_the_engine(tight_engine, at
     MAX_CLIENTS (8 here), a clear refusal beyond, and slots come back when clients go."""
     _, address = tight_engine
     context = zmq.Context()
+    context.setsockopt(zmq.LINGER, 0)
     crowd: list[RawEngineClient] = []
     try:
         one = context.socket(zmq.DEALER)

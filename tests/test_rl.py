@@ -18,7 +18,7 @@ from conftest import assert_no_leaks
 
 from pagellm import LLM, AsyncLLM, SamplingParams
 from pagellm.executor.loader import iterate_safetensors, safetensors_files
-from pagellm.executor.weight_transfer import shared_weights, shm_dir
+from pagellm.executor.weight_transfer import buffer_dirs, shared_weights, shm_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 PROMPTS = ["Hello", "The quick brown fox", "def fibonacci(n):", "a b c d e f"]
@@ -64,7 +64,7 @@ def rss(llm: LLM) -> int:
 
 
 def leftover_buffers() -> list[Path]:
-    return sorted(shm_dir().glob("pagellm-weights-*"))
+    return sorted(p for d in buffer_dirs() for p in d.glob("pagellm-weights-*"))
 
 
 def parameter_count(model_dir: Path) -> int:
@@ -662,3 +662,29 @@ def test_the_rl_rollout_example_raises_the_reward_with_matching_logprobs():
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["last_reward"] > summary["first_reward"] + 0.2, summary
     assert summary["max_mismatch"] <= 1e-4, summary
+
+
+def test_a_small_dev_shm_falls_back_to_the_temp_dir_or_names_the_shortage(monkeypatch):
+    """Containers often give /dev/shm 64 MiB: a bigger update goes through the temp
+    directory instead, and when nothing has room the error says what to enlarge."""
+    import os
+
+    from pagellm.executor import weight_transfer
+
+    real = os.statvfs
+
+    def small_shm(path):
+        stats = real(path)
+        if str(path) == "/dev/shm":
+            return os.statvfs_result((stats.f_bsize, 4096, 100, 100, 100, *stats[5:]))
+        return stats
+
+    monkeypatch.setattr(weight_transfer.os, "statvfs", small_shm)
+    dirs = buffer_dirs()
+    assert shm_dir(1 << 20) == dirs[-1]  # 1 MiB does not fit in 400 KiB of /dev/shm
+    with shared_weights([("w", torch.ones(512, 512))]) as update:
+        assert Path(update.buffer).parent == dirs[-1]
+    monkeypatch.setattr(weight_transfer.os, "statvfs", lambda path: os.statvfs_result(
+        (4096, 4096, 1, 1, 1, 0, 0, 0, 0, 255)))
+    with pytest.raises(ValueError, match=r"no room for a 1 MiB weight buffer.*shm-size"):
+        shm_dir(1 << 20)

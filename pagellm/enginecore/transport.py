@@ -114,6 +114,7 @@ class SocketFactory:
                 with contextlib.suppress(OSError):
                     stale.unlink()
         self.context = zmq.Context()
+        self.context.setsockopt(zmq.LINGER, 0)  # no close ever waits on a gone peer
         self._ipc_files: list[Path] = []
         self._auth: Any = None
         self._keys: tuple[bytes, bytes] | None = None

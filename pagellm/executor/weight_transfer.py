@@ -8,9 +8,9 @@ engine maps the file, checks every spec against the file and the model before it
 copies anything (so a bad update leaves the old weights serving), then copies. The
 sender deletes the file when the call returns. Nothing crosses the socket but the specs.
 
-The engine opens only regular files named `pagellm-weights-*` directly under the
-shared-memory directory, without following links: a client cannot make it read
-anything else.
+The engine opens only regular files named `pagellm-weights-*` directly in /dev/shm or
+the temp directory (the fallback when /dev/shm is too small), without following links:
+a client cannot make it read anything else.
 """
 
 from __future__ import annotations
@@ -35,27 +35,47 @@ PREFIX = "pagellm-weights-"
 ALIGN = 64  # each tensor starts on a 64-byte boundary (aligned views for every dtype)
 
 
-def shm_dir() -> Path:
-    """Where update buffers live: /dev/shm (RAM-backed), else the temp directory."""
+def buffer_dirs() -> list[Path]:
+    """Where update buffers may live, in order of preference: /dev/shm (RAM-backed),
+    then the temp directory (when /dev/shm is too small, as in a default container)."""
     shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    dirs = [shm] if shm.is_dir() and os.access(shm, os.W_OK) else []
+    return [*dirs, Path(tempfile.gettempdir())]
+
+
+def shm_dir(needed: int = 0) -> Path:
+    """The first of `buffer_dirs()` with room for `needed` bytes (and a margin)."""
+    free = {}
+    for directory in buffer_dirs():
+        stats = os.statvfs(directory)
+        free[directory] = stats.f_bavail * stats.f_frsize
+        if free[directory] >= needed + needed // 16:
+            return directory
+    raise ValueError(f"no room for a {needed / 2**20:.0f} MiB weight buffer (free: " +
+                     ", ".join(f"{d} {b / 2**20:.0f} MiB" for d, b in free.items()) +
+                     "); enlarge /dev/shm (docker run --shm-size) or send fewer tensors "
+                     "per update_weights call")
 
 
 @contextlib.contextmanager
 def shared_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[WeightUpdate]:
     """Write `(checkpoint name, tensor)` pairs into a fresh shared-memory file; yields
     the `WeightUpdate` describing it and deletes the file afterwards."""
-    fd, path = tempfile.mkstemp(prefix=PREFIX, dir=shm_dir())
+    pairs = list(weights)
+    for name, tensor in pairs:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight {name}: dtype {dtype} is not a weight dtype "
+                             f"({', '.join(WEIGHT_DTYPES)})")
+    needed = sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for _, t in pairs)
+    fd, path = tempfile.mkstemp(prefix=PREFIX, dir=shm_dir(needed))
     try:
         specs: list[WeightSpec] = []
         offset = 0
         with os.fdopen(fd, "wb") as f:
-            for name, tensor in weights:
+            for name, tensor in pairs:
                 host = tensor.detach().to("cpu").contiguous()
                 dtype = str(host.dtype).removeprefix("torch.")
-                if dtype not in WEIGHT_DTYPES:
-                    raise ValueError(f"weight {name}: dtype {dtype} is not a weight dtype "
-                                     f"({', '.join(WEIGHT_DTYPES)})")
                 offset = -(-offset // ALIGN) * ALIGN
                 f.seek(offset)
                 if host.numel():
@@ -76,9 +96,9 @@ def open_update(update: WeightUpdate) -> Iterator[list[tuple[str, torch.Tensor]]
     if update.buffer is None:
         raise ValueError("weight update without a buffer (backend 'ipc' needs one)")
     path = Path(update.buffer)
-    if path.parent != shm_dir() or not path.name.startswith(PREFIX):
-        raise ValueError(f"weight buffer must be a {PREFIX}* file in {shm_dir()}, "
-                         f"got {update.buffer!r}")
+    if path.parent not in buffer_dirs() or not path.name.startswith(PREFIX):
+        raise ValueError(f"weight buffer must be a {PREFIX}* file in "
+                         f"{' or '.join(map(str, buffer_dirs()))}, got {update.buffer!r}")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:

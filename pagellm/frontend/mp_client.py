@@ -113,9 +113,16 @@ class MPClient(EngineCoreClient):
         self.address = engine_address or self.engine_process.address  # type: ignore[union-attr]
         self.curve = curve
         self.context = zmq.Context()
+        # Every socket of this context, monitors included, drops unsent messages on close:
+        # a context dropped without shutdown (a leaked client) then terminates at once
+        # instead of blocking its finalizer forever in zmq_ctx_term.
+        self.context.setsockopt(zmq.LINGER, 0)
         self.dead_error: str | None = None
         self._closed = False
         self._death_lock = threading.Lock()
+        # Threads that poll this context's sockets: stopped before it is destroyed (a
+        # socket closed under another thread's poll can hang zmq_ctx_term for good).
+        self._pollers: list[threading.Thread] = []
         try:
             self.engine, reply = self._handshake()
             assert reply.info is not None and reply.client_index is not None
@@ -135,8 +142,8 @@ class MPClient(EngineCoreClient):
             self.engine_process.remove_socket_dir()
             threading.Thread(target=self._watch_process, name="engine-watcher",
                              daemon=True).start()
-        threading.Thread(target=self._watch_connection, args=(monitors,),
-                         name="engine-connection", daemon=True).start()
+        self._start_poller(threading.Thread(target=self._watch_connection, args=(monitors,),
+                                            name="engine-connection", daemon=True))
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
         self._call_ids = itertools.count()
@@ -300,8 +307,15 @@ class MPClient(EngineCoreClient):
                 self.engine.setsockopt(zmq.LINGER, 1000)
         self._close_transport()
 
+    def _start_poller(self, thread: threading.Thread) -> None:
+        self._pollers.append(thread)
+        thread.start()
+
     def _close_transport(self) -> None:
         self._closed = True
+        for thread in self._pollers:  # each wakes within 100 ms and sees _closed
+            if thread is not threading.current_thread():
+                thread.join(timeout=2.0)
         if self.engine_process is not None:
             # Stop the engine first: it still talks to our sockets until it exits.
             self.engine_process.terminate()
@@ -320,7 +334,7 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
         self._calls: dict[int, concurrent.futures.Future[EngineCoreOutputs]] = {}
         self._reader = threading.Thread(target=self._read_outputs, name="engine-outputs",
                                         daemon=True)
-        self._reader.start()
+        self._start_poller(self._reader)
 
     def get_output(self) -> EngineCoreOutputs:
         item = _interruptible(self._outputs.get)
