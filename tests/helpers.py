@@ -132,8 +132,9 @@ class RawEngineClient:
     def __init__(self, address: str, connect_output: bool = True, rcvhwm: int = 0) -> None:
         import zmq
 
-        self.context = zmq.Context()
-        self.context.setsockopt(zmq.LINGER, 0)  # a leaked client never blocks its finalizer
+        from pagellm.enginecore.transport import Context
+
+        self.context = Context()  # a leaked client never blocks its finalizer
         self.dealer = self.context.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.connect(address)

@@ -22,6 +22,7 @@ from conftest import PROMPTS, assert_no_leaks
 from helpers import KV, ROOT, RawEngineClient, free_port, raw_hello, stop
 
 from pagellm import LLM, AsyncLLM, EngineDeadError, SamplingParams
+from pagellm.enginecore.transport import Context
 from pagellm.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -287,8 +288,7 @@ def test_a_handshake_flood_neither_deafens_nor_kills_the_engine(tight_engine, at
     attached LLM.generate hung forever. Now: one attachment per connection, at most
     MAX_CLIENTS (8 here), a clear refusal beyond, and slots come back when clients go."""
     _, address = tight_engine
-    context = zmq.Context()
-    context.setsockopt(zmq.LINGER, 0)
+    context = Context()
     crowd: list[RawEngineClient] = []
     try:
         one = context.socket(zmq.DEALER)

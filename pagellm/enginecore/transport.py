@@ -13,6 +13,7 @@ import ipaddress
 import itertools
 import logging
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,26 @@ class CurveServerKeys:
 
 
 _monitor_ids = itertools.count()
+
+
+class Context(zmq.Context):
+    """A zmq context whose finalizer never blocks the thread that drops it.
+
+    Every socket defaults to LINGER 0 (nothing waits on a gone peer). pyzmq's own
+    finalizer terminates the context in whatever thread the garbage collector runs,
+    and `zmq_ctx_term` blocks until every socket is closed: for a client dropped
+    without shutdown (a leaked `LLM`), that has hung a caller for good. Here a
+    context dropped unclosed is terminated on a daemon thread instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setsockopt(zmq.LINGER, 0)
+
+    def __del__(self) -> None:
+        if not self.closed and not getattr(self, "_shadow", False):
+            with contextlib.suppress(RuntimeError):  # no new threads at interpreter exit
+                threading.Thread(target=self.destroy, kwargs={"linger": 0}, daemon=True,
+                                 name="zmq-context-term").start()
 
 
 def monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
@@ -113,8 +134,7 @@ class SocketFactory:
             for stale in self.ipc_path.parent.glob(glob.escape(self.ipc_path.name) + ".out*"):
                 with contextlib.suppress(OSError):
                     stale.unlink()
-        self.context = zmq.Context()
-        self.context.setsockopt(zmq.LINGER, 0)  # no close ever waits on a gone peer
+        self.context = Context()
         self._ipc_files: list[Path] = []
         self._auth: Any = None
         self._keys: tuple[bytes, bytes] | None = None

@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
+from pagellm.enginecore.transport import Context
 from pagellm.enginecore.transport import monitor as monitor_socket
 from pagellm.frontend.core_client import (
     UTILITY_TIMEOUT_S,
@@ -60,6 +61,7 @@ REMOTE_HANDSHAKE_TIMEOUT_S = 30.0
 HEARTBEAT_TIMEOUT_S = 10.0  # an attached engine is dead after this long in silence
 _SIGNAL_CHECK_S = 0.2
 _EXIT_WAIT_S = 1.0  # a lost connection to a launched engine: wait this long for its exit
+_LAST_WORD_WAIT_S = 0.3  # ... to an attached one: this long for its last word
 
 
 @dataclass(frozen=True)
@@ -112,11 +114,7 @@ class MPClient(EngineCoreClient):
         self.engine_process = EngineProcess(args) if args is not None else None
         self.address = engine_address or self.engine_process.address  # type: ignore[union-attr]
         self.curve = curve
-        self.context = zmq.Context()
-        # Every socket of this context, monitors included, drops unsent messages on close:
-        # a context dropped without shutdown (a leaked client) then terminates at once
-        # instead of blocking its finalizer forever in zmq_ctx_term.
-        self.context.setsockopt(zmq.LINGER, 0)
+        self.context = Context()
         self.dead_error: str | None = None
         self._closed = False
         self._death_lock = threading.Lock()
@@ -268,12 +266,16 @@ class MPClient(EngineCoreClient):
                 if not any(m in events and recv_monitor_message(m) for m in monitors):
                     continue
                 cause = f"lost the connection to the engine core at {self.address}"
+                deadline = time.monotonic() + _EXIT_WAIT_S
                 if self.engine_process is not None:  # the exit says more, if it comes
-                    deadline = time.monotonic() + _EXIT_WAIT_S
                     while self.engine_process.exit_cause() is None \
                             and time.monotonic() < deadline:
                         time.sleep(0.01)
                     cause = self.engine_process.exit_cause() or cause
+                else:  # an engine that stops says why before it hangs up: let that win
+                    deadline = time.monotonic() + _LAST_WORD_WAIT_S
+                    while self.dead_error is None and time.monotonic() < deadline:
+                        time.sleep(0.01)
                 self._on_dead(cause)
         except zmq.ZMQError:
             return  # the context was closed under us: shutting down
