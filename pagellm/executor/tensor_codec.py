@@ -4,6 +4,7 @@ results, where any msgpack value may carry tensors."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -55,14 +56,18 @@ def _tensor(ext: msgspec.msgpack.Ext) -> torch.Tensor:
     dtype = DTYPES.get(name)
     if dtype is None:
         raise ValueError(f"unknown tensor dtype {name!r} (known: {', '.join(DTYPES)})")
-    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
-        raise ValueError(f"bad tensor shape {shape}")
-    numel = 1
-    for d in shape:
-        numel *= d
-    if numel * dtype.itemsize != len(raw):
-        raise ValueError(f"tensor of shape {shape} and dtype {name} needs "
-                         f"{numel * dtype.itemsize} bytes, got {len(raw)}")
+    size = nbytes("tensor", shape, dtype)
+    if size != len(raw):
+        raise ValueError(f"tensor of shape {shape} and dtype {name} needs {size} bytes, "
+                         f"got {len(raw)}")
     if not raw:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def nbytes(name: str, shape: list[int], dtype: torch.dtype) -> int:
+    """Bytes of a tensor a peer describes; ValueError naming `name` for a shape that is
+    not one (too many dimensions, a negative size)."""
+    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+        raise ValueError(f"{name}: bad shape {shape}")
+    return math.prod(shape) * dtype.itemsize

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import torch
 
-from pagellm.executor.tensor_codec import DTYPES
+from pagellm.executor.tensor_codec import DTYPES, nbytes
 from pagellm.protocol.utility import WEIGHT_DTYPES, WeightSpec, WeightUpdate
 from pagellm.protocol.validation import check_int
 
@@ -125,9 +125,8 @@ def open_update(update: WeightUpdate) -> Iterator[list[tuple[str, torch.Tensor]]
 
 
 def _view(raw: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
-    _check_spec(spec)
+    end = spec.offset + _spec_bytes(spec)
     dtype = DTYPES[spec.dtype]
-    end = spec.offset + _nbytes(spec)
     if spec.offset < 0 or spec.offset % ALIGN or end > raw.numel():
         raise ValueError(f"weight {spec.name}: bytes [{spec.offset}, {end}) are outside the "
                          f"{raw.numel()}-byte buffer or unaligned")
@@ -226,8 +225,7 @@ def receive(group: WeightGroup, specs: list[WeightSpec], accept: Iterable[bool],
     whole update stays within `limit_bytes`; their tensors are left out of the result."""
     total = 0
     for spec in specs:
-        _check_spec(spec)
-        total += _nbytes(spec)
+        total += _spec_bytes(spec)
     if total > limit_bytes:
         raise ValueError(f"weight update of {total} bytes is larger than the model "
                          f"allows ({limit_bytes}); nothing was received")
@@ -240,16 +238,9 @@ def receive(group: WeightGroup, specs: list[WeightSpec], accept: Iterable[bool],
     return received
 
 
-def _check_spec(spec: WeightSpec) -> None:
+def _spec_bytes(spec: WeightSpec) -> int:
+    """The spec's size in bytes; ValueError naming the weight if it is no weight."""
     if spec.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight {spec.name}: dtype {spec.dtype!r} is not a weight dtype "
                          f"({', '.join(WEIGHT_DTYPES)})")
-    if len(spec.shape) > 4 or any(d < 0 for d in spec.shape):
-        raise ValueError(f"weight {spec.name}: bad shape {spec.shape}")
-
-
-def _nbytes(spec: WeightSpec) -> int:
-    numel = 1
-    for d in spec.shape:
-        numel *= d
-    return numel * DTYPES[spec.dtype].itemsize
+    return nbytes(f"weight {spec.name}", spec.shape, DTYPES[spec.dtype])
