@@ -35,6 +35,8 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 # "ipc": shared memory on the same host; "nccl": a torch.distributed group with the
 # trainer (gloo: host tensors; see executor/weight_transfer.py).
 WEIGHT_TRANSFER_BACKENDS = ("ipc", "nccl")
+# Most tensor-parallel workers, or data-parallel engine cores, one engine starts.
+MAX_PARALLEL = 256
 
 
 def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
@@ -88,6 +90,34 @@ class EngineArgs:
         "help": 'Enable weight updates: JSON such as {"backend": "ipc"} (backends: ipc, nccl).'})
     worker_extension_cls: str | None = _opt(
         None, "'package.module.Class' whose public methods collective_rpc may call.")
+    # -- past one device (vLLM's ParallelConfig names) --------------------------------
+    tensor_parallel_size: int = field(default=1, metadata={
+        "alias": "-tp", "help": "Worker processes that each hold 1/N of the model (attention "
+        "heads, MLP columns, vocabulary, KV cache), joined by torch.distributed (gloo on "
+        "the CPU, NCCL on CUDA)."})
+    data_parallel_size: int = field(default=1, metadata={
+        "alias": "-dp", "help": "Engine cores, each with its own KV cache (and its own "
+        "tensor-parallel workers), behind one frontend that routes each request to the "
+        "least loaded."})
+    data_parallel_size_local: int | None = _opt(
+        None, "Data-parallel engine cores on this node (default: all of them).")
+    data_parallel_start_rank: int = _opt(
+        0, "Data-parallel rank of the first engine core on this node (headless nodes).")
+    data_parallel_rank: int = _opt(
+        0, "This engine core's data-parallel rank (set by the frontend that launches it).")
+    data_parallel_address: str = _opt(
+        "127.0.0.1", "Address of the node that runs the frontend (data parallel across "
+        "nodes).")
+    data_parallel_rpc_port: int = _opt(
+        29550, "Port on --data-parallel-address where engine cores of other nodes attach.")
+    nnodes: int = _opt(1, "Nodes the tensor-parallel workers span.")
+    node_rank: int = _opt(0, "This node's rank among --nnodes (0 runs the engine core).")
+    master_addr: str = _opt(
+        "127.0.0.1", "torch.distributed rendezvous host for tensor parallel across nodes "
+        "(node 0's address).")
+    master_port: int = _opt(
+        29501, "torch.distributed rendezvous port on --master-addr (used when nnodes > 1; "
+        "a single node takes a free port).")
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -113,6 +143,28 @@ class EngineArgs:
                   allow_none=True)
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
         check_int("max_logprobs", self.max_logprobs, minimum=0)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1,
+                  maximum=MAX_PARALLEL)
+        check_int("data_parallel_size", self.data_parallel_size, minimum=1,
+                  maximum=MAX_PARALLEL)
+        check_int("data_parallel_size_local", self.data_parallel_size_local, minimum=0,
+                  maximum=self.data_parallel_size, allow_none=True)
+        check_int("data_parallel_start_rank", self.data_parallel_start_rank, minimum=0,
+                  maximum=self.data_parallel_size - 1)
+        check_int("data_parallel_rank", self.data_parallel_rank, minimum=0,
+                  maximum=self.data_parallel_size - 1)
+        check_int("nnodes", self.nnodes, minimum=1, maximum=self.tensor_parallel_size)
+        check_int("node_rank", self.node_rank, minimum=0, maximum=self.nnodes - 1)
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be a "
+                             f"multiple of nnodes={self.nnodes} (the same number of workers "
+                             "on every node)")
+        for name in ("data_parallel_rpc_port", "master_port"):
+            check_int(name, getattr(self, name), minimum=1, maximum=65535)
+        for name in ("data_parallel_address", "master_addr"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not re.fullmatch(r"[\w.:\-\[\]]{1,253}", value):
+                raise ValueError(f"{name} must be a host name or IP address, got {value!r}")
         config = self.weight_transfer_config
         if config is not None and (not isinstance(config, dict) or set(config) != {"backend"}
                                    or config["backend"] not in WEIGHT_TRANSFER_BACKENDS):
@@ -161,16 +213,17 @@ class EngineArgs:
                 else:
                     group.add_argument("--model", required=True, help=help_text)
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *(
+                [f.metadata["alias"]] if "alias" in f.metadata else [])]
             if kind is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction,
+                group.add_argument(*flags, action=argparse.BooleanOptionalAction,
                                    default=f.default, help=help_text)
                 continue
             convert: Any = parse_bytes if f.name.endswith("_bytes") else \
                 parse_json if kind is dict else kind
             if optional:
                 convert = _optional(convert)
-            group.add_argument(flag, type=convert, default=f.default,
+            group.add_argument(*flags, type=convert, default=f.default,
                                choices=f.metadata.get("choices"),
                                help=f"{help_text} (default: {f.default})")
         return parser
