@@ -31,8 +31,12 @@ def build_parser(prog: str = "python -m pagellm.enginecore") -> argparse.Argumen
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineArgs.add_cli_args(parser)
     net = parser.add_argument_group("serving")
-    net.add_argument("--address", required=True,
+    net.add_argument("--address", default=None,
                      help="where frontends attach: tcp://HOST:PORT or ipc://PATH")
+    net.add_argument("--headless", action="store_true",
+                     help="run only this node's tensor-parallel workers (--nnodes > 1, "
+                          "--node-rank > 0); they join node 0's engine core at "
+                          "--master-addr:--master-port")
     net.add_argument("--curve-secret-key", type=Path, default=None,
                      help="this engine's CURVE key pair (a zmq.auth '.key_secret' file); "
                           "required to bind a non-loopback TCP address")
@@ -55,7 +59,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m pagellm.engin
         parser.error("--curve-secret-key and --curve-authorized-keys go together")
     if ns.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be >= 0")
+    if (ns.address is None) != ns.headless:
+        parser.error("--address is required (and --headless takes none)")
     configure_logging()
+    if ns.headless:
+        from pagellm.executor.multiproc import run_headless
+
+        try:
+            args = EngineArgs.from_cli_args(ns)
+            return run_headless(args)
+        except ValueError as e:
+            parser.error(str(e))
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     try:
         from pagellm.enginecore.proc import EngineCoreProc

@@ -12,7 +12,7 @@ from typing import Any
 from pagellm.enginecore.kv_cache_manager import KVCacheManager
 from pagellm.enginecore.request import Request
 from pagellm.enginecore.scheduler import Scheduler, SchedulerConfig
-from pagellm.executor.executor import Executor, StepFailed
+from pagellm.executor.executor import StepFailed, create_executor
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import (
     EngineCoreOutput,
@@ -28,8 +28,11 @@ from pagellm.protocol.utility import WeightUpdate, convert_args
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs) -> None:
-        self.executor = Executor(args)
+    def __init__(self, args: EngineArgs, on_failure: Callable[[str], None] | None = None
+                 ) -> None:
+        """`on_failure` hears (from another thread) when a worker process dies between
+        steps; the owner of the busy loop must then stop it."""
+        self.executor = create_executor(args, on_failure)
         model_config = self.executor.model_config
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=args.max_num_seqs,
@@ -202,7 +205,8 @@ class EngineCore:
             self.recent_steps.append(StepTimings(
                 schedule_s=t1 - t0, prepare_inputs_s=runner_output.prepare_inputs_s,
                 forward_s=runner_output.forward_s, sample_s=runner_output.sample_s,
-                update_s=t3 - t2))
+                update_s=t3 - t2, collective_s=runner_output.collective_s,
+                dispatch_s=runner_output.dispatch_s))
             self.num_steps += 1
         return _by_client(outputs)
 

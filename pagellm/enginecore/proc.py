@@ -79,7 +79,7 @@ class ShutdownRequested(BaseException):
 
 
 class EngineThreadDied(Exception):
-    """An I/O thread of the engine core died."""
+    """An I/O thread of the engine core, or a tensor-parallel worker, died."""
 
 
 # Items for the busy loop (from the input thread) ------------------------------------
@@ -107,7 +107,7 @@ class _ClientGone:
 
 @dataclass
 class _ThreadDied:
-    message: str
+    message: str  # what died and how (an I/O thread, a tensor-parallel worker)
 
 
 # Items for the output thread ---------------------------------------------------------
@@ -154,11 +154,12 @@ class EngineCoreProc:
         # Refuses unsafe binds before loading. A launched engine (it has a lifeline) owns
         # its socket directory, the launching frontend's private one.
         self.sockets = SocketFactory(address, curve, owns_directory=lifeline_fd is not None)
-        self.core = EngineCore(args)
+        self.input_queue: queue.Queue[Any] = queue.Queue()
+        # A tensor-parallel worker that dies between steps stops the busy loop too.
+        self.core = EngineCore(args, on_failure=lambda m: self.input_queue.put(_ThreadDied(m)))
         self.frontends, _ = self.sockets.bind(zmq.ROUTER, address)
         self.frontends.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone peer raises
         self.frontends.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self.input_queue: queue.Queue[Any] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self._lock = threading.Lock()  # guards the two maps below
         self._identities: dict[bytes, int] = {}  # connection -> client index

@@ -1,307 +1,120 @@
-"""The executor: what the engine core calls to run the model.
+"""The executor: what the engine core calls to run the model, on one worker or many.
 
-One process today (the model runner lives in the engine core's process). Tensor
-parallelism would put workers in other processes behind this same interface, which is
-why it only takes and returns protocol Structs.
+`Executor` holds what is the same however the workers run: KV-cache sizing (the
+smallest budget among the ranks, so every rank's cache has the same blocks), the sleep
+state, and which rank's answer counts. Subclasses only say how a method reaches every
+worker (`_run`): `UniProcExecutor` calls the one `Worker` in this process;
+`MultiprocExecutor` (executor/multiproc.py) broadcasts to one worker process per
+tensor-parallel rank. Everything passed either way is a protocol Struct or plain data.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
-import msgspec
-import psutil
-import torch
-
-from pagellm.executor import extension, memory
 from pagellm.executor.config import ModelConfig, resolve_device, resolve_model_config
-from pagellm.executor.extension import load_extension
-from pagellm.executor.model_runner import ModelRunner
-from pagellm.executor.models.decoder import SKIP
-from pagellm.executor.tensor_codec import decode_value, encode_value
-from pagellm.executor.weight_transfer import (
-    TransferInit,
-    WeightGroup,
-    open_update,
-    receive,
+from pagellm.executor.parallel import check_divisible
+from pagellm.executor.worker import (
+    StepFailed,
+    Worker,
+    cuda_kv_cache_budget,
+    is_device_fault,
+    max_num_batched_tokens,
+    num_kv_blocks,
 )
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 from pagellm.protocol.utility import WeightUpdate
 
+__all__ = ["Executor", "StepFailed", "UniProcExecutor", "create_executor",
+           "cuda_kv_cache_budget", "is_device_fault"]
+
 logger = logging.getLogger("pagellm")
 
-# Share of available RAM the CPU KV cache may take by default: the rest stays for the
-# weights' working set, activations, the frontend and the OS.
-CPU_KV_CACHE_RAM_SHARE = 0.3
 
-
-class Executor:
+class Executor(ABC):
     def __init__(self, args: EngineArgs) -> None:
-        self.device = resolve_device(args.device)
         self.model_config: ModelConfig = resolve_model_config(args)
-        self.max_num_batched_tokens = args.max_num_batched_tokens or (
-            8192 if self.device.type == "cuda" else 2048)
-        self.block_size = args.block_size
-        # Blocks one request of max_model_len needs: the cache must hold at least that.
-        self.blocks_per_request = -(-self.model_config.max_model_len // self.block_size)
-        cuda = self.device.type == "cuda"
-        if cuda:  # what others (and our CUDA context) hold before the weights arrive
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_before = total - free
-        self.runner = ModelRunner(self.model_config, self.device, args.block_size,
-                                  args.max_num_seqs, self.max_num_batched_tokens, args.seed,
-                                  args.attention_backend, args.logprobs_mode)
-        if args.kv_cache_memory_bytes is not None:
-            budget, source = args.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-        elif cuda:
-            budget, source = self._profiled_cuda_budget(args, used_before), (
-                "gpu_memory_utilization after profiling")
-        else:
-            budget, source = self._cpu_budget(args), "available RAM"
-        self.num_kv_blocks = self._num_blocks(budget, source)
-        self.runner.initialize_kv_cache(self.num_kv_blocks)
-        gib = self.num_kv_blocks * self.runner.kv_cache_bytes_per_block() / 2**30
-        logger.info("KV cache: %d blocks (%d tokens), %.2f GiB on %s", self.num_kv_blocks,
-                    self.num_kv_blocks * self.block_size, gib, self.device)
-        self.use_cuda_graphs = (cuda and not args.enforce_eager
-                                and self.runner.attention.name == "triton")
-        self._capture_graphs()
+        check_divisible(self.model_config.spec, args.tensor_parallel_size)
+        self.device = resolve_device(args.device)
+        self.max_num_batched_tokens = max_num_batched_tokens(args, self.device)
         self.enable_sleep_mode = args.enable_sleep_mode
         self.sleeping: set[str] = set()  # tags ("weights", "kv_cache") now freed
-        self._weight_shapes = memory.shapes(self.runner.model)
-        self._weight_backup: dict[str, torch.Tensor] | None = None
-        self.worker, self.rpc_methods = load_extension(args.worker_extension_cls, self)
-        self.weight_transfer = args.weight_transfer_config
-        self._group: WeightGroup | None = None
+        self._start_workers(args)
+        budgets = self._run("kv_cache_budget")
+        budget, source, per_block = min(budgets, key=lambda b: b[0])
+        if len(budgets) > 1:
+            source += f" (the smallest of {len(budgets)} ranks)"
+        self.num_kv_blocks = num_kv_blocks(budget, source, per_block, args.block_size,
+                                           self.model_config.max_model_len)
+        self._run("initialize_kv_cache", self.num_kv_blocks)
 
-    def _capture_graphs(self) -> None:
-        if not self.use_cuda_graphs:
-            return
-        try:
-            graphs, seconds = self.runner.capture_cuda_graphs()
-        except RuntimeError as e:
-            raise RuntimeError(f"capturing CUDA graphs for decode steps failed ({e}); "
-                               "enforce_eager=True runs without them") from e
-        logger.info("CUDA graphs: %d decode batch sizes captured in %.1f s", graphs, seconds)
+    @abstractmethod
+    def _start_workers(self, args: EngineArgs) -> None: ...
 
-    # -- sleep mode ------------------------------------------------------------------
+    @abstractmethod
+    def _run(self, method: str, *args: Any) -> list[Any]:
+        """Call `method` on every worker; their results in rank order."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; rank 0's output (every rank samples the same tokens). Raises
+        StepFailed when the step failed but every worker is still usable."""
+        result: ModelRunnerOutput = self._run("execute_model", scheduler_output)[0]
+        return result
 
     def sleep(self, level: int) -> None:
-        """Level 1: the KV cache is freed and the weights go to host memory (where they
-        already are on the CPU); level 2: both are discarded. What is freed goes back to
-        the system (`memory.release`). Tags already asleep stay as they are."""
-        if not self.enable_sleep_mode:
-            raise RuntimeError("sleep levels 1 and 2 need the engine started with "
-                               "enable_sleep_mode=True")
-        t0, before = time.perf_counter(), memory.used_bytes(self.device)
-        if self.runner.graphs is not None:  # they hold the addresses about to be freed
-            self.runner.graphs.clear()
-            self.runner.graphs = None
-        if "kv_cache" not in self.sleeping:
-            self.runner.kv_caches = []
-            self.sleeping.add("kv_cache")
-        if "weights" not in self.sleeping:
-            self._weight_backup = memory.offload(self.runner.model, keep=level == 1)
-            self.sleeping.add("weights")
-        elif level == 2:
-            self._weight_backup = None  # a level-1 sleep deepened: the host copy goes too
-        memory.release(self.device)
-        after = memory.used_bytes(self.device)
-        logger.info("sleep level %d: freed %.1f MiB in %.2f s; %.1f MiB still used on %s",
-                    level, (before - after) / 2**20, time.perf_counter() - t0, after / 2**20,
-                    self.device)
+        self.sleeping = set(self._run("sleep", level)[0])
 
     def wake_up(self, tags: list[str]) -> None:
-        """Allocate (and, after level 1, refill) what `tags` name; CUDA graphs are captured
-        again once everything is back (their addresses changed)."""
-        t0, before = time.perf_counter(), memory.used_bytes(self.device)
-        if "weights" in tags and "weights" in self.sleeping:
-            memory.restore(self.runner.model, self._weight_shapes, self._weight_backup)
-            self._weight_backup = None  # the host copy is freed now, not at the next sleep
-            self.sleeping.discard("weights")
-        if "kv_cache" in tags and "kv_cache" in self.sleeping:
-            self.runner.initialize_kv_cache(self.num_kv_blocks)
-            self.sleeping.discard("kv_cache")
-        if not self.sleeping and self.runner.graphs is None:
-            self._capture_graphs()
-        memory.release(self.device)
-        after = memory.used_bytes(self.device)
-        logger.info("wake up %s: %.1f MiB allocated in %.2f s; %.1f MiB used on %s",
-                    ",".join(tags), (after - before) / 2**20, time.perf_counter() - t0,
-                    after / 2**20, self.device)
-
-    # -- weight updates and collective_rpc ----------------------------------------
+        self.sleeping = set(self._run("wake_up", tags)[0])
 
     def update_weights(self, update: WeightUpdate) -> int:
-        """Copy the update's tensors into the model; every name, shape and dtype is
-        checked before the first copy. Returns the number of tensors loaded."""
-        if self.weight_transfer is None:
-            raise RuntimeError("weight updates need the engine started with "
-                               "weight_transfer_config={'backend': 'ipc'}")
-        if "weights" in self.sleeping:
-            raise RuntimeError("the weights are asleep; wake_up(tags=['weights']) first")
-        if update.buffer is not None:
-            with open_update(update) as tensors:
-                self._load_checked(tensors)
-            return len(tensors)
-        if self._group is None:
-            raise RuntimeError("a weight update without a buffer arrives over the "
-                               "weight-transfer group: init_weight_transfer_engine first")
-        problems = [self._problem(spec.name, spec.shape) for spec in update.specs]
-        limit = 2 * memory.parameter_bytes(self.runner.model)
-        tensors = receive(self._group, update.specs, [p is None for p in problems], limit)
-        refuse(problems)
-        self._load_checked(tensors)
-        return len(tensors)
+        """Every rank loads its slice of the update; the number of tensors loaded."""
+        loaded: int = self._run("update_weights", update)[0]
+        return loaded
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Join the trainer's group (backend "nccl"; "ipc" needs nothing). Blocks until
-        the trainer joins too, at most TRANSFER_TIMEOUT_S."""
-        if self.weight_transfer is None:
-            raise RuntimeError("weight updates need the engine started with "
-                               "weight_transfer_config")
-        if self.weight_transfer["backend"] != "nccl":
-            return
-        if self._group is not None:
-            raise RuntimeError("the weight-transfer engine is already initialized")
-        init = msgspec.convert(init_info, TransferInit)
-        self._group = WeightGroup(init, rank=init.rank_offset + self.worker.rank)
-
-    def _problem(self, name: str, shape: list[int] | torch.Size) -> str | None:
-        """What is wrong with loading a tensor of `shape` as checkpoint tensor `name`."""
-        dest = self.runner.model.destination(name)
-        if dest is None:
-            return f"{name}: no such weight in the model"
-        if dest is not SKIP and tuple(dest.shape) != tuple(shape):
-            return f"{name}: shape {tuple(shape)}, the model's is {tuple(dest.shape)}"
-        return None
-
-    def _load_checked(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy only when every tensor fits: a bad update changes nothing."""
-        refuse([self._problem(name, tensor.shape) for name, tensor in tensors])
-        model = self.runner.model
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in tensors:
-                dest = model.destination(name, params)
-                if dest is not None and dest is not SKIP:
-                    dest.copy_(tensor, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the sources may go away on return
+        self._run("init_weight_transfer_engine", init_info)
 
     def collective_rpc(self, method: str, args: list[Any], kwargs: dict[str, Any]
                        ) -> list[Any]:
-        """One result per worker (one worker today); tensors in and out travel as
-        msgpack extensions (tensor_codec)."""
-        try:
-            result = extension.call(self.worker, self.rpc_methods, method,
-                                    decode_value(args), decode_value(kwargs))
-        except Exception as e:
-            raise RuntimeError(f"collective_rpc {method!r} failed on worker "
-                               f"{self.worker.rank}: {type(e).__name__}: {e}") from e
-        return [encode_value(result)]
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. A failure that leaves the device usable (out of memory, a bad
-        value that slipped past validation) is a StepFailed: the engine core fails the
-        step's requests and goes on. A device fault (a CUDA error poisons the context)
-        propagates: the engine core dies and says why."""
-        try:
-            return self.runner.execute_model(scheduler_output)
-        except Exception as e:
-            if is_device_fault(e):
-                raise
-            logger.exception("engine step failed; failing its %d request(s)",
-                             len(scheduler_output.num_scheduled_tokens))
-            raise StepFailed(f"the engine step failed: {type(e).__name__}: {e}") from e
+        """One result per worker, in rank order."""
+        return self._run("collective_rpc", method, args, kwargs)
 
     def retain_requests(self, request_ids: set[str]) -> None:
-        """After a failed step: forget every request but these (the runner's state for
-        the failed ones may be half updated)."""
-        self.runner.retain(request_ids)
+        self._run("retain_requests", sorted(request_ids))
 
     def shutdown(self) -> None:
-        if self.runner.graphs is not None:
-            self.runner.graphs.clear()
-        self.runner.kv_caches = []
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def _num_blocks(self, budget: int, source: str) -> int:
-        per_block = self.runner.kv_cache_bytes_per_block()
-        max_len, needed_blocks = self.model_config.max_model_len, self.blocks_per_request
-        num_blocks = budget // per_block
-        if num_blocks < needed_blocks:
-            raise ValueError(
-                f"not enough memory for the KV cache: {budget / 2**20:.1f} MiB "
-                f"(from {source}) holds {max(num_blocks, 0) * self.block_size} tokens, but "
-                f"one request of max_model_len={max_len} needs {needed_blocks} blocks "
-                f"({needed_blocks * per_block / 2**20:.1f} MiB); raise kv_cache_memory_bytes "
-                f"or gpu_memory_utilization, or lower max_model_len or "
-                f"max_num_batched_tokens")
-        return int(num_blocks)
-
-    def _cpu_budget(self, args: EngineArgs) -> int:
-        """A share of available RAM, and never more than every running request at full
-        length could use."""
-        useful = (self.blocks_per_request * args.max_num_seqs
-                  * self.runner.kv_cache_bytes_per_block())
-        return min(int(psutil.virtual_memory().available * CPU_KV_CACHE_RAM_SHARE), useful)
-
-    def _profiled_cuda_budget(self, args: EngineArgs, used_before: int) -> int:
-        """Profile the largest step, then give the KV cache what is left of its share."""
-        weights = torch.cuda.memory_allocated(self.device)
-        try:
-            activations = self.runner.profile_run()
-        except torch.cuda.OutOfMemoryError as e:
-            raise ValueError(
-                f"the largest step (max_num_batched_tokens={self.max_num_batched_tokens}, "
-                f"max_num_seqs={args.max_num_seqs}) does not fit in GPU memory next to the "
-                f"weights; lower max_num_batched_tokens or max_num_seqs") from e
-        free, total = torch.cuda.mem_get_info(self.device)
-        # Memory the driver and libraries took outside torch's allocator since start-up.
-        non_torch = max(0, total - free - torch.cuda.memory_reserved(self.device)
-                        - used_before)
-        logger.info("Profiled step of %d tokens: weights %.2f GiB, peak activations "
-                    "%.2f GiB, other processes and CUDA context %.2f GiB, non-torch %.2f GiB",
-                    self.max_num_batched_tokens, weights / 2**30, activations / 2**30,
-                    used_before / 2**30, non_torch / 2**30)
-        return cuda_kv_cache_budget(total, args.gpu_memory_utilization, used_before,
-                                    weights, activations, non_torch)
+        self._run("shutdown")
 
 
-def refuse(problems: list[str | None]) -> None:
-    """Raise naming up to eight problems, if there are any."""
-    found = [p for p in problems if p is not None]
-    if found:
-        more = f" (and {len(found) - 8} more)" if len(found) > 8 else ""
-        raise ValueError(f"weight update refused, old weights kept: "
-                         f"{'; '.join(found[:8])}{more}")
+class UniProcExecutor(Executor):
+    """One worker, in the engine core's process: no process group, no wire."""
+
+    worker: Worker
+
+    def _start_workers(self, args: EngineArgs) -> None:
+        from pagellm.executor.extension import worker_class
+
+        self.worker = worker_class(args.worker_extension_cls)(args)
+
+    @property
+    def runner(self) -> Any:
+        return self.worker.model_runner
+
+    def _run(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
 
 
-class StepFailed(RuntimeError):
-    """One engine step could not run; the device is still usable."""
+def create_executor(args: EngineArgs, on_failure: Callable[[str], None] | None = None
+                    ) -> Executor:
+    """The executor for `args`: in this process for one rank, else one process per rank
+    (`on_failure` hears, from a watcher thread, when a worker dies between calls)."""
+    if args.tensor_parallel_size == 1:
+        return UniProcExecutor(args)
+    from pagellm.executor.multiproc import MultiprocExecutor
 
-
-def is_device_fault(error: BaseException) -> bool:
-    """A CUDA error (illegal address, device-side assert, ...) leaves the context
-    unusable: nothing after it can be trusted. Out-of-memory is not one."""
-    if isinstance(error, torch.cuda.OutOfMemoryError):
-        return False
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(error, accelerator_error):
-        return True
-    return isinstance(error, RuntimeError) and ("CUDA error" in str(error)
-                                                or "device-side assert" in str(error))
-
-
-def cuda_kv_cache_budget(total: int, utilization: float, used_before: int, weights: int,
-                         activations: int, non_torch: int) -> int:
-    """The KV cache's bytes: the engine's share of the GPU (utilization x total) less
-    what is not ours to take (held by others and our CUDA context before we loaded),
-    our weights, the peak activations of the largest step, and memory the libraries took
-    outside torch's allocator. Negative when nothing is left."""
-    return int(total * utilization) - used_before - weights - activations - non_torch
+    return MultiprocExecutor(args, on_failure)

@@ -1,42 +1,28 @@
 """`collective_rpc` targets: the worker's methods, by name only.
 
 vLLM lets `collective_rpc` ship a pickled callable; here a method is a name, looked up
-on the `Worker` object, whose class may be extended with the engine arg
-`worker_extension_cls="package.module.Class"` (vLLM's dotted form). That class is
-imported, never unpickled, and mixed into `Worker`, so its methods see vLLM's worker
-attributes (`self.model_runner.model`, `self.device`, `self.rank`). Only public methods
-(no leading underscore) of the extension class are callable.
+on the `Worker` object (executor/worker.py, one per tensor-parallel rank), whose class
+may be extended with the engine arg `worker_extension_cls="package.module.Class"`
+(vLLM's dotted form). That class is imported, never unpickled, and mixed into `Worker`,
+so its methods see vLLM's worker attributes (`self.model_runner.model`, `self.device`,
+`self.rank`). Only public methods (no leading underscore) of the extension class are
+callable.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from pagellm.executor.executor import Executor
-
-
-class Worker:
-    """What an extension method sees as `self`. One worker today (no tensor parallel),
-    so rank 0 of a world of 1."""
-
-    rank = 0
-    local_rank = 0
-    world_size = 1
-
-    def __init__(self, executor: Executor) -> None:
-        self.executor = executor
-        self.model_runner = executor.runner
-        self.device = executor.device
+from pagellm.executor.worker import Worker
 
 
-def load_extension(dotted: str | None, executor: Executor) -> tuple[Worker, frozenset[str]]:
-    """The worker (extended when `dotted` names a class) and the method names that
-    collective_rpc may call on it."""
+def worker_class(dotted: str | None) -> type[Worker]:
+    """`Worker`, extended by the class `dotted` names (its public methods become the
+    ones collective_rpc may call: `rpc_methods`)."""
     if dotted is None:
-        return Worker(executor), frozenset()
+        return Worker
     module_name, _, class_name = dotted.rpartition(".")
     if not module_name:
         raise ValueError(f"worker_extension_cls must be 'package.module.Class', got {dotted!r}")
@@ -54,8 +40,7 @@ def load_extension(dotted: str | None, executor: Executor) -> tuple[Worker, froz
     if clash:
         raise ValueError(f"worker_extension_cls {dotted!r} redefines worker attribute(s) "
                          f"{', '.join(sorted(clash))}")
-    worker_class = type(f"{class_name}Worker", (extension, Worker), {})
-    return worker_class(executor), methods
+    return type(f"{class_name}Worker", (extension, Worker), {"rpc_methods": methods})
 
 
 def call(worker: Worker, methods: frozenset[str], method: str, args: list[Any],

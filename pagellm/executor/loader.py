@@ -11,6 +11,7 @@ from torch import nn
 
 from pagellm.executor.config import ModelConfig
 from pagellm.executor.models.decoder import DecoderForCausalLM
+from pagellm.executor.parallel import TensorParallel
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -39,10 +40,13 @@ def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
                 yield name, f.get_tensor(name)
 
 
-def load_model(config: ModelConfig, device: torch.device) -> DecoderForCausalLM:
-    """The model on `device` in `config.dtype`, weights loaded, in eval mode."""
+def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | None = None
+               ) -> DecoderForCausalLM:
+    """The model (this rank's slice of it, under tensor parallelism) on `device` in
+    `config.dtype`, weights loaded, in eval mode. Every rank reads the checkpoint and
+    keeps its slice."""
     with torch.device("meta"):
-        model = DecoderForCausalLM(config.spec)
+        model = DecoderForCausalLM(config.spec, tp)
     model = model.to_empty(device=device).to(config.dtype)
     model.model.rotary_emb.reset_cache()  # computed, not loaded: fill it on the device
     if config.load_format == "dummy":

@@ -33,6 +33,7 @@ from pagellm.executor.config import ModelConfig
 from pagellm.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from pagellm.executor.input_batch import InputBatch
 from pagellm.executor.loader import load_model
+from pagellm.executor.parallel import TensorParallel
 from pagellm.executor.sampler import (
     LogprobsTensors,
     Penalties,
@@ -74,9 +75,12 @@ class _StepInputs:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, seed: int,
-                 attention_backend: str = "auto", logprobs_mode: str = "raw_logprobs"
-                 ) -> None:
+                 attention_backend: str = "auto", logprobs_mode: str = "raw_logprobs",
+                 tp: TensorParallel | None = None) -> None:
         self.model_config = model_config
+        # This rank's slice of the model (all of it without tensor parallelism).
+        self.tp = tp or TensorParallel.layout(model_config.spec)
+        self.num_kv_heads = self.tp.num_kv_heads
         self.processed_logprobs = logprobs_mode == "processed_logprobs"
         self.device = device
         self.block_size = block_size
@@ -93,7 +97,7 @@ class ModelRunner:
                                  "attention_backend='torch'")
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 0)
-        self.model = load_model(model_config, device)
+        self.model = load_model(model_config, device, self.tp)
         self.sampler = Sampler(device, seed)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -119,7 +123,7 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         spec = self.model_config.spec
         element = torch.empty((), dtype=self.model_config.dtype).element_size()
-        return (spec.num_layers * 2 * self.block_size * spec.num_kv_heads * spec.head_dim
+        return (spec.num_layers * 2 * self.block_size * self.num_kv_heads * spec.head_dim
                 * element)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -127,7 +131,7 @@ class ModelRunner:
         # [layers, K|V, blocks, block_size, kv_heads, head_dim]. Not zeroed (on the CPU
         # pages are committed as blocks get used): no kernel reads a slot its request has
         # not written.
-        cache = torch.empty(spec.num_layers, 2, num_blocks, self.block_size, spec.num_kv_heads,
+        cache = torch.empty(spec.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads,
                             spec.head_dim, dtype=self.model_config.dtype, device=self.device)
         self.kv_caches = list(cache.unbind(0))
 
@@ -192,13 +196,12 @@ class ModelRunner:
         """The forward pass a decode graph records: `size` one-token requests read from
         the step buffers -> (hidden [size, H], logits [size, V])."""
         buf = self.buffers.device_buffers
-        spec = self.model_config.spec
         meta = AttentionMetadata(
             slot_mapping=buf["slot_mapping"][:size], block_tables=buf["block_tables"][:size],
             query_start_loc=buf["query_start_loc"][:size + 1], seq_lens=buf["seq_lens"][:size],
             query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=1, backend=self.attention,
             # Fixed at capture, for the longest context the graph may meet.
-            num_segments=num_kv_segments(size, spec.num_kv_heads, 1,
+            num_segments=num_kv_segments(size, self.num_kv_heads, 1,
                                          self.model_config.max_model_len, self.num_sms))
         hidden = self.model(buf["input_ids"][:size], buf["positions"][:size], meta,
                             self.kv_caches)
@@ -239,9 +242,10 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, inputs) \
             if self.batch.num_prompt_logprobs else {}
         t3 = time.perf_counter()
+        collective_s, self.tp.collective_s = self.tp.collective_s, 0.0
         return ModelRunnerOutput(inputs.req_ids, sampled_token_ids, logprobs, prompt_logprobs,
                                  prepare_inputs_s=t1 - t0, forward_s=t2 - t1,
-                                 sample_s=t3 - t2)
+                                 sample_s=t3 - t2, collective_s=collective_s)
 
     def retain(self, req_ids: set[str]) -> None:
         """Drop the state of every request not in `req_ids`."""
@@ -297,7 +301,7 @@ class ModelRunner:
             seq_lens=put("seq_lens", ends, 0, graph_size),
             query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=ends.tolist(),
             max_query_len=int(counts.max()), backend=self.attention,
-            num_segments=num_kv_segments(num_reqs, self.model_config.spec.num_kv_heads,
+            num_segments=num_kv_segments(num_reqs, self.num_kv_heads,
                                          int(counts.max()), int(ends.max()), self.num_sms))
         return _StepInputs(req_ids, rows, starts, counts,
                            put("input_ids", input_ids, 0, graph_size),

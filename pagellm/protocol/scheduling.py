@@ -68,3 +68,5 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     prepare_inputs_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    collective_s: float = 0.0  # of forward_s and sample_s: tensor-parallel collectives
+    dispatch_s: float = 0.0  # executor <-> worker processes, beyond the worker's time

@@ -14,6 +14,8 @@ class StepTimings(msgspec.Struct, array_like=True, gc=False):
     sample_s: float = 0.0
     update_s: float = 0.0
     output_encode_s: float = 0.0
+    collective_s: float = 0.0  # part of forward_s + sample_s (tensor parallel, CPU only)
+    dispatch_s: float = 0.0  # sending the step to the worker processes and back
 
 
 class EngineStats(msgspec.Struct, array_like=True, gc=False):

@@ -5,6 +5,10 @@ q/k RMSNorm and a head_dim independent of hidden_size (Qwen3), tied embeddings, 
 RoPE variant. q/k/v and gate/up projections are stored merged (one GEMM each);
 `load_weights` maps the checkpoint's separate tensors into them.
 
+Under tensor parallelism (executor/parallel.py) each rank builds the same modules with
+its slice's sizes: `destination` says which slice of which checkpoint tensor loads into
+which parameter, and the two row-parallel projections and the embedding all-reduce.
+
 The forward pass takes the step's flat, unpadded token batch:
     input_ids [T], positions [T] -> hidden states [T, hidden_size]
 """
@@ -21,6 +25,7 @@ from torch import nn
 
 from pagellm.executor.attention import Attention, AttentionMetadata
 from pagellm.executor.models.rope import RopeSpec, RotaryEmbedding, apply_rotary
+from pagellm.executor.parallel import TensorParallel
 
 # model_type -> architecture, for configs that do not list "architectures".
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -102,16 +107,54 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype), x
 
 
-class DecoderAttention(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+class RowParallelLinear(nn.Module):
+    """y = x W^T (+ b) where each rank holds W's columns for its slice of x: the partial
+    products are summed by one all-reduce, then the (replicated) bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (spec.num_heads, spec.num_kv_heads,
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in_features] (this rank's slice) -> [T, out_features] (the full sum)."""
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds `tp.vocab_size` rows from `tp.vocab_start`; ids outside them look
+    up zeros, and one all-reduce assembles every token's row."""
+
+    def __init__(self, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(tp.vocab_size, hidden_size))
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> [T, hidden_size]."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.tp.vocab_start
+        outside = (local < 0) | (local >= self.tp.vocab_size)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (tp.num_heads, tp.num_kv_heads,
                                                             spec.head_dim)
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.q_size = tp.num_heads * spec.head_dim
+        self.kv_size = tp.num_kv_heads * spec.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, spec.hidden_size, spec.o_bias, tp)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.attn = Attention(layer_idx, spec.head_dim ** -0.5)
@@ -133,11 +176,11 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, tp: TensorParallel) -> None:
         super().__init__()
-        self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.intermediate_size = tp.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * tp.intermediate_size, bias=False)
+        self.down_proj = RowParallelLinear(tp.intermediate_size, spec.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -145,10 +188,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+    def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(spec, layer_idx)
-        self.mlp = DecoderMLP(spec)
+        self.self_attn = DecoderAttention(spec, layer_idx, tp)
+        self.mlp = DecoderMLP(spec, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -162,10 +205,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(spec.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position)
 
@@ -186,22 +229,54 @@ _STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"),
             ("up_proj", "gate_up_proj", 1))
 
 
+@dataclass(frozen=True)
+class Destination:
+    """Where checkpoint tensor `name` loads: `tensor`, a view of a parameter, takes the
+    checkpoint tensor's `length` entries from `start` along `dim` (the whole tensor when
+    `dim` is None). `shape` is the checkpoint tensor's full shape. `tensor` is None
+    for tensors loaded into nothing (computed, or tied)."""
+
+    tensor: torch.Tensor | None
+    shape: tuple[int, ...] = ()
+    dim: int | None = None
+    start: int = 0
+    length: int = 0
+
+    def load(self, checkpoint: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy this rank's part of the full `checkpoint` tensor in (shape checked)."""
+        if self.tensor is None:
+            return
+        if tuple(checkpoint.shape) != self.shape:
+            raise ValueError(f"shape {tuple(checkpoint.shape)}, the model's is {self.shape}")
+        part = checkpoint if self.dim is None else checkpoint.narrow(self.dim, self.start,
+                                                                     self.length)
+        with torch.no_grad():
+            self.tensor.copy_(part, non_blocking=non_blocking)
+
+
+# A checkpoint tensor that loads into nothing (computed or tied), distinct from None.
+SKIP = Destination(None)
+
+
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.model = DecoderModel(spec)
+        self.tp = tp = tp or TensorParallel.layout(spec)
+        self.model = DecoderModel(spec, tp)
         self.lm_head = (None if spec.tie_word_embeddings
-                        else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False))
+                        else VocabParallelEmbedding(spec.hidden_size, tp))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         return self.model(input_ids, positions, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden_size] -> logits [N, vocab_size]."""
+        """hidden: [N, hidden_size] -> logits [N, vocab_size] (gathered from every rank's
+        vocabulary slice, so each rank has them all)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        logits = self.tp.all_gather_last(F.linear(hidden, weight))
+        return logits if self.tp.size == 1 else logits[:, :self.spec.vocab_size]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a whole checkpoint in; raise naming every missing or unexpected tensor
@@ -214,10 +289,10 @@ class DecoderForCausalLM(nn.Module):
             if dest is None:
                 unexpected.append(name)
                 continue
-            if dest is not SKIP:
-                check_shape(name, tensor, dest)
-                with torch.no_grad():
-                    dest.copy_(tensor)
+            try:
+                dest.load(tensor)
+            except ValueError as e:
+                raise ValueError(f"shape mismatch for {name}: checkpoint {e}") from None
             loaded.add(name)
         missing = sorted(self._expected_checkpoint_keys(params) - loaded)
         if missing or unexpected:
@@ -225,10 +300,10 @@ class DecoderForCausalLM(nn.Module):
                              f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}")
 
     def destination(self, name: str, params: dict[str, nn.Parameter] | None = None
-                    ) -> torch.Tensor | None:
-        """The parameter (or the slice of a merged one) that checkpoint tensor `name`
-        loads into; SKIP for tensors we compute or share; None for a name the model
-        does not have."""
+                    ) -> Destination | None:
+        """Where checkpoint tensor `name` loads on this rank (the slice of a merged or
+        sharded parameter); SKIP for tensors we compute or share; None for a name the
+        model does not have."""
         if "rotary_emb.inv_freq" in name:
             return SKIP  # older checkpoints store the RoPE table; we compute it
         if name == "lm_head.weight" and self.lm_head is None:
@@ -241,16 +316,30 @@ class DecoderForCausalLM(nn.Module):
         param = (params if params is not None else dict(self.named_parameters())).get(target)
         if param is None:
             return None
+        spec, tp, d = self.spec, self.tp, self.spec.head_dim
         if shard is None:
-            return param
-        if isinstance(shard, int):  # gate (0) / up (1)
-            size = self.spec.intermediate_size
-            return param[shard * size:(shard + 1) * size]
-        q_size = self.spec.num_heads * self.spec.head_dim
-        kv_size = self.spec.num_kv_heads * self.spec.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
-                        "v": (q_size + kv_size, kv_size)}[shard]
-        return param[offset:offset + size]
+            if target.endswith(("embed_tokens.weight", "lm_head.weight")):
+                rows = max(0, min(tp.vocab_size, spec.vocab_size - tp.vocab_start))
+                return Destination(param[:rows], (spec.vocab_size, param.shape[1]), 0,
+                                   tp.vocab_start, rows)
+            if target.endswith(("o_proj.weight", "down_proj.weight")):  # row parallel
+                full = spec.num_heads * d if "o_proj" in target else spec.intermediate_size
+                width = param.shape[1]
+                return Destination(param, (param.shape[0], full), 1, tp.rank * width, width)
+            return Destination(param, tuple(param.shape))  # replicated
+        if isinstance(shard, int):  # gate (0) / up (1): column parallel
+            size = tp.intermediate_size
+            return Destination(param[shard * size:(shard + 1) * size],
+                               (spec.intermediate_size, *param.shape[1:]), 0,
+                               tp.rank * size, size)
+        q_size, kv_size = tp.num_heads * d, tp.num_kv_heads * d
+        offset, size, full, start = {
+            "q": (0, q_size, spec.num_heads * d, tp.rank * q_size),
+            "k": (q_size, kv_size, spec.num_kv_heads * d, tp.kv_head_start * d),
+            "v": (q_size + kv_size, kv_size, spec.num_kv_heads * d, tp.kv_head_start * d),
+        }[shard]
+        return Destination(param[offset:offset + size], (full, *param.shape[1:]), 0, start,
+                           size)
 
     @staticmethod
     def _expected_checkpoint_keys(params: dict[str, nn.Parameter]) -> set[str]:
@@ -262,12 +351,3 @@ class DecoderForCausalLM(nn.Module):
             keys.update(parts or [name])
         return keys
 
-
-# A checkpoint tensor that loads into nothing (computed or tied), distinct from None.
-SKIP = torch.empty(0)
-
-
-def check_shape(name: str, tensor: torch.Tensor, dest: torch.Tensor) -> None:
-    if dest.shape != tensor.shape:
-        raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
-                         f"model {tuple(dest.shape)}")
