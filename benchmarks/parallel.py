@@ -64,7 +64,7 @@ def run_layout(model: str, tp: int, dp: int, ns: argparse.Namespace) -> dict[str
         elapsed = time.perf_counter() - start
         timings = llm.get_stats().step_timings  # the last steps' means: decode
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"layout": f"tp{tp}dp{dp}", "tensor_parallel_size": tp, "data_parallel_size": dp,
+    return {"token_ids": [o.outputs[0].token_ids for o in outputs],"layout": f"tp{tp}dp{dp}", "tensor_parallel_size": tp, "data_parallel_size": dp,
             "elapsed_s": elapsed, "output_tokens": tokens,
             "output_tokens_per_s": tokens / elapsed,
             "step_ms": {name: 1000 * getattr(timings, name) for name in (
@@ -89,13 +89,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--kv-cache-bytes", type=int, default=64 * 2**20)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, few tokens")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--output-json", type=Path, default=None,
+                        help="write the results here")
     ns = parser.parse_args(argv)
     if ns.smoke:
         ns.num_requests, ns.prompt_len, ns.output_len = 4, 8, 8
     with tempfile.TemporaryDirectory() as tmp:
         model = ns.model or str(make_model(Path(tmp) / "model", SMOKE if ns.smoke else SMALL))
         results = [run_layout(model, tp, dp, ns) for tp, dp in ns.layouts]
+    first = results[0]["token_ids"]
+    for r in results:  # greedy: every layout must produce the first one's tokens
+        r["same_tokens_as_first"] = r.pop("token_ids") == first
     report = {"benchmark": "parallel", "date": time.strftime("%Y-%m-%d"),
               "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
               "model": ns.model or "random qwen2 (benchmarks/parallel.py SMALL)",
@@ -103,14 +107,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "output_len": ns.output_len, "results": results}
     base = results[0]["output_tokens_per_s"]
     print(f"{'layout':10} {'tok/s':>8} {'ratio':>6} {'forward':>8} {'collect':>8} "
-          f"{'dispatch':>8}  (ms per decode step)")
+          f"{'dispatch':>8}  (ms per decode step)  same tokens")
     for r in results:
         ms = r["step_ms"]
         print(f"{r['layout']:10} {r['output_tokens_per_s']:8.1f} "
               f"{r['output_tokens_per_s'] / base:6.2f} {ms['forward_s']:8.2f} "
-              f"{ms['collective_s']:8.2f} {ms['dispatch_s']:8.2f}")
-    if ns.json is not None:
-        ns.json.write_text(json.dumps(report, indent=2))
+              f"{ms['collective_s']:8.2f} {ms['dispatch_s']:8.2f}  "
+              f"{r['same_tokens_as_first']}")
+    if ns.output_json is not None:
+        ns.output_json.write_text(json.dumps(report, indent=2))
     return report
 
 

@@ -17,6 +17,7 @@ sys.path.insert(0, str(BENCHMARKS))  # benchmarks/ is scripts, not a package
 import decode_roofline  # noqa: E402
 import gpu_suite  # noqa: E402
 import kernel_bench  # noqa: E402
+import parallel  # noqa: E402
 
 CASE_TIMINGS = ("kernel_us", "kernel_gbps", "kernel_pct_of_copy", "sdpa_us", "sdpa_gbps",
                 "sdpa_pct_of_copy", "speedup_vs_sdpa")
@@ -164,3 +165,16 @@ def test_gpu_suite_smoke_runs_every_part_in_a_subprocess(tmp_path):
             for engine in (pagellm, hf):
                 assert engine["output_tokens_per_s"] == pytest.approx(
                     r["output_tokens"] / engine["seconds"])
+
+
+@pytest.mark.slow
+def test_parallel_smoke_runs_each_layout_to_the_same_tokens(tmp_path):
+    results = run_json(parallel.main, ["--smoke", "--layouts", "tp1", "tp2"],
+                       tmp_path / "parallel.json")
+    assert [r["layout"] for r in results["results"]] == ["tp1dp1", "tp2dp1"]
+    for r in results["results"]:
+        assert r["same_tokens_as_first"] is True
+        assert r["output_tokens"] == 4 * 8 and r["output_tokens_per_s"] > 0
+    one, two = (r["step_ms"] for r in results["results"])
+    assert one["collective_s"] == one["dispatch_s"] == 0  # one rank: nothing to exchange
+    assert two["collective_s"] > 0 and two["dispatch_s"] > 0
