@@ -5,6 +5,7 @@ logprobs, and the checkpoint itself (the ranks' slices put back together)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import psutil
 import pytest
 import torch
 from conftest import PROMPTS, assert_no_leaks
-from helpers import ROOT, free_port, stop
+from helpers import ROOT, Server, free_port, stop
 
 from pagellm import LLM, EngineDeadError, SamplingParams
 from pagellm.executor.config import resolve_model_config
@@ -85,6 +86,16 @@ def test_a_model_that_cannot_be_split_is_refused_naming_the_counts(model_dirs):
         check_divisible(spec, 3)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 .*num_attention_heads=4"):
         LLM(str(model_dirs["llama"]), tensor_parallel_size=3, kv_cache_memory_bytes=KV)
+
+
+def test_a_rank_that_cannot_start_fails_the_start_naming_it(model_dirs):
+    """A worker's start-up error reaches the caller with its type, and the other rank
+    (blocked joining the process group) is stopped too: the process check of every test
+    covers that nothing is left."""
+    with pytest.raises(ValueError, match=r"tensor-parallel rank \d: worker_extension_cls "
+                                         r"'no_such_module.Probe' cannot be imported"):
+        LLM(str(model_dirs["llama"]), tensor_parallel_size=2, kv_cache_memory_bytes=KV,
+            worker_extension_cls="no_such_module.Probe", multiprocess=False)
 
 
 @pytest.mark.slow
@@ -217,3 +228,59 @@ def test_two_nodes_on_loopback_each_launched_by_its_own_command(model_dirs, hf_r
     finally:
         stop(node0)
         stop(node1)
+
+
+@pytest.mark.slow
+def test_the_server_serves_a_tensor_parallel_engine(model_dirs, hf_reference):
+    """`pagellm serve DIR -tp 2`: completions equal transformers'; SIGTERM stops the
+    server, its engine core and both workers."""
+    server = Server(model_dirs["llama"], "-tp", "2")
+    try:
+        workers = _workers(server.engine_pid())
+        assert len(workers) == 2
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dirs["llama"])
+        completion = server.client().completions.create(
+            model="test-model", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+        expected = hf_reference("llama", tokenizer.encode(PROMPTS[1]), MAX_TOKENS)
+        assert completion.choices[0].text == tokenizer.decode(expected)
+    finally:
+        assert server.stop() == 0
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
+
+
+@pytest.mark.slow
+def test_a_trainer_broadcasts_weights_to_every_rank(model_dirs):
+    """The "nccl" backend (gloo here) with two ranks: each joins the trainer's group as
+    rank_offset + rank, receives every full tensor and keeps its slice."""
+    from test_rl import NCCL_TRAINER, TESTS, hf_greedy, hf_model, perturbed
+
+    model_dir = model_dirs["llama"]
+    init_info = {"master_address": "127.0.0.1", "master_port": free_port(),
+                 "rank_offset": 1, "world_size": 3}
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", NCCL_TRAINER, str(model_dir), json.dumps(init_info), "good"],
+        cwd=TESTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        with LLM(str(model_dir), tensor_parallel_size=2, kv_cache_memory_bytes=KV,
+                 weight_transfer_config={"backend": "nccl"}) as llm:
+            llm.init_weight_transfer_engine({"init_info": init_info})
+            update_info = json.loads(trainer.stdout.readline())
+            llm.start_weight_update()
+            trainer.stdin.write("go\n")
+            trainer.stdin.flush()
+            assert llm.update_weights({"update_info": update_info}) == len(
+                update_info["names"])
+            llm.finish_weight_update()
+            assert trainer.stdout.readline().strip() == "sent"
+            reference = hf_model(model_dir, perturbed(model_dir, seed=7))
+            out = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=10),
+                               use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in out] == [
+                hf_greedy(reference, o.prompt_token_ids, 10) for o in out]
+            assert_no_leaks(llm)
+    finally:
+        trainer.kill()
+        trainer.wait()
