@@ -9,6 +9,7 @@ rest; engine cores of a second (headless) node attach over loopback.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -23,7 +24,7 @@ from typing import Any
 import psutil
 import pytest
 from conftest import PROMPTS
-from helpers import ROOT, free_port
+from helpers import NAME, ROOT, Server, free_port
 
 from pagellm import LLM, AsyncLLM, EngineDeadError, SamplingParams
 from pagellm.frontend.dp_client import DPSyncClient, Router, merge_results
@@ -194,7 +195,9 @@ def test_router_prefers_the_cached_prefix_only_among_near_equal_loads():
     assert router.choose([0, 1], hashes) == 1  # one request more buys the hit
     assert router.choose([0, 2], hashes) == 0  # two do not
     assert router.choose([20, 22], hashes) == 1  # 10% of the least load does
-    assert router.choose([0, 0], router.hashes(request([7] * 12))) == 0  # no prefix
+    other = router.hashes(request([7] * 12))  # cached nowhere: exact ties take turns
+    assert {router.choose([0, 0], other), router.choose([0, 0], other)} == {0, 1}
+    assert router.choose([3, 2], other) == 1
     router.record(0, router.hashes(request(list(range(100, 140)))))  # 10 blocks: LRU of 8
     assert len(router.indexes[0]) == 8
     router.prefix_aware = False
@@ -333,3 +336,89 @@ def _stop(proc: subprocess.Popen) -> int:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def engine_metric(server: Server, name: str) -> dict[str, float]:
+    """A per-engine-core metric from /metrics, by data-parallel rank."""
+    text = server.get("/metrics")[1].decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            rank = line.split('engine="', 1)[1].split('"', 1)[0]
+            values[rank] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def headless_node(model_dir: Path, rpc_port: int) -> subprocess.Popen:
+    """`pagellm serve --headless`: node 1 of two, data-parallel rank 1."""
+    env = {**os.environ, "PAGELLM_LOG_LEVEL": "WARNING"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "pagellm", "serve", str(model_dir), "-dp", "2",
+         "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1",
+         "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
+         "--kv-cache-memory-bytes", "8MiB", "--headless"], cwd=ROOT, env=env)
+
+
+def node_flags(rpc_port: int) -> list[str]:
+    return ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address",
+            "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port)]
+
+
+def engine_cores_of(proc: subprocess.Popen) -> list[psutil.Process]:
+    return [c for c in psutil.Process(proc.pid).children(recursive=True)
+            if "pagellm.enginecore" in " ".join(c.cmdline())]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_serve_together_and_stop_together(model_dirs):
+    """Node 1 (headless, rank 1) and node 0 (the API server with rank 0), each started
+    by its own command: completions equal one engine's, both cores step, and the
+    headless node stops its core once the server stops."""
+    model_dir = model_dirs["llama"]
+    rpc_port = free_port()
+    node1 = headless_node(model_dir, rpc_port)
+    server = None
+    try:
+        server = Server(model_dir, *node_flags(rpc_port))
+        prompts = PROMPTS[:6]
+        with LLM(str(model_dir), kv_cache_memory_bytes=KV, multiprocess=False) as reference:
+            expected = [o.outputs[0].text for o in reference.generate(prompts, GREEDY,
+                                                                       use_tqdm=False)]
+        client = server.client()
+        texts = [client.completions.create(model=NAME, prompt=p, max_tokens=16,
+                                           temperature=0.0).choices[0].text for p in prompts]
+        assert texts == expected
+        steps = engine_metric(server, "pagellm:engine_num_steps")
+        assert set(steps) == {"0", "1"} and min(steps.values()) > 0, steps
+        cores = engine_cores_of(node1)
+        assert len(cores) == 1
+        assert server.stop() == 0
+        server = None
+        assert node1.wait(20) == 0  # the frontend left: the headless node stops
+        assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in cores)
+    finally:
+        if server is not None:
+            server.stop()
+        _stop(node1)
+
+
+@pytest.mark.slow
+def test_a_remote_core_killed_fails_requests_and_stops_both_nodes(model_dirs):
+    model_dir = model_dirs["llama"]
+    rpc_port = free_port()
+    node1 = headless_node(model_dir, rpc_port)
+    server = None
+    try:
+        server = Server(model_dir, *node_flags(rpc_port))
+        local_core = server.engine_pid()
+        os.kill(engine_cores_of(node1)[0].pid, signal.SIGKILL)
+        assert wait_until(lambda: server.get("/health")[0] == 503, timeout=2)
+        status, body = server.post("/v1/completions", {"model": NAME, "prompt": "hi",
+                                                       "max_tokens": 4})
+        assert status >= 500 and "data-parallel rank 1" in json.dumps(body), body
+        assert node1.wait(20) == 1  # its core failed
+        assert wait_until(lambda: gone(local_core))  # node 0's core was stopped too
+    finally:
+        if server is not None:
+            server.stop()
+        _stop(node1)

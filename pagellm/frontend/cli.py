@@ -119,6 +119,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (rendered in a "
                         "sandboxed child process with a time limit)")
+    s.add_argument("--headless", action="store_true",
+                   help="run only this node's data-parallel engine cores (ranks from "
+                        "--data-parallel-start-rank, --data-parallel-size-local of them) "
+                        "and attach them to the frontend at --data-parallel-address:"
+                        "--data-parallel-rpc-port; no API server")
     s.add_argument("--enable-dev-endpoints", action="store_true",
                    help="add the RL control routes: /sleep, /wake_up, /pause, /resume, "
                         "/collective_rpc, the weight-update phases, ... (behind --api-key)")
@@ -126,6 +131,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    if ns.headless:
+        from pagellm.frontend.headless import run_headless
+
+        return run_headless(EngineArgs.from_cli_args(ns))
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401

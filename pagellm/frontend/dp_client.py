@@ -134,6 +134,7 @@ class Router:
         self.block_size = block_size
         self.prefix_aware = prefix_aware
         self.indexes = [PrefixIndex(c) for c in capacities]
+        self._turn = 0  # exact ties rotate: one request at a time still uses every core
 
     def hashes(self, request: EngineCoreRequest) -> list[BlockHash]:
         hashes: list[BlockHash] = []
@@ -145,10 +146,12 @@ class Router:
     def choose(self, loads: Sequence[int], hashes: Sequence[BlockHash]) -> int:
         least = min(loads)
         slack = max(LOAD_SLACK_REQUESTS, LOAD_SLACK_FRACTION * least)
-        candidates = [r for r, load in enumerate(loads) if load <= least + slack] \
-            if hashes else [loads.index(least)]
+        n = len(loads)
+        candidates = [r for r, load in enumerate(loads)
+                      if load <= (least + slack if hashes else least)]
+        turn, self._turn = self._turn, (self._turn + 1) % n
         return max(candidates, key=lambda r: (self.indexes[r].cached_prefix(hashes),
-                                              -loads[r], -r))
+                                              -loads[r], -((r - turn) % n)))
 
     def record(self, rank: int, hashes: Sequence[BlockHash]) -> None:
         self.indexes[rank].add(hashes)
