@@ -238,13 +238,51 @@ def test_prefix_aware_routing_raises_the_prefix_cache_hit_rate(dp_llm):
     assert_all_free(dp_llm)
 
 
+async def final_tokens(engine: AsyncLLM, prompt: str, request_id: str) -> list[int]:
+    outputs = [o async for o in engine.generate(prompt, GREEDY, request_id)]
+    return outputs[-1].outputs[0].token_ids
+
+
 @pytest.mark.slow
-def test_sigkill_of_one_core_fails_every_stream_and_stops_the_other(model_dirs):
+def test_async_llm_serves_from_both_cores_then_one_sigkill_fails_every_stream(
+        model_dirs, hf_reference):
+    """AsyncLLM with two cores: transformers' tokens, a cancelled stream frees its
+    blocks on its core; then SIGKILL of one core fails every stream within a second,
+    naming it, and the other core is stopped."""
     engine = AsyncLLM(str(model_dirs["llama"]), data_parallel_size=2,
                       kv_cache_memory_bytes=KV)
     clients = engine.engine_core.clients  # type: ignore[union-attr]
     pids = [c.engine_process.pid for c in clients]
     started: set[int] = set()
+
+    async def serve_and_cancel() -> list[list[int]]:
+        tokens = await asyncio.gather(*[final_tokens(engine, p, f"p{i}")
+                                        for i, p in enumerate(PROMPTS)])
+        task = asyncio.create_task(final_tokens(engine, "cancel me", "cancelled"))
+        while (await engine.get_stats()).num_running_reqs == 0:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            stats = await engine.get_stats()
+            if stats.num_running_reqs == 0 and stats.num_free_blocks == stats.num_total_blocks:
+                break
+            await asyncio.sleep(0.02)
+        assert all(s.num_free_blocks == s.num_total_blocks for s in stats.per_engine), stats
+        return tokens
+
+    tokenizer = engine.tokenizer
+    assert tokenizer is not None
+    try:
+        assert asyncio.run(serve_and_cancel()) == [
+            hf_reference("llama", tokenizer.encode(p), 16) for p in PROMPTS]
+        assert min(engine.engine_core.requests_per_engine) >= 5  # type: ignore[union-attr]
+    except BaseException:
+        engine.shutdown()
+        raise
+    before = list(engine.engine_core.requests_per_engine)  # type: ignore[union-attr]
 
     async def stream(i: int) -> None:
         async for _ in engine.generate(f"prompt {i}", LONG, f"k{i}"):
@@ -256,7 +294,8 @@ def test_sigkill_of_one_core_fails_every_stream_and_stops_the_other(model_dirs):
         while len(started) < 6 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert len(started) == 6
-        assert engine.engine_core.requests_per_engine == [3, 3]  # type: ignore[union-attr]
+        now = engine.engine_core.requests_per_engine  # type: ignore[union-attr]
+        assert [a - b for a, b in zip(now, before, strict=True)] == [3, 3]
         killed = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -311,6 +350,12 @@ def test_sigkill_of_one_core_fails_a_blocked_generate_within_a_second(model_dirs
     finally:
         llm.shutdown()
     assert not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_a_core_that_cannot_start_fails_the_start_and_leaves_nothing(model_dirs):
+    with pytest.raises(ValueError, match="engine core failed to start"):
+        LLM(str(model_dirs["llama"]), data_parallel_size=2, kv_cache_memory_bytes=KV,
+            max_model_len=10**6)
 
 
 def test_data_parallel_needs_engine_processes(model_dirs):
