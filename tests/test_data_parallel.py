@@ -13,6 +13,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -467,3 +468,64 @@ def test_a_remote_core_killed_fails_requests_and_stops_both_nodes(model_dirs):
         if server is not None:
             server.stop()
         _stop(node1)
+
+
+def non_loopback_ipv4() -> str | None:
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and not address.address.startswith("127."):
+                return str(address.address)
+    return None
+
+
+@pytest.mark.slow
+def test_two_nodes_on_a_network_address_need_curve_and_admit_only_the_engine_key(
+        model_dirs, hf_reference, tmp_path):
+    """A non-loopback --data-parallel-address: refused without keys on both sides; with
+    them, a node registering with a key other than the engine cores' is refused, the
+    right one serves, and the frontend's shutdown stops it."""
+    import zmq.auth
+
+    ip = non_loopback_ipv4()
+    if ip is None:
+        pytest.skip("no non-loopback IPv4 address on this machine")
+    for name in ("frontend", "engine", "stranger"):
+        zmq.auth.create_certificates(tmp_path, name)
+    model_dir = model_dirs["llama"]
+    rpc_port = free_port()
+    common = dict(data_parallel_size=2, data_parallel_size_local=1,
+                  data_parallel_address=ip, data_parallel_rpc_port=rpc_port,
+                  kv_cache_memory_bytes=KV)
+    with pytest.raises(ValueError, match="CURVE"):
+        LLM(str(model_dir), **common)
+
+    def node(key: str, *extra: str) -> subprocess.Popen:
+        env = {**os.environ, "PAGELLM_LOG_LEVEL": "WARNING"}
+        return subprocess.Popen(
+            [sys.executable, "-m", "pagellm", "serve", str(model_dir), "-dp", "2",
+             "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1",
+             "--data-parallel-address", ip, "--data-parallel-rpc-port", str(rpc_port),
+             "--kv-cache-memory-bytes", "8MiB", "--headless", *(
+                 ["--curve-secret-key", str(tmp_path / f"{key}.key_secret"),
+                  "--curve-server-public-key", str(tmp_path / "frontend.key")]
+                 if key else []), *extra], cwd=ROOT, env=env)
+
+    keyless = node("")
+    assert keyless.wait(60) == 2  # refused before it starts anything
+    stranger = node("stranger")  # waits for the frontend to come up, then ...
+    node1 = None
+    try:
+        node1 = node("engine")
+        with LLM(str(model_dir), curve_secret_key=str(tmp_path / "frontend.key_secret"),
+                 curve_server_public_key=str(tmp_path / "engine.key"), **common) as llm:
+            assert stranger.wait(30) == 1  # ... its key is refused
+            outputs = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outputs] == [
+                hf_reference("llama", llm.tokenizer.encode(p), 16) for p in PROMPTS[:4]]
+            assert client_of(llm).requests_per_engine == [2, 2]
+            assert_all_free(llm)
+        assert node1.wait(20) == 0
+    finally:
+        _stop(stranger)
+        if node1 is not None:
+            _stop(node1)

@@ -107,8 +107,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "/metrics and /version")
     s.add_argument("--engine-address", default=None,
                    help="attach to a running engine core instead of starting one")
-    s.add_argument("--curve-secret-key", default=None)
-    s.add_argument("--curve-server-public-key", default=None)
+    s.add_argument("--curve-secret-key", default=None,
+                   help="this frontend's CURVE key pair, for an engine core that requires "
+                        "CURVE (--engine-address, or data-parallel cores of other nodes); "
+                        "with --headless, the key pair this node's engine cores serve with")
+    s.add_argument("--curve-server-public-key", default=None,
+                   help="the engine cores' CURVE public key; with --headless, the "
+                        "frontend's")
     s.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds in-flight requests may finish after SIGTERM (default: 5)")
     s.add_argument("--max-body-size", type=parse_bytes, default=MAX_BODY_BYTES,
@@ -133,8 +138,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _serve(ns: argparse.Namespace) -> int:
     if ns.headless:
         from pagellm.frontend.headless import run_headless
+        from pagellm.frontend.mp_client import CurveClientKeys
 
-        return run_headless(EngineArgs.from_cli_args(ns))
+        return run_headless(EngineArgs.from_cli_args(ns), CurveClientKeys.from_paths(
+            ns.curve_secret_key, ns.curve_server_public_key))
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401

@@ -89,13 +89,17 @@ def make_client(args: EngineArgs, *, asyncio_mode: bool, multiprocess: bool = Tr
                              f"the engine core at {engine_address}: set them where it starts")
         return AsyncMPClient(None, engine_address, curve) if asyncio_mode \
             else SyncMPClient(None, engine_address, curve)
-    if curve is not None:
-        raise ValueError("CURVE keys are for attaching to an engine core (engine_address)")
+    remote_ranks = args.data_parallel_size > (args.data_parallel_size
+                                              if args.data_parallel_size_local is None
+                                              else args.data_parallel_size_local)
+    if curve is not None and not remote_ranks:
+        raise ValueError("CURVE keys are for attaching to an engine core (engine_address) "
+                         "or to data-parallel engine cores of other nodes")
     if args.data_parallel_size > 1:
         if not multiprocess:
             raise ValueError("data_parallel_size > 1 runs each engine core in a process of "
                              "its own (multiprocess=False runs one in this process)")
-        return DPAsyncClient(args) if asyncio_mode else DPSyncClient(args)
+        return DPAsyncClient(args, curve) if asyncio_mode else DPSyncClient(args, curve)
     if asyncio_mode:
         if not multiprocess:
             raise ValueError("AsyncLLM runs its engine core in a process of its own "

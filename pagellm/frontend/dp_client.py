@@ -53,6 +53,7 @@ from pagellm.frontend.engine_process import EngineProcess
 from pagellm.frontend.mp_client import (
     LOCAL_STARTUP_TIMEOUT_S,
     AsyncMPClient,
+    CurveClientKeys,
     MPClient,
     SyncMPClient,
 )
@@ -221,8 +222,9 @@ class DPClient(EngineCoreClient):
 
     clients: Sequence[MPClient]
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, curve: CurveClientKeys | None = None) -> None:
         self.args = args
+        self.curve = curve  # for cores of other nodes: see _await_registrations
         self.dead_error: str | None = None
         self._closed = False
         self._fail_lock = threading.Lock()
@@ -230,10 +232,13 @@ class DPClient(EngineCoreClient):
         self._stopper: threading.Thread | None = None
         self._context: Context | None = None
         self._registration: zmq.Socket | None = None
+        self._auth: Any = None
         self._owner: dict[str, int] = {}  # request id -> the rank that holds it
         size = args.data_parallel_size
         self.requests_per_engine = [0] * size  # routed here, cumulative
         ranks = local_ranks(args)
+        if len(ranks) < size:
+            self._check_registration_address()
         clients: list[MPClient] = []
         self.clients = clients
         processes: dict[int, EngineProcess] = {}
@@ -251,7 +256,7 @@ class DPClient(EngineCoreClient):
                         on_dead=on_dead))
                 else:
                     clients.append(self._make_client(
-                        remote[rank], label=rank_label(rank), on_dead=on_dead))
+                        remote[rank], curve=curve, label=rank_label(rank), on_dead=on_dead))
             self.info = merge_infos([c.info for c in clients])
         except BaseException:
             for process in processes.values():
@@ -282,17 +287,22 @@ class DPClient(EngineCoreClient):
     def _await_registrations(self, ranks: list[int], local: dict[int, EngineProcess]
                              ) -> dict[int, str]:
         """Listen where headless nodes register their engine cores, until every rank
-        in `ranks` has; fail at once if a local core fails meanwhile."""
+        in `ranks` has; fail at once if a local core fails meanwhile.
+
+        With CURVE keys (this frontend's key pair, the engine cores' public key) the
+        socket is a CURVE server that admits only that engine key: the nodes register
+        with the key pair their engine cores serve with, and this client attaches to
+        those cores with its own. Without keys, only a loopback address is allowed (as
+        for any engine socket: see enginecore/transport.py)."""
         if not ranks:
             return {}
         address = registration_address(self.args)
-        if not is_loopback(address):
-            raise ValueError(
-                f"refusing to listen on {address} without authentication: data parallel "
-                "across hosts needs CURVE, which is not supported for it yet (use a "
-                "loopback --data-parallel-address, or one node)")
         self._context = Context()
         sock = self._registration = self._context.socket(zmq.ROUTER)
+        if self.curve is not None:
+            self._auth = _allow_only(self._context, self.curve)
+            self.curve.configure(sock)  # key pair; the server key set here goes unused
+            sock.curve_server = True
         sock.bind(address)
         found: dict[int, str] = {}
         deadline = time.monotonic() + LOCAL_STARTUP_TIMEOUT_S
@@ -323,6 +333,14 @@ class DPClient(EngineCoreClient):
             else:
                 logger.info("data-parallel rank(s) %s registered", message.ranks)
         return found
+
+    def _check_registration_address(self) -> None:
+        address = registration_address(self.args)
+        if self.curve is None and not is_loopback(address):
+            raise ValueError(
+                f"refusing to listen on {address} without authentication: data parallel "
+                "across hosts needs ZeroMQ CURVE keys (curve_secret_key: this frontend's "
+                "key pair; curve_server_public_key: the engine cores' public key)")
 
     def _registered(self, message: DPRegister, wanted: list[int], found: dict[int, str]
                     ) -> str | None:
@@ -407,6 +425,9 @@ class DPClient(EngineCoreClient):
         with self._stop_lock:
             for client in list(self.clients):
                 client.shutdown()
+            if self._auth is not None:
+                self._auth.stop()
+                self._auth = None
             if self._context is not None:  # headless nodes see it close and stop
                 self._context.destroy(linger=0)
                 self._context = self._registration = None
@@ -426,9 +447,9 @@ class DPSyncClient(DPClient, SyncEngineCoreClient):
 
     clients: list[SyncMPClient]
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, curve: CurveClientKeys | None = None) -> None:
         self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
-        super().__init__(args)
+        super().__init__(args, curve)
 
     def _make_client(self, engine_address: str | None, **options: Any) -> SyncMPClient:
         return SyncMPClient(None, engine_address, outputs=self._outputs, **options)
@@ -466,11 +487,11 @@ class DPAsyncClient(DPClient, AsyncEngineCoreClient):
 
     clients: list[AsyncMPClient]
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, curve: CurveClientKeys | None = None) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
         self._pumps: list[asyncio.Task[None]] = []
-        super().__init__(args)
+        super().__init__(args, curve)
 
     def _make_client(self, engine_address: str | None, **options: Any) -> AsyncMPClient:
         return AsyncMPClient(None, engine_address, **options)
@@ -526,6 +547,29 @@ class DPAsyncClient(DPClient, AsyncEngineCoreClient):
                     else:
                         loop.call_soon_threadsafe(pump.cancel)
         super().shutdown()
+
+
+class _OnlyKey:
+    """A ZAP credentials provider that admits one CURVE public key (z85)."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.key
+
+
+def _allow_only(context: zmq.Context, curve: CurveClientKeys) -> Any:
+    """A started ZAP authenticator on `context` that admits only the engine cores'
+    public key (`curve.server_public_key_file`)."""
+    import zmq.auth
+    from zmq.auth.thread import ThreadAuthenticator
+
+    public, _ = zmq.auth.load_certificate(curve.server_public_key_file)
+    auth = ThreadAuthenticator(context, log=logger)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_OnlyKey(public))
+    return auth
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:

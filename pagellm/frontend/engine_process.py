@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 
 import msgspec
 
@@ -47,10 +48,10 @@ class EngineStartupError(RuntimeError):
 
 class EngineProcess:
     def __init__(self, args: EngineArgs, address: str | None = None, num_local: int = 1,
-                 local_rank: int = 0) -> None:
+                 local_rank: int = 0, extra_args: Sequence[str] = ()) -> None:
         """`address`: where it binds (default: ipc:// in a private directory; a headless
-        data-parallel node gives tcp://). `num_local` engine cores share this host;
-        this is the `local_rank`-th of them."""
+        data-parallel node gives tcp://, and its CURVE flags in `extra_args`).
+        `num_local` engine cores share this host; this is the `local_rank`-th of them."""
         self.tmpdir = tempfile.mkdtemp(prefix="pagellm-")
         self.address = address or f"ipc://{self.tmpdir}/engine"
         status_read, status_write = os.pipe()
@@ -76,7 +77,8 @@ class EngineProcess:
         # No drain on SIGTERM: we only stop it once we no longer want its outputs.
         cmd = [sys.executable, "-m", "pagellm.enginecore", *args.to_cli_args(),
                "--address", self.address, "--shutdown-timeout", "0",
-               "--status-fd", str(status_write), "--lifeline-fd", str(lifeline_read)]
+               "--status-fd", str(status_write), "--lifeline-fd", str(lifeline_read),
+               *extra_args]
         self.proc = subprocess.Popen(cmd, pass_fds=(status_write, lifeline_read), env=env)
         os.close(status_write)
         os.close(lifeline_read)

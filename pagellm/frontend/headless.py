@@ -7,6 +7,12 @@ with a lifeline) bound to tcp on the interface that routes to A. Once they are l
 one DEALER socket registers their addresses with the frontend's data-parallel client,
 listening at tcp://A:P, which then attaches to each as to any standalone engine core.
 
+Across hosts both sides need ZeroMQ CURVE keys, the same two flags on each (as for
+attaching to a standalone engine core): on this node `--curve-secret-key` is the key
+pair its engine cores serve with (and register with) and `--curve-server-public-key`
+the frontend's public key, the only key its cores admit; on the frontend's node they are
+the frontend's key pair and the engine cores' public key. Without keys, only loopback.
+
 The node keeps its cores until one of them exits, the frontend goes away (the
 registration connection drops: ZeroMQ heartbeats notice a silent peer too), or
 SIGTERM/SIGINT; then it stops them all. No API server runs here.
@@ -15,20 +21,23 @@ SIGTERM/SIGINT; then it stops them all. No API server runs here.
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import socket
+import tempfile
 import time
+from pathlib import Path
 from types import FrameType
 
 import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pagellm.enginecore.transport import Context
+from pagellm.enginecore.transport import Context, is_loopback
 from pagellm.enginecore.transport import monitor as monitor_socket
 from pagellm.frontend.dp_client import local_ranks, rank_label, registration_address
 from pagellm.frontend.engine_process import EngineProcess
-from pagellm.frontend.mp_client import LOCAL_STARTUP_TIMEOUT_S
+from pagellm.frontend.mp_client import LOCAL_STARTUP_TIMEOUT_S, CurveClientKeys
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import PROTOCOL_VERSION, DPRegister, DPRegisterReply
 
@@ -63,9 +72,10 @@ def _tcp(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def run_headless(args: EngineArgs) -> int:
+def run_headless(args: EngineArgs, curve: CurveClientKeys | None = None) -> int:
     """Serve this node's engine cores until they or the frontend stop: 0 when the
-    frontend left or a signal came, 1 when a core failed."""
+    frontend left or a signal came, 1 when a core failed or the frontend refused us.
+    `curve`: this node's key pair and the frontend's public key."""
     if args.data_parallel_size_local is None:
         raise ValueError("--headless needs --data-parallel-size-local (the engine cores "
                          "on this node)")
@@ -74,6 +84,11 @@ def run_headless(args: EngineArgs) -> int:
         raise ValueError("--headless with --data-parallel-size-local 0 has nothing to run")
     frontend = registration_address(args)
     host = host_towards(args.data_parallel_address)
+    if curve is None and not is_loopback(_tcp(host, 1)):
+        raise ValueError(
+            f"data-parallel engine cores on {host} would be reachable from the network: "
+            "give ZeroMQ CURVE keys (--curve-secret-key: this node's key pair; "
+            "--curve-server-public-key: the frontend's public key)")
     stop: list[str] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -83,13 +98,26 @@ def run_headless(args: EngineArgs) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     processes: dict[int, EngineProcess] = {}
     context = Context()
+    keys_dir = None
+    extra: list[str] = []
     try:
+        if curve is not None:  # the engine cores admit the frontend's key alone
+            keys_dir = tempfile.mkdtemp(prefix="pagellm-dp-keys-")
+            shutil.copy(curve.server_public_key_file, Path(keys_dir) / "frontend.key")
+            extra = ["--curve-secret-key", str(curve.secret_key_file),
+                     "--curve-authorized-keys", keys_dir]
         for i, rank in enumerate(ranks):
             address = _tcp(host, _free_port(host))
             processes[rank] = EngineProcess(args.replace(data_parallel_rank=rank), address,
-                                            num_local=len(ranks), local_rank=i)
+                                            num_local=len(ranks), local_rank=i,
+                                            extra_args=extra)
         _wait_ready(processes)
         sock = context.socket(zmq.DEALER)
+        if curve is not None:
+            curve.configure(sock)
+        refused = monitor_socket(sock, zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                 | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         sock.connect(frontend)
@@ -101,7 +129,14 @@ def run_headless(args: EngineArgs) -> int:
             if (failed := _failed(processes)) is not None:
                 logger.error("%s", failed)
                 return 1
+            if refused.poll(0):
+                logger.error("CURVE authentication with the frontend at %s failed: it does "
+                             "not admit this node's key, or its public key given here is "
+                             "wrong", frontend)
+                return 1
         reply = msgspec.msgpack.decode(sock.recv(), type=DPRegisterReply)
+        sock.disable_monitor()  # one monitor per socket: the next watches departures
+        refused.close(linger=0)
         if reply.error is not None:
             logger.error("the frontend at %s refused this node: %s", frontend, reply.error)
             return 1
@@ -125,6 +160,8 @@ def run_headless(args: EngineArgs) -> int:
         for process in processes.values():
             process.terminate()
         context.destroy(linger=0)
+        if keys_dir is not None:
+            shutil.rmtree(keys_dir, ignore_errors=True)
 
 
 def _failed(processes: dict[int, EngineProcess]) -> str | None:
