@@ -353,6 +353,7 @@ def test_sigkill_of_one_core_fails_a_blocked_generate_within_a_second(model_dirs
     assert not any(psutil.pid_exists(pid) for pid in pids)
 
 
+@pytest.mark.slow
 def test_a_core_that_cannot_start_fails_the_start_and_leaves_nothing(model_dirs):
     with pytest.raises(ValueError, match="engine core failed to start"):
         LLM(str(model_dirs["llama"]), data_parallel_size=2, kv_cache_memory_bytes=KV,
