@@ -172,6 +172,9 @@ class EngineCoreProc:
         # Utility calls answered once a pause in mode "wait" settles.
         self._deferred: list[tuple[int, UtilityRequest, Deferred]] = []
         self.encode_s = 0.0  # mean output encoding time, updated by the output thread
+        # (waiting, running) as the busy loop last saw them: every message carries it
+        # (a data-parallel frontend routes by it). One tuple, replaced whole.
+        self.load = (0, 0)
         self._last_word_sent = False
         self.threads = [self._thread(self._input_loop, "input"),
                         self._thread(self._output_loop, "output")]
@@ -198,6 +201,7 @@ class EngineCoreProc:
                     if outputs:
                         self.output_queue.put(_Send(outputs))
                 self._answer_deferred()
+                self.load = (self.core.scheduler.num_waiting, self.core.scheduler.num_running)
         except ShutdownRequested:
             logger.info("engine core: stopping now (second signal)")
         except Exception as e:  # the loop's failure is every client's EngineDeadError
@@ -449,6 +453,7 @@ class EngineCoreProc:
             if record is None:
                 return  # the client left
             start = time.perf_counter()
+            outputs.num_waiting, outputs.num_running = self.load
             encoder.encode_into(outputs, buffer)
             self.encode_s = 0.9 * self.encode_s + 0.1 * (time.perf_counter() - start)
             try:

@@ -25,9 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from pagellm.executor.demo_model import resolve_model
-from pagellm.frontend.core_client import UTILITY_TIMEOUT_S, EngineDeadError, make_client
+from pagellm.frontend.core_client import (
+    UTILITY_TIMEOUT_S,
+    AsyncEngineCoreClient,
+    EngineDeadError,
+    make_client,
+)
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
-from pagellm.frontend.mp_client import AsyncMPClient, CurveClientKeys
+from pagellm.frontend.mp_client import CurveClientKeys
 from pagellm.frontend.output_processor import OutputProcessor, OutputQueue
 from pagellm.frontend.outputs import RequestOutput
 from pagellm.frontend.rl import WeightsArg, init_info_of, weight_update
@@ -62,7 +67,7 @@ class AsyncLLM:
 
     def _start(self, args: EngineArgs, engine_address: str | None,
                curve: CurveClientKeys | None) -> None:
-        self.engine_core: AsyncMPClient | None = None
+        self.engine_core: AsyncEngineCoreClient | None = None
         self._output_handler: asyncio.Task[None] | None = None
         # One thread: the tokenizers library's objects are not safe to use from several
         # threads at once, and one job at a time keeps prompts in arrival order.
@@ -222,7 +227,7 @@ class AsyncLLM:
 
     # -- internals -------------------------------------------------------------------
 
-    def _client(self) -> AsyncMPClient:
+    def _client(self) -> AsyncEngineCoreClient:
         if self.engine_core is None:
             raise RuntimeError("this AsyncLLM has been shut down")
         return self.engine_core

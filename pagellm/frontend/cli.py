@@ -107,8 +107,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "/metrics and /version")
     s.add_argument("--engine-address", default=None,
                    help="attach to a running engine core instead of starting one")
-    s.add_argument("--curve-secret-key", default=None)
-    s.add_argument("--curve-server-public-key", default=None)
+    s.add_argument("--curve-secret-key", default=None,
+                   help="this frontend's CURVE key pair, for an engine core that requires "
+                        "CURVE (--engine-address, or data-parallel cores of other nodes); "
+                        "with --headless, the key pair this node's engine cores serve with")
+    s.add_argument("--curve-server-public-key", default=None,
+                   help="the engine cores' CURVE public key; with --headless, the "
+                        "frontend's")
     s.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds in-flight requests may finish after SIGTERM (default: 5)")
     s.add_argument("--max-body-size", type=parse_bytes, default=MAX_BODY_BYTES,
@@ -119,6 +124,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (rendered in a "
                         "sandboxed child process with a time limit)")
+    s.add_argument("--headless", action="store_true",
+                   help="run only this node's data-parallel engine cores (ranks from "
+                        "--data-parallel-start-rank, --data-parallel-size-local of them) "
+                        "and attach them to the frontend at --data-parallel-address:"
+                        "--data-parallel-rpc-port; no API server")
     s.add_argument("--enable-dev-endpoints", action="store_true",
                    help="add the RL control routes: /sleep, /wake_up, /pause, /resume, "
                         "/collective_rpc, the weight-update phases, ... (behind --api-key)")
@@ -126,6 +136,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    if ns.headless:
+        from pagellm.frontend.headless import run_headless
+        from pagellm.frontend.mp_client import CurveClientKeys
+
+        return run_headless(EngineArgs.from_cli_args(ns), CurveClientKeys.from_paths(
+            ns.curve_secret_key, ns.curve_server_public_key))
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401

@@ -26,7 +26,7 @@ from pagellm.protocol.messages import (
 from pagellm.protocol.stats import EngineStats
 
 if TYPE_CHECKING:
-    from pagellm.frontend.mp_client import AsyncMPClient, CurveClientKeys
+    from pagellm.frontend.mp_client import CurveClientKeys
 
 
 # How long a utility call may take by default (None: a pause or sleep in mode "wait",
@@ -66,16 +66,19 @@ def make_client(args: EngineArgs, *, asyncio_mode: Literal[False], multiprocess:
 @overload
 def make_client(args: EngineArgs, *, asyncio_mode: Literal[True], multiprocess: bool = ...,
                 engine_address: str | None = ..., curve: CurveClientKeys | None = ...
-                ) -> AsyncMPClient: ...
+                ) -> AsyncEngineCoreClient: ...
 
 
 def make_client(args: EngineArgs, *, asyncio_mode: bool, multiprocess: bool = True,
                 engine_address: str | None = None, curve: CurveClientKeys | None = None
-                ) -> SyncEngineCoreClient | AsyncMPClient:
+                ) -> SyncEngineCoreClient | AsyncEngineCoreClient:
     """The engine core's client: in this process (`multiprocess=False`, for `LLM`
     only), in a child process launched here, or already running at `engine_address`
-    (CURVE keys if it requires them). Engine options given with `engine_address` are an
-    error: that engine is configured where it runs, and ignoring them would mislead."""
+    (CURVE keys if it requires them); with data_parallel_size > 1, one client for
+    several engine cores (frontend/dp_client.py). Engine options given with
+    `engine_address` are an error: that engine is configured where it runs, and
+    ignoring them would mislead."""
+    from pagellm.frontend.dp_client import DPAsyncClient, DPSyncClient
     from pagellm.frontend.mp_client import AsyncMPClient, SyncMPClient
 
     if engine_address is not None:
@@ -86,14 +89,47 @@ def make_client(args: EngineArgs, *, asyncio_mode: bool, multiprocess: bool = Tr
                              f"the engine core at {engine_address}: set them where it starts")
         return AsyncMPClient(None, engine_address, curve) if asyncio_mode \
             else SyncMPClient(None, engine_address, curve)
-    if curve is not None:
-        raise ValueError("CURVE keys are for attaching to an engine core (engine_address)")
+    remote_ranks = args.data_parallel_size > (args.data_parallel_size
+                                              if args.data_parallel_size_local is None
+                                              else args.data_parallel_size_local)
+    if curve is not None and not remote_ranks:
+        raise ValueError("CURVE keys are for attaching to an engine core (engine_address) "
+                         "or to data-parallel engine cores of other nodes")
+    if args.data_parallel_size > 1:
+        if not multiprocess:
+            raise ValueError("data_parallel_size > 1 runs each engine core in a process of "
+                             "its own (multiprocess=False runs one in this process)")
+        return DPAsyncClient(args, curve) if asyncio_mode else DPSyncClient(args, curve)
     if asyncio_mode:
         if not multiprocess:
             raise ValueError("AsyncLLM runs its engine core in a process of its own "
                              "(multiprocess=False is for LLM)")
         return AsyncMPClient(args)
     return SyncMPClient(args) if multiprocess else InprocClient(args)
+
+
+class AsyncEngineCoreClient(EngineCoreClient):
+    """What `AsyncLLM` needs of a client: `AsyncMPClient` (one engine core) and
+    `DPAsyncClient` (several, data parallel)."""
+
+    @abstractmethod
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if the engine died, RuntimeError after shutdown."""
+
+    @abstractmethod
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next outputs with request outputs in them."""
+
+    @abstractmethod
+    async def call_utility_async(self, method: UtilityMethod, *args: Any,
+                                 timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
+        """As `SyncEngineCoreClient.call_utility`, awaitable."""
+
+    async def get_stats_async(self) -> EngineStats:
+        return await self.call_utility_async(UtilityMethod.GET_STATS)
+
+    async def reset_prefix_cache_async(self) -> bool:
+        return await self.call_utility_async(UtilityMethod.RESET_PREFIX_CACHE)
 
 
 class SyncEngineCoreClient(EngineCoreClient):

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 
 import msgspec
 
@@ -46,21 +47,38 @@ class EngineStartupError(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, address: str | None = None, num_local: int = 1,
+                 local_rank: int = 0, extra_args: Sequence[str] = ()) -> None:
+        """`address`: where it binds (default: ipc:// in a private directory; a headless
+        data-parallel node gives tcp://, and its CURVE flags in `extra_args`).
+        `num_local` engine cores share this host; this is the `local_rank`-th of them."""
         self.tmpdir = tempfile.mkdtemp(prefix="pagellm-")
-        self.address = f"ipc://{self.tmpdir}/engine"
+        self.address = address or f"ipc://{self.tmpdir}/engine"
         status_read, status_write = os.pipe()
         lifeline_read, lifeline_write = os.pipe()
         self._lifeline_write: int | None = lifeline_write
         env = dict(os.environ)
         # Leave a core to this (frontend) process: it detokenizes while the engine steps,
         # and OpenMP threads spinning on an oversubscribed CPU slow the forward pass
-        # several-fold (BENCHMARKS.md). An explicit OMP_NUM_THREADS wins.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
+        # several-fold (BENCHMARKS.md); data-parallel engine cores share the rest. An
+        # explicit OMP_NUM_THREADS wins.
+        env.setdefault("OMP_NUM_THREADS",
+                       str(max(1, ((os.cpu_count() or 2) - 1) // max(1, num_local))))
+        if num_local > 1 and args.device in ("auto", "cuda"):
+            # Data parallel: each engine core (and its tensor-parallel workers) gets its
+            # own GPUs, out of those this process may see.
+            tp = args.tensor_parallel_size
+            visible = env.get("CUDA_VISIBLE_DEVICES")
+            devices = visible.split(",") if visible else [str(i) for i in range(
+                num_local * tp)]
+            mine = devices[local_rank * tp:(local_rank + 1) * tp]
+            if len(mine) == tp:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
         # No drain on SIGTERM: we only stop it once we no longer want its outputs.
         cmd = [sys.executable, "-m", "pagellm.enginecore", *args.to_cli_args(),
                "--address", self.address, "--shutdown-timeout", "0",
-               "--status-fd", str(status_write), "--lifeline-fd", str(lifeline_read)]
+               "--status-fd", str(status_write), "--lifeline-fd", str(lifeline_read),
+               *extra_args]
         self.proc = subprocess.Popen(cmd, pass_fds=(status_write, lifeline_read), env=env)
         os.close(status_write)
         os.close(lifeline_read)

@@ -33,7 +33,9 @@ class LLM:
     ones raise TypeError naming them. The engine core runs in a child process
     (`multiprocess=False` keeps it in this one, for debugging), or, with
     `engine_address`, is one already running elsewhere (CURVE key files if it requires
-    them); the model directory then only provides the tokenizer.
+    them); the model directory then only provides the tokenizer. With
+    `data_parallel_size=N`, N engine cores serve behind one client
+    (frontend/dp_client.py); the CURVE keys then secure those of other nodes.
     """
 
     def __init__(self, model: str, *, engine_address: str | None = None,

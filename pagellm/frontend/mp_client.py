@@ -22,6 +22,7 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from pagellm.enginecore.transport import Context
 from pagellm.enginecore.transport import monitor as monitor_socket
 from pagellm.frontend.core_client import (
     UTILITY_TIMEOUT_S,
+    AsyncEngineCoreClient,
     EngineCoreClient,
     EngineDeadError,
     SyncEngineCoreClient,
@@ -53,7 +55,6 @@ from pagellm.protocol.messages import (
     UtilityMethod,
     UtilityRequest,
 )
-from pagellm.protocol.stats import EngineStats
 from pagellm.protocol.utility import SIGNATURES
 
 LOCAL_STARTUP_TIMEOUT_S = 900.0  # loading a large model can take minutes
@@ -105,17 +106,30 @@ def _endpoint_for(engine_address: str, endpoint: str) -> str:
 
 
 class MPClient(EngineCoreClient):
-    """What both multi-process clients share: start-up, handshake, sending, death."""
+    """What both multi-process clients share: start-up, handshake, sending, death.
+
+    A data-parallel client (frontend/dp_client.py) runs one of these per engine core:
+    it launches the processes itself (`process`, so that all of them load at once),
+    names each core in its death messages (`label`) and hears of each death
+    (`on_dead`, called once, from whichever thread noticed it)."""
 
     def __init__(self, args: EngineArgs | None, engine_address: str | None = None,
-                 curve: CurveClientKeys | None = None) -> None:
-        if (args is None) == (engine_address is None):
+                 curve: CurveClientKeys | None = None, *, process: EngineProcess | None = None,
+                 label: str | None = None, on_dead: Callable[[str], None] | None = None
+                 ) -> None:
+        if sum(x is not None for x in (args, engine_address, process)) != 1:
             raise ValueError("give engine args to launch an engine core, or an address")
-        self.engine_process = EngineProcess(args) if args is not None else None
+        self.engine_process = EngineProcess(args) if args is not None else process
         self.address = engine_address or self.engine_process.address  # type: ignore[union-attr]
         self.curve = curve
         self.context = Context()
         self.dead_error: str | None = None
+        self.label = label
+        self._on_dead_callback = on_dead
+        # The engine's load as its last message reported it, and the requests sent to it
+        # since (what a data-parallel client routes by).
+        self.reported_load = 0
+        self.sent_since_report = 0
         self._closed = False
         self._death_lock = threading.Lock()
         # Threads that poll this context's sockets: stopped before it is destroyed (a
@@ -219,6 +233,12 @@ class MPClient(EngineCoreClient):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(RequestType.ADD, request)
+        self.sent_since_report += 1
+
+    @property
+    def load(self) -> int:
+        """Requests waiting or running there, as far as this client knows."""
+        return self.reported_load + self.sent_since_report
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_error is None and not self._closed:
@@ -285,16 +305,26 @@ class MPClient(EngineCoreClient):
                     monitor.close(linger=0)
 
     def _on_dead(self, cause: str) -> None:
+        self.die(cause if self.label is None else f"{self.label}: {cause}")
+
+    def die(self, cause: str) -> None:
+        """Mark the engine dead with `cause` (as given) and wake every waiter; the first
+        cause wins. A data-parallel client also calls it for the cores that outlive
+        another's death."""
         with self._death_lock:
             if self.dead_error is not None or self._closed:
                 return
             self.dead_error = cause
         self._notify_dead(cause)
+        if self._on_dead_callback is not None:
+            self._on_dead_callback(cause)
 
     def _notify_dead(self, cause: str) -> None:
         """Wake every waiter (subclasses)."""
 
     def _check_outputs(self, outputs: EngineCoreOutputs) -> None:
+        self.reported_load = outputs.num_waiting + outputs.num_running
+        self.sent_since_report = 0
         if outputs.engine_dead is not None:
             self._on_dead(outputs.engine_dead)
 
@@ -330,10 +360,17 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
     """For `LLM`: a thread reads this client's outputs into a queue."""
 
     def __init__(self, args: EngineArgs | None, engine_address: str | None = None,
-                 curve: CurveClientKeys | None = None) -> None:
-        super().__init__(args, engine_address, curve)
-        self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+                 curve: CurveClientKeys | None = None, *, process: EngineProcess | None = None,
+                 label: str | None = None, on_dead: Callable[[str], None] | None = None,
+                 outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] | None = None
+                 ) -> None:
+        # `outputs`: a queue shared with other clients (data parallel: one queue for all
+        # the engine cores' outputs, which is all `get_output` needs).
+        self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = \
+            queue.Queue() if outputs is None else outputs
         self._calls: dict[int, concurrent.futures.Future[EngineCoreOutputs]] = {}
+        super().__init__(args, engine_address, curve, process=process, label=label,
+                         on_dead=on_dead)
         self._reader = threading.Thread(target=self._read_outputs, name="engine-outputs",
                                         daemon=True)
         self._start_poller(self._reader)
@@ -347,10 +384,24 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
 
     def call_utility(self, method: UtilityMethod, *args: Any,
                      timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
+        call = self.start_utility(method, *args)
+        return self.finish_utility(method, call, timeout)
+
+    def start_utility(self, method: UtilityMethod, *args: Any
+                      ) -> tuple[int, concurrent.futures.Future[EngineCoreOutputs]]:
+        """Send a utility call without waiting (a data-parallel client sends to every
+        engine core first, then waits for all: a pause reaches them all at once)."""
         request = self._utility_request(method, args)
         future: concurrent.futures.Future[EngineCoreOutputs] = concurrent.futures.Future()
         self._calls[request.call_id] = future
         self._send(RequestType.UTILITY, request)
+        return request.call_id, future
+
+    def finish_utility(self, method: UtilityMethod,
+                       call: tuple[int, concurrent.futures.Future[EngineCoreOutputs]],
+                       timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
+        """Wait for the result of `start_utility`'s call."""
+        call_id, future = call
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:  # short waits: Ctrl-C must reach a caller blocked here
@@ -358,7 +409,7 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
                 break
             except concurrent.futures.TimeoutError:
                 if deadline is not None and time.monotonic() > deadline:
-                    self._calls.pop(request.call_id, None)
+                    self._calls.pop(call_id, None)
                     raise TimeoutError(f"engine core utility call {method.name.lower()} "
                                        f"timed out after {timeout} s") from None
         return self._utility_result(method, outputs)
@@ -393,14 +444,17 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
         self._calls.clear()
 
 
-class AsyncMPClient(MPClient):
+class AsyncMPClient(MPClient, AsyncEngineCoreClient):
     """For `AsyncLLM`: an asyncio task reads this client's outputs through zmq's
     asyncio support (no polling); requests go out on the plain DEALER socket, whose
     sends never block (no high-water mark)."""
 
     def __init__(self, args: EngineArgs | None, engine_address: str | None = None,
-                 curve: CurveClientKeys | None = None) -> None:
-        super().__init__(args, engine_address, curve)
+                 curve: CurveClientKeys | None = None, *, process: EngineProcess | None = None,
+                 label: str | None = None, on_dead: Callable[[str], None] | None = None
+                 ) -> None:
+        super().__init__(args, engine_address, curve, process=process, label=label,
+                         on_dead=on_dead)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
         self._calls: dict[int, asyncio.Future[EngineCoreOutputs]] = {}
@@ -423,12 +477,6 @@ class AsyncMPClient(MPClient):
             self._ensure_reader().put_nowait(item)
             raise item
         return item
-
-    async def get_stats_async(self) -> EngineStats:
-        return await self.call_utility_async(UtilityMethod.GET_STATS)
-
-    async def reset_prefix_cache_async(self) -> bool:
-        return await self.call_utility_async(UtilityMethod.RESET_PREFIX_CACHE)
 
     async def call_utility_async(self, method: UtilityMethod, *args: Any,
                                  timeout: float | None = UTILITY_TIMEOUT_S) -> Any:

@@ -111,13 +111,17 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     `timestamp` is the engine's time.monotonic() when the step ended (system-wide on
     Linux, so a frontend on the same host can measure its lag). `engine_dead` is the
-    engine's last message: why it stopped.
+    engine's last message: why it stopped. `num_waiting` / `num_running` are the
+    engine's load when the message left (every message, heartbeats too): a
+    data-parallel frontend routes each new request to the least loaded engine core.
     """
 
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
     engine_dead: str | None = None
+    num_waiting: int = 0
+    num_running: int = 0
 
 
 class RequestType(bytes, enum.Enum):
@@ -167,6 +171,22 @@ class StartupFailure(msgspec.Struct, array_like=True, gc=False):
 
     message: str
     error_type: str = "RuntimeError"  # the exception's class name, e.g. "ValueError"
+
+
+class DPRegister(msgspec.Struct, array_like=True, gc=False):
+    """A headless node's engine cores (data parallel across nodes), sent to the
+    frontend's registration socket (--data-parallel-address:--data-parallel-rpc-port):
+    where the frontend attaches to each of them, by data-parallel rank."""
+
+    protocol_version: int
+    ranks: list[int]
+    addresses: list[str]  # tcp://HOST:PORT, one per rank
+
+
+class DPRegisterReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The frontend's answer to a DPRegister: accepted, or why not."""
+
+    error: str | None = None
 
 
 PROTOCOL_VERSION = 2

@@ -32,6 +32,9 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_preemptions: int  # cumulative
     num_steps: int  # cumulative
     step_timings: StepTimings
+    # With data parallelism: each engine core's own stats, in rank order (the fields
+    # above are then their sums; kv_cache_usage and step_timings their means).
+    per_engine: list[EngineStats] = []
 
 
 STEP_WINDOW = 64

@@ -59,6 +59,16 @@ class _EngineCollector:
         yield counter("pagellm:prefix_cache_hits", "Tokens found in the prefix cache.",
                       stats.prefix_cache_hits)
         yield counter("pagellm:num_preemptions", "Requests preempted.", stats.num_preemptions)
+        if stats.per_engine:  # data parallel: each engine core by its rank (vLLM's label)
+            for name, doc, field in (
+                    ("pagellm:engine_num_steps", "Engine steps run by this core.",
+                     "num_steps"),
+                    ("pagellm:engine_num_requests_running", "Requests running in this core.",
+                     "num_running_reqs")):
+                family = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
+                for rank, core in enumerate(stats.per_engine):
+                    family.add_metric([self.model_name, str(rank)], getattr(core, field))
+                yield family
 
 
 class ServerMetrics:

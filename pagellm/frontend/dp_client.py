@@ -1,0 +1,579 @@
+"""Data parallelism: one client, several engine cores (vLLM's `DPLBAsyncMPClient`).
+
+With data_parallel_size=N the frontend runs N engine cores, each a process of its own
+with its own KV cache (and its own tensor-parallel workers), and talks to them through
+one `MPClient` per core; `DPSyncClient` (for `LLM`) and `DPAsyncClient` (for
+`AsyncLLM` and the server) put them behind the one client interface:
+
+- A new request goes to the least loaded core: waiting + running as the core reported
+  in its last message (every message carries it, heartbeats too) plus what this client
+  sent there since. Among cores within `LOAD_SLACK_REQUESTS` / `LOAD_SLACK_FRACTION` of
+  the least loaded, the one that already holds the longest prefix of the prompt wins
+  (`PrefixIndex`: the prompt block hashes this client sent to each core, LRU-bounded by
+  that core's KV blocks), so that shared prefixes keep hitting one core's cache.
+- An abort goes to the core that holds the request (request id -> core, forgotten
+  once the request finishes); utility calls go to every core at once and their
+  results are merged (`merge_results`, the one place that says how).
+- The death of any core is every waiter's `EngineDeadError`, naming the core's rank,
+  and stops all the others (nothing is left running).
+- Cores of other nodes (data_parallel_size_local < data_parallel_size) are started by
+  `pagellm serve --headless` there (frontend/headless.py): they bind tcp on their host
+  and register their addresses at --data-parallel-address:--data-parallel-rpc-port,
+  where this client listens; it then attaches to each as to a standalone engine core.
+  A headless node stops its cores when this client closes that socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import queue
+import threading
+import time
+from abc import abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagellm.enginecore.block_hash import BlockHash, extend_block_hashes
+from pagellm.enginecore.transport import Context, is_loopback
+from pagellm.frontend.core_client import (
+    UTILITY_TIMEOUT_S,
+    AsyncEngineCoreClient,
+    EngineCoreClient,
+    EngineDeadError,
+    SyncEngineCoreClient,
+)
+from pagellm.frontend.engine_process import EngineProcess
+from pagellm.frontend.mp_client import (
+    LOCAL_STARTUP_TIMEOUT_S,
+    AsyncMPClient,
+    CurveClientKeys,
+    MPClient,
+    SyncMPClient,
+)
+from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.messages import (
+    PROTOCOL_VERSION,
+    DPRegister,
+    DPRegisterReply,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    UtilityMethod,
+)
+from pagellm.protocol.stats import EngineStats, StepTimings
+
+logger = logging.getLogger("pagellm")
+
+# Loads this close to the least loaded count as equal, and the cached prefix decides:
+# a request more or 10% (of the least load) buys a cache hit.
+LOAD_SLACK_REQUESTS = 1
+LOAD_SLACK_FRACTION = 0.1
+
+
+def rank_label(rank: int) -> str:
+    return f"engine core of data-parallel rank {rank}"
+
+
+def registration_address(args: EngineArgs) -> str:
+    """Where a frontend with remote engine cores listens for their registration."""
+    host = args.data_parallel_address
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"tcp://{host}:{args.data_parallel_rpc_port}"
+
+
+def local_ranks(args: EngineArgs) -> range:
+    """The data-parallel ranks whose engine cores run on this node."""
+    size = args.data_parallel_size
+    local = size if args.data_parallel_size_local is None else args.data_parallel_size_local
+    start = args.data_parallel_start_rank
+    if start + local > size:
+        raise ValueError(f"data_parallel_start_rank={start} + data_parallel_size_local="
+                         f"{local} exceeds data_parallel_size={size}")
+    return range(start, start + local)
+
+
+class PrefixIndex:
+    """The prompt block hashes sent to one engine core, least recently used first,
+    at most `capacity` of them (the core cannot cache more blocks than it has)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._hashes: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def cached_prefix(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of a prompt the core probably holds."""
+        count = 0
+        for h in hashes:
+            if h not in self._hashes:
+                break
+            count += 1
+        return count
+
+    def add(self, hashes: Sequence[BlockHash]) -> None:
+        for h in hashes:
+            self._hashes[h] = None
+            self._hashes.move_to_end(h)
+        while len(self._hashes) > self.capacity:
+            self._hashes.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+
+class Router:
+    """Which engine core gets a new request (see the module's docstring)."""
+
+    def __init__(self, block_size: int, capacities: Sequence[int],
+                 prefix_aware: bool = True) -> None:
+        self.block_size = block_size
+        self.prefix_aware = prefix_aware
+        self.indexes = [PrefixIndex(c) for c in capacities]
+        self._turn = 0  # exact ties rotate: one request at a time still uses every core
+
+    def hashes(self, request: EngineCoreRequest) -> list[BlockHash]:
+        hashes: list[BlockHash] = []
+        if self.prefix_aware:
+            extend_block_hashes(hashes, request.prompt_token_ids, self.block_size,
+                                request.cache_salt)
+        return hashes
+
+    def choose(self, loads: Sequence[int], hashes: Sequence[BlockHash]) -> int:
+        least = min(loads)
+        slack = max(LOAD_SLACK_REQUESTS, LOAD_SLACK_FRACTION * least)
+        n = len(loads)
+        candidates = [r for r, load in enumerate(loads)
+                      if load <= (least + slack if hashes else least)]
+        turn, self._turn = self._turn, (self._turn + 1) % n
+        return max(candidates, key=lambda r: (self.indexes[r].cached_prefix(hashes),
+                                              -loads[r], -((r - turn) % n)))
+
+    def record(self, rank: int, hashes: Sequence[BlockHash]) -> None:
+        self.indexes[rank].add(hashes)
+
+
+def merge_stats(stats: Sequence[EngineStats]) -> EngineStats:
+    """Counts summed; the KV cache usage over all blocks; step timings averaged."""
+    n = len(stats)
+    total = sum(s.num_total_blocks for s in stats)
+    timings = [msgspec.structs.asdict(s.step_timings) for s in stats]
+    return EngineStats(
+        num_running_reqs=sum(s.num_running_reqs for s in stats),
+        num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
+        num_free_blocks=sum(s.num_free_blocks for s in stats),
+        num_total_blocks=total,
+        kv_cache_usage=sum(s.kv_cache_usage * s.num_total_blocks for s in stats)
+        / max(total, 1),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+        num_preemptions=sum(s.num_preemptions for s in stats),
+        num_steps=sum(s.num_steps for s in stats),
+        step_timings=StepTimings(**{k: sum(t[k] for t in timings) / n
+                                    for k in timings[0]}),
+        per_engine=list(stats))
+
+
+def merge_results(method: UtilityMethod, results: list[Any]) -> Any:
+    """One utility call's results from every engine core (rank order) as one: the one
+    place that says how each method's results combine."""
+    if method == UtilityMethod.GET_STATS:
+        return merge_stats(results)
+    if method in (UtilityMethod.RESET_PREFIX_CACHE, UtilityMethod.WAKE_UP):
+        return all(results)  # reset everywhere / awake everywhere
+    if method in (UtilityMethod.IS_SLEEPING, UtilityMethod.IS_PAUSED):
+        return any(results)  # not all serving
+    if method == UtilityMethod.COLLECTIVE_RPC:
+        return [r for per_core in results for r in per_core]  # every worker, rank order
+    if method == UtilityMethod.UPDATE_WEIGHTS:
+        return min(results)  # tensors every core loaded
+    return None  # sleep, pause, resume, weight-update phases: nothing to return
+
+
+def _check_supported(method: UtilityMethod) -> None:
+    if method == UtilityMethod.INIT_WEIGHT_TRANSFER_ENGINE:
+        # Every core would join the trainer's group with the same rank.
+        raise ValueError("init_weight_transfer_engine (backend 'nccl') is not supported "
+                         "with data_parallel_size > 1 yet: use the 'ipc' backend")
+
+
+def merge_infos(infos: Sequence[EngineInfo]) -> EngineInfo:
+    """The engine facts the frontend validates requests against: the same on every
+    core, or the cores do not serve the same model the same way."""
+    first = infos[0]
+    for rank, info in enumerate(infos):
+        for name in ("model", "max_model_len", "vocab_size", "block_size", "max_logprobs",
+                     "max_num_seqs"):
+            if getattr(info, name) != getattr(first, name):
+                raise ValueError(f"data-parallel engine cores disagree on {name}: "
+                                 f"{getattr(first, name)!r} (rank 0) vs "
+                                 f"{getattr(info, name)!r} (rank {rank})")
+    return msgspec.structs.replace(first, num_kv_blocks=min(i.num_kv_blocks for i in infos))
+
+
+class DPClient(EngineCoreClient):
+    """What the sync and async data-parallel clients share: start-up, routing, aborts,
+    death and shutdown."""
+
+    clients: Sequence[MPClient]
+
+    def __init__(self, args: EngineArgs, curve: CurveClientKeys | None = None) -> None:
+        self.args = args
+        self.curve = curve  # for cores of other nodes: see _await_registrations
+        self.dead_error: str | None = None
+        self._closed = False
+        self._fail_lock = threading.Lock()
+        self._stop_lock = threading.Lock()
+        self._stopper: threading.Thread | None = None
+        self._context: Context | None = None
+        self._registration: zmq.Socket | None = None
+        self._auth: Any = None
+        self._owner: dict[str, int] = {}  # request id -> the rank that holds it
+        size = args.data_parallel_size
+        self.requests_per_engine = [0] * size  # routed here, cumulative
+        ranks = local_ranks(args)
+        if len(ranks) < size:
+            self._check_registration_address()
+        clients: list[MPClient] = []
+        self.clients = clients
+        processes: dict[int, EngineProcess] = {}
+        try:
+            for i, rank in enumerate(ranks):  # all load at once
+                processes[rank] = EngineProcess(args.replace(data_parallel_rank=rank),
+                                                num_local=len(ranks), local_rank=i)
+            remote = self._await_registrations(
+                [r for r in range(size) if r not in processes], processes)
+            for rank in range(size):
+                on_dead = functools.partial(self._on_core_dead, rank)
+                if rank in processes:
+                    clients.append(self._make_client(
+                        None, process=processes.pop(rank), label=rank_label(rank),
+                        on_dead=on_dead))
+                else:
+                    clients.append(self._make_client(
+                        remote[rank], curve=curve, label=rank_label(rank), on_dead=on_dead))
+            self.info = merge_infos([c.info for c in clients])
+        except BaseException:
+            for process in processes.values():
+                process.terminate()
+            self._closed = True
+            self._stop_all()
+            raise
+        self.router = Router(self.info.block_size, [c.info.num_kv_blocks for c in clients])
+        if self.dead_error is not None:  # a core died while the others started
+            self.shutdown()
+            raise EngineDeadError(self.dead_error)
+
+    @abstractmethod
+    def _make_client(self, engine_address: str | None, **options: Any) -> MPClient:
+        """One engine core's client (`MPClient`'s keyword options)."""
+
+    @property
+    def prefix_aware(self) -> bool:
+        """Whether the cached prefix breaks near-ties in load (default: True)."""
+        return self.router.prefix_aware
+
+    @prefix_aware.setter
+    def prefix_aware(self, value: bool) -> None:
+        self.router.prefix_aware = value
+
+    # -- start-up: engine cores of other nodes ---------------------------------------
+
+    def _await_registrations(self, ranks: list[int], local: dict[int, EngineProcess]
+                             ) -> dict[int, str]:
+        """Listen where headless nodes register their engine cores, until every rank
+        in `ranks` has; fail at once if a local core fails meanwhile.
+
+        With CURVE keys (this frontend's key pair, the engine cores' public key) the
+        socket is a CURVE server that admits only that engine key: the nodes register
+        with the key pair their engine cores serve with, and this client attaches to
+        those cores with its own. Without keys, only a loopback address is allowed (as
+        for any engine socket: see enginecore/transport.py)."""
+        if not ranks:
+            return {}
+        address = registration_address(self.args)
+        self._context = Context()
+        sock = self._registration = self._context.socket(zmq.ROUTER)
+        if self.curve is not None:
+            self._auth = _allow_only(self._context, self.curve)
+            self.curve.configure(sock)  # key pair; the server key set here goes unused
+            sock.curve_server = True
+        sock.bind(address)
+        found: dict[int, str] = {}
+        deadline = time.monotonic() + LOCAL_STARTUP_TIMEOUT_S
+        logger.info("waiting for data-parallel rank(s) %s to register at %s", ranks, address)
+        while len(found) < len(ranks):
+            if time.monotonic() > deadline:
+                missing = sorted(set(ranks) - set(found))
+                raise TimeoutError(f"data-parallel rank(s) {missing} did not register at "
+                                   f"{address} within {LOCAL_STARTUP_TIMEOUT_S:.0f} s")
+            for rank, process in local.items():
+                failure = process.startup_failure()
+                if failure is not None:
+                    raise failure.reraise()
+                cause = process.exit_cause()
+                if cause is not None:
+                    raise RuntimeError(f"{rank_label(rank)} failed to start: {cause}")
+            if not sock.poll(100):
+                continue
+            frames = sock.recv_multipart()
+            try:
+                message = msgspec.msgpack.decode(frames[-1], type=DPRegister)
+                error = self._registered(message, ranks, found)
+            except msgspec.DecodeError as e:
+                error = f"not a registration: {e}"
+            sock.send_multipart([frames[0], msgspec.msgpack.encode(DPRegisterReply(error))])
+            if error is not None:
+                logger.warning("refused a data-parallel registration: %s", error)
+            else:
+                logger.info("data-parallel rank(s) %s registered", message.ranks)
+        return found
+
+    def _check_registration_address(self) -> None:
+        address = registration_address(self.args)
+        if self.curve is None and not is_loopback(address):
+            raise ValueError(
+                f"refusing to listen on {address} without authentication: data parallel "
+                "across hosts needs ZeroMQ CURVE keys (curve_secret_key: this frontend's "
+                "key pair; curve_server_public_key: the engine cores' public key)")
+
+    def _registered(self, message: DPRegister, wanted: list[int], found: dict[int, str]
+                    ) -> str | None:
+        """Take a headless node's registration into `found`; why not, if not."""
+        if message.protocol_version != PROTOCOL_VERSION:
+            return f"protocol version {message.protocol_version} is not supported " \
+                   f"(this frontend speaks {PROTOCOL_VERSION})"
+        if len(message.ranks) != len(message.addresses) or not message.ranks:
+            return "ranks and addresses must pair up"
+        for rank, address in zip(message.ranks, message.addresses, strict=True):
+            if rank not in wanted:
+                return f"rank {rank} is not one this frontend waits for ({wanted})"
+            if rank in found:
+                return f"rank {rank} is already registered"
+            if not address.startswith("tcp://"):
+                return f"not a tcp:// address: {address!r}"
+        found.update(zip(message.ranks, message.addresses, strict=True))
+        return None
+
+    # -- requests --------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.check_alive()
+        hashes = self.router.hashes(request)
+        rank = self.router.choose([c.load for c in self.clients], hashes)
+        self.clients[rank].add_request(request)
+        self._owner[request.request_id] = rank
+        self.router.record(rank, hashes)
+        self.requests_per_engine[rank] += 1
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        by_rank: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            rank = self._owner.pop(request_id, None)
+            if rank is not None:  # else finished already
+                by_rank.setdefault(rank, []).append(request_id)
+        for rank, ids in by_rank.items():
+            self.clients[rank].abort_requests(ids)
+
+    def _forget_finished(self, outputs: EngineCoreOutputs) -> None:
+        for output in outputs.outputs:
+            if output.finish_reason is not None:
+                self._owner.pop(output.request_id, None)
+
+    def owner_of(self, request_id: str) -> int | None:
+        """The rank of the engine core that holds an unfinished request."""
+        return self._owner.get(request_id)
+
+    def _start_utility(self, method: UtilityMethod) -> None:
+        self.check_alive()
+        _check_supported(method)
+
+    @staticmethod
+    def _name_rank(rank: int, error: Exception) -> Exception:
+        """A core's utility failure, naming the core (its death already does)."""
+        if type(error) is RuntimeError:
+            return RuntimeError(f"{rank_label(rank)}: {error}")
+        return error
+
+    # -- death and shutdown ----------------------------------------------------------
+
+    def check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        if self._closed:
+            raise RuntimeError("this engine-core client has been shut down")
+
+    def _on_core_dead(self, rank: int, cause: str) -> None:
+        """One core died (`cause` names it): every waiter on every core hears it, and
+        the others are stopped (off the noticing thread, which may be a watcher)."""
+        with self._fail_lock:
+            if self.dead_error is not None or self._closed:
+                return
+            self.dead_error = cause
+        logger.error("%s; stopping the other data-parallel engine cores", cause)
+        for client in list(self.clients):
+            client.die(cause)
+        self._stopper = threading.Thread(target=self._stop_all, name="dp-stop", daemon=True)
+        self._stopper.start()
+
+    def _stop_all(self) -> None:
+        with self._stop_lock:
+            for client in list(self.clients):
+                client.shutdown()
+            if self._auth is not None:
+                self._auth.stop()
+                self._auth = None
+            if self._context is not None:  # headless nodes see it close and stop
+                self._context.destroy(linger=0)
+                self._context = self._registration = None
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        stopper = self._stopper
+        if stopper is not None and stopper is not threading.current_thread():
+            stopper.join()
+        self._stop_all()
+
+
+class DPSyncClient(DPClient, SyncEngineCoreClient):
+    """For `LLM`: every core's reader thread puts its outputs on one queue."""
+
+    clients: list[SyncMPClient]
+
+    def __init__(self, args: EngineArgs, curve: CurveClientKeys | None = None) -> None:
+        self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        super().__init__(args, curve)
+
+    def _make_client(self, engine_address: str | None, **options: Any) -> SyncMPClient:
+        return SyncMPClient(None, engine_address, outputs=self._outputs, **options)
+
+    def get_output(self) -> EngineCoreOutputs:
+        while True:
+            try:
+                item = self._outputs.get(timeout=0.2)  # Ctrl-C must reach the caller
+                break
+            except queue.Empty:
+                continue
+        if isinstance(item, EngineDeadError):
+            self._outputs.put(item)
+            raise item
+        self._forget_finished(item)
+        return item
+
+    def call_utility(self, method: UtilityMethod, *args: Any,
+                     timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
+        self._start_utility(method)
+        calls = [client.start_utility(method, *args) for client in self.clients]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results = []
+        for rank, (client, call) in enumerate(zip(self.clients, calls, strict=True)):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                results.append(client.finish_utility(method, call, left))
+            except Exception as e:
+                raise self._name_rank(rank, e) from e
+        return merge_results(method, results)
+
+
+class DPAsyncClient(DPClient, AsyncEngineCoreClient):
+    """For `AsyncLLM`: one task per core moves its outputs onto one asyncio queue."""
+
+    clients: list[AsyncMPClient]
+
+    def __init__(self, args: EngineArgs, curve: CurveClientKeys | None = None) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
+        self._pumps: list[asyncio.Task[None]] = []
+        super().__init__(args, curve)
+
+    def _make_client(self, engine_address: str | None, **options: Any) -> AsyncMPClient:
+        return AsyncMPClient(None, engine_address, **options)
+
+    def _ensure_readers(self) -> asyncio.Queue[EngineCoreOutputs | EngineDeadError]:
+        loop = asyncio.get_running_loop()
+        if self._queue is None or self._loop is not loop:
+            self._loop = loop
+            self._queue = asyncio.Queue()
+            if self.dead_error is not None:
+                self._queue.put_nowait(EngineDeadError(self.dead_error))
+            self._pumps = [loop.create_task(self._pump(c, self._queue)) for c in self.clients]
+        return self._queue
+
+    async def _pump(self, client: AsyncMPClient,
+                    into: asyncio.Queue[EngineCoreOutputs | EngineDeadError]) -> None:
+        try:
+            while True:
+                outputs = await client.get_output_async()
+                self._forget_finished(outputs)
+                into.put_nowait(outputs)
+        except EngineDeadError as e:
+            into.put_nowait(EngineDeadError(self.dead_error or str(e)))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        queue = self._ensure_readers()
+        item = await queue.get()
+        if isinstance(item, EngineDeadError):
+            queue.put_nowait(item)
+            raise item
+        return item
+
+    async def call_utility_async(self, method: UtilityMethod, *args: Any,
+                                 timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
+        self._start_utility(method)
+        self._ensure_readers()
+        results = await asyncio.gather(
+            *(client.call_utility_async(method, *args, timeout=timeout)
+              for client in self.clients), return_exceptions=True)
+        for rank, result in enumerate(results):
+            if isinstance(result, BaseException):
+                raise self._name_rank(rank, result) if isinstance(result, Exception) \
+                    else result
+        return merge_results(method, results)
+
+    def shutdown(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            for pump in self._pumps:
+                with contextlib.suppress(RuntimeError):
+                    if _in_loop(loop):
+                        pump.cancel()
+                    else:
+                        loop.call_soon_threadsafe(pump.cancel)
+        super().shutdown()
+
+
+class _OnlyKey:
+    """A ZAP credentials provider that admits one CURVE public key (z85)."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.key
+
+
+def _allow_only(context: zmq.Context, curve: CurveClientKeys) -> Any:
+    """A started ZAP authenticator on `context` that admits only the engine cores'
+    public key (`curve.server_public_key_file`)."""
+    import zmq.auth
+    from zmq.auth.thread import ThreadAuthenticator
+
+    public, _ = zmq.auth.load_certificate(curve.server_public_key_file)
+    auth = ThreadAuthenticator(context, log=logger)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_OnlyKey(public))
+    return auth
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
