@@ -64,7 +64,8 @@ def run_layout(model: str, tp: int, dp: int, ns: argparse.Namespace) -> dict[str
         elapsed = time.perf_counter() - start
         timings = llm.get_stats().step_timings  # the last steps' means: decode
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"token_ids": [o.outputs[0].token_ids for o in outputs],"layout": f"tp{tp}dp{dp}", "tensor_parallel_size": tp, "data_parallel_size": dp,
+    return {"token_ids": [o.outputs[0].token_ids for o in outputs],
+            "layout": f"tp{tp}dp{dp}", "tensor_parallel_size": tp, "data_parallel_size": dp,
             "elapsed_s": elapsed, "output_tokens": tokens,
             "output_tokens_per_s": tokens / elapsed,
             "step_ms": {name: 1000 * getattr(timings, name) for name in (
