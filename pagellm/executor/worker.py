@@ -276,11 +276,13 @@ class Worker:
             torch.cuda.empty_cache()
 
     def _cpu_budget(self, args: EngineArgs) -> int:
-        """A share of available RAM (split among the ranks on this host), and never more
-        than every running request at full length could use."""
+        """A share of available RAM (split among the ranks of every engine core on this
+        host), and never more than every running request at full length could use."""
         useful = (self.blocks_per_request * args.max_num_seqs
                   * self.runner.kv_cache_bytes_per_block())
-        share = CPU_KV_CACHE_RAM_SHARE / self.local_world_size
+        local_cores = (args.data_parallel_size if args.data_parallel_size_local is None
+                       else args.data_parallel_size_local) or 1
+        share = CPU_KV_CACHE_RAM_SHARE / (self.local_world_size * local_cores)
         return min(int(psutil.virtual_memory().available * share), useful)
 
     def _profiled_cuda_budget(self, args: EngineArgs, used_before: int) -> int:
