@@ -565,7 +565,7 @@ class _Server:
                     [] if body.score_only else list(zip(
                     c.token_ids, c.logprobs or [], token_pieces(
                         tokenizer, c.token_ids, out.prompt_token_ids,
-                        body.skip_special_tokens), strict=True))
+                        body.skip_special_tokens), strict=False))
                 logprobs = completion_logprobs(echo_tokens + generated,
                                                body.return_tokens_as_token_ids)
             choices.append({
