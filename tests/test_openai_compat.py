@@ -309,6 +309,10 @@ def test_continue_final_message_continues_the_assistant(server, tokenizer, hf_re
     assert chat.model_dump()["prompt_token_ids"] == expected
     assert tokenizer.decode(expected).endswith("The answer is")
     assert chat.choices[0].model_dump()["token_ids"] == hf_reference("llama", expected, 6)
+    status, tokens = server.post("/tokenize", {"messages": messages,
+                                               "add_generation_prompt": False,
+                                               "continue_final_message": True})
+    assert status == 200 and tokens["tokens"] == expected
 
 
 def test_add_special_tokens_in_chat_tokenizes_the_rendered_template_with_them(

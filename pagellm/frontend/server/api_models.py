@@ -239,8 +239,9 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True  # text prompts only (a chat template has them)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # as in chat completions
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

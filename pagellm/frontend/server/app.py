@@ -374,8 +374,11 @@ class _Server:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages")
         if body.messages is not None:
+            if body.continue_final_message and body.add_generation_prompt:
+                raise bad_request("continue_final_message and add_generation_prompt cannot "
+                                  "both be true (set add_generation_prompt to false)")
             return await self._chat_prompt(body.messages, body.add_generation_prompt, None,
-                                           None)
+                                           None, body.continue_final_message)
         assert body.prompt is not None
         self.check_prompt_chars("prompt", len(body.prompt))
         ids = await self.engine.run_in_tokenizer_thread(
