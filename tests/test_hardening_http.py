@@ -52,15 +52,16 @@ def timed_health(server: Server) -> float:
     return time.monotonic() - start
 
 
-def test_the_api_key_guards_every_route_but_health_metrics_and_version(guarded):
+def test_the_api_key_guards_every_route_but_health_ping_metrics_and_version(guarded):
     """Finding 6: /tokenize, /detokenize, /docs and /openapi.json were open."""
     for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/docs"),
                          ("GET", "/openapi.json"), ("GET", "/redoc"), ("GET", "/v1/models"),
-                         ("POST", "/v1/completions"), ("GET", "/no/such/route")):
+                         ("POST", "/v1/completions"), ("GET", "/no/such/route"),
+                         ("GET", "/tokenizer_info")):
         status, data = guarded.request(method, path, {"prompt": "x"})
         assert status == 401, (path, data)
         assert json.loads(data)["error"]["type"] == "AuthenticationError"
-    for path in ("/health", "/metrics", "/version"):
+    for path in ("/health", "/ping", "/metrics", "/version"):
         assert guarded.get(path)[0] == 200, path
     status, body = post(guarded, "/tokenize", {"prompt": "x"})
     assert status == 200 and body["count"] >= 1

@@ -226,7 +226,7 @@ BAD = [  # (path, body, text the 400's message must contain)
     ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "x", "seed": 1.5}, "$.seed"),
-    ("/v1/completions", {"prompt": "x", "bogus_field": 1}, "bogus_field"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"prompt": ""}, "prompt must not be empty"),
     ("/v1/completions", {"prompt": []}, "prompt must not be empty"),
     ("/v1/completions", {"prompt": [1, "two"]}, "not a mix"),

@@ -1,11 +1,16 @@
 """OpenAI API request bodies as msgspec Structs, and their translation to
 `SamplingParams`.
 
-Bodies are decoded strictly: a wrong type or an unknown field is a 400 whose message
-names the field (`$.max_tokens`). Fields of OpenAI's API that change nothing here
-(user, service_tier, store, metadata) are accepted and ignored; features we do not
-serve (tools, response_format, suffix, best_of > n) are refused by name rather than
-silently dropped. vLLM's extra sampling fields are accepted in the body too.
+A wrong type is a 400 whose message names the field (`$.max_tokens`). Unknown fields
+are accepted and named once in the log (extra_fields.py), as vLLM does, so clients
+written for other servers work unchanged. Fields of OpenAI's API that change nothing
+here (user, service_tier, store, metadata) are accepted and ignored. Features we do not
+serve, where ignoring them would silently change the results a client asked for, are
+refused by name: tools, functions, response_format other than text, suffix, best_of
+other than n, beam search, guided decoding (guided_*, structured_outputs), logits
+processors, and chat's echo and documents. vLLM's extra sampling and output fields are
+served (prompt_logprobs, return_token_ids, return_tokens_as_token_ids,
+add_special_tokens, continue_final_message, continuous_usage_stats).
 """
 
 from __future__ import annotations
@@ -17,11 +22,23 @@ import msgspec
 from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
 
 
-class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+# Fields (vLLM's or OpenAI's) for features not served here: ignoring them would change
+# what the client gets without telling it, so any value but the default is a 400.
+UNSERVED_FIELDS = {
+    "use_beam_search": "beam search", "guided_json": "guided decoding",
+    "guided_regex": "guided decoding", "guided_choice": "guided decoding",
+    "guided_grammar": "guided decoding", "structured_outputs": "structured outputs",
+    "logits_processors": "logits processors", "suffix": "suffix",
+    "functions": "function calling", "function_call": "function calling",
+    "documents": "documents in chat templates"}
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
     """What both endpoints share: OpenAI's fields and vLLM's extras."""
 
     model: str | None = None
@@ -55,6 +72,26 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     truncate_prompt_tokens: int | None = None
     priority: int = 0
     cache_salt: str | None = None
+    # vLLM's output fields.
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False  # prompt_token_ids and token_ids on the choice
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
+    # Refused unless default (UNSERVED_FIELDS).
+    use_beam_search: bool = False
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    logits_processors: list[Any] | None = None
+
+    def check_served(self) -> None:
+        """A field asking for a feature not served here is a 400 naming it."""
+        for name, feature in UNSERVED_FIELDS.items():
+            if getattr(self, name, None) not in (None, False):
+                raise ValueError(f"{name}: {feature} is not supported by this server")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not available with stream=true")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -89,6 +126,12 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk (vLLM: needs include_usage too)."""
+        return self.include_usage and self.stream_options is not None and \
+            self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     # A string, strings, token ids, or lists of token ids (msgspec takes one list type
@@ -99,6 +142,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. on text prompts
 
     def prompts(self) -> list[str | dict[str, Any]]:
         """Each prompt as the InputProcessor takes it (text, or token ids)."""
@@ -116,16 +160,21 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         raise ValueError("prompt must be a string, a list of strings, a list of token ids "
                          "or a list of lists of token ids, not a mix")
 
+    @property
+    def score_only(self) -> bool:
+        """echo with max_tokens 0 (vLLM's): the prompt and its logprobs, nothing
+        generated (the engine generates one token, which is dropped)."""
+        return self.echo and self.max_tokens == 0
+
     def check_supported(self) -> None:
-        if self.suffix is not None:
-            raise ValueError("suffix is not supported")
+        self.check_served()
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must be absent or equal n)")
         if self.echo and self.stream:
             raise ValueError("echo is not supported with stream")
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -152,6 +201,12 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last message is continued
+    add_special_tokens: bool = False  # vLLM's: the template has them already
+    echo: bool = False  # vLLM's chat echo: refused (UNSERVED_FIELDS)
+    documents: list[dict[str, Any]] | None = None  # refused (UNSERVED_FIELDS)
+    functions: list[dict[str, Any]] | None = None  # refused (UNSERVED_FIELDS)
+    function_call: str | dict[str, Any] | None = None  # refused (UNSERVED_FIELDS)
     chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -159,8 +214,14 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
+        self.check_served()
+        if self.echo:
+            raise ValueError("echo: chat echo is not supported by this server")
         if not self.messages:
             raise ValueError("messages must not be empty")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both "
+                             "be true (set add_generation_prompt to false)")
         if self.tools or self.tool_choice not in (None, "none"):
             raise ValueError("tools are not supported")
         if self.response_format is not None and self.response_format.get("type") != "text":
@@ -174,14 +235,15 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
             else self.max_tokens
 
 
-class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True  # text prompts only (a chat template has them)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # as in chat completions
 
 
-class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     tokens: list[int]

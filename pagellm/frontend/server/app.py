@@ -1,21 +1,24 @@
 """The OpenAI-compatible routes over `AsyncLLM`.
 
     POST /v1/completions, /v1/chat/completions   (stream=true: server-sent events)
-    GET  /v1/models, /health, /version, /metrics
+    GET  /v1/models, /health, /version, /metrics, /tokenizer_info
+    GET and POST /ping (SageMaker's health check, as vLLM serves it)
     POST /tokenize, /detokenize
     RL controls (sleep, wake_up, pause, weight updates, ...) with enable_dev_endpoints:
     see dev_routes.py
 
-Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a
-bad parameter (the message names it), 401 without the API key, 404 for another model,
-408 / 413 for a body that arrives too slowly / is too large, 503 while the engine is
-paused or asleep and once the engine core is dead. A client that goes away aborts its requests.
+Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, on every
+route (unknown routes and wrong methods too): 400 for a bad parameter (the message names
+it), 401 without the API key, 404 for another model or route, 405, 408 / 413 for a
+body that arrives too slowly / is too large, 503 while the engine is paused or asleep
+and once the engine core is dead. A client that goes away aborts its requests.
 
 What a client sends is bounded where it enters: the API key guards every route but
-/health, /metrics and /version; bodies are capped (`max_body_bytes`) and must arrive
+/health, /ping, /metrics and /version; bodies are capped (`max_body_bytes`) and must arrive
 within BODY_TIMEOUT_S; JSON nested too deeply is a 400; tokenization and chat templates
 run off the event loop (the tokenizer thread), and templates sent by clients only with
-`trust_request_chat_template`, in a killable sandbox process (template_sandbox.py).
+`trust_request_chat_template`, in a killable sandbox process (template_sandbox.py);
+unknown body fields are accepted and named once in a rate-limited log (extra_fields.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.frontend.async_llm import AsyncLLM
 from pagellm.frontend.core_client import EngineDeadError
@@ -46,6 +50,16 @@ from pagellm.frontend.server.api_models import (
     TokenizeRequest,
 )
 from pagellm.frontend.server.dev_routes import add_dev_routes
+from pagellm.frontend.server.extra_fields import IgnoredFieldsLog, unknown_fields
+from pagellm.frontend.server.formatting import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_pieces,
+    prompt_logprobs_json,
+    token_pieces,
+    tokenizer_config,
+    usage,
+)
 from pagellm.frontend.server.metrics import ServerMetrics
 from pagellm.frontend.server.options import ServerOptions
 from pagellm.frontend.server.template_sandbox import ChatTemplateSandbox, TemplateTimeout
@@ -54,7 +68,8 @@ from pagellm.version import __version__
 VERSION = __version__
 logger = logging.getLogger("pagellm")
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # no API key needed
+# No API key needed: health checks (load balancers send no key) and metrics.
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this long
 
 ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]],
@@ -76,6 +91,10 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
 
 def bad_request(message: str) -> APIError:
     return APIError(400, message, "BadRequestError")
+
+
+# Error types by status for errors raised by routing itself (Starlette's HTTPException).
+_ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError"}
 
 
 class APIKeyGuard:
@@ -107,15 +126,32 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     app = FastAPI(title="pagellm", version=VERSION)
     metrics = ServerMetrics(options.served_model_name)
     server = _Server(engine, options, metrics, sandbox)
+    ignored = IgnoredFieldsLog()
     if options.api_key is not None:
         app.add_middleware(APIKeyGuard, api_key=options.api_key)
 
     async def body_of(request: Request, kind: type[Any]) -> Any:
-        return _decode(await _read_body(request, options.max_body_bytes), kind)
+        data = await _read_body(request, options.max_body_bytes)
+        body = _decode(data, kind)
+        extra = unknown_fields(data, kind)
+        if extra:
+            ignored.note(extra)
+        return body
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
         return error_response(e.status, e.message, e.kind, e.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        """Routing's own errors (404 unknown route, 405 wrong method) in OpenAI's shape
+        rather than FastAPI's {"detail": ...}; clients parse only the former."""
+        kind = _ERROR_TYPES.get(e.status_code, "".join(str(e.detail).split()) + "Error")
+        message = f"{e.detail}: {request.method} {request.url.path[:200]}"
+        response = error_response(e.status_code, message, kind)
+        for name, value in (e.headers or {}).items():  # Allow: on a 405
+            response.headers[name] = value
+        return response
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
@@ -134,6 +170,17 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=503 if engine.is_dead else 200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """SageMaker's health check (vLLM serves it too): /health under another name."""
+        return Response(status_code=503 if engine.is_dead else 200)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """vLLM's route: the tokenizer's configuration, for clients that tokenize on
+        their side with the server's tokenizer (lm-eval's remote tokenizer)."""
+        return server.tokenizer_info()
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -319,13 +366,19 @@ class _Server:
                               f"{self.engine.info.max_model_len} tokens can hold ({limit} "
                               "characters at most)")
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        return tokenizer_config(self.tokenizer(), self.engine.info.max_model_len)
+
     async def tokenize(self, body: TokenizeRequest) -> list[int]:
         tokenizer = self.tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages")
         if body.messages is not None:
+            if body.continue_final_message and body.add_generation_prompt:
+                raise bad_request("continue_final_message and add_generation_prompt cannot "
+                                  "both be true (set add_generation_prompt to false)")
             return await self._chat_prompt(body.messages, body.add_generation_prompt, None,
-                                           None)
+                                           None, body.continue_final_message)
         assert body.prompt is not None
         self.check_prompt_chars("prompt", len(body.prompt))
         ids = await self.engine.run_in_tokenizer_thread(
@@ -333,10 +386,15 @@ class _Server:
         return list(ids)
 
     async def _chat_prompt(self, messages: list[Any], add_generation_prompt: bool,
-                           kwargs: dict[str, Any] | None, template: str | None
-                           ) -> list[int]:
+                           kwargs: dict[str, Any] | None, template: str | None,
+                           continue_final_message: bool = False,
+                           add_special_tokens: bool = False) -> list[int]:
         """The conversation's prompt ids: the model's chat template on the tokenizer
-        thread, or a template from the request in the sandbox (if trusted)."""
+        thread, or a template from the request in the sandbox (if trusted), rendered to
+        text and then tokenized (with the tokenizer's special tokens only if asked: the
+        template holds them already). With continue_final_message the text ends where
+        the last message's content does (transformers' rule), so the model continues
+        that message instead of starting a new one."""
         tokenizer = self.tokenizer()
         try:
             conversation = [{"role": m.role, "content": m.text()} for m in messages]
@@ -355,24 +413,30 @@ class _Server:
                               "with --trust-request-chat-template to allow them)")
         try:
             if template is None:
-                ids = await self.engine.run_in_tokenizer_thread(
+                text = await self.engine.run_in_tokenizer_thread(
                     tokenizer.apply_chat_template, conversation,
-                    add_generation_prompt=add_generation_prompt, tokenize=True,
-                    return_dict=False, **kwargs)
+                    add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
             else:
                 if not isinstance(template, str):
                     raise bad_request("chat_template must be a string")
                 assert self.sandbox is not None
                 text = await asyncio.to_thread(self.sandbox.render, template, conversation,
                                                add_generation_prompt, kwargs)
-                ids = await self.engine.run_in_tokenizer_thread(
-                    tokenizer.encode, text, add_special_tokens=False)
         except APIError:
             raise
         except TemplateTimeout as e:
             raise bad_request(f"messages: {e}") from None
         except Exception as e:  # a template error is the request's fault
             raise bad_request(f"messages: the chat template failed: {e}") from None
+        if continue_final_message:
+            final = conversation[-1]["content"].strip()
+            end = text.rfind(final) if final else -1
+            if end == -1:
+                raise bad_request("continue_final_message: the final message's content is "
+                                  "not in the rendered chat template")
+            text = text[:end + len(final)]
+        ids = await self.engine.run_in_tokenizer_thread(
+            tokenizer.encode, text, add_special_tokens=add_special_tokens)
         return list(ids)
 
     async def _process(self, prompts: list[Any], params: Any, request_id: str, priority: int,
@@ -439,10 +503,16 @@ class _Server:
         try:
             body.check_supported()
             prompts = body.prompts()
-            echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-            params = body.sampling_params(body.max_tokens, body.logprobs, echo_logprobs)
+            prompt_logprobs = body.prompt_logprobs
+            if prompt_logprobs is None and body.echo:
+                prompt_logprobs = body.logprobs  # echoed tokens carry their logprobs
+            params = body.sampling_params(1 if body.score_only else body.max_tokens,
+                                          body.logprobs, prompt_logprobs)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        if not body.add_special_tokens:
+            prompts = await self._tokenize_plain(prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         processed = await self._process(prompts, params, request_id, body.priority,
                                         body.cache_salt)
@@ -457,68 +527,110 @@ class _Server:
         choices = []
         for i in range(len(processed)):
             out = finals[i]
-            prefix = self._echo(out) if body.echo else ""
-            for c in out.outputs:
-                choices.append({
-                    "index": i * body.n + c.index, "text": prefix + c.text,
-                    "logprobs": self._completion_logprobs(out, c, body.echo)
-                    if body.logprobs is not None else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
-        return {**header, "choices": choices, "usage": _usage(processed, completion)}
+            if texts[i] is not None and out.prompt is None:
+                out.prompt = texts[i]  # tokenized here (add_special_tokens=false)
+            choices += await self.engine.run_in_tokenizer_thread(
+                self._completion_choices, out, i, body)
+        completion = 0 if body.score_only else \
+            sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+        return {**header, "choices": choices, "usage": usage(processed, completion)}
 
-    def _echo(self, out: RequestOutput) -> str:
-        if out.prompt is not None:
-            return out.prompt
-        return self.tokenizer().decode(out.prompt_token_ids) if self.engine.tokenizer else ""
+    async def _tokenize_plain(self, prompts: list[Any]) -> list[Any]:
+        """Text prompts as token ids without the tokenizer's special tokens (vLLM's
+        add_special_tokens=false)."""
+        tokenizer = self.tokenizer()
+        for p in prompts:
+            if isinstance(p, str):
+                self.check_prompt_chars("prompt", len(p))
+
+        def encode() -> list[Any]:
+            return [{"prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)}
+                    if isinstance(p, str) else p for p in prompts]
+
+        return await self.engine.run_in_tokenizer_thread(encode)
+
+    def _completion_choices(self, out: RequestOutput, i: int, body: CompletionRequest
+                            ) -> list[dict[str, Any]]:
+        """The choices of prompt `i` (on the tokenizer thread: echoed prompts and
+        logprob texts are detokenized here)."""
+        tokenizer = self.engine.tokenizer
+        echo_text = ""
+        echo_tokens: list[tuple[int, PositionLogprobs | None, str]] = []
+        if body.echo:
+            echo_text, pieces = echo_pieces(tokenizer, out.prompt_token_ids, out.prompt)
+            echo_tokens = list(zip(out.prompt_token_ids, out.prompt_logprobs or
+                                   [None] * len(pieces), pieces, strict=True))
+        choices = []
+        for c in out.outputs:
+            logprobs = None
+            if body.logprobs is not None:
+                generated: list[tuple[int, PositionLogprobs | None, str]] = \
+                    [] if body.score_only else list(zip(
+                    c.token_ids, c.logprobs or [], token_pieces(
+                        tokenizer, c.token_ids, out.prompt_token_ids,
+                        body.skip_special_tokens), strict=False))
+                logprobs = completion_logprobs(echo_tokens + generated,
+                                               body.return_tokens_as_token_ids)
+            choices.append({
+                "index": i * body.n + c.index,
+                "text": echo_text + ("" if body.score_only else c.text),
+                "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": None if body.score_only else c.stop_reason,
+                "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)
+                if body.prompt_logprobs is not None else None,
+                **self._token_ids(body, out.prompt_token_ids,
+                                  [] if body.score_only else c.token_ids)})
+        return choices
 
     @staticmethod
-    def _completion_logprobs(out: RequestOutput, c: CompletionOutput, echo: bool
-                             ) -> dict[str, Any]:
-        """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
-        positions: list[tuple[int, PositionLogprobs | None]] = []
-        if echo and out.prompt_logprobs is not None:
-            positions += list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True))
-        positions += list(zip(c.token_ids, c.logprobs or [], strict=False))
-        tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
-        for token_id, entry in positions:
-            chosen = entry.get(token_id) if entry else None
-            text = chosen.decoded_token if chosen and chosen.decoded_token is not None \
-                else ""
-            tokens.append(text)
-            token_logprobs.append(chosen.logprob if chosen else None)
-            top.append({(lp.decoded_token or str(t)): lp.logprob for t, lp in entry.items()}
-                       if entry else None)
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-                "text_offset": offsets}
+    def _token_ids(body: Any, prompt_ids: list[int] | None, ids: list[int]
+                   ) -> dict[str, list[int] | None]:
+        """vLLM's return_token_ids fields (None when not asked for, as vLLM sends)."""
+        if not body.return_token_ids:
+            return {"prompt_token_ids": None, "token_ids": None}
+        return {"prompt_token_ids": prompt_ids, "token_ids": list(ids)}
 
     def _stream_completions(self, processed: list[ProcessedRequest], header: dict[str, Any],
                             body: CompletionRequest) -> AsyncIterator[str]:
-        def chunks(i: int, out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
-            return [{"index": i * body.n + c.index, "text": c.text,
-                     "logprobs": self._completion_logprobs(out, c, False)
-                     if body.logprobs is not None else None,
-                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]
+        started: set[tuple[int, int]] = set()
 
-        return self._events(processed, header, body.include_usage, chunks)
+        def chunks(i: int, out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(
+                    [(t, e, e[t].decoded_token or "") for t, e in
+                     zip(c.token_ids, c.logprobs or [], strict=False)],
+                    body.return_tokens_as_token_ids)
+            first = (i, c.index) not in started
+            started.add((i, c.index))
+            choice = {"index": i * body.n + c.index, "text": c.text, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                      **self._token_ids(body, out.prompt_token_ids, c.token_ids)}
+            if body.return_token_ids and not first:
+                choice["prompt_token_ids"] = None  # the first chunk carries them
+            return [{"choices": [choice]}]
+
+        return self._events(processed, header, body, chunks)
 
     async def _events(self, processed: list[ProcessedRequest], header: dict[str, Any],
-                      include_usage: bool,
+                      body: CompletionRequest | ChatCompletionRequest,
                       chunks: Callable[[int, RequestOutput, CompletionOutput],
                                        list[dict[str, Any]]]) -> AsyncIterator[str]:
-        """Server-sent events: every completion update as `chunks` makes it, the usage
-        if asked, then [DONE]; the engine dying mid-stream becomes an error event."""
+        """Server-sent events: every completion update as `chunks` makes it (the
+        payloads without the header), with the usage so far in each if asked
+        (continuous_usage_stats), the final usage if asked, then [DONE]; the engine
+        dying mid-stream becomes an error event."""
         completion = 0
         try:
             async for i, out in self._run_all(processed):
                 for c in out.outputs:
                     completion += len(c.token_ids)
-                    for choice in chunks(i, out, c):
-                        yield _sse({**header, "choices": [choice]})
-            if include_usage:
-                yield _sse({**header, "choices": [], "usage": _usage(processed, completion)})
+                    for payload in chunks(i, out, c):
+                        if body.continuous_usage:
+                            payload["usage"] = usage(processed, completion)
+                        yield _sse({**header, **payload})
+            if body.include_usage:
+                yield _sse({**header, "choices": [], "usage": usage(processed, completion)})
         except EngineDeadError as e:
             yield _sse({"error": {"message": f"the engine core is dead: {e}",
                                   "type": "ServiceUnavailableError", "code": 503}})
@@ -531,11 +643,12 @@ class _Server:
         try:
             body.check_supported()
             top = (body.top_logprobs or 0) if body.logprobs else None
-            params = body.sampling_params(body.completion_limit, top)
+            params = body.sampling_params(body.completion_limit, top, body.prompt_logprobs)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
-        prompt_ids = await self._chat_prompt(body.messages, body.add_generation_prompt,
-                                             body.chat_template_kwargs, body.chat_template)
+        prompt_ids = await self._chat_prompt(
+            body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+            body.chat_template, body.continue_final_message, body.add_special_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         processed = await self._process([{"prompt_token_ids": prompt_ids}], params,
                                         request_id, body.priority, body.cache_salt)
@@ -548,51 +661,46 @@ class _Server:
             final = out
         assert final is not None
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c, body.top_logprobs or 0)
+                    "logprobs": chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0,
+                                              body.return_tokens_as_token_ids)
                     if body.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    "token_ids": list(c.token_ids) if body.return_token_ids else None}
                    for c in final.outputs]
         completion = sum(len(c.token_ids) for c in final.outputs)
-        return {**header, "choices": choices, "usage": _usage(processed, completion)}
+        # vLLM puts the prompt's fields on the response: a chat has one prompt.
+        return {**header, "choices": choices, "usage": usage(processed, completion),
+                "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs),
+                "prompt_token_ids": final.prompt_token_ids if body.return_token_ids
+                else None}
 
     def _stream_chat(self, processed: list[ProcessedRequest], header: dict[str, Any],
                      body: ChatCompletionRequest) -> AsyncIterator[str]:
         started: set[int] = set()
 
         def chunks(_: int, out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
-            choices = []
+            payloads = []
             if c.index not in started:  # the role first, as OpenAI does
                 started.add(c.index)
-                choices.append({"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None})
-            choices.append({"index": c.index, "delta": {"content": c.text} if c.text else {},
-                            "logprobs": _chat_logprobs(c, body.top_logprobs or 0)
-                            if body.logprobs else None,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-            return choices
+                first: dict[str, Any] = {"choices": [{
+                    "index": c.index, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]}
+                if body.return_token_ids:
+                    first["prompt_token_ids"] = out.prompt_token_ids
+                payloads.append(first)
+            choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                      "logprobs": chat_logprobs(c.token_ids, c.logprobs,
+                                                body.top_logprobs or 0,
+                                                body.return_tokens_as_token_ids)
+                      if body.logprobs else None,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if body.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            payloads.append({"choices": [choice]})
+            return payloads
 
         return self._events(processed, {**header, "object": "chat.completion.chunk"},
-                            body.include_usage, chunks)
-
-
-def _chat_logprobs(c: CompletionOutput, top: int) -> dict[str, Any]:
-    content = []
-    for token_id, entry in zip(c.token_ids, c.logprobs or [], strict=False):
-        chosen = entry[token_id]
-        ranked = sorted(entry.items(), key=lambda item: item[1].rank)[:top]
-        content.append({
-            "token": chosen.decoded_token or "", "logprob": chosen.logprob,
-            "bytes": list((chosen.decoded_token or "").encode()),
-            "top_logprobs": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
-                              "bytes": list((lp.decoded_token or "").encode())}
-                             for _, lp in ranked]})
-    return {"content": content}
-
-
-def _usage(processed: list[ProcessedRequest], completion: int) -> dict[str, int]:
-    prompt = sum(len(p.prompt_token_ids) for p in processed)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+                            body, chunks)
 
 
 def _sse(payload: dict[str, Any]) -> str:
