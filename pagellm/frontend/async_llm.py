@@ -153,8 +153,8 @@ class AsyncLLM:
         """Raise EngineDeadError if the engine core died (RuntimeError after shutdown);
         return quietly while it serves."""
         self._client().check_alive()
-        if self._output_handler is not None and self._output_handler.done():
-            raise EngineDeadError("the AsyncLLM output handler stopped")
+        if self.errored:
+            raise EngineDeadError("the AsyncLLM output handler failed (see the log)")
 
     @property
     def is_running(self) -> bool:
@@ -163,7 +163,8 @@ class AsyncLLM:
 
     @property
     def errored(self) -> bool:
-        """True once the engine core died or the output handler failed."""
+        """True once the engine core died or the output handler failed (it only ever
+        ends by failing or by being cancelled, at shutdown or with its event loop)."""
         handler_failed = self._output_handler is not None and self._output_handler.done() \
             and not self._output_handler.cancelled()
         return self.is_dead or handler_failed
