@@ -147,8 +147,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 asked = vocab_size
             if asked is not None and asked > limit:
                 raise ValueError(f"{name}={getattr(self, name)} is more than this engine's "
-                                 f"max_logprobs ({max_logprobs}; -1 allows the whole "
-                                 f"vocabulary, {vocab_size})")
+                                 f"max_logprobs ({max_logprobs}); an engine with "
+                                 f"max_logprobs=-1 allows any, up to -1: the whole "
+                                 f"vocabulary ({vocab_size})")
 
     @property
     def greedy(self) -> bool:
