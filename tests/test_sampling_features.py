@@ -324,7 +324,7 @@ BAD_SAMPLING = [  # (SamplingParams kwargs, error, text the message must contain
     ({"max_tokens": 2.5}, TypeError, "max_tokens must be an integer"),
     ({"min_tokens": -1}, ValueError, "min_tokens must be >= 0"),
     ({"min_tokens": 9, "max_tokens": 3}, ValueError, r"min_tokens \(9\) must be <= max"),
-    ({"logprobs": -2}, ValueError, "logprobs must be >= 0"),
+    ({"logprobs": -2}, ValueError, "logprobs must be >= -1"),
     ({"logprobs": True}, TypeError, "logprobs must be an integer"),
     ({"prompt_logprobs": 1.0}, TypeError, "prompt_logprobs must be an integer"),
     ({"detokenize": 0}, TypeError, "detokenize must be a bool"),

@@ -20,8 +20,8 @@ from helpers import NAME, Server
 def wait_idle(server: Server, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server.metric("pagellm:num_requests_running") == 0 and \
-                server.metric("pagellm:kv_cache_usage_perc") == 0:
+        if server.metric("vllm:num_requests_running") == 0 and \
+                server.metric("vllm:kv_cache_usage_perc") == 0:
             return
         time.sleep(0.05)
     raise AssertionError("requests still hold KV blocks")
@@ -152,18 +152,18 @@ def test_models_tokenize_detokenize_version_health(server, tokenizer):
 
 
 def test_metrics_count_what_was_served(server):
-    before = server.metric("pagellm:generation_tokens_total")
+    before = server.metric("vllm:generation_tokens_total")
     server.client().completions.create(model=NAME, prompt="count me", max_tokens=7,
                                        temperature=0)
-    assert server.metric("pagellm:generation_tokens_total") == before + 7
+    assert server.metric("vllm:generation_tokens_total") == before + 7
     text = server.get("/metrics")[1].decode()
-    for name in ("pagellm:num_requests_running", "pagellm:num_requests_waiting",
-                 "pagellm:kv_cache_usage_perc", "pagellm:prefix_cache_hit_rate",
-                 "pagellm:prompt_tokens_total", "pagellm:time_to_first_token_seconds_bucket",
-                 "pagellm:inter_token_latency_seconds_bucket",
-                 "pagellm:e2e_request_latency_seconds_count"):
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:prompt_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_count"):
         assert name in text, name
-    assert server.metric("pagellm:e2e_request_latency_seconds_count") > 0
+    assert server.metric("vllm:e2e_request_latency_seconds_count") > 0
 
 
 # --- concurrency and disconnects ----------------------------------------------------------
@@ -205,7 +205,7 @@ def test_a_client_that_disconnects_frees_its_blocks(server, stream):
         response.fp.readline()  # the first event arrived: the request is running
     else:
         deadline = time.monotonic() + 10
-        while server.metric("pagellm:num_requests_running") == 0:
+        while server.metric("vllm:num_requests_running") == 0:
             assert time.monotonic() < deadline
             time.sleep(0.02)
     connection.sock.shutdown(socket.SHUT_RDWR)

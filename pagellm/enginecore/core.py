@@ -22,7 +22,7 @@ from pagellm.protocol.messages import (
     FinishReason,
     UtilityMethod,
 )
-from pagellm.protocol.sampling_params import MAX_STRINGS, check_token_ids
+from pagellm.protocol.sampling_params import ALL_LOGPROBS, MAX_STRINGS, check_token_ids
 from pagellm.protocol.stats import STEP_WINDOW, EngineStats, StepTimings
 from pagellm.protocol.utility import WeightUpdate, convert_args
 
@@ -324,6 +324,9 @@ class EngineCore:
         max_tokens = params.max_tokens
         if max_tokens is None:
             return "sampling_params.max_tokens must be resolved before the engine core"
+        if ALL_LOGPROBS in (params.logprobs, params.prompt_logprobs):
+            return ("sampling_params logprobs / prompt_logprobs -1 must be resolved to the "
+                    "vocabulary size before the engine core")
         if len(prompt) + max_tokens > self.info.max_model_len:
             return (f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds "
                     f"max_model_len ({self.info.max_model_len})")

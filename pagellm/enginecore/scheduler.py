@@ -152,6 +152,8 @@ class Scheduler:
                 break
             self.waiting.pop()
             request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens is None:  # a preempted one keeps its first count
+                request.num_cached_tokens = num_hit_tokens
             if self.config.policy == "priority":
                 bisect.insort(self.running, request, key=sort_key)
             else:
@@ -209,7 +211,8 @@ class Scheduler:
             outputs.setdefault(request.client_index, []).append(EngineCoreOutput(
                 request_id, new_token_ids, request.finish_reason, request.stop_reason,
                 new_logprobs=[logprobs] if logprobs is not None else None,
-                new_prompt_logprobs=prompt_logprobs))
+                new_prompt_logprobs=prompt_logprobs,
+                num_cached_tokens=request.num_cached_tokens or 0))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs

@@ -20,7 +20,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -136,9 +136,44 @@ class AsyncLLM:
             if not finished:  # cancelled, or the consumer left the loop early
                 self._abort([request_id])
 
-    async def abort(self, request_id: str) -> None:
-        """Stop a request: its stream ends without a final output; its blocks are freed."""
-        self._abort([request_id])
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Stop a request, or several (vLLM takes one id or an iterable of them): each
+        stream ends with a final output whose finish_reason is "abort"; their blocks
+        are freed. Unknown or finished ids are ignored."""
+        self._abort([request_id] if isinstance(request_id, str) else list(request_id))
+
+    def get_tokenizer(self) -> Any:
+        """The frontend's tokenizer (vLLM's current signature: a plain method; before
+        vLLM 0.11 it was a coroutine). ValueError with skip_tokenizer_init."""
+        if self.tokenizer is None:
+            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`")
+        return self.tokenizer
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if the engine core died (RuntimeError after shutdown);
+        return quietly while it serves."""
+        self._client().check_alive()
+        if self.errored:
+            raise EngineDeadError("the AsyncLLM output handler failed (see the log)")
+
+    @property
+    def is_running(self) -> bool:
+        """vLLM's meaning: started, not shut down, and its engine core alive."""
+        return self.engine_core is not None and not self.errored
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine core died or the output handler failed (it only ever
+        ends by failing or by being cancelled, at shutdown or with its event loop)."""
+        handler_failed = self._output_handler is not None and self._output_handler.done() \
+            and not self._output_handler.cancelled()
+        return self.is_dead or handler_failed
+
+    @property
+    def is_stopped(self) -> bool:
+        """vLLM's meaning: the engine can serve no more (it errored, or was shut
+        down)."""
+        return self.engine_core is None or self.errored
 
     async def get_stats(self) -> EngineStats:
         self._ensure_output_handler()

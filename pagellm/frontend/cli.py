@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from pagellm.frontend.server.options import MAX_BODY_BYTES, ServerOptions
 from pagellm.logger import configure_logging
@@ -124,6 +125,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (rendered in a "
                         "sandboxed child process with a time limit)")
+    s.add_argument("--chat-template", default=None,
+                   help="the chat template for every chat request instead of the "
+                        "tokenizer's: a file path, or the Jinja template itself")
+    s.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted for vLLM compatibility: pagellm never logs requests' "
+                        "contents, either way")
     s.add_argument("--headless", action="store_true",
                    help="run only this node's data-parallel engine cores (ranks from "
                         "--data-parallel-start-rank, --data-parallel-size-local of them) "
@@ -156,13 +163,32 @@ def _serve(ns: argparse.Namespace) -> int:
     if ns.max_connections is not None and ns.max_connections < 1:
         raise ValueError("--max-connections must be >= 1")
     args = EngineArgs.from_cli_args(ns)
+    chat_template = None if ns.chat_template is None else load_chat_template(ns.chat_template)
+    if chat_template is not None and args.skip_tokenizer_init:
+        raise ValueError("--chat-template needs a tokenizer (not --skip-tokenizer-init)")
     options = ServerOptions(served_model_name=ns.served_model_name or args.model,
+                            chat_template=chat_template,
                             api_key=ns.api_key, max_body_bytes=ns.max_body_size,
                             trust_request_chat_template=ns.trust_request_chat_template,
                             enable_dev_endpoints=ns.enable_dev_endpoints)
     return run_server(args, options, ns.host, ns.port, ns.engine_address,
                       ns.curve_secret_key, ns.curve_server_public_key, ns.shutdown_timeout,
                       ns.max_connections)
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's reading of --chat-template: a file's contents if `value` names one, else
+    the template itself; a value with no template syntax that names no file is a typo'd
+    path, refused rather than rendered as a constant prompt."""
+    try:
+        if Path(value).is_file():
+            return Path(value).read_text()
+    except OSError:  # e.g. longer than a path may be: not a file name, then
+        pass
+    if not any(c in value for c in "{}\n"):
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja "
+                         "template")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -53,8 +53,11 @@ class EngineCoreClient(ABC):
     def shutdown(self) -> None: ...
 
 
-# Engine options that shape the frontend itself, so they apply when attaching too.
-FRONTEND_OPTIONS = frozenset({"model", "tokenizer", "skip_tokenizer_init"})
+# Engine options that shape the frontend itself, so they apply when attaching too, and
+# the vLLM options that change nothing anywhere (vLLM scripts pass them to every engine).
+FRONTEND_OPTIONS = frozenset({"model", "tokenizer", "skip_tokenizer_init",
+                              "trust_remote_code", "disable_log_stats", "swap_space",
+                              "max_seq_len_to_capture"})
 
 
 @overload

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from pagellm.protocol.messages import EngineCoreRequest, EngineInfo
-from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.protocol.sampling_params import ALL_LOGPROBS, RequestOutputKind, SamplingParams
 from pagellm.protocol.validation import INT64_MAX, INT64_MIN, check_int
 
 
@@ -217,7 +217,11 @@ class InputProcessor:
         stop_ids = list(params.stop_token_ids or ())
         if self.extra_eos_ids and not params.ignore_eos:
             stop_ids += [t for t in self.extra_eos_ids if t not in stop_ids]
-        return _derived(params, max_tokens=max_tokens, stop_token_ids=stop_ids or None)
+        # logprobs=-1 (the whole vocabulary) travels as the count it means.
+        whole_vocab = {name: self.info.vocab_size for name in ("logprobs", "prompt_logprobs")
+                       if getattr(params, name) == ALL_LOGPROBS}
+        return _derived(params, max_tokens=max_tokens, stop_token_ids=stop_ids or None,
+                        **whole_vocab)
 
     def _bad_words(self, words: list[str] | None) -> list[list[int]] | None:
         """Each bad word's token ids, alone and after a space (vLLM's rule: a word can

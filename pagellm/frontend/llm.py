@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagellm.executor.demo_model import resolve_model
-from pagellm.frontend.core_client import SyncEngineCoreClient, make_client
+from pagellm.frontend.core_client import EngineDeadError, SyncEngineCoreClient, make_client
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagellm.frontend.mp_client import CurveClientKeys
 from pagellm.frontend.output_processor import OutputProcessor
@@ -55,6 +55,13 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLM:
+        """vLLM's constructor for scripts that already hold their `EngineArgs`
+        (`kwargs`: this class's own, e.g. multiprocess)."""
+        fields = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)}
+        return cls(**fields, **kwargs)
+
     # -- generation ----------------------------------------------------------------
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -97,12 +104,29 @@ class LLM:
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them (the tokenizer's chat
-        template, with the assistant's generation prompt)."""
+        """Generate replies to one conversation or a list of them, rendered with
+        `chat_template` (a Jinja template string; default: the tokenizer's) as vLLM
+        does: with the assistant's generation prompt, or, with
+        continue_final_message=True, continuing the last (assistant) message where it
+        stops. `tools` and `chat_template_kwargs` reach the template."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (this LLM has skip_tokenizer_init=True)")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("Cannot set both `continue_final_message` and "
+                             "`add_generation_prompt` to True.")
+        # A script's own template is trusted like the script: it renders here, unsandboxed
+        # (the server sandboxes templates that come with requests).
+        template_args: dict[str, Any] = dict(chat_template_kwargs or {})
+        template_args.update(add_generation_prompt=add_generation_prompt,
+                             continue_final_message=continue_final_message)
+        if chat_template is not None:
+            template_args["chat_template"] = chat_template
+        if tools is not None:
+            template_args["tools"] = tools
         conversations = ([messages] if messages and isinstance(messages[0], dict)
                          else list(messages))
         prompts: list[PromptType] = []
@@ -111,11 +135,24 @@ class LLM:
                     isinstance(m, dict) and "role" in m for m in conversation):
                 raise TypeError("messages must be a list of {'role': ..., 'content': ...} "
                                 "dicts, or a list of such lists")
-            ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
-                return_dict=False, **(chat_template_kwargs or {}))
+            ids = self.tokenizer.apply_chat_template(conversation, tokenize=True,
+                                                     return_dict=False, **template_args)
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer prompts are encoded with (vLLM's method). ValueError with
+        skip_tokenizer_init."""
+        if self.tokenizer is None:
+            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`")
+        return self.tokenizer
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the engine core died (RuntimeError after
+        shutdown)."""
+        engine_core = self._client()
+        if engine_core.dead_error is not None:
+            raise EngineDeadError(engine_core.dead_error)
 
     def get_stats(self) -> EngineStats:
         return self._client().get_stats()

@@ -11,12 +11,20 @@ it in the engine core at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.frontend.detokenizer import IncrementalDetokenizer
 from pagellm.frontend.input_processor import ProcessedRequest
-from pagellm.frontend.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagellm.frontend.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestOutput,
+    RequestStateStats,
+)
 from pagellm.protocol.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -130,6 +138,21 @@ class RequestState:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] if processed.params.prompt_logprobs is not None else None)
         self.sent_prompt_logprobs = 0
+        self.stats = RequestStateStats(arrival_time=processed.engine_requests[0].arrival_time)
+        self.num_cached_tokens: int | None = None
+
+    def update_stats(self, output: EngineCoreOutput, completion: CompletionState) -> None:
+        """Token times and the prefix-cache hit, from one engine output."""
+        if completion.index == 0 and output.new_token_ids and self.num_cached_tokens is None:
+            self.num_cached_tokens = output.num_cached_tokens
+        if not output.new_token_ids:
+            return
+        stats, now = self.stats, time.monotonic()
+        if stats.num_generation_tokens == 0:
+            stats.first_token_ts = now
+            stats.first_token_latency = max(time.time() - stats.arrival_time, 0.0)
+        stats.last_token_ts = now
+        stats.num_generation_tokens += len(output.new_token_ids)
 
     def add_prompt_logprobs(self, positions: list[TokenLogprobs]) -> None:
         if self.prompt_logprobs is not None:
@@ -156,7 +179,8 @@ class RequestState:
                 prompt_logprobs[self.sent_prompt_logprobs:], len(prompt_logprobs))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              finished, list(prompt_logprobs) if prompt_logprobs is not None
-                             else None)
+                             else None, dataclasses.replace(self.stats),
+                             self.num_cached_tokens)
 
     def emit(self, output: RequestOutput | BaseException, into: ProcessedOutputs) -> None:
         if self.queue is not None:
@@ -251,6 +275,7 @@ class OutputProcessor:
                 continue
             if output.new_prompt_logprobs:
                 state.add_prompt_logprobs(output.new_prompt_logprobs)
+            state.update_stats(output, completion)
             if completion.update(output):
                 processed.reqs_to_abort.append(output.request_id)
             request_output = state.make_output(completion)

@@ -35,6 +35,23 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestStateStats:
+    """A request's timings so far (vLLM V1's `RequestOutput.metrics`, same field names).
+
+    Measured where the frontend sees the request: arrival is when it was submitted
+    (wall clock, `time.time()`, as vLLM), token times are when the frontend received
+    the tokens (`time.monotonic()`). vLLM's queued_ts / scheduled_ts are engine-core
+    events this frontend is not told about, so they are absent rather than made up.
+    """
+
+    arrival_time: float  # time.time() when the request was submitted
+    num_generation_tokens: int = 0  # over all completions
+    first_token_ts: float = 0.0  # time.monotonic() when the first token arrived (0: none yet)
+    last_token_ts: float = 0.0  # time.monotonic() when the latest token arrived
+    first_token_latency: float = 0.0  # seconds from arrival to the first token
+
+
+@dataclass
 class RequestOutput:
     """A request's prompt and its completions so far (or final)."""
 
@@ -45,3 +62,8 @@ class RequestOutput:
     finished: bool
     # With prompt_logprobs: None for the first prompt token, then one per prompt token.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Timings (vLLM's field); None only for outputs built outside an engine.
+    metrics: RequestStateStats | None = None
+    # Prompt tokens the prefix cache already held when the request was first scheduled
+    # (whole blocks; completion 0's count with n > 1); None until it is scheduled.
+    num_cached_tokens: int | None = None

@@ -72,7 +72,9 @@ class EngineArgs:
         "arrival).", SCHEDULING_POLICIES)
     long_prefill_token_threshold: int = _opt(
         0, "Most tokens one prompt may take in a step (0: no cap below the step budget).")
-    max_logprobs: int = _opt(20, "Most logprobs / prompt_logprobs a request may ask for.")
+    max_logprobs: int = _opt(20, "Most logprobs / prompt_logprobs a request may ask for "
+                             "(-1: no limit, so requests may ask for -1, the whole "
+                             "vocabulary).")
     logprobs_mode: str = _opt(
         "raw_logprobs", "'raw_logprobs' (from the model's logits) or 'processed_logprobs' "
         "(after penalties, masks, temperature, top-k/top-p).", LOGPROBS_MODES)
@@ -90,6 +92,39 @@ class EngineArgs:
         "help": 'Enable weight updates: JSON such as {"backend": "ipc"} (backends: ipc, nccl).'})
     worker_extension_cls: str | None = _opt(
         None, "'package.module.Class' whose public methods collective_rpc may call.")
+    # -- vLLM options with one meaning here -------------------------------------------
+    # vLLM scripts pass these routinely. Each is accepted where its value is the one we
+    # implement, or where it changes nothing here (the help says so); any other value is
+    # refused naming what is supported (`_SUPPORTED`): silently ignoring it would serve
+    # something other than what was asked for.
+    trust_remote_code: bool = _opt(
+        False, "Accepted for vLLM compatibility: pagellm never runs code from a model "
+        "directory (its own decoder serves the supported architectures), either way.")
+    disable_log_stats: bool = _opt(
+        False, "Accepted for vLLM compatibility: pagellm logs no periodic stats (they are "
+        "at /metrics and get_stats()), either way.")
+    enable_chunked_prefill: bool | None = _opt(
+        None, "pagellm always chunks long prefills within the step budget: only True (or "
+        "unset) is accepted.")
+    distributed_executor_backend: str | None = _opt(
+        None, "Only 'mp' (or unset): tensor-parallel workers are processes of this host "
+        "(or of --nnodes hosts); there is no Ray backend.")
+    quantization: str | None = _opt(
+        None, "Only unset: pagellm runs unquantized weights (see --dtype).")
+    kv_cache_dtype: str = _opt("auto", "Only 'auto': the KV cache has the model's dtype.")
+    revision: str | None = _opt(
+        None, "Only unset: the model is a local directory, which has no Hub revision.")
+    tokenizer_revision: str | None = _opt(
+        None, "Only unset: the tokenizer is a local directory, which has no Hub revision.")
+    tokenizer_mode: str = _opt(
+        "auto", "Only 'auto': the directory's tokenizer as transformers' AutoTokenizer "
+        "loads it (the fast one when it exists).")
+    swap_space: float = _opt(
+        4.0, "Accepted for vLLM compatibility (GiB, >= 0): pagellm preempts by "
+        "recomputing, never swaps to host memory, so no swap space is used.")
+    max_seq_len_to_capture: int = _opt(
+        8192, "Accepted for vLLM compatibility (>= 1): pagellm's decode CUDA graphs serve "
+        "every sequence length, so there is no length past which steps run eagerly.")
     # -- past one device (vLLM's ParallelConfig names) --------------------------------
     tensor_parallel_size: int = field(default=1, metadata={
         "alias": "-tp", "help": "Worker processes that each hold 1/N of the model (attention "
@@ -142,7 +177,7 @@ class EngineArgs:
         check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1,
                   allow_none=True)
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
-        check_int("max_logprobs", self.max_logprobs, minimum=0)
+        check_int("max_logprobs", self.max_logprobs, minimum=-1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1,
                   maximum=MAX_PARALLEL)
         check_int("data_parallel_size", self.data_parallel_size, minimum=1,
@@ -176,12 +211,21 @@ class EngineArgs:
                                  self.worker_extension_cls)):
             raise ValueError("worker_extension_cls must be 'package.module.Class', got "
                              f"{self.worker_extension_cls!r}")
+        check_float("swap_space", self.swap_space, minimum=0.0)
+        check_int("max_seq_len_to_capture", self.max_seq_len_to_capture, minimum=1)
+        for name, (supported, why) in _SUPPORTED.items():
+            value = getattr(self, name)
+            if not any(value is s or (type(value) is type(s) and value == s)
+                       for s in supported):
+                raise ValueError(f"{name}={value!r} is not supported: {why} (supported: "
+                                 f"{', '.join(map(repr, supported))})")
         for f in dataclasses.fields(self):  # every option with choices, and every flag
             value, choices = getattr(self, f.name), f.metadata.get("choices")
             if choices is not None and f.name != "dtype" and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}, "
                                  f"got {value!r}")
-            if isinstance(f.default, bool) and not isinstance(value, bool):
+            if (isinstance(f.default, bool) or f.name in _OPTIONAL_FLAGS) and not (
+                    isinstance(value, bool) or (value is None and f.default is None)):
                 raise TypeError(f"{f.name} must be a bool, got {value!r}")
 
     @classmethod
@@ -250,6 +294,22 @@ class EngineArgs:
         values = vars(namespace)
         return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)
                       if f.name in values})
+
+
+# The vLLM options above that take only some of vLLM's values: name -> (the values
+# accepted, why the others are not).
+_SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "enable_chunked_prefill": ((None, True), "pagellm always chunks long prefills"),
+    "distributed_executor_backend": ((None, "mp"), "workers are local processes (no Ray)"),
+    "quantization": ((None,), "pagellm runs unquantized weights"),
+    "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype"),
+    "revision": ((None,), "the model is a local directory, which has no Hub revision"),
+    "tokenizer_revision": ((None,), "the tokenizer is a local directory, which has no Hub "
+                           "revision"),
+    "tokenizer_mode": (("auto",), "the tokenizer is the one AutoTokenizer loads"),
+}
+# Flags whose default is None (unset) rather than a bool.
+_OPTIONAL_FLAGS = frozenset({"enable_chunked_prefill"})
 
 
 def _base_type(hint: Any) -> tuple[type, bool]:

@@ -66,6 +66,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # With FinishReason.ERROR: refused for the engine's state (paused or asleep), not
     # for the request itself; trying again later may succeed (HTTP 503).
     unavailable: bool = False
+    # Prompt tokens found in the prefix cache when the request was first scheduled
+    # (vLLM's num_cached_tokens); sent with every output that carries tokens.
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -24,6 +24,8 @@ from pagellm.protocol.validation import (
 )
 
 GREEDY_TEMPERATURE = 1e-5
+# logprobs / prompt_logprobs / max_logprobs: vLLM's "the whole vocabulary".
+ALL_LOGPROBS = -1
 MAX_STRINGS = 1024  # stop strings, bad words
 
 
@@ -43,7 +45,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     Penalties follow vLLM: repetition_penalty over prompt and output (logits > 0
     divided, others multiplied), presence/frequency penalties over the output only.
     logprobs / prompt_logprobs: how many top alternatives to return per position (the
-    sampled or actual token is always included), at most the engine's max_logprobs.
+    sampled or actual token is always included), at most the engine's max_logprobs; -1
+    (vLLM's spelling) means the whole vocabulary, allowed when max_logprobs is -1 or at
+    least the vocabulary size. extra_args: anything a caller wants carried with the
+    request (vLLM's hook for custom logits processors); the engine ignores it.
     """
 
     n: int = 1
@@ -71,6 +76,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Every bound is the width of where the value goes (protocol/validation.py):
@@ -85,17 +91,24 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         check_int("seed", self.seed, minimum=INT64_MIN, maximum=INT64_MAX, allow_none=True)
         check_float("presence_penalty", self.presence_penalty, minimum=-2.0, maximum=2.0)
         check_float("frequency_penalty", self.frequency_penalty, minimum=-2.0, maximum=2.0)
-        check_float("repetition_penalty", self.repetition_penalty, minimum=0.0, maximum=2.0,
-                    min_exclusive=True)
+        # vLLM takes any positive penalty (> 1 discourages repeats, < 1 encourages them).
+        check_float("repetition_penalty", self.repetition_penalty, minimum=0.0,
+                    maximum=FLOAT32_MAX, min_exclusive=True)
         check_int("max_tokens", self.max_tokens, minimum=1, maximum=INT32_MAX,
                   allow_none=True)
         check_int("min_tokens", self.min_tokens, minimum=0, maximum=INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        check_int("logprobs", self.logprobs, minimum=0, maximum=INT32_MAX, allow_none=True)
-        check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=INT32_MAX,
+        check_int("logprobs", self.logprobs, minimum=ALL_LOGPROBS, maximum=INT32_MAX,
                   allow_none=True)
+        check_int("prompt_logprobs", self.prompt_logprobs, minimum=ALL_LOGPROBS,
+                  maximum=INT32_MAX, allow_none=True)
+        if self.extra_args is not None and not (
+                isinstance(self.extra_args, dict)
+                and all(isinstance(k, str) for k in self.extra_args)):
+            raise TypeError(f"extra_args must be a dict with string keys, got "
+                            f"{self.extra_args!r}")
         for name in ("ignore_eos", "detokenize", "skip_special_tokens",
                      "spaces_between_special_tokens", "include_stop_str_in_output"):
             check_bool(name, getattr(self, name))
@@ -127,11 +140,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                           ("allowed_token_ids", self.allowed_token_ids or []),
                           ("logit_bias", list(self.logit_bias or ()))):
             check_token_ids(name, ids, vocab_size)
+        limit = vocab_size if max_logprobs == ALL_LOGPROBS else max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(self, name)
-            if asked is not None and asked > max_logprobs:
-                raise ValueError(f"{name}={asked} is more than this engine's max_logprobs "
-                                 f"({max_logprobs})")
+            if asked == ALL_LOGPROBS:
+                asked = vocab_size
+            if asked is not None and asked > limit:
+                raise ValueError(f"{name}={getattr(self, name)} is more than this engine's "
+                                 f"max_logprobs ({max_logprobs}); an engine with "
+                                 f"max_logprobs=-1 allows any, up to -1: the whole "
+                                 f"vocabulary ({vocab_size})")
 
     @property
     def greedy(self) -> bool:

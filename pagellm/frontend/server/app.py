@@ -124,7 +124,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     """The routes. `sandbox` renders request-supplied chat templates (required, and
     only used, with options.trust_request_chat_template)."""
     app = FastAPI(title="pagellm", version=VERSION)
-    metrics = ServerMetrics(options.served_model_name)
+    metrics = ServerMetrics(options.served_model_name, engine.info.max_model_len,
+                            data_parallel=engine.engine_args.data_parallel_size > 1)
     server = _Server(engine, options, metrics, sandbox)
     ignored = IgnoredFieldsLog()
     if options.api_key is not None:
@@ -471,7 +472,7 @@ class _Server:
             asyncio.Queue()
 
         async def pump(i: int, request: ProcessedRequest) -> None:
-            tracker = self.metrics.tracker()
+            tracker = self.metrics.tracker(request.params.n)
             try:
                 async for output in self.engine.stream(request):
                     tracker.observe(output, sum(len(c.token_ids) for c in output.outputs))

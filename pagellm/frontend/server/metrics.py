@@ -1,8 +1,16 @@
-"""Prometheus metrics for the server, in a registry of its own (several servers in
-one process, as in tests, do not collide).
+"""Prometheus metrics for the server under vLLM's names, labels and meanings, so that
+dashboards and alerts written for vLLM (its Grafana dashboard, autoscalers reading
+`vllm:num_requests_waiting`) work unchanged. In a registry of their own (several
+servers in one process, as in tests, do not collide).
 
-Engine gauges and cumulative counters come from `get_stats()` at scrape time; request
-latencies are observed as outputs stream out of `AsyncLLM`.
+Every metric has vLLM V1's labels `model_name` (the served name) and `engine` (the
+data-parallel rank, "0" with one engine core). Engine gauges and cumulative counters
+come from `get_stats()` at scrape time, one series per engine core. Request metrics
+are observed as outputs stream out of `AsyncLLM`; the frontend does not learn which
+core served a request, so with data parallelism they carry engine="all".
+
+One request is one user request, whatever its `n`: `vllm:request_success_total` and
+`vllm:e2e_request_latency_seconds_count` count the same things, once each.
 """
 
 from __future__ import annotations
@@ -16,14 +24,32 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pagellm.frontend.outputs import RequestOutput
 from pagellm.protocol.stats import EngineStats
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so histogram_quantile reads alike.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                60.0, 120.0, 240.0, 480.0, 960.0)
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+LABELS = ["model_name", "engine"]
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent += 1
 
 
 class _EngineCollector:
-    """Yields the last engine snapshot as gauges and counters."""
+    """Yields the last engine snapshot: one series per engine core."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -33,96 +59,123 @@ class _EngineCollector:
         stats = self.stats
         if stats is None:
             return
-        labels = ["model_name"]
-        values = [self.model_name]
+        cores = stats.per_engine or [stats]  # data parallel: by rank
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            metric = GaugeMetricFamily(name, doc, labels=labels)
-            metric.add_metric(values, value)
+        def family(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str,
+                   doc: str, field: str) -> Metric:
+            metric = kind(name, doc, labels=LABELS)
+            for rank, core in enumerate(cores):
+                metric.add_metric([self.model_name, str(rank)], getattr(core, field))
             return metric
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            metric = CounterMetricFamily(name, doc, labels=labels)
-            metric.add_metric(values, value)
-            return metric
-
-        yield gauge("pagellm:num_requests_running", "Requests running in the engine.",
-                    stats.num_running_reqs)
-        yield gauge("pagellm:num_requests_waiting", "Requests waiting to run.",
-                    stats.num_waiting_reqs)
-        yield gauge("pagellm:kv_cache_usage_perc", "Share of KV blocks held by requests.",
-                    stats.kv_cache_usage)
-        yield gauge("pagellm:prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens).",
-                    stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1))
-        yield counter("pagellm:prefix_cache_queries", "Tokens looked up in the prefix cache.",
-                      stats.prefix_cache_queries)
-        yield counter("pagellm:prefix_cache_hits", "Tokens found in the prefix cache.",
-                      stats.prefix_cache_hits)
-        yield counter("pagellm:num_preemptions", "Requests preempted.", stats.num_preemptions)
-        if stats.per_engine:  # data parallel: each engine core by its rank (vLLM's label)
-            for name, doc, field in (
-                    ("pagellm:engine_num_steps", "Engine steps run by this core.",
-                     "num_steps"),
-                    ("pagellm:engine_num_requests_running", "Requests running in this core.",
-                     "num_running_reqs")):
-                family = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
-                for rank, core in enumerate(stats.per_engine):
-                    family.add_metric([self.model_name, str(rank)], getattr(core, field))
-                yield family
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield family(gauge, "vllm:num_requests_running",
+                     "Number of requests in model execution batches.", "num_running_reqs")
+        yield family(gauge, "vllm:num_requests_waiting",
+                     "Number of requests waiting to be processed.", "num_waiting_reqs")
+        yield family(gauge, "vllm:kv_cache_usage_perc",
+                     "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage")
+        yield family(counter, "vllm:prefix_cache_queries",
+                     "Prefix cache queries, in terms of number of queried tokens.",
+                     "prefix_cache_queries")
+        yield family(counter, "vllm:prefix_cache_hits",
+                     "Prefix cache hits, in terms of number of cached tokens.",
+                     "prefix_cache_hits")
+        yield family(counter, "vllm:num_preemptions",
+                     "Cumulative number of preemption from the engine.", "num_preemptions")
+        # pagellm's own (no vLLM counterpart): steps run by each engine core.
+        yield family(gauge, "pagellm:engine_num_steps", "Engine steps run by this core.",
+                     "num_steps")
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int, data_parallel: bool = False
+                 ) -> None:
         self.registry = CollectorRegistry()
         self.engine = _EngineCollector(model_name)
         self.registry.register(self.engine)
-        labels = ["model_name"]
-        self.model_name = model_name
-        self.prompt_tokens = Counter("pagellm:prompt_tokens", "Prompt tokens processed.",
-                                     labels, registry=self.registry)
-        self.generation_tokens = Counter("pagellm:generation_tokens", "Tokens generated.",
-                                         labels, registry=self.registry)
-        self.request_success = Counter("pagellm:request_success", "Finished requests.",
-                                       [*labels, "finished_reason"], registry=self.registry)
-        self.ttft = Histogram("pagellm:time_to_first_token_seconds",
-                              "Time to the first generated token.", labels,
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("pagellm:inter_token_latency_seconds",
-                             "Time between two outputs of a request.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("pagellm:e2e_request_latency_seconds",
-                             "Time from arrival to the last output.", labels,
-                             buckets=_E2E_BUCKETS, registry=self.registry)
+        self.labels = (model_name, "all" if data_parallel else "0")
+        r = self.registry
+        tokens = build_1_2_5_buckets(max_model_len)
+        # prometheus_client adds "_total" to counters: vllm:prompt_tokens_total.
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens "
+                                     "processed.", LABELS, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation "
+                                         "tokens processed.", LABELS, registry=r)
+        self.request_success = Counter("vllm:request_success", "Count of successfully "
+                                       "processed requests.", [*LABELS, "finished_reason"],
+                                       registry=r)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", LABELS,
+            buckets=tokens, registry=r)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            LABELS, buckets=tokens, registry=r)
+        self.request_params_n = Histogram("vllm:request_params_n", "Histogram of the n "
+                                          "request parameter.", LABELS, buckets=_N_BUCKETS,
+                                          registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", LABELS,
+                              buckets=_TTFT_BUCKETS, registry=r)
+        # vLLM up to 0.10 named the inter-token interval time_per_output_token_seconds;
+        # later versions inter_token_latency_seconds. Both, with the same observations.
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", LABELS,
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds.", LABELS,
+                              buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", LABELS,
+                             buckets=_E2E_BUCKETS, registry=r)
 
     def render(self, stats: EngineStats | None) -> bytes:
         self.engine.stats = stats
         return generate_latest(self.registry)
 
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self)
+    def tracker(self, n: int) -> RequestTracker:
+        """A tracker for one request of `n` completions."""
+        return RequestTracker(self, n)
 
 
 class RequestTracker:
-    """Observes one request's stream: TTFT, inter-token latency, end to end, tokens."""
+    """Observes one request's stream (all its `n` completions): time to first token and
+    end to end from its arrival (`RequestOutput.metrics`), the intervals between its
+    outputs, its tokens, and once at the end its success."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, n: int) -> None:
         self.metrics = metrics
-        self.start = self.last = time.perf_counter()
+        self.n = n
+        self.start = time.time()  # the arrival, should an output carry no metrics
+        self.last = time.perf_counter()
         self.first = True
+        self.generated = 0
+        self.finish_reason = "abort"  # of the completion that finished last
 
     def observe(self, output: RequestOutput, new_tokens: int) -> None:
-        m, label = self.metrics, self.metrics.model_name
+        m, labels = self.metrics, self.metrics.labels
         now = time.perf_counter()
         if new_tokens:
             if self.first:
-                m.ttft.labels(label).observe(now - self.start)
-                m.prompt_tokens.labels(label).inc(len(output.prompt_token_ids))
+                ttft = output.metrics.first_token_latency if output.metrics is not None \
+                    else 0.0
+                m.ttft.labels(*labels).observe(ttft)
+                m.prompt_tokens.labels(*labels).inc(len(output.prompt_token_ids))
                 self.first = False
             else:
-                m.itl.labels(label).observe(now - self.last)
-            m.generation_tokens.labels(label).inc(new_tokens)
+                m.itl.labels(*labels).observe(now - self.last)
+                m.tpot.labels(*labels).observe(now - self.last)
+            m.generation_tokens.labels(*labels).inc(new_tokens)
+            self.generated += new_tokens
             self.last = now
+        for completion in output.outputs:
+            if completion.finish_reason is not None:
+                self.finish_reason = completion.finish_reason
         if output.finished:
-            m.e2e.labels(label).observe(now - self.start)
-            for completion in output.outputs:
-                m.request_success.labels(label, completion.finish_reason or "unknown").inc()
+            arrival = output.metrics.arrival_time if output.metrics is not None \
+                else self.start
+            m.e2e.labels(*labels).observe(max(time.time() - arrival, 0.0))
+            m.request_success.labels(*labels, self.finish_reason).inc()
+            m.request_prompt_tokens.labels(*labels).observe(len(output.prompt_token_ids))
+            m.request_generation_tokens.labels(*labels).observe(self.generated)
+            m.request_params_n.labels(*labels).observe(self.n)

@@ -17,3 +17,4 @@ class ServerOptions:
     max_body_bytes: int = MAX_BODY_BYTES
     trust_request_chat_template: bool = False  # requests may bring a chat template
     enable_dev_endpoints: bool = False  # the RL control routes (dev_routes.py)
+    chat_template: str | None = None  # replaces the tokenizer's own (--chat-template)

@@ -38,6 +38,10 @@ def run_server(args: EngineArgs, options: ServerOptions, host: str, port: int,
     engine = AsyncLLM.from_engine_args(
         args, engine_address=engine_address,
         curve=CurveClientKeys.from_paths(curve_secret_key, curve_server_public_key))
+    if options.chat_template is not None and engine.tokenizer is not None:
+        # The tokenizer's own template is what every chat request renders with: setting
+        # it here covers them all, as vLLM's --chat-template does.
+        engine.tokenizer.chat_template = options.chat_template
     sandbox = None
     if options.trust_request_chat_template and engine.tokenizer is not None:
         sandbox = ChatTemplateSandbox(engine.engine_args.tokenizer or engine.engine_args.model)

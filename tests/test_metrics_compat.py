@@ -1,0 +1,98 @@
+"""/metrics under vLLM's names, labels and meanings (what vLLM's Grafana dashboard
+queries), read with prometheus_client's own parser after a known workload."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from helpers import NAME, Server
+
+TEMPLATE = "{% for m in messages %}<<{{ m.role }}: {{ m.content }}>>{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs, tmp_path_factory):
+    template = Path(tmp_path_factory.mktemp("template")) / "chat.jinja"
+    template.write_text(TEMPLATE)
+    s = Server(model_dirs["llama"], "--chat-template", str(template),
+               "--disable-log-requests", "--trust-remote-code", "--disable-log-stats")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dirs):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dirs["llama"])
+
+
+def samples(server: Server) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Sample name -> [(labels, value)], as Prometheus would read them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    result: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+    for family in text_string_to_metric_families(server.get("/metrics")[1].decode()):
+        for sample in family.samples:
+            result[sample.name].append((sample.labels, sample.value))
+    return result
+
+
+def total(found: dict[str, list[tuple[dict[str, str], float]]], name: str,
+          **labels: str) -> float:
+    return sum(value for sample_labels, value in found[name]
+               if all(sample_labels.get(k) == v for k, v in labels.items()))
+
+
+@pytest.mark.slow
+def test_a_known_workload_counts_requests_once_each_under_vllm_names(server, tokenizer):
+    before = samples(server)
+    prompts = ["one two three", "four five"]
+    # One request with two prompts, one streamed (inter-token latencies are observed
+    # between streamed outputs).
+    for body in ({"prompt": prompts, "n": 2}, {"prompt": "six", "n": 2, "stream": True}):
+        status, reply = server.request("POST", "/v1/completions", {
+            "model": NAME, "max_tokens": 4, "temperature": 1.0, "ignore_eos": True, **body})
+        assert status == 200, reply
+    after = samples(server)
+
+    def delta(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    requests = 3  # prompts; each has n=2 completions of 4 tokens
+    assert delta("vllm:request_success_total") == requests
+    assert delta("vllm:request_success_total", finished_reason="length") == requests
+    assert delta("vllm:e2e_request_latency_seconds_count") == requests
+    assert delta("vllm:time_to_first_token_seconds_count") == requests
+    assert delta("vllm:request_params_n_count") == requests
+    assert delta("vllm:request_params_n_sum") == 2 * requests
+    assert delta("vllm:generation_tokens_total") == requests * 2 * 4
+    assert delta("vllm:request_generation_tokens_sum") == requests * 2 * 4
+    prompt_tokens = sum(len(tokenizer.encode(p)) for p in [*prompts, "six"])
+    assert delta("vllm:prompt_tokens_total") == prompt_tokens
+    assert delta("vllm:request_prompt_tokens_sum") == prompt_tokens
+    assert delta("vllm:prefix_cache_queries_total") > 0
+
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total",
+                 "vllm:num_preemptions_total", "vllm:inter_token_latency_seconds_count",
+                 "vllm:time_per_output_token_seconds_count"):
+        assert name in after, name
+    # vLLM's labels on every vLLM metric: the served name and the engine index.
+    vllm_samples = [(name, labels) for name, found in after.items()
+                    if name.startswith("vllm:") for labels, _ in found]
+    assert vllm_samples
+    for name, labels in vllm_samples:
+        assert labels.get("model_name") == NAME and labels.get("engine") == "0", name
+    assert not [name for name in after if name.startswith("pagellm:")
+                and name != "pagellm:engine_num_steps"]
+
+
+@pytest.mark.slow
+def test_chat_template_flag_replaces_the_tokenizers_template(server, tokenizer):
+    messages = [{"role": "user", "content": "hi"}]
+    status, body = server.post("/tokenize", {"messages": messages})
+    assert status == 200, body
+    assert body["tokens"] == tokenizer.encode("<<user: hi>>", add_special_tokens=False)
