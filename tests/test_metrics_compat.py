@@ -47,7 +47,7 @@ def total(found: dict[str, list[tuple[dict[str, str], float]]], name: str,
 
 
 @pytest.mark.slow
-def test_a_known_workload_counts_requests_once_each_under_vllm_names(server, tokenizer):
+def test_a_known_workload_counts_each_completion_once_under_vllm_names(server, tokenizer):
     before = samples(server)
     prompts = ["one two three", "four five"]
     # One request with two prompts, one streamed (inter-token latencies are observed
@@ -61,18 +61,25 @@ def test_a_known_workload_counts_requests_once_each_under_vllm_names(server, tok
     def delta(name: str, **labels: str) -> float:
         return total(after, name, **labels) - total(before, name, **labels)
 
-    requests = 3  # prompts; each has n=2 completions of 4 tokens
-    assert delta("vllm:request_success_total") == requests
-    assert delta("vllm:request_success_total", finished_reason="length") == requests
-    assert delta("vllm:e2e_request_latency_seconds_count") == requests
-    assert delta("vllm:time_to_first_token_seconds_count") == requests
-    assert delta("vllm:request_params_n_count") == requests
-    assert delta("vllm:request_params_n_sum") == 2 * requests
-    assert delta("vllm:generation_tokens_total") == requests * 2 * 4
-    assert delta("vllm:request_generation_tokens_sum") == requests * 2 * 4
-    prompt_tokens = sum(len(tokenizer.encode(p)) for p in [*prompts, "six"])
+    # 3 prompts, each of n=2 completions of 4 tokens. As in vLLM V1 (n child requests),
+    # each completion is a request: every request counter agrees on 6.
+    prompts_sent, completions = 3, 6
+    for name in ("vllm:request_success_total", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:time_to_first_token_seconds_count",
+                 "vllm:request_generation_tokens_count",
+                 "vllm:request_prompt_tokens_count"):
+        assert delta(name) == completions, name
+    assert delta("vllm:request_success_total", finished_reason="length") == completions
+    assert delta("vllm:request_params_n_count") == prompts_sent
+    assert delta("vllm:request_params_n_sum") == 2 * prompts_sent
+    assert delta("vllm:generation_tokens_total") == completions * 4
+    assert delta("vllm:request_generation_tokens_sum") == completions * 4
+    prompt_tokens = 2 * sum(len(tokenizer.encode(p)) for p in [*prompts, "six"])
     assert delta("vllm:prompt_tokens_total") == prompt_tokens
     assert delta("vllm:request_prompt_tokens_sum") == prompt_tokens
+    # Inter-token intervals: at most 3 per streamed completion of 4 tokens (fewer when
+    # one streamed delta carries several steps' tokens); none for the unstreamed ones.
+    assert 0 < delta("vllm:inter_token_latency_seconds_count") <= 2 * 3
     assert delta("vllm:prefix_cache_queries_total") > 0
 
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",

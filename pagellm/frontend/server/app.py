@@ -475,7 +475,7 @@ class _Server:
             tracker = self.metrics.tracker(request.params.n)
             try:
                 async for output in self.engine.stream(request):
-                    tracker.observe(output, sum(len(c.token_ids) for c in output.outputs))
+                    tracker.observe(output)
                     queue.put_nowait((i, output))
             except Exception as e:
                 queue.put_nowait(e)

@@ -9,8 +9,9 @@ come from `get_stats()` at scrape time, one series per engine core. Request metr
 are observed as outputs stream out of `AsyncLLM`; the frontend does not learn which
 core served a request, so with data parallelism they carry engine="all".
 
-One request is one user request, whatever its `n`: `vllm:request_success_total` and
-`vllm:e2e_request_latency_seconds_count` count the same things, once each.
+One request is one completion, as in vLLM V1 (a request of `n` completions runs there
+as n child requests): `vllm:request_success_total`, `vllm:e2e_request_latency_seconds_count`
+and `vllm:time_to_first_token_seconds_count` count the same things, once each.
 """
 
 from __future__ import annotations
@@ -139,43 +140,43 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Observes one request's stream (all its `n` completions): time to first token and
-    end to end from its arrival (`RequestOutput.metrics`), the intervals between its
-    outputs, its tokens, and once at the end its success."""
+    """Observes one request's stream. As in vLLM V1, where a request of `n` completions
+    runs as n child requests, each completion counts as a request of its own: its time to
+    first token, inter-token intervals, prompt tokens, end-to-end latency and success
+    (with its own finished_reason) are observed once each, so every request counter and
+    histogram count agrees; only `request_params_n` is observed once per user request."""
 
     def __init__(self, metrics: ServerMetrics, n: int) -> None:
         self.metrics = metrics
         self.n = n
         self.start = time.time()  # the arrival, should an output carry no metrics
-        self.last = time.perf_counter()
-        self.first = True
-        self.generated = 0
-        self.finish_reason = "abort"  # of the completion that finished last
+        self.last: dict[int, float] = {}  # completion index -> when its last token came
+        self.generated: dict[int, int] = {}  # completion index -> tokens so far
+        self.finished: set[int] = set()
 
-    def observe(self, output: RequestOutput, new_tokens: int) -> None:
+    def observe(self, output: RequestOutput) -> None:
+        """`output` carries each completion's new tokens (a delta)."""
         m, labels = self.metrics, self.metrics.labels
         now = time.perf_counter()
-        if new_tokens:
-            if self.first:
-                ttft = output.metrics.first_token_latency if output.metrics is not None \
-                    else 0.0
-                m.ttft.labels(*labels).observe(ttft)
-                m.prompt_tokens.labels(*labels).inc(len(output.prompt_token_ids))
-                self.first = False
-            else:
-                m.itl.labels(*labels).observe(now - self.last)
-                m.tpot.labels(*labels).observe(now - self.last)
-            m.generation_tokens.labels(*labels).inc(new_tokens)
-            self.generated += new_tokens
-            self.last = now
+        arrival = output.metrics.arrival_time if output.metrics is not None else self.start
         for completion in output.outputs:
-            if completion.finish_reason is not None:
-                self.finish_reason = completion.finish_reason
+            i, new_tokens = completion.index, len(completion.token_ids)
+            if new_tokens:
+                if i not in self.last:
+                    m.ttft.labels(*labels).observe(max(time.time() - arrival, 0.0))
+                    m.prompt_tokens.labels(*labels).inc(len(output.prompt_token_ids))
+                else:
+                    m.itl.labels(*labels).observe(now - self.last[i])
+                    m.tpot.labels(*labels).observe(now - self.last[i])
+                m.generation_tokens.labels(*labels).inc(new_tokens)
+                self.generated[i] = self.generated.get(i, 0) + new_tokens
+                self.last[i] = now
+            if completion.finish_reason is not None and i not in self.finished:
+                self.finished.add(i)
+                m.e2e.labels(*labels).observe(max(time.time() - arrival, 0.0))
+                m.request_success.labels(*labels, completion.finish_reason).inc()
+                m.request_prompt_tokens.labels(*labels).observe(
+                    len(output.prompt_token_ids))
+                m.request_generation_tokens.labels(*labels).observe(self.generated.get(i, 0))
         if output.finished:
-            arrival = output.metrics.arrival_time if output.metrics is not None \
-                else self.start
-            m.e2e.labels(*labels).observe(max(time.time() - arrival, 0.0))
-            m.request_success.labels(*labels, self.finish_reason).inc()
-            m.request_prompt_tokens.labels(*labels).observe(len(output.prompt_token_ids))
-            m.request_generation_tokens.labels(*labels).observe(self.generated)
             m.request_params_n.labels(*labels).observe(self.n)
