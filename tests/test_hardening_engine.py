@@ -80,8 +80,8 @@ def still_serves(attached) -> None:
 
 INT_FIELDS = {  # field: (smallest allowed, largest allowed)
     "n": (1, INT32_MAX), "top_k": (-1, INT32_MAX), "seed": (INT64_MIN, INT64_MAX),
-    "max_tokens": (1, INT32_MAX), "min_tokens": (0, INT32_MAX), "logprobs": (0, INT32_MAX),
-    "prompt_logprobs": (0, INT32_MAX), "truncate_prompt_tokens": (1, INT32_MAX),
+    "max_tokens": (1, INT32_MAX), "min_tokens": (0, INT32_MAX), "logprobs": (-1, INT32_MAX),
+    "prompt_logprobs": (-1, INT32_MAX), "truncate_prompt_tokens": (1, INT32_MAX),
 }
 
 

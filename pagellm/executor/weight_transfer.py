@@ -20,6 +20,7 @@ import mmap
 import os
 import stat
 import tempfile
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,13 @@ class TransferInit(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class WeightGroup:
-    """One process's membership in the weight-transfer group."""
+    """One process's membership in the weight-transfer group.
+
+    The gloo group and the TCPStore must be destroyed before the interpreter tears
+    down: left to its final teardown, a store master whose peer is still connected
+    aborts the process ("terminate called without an active exception"), so a
+    trainer script that simply ends would exit with SIGABRT. `close()` releases them;
+    a finalizer does it at exit for callers that never call it."""
 
     def __init__(self, init: TransferInit, rank: int,
                  timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
@@ -169,15 +176,30 @@ class WeightGroup:
 
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank = rank
-        self.store = dist.TCPStore(init.master_address, init.master_port, init.world_size,
-                                   is_master=rank == 0, timeout=timeout)
-        self.group = dist.ProcessGroupGloo(self.store, rank, init.world_size, timeout)
+        store = dist.TCPStore(init.master_address, init.master_port, init.world_size,
+                              is_master=rank == 0, timeout=timeout)
+        group = dist.ProcessGroupGloo(store, rank, init.world_size, timeout)
         self._options = dist.BroadcastOptions()
         self._options.rootRank = 0
+        # The only references to the group and the store, so the finalizer (at exit,
+        # or when this object goes) really destroys them, in this order.
+        self._live: list[Any] = [group, store]
+        self._finalizer = weakref.finalize(self, _release, self._live)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """In place: rank 0's tensor overwrites everyone else's."""
-        self.group.broadcast([tensor], self._options).wait()  # type: ignore[attr-defined]
+        if not self._live:
+            raise RuntimeError("the weight-transfer group is closed")
+        self._live[0].broadcast([tensor], self._options).wait()
+
+    def close(self) -> None:
+        """Leave the group; idempotent."""
+        self._finalizer()
+
+
+def _release(live: list[Any]) -> None:
+    while live:  # the group before the store it was made from
+        del live[0]
 
 
 def trainer_init(init_info: dict[str, Any]) -> WeightGroup:
