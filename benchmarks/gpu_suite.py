@@ -124,7 +124,7 @@ def throughput_part(model: str, smoke: bool) -> dict[str, Any]:
             "engine_args": dataclasses.asdict(args),
             "prompt_tokens": sum(len(p) for p, _ in work),
             "output_tokens": sum(n for _, n in work),
-            "results": [dataclasses.asdict(pagellm), dataclasses.asdict(hf)],
+            "results": [pagellm.summary(), hf.summary()],
             "ratio_output_tokens_per_s": pagellm.output_tokens_per_s / hf.output_tokens_per_s}
 
 

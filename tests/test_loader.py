@@ -456,7 +456,8 @@ def _forward_paged(model: DecoderForCausalLM, prompt: list[int],
             query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
             seq_lens=torch.tensor([end], dtype=torch.int32),
             query_start_loc_cpu=[0, end - start], seq_lens_cpu=[end],
-            max_query_len=end - start, backend=TorchAttention())
+            max_query_len=end - start, backend=TorchAttention(BLOCK_SIZE))
+        meta.backend.prepare(meta)
         with torch.inference_mode():
             hidden = model(torch.tensor(prompt[start:end]), positions, meta, kv_caches)
             logits.append(model.compute_logits(hidden))

@@ -275,7 +275,9 @@ def test_rotary_embedding_equals_transformers_exactly_fp32(case: str, head_dim: 
     cos, sin = rotary.cos_sin(positions, torch.float32)
 
     assert cos.shape == sin.shape == (len(positions), 1, head_dim)
-    assert torch.equal(cos[:, 0], cos_hf) and torch.equal(sin[:, 0], sin_hf)
+    half = head_dim // 2  # the sine comes with its first half negated (rotate_half's sign)
+    assert torch.equal(cos[:, 0], cos_hf)
+    assert torch.equal(sin[:, 0], torch.cat((-sin_hf[:, :half], sin_hf[:, half:]), dim=-1))
     assert torch.equal(apply_rotary(q, cos, sin), q_hf)
     assert torch.equal(apply_rotary(k, cos, sin), k_hf)
 

@@ -23,6 +23,9 @@ from pagellm.protocol.engine_args import ATTENTION_BACKENDS
 class AttentionBackend(Protocol):
     name: str
 
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Once per step, before the first layer: index work every layer shares."""
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
                  ) -> torch.Tensor: ...
@@ -41,17 +44,25 @@ class AttentionMetadata:
     max_query_len: int
     backend: AttentionBackend
     num_segments: int = 1  # split-KV slices for decode-only batches (Triton)
+    plan: reference.AttentionPlan | None = None  # the torch backend's per-step indices
 
 
 class TorchAttention:
     name = "torch"
 
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        meta.plan = reference.plan_attention(meta.block_tables, meta.query_start_loc_cpu,
+                                             meta.seq_lens_cpu, self.block_size)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
                  ) -> torch.Tensor:
+        assert meta.plan is not None, "prepare(meta) runs before the first layer"
         reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        return reference.paged_attention(q, kv_cache, meta.block_tables,
-                                         meta.query_start_loc_cpu, meta.seq_lens_cpu, scale)
+        return reference.planned_attention(q, kv_cache, meta.plan, scale, k, v)
 
 
 class TritonAttention:
@@ -62,6 +73,9 @@ class TritonAttention:
 
         self.kernels = triton_attention
 
+    def prepare(self, meta: AttentionMetadata) -> None:
+        pass  # the kernels read the metadata's tensors as they are
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
                  ) -> torch.Tensor:
@@ -71,7 +85,8 @@ class TritonAttention:
                                             meta.max_query_len, meta.num_segments)
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_attention_backend(name: str, device: torch.device, block_size: int
+                          ) -> AttentionBackend:
     """"auto" is Triton on CUDA and torch on the CPU; "triton" on the CPU runs the
     kernels through Triton's interpreter (slow: for tests)."""
     if name not in ATTENTION_BACKENDS:
@@ -80,7 +95,7 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchAttention()
+        return TorchAttention(block_size)
     if device.type == "cpu":
         # Must be set before the kernels' @triton.jit decorators run (module import).
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -84,7 +84,7 @@ class ModelRunner:
         self.processed_logprobs = logprobs_mode == "processed_logprobs"
         self.device = device
         self.block_size = block_size
-        self.attention = get_attention_backend(attention_backend, device)
+        self.attention = get_attention_backend(attention_backend, device, block_size)
         if self.attention.name == "triton":
             from pagellm.kernels.triton_attention import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_SIZES
 
@@ -303,6 +303,7 @@ class ModelRunner:
             max_query_len=int(counts.max()), backend=self.attention,
             num_segments=num_kv_segments(num_reqs, self.num_kv_heads,
                                          int(counts.max()), int(ends.max()), self.num_sms))
+        self.attention.prepare(meta)
         return _StepInputs(req_ids, rows, starts, counts,
                            put("input_ids", input_ids, 0, graph_size),
                            put("positions", positions, 0, graph_size), meta,

@@ -73,6 +73,8 @@ class Worker:
         # Blocks one request of max_model_len needs: the cache must hold at least that.
         self.blocks_per_request = -(-self.model_config.max_model_len // self.block_size)
         self.args = args
+        if self.device.type == "cpu":
+            memory.keep_freed_heap()
         if self.device.type == "cuda":  # what others (and our context) hold before loading
             torch.cuda.set_device(self.device)
             free, total = torch.cuda.mem_get_info(self.device)

@@ -161,16 +161,17 @@ class DecoderAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, _ = self.q_norm(q)
-            k, _ = self.k_norm(k)
+        tokens, heads, qk_size = x.shape[0], self.num_heads, self.q_size + self.kv_size
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * H_kv) * D]
+        v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, _ = self.q_norm(qkv[:, :self.q_size].view(tokens, heads, self.head_dim))
+            k, _ = self.k_norm(qkv[:, self.q_size:qk_size].view(tokens, -1, self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:  # q and k side by side: one rotation for both
+            qk = apply_rotary(qkv[:, :qk_size].view(tokens, -1, self.head_dim), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
         out = self.attn(q, k, v, meta, kv_caches)  # [T, H, D]
         return self.o_proj(out.reshape(tokens, self.q_size))
 

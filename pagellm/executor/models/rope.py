@@ -136,13 +136,18 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] -> cos, sin: [T, 1, head_dim] in `dtype` (broadcast over heads)."""
-        return (self.cos_cache[positions].to(dtype)[:, None, :],
-                self.sin_cache[positions].to(dtype)[:, None, :])
+        """positions: [T] -> cos, signed sin: [T, 1, head_dim] in `dtype` (broadcast
+        over heads). The sine's first half is negated here, once per step, so that
+        `apply_rotary` needs no negation per layer (negating is exact: the products
+        equal transformers' rotate_half ones bit for bit)."""
+        sin = self.sin_cache[positions].to(dtype)
+        half = self.head_dim // 2
+        signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return self.cos_cache[positions].to(dtype)[:, None, :], signed[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, 1, D]."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+                 ) -> torch.Tensor:
+    """x: [T, H, D]; cos, signed_sin: [T, 1, D] (`RotaryEmbedding.cos_sin`)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
