@@ -16,14 +16,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTRAS = ("serve", "test")
+EXTRAS = ("serve", "compat", "test")
 OVERRIDES = {"torch": "2.13.0"}
-REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*>=\s*([0-9][0-9A-Za-z.]*)\s*$")
+# name, optional [extras] (pip constraints take none: the pin is on the name), floor.
+REQUIREMENT = re.compile(
+    r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[A-Za-z0-9._,-]+\])?\s*>=\s*([0-9][0-9A-Za-z.]*)\s*$")
 
 
 def floors(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, str]:
     """name -> floor for the dependencies and the EXTRAS; raises on a requirement
-    that is not a plain `name>=version` (an upper cap or a missing floor)."""
+    that is not a plain `name>=version` or `name[extras]>=version` (an upper cap or a
+    missing floor)."""
     import tomllib  # Python 3.11+: CI's interpreter (3.10's stdlib has none)
 
     project = tomllib.loads(pyproject.read_text())["project"]
