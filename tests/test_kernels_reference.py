@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pagellm.kernels.reference import paged_attention, write_kv_cache
+from pagellm.kernels.reference import (
+    DECODE_PADDING_SLACK,
+    paged_attention,
+    plan_attention,
+    planned_attention,
+    write_kv_cache,
+)
 
 NUM_KV_HEADS = 2
 SENTINEL = -7.25  # exactly representable in every dtype tested
@@ -274,3 +280,42 @@ def test_paged_attention_is_independent_of_block_placement() -> None:
     out_moved = paged_attention(batch.query, moved, tables, batch.query_start_loc,
                                 batch.seq_lens, scale)
     torch.testing.assert_close(out_moved, out, rtol=1e-6, atol=1e-6)
+
+
+def test_decodes_of_very_different_lengths_split_into_groups_and_stay_exact() -> None:
+    """One long context among short ones: padding every decode to the longest would copy
+    the long one's length for each; the plan groups by length instead (bounded padding),
+    and every group's output equals the naive reference, with every unowned slot NaN."""
+    block_size, head_dim, num_heads = 16, 32, 4
+    gen = torch.Generator().manual_seed(5)
+    seq_lens = [9 * block_size + 3, 5, 17, 16, 2 * block_size, 1, 40]
+    blocks_needed = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_needed) + 4
+    kv_cache = torch.full((2, num_blocks, block_size, NUM_KV_HEADS, head_dim), float("nan"))
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.zeros(len(seq_lens), max(blocks_needed), dtype=torch.int32)
+    keys, values = [], []
+    for i, (seq_len, n) in enumerate(zip(seq_lens, blocks_needed, strict=True)):
+        own, order = order[:n], order[n:]
+        block_tables[i, :n] = torch.tensor(own, dtype=torch.int32)
+        pos = torch.arange(seq_len)
+        keys.append(torch.randn(seq_len, NUM_KV_HEADS, head_dim, generator=gen))
+        values.append(torch.randn(seq_len, NUM_KV_HEADS, head_dim, generator=gen))
+        blocks = torch.tensor(own)[pos // block_size]
+        kv_cache[0, blocks, pos % block_size] = keys[-1]
+        kv_cache[1, blocks, pos % block_size] = values[-1]
+    qsl = list(range(len(seq_lens) + 1))
+    batch = _Batch(torch.randn(len(seq_lens), num_heads, head_dim, generator=gen), kv_cache,
+                   block_tables, qsl, seq_lens, keys, values)
+
+    plan = plan_attention(block_tables, qsl, seq_lens, block_size)
+    out = planned_attention(batch.query, kv_cache, plan, 0.2)
+
+    assert len(plan.decodes) >= 2
+    assert plan.decodes[0].rows.tolist() == [0]  # the long one pads nobody
+    padded = sum(g.bias.shape[0] * g.bias.shape[-1] for g in plan.decodes)
+    assert padded <= DECODE_PADDING_SLACK * sum(-(-n // block_size) * block_size
+                                                for n in seq_lens)
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out.double(), _naive_attention(batch, 0.2), rtol=1e-5,
+                               atol=1e-5)

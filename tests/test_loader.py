@@ -505,3 +505,23 @@ def test_attention_bias_on_all_four_projections_matches_transformers(
     with torch.no_grad():
         reference = hf_model(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 48, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_linear_equals_f_linear_on_every_path(rows: int, bias: bool) -> None:
+    """decoder.linear picks W @ x^T (up to SMALL_BATCH_ROWS rows, one row padded to two),
+    oneDNN or F.linear by batch size: each must compute x W^T + b, in fp32 to rounding,
+    and non-contiguous x (a view with a row stride) must work."""
+    from pagellm.executor.models.decoder import SMALL_BATCH_ROWS, linear
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=gen, dtype=torch.float64)
+    b = torch.randn(96, generator=gen, dtype=torch.float64) if bias else None
+    wide = torch.randn(rows, 80, generator=gen, dtype=torch.float64)
+    x = wide[:, :40]  # rows 80 apart
+    expected = torch.nn.functional.linear(x, weight, b)  # float64: the exact answer
+    y = linear(x.float(), weight.float(), None if b is None else b.float())
+    assert y.shape == (rows, 96) and y.dtype == torch.float32 and y.is_contiguous()
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
+    assert (rows <= SMALL_BATCH_ROWS) == (rows in (1, 2, 4))

@@ -52,10 +52,12 @@ class TorchAttention:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
+        self.scratch = reference.GatherScratch()
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.plan = reference.plan_attention(meta.block_tables, meta.query_start_loc_cpu,
-                                             meta.seq_lens_cpu, self.block_size)
+                                             meta.seq_lens_cpu, self.block_size,
+                                             self.scratch)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float

@@ -46,6 +46,14 @@ class EngineStartupError(RuntimeError):
             f"engine core failed to start: {self}")
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a container's or taskset's share), not the
+    host's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 class EngineProcess:
     def __init__(self, args: EngineArgs, address: str | None = None, num_local: int = 1,
                  local_rank: int = 0, extra_args: Sequence[str] = ()) -> None:
@@ -58,12 +66,13 @@ class EngineProcess:
         lifeline_read, lifeline_write = os.pipe()
         self._lifeline_write: int | None = lifeline_write
         env = dict(os.environ)
-        # Leave a core to this (frontend) process: it detokenizes while the engine steps,
-        # and OpenMP threads spinning on an oversubscribed CPU slow the forward pass
-        # several-fold (BENCHMARKS.md); data-parallel engine cores share the rest. An
-        # explicit OMP_NUM_THREADS wins.
+        # Every core to the engine (data-parallel engine cores share them): the frontend
+        # sleeps in a poll while the engine steps and detokenizes in the gaps, and on two
+        # cores the engine's second thread is worth 1.6x its throughput where leaving a
+        # core to the frontend gained nothing (BENCHMARKS.md). An explicit
+        # OMP_NUM_THREADS (even empty: torch's own default) wins.
         env.setdefault("OMP_NUM_THREADS",
-                       str(max(1, ((os.cpu_count() or 2) - 1) // max(1, num_local))))
+                       str(max(1, usable_cpus() // max(1, num_local))))
         if num_local > 1 and args.device in ("auto", "cuda"):
             # Data parallel: each engine core (and its tensor-parallel workers) gets its
             # own GPUs, out of those this process may see.

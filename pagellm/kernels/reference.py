@@ -44,6 +44,11 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
+# A decode group's padded blocks may exceed its requests' own by this factor: sorted by
+# length, decodes split into groups where one long context does not pad all the others.
+DECODE_PADDING_SLACK = 1.3
+
+
 @dataclass
 class Prefill:
     """One request whose query is longer than a token: rows [start, end) of the step."""
@@ -56,31 +61,59 @@ class Prefill:
 
 
 @dataclass
+class DecodeGroup:
+    """One-token queries of similar context lengths, attended as one padded batch of
+    whole gathered blocks [Bg, nb * block_size]. Rows past a request's own blocks repeat
+    its first block (its own, finite data); in a copy of its last block, positions past
+    the context may hold anything (a reused block keeps its previous owner's values,
+    NaN included, and 0 * NaN is NaN): those `stale` rows are zeroed after the gather.
+    Every position past the context is masked out of the softmax by `bias`."""
+
+    rows: torch.Tensor  # [Bg] int64 query rows
+    blocks: torch.Tensor  # [Bg * nb] int64
+    stale: torch.Tensor | None  # [P] int64 rows of the gathered [Bg * nb * block_size]
+    bias: torch.Tensor  # [Bg, 1, 1, nb * block_size] fp32: 0 inside the context, -inf past
+
+
+class GatherScratch:
+    """Where gathered keys and values land, kept from step to step: a fresh allocation
+    per layer page-faults tens of MB in again each time (the OS hands freed large blocks
+    back), which made the gathers up to 40 times slower than the copies themselves.
+    Grows to the largest gather seen; never shrinks."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, rows: int, row_numel: int, like: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two [rows, row_numel] tensors (keys, values) of `like`'s dtype and device."""
+        numel = rows * row_numel
+        buffer = self._buffer
+        if (buffer is None or buffer.shape[1] < numel or buffer.dtype != like.dtype
+                or buffer.device != like.device):
+            buffer = self._buffer = torch.empty(2, numel, dtype=like.dtype,
+                                                device=like.device)
+        return buffer[0, :numel].view(rows, row_numel), buffer[1, :numel].view(rows, row_numel)
+
+
+@dataclass
 class AttentionPlan:
     """The index work of one step's paged attention, done once and shared by every layer
-    (a step runs the same batch through all of them).
+    (a step runs the same batch through all of them)."""
 
-    One-token queries (decodes) are attended together: their blocks are gathered whole
-    into one padded batch [Bd, nb * block_size] of keys and values, positions past a
-    request's context (the rest of its last block, and padding blocks) are zeroed after
-    the gather, since any slot there may hold another request's non-finite values, and
-    masked out of the softmax by `decode_bias`."""
-
-    decode_rows: torch.Tensor | None  # [Bd] int64 query rows of the one-token requests
-    decode_blocks: torch.Tensor  # [Bd * nb] int64, each row's blocks (padded with block 0)
-    decode_stale: torch.Tensor | None  # [P] int64 rows of the gathered [Bd * nb * bs]
-    decode_bias: torch.Tensor  # [Bd, 1, 1, nb * bs] fp32: 0 inside the context, -inf past
+    decodes: list[DecodeGroup]
     prefills: list[Prefill]
+    scratch: GatherScratch
 
 
 def plan_attention(block_tables: torch.Tensor, query_start_loc: list[int],
-                   seq_lens: list[int], block_size: int) -> AttentionPlan:
+                   seq_lens: list[int], block_size: int,
+                   scratch: GatherScratch | None = None) -> AttentionPlan:
     """block_tables: [num_reqs(+), max_blocks] int32; query_start_loc, seq_lens: host
     ints as in `paged_attention`."""
     num_reqs = len(seq_lens)
     assert len(query_start_loc) == num_reqs + 1
     assert block_tables.dim() == 2 and block_tables.shape[0] >= num_reqs
-    device = block_tables.device
     decodes, prefills = [], []
     for i in range(num_reqs):
         start, end = query_start_loc[i], query_start_loc[i + 1]
@@ -91,19 +124,43 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: list[int],
             prefills.append(Prefill(start, end, seq_len,
                                     block_tables[i, :-(-seq_len // block_size)].long(),
                                     fresh=end - start == seq_len))
-    empty = torch.empty(0, dtype=torch.int64, device=device)
-    if not decodes:
-        return AttentionPlan(None, empty, None, torch.empty(0, 1, 1, 0, device=device),
-                             prefills)
-    lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
-    nb = -(-int(lens.max()) // block_size)
-    blocks = block_tables[decodes, :nb].long().reshape(-1)
-    stale = torch.arange(nb * block_size, device=device)[None, :] >= lens[:, None]
-    bias = torch.zeros(stale.shape, device=device).masked_fill_(stale, float("-inf"))
-    stale_rows = stale.reshape(-1).nonzero().squeeze(1)
-    return AttentionPlan(torch.tensor([query_start_loc[i] for i in decodes], device=device),
-                         blocks, stale_rows if stale_rows.numel() else None,
-                         bias[:, None, None, :], prefills)
+    decodes.sort(key=lambda i: -seq_lens[i])
+    groups: list[list[int]] = []
+    owned: list[int] = []  # blocks of their own in each group
+    for i in decodes:  # longest first: a group's first request sets its padded length
+        blocks = -(-seq_lens[i] // block_size)
+        if groups:
+            longest = -(-seq_lens[groups[-1][0]] // block_size)
+            if longest * (len(groups[-1]) + 1) <= DECODE_PADDING_SLACK * (owned[-1] + blocks):
+                groups[-1].append(i)
+                owned[-1] += blocks
+                continue
+        groups.append([i])
+        owned.append(blocks)
+    return AttentionPlan([_decode_group(block_tables, query_start_loc, seq_lens, block_size,
+                                        group) for group in groups],
+                         prefills, scratch or GatherScratch())
+
+
+def _decode_group(block_tables: torch.Tensor, query_start_loc: list[int],
+                  seq_lens: list[int], block_size: int, group: list[int]) -> DecodeGroup:
+    device = block_tables.device
+    index = torch.tensor(group, device=device)
+    lens = torch.tensor([seq_lens[i] for i in group], device=device)  # [Bg], descending
+    owned = (lens + block_size - 1) // block_size  # [Bg] blocks of its own
+    nb = int(owned[0])
+    table = block_tables[index, :nb].long()  # [Bg, nb]
+    blocks = torch.where(torch.arange(nb, device=device)[None, :] < owned[:, None],
+                         table, table[:, :1])
+    pos = torch.arange(nb * block_size, device=device)[None, :]  # [1, L]
+    # The position in its own sequence whose slot each gathered row holds.
+    source = torch.where(pos < (owned * block_size)[:, None], pos, pos % block_size)
+    stale = (source >= lens[:, None]).reshape(-1).nonzero().squeeze(1)
+    bias = torch.zeros(len(group), nb * block_size, device=device).masked_fill_(
+        pos >= lens[:, None], float("-inf"))
+    return DecodeGroup(torch.tensor([query_start_loc[i] for i in group], device=device),
+                       blocks.reshape(-1), stale if stale.numel() else None,
+                       bias[:, None, None, :])
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -136,24 +193,29 @@ def planned_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: Attenti
     num_kv_heads, kv_head_dim = kv_cache.shape[3:]
     assert kv_head_dim == head_dim and num_heads % num_kv_heads == 0
     out = torch.empty_like(query)
-    if plan.decode_rows is not None:
-        q = query[plan.decode_rows]
-        out[plan.decode_rows] = _decode_attention(q, kv_cache, plan, scale)
+    for group in plan.decodes:
+        out[group.rows] = _decode_attention(query[group.rows], kv_cache, group,
+                                            plan.scratch, scale)
     for p in plan.prefills:
         if p.fresh and key is not None and value is not None:
             k, v = key[p.start:p.end], value[p.start:p.end]
         else:
-            k, v = (_gather_blocks(kv_cache[i], p.blocks).view(-1, num_kv_heads, head_dim)
-                    [:p.seq_len] for i in (0, 1))
+            k, v = (t.view(-1, num_kv_heads, head_dim)[:p.seq_len]
+                    for t in _gather(kv_cache, p.blocks, plan.scratch))
         out[p.start:p.end] = _prefill_attention(query[p.start:p.end], k, v, scale)
     return out
 
 
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """cache: [num_blocks, block_size, H_kv, D] (keys or values); blocks: [N] int64 ->
-    [N, block_size * H_kv * D]. Whole blocks: index_select with one index per block
-    copies several times faster than one per token."""
-    return cache.view(cache.shape[0], -1).index_select(0, blocks)
+def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, scratch: GatherScratch
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_cache: [2, num_blocks, block_size, H_kv, D]; blocks: [N] int64 -> keys and
+    values [N, block_size * H_kv * D] in `scratch`. Whole blocks: index_select with one
+    index per block copies several times faster than one per token."""
+    num_blocks = kv_cache.shape[1]
+    k, v = scratch.take(blocks.numel(), kv_cache[0, 0].numel(), kv_cache)
+    torch.index_select(kv_cache[0].view(num_blocks, -1), 0, blocks, out=k)
+    torch.index_select(kv_cache[1].view(num_blocks, -1), 0, blocks, out=v)
+    return k, v
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -176,22 +238,22 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return o.transpose(0, 1).to(q.dtype)
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan,
-                      scale: float) -> torch.Tensor:
-    """q: [Bd, H, D], one query per request at its last position -> [Bd, H, D].
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
+                      scratch: GatherScratch, scale: float) -> torch.Tensor:
+    """q: [Bg, H, D], one query per request at its last position -> [Bg, H, D].
 
     Grouped-query attention without repeating K/V: the G = H / H_kv query heads that
-    share a KV head become G query rows of that head's attention ([Bd, H_kv, G, D]
-    against [Bd, H_kv, L, D]); one mask row serves them all."""
+    share a KV head become G query rows of that head's attention ([Bg, H_kv, G, D]
+    against [Bg, H_kv, L, D]); one mask row serves them all."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
-    length = plan.decode_bias.shape[-1]
-    k, v = (_gather_blocks(kv_cache[i], plan.decode_blocks) for i in (0, 1))
-    if plan.decode_stale is not None:  # may hold anything, NaN included: 0 * NaN is NaN
+    length = group.bias.shape[-1]
+    k, v = _gather(kv_cache, group.blocks, scratch)
+    if group.stale is not None:
         for t in (k, v):
-            t.view(-1, num_kv_heads * head_dim).index_fill_(0, plan.decode_stale, 0.0)
+            t.view(-1, num_kv_heads * head_dim).index_fill_(0, group.stale, 0.0)
     k, v = (_fp32(t.view(batch, length, num_kv_heads, head_dim).transpose(1, 2))
-            for t in (k, v))  # [Bd, H_kv, L, D]
+            for t in (k, v))  # [Bg, H_kv, L, D]
     groups = _fp32(q).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(groups, k, v, attn_mask=plan.decode_bias, scale=scale)
+    o = F.scaled_dot_product_attention(groups, k, v, attn_mask=group.bias, scale=scale)
     return o.reshape(batch, num_heads, head_dim).to(q.dtype)

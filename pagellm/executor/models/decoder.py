@@ -15,7 +15,7 @@ The forward pass takes the step's flat, unpadded token batch:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +89,56 @@ class DecoderSpec:
         )
 
 
+# Rows of x up to which a CPU GEMM runs as W @ x^T (BENCHMARKS.md, "CPU GEMMs").
+SMALL_BATCH_ROWS = 4
+
+
+def _onednn_linear() -> Callable[..., torch.Tensor] | None:
+    """oneDNN's fp32 linear on plain (unpacked) weights, where this torch has it."""
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) \
+        if torch.backends.mkldnn.is_available() else None
+    if op is None:
+        return None
+    try:  # present is not enough: some builds register it without a CPU kernel
+        op(torch.ones(2, 2), torch.ones(2, 2), None, "none", [], "")
+    except RuntimeError:
+        return None
+    return op
+
+
+_ONEDNN_LINEAR = _onednn_linear()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """F.linear (x: [M, in], weight: [out, in] -> [M, out]) with the CPU's fastest GEMM.
+
+    On the CPU, aten's fp32 GEMM is MKL's sgemm, which on this project's AMD machines
+    runs its AVX2 path: about 190 GFLOP/s on two cores where oneDNN, dispatching on
+    the CPU's own features (AVX-512 there), reaches 250 at 48 rows and 400 from a few
+    hundred, on the same unpacked weights. Below 5 rows both read W slowly (MKL's
+    sgemv at half the memory bandwidth, its sgemm with 2-4 rows at a third), while W @
+    x^T, with W as the big left operand, streams it near the bandwidth: a decode step of
+    a few requests is all such GEMMs. One row is padded to two for that path."""
+    rows = x.shape[0]
+    if x.is_cuda or x.dim() != 2 or rows == 0:
+        return F.linear(x, weight, bias)
+    if rows <= SMALL_BATCH_ROWS:
+        padded = x if rows > 1 else torch.cat((x, x))  # (a stride-0 expand is slow here)
+        y = torch.mm(weight, padded.t())[:, :rows].t().contiguous()  # [M, out]
+        return y if bias is None else y + bias
+    if _ONEDNN_LINEAR is not None and x.dtype == weight.dtype == torch.float32:
+        return _ONEDNN_LINEAR(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, optionally fused with the residual add before it."""
 
@@ -121,8 +171,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] (this rank's slice) -> [T, out_features] (the full sum)."""
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -152,7 +202,7 @@ class DecoderAttention(nn.Module):
                                                             spec.head_dim)
         self.q_size = tp.num_heads * spec.head_dim
         self.kv_size = tp.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=spec.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, spec.hidden_size, spec.o_bias, tp)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
@@ -180,7 +230,7 @@ class DecoderMLP(nn.Module):
     def __init__(self, spec: DecoderSpec, tp: TensorParallel) -> None:
         super().__init__()
         self.intermediate_size = tp.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * tp.intermediate_size, bias=False)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * tp.intermediate_size, bias=False)
         self.down_proj = RowParallelLinear(tp.intermediate_size, spec.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -276,7 +326,7 @@ class DecoderForCausalLM(nn.Module):
         """hidden: [N, hidden_size] -> logits [N, vocab_size] (gathered from every rank's
         vocabulary slice, so each rank has them all)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.tp.all_gather_last(F.linear(hidden, weight))
+        logits = self.tp.all_gather_last(linear(hidden, weight))
         return logits if self.tp.size == 1 else logits[:, :self.spec.vocab_size]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
