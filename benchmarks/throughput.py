@@ -106,8 +106,8 @@ def materialize(config_dir: str, dtype: torch.dtype, seed: int) -> Path:
     vocab = {f"t{i}": i for i in range(config.vocab_size)}
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
-        unk_token="t0", bos_token=f"t{config.bos_token_id or 0}",
-        eos_token=f"t{_first(config.eos_token_id)}")
+        unk_token="t0", pad_token="t0", bos_token=f"t{config.bos_token_id or 0}",
+        eos_token=f"t{_first(config.eos_token_id)}")  # every special token in the vocab
     tokenizer.save_pretrained(tmp)
     tmp.rename(out)
     return out
@@ -225,19 +225,25 @@ def run_ctranslate2(model_dir: Path, work: list[tuple[list[int], int]], batch_si
 
 
 def machine_peaks(threads: int) -> dict[str, float]:
-    """fp32 GEMM FLOP/s (best of a few 2048^3 torch.mm) and memory read bandwidth (best
-    of a few sums over 1 GiB), with `threads` torch threads."""
+    """fp32 GEMM FLOP/s and memory read bandwidth, with `threads` torch threads: the best
+    of a few 2048^3 GEMMs through aten (MKL) and through oneDNN, whichever is faster
+    here (the engine uses both), and of a few sums over 1 GiB."""
+    from pagellm.executor.models.decoder import _ONEDNN_LINEAR
+
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         n = 2048
         a, b = torch.randn(n, n), torch.randn(n, n)
-        gemm = min(_timed(lambda: torch.mm(a, b)) for _ in range(5))
+        mkl = min(_timed(lambda: torch.mm(a, b)) for _ in range(5))
+        onednn = min(_timed(lambda: _ONEDNN_LINEAR(a, b, None, "none", [], ""))
+                     for _ in range(5)) if _ONEDNN_LINEAR is not None else mkl
         big = torch.ones(2**28)  # 1 GiB of fp32
         read = min(_timed(big.sum) for _ in range(5))
     finally:
         torch.set_num_threads(saved)
-    return {"gemm_flops": 2 * n**3 / gemm, "read_bytes_per_s": big.numel() * 4 / read}
+    return {"gemm_flops": 2 * n**3 / min(mkl, onednn), "mkl_gemm_flops": 2 * n**3 / mkl,
+            "onednn_gemm_flops": 2 * n**3 / onednn, "read_bytes_per_s": big.numel() * 4 / read}
 
 
 def _timed(fn: Any) -> float:
@@ -337,8 +343,10 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"{len(work)} requests, prompt {ns.input_len[0]}-{ns.input_len[1]} tokens, "
           f"output {ns.output_len[0]}-{ns.output_len[1]} tokens, model {args.model}")
-    print(f"machine ({threads} threads): GEMM {peaks['gemm_flops'] / 1e9:.0f} GFLOP/s, "
-          f"read {peaks['read_bytes_per_s'] / 1e9:.1f} GB/s")
+    print(f"machine ({threads} threads): GEMM {peaks['gemm_flops'] / 1e9:.0f} GFLOP/s "
+          f"(MKL {peaks['mkl_gemm_flops'] / 1e9:.0f}, oneDNN "
+          f"{peaks['onednn_gemm_flops'] / 1e9:.0f}), read "
+          f"{peaks['read_bytes_per_s'] / 1e9:.1f} GB/s")
     print(f"{'engine':<14}{'seconds':>9}{'out tok/s':>11}{'GFLOP/s':>9}{'of peak':>9}"
           f"{'GB/s read':>11}{'of peak':>9}{'pagellm is':>12}{'same tokens':>13}")
     pagellm = results[0]

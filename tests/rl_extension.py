@@ -29,5 +29,13 @@ class Probe:
         time.sleep(seconds)
         return seconds
 
+    def cpu_settings(self) -> dict[str, Any]:
+        """The engine process's CPU settings as its threads see them: torch's thread
+        count, and the share of a multi-threaded product of subnormals that stays
+        subnormal (0.0 when every thread flushes them, 0.5 when one of two does)."""
+        x = torch.full((2**22,), 1e-39)  # parallel ops: every pool thread takes a part
+        kept = float(((x * 1.0) != 0).float().mean())
+        return {"threads": torch.get_num_threads(), "subnormals_kept": kept}
+
     def _private(self) -> None:  # not callable through collective_rpc
         raise AssertionError("unreachable")

@@ -1,0 +1,30 @@
+"""The CPU engine process's settings, read from inside it (a worker extension): every
+usable core, and subnormal floats flushed in every thread of its pool (a thread that
+keeps them computes a hundred times slower on them: BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pagellm import LLM
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_a_launched_cpu_engine_uses_every_core_and_flushes_subnormals_everywhere(
+        model_dirs, monkeypatch, tensor_parallel_size):
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))  # the engine imports rl_extension
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with LLM(str(model_dirs["llama"]), worker_extension_cls="rl_extension.Probe",
+             kv_cache_memory_bytes=8 * 2**20,
+             tensor_parallel_size=tensor_parallel_size) as llm:
+        settings = llm.collective_rpc("cpu_settings")
+    cores = len(os.sched_getaffinity(0))
+    assert [s["subnormals_kept"] for s in settings] == [0.0] * tensor_parallel_size
+    # Tensor-parallel ranks share the cores; one engine has them all.
+    assert [s["threads"] for s in settings] == \
+        [max(1, cores // tensor_parallel_size)] * tensor_parallel_size
