@@ -38,7 +38,8 @@ class RequestOutputCollector:
         """The request has news; never blocks, and costs nothing more if the consumer
         has not taken the last news yet."""
         self._ready = True
-        self._wake()
+        if self._waiter is not None:
+            self._wake()
 
     def fail(self, error: BaseException) -> None:
         """End the stream with `error` (after what was delivered before it)."""

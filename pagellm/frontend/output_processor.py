@@ -103,15 +103,17 @@ class CompletionState:
             text = text[:max(len(text) - self.stop_buffer, self.sent_text)]
         token_ids = self.detokenizer.token_ids
         logprobs = self.logprobs
-        if delta:
+        if delta:  # slices are copies already
             text, self.sent_text = text[self.sent_text:], len(text)
             token_ids, self.sent_tokens = token_ids[self.sent_tokens:], len(token_ids)
             if logprobs is not None:
                 logprobs, self.sent_logprobs = logprobs[self.sent_logprobs:], len(logprobs)
+        else:
+            token_ids = list(token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
         return CompletionOutput(
-            index=self.index, text=text, token_ids=list(token_ids),
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=list(logprobs) if logprobs is not None else None,
+            index=self.index, text=text, token_ids=token_ids,
+            cumulative_logprob=self.cumulative_logprob, logprobs=logprobs,
             finish_reason=str(self.finish_reason) if self.finished else None,
             stop_reason=self.stop_reason)
 
@@ -322,7 +324,7 @@ class OutputProcessor:
                 request_output = state.make_output(completion)
                 if request_output is not None:
                     processed.request_outputs.append(request_output)
-            if state.finished:
+            if completion.finish_reason is not None and state.finished:
                 self._forget(state.request_id)
         return processed
 
