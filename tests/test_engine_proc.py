@@ -288,12 +288,11 @@ def test_out_of_vocabulary_request_fails_alone(model_dirs, hf_reference):
         # Bypass the frontend's validation, as a client we did not write might.
         request = EngineCoreRequest("bad", [5, vocab + 5], GREEDY.clone(max_tokens=4), 0,
                                     time.time())
-        queue: asyncio.Queue = asyncio.Queue()
-        engine.output_processor.add_request(
+        collector = engine.output_processor.add_stream(
             ProcessedRequest("bad", None, request.prompt_token_ids, request.sampling_params,
-                             [request]), queue)
+                             [request]))
         engine.engine_core.add_request(request)
-        item = await queue.get()
+        item = await collector.get()
         assert isinstance(item, ValueError)
         raise item
 

@@ -106,6 +106,23 @@ def test_same_prompt_twice_hits_every_full_block_but_the_last_token():
     run_all(sched)
 
 
+def test_a_decoding_requests_blocks_become_findable_exactly_when_computed_full():
+    sched = make_scheduler()
+    request = make_request("a", PROMPT[:6], max_tokens=12)  # block 0 full, block 1 half
+    sched.add_request(request)
+    kv = sched.kv_cache_manager
+    for k in range(1, 13):
+        step(sched)
+        if k == 12:
+            break  # finished: its blocks are free (and stay findable)
+        # Step k computed 6 + (k - 1) tokens (the prompt, then one token a step).
+        full = (6 + k - 1) // BS
+        assert set(kv.block_pool.cached) == set(request.block_hashes[:full]), k
+        assert [kv.block_pool.cached[h].block_id for h in request.block_hashes[:full]] \
+            == kv.get_block_ids("a")[:full]
+    assert len(kv.block_pool.cached) == (6 + 11) // BS
+
+
 def test_a_prompt_of_whole_blocks_recomputes_its_last_block():
     sched = make_scheduler()
     sched.add_request(make_request("a", PROMPT[:16]))

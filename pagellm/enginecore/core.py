@@ -206,7 +206,8 @@ class EngineCore:
                 schedule_s=t1 - t0, prepare_inputs_s=runner_output.prepare_inputs_s,
                 forward_s=runner_output.forward_s, sample_s=runner_output.sample_s,
                 update_s=t3 - t2, collective_s=runner_output.collective_s,
-                dispatch_s=runner_output.dispatch_s))
+                dispatch_s=runner_output.dispatch_s,
+                attention_plan_s=runner_output.attention_plan_s))
             self.num_steps += 1
         return _by_client(outputs)
 

@@ -70,8 +70,18 @@ class KVCacheManager:
         Returns the ids of the fresh blocks added, or None, changing nothing, when
         there are not enough free blocks.
         """
-        hits = new_computed_blocks or []
         request_id = request.request_id
+        if new_computed_blocks is None:
+            # A running request (the scheduler asks this for each of them every step):
+            # most steps fit in the blocks it holds and fill none, so answer at once.
+            held_now = self.req_to_blocks.get(request_id)
+            end = request.num_computed_tokens + num_new_tokens
+            if held_now is not None and end <= len(held_now) * self.block_size and (
+                    not self.enable_prefix_caching
+                    or min(end // self.block_size, len(request.block_hashes))
+                    <= self.num_cached_blocks.get(request_id, 0)):
+                return []
+        hits = new_computed_blocks or []
         held = self.req_to_blocks.get(request_id, [])
         computed = request.num_computed_tokens + len(hits) * self.block_size
         needed = self.num_blocks_needed(request, num_new_tokens, len(hits))

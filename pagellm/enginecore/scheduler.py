@@ -114,29 +114,40 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        threshold = self.config.long_prefill_token_threshold
+        kv_cache_manager = self.kv_cache_manager
         num_scheduled: dict[str, int] = {}
         cached: list[CachedRequestData] = []
         new: list[NewRequestData] = []
         preempted_now = False
 
-        # 1. Running requests, in order.
+        # 1. Running requests, in order. This loop runs for every running request every
+        #    step, so it is kept lean: `_num_new_tokens` inlined, and a request's
+        #    num_computed_tokens advanced as soon as it is scheduled (preemption only
+        #    takes requests not yet scheduled this step: the tail, or the request itself).
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = self._num_new_tokens(request, budget)
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            block_ids = kv_cache_manager.allocate_slots(request, num_new)
             while block_ids is None:
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted_now = True
                 if victim is request:
                     break
-                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+                block_ids = kv_cache_manager.allocate_slots(request, num_new)
             if block_ids is None:
                 break  # the request preempted itself; everything after it is gone too
             cached.append(CachedRequestData(request.request_id, block_ids,
                                             request.num_computed_tokens))
             num_scheduled[request.request_id] = num_new
+            request.num_computed_tokens += num_new
             budget -= num_new
             i += 1
 
@@ -145,10 +156,10 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted_now
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
-            hits = self.kv_cache_manager.get_computed_blocks(request)
-            num_hit_tokens = len(hits) * self.kv_cache_manager.block_size
+            hits = kv_cache_manager.get_computed_blocks(request)
+            num_hit_tokens = len(hits) * kv_cache_manager.block_size
             num_new = self._num_new_tokens(request, budget, num_hit_tokens)
-            if self.kv_cache_manager.allocate_slots(request, num_new, hits) is None:
+            if kv_cache_manager.allocate_slots(request, num_new, hits) is None:
                 break
             self.waiting.pop()
             request.num_computed_tokens = num_hit_tokens
@@ -162,9 +173,10 @@ class Scheduler:
             new.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, list(request.output_token_ids),
                 request.sampling_params, request.eos_token_id,
-                self.kv_cache_manager.get_block_ids(request.request_id),
+                kv_cache_manager.get_block_ids(request.request_id),
                 request.num_computed_tokens, request.bad_words_token_ids))
             num_scheduled[request.request_id] = num_new
+            request.num_computed_tokens += num_new
             budget -= num_new
 
         output = SchedulerOutput(
@@ -177,39 +189,43 @@ class Scheduler:
         )
         self._finished_req_ids = []
         self._preempted_req_ids = []
-        for request_id, num in num_scheduled.items():
-            self.requests[request_id].num_computed_tokens += num
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> dict[int, list[EngineCoreOutput]]:
         """Append sampled tokens, finish requests that stop, free their blocks. Outputs
-        are grouped by the client each request came from."""
+        are grouped by the client each request came from.
+
+        This runs for every request every step: what few requests use (prompt logprobs)
+        is only looked at when the step has any, and one-token steps skip the list work."""
         outputs: dict[int, list[EngineCoreOutput]] = {}
+        requests = self.requests
+        check_stop = self._check_stop
+        logprobs_by_request = runner_output.logprobs
+        any_prompt_logprobs = bool(runner_output.prompt_logprobs)
         any_finished = False
         for request_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                          strict=True):
-            request = self.requests.get(request_id)
+            request = requests.get(request_id)
             if request is None:
                 continue  # aborted meanwhile
-            prompt_logprobs = self._new_prompt_logprobs(request, runner_output)
+            prompt_logprobs = (self._new_prompt_logprobs(request, runner_output)
+                               if any_prompt_logprobs else None)
             if not token_ids:  # a prompt chunk: samples nothing
                 if prompt_logprobs:
                     outputs.setdefault(request.client_index, []).append(EngineCoreOutput(
                         request_id, [], new_prompt_logprobs=prompt_logprobs))
                 continue
-            new_token_ids = []
-            for token_id in token_ids:
+            for k, token_id in enumerate(token_ids):
                 request.append_output_token_id(token_id)
-                new_token_ids.append(token_id)
-                if self._check_stop(request):
+                if check_stop(request):
+                    token_ids = token_ids[:k + 1]  # nothing after the stop is kept
+                    any_finished = True
+                    self._free(request)
                     break
-            if request.is_finished:
-                any_finished = True
-                self._free(request)
-            logprobs = runner_output.logprobs.get(request_id)
+            logprobs = logprobs_by_request.get(request_id) if logprobs_by_request else None
             outputs.setdefault(request.client_index, []).append(EngineCoreOutput(
-                request_id, new_token_ids, request.finish_reason, request.stop_reason,
+                request_id, token_ids, request.finish_reason, request.stop_reason,
                 new_logprobs=[logprobs] if logprobs is not None else None,
                 new_prompt_logprobs=prompt_logprobs,
                 num_cached_tokens=request.num_cached_tokens or 0))
@@ -259,16 +275,17 @@ class Scheduler:
         """vLLM's stop rules; EOS and stop tokens count only from min_tokens on."""
         params = request.sampling_params
         outputs = request.output_token_ids
-        last = outputs[-1]
-        if len(outputs) >= params.min_tokens:
+        num_outputs = len(outputs)
+        if num_outputs >= params.min_tokens:
+            last = outputs[-1]
             if last == request.eos_token_id and not params.ignore_eos:
                 request.finish(FinishReason.STOP)
                 return True
-            if last in request.stop_token_ids:
+            if request.stop_token_ids and last in request.stop_token_ids:
                 request.finish(FinishReason.STOP, stop_reason=last)
                 return True
         # prompt + max_tokens <= max_model_len was checked when the request arrived.
-        if len(outputs) >= request.max_tokens:
+        if num_outputs >= request.max_tokens:
             request.finish(FinishReason.LENGTH)
             return True
         return False

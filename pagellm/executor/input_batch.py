@@ -8,7 +8,7 @@ numpy operations instead of a Python loop per token:
 
     token_ids    [rows, max_model_len]   int32   prompt + output tokens
     block_table  [rows, max_blocks]      int32   the request's KV blocks
-    num_tokens / num_computed_tokens / num_blocks [rows]
+    num_tokens / num_blocks [rows]
     temperature / top_p / top_k / min_p  [rows]  sampling parameters
 """
 
@@ -30,7 +30,6 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
-        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)  # 0: greedy
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
@@ -63,7 +62,6 @@ class InputBatch:
         self.token_ids[row, len(prompt):n] = output
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = len(prompt)
-        self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
         self._set_sampling(row, new.sampling_params, new.eos_token_id)

@@ -70,6 +70,7 @@ class _StepInputs:
     sampling: np.ndarray  # indices into req_ids of the requests that sample
     sampling_rows: np.ndarray  # their InputBatch rows
     graph_size: int | None  # the CUDA graph's batch size, or None: run eagerly
+    attention_plan_s: float  # time in the attention backend's prepare
 
 
 class ModelRunner:
@@ -224,7 +225,7 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
         t2 = time.perf_counter()
-        sampled_token_ids: list[list[int]] = [[] for _ in inputs.req_ids]
+        sampled_token_ids: list[list[int]]
         logprobs: dict[str, TokenLogprobs] = {}
         if len(inputs.sampling):
             meta = self._sampling_metadata(inputs.sampling_rows)
@@ -232,12 +233,17 @@ class ModelRunner:
             # The step's one host sync; it also means every input copy is done.
             sampled_np = out.sampled.cpu().numpy()
             self.batch.append_tokens(inputs.sampling_rows, sampled_np)
-            for i, token_id in zip(inputs.sampling.tolist(), sampled_np.tolist(),
-                                   strict=True):
-                sampled_token_ids[i] = [token_id]
+            if len(inputs.sampling) == len(inputs.req_ids):  # every request samples
+                sampled_token_ids = [[token_id] for token_id in sampled_np.tolist()]
+            else:
+                sampled_token_ids = [[] for _ in inputs.req_ids]
+                for i, token_id in zip(inputs.sampling.tolist(), sampled_np.tolist(),
+                                       strict=True):
+                    sampled_token_ids[i] = [token_id]
             if out.logprobs is not None and meta.logprob_rows is not None:
                 logprobs = self._logprobs_by_request(inputs, meta.logprob_rows, out.logprobs)
         else:  # nothing to wait for: the next step must check its copies are done
+            sampled_token_ids = [[] for _ in inputs.req_ids]
             self.buffers.end_step()
         prompt_logprobs = self._prompt_logprobs(hidden, inputs) \
             if self.batch.num_prompt_logprobs else {}
@@ -245,7 +251,8 @@ class ModelRunner:
         collective_s, self.tp.collective_s = self.tp.collective_s, 0.0
         return ModelRunnerOutput(inputs.req_ids, sampled_token_ids, logprobs, prompt_logprobs,
                                  prepare_inputs_s=t1 - t0, forward_s=t2 - t1,
-                                 sample_s=t3 - t2, collective_s=collective_s)
+                                 sample_s=t3 - t2, collective_s=collective_s,
+                                 attention_plan_s=inputs.attention_plan_s)
 
     def retain(self, req_ids: set[str]) -> None:
         """Drop the state of every request not in `req_ids`."""
@@ -260,21 +267,22 @@ class ModelRunner:
             batch.remove(req_id)
         for new in so.scheduled_new_reqs:
             batch.add(new)
+        rows = batch.rows
         for cached in so.scheduled_cached_reqs:
-            row = batch.rows[cached.req_id]
-            if cached.new_block_ids:
-                batch.append_blocks(row, cached.new_block_ids)
-            batch.num_computed_tokens[row] = cached.num_computed_tokens
+            if cached.new_block_ids:  # most steps add no block to most requests
+                batch.append_blocks(rows[cached.req_id], cached.new_block_ids)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
         batch, bs = self.batch, self.block_size
-        req_ids = [c.req_id for c in so.scheduled_cached_reqs]
-        req_ids += [n.req_id for n in so.scheduled_new_reqs]
+        cached, new = so.scheduled_cached_reqs, so.scheduled_new_reqs
+        req_ids = [c.req_id for c in cached] + [n.req_id for n in new]
         num_reqs = len(req_ids)
-        rows = np.fromiter((batch.rows[r] for r in req_ids), np.int64, num_reqs)
-        counts = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64,
+        rows = np.fromiter(map(batch.rows.__getitem__, req_ids), np.int64, num_reqs)
+        counts = np.fromiter(map(so.num_scheduled_tokens.__getitem__, req_ids), np.int64,
                              num_reqs)
-        starts = batch.num_computed_tokens[rows].astype(np.int64)
+        # The scheduler's count is the one truth (the batch keeps no copy to drift).
+        starts = np.array([c.num_computed_tokens for c in cached]
+                          + [n.num_computed_tokens for n in new], np.int64)
         ends = starts + counts
         cu = np.cumsum(counts)
         req_index = np.repeat(np.arange(num_reqs), counts)  # [T] request of each token
@@ -283,7 +291,6 @@ class ModelRunner:
         block_tables = batch.block_table[rows, :batch.num_blocks[rows].max()]
         slot_mapping = (block_tables[req_index, positions // bs].astype(np.int64) * bs
                         + positions % bs)
-        batch.num_computed_tokens[rows] = ends
         sampling = np.flatnonzero(ends == batch.num_tokens[rows])  # caught up: sample
         num_tokens = int(cu[-1])
         # Every request computes one token: a CUDA graph's step, padded to its size.
@@ -303,12 +310,14 @@ class ModelRunner:
             max_query_len=int(counts.max()), backend=self.attention,
             num_segments=num_kv_segments(num_reqs, self.num_kv_heads,
                                          int(counts.max()), int(ends.max()), self.num_sms))
+        t_plan = time.perf_counter()
         self.attention.prepare(meta)
+        attention_plan_s = time.perf_counter() - t_plan
         return _StepInputs(req_ids, rows, starts, counts,
                            put("input_ids", input_ids, 0, graph_size),
                            put("positions", positions, 0, graph_size), meta,
                            put("logits_indices", cu[sampling] - 1), sampling,
-                           rows[sampling], graph_size)
+                           rows[sampling], graph_size, attention_plan_s)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         """Per-row parameters for the sampling rows (batch rows `rows`, sampler rows

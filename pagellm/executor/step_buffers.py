@@ -29,10 +29,14 @@ class StepBuffers:
         self.device = device
         self.on_cuda = device.type == "cuda"
         self.host: dict[str, torch.Tensor] = {}
+        # numpy views of the host buffers, made once: slicing a view costs a tenth of
+        # slicing the tensor and converting it, eight times a step.
+        self._host_arrays: dict[str, np.ndarray] = {}
         self.device_buffers: dict[str, torch.Tensor] = {}
         for name, (shape, dtype) in shapes.items():
             host = torch.zeros(shape, dtype=dtype, pin_memory=self.on_cuda)
             self.host[name] = host
+            self._host_arrays[name] = host.numpy()
             self.device_buffers[name] = (torch.zeros(shape, dtype=dtype, device=device)
                                          if self.on_cuda else host)
         self._copied: torch.cuda.Event | None = None
@@ -54,7 +58,7 @@ class StepBuffers:
         data = np.asarray(array)
         rows = len(data)
         size = rows if size is None else size
-        host = self.host[name][:size].numpy()
+        host = self._host_arrays[name]
         if data.ndim == 2:
             host[:rows, :data.shape[1]] = data
         else:

@@ -4,9 +4,12 @@
         ...
 
 One output-handler task per event loop reads the engine core's outputs (zmq's asyncio
-support: no polling), detokenizes them, and puts each request's `RequestOutput`s on
-that request's queue; `generate` is an async generator over its queue. Leaving the
-loop early or cancelling the consuming task aborts the request in the engine core.
+support: no polling) and detokenizes them; one pass on the loop delivers a whole engine
+step to every stream's `RequestOutputCollector`, and each consumer builds its
+`RequestOutput` when it runs, from everything since its last one (a consumer that is
+behind wakes once for several steps). `generate` is an async generator over its
+collector. Leaving the loop early or cancelling the consuming task aborts the request
+in the engine core.
 
 Tokenization and chat templates never run on the event loop: they run on one
 tokenizer thread (`run_in_tokenizer_thread`), one job at a time, so a long prompt
@@ -33,7 +36,7 @@ from pagellm.frontend.core_client import (
 )
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagellm.frontend.mp_client import CurveClientKeys
-from pagellm.frontend.output_processor import OutputProcessor, OutputQueue
+from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.outputs import RequestOutput
 from pagellm.frontend.rl import WeightsArg, init_info_of, weight_update
 from pagellm.frontend.tokenizer import generation_eos_token_ids, tokenizer_for
@@ -119,14 +122,14 @@ class AsyncLLM:
         engine_core.check_alive()
         self._ensure_output_handler()
         request_id = processed.request_id
-        queue: OutputQueue = asyncio.Queue()
-        self.output_processor.add_request(processed, queue)
+        collector = self.output_processor.add_stream(processed)
         finished = False
         try:
             for request in processed.engine_requests:
                 engine_core.add_request(request)
             while not finished:
-                item = await queue.get()
+                # No wait (no task switch) when an output is already there.
+                item = collector.get_nowait() or await collector.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

@@ -43,9 +43,13 @@ class IncrementalDetokenizer:
         self.token_ids += new_token_ids
         if self.tokenizer is None:
             return ""
-        if self._stream is not None:
-            pieces = [self._stream.step(self._backend, t) for t in new_token_ids]
-            delta = "".join(p for p in pieces if p)
+        if self._stream is not None:  # usually one token: no list, no join
+            step, backend = self._stream.step, self._backend
+            delta = ""
+            for token_id in new_token_ids:
+                piece = step(backend, token_id)
+                if piece:
+                    delta += piece
         else:  # a tokenizer without a fast backend: decode all, hold back partial chars
             full = self.tokenizer.decode(self.token_ids, **self.decode_kwargs)
             if full.endswith("\ufffd"):

@@ -10,14 +10,13 @@ it in the engine core at once.
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.frontend.detokenizer import IncrementalDetokenizer
 from pagellm.frontend.input_processor import ProcessedRequest
+from pagellm.frontend.output_collector import RequestOutputCollector
 from pagellm.frontend.outputs import (
     CompletionOutput,
     Logprob,
@@ -32,10 +31,6 @@ from pagellm.protocol.messages import (
     TokenLogprobs,
 )
 from pagellm.protocol.sampling_params import RequestOutputKind
-
-# AsyncLLM streams each request through its own queue: outputs, or the exception that
-# ends the stream.
-OutputQueue = asyncio.Queue[RequestOutput | BaseException]
 
 
 class EngineUnavailableError(ValueError):
@@ -108,15 +103,17 @@ class CompletionState:
             text = text[:max(len(text) - self.stop_buffer, self.sent_text)]
         token_ids = self.detokenizer.token_ids
         logprobs = self.logprobs
-        if delta:
+        if delta:  # slices are copies already
             text, self.sent_text = text[self.sent_text:], len(text)
             token_ids, self.sent_tokens = token_ids[self.sent_tokens:], len(token_ids)
             if logprobs is not None:
                 logprobs, self.sent_logprobs = logprobs[self.sent_logprobs:], len(logprobs)
+        else:
+            token_ids = list(token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
         return CompletionOutput(
-            index=self.index, text=text, token_ids=list(token_ids),
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=list(logprobs) if logprobs is not None else None,
+            index=self.index, text=text, token_ids=token_ids,
+            cumulative_logprob=self.cumulative_logprob, logprobs=logprobs,
             finish_reason=str(self.finish_reason) if self.finished else None,
             stop_reason=self.stop_reason)
 
@@ -124,13 +121,14 @@ class CompletionState:
 class RequestState:
     """A user's request: its completions, and where its outputs go."""
 
-    def __init__(self, processed: ProcessedRequest, tokenizer: Any,
-                 queue: OutputQueue | None) -> None:
+    def __init__(self, processed: ProcessedRequest, tokenizer: Any) -> None:
         self.request_id = processed.request_id
         self.prompt = processed.prompt
         self.prompt_token_ids = processed.prompt_token_ids
         self.output_kind = processed.params.output_kind
-        self.queue = queue
+        self.collector: RequestOutputCollector | None = None  # a stream's (AsyncLLM)
+        # Completions with news the stream has not been given yet (DELTA).
+        self.unsent: list[CompletionState] = []
         self.engine_ids = [r.request_id for r in processed.engine_requests]
         self.completions = [CompletionState(i, r, tokenizer)
                             for i, r in enumerate(processed.engine_requests)]
@@ -141,13 +139,15 @@ class RequestState:
         self.stats = RequestStateStats(arrival_time=processed.engine_requests[0].arrival_time)
         self.num_cached_tokens: int | None = None
 
-    def update_stats(self, output: EngineCoreOutput, completion: CompletionState) -> None:
-        """Token times and the prefix-cache hit, from one engine output."""
-        if completion.index == 0 and output.new_token_ids and self.num_cached_tokens is None:
-            self.num_cached_tokens = output.num_cached_tokens
+    def update_stats(self, output: EngineCoreOutput, completion: CompletionState,
+                     now: float) -> None:
+        """Token times (`now`: when the frontend received the output) and the
+        prefix-cache hit, from one engine output."""
         if not output.new_token_ids:
             return
-        stats, now = self.stats, time.monotonic()
+        if self.num_cached_tokens is None and completion.index == 0:
+            self.num_cached_tokens = output.num_cached_tokens
+        stats = self.stats
         if stats.num_generation_tokens == 0:
             stats.first_token_ts = now
             stats.first_token_latency = max(time.time() - stats.arrival_time, 0.0)
@@ -160,15 +160,43 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.completions)
+        return all(c.finish_reason is not None for c in self.completions)
 
-    def make_output(self, changed: CompletionState) -> RequestOutput | None:
-        finished = self.finished
+    def notify(self, changed: CompletionState) -> None:
+        """A stream's news: `changed` goes into an output built when the consumer takes
+        it (`take_output`). FINAL_ONLY has news only at the end."""
+        if self.output_kind == RequestOutputKind.DELTA:
+            if changed not in self.unsent:
+                self.unsent.append(changed)
+        elif self.output_kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+            return
+        assert self.collector is not None
+        self.collector.notify()
+
+    def take_output(self) -> RequestOutput | None:
+        """For a stream: everything it has not been given yet. A DELTA output carries
+        one completion (the one whose news waited longest, with all of it); any other
+        completion with news is ready for the next take at once."""
+        if self.output_kind != RequestOutputKind.DELTA:
+            return self.make_output(None)
+        if not self.unsent:
+            return None
+        changed = self.unsent.pop(0)
+        if self.unsent:
+            assert self.collector is not None
+            self.collector.notify()
+        return self.make_output(changed)
+
+    def make_output(self, changed: CompletionState | None) -> RequestOutput | None:
+        """DELTA: what `changed` added since its last output. A stream's output is final
+        only once no other completion's news waits behind it."""
+        finished = self.finished and not self.unsent
         if self.output_kind == RequestOutputKind.FINAL_ONLY:
             if not finished:
                 return None
             outputs = [c.completion(delta=False) for c in self.completions]
         elif self.output_kind == RequestOutputKind.DELTA:
+            assert changed is not None
             outputs = [changed.completion(delta=True)]
         else:  # CUMULATIVE: every completion that has begun
             outputs = [c.completion(delta=False) for c in self.completions
@@ -177,16 +205,19 @@ class RequestState:
         if prompt_logprobs is not None and self.output_kind == RequestOutputKind.DELTA:
             prompt_logprobs, self.sent_prompt_logprobs = (
                 prompt_logprobs[self.sent_prompt_logprobs:], len(prompt_logprobs))
+        stats = self.stats  # a snapshot: the output must not change as the stream goes on
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              finished, list(prompt_logprobs) if prompt_logprobs is not None
-                             else None, dataclasses.replace(self.stats),
+                             else None,
+                             RequestStateStats(stats.arrival_time, stats.num_generation_tokens,
+                                               stats.first_token_ts, stats.last_token_ts,
+                                               stats.first_token_latency),
                              self.num_cached_tokens)
 
-    def emit(self, output: RequestOutput | BaseException, into: ProcessedOutputs) -> None:
-        if self.queue is not None:
-            self.queue.put_nowait(output)
-        elif isinstance(output, RequestOutput):
-            into.request_outputs.append(output)
+    def fail(self, error: BaseException) -> None:
+        """End the stream, if any, with `error`."""
+        if self.collector is not None:
+            self.collector.fail(error)
 
 
 def logprob_dict(position: TokenLogprobs, tokenizer: Any | None) -> PositionLogprobs:
@@ -222,20 +253,28 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self._by_engine_id: dict[str, tuple[RequestState, CompletionState]] = {}
 
-    def add_request(self, processed: ProcessedRequest, queue: OutputQueue | None = None
-                    ) -> None:
-        """Track a request; with a queue its outputs go there instead of into the
-        `ProcessedOutputs` that `process_outputs` returns."""
+    def add_request(self, processed: ProcessedRequest) -> None:
+        """Track a request whose outputs `process_outputs` returns (LLM)."""
+        self._add(processed)
+
+    def add_stream(self, processed: ProcessedRequest) -> RequestOutputCollector:
+        """Track a request whose outputs go to the collector returned (AsyncLLM)."""
+        state = self._add(processed)
+        state.collector = RequestOutputCollector(state.take_output)
+        return state.collector
+
+    def _add(self, processed: ProcessedRequest) -> RequestState:
         if processed.request_id in self.requests:
             raise ValueError(f"request id {processed.request_id!r} is already in use")
-        state = RequestState(processed, self.tokenizer, queue)
+        state = RequestState(processed, self.tokenizer)
         self.requests[processed.request_id] = state
         for engine_id, completion in zip(state.engine_ids, state.completions, strict=True):
             self._by_engine_id[engine_id] = (state, completion)
+        return state
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget requests; returns the engine ids of their unfinished completions (to
-        abort in the engine core). A queued stream ends with a final output whose
+        abort in the engine core). A stream ends with a final output whose
         finish_reason is "abort"."""
         to_abort: list[str] = []
         for request_id in request_ids:
@@ -247,16 +286,18 @@ class OutputProcessor:
                 if not completion.finished:
                     to_abort.append(engine_id)
                     completion.finish_reason = FinishReason.ABORT
-            final = state.make_output(state.completions[0])
-            if state.queue is not None and final is not None:
-                state.queue.put_nowait(final)
+                    if state.collector is not None:
+                        state.notify(completion)  # its final output says "abort"
         return to_abort
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """One engine step's outputs (for many requests: this runs for every stream every
+        step, so per-output work is kept to what the output needs)."""
         processed = ProcessedOutputs()
+        now = time.monotonic()
         for output in outputs:
             found = self._by_engine_id.get(output.request_id)
             if found is None:
@@ -265,8 +306,7 @@ class OutputProcessor:
             if output.finish_reason == FinishReason.ERROR:
                 error = output.error or "engine error"
                 kind = EngineUnavailableError if output.unavailable else ValueError
-                state.emit(kind(f"request {state.request_id} failed in the engine: "
-                                f"{error}"), processed)
+                state.fail(kind(f"request {state.request_id} failed in the engine: {error}"))
                 processed.errors[state.request_id] = error
                 processed.reqs_to_abort += [e for e, c in zip(state.engine_ids,
                                                               state.completions, strict=True)
@@ -275,21 +315,23 @@ class OutputProcessor:
                 continue
             if output.new_prompt_logprobs:
                 state.add_prompt_logprobs(output.new_prompt_logprobs)
-            state.update_stats(output, completion)
+            state.update_stats(output, completion, now)
             if completion.update(output):
                 processed.reqs_to_abort.append(output.request_id)
-            request_output = state.make_output(completion)
-            if request_output is not None:
-                state.emit(request_output, processed)
-            if state.finished:
+            if state.collector is not None:
+                state.notify(completion)  # the output is built when the consumer runs
+            else:
+                request_output = state.make_output(completion)
+                if request_output is not None:
+                    processed.request_outputs.append(request_output)
+            if completion.finish_reason is not None and state.finished:
                 self._forget(state.request_id)
         return processed
 
     def fail_all(self, error: BaseException) -> None:
-        """End every queued stream with `error` (the engine died) and forget them all."""
+        """End every stream with `error` (the engine died) and forget them all."""
         for state in self.requests.values():
-            if state.queue is not None:
-                state.queue.put_nowait(error)
+            state.fail(error)
         self.requests.clear()
         self._by_engine_id.clear()
 

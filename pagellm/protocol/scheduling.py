@@ -70,3 +70,4 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     sample_s: float = 0.0
     collective_s: float = 0.0  # of forward_s and sample_s: tensor-parallel collectives
     dispatch_s: float = 0.0  # executor <-> worker processes, beyond the worker's time
+    attention_plan_s: float = 0.0  # of prepare_inputs_s: the attention backend's prepare

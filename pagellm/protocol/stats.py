@@ -16,6 +16,9 @@ class StepTimings(msgspec.Struct, array_like=True, gc=False):
     output_encode_s: float = 0.0
     collective_s: float = 0.0  # part of forward_s + sample_s (tensor parallel, CPU only)
     dispatch_s: float = 0.0  # sending the step to the worker processes and back
+    # Part of prepare_inputs_s: the attention backend's per-step plan (on the CPU, the
+    # reference kernels' gather indices and masks, shared by every layer).
+    attention_plan_s: float = 0.0
 
 
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
