@@ -319,3 +319,35 @@ def test_decodes_of_very_different_lengths_split_into_groups_and_stay_exact() ->
     assert bool(torch.isfinite(out).all())
     torch.testing.assert_close(out.double(), _naive_attention(batch, 0.2), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_plan_zeroes_exactly_the_gathered_rows_past_each_context(seed: int) -> None:
+    """A gathered row holds position p of its own sequence (in a padding copy of its
+    first block, p = offset in the block); it is stale exactly when p >= its length.
+    The plan's stale rows, built from ranges, must be that set (brute force here), and
+    its blocks the request's own, padded with its first."""
+    gen = torch.Generator().manual_seed(seed)
+    block_size = 4
+    seq_lens = [*torch.randint(1, 30, (9,), generator=gen).tolist(), 1, 4, 5]
+    table = torch.randint(0, 50, (len(seq_lens), 10), generator=gen, dtype=torch.int32)
+    plan = plan_attention(table, list(range(len(seq_lens) + 1)), seq_lens, block_size)
+    seen = []
+    for group in plan.decodes:
+        rows = group.rows.tolist()
+        seen += rows
+        length = group.bias.shape[-1]
+        nb = length // block_size
+        expected_stale, expected_blocks = [], []
+        for r, request in enumerate(rows):
+            n, own = seq_lens[request], -(-seq_lens[request] // block_size)
+            expected_blocks += [int(table[request, c if c < own else 0]) for c in range(nb)]
+            for p in range(length):
+                source = p if p < own * block_size else p % block_size
+                if source >= n:
+                    expected_stale.append(r * length + p)
+            assert group.bias[r, 0, 0].isinf().tolist() == [p >= n for p in range(length)]
+        stale = [] if group.stale is None else group.stale.tolist()
+        assert sorted(stale) == expected_stale
+        assert group.blocks.tolist() == expected_blocks
+    assert sorted(seen) == list(range(len(seq_lens)))

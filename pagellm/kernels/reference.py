@@ -17,8 +17,10 @@ being the last ones of that context.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -110,57 +112,75 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: list[int],
                    seq_lens: list[int], block_size: int,
                    scratch: GatherScratch | None = None) -> AttentionPlan:
     """block_tables: [num_reqs(+), max_blocks] int32; query_start_loc, seq_lens: host
-    ints as in `paged_attention`."""
+    ints as in `paged_attention`. The index work runs in numpy on the host (a few small
+    arrays per step: torch's per-op overhead would cost more than the work)."""
     num_reqs = len(seq_lens)
     assert len(query_start_loc) == num_reqs + 1
     assert block_tables.dim() == 2 and block_tables.shape[0] >= num_reqs
-    decodes, prefills = [], []
-    for i in range(num_reqs):
-        start, end = query_start_loc[i], query_start_loc[i + 1]
-        if end - start == 1:
-            decodes.append(i)
-        elif end > start:
-            seq_len = seq_lens[i]
-            prefills.append(Prefill(start, end, seq_len,
-                                    block_tables[i, :-(-seq_len // block_size)].long(),
-                                    fresh=end - start == seq_len))
-    decodes.sort(key=lambda i: -seq_lens[i])
-    groups: list[list[int]] = []
-    owned: list[int] = []  # blocks of their own in each group
-    for i in decodes:  # longest first: a group's first request sets its padded length
-        blocks = -(-seq_lens[i] // block_size)
-        if groups:
-            longest = -(-seq_lens[groups[-1][0]] // block_size)
-            if longest * (len(groups[-1]) + 1) <= DECODE_PADDING_SLACK * (owned[-1] + blocks):
-                groups[-1].append(i)
-                owned[-1] += blocks
-                continue
-        groups.append([i])
-        owned.append(blocks)
-    return AttentionPlan([_decode_group(block_tables, query_start_loc, seq_lens, block_size,
-                                        group) for group in groups],
-                         prefills, scratch or GatherScratch())
-
-
-def _decode_group(block_tables: torch.Tensor, query_start_loc: list[int],
-                  seq_lens: list[int], block_size: int, group: list[int]) -> DecodeGroup:
     device = block_tables.device
-    index = torch.tensor(group, device=device)
-    lens = torch.tensor([seq_lens[i] for i in group], device=device)  # [Bg], descending
-    owned = (lens + block_size - 1) // block_size  # [Bg] blocks of its own
+    table = block_tables.cpu().numpy()  # free on the CPU, the CPU path's case
+    starts = np.asarray(query_start_loc, dtype=np.int64)
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    q_lens = np.diff(starts)
+    prefills = [Prefill(int(starts[i]), int(starts[i + 1]), int(lens[i]),
+                        block_tables[i, :-(-int(lens[i]) // block_size)].long(),
+                        fresh=bool(q_lens[i] == lens[i]))
+                for i in np.flatnonzero(q_lens > 1).tolist()]
+    decodes = np.flatnonzero(q_lens == 1)
+    decodes = decodes[np.argsort(-lens[decodes], kind="stable")]  # longest first
+    owned = ((lens[decodes] + block_size - 1) // block_size).tolist()
+    groups: list[tuple[int, int]] = []  # [first, end) into `decodes`
+    first, own = 0, 0
+    for j, blocks in enumerate(owned):  # a group's first sets its length
+        if j > first and owned[first] * (j - first + 1) > DECODE_PADDING_SLACK * (own + blocks):
+            groups.append((first, j))
+            first, own = j, 0
+        own += blocks
+    if len(decodes):
+        groups.append((first, len(decodes)))
+
+    def to(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device)
+
+    return AttentionPlan([_decode_group(table, starts, lens, block_size, decodes[a:b], to)
+                          for a, b in groups], prefills, scratch or GatherScratch())
+
+
+def _decode_group(table: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                  block_size: int, index: np.ndarray,
+                  to: Callable[[np.ndarray], torch.Tensor]) -> DecodeGroup:
+    """The decode group of requests `index` (longest first): see `DecodeGroup`."""
+    bs, batch = block_size, len(index)
+    group_lens = lens[index]  # [Bg]
+    owned = (group_lens + bs - 1) // bs  # [Bg] blocks of its own
     nb = int(owned[0])
-    table = block_tables[index, :nb].long()  # [Bg, nb]
-    blocks = torch.where(torch.arange(nb, device=device)[None, :] < owned[:, None],
-                         table, table[:, :1])
-    pos = torch.arange(nb * block_size, device=device)[None, :]  # [1, L]
-    # The position in its own sequence whose slot each gathered row holds.
-    source = torch.where(pos < (owned * block_size)[:, None], pos, pos % block_size)
-    stale = (source >= lens[:, None]).reshape(-1).nonzero().squeeze(1)
-    bias = torch.zeros(len(group), nb * block_size, device=device).masked_fill_(
-        pos >= lens[:, None], float("-inf"))
-    return DecodeGroup(torch.tensor([query_start_loc[i] for i in group], device=device),
-                       blocks.reshape(-1), stale if stale.numel() else None,
-                       bias[:, None, None, :])
+    length = nb * bs
+    rows = table[index, :nb].astype(np.int64)  # [Bg, nb]
+    blocks = np.where(np.arange(nb)[None, :] < owned[:, None], rows, rows[:, :1])
+    # Stale rows: in each request's last block, the slots past its context; a one-block
+    # request pads with copies of that block, so the same slots in every copy.
+    row_start = np.arange(batch) * length
+    tail = group_lens - (owned - 1) * bs  # first stale slot of the last block, 1..bs
+    stale = [_ranges(row_start + (owned - 1) * bs + tail, bs - tail)]
+    single = np.flatnonzero(owned == 1)
+    if nb > 1 and len(single):
+        copies = np.arange(1, nb) * bs  # [nb - 1]
+        first = (row_start[single, None] + copies[None, :]
+                 + group_lens[single, None]).reshape(-1)
+        stale.append(_ranges(first, np.repeat(bs - group_lens[single], nb - 1)))
+    stale_rows = np.concatenate(stale)
+    bias = np.zeros((batch, length), dtype=np.float32)
+    bias[np.arange(length)[None, :] >= group_lens[:, None]] = -np.inf
+    return DecodeGroup(to(starts[index]), to(blocks.reshape(-1)),
+                       to(stale_rows) if len(stale_rows) else None,
+                       to(bias[:, None, None, :]))
+
+
+def _ranges(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The concatenation of range(first, first + count) for each pair (int64)."""
+    total = int(counts.sum())
+    offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    return (np.repeat(firsts, counts) + offsets).astype(np.int64)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
