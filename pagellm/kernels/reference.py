@@ -169,8 +169,10 @@ def _decode_group(table: np.ndarray, starts: np.ndarray, lens: np.ndarray,
                  + group_lens[single, None]).reshape(-1)
         stale.append(_ranges(first, np.repeat(bs - group_lens[single], nb - 1)))
     stale_rows = np.concatenate(stale)
-    bias = np.zeros((batch, length), dtype=np.float32)
-    bias[np.arange(length)[None, :] >= group_lens[:, None]] = -np.inf
+    # Row r is 0 for the first len_r positions, -inf after: a window onto one template.
+    template = np.zeros(2 * length, dtype=np.float32)
+    template[length:] = -np.inf
+    bias = np.lib.stride_tricks.sliding_window_view(template, length)[length - group_lens]
     return DecodeGroup(to(starts[index]), to(blocks.reshape(-1)),
                        to(stale_rows) if len(stale_rows) else None,
                        to(bias[:, None, None, :]))
