@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTRAS = ("serve", "compat", "test")
+EXTRAS = ("serve", "bench", "compat", "test")
 OVERRIDES = {"torch": "2.13.0"}
 # name, optional [extras] (pip constraints take none: the pin is on the name), floor.
 REQUIREMENT = re.compile(
