@@ -28,3 +28,23 @@ def test_a_launched_cpu_engine_uses_every_core_and_flushes_subnormals_everywhere
     # Tensor-parallel ranks share the cores; one engine has them all.
     assert [s["threads"] for s in settings] == \
         [max(1, cores // tensor_parallel_size)] * tensor_parallel_size
+
+
+def _subnormals_survive() -> bool:
+    """Whether this process's floats keep subnormals: 1e-39 is one (normals start at
+    1.2e-38), flushed to zero where denormals-are-zero is set."""
+    import torch
+
+    return bool(torch.tensor([1e-39], dtype=torch.float32).item() != 0.0)
+
+
+def test_an_in_process_engine_leaves_the_host_process_floats_alone(model_dirs):
+    """Flushing subnormals is process-wide: an engine embedded in a user's process
+    (multiprocess=False) must not change the arithmetic of every other library there
+    (hypothesis, numpy, the user's own code)."""
+    assert _subnormals_survive()
+    with LLM(str(model_dirs["llama"]), multiprocess=False,
+             kv_cache_memory_bytes=8 * 2**20) as llm:
+        assert llm.generate([{"prompt_token_ids": [1, 2, 3]}])[0].outputs[0].token_ids
+        assert _subnormals_survive()
+    assert _subnormals_survive()

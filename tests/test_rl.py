@@ -429,11 +429,22 @@ def test_fifty_cycles_of_sleep_update_wake_leak_nothing(model_dirs):
 # --- pause and resume (AsyncLLM: requests in flight) ------------------------------------
 
 
-async def _collect(engine: AsyncLLM, prompt, params, request_id):
+async def _collect(engine: AsyncLLM, prompt, params, request_id, started=None):
     final = None
     async for out in engine.generate(prompt, params, request_id=request_id):
         final = out
+        if started is not None:
+            started.set()
     return final
+
+
+async def _running(engine: AsyncLLM, prompt, params, request_id) -> asyncio.Task:
+    """A request collected in the background, returned once its first token is out: a
+    fixed wait instead raced the engine, which may finish a short request in that time."""
+    started = asyncio.Event()
+    task = asyncio.create_task(_collect(engine, prompt, params, request_id, started))
+    await asyncio.wait_for(started.wait(), 30)
+    return task
 
 
 def test_pause_in_each_mode_with_requests_in_flight(model_dirs):
@@ -445,8 +456,7 @@ def test_pause_in_each_mode_with_requests_in_flight(model_dirs):
         try:
             reference = await _collect(engine, PROMPTS[1], long, "ref")
             # abort: in-flight requests end now, with reason "abort"
-            task = asyncio.create_task(_collect(engine, PROMPTS[1], long, "a"))
-            await asyncio.sleep(0.3)
+            task = await _running(engine, PROMPTS[1], long, "a")
             await engine.pause_generation(mode="abort")
             aborted = await asyncio.wait_for(task, 30)
             assert aborted.outputs[0].finish_reason == "abort"
@@ -455,8 +465,7 @@ def test_pause_in_each_mode_with_requests_in_flight(model_dirs):
                 await _collect(engine, PROMPTS[0], long, "refused")
             await engine.resume_generation()
             # wait: the call returns when they are done, and they finish normally
-            task = asyncio.create_task(_collect(engine, PROMPTS[1], long, "w"))
-            await asyncio.sleep(0.3)
+            task = await _running(engine, PROMPTS[1], long, "w")
             await engine.pause_generation(mode="wait")  # returns once "w" has finished
             assert await engine.is_paused()
             waited = await asyncio.wait_for(task, 10)
@@ -464,8 +473,7 @@ def test_pause_in_each_mode_with_requests_in_flight(model_dirs):
             assert waited.outputs[0].token_ids == reference.outputs[0].token_ids
             await engine.resume_generation()
             # keep: frozen in place, then continued: the same tokens as never paused
-            task = asyncio.create_task(_collect(engine, PROMPTS[1], long, "k"))
-            await asyncio.sleep(0.3)
+            task = await _running(engine, PROMPTS[1], long, "k")
             await engine.pause_generation(mode="keep")
             late = asyncio.create_task(_collect(engine, PROMPTS[1], long, "late"))
             stats = await engine.get_stats()
@@ -494,8 +502,7 @@ def test_sleep_in_keep_mode_continues_the_requests_after_waking(model_dirs):
                           kv_cache_memory_bytes=8 * 2**20)
         try:
             reference = await _collect(engine, PROMPTS[2], long, "ref")
-            task = asyncio.create_task(_collect(engine, PROMPTS[2], long, "k"))
-            await asyncio.sleep(0.3)
+            task = await _running(engine, PROMPTS[2], long, "k")
             await engine.sleep(level=1, mode="keep")
             assert await engine.is_sleeping() and not task.done()
             assert await engine.wake_up() is True

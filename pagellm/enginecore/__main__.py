@@ -62,6 +62,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m pagellm.engin
     if (ns.address is None) != ns.headless:
         parser.error("--address is required (and --headless takes none)")
     configure_logging()
+    from pagellm.executor.memory import tune_engine_process
+
+    tune_engine_process()
     if ns.headless:
         from pagellm.executor.multiproc import run_headless
 

@@ -26,6 +26,9 @@ class AttentionBackend(Protocol):
     def prepare(self, meta: AttentionMetadata) -> None:
         """Once per step, before the first layer: index work every layer shares."""
 
+    def release(self) -> None:
+        """Free what is kept from step to step (sleep frees the KV cache)."""
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
                  ) -> torch.Tensor: ...
@@ -59,6 +62,9 @@ class TorchAttention:
                                              meta.seq_lens_cpu, self.block_size,
                                              self.scratch)
 
+    def release(self) -> None:
+        self.scratch = reference.GatherScratch()
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
                  ) -> torch.Tensor:
@@ -77,6 +83,9 @@ class TritonAttention:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         pass  # the kernels read the metadata's tensors as they are
+
+    def release(self) -> None:
+        pass  # nothing kept
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float

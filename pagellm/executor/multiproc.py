@@ -332,6 +332,9 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     from pagellm.logger import configure_logging
 
     configure_logging()
+    from pagellm.executor.memory import tune_engine_process
+
+    tune_engine_process()
     if ns.lifeline_fd is not None:
         threading.Thread(target=_exit_on_eof, args=(ns.lifeline_fd,), daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))

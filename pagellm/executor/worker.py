@@ -73,14 +73,6 @@ class Worker:
         # Blocks one request of max_model_len needs: the cache must hold at least that.
         self.blocks_per_request = -(-self.model_config.max_model_len // self.block_size)
         self.args = args
-        if self.device.type == "cpu":
-            memory.keep_freed_heap()
-            # Subnormal floats cost x86 cores ~100x per operation: random or small
-            # weights (softmax tails, SiLU of large negatives) made a Qwen2.5-0.5B
-            # decode step four times slower. Flushing them (to zero, below 1.2e-38) moves
-            # no output measurably. Set before torch's thread pool starts: its threads
-            # inherit the mode.
-            torch.set_flush_denormal(True)
         if self.device.type == "cuda":  # what others (and our context) hold before loading
             torch.cuda.set_device(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
@@ -150,6 +142,7 @@ class Worker:
             self.runner.graphs = None
         if "kv_cache" not in self.sleeping:
             self.runner.kv_caches = []
+            self.runner.attention.release()  # gathered copies of it, kept for reuse
             self.sleeping.add("kv_cache")
         if "weights" not in self.sleeping:
             self._weight_backup = memory.offload(self.runner.model, keep=level == 1)
