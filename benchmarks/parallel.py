@@ -41,6 +41,12 @@ SMOKE = ModelSpec(arch="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_k
                   intermediate_size=128, vocab_size=512, max_position_embeddings=512)
 
 
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def parse_layout(text: str) -> tuple[int, int]:
     """'tp2' -> (2, 1); 'dp2' -> (1, 2); 'tp2dp2' -> (2, 2)."""
     m = re.fullmatch(r"(?:tp(\d+))?(?:dp(\d+))?", text)
@@ -71,6 +77,51 @@ def run_layout(model: str, tp: int, dp: int, ns: argparse.Namespace) -> dict[str
             "step_ms": {name: 1000 * getattr(timings, name) for name in (
                 "schedule_s", "prepare_inputs_s", "forward_s", "sample_s", "collective_s",
                 "dispatch_s", "update_s")}}
+
+
+# One rank of `allreduce_floor`, run as `python -c` (argv: rank size port numel calls);
+# rank 0 prints the seconds per call. A plain subprocess, not multiprocessing's spawn,
+# whose resource tracker would outlive the ranks.
+_ALLREDUCE_RANK = """
+import sys, time, torch, torch.distributed as dist
+rank, size, port, numel, calls = map(int, sys.argv[1:])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=size)
+x = torch.ones(numel)  # [numel] fp32
+for _ in range(20):
+    dist.all_reduce(x)
+start = time.perf_counter()
+for _ in range(calls):
+    dist.all_reduce(x)
+if rank == 0:
+    print((time.perf_counter() - start) / calls)
+dist.destroy_process_group()
+"""
+
+
+def allreduce_floor(size: int, numel: int, calls: int = 200) -> float:
+    """Seconds per bare gloo all-reduce of `numel` floats among `size` local processes:
+    what one of the model's collectives costs on this machine without any engine."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", _ALLREDUCE_RANK, str(rank), str(size),
+                               str(port), str(numel), str(calls)],
+                              stdout=subprocess.PIPE, text=True) for rank in range(size)]
+    try:
+        out, _ = procs[0].communicate(timeout=120)
+        for p in procs[1:]:
+            p.wait(timeout=30)
+        return float(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -106,6 +157,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "model": ns.model or "random qwen2 (benchmarks/parallel.py SMALL)",
               "num_requests": ns.num_requests, "prompt_len": ns.prompt_len,
               "output_len": ns.output_len, "results": results}
+    tp_max = max(tp for tp, _ in ns.layouts)
+    if tp_max > 1 and ns.device in ("auto", "cpu") and not torch_cuda():
+        # The decode step's activations: [num_requests, hidden] fp32.
+        hidden = (SMOKE if ns.smoke else SMALL).hidden_size if ns.model is None else \
+            json.loads((Path(ns.model) / "config.json").read_text())["hidden_size"]
+        report["allreduce_floor_us"] = 1e6 * allreduce_floor(tp_max,
+                                                             ns.num_requests * hidden)
+        print(f"bare gloo all-reduce of [{ns.num_requests}, {hidden}] fp32 among {tp_max} "
+              f"processes: {report['allreduce_floor_us']:.0f} us per call")
     base = results[0]["output_tokens_per_s"]
     print(f"{'layout':10} {'tok/s':>8} {'ratio':>6} {'forward':>8} {'collect':>8} "
           f"{'dispatch':>8}  (ms per decode step)  same tokens")
