@@ -32,6 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from pagellm import LLM, SamplingParams
+from pagellm.executor.config import resolve_device
 from pagellm.executor.demo_model import ModelSpec, make_model
 
 # Small enough for 2 CPU cores, large enough that a step is more than overhead.
@@ -39,12 +40,6 @@ SMALL = ModelSpec(arch="qwen2", hidden_size=512, num_layers=4, num_heads=8, num_
                   intermediate_size=1536, vocab_size=8192, max_position_embeddings=2048)
 SMOKE = ModelSpec(arch="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   intermediate_size=128, vocab_size=512, max_position_embeddings=512)
-
-
-def torch_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def parse_layout(text: str) -> tuple[int, int]:
@@ -149,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model = ns.model or str(make_model(Path(tmp) / "model", SMOKE if ns.smoke else SMALL))
         results = [run_layout(model, tp, dp, ns) for tp, dp in ns.layouts]
+        hidden = json.loads((Path(model) / "config.json").read_text())["hidden_size"]
     first = results[0]["token_ids"]
     for r in results:  # greedy: every layout must produce the first one's tokens
         r["same_tokens_as_first"] = r.pop("token_ids") == first
@@ -158,12 +154,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "num_requests": ns.num_requests, "prompt_len": ns.prompt_len,
               "output_len": ns.output_len, "results": results}
     tp_max = max(tp for tp, _ in ns.layouts)
-    if tp_max > 1 and ns.device in ("auto", "cpu") and not torch_cuda():
+    if tp_max > 1 and resolve_device(ns.device).type == "cpu":
         # The decode step's activations: [num_requests, hidden] fp32.
-        hidden = (SMOKE if ns.smoke else SMALL).hidden_size if ns.model is None else \
-            json.loads((Path(ns.model) / "config.json").read_text())["hidden_size"]
-        report["allreduce_floor_us"] = 1e6 * allreduce_floor(tp_max,
-                                                             ns.num_requests * hidden)
+        report["allreduce_floor_us"] = 1e6 * allreduce_floor(tp_max, ns.num_requests * hidden)
         print(f"bare gloo all-reduce of [{ns.num_requests}, {hidden}] fp32 among {tp_max} "
               f"processes: {report['allreduce_floor_us']:.0f} us per call")
     base = results[0]["output_tokens_per_s"]

@@ -45,7 +45,7 @@ import zmq
 
 from pagellm.executor.executor import Executor
 from pagellm.executor.worker import StepFailed, is_device_fault
-from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.engine_args import EngineArgs, usable_cpus
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 from pagellm.protocol.utility import WeightUpdate
 
@@ -311,7 +311,7 @@ def spawn_worker(args: EngineArgs, rank: int, local_rank: int, host: str, port: 
     """Start rank `rank`'s worker process (`python -m pagellm.executor.multiproc`)."""
     env = dict(os.environ)
     # The node's cores shared among its ranks: oversubscribed OpenMP threads spin.
-    threads = int(env.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    threads = int(env.get("OMP_NUM_THREADS") or usable_cpus())
     env["OMP_NUM_THREADS"] = str(max(1, threads // per_node))
     cmd = [sys.executable, "-m", "pagellm.executor.multiproc", *args.to_cli_args(),
            "--rank", str(rank), "--local-rank", str(local_rank), "--store",

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.engine_args import EngineArgs, usable_cpus
 from pagellm.protocol.messages import StartupFailure
 
 # Start-up failures re-raised in the frontend with their own type (a bad option is a
@@ -44,14 +44,6 @@ class EngineStartupError(RuntimeError):
     def reraise(self) -> Exception:
         return _ERROR_TYPES.get(self.error_type, RuntimeError)(
             f"engine core failed to start: {self}")
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (a container's or taskset's share), not the
-    host's count."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 class EngineProcess:

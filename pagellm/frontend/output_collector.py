@@ -5,8 +5,9 @@ AsyncLLM's output handler takes a whole engine step in one pass on the event loo
 detokenizes every request's new tokens and tells each stream's collector that there is
 news (`notify`), waking the consumer if it waits. The consumer builds its
 `RequestOutput` when it runs (`take`, bound to the request's state): everything since
-its last output, as one output (DELTA: the text, token ids and logprobs of every
-completion that changed; CUMULATIVE and FINAL_ONLY: the state as it is now).
+its last output (DELTA: one completion's text, token ids and logprobs since its last
+output, with the next ready at once if another completion changed too; CUMULATIVE and
+FINAL_ONLY: the state as it is now).
 
 Why lazy: with 256 streams, building an output per stream per step and waking every
 consumer for it cost about as much as a small model's whole step, so a frontend that

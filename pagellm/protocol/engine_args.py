@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import types
 import typing
@@ -37,6 +38,14 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 WEIGHT_TRANSFER_BACKENDS = ("ipc", "nccl")
 # Most tensor-parallel workers, or data-parallel engine cores, one engine starts.
 MAX_PARALLEL = 256
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a container's or taskset's share), not the
+    host's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:

@@ -203,7 +203,7 @@ class DecoderAttention(nn.Module):
         self.q_size = tp.num_heads * spec.head_dim
         self.kv_size = tp.num_kv_heads * spec.head_dim
         self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=spec.qkv_bias)
+                               bias=spec.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, spec.hidden_size, spec.o_bias, tp)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
