@@ -74,7 +74,9 @@ def test_three_clients_give_transformers_tokens(model_dirs, hf_reference, async_
 
 
 def test_delta_stream_concatenates_to_the_final_output(async_llm):
-    base = dict(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True)
+    # 300 tokens: enough steps that the stream arrives in several deltas even when
+    # the frontend falls behind and one delta carries several steps.
+    base = dict(temperature=0.8, seed=7, max_tokens=300, ignore_eos=True)
 
     async def run():
         delta = await collect(async_llm, "stream me",
@@ -99,7 +101,7 @@ def test_delta_stream_concatenates_to_the_final_output(async_llm):
 
 @pytest.mark.parametrize("how", ["cancel", "break", "abort"])
 def test_leaving_a_stream_frees_its_blocks(async_llm, how):
-    long = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
 
     async def run():
         seen = []
@@ -114,7 +116,9 @@ def test_leaving_a_stream_frees_its_blocks(async_llm, how):
                         await async_llm.abort(f"long-{how}")
         task = asyncio.create_task(consume())
         if how == "cancel":
+            deadline = time.monotonic() + 30
             while len(seen) < 3:
+                assert not task.done() and time.monotonic() < deadline
                 await asyncio.sleep(0.01)
             task.cancel()
         with __import__("contextlib").suppress(asyncio.CancelledError):
@@ -131,7 +135,7 @@ def test_leaving_a_stream_frees_its_blocks(async_llm, how):
     assert_all_free(stats)
     if how == "abort":  # the stream ends with a final output saying so
         assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
-    assert len(seen[-1].outputs[0].token_ids) < 1000
+    assert len(seen[-1].outputs[0].token_ids) < 1500
 
 
 def test_thousand_concurrent_streams(async_llm):
@@ -153,7 +157,8 @@ def test_thousand_concurrent_streams(async_llm):
 
 
 def test_duplicate_request_id_is_rejected_while_running(async_llm):
-    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    # Long enough to be running still when the second one arrives.
+    long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
 
     async def run():
         first = async_llm.generate("x", long, "dup")

@@ -486,7 +486,7 @@ def test_user_ids_never_collide_with_the_children_of_another_request(model_dirs)
             collect("z", GREEDY, "1_r1"), collect("w", GREEDY, "r1-0")), 60)
 
     async def duplicate():
-        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        long = SamplingParams(max_tokens=1500, ignore_eos=True)  # running at the second
         first = engine.generate("x", long, "dup")
         await first.__anext__()
         with pytest.raises(ValueError) as info:
@@ -509,14 +509,17 @@ def test_user_ids_never_collide_with_the_children_of_another_request(model_dirs)
 def test_sigterm_drains_for_at_most_the_shutdown_timeout(model_dirs, engine_at):
     """Finding 9: SIGTERM waited for every stream with no bound. The engine core now
     finishes what runs for up to --shutdown-timeout seconds, then aborts and exits 0."""
-    engine, address = engine_at("llama", None, "--shutdown-timeout", "1")
+    # 0.3 s: well inside the ~1.5 s the 1900-token request runs on 2 CPU cores.
+    engine, address = engine_at("llama", None, "--shutdown-timeout", "0.3")
     llm = LLM(str(model_dirs["llama"]), engine_address=address)
     try:
         processed = llm.input_processor.process_inputs(
             "endless", "x", SamplingParams(max_tokens=1900, ignore_eos=True, temperature=0))
         llm.output_processor.add_request(processed)
         llm.engine_core.add_request(processed.engine_requests[0])
+        deadline = time.monotonic() + 30
         while llm.get_stats().num_running_reqs == 0:
+            assert time.monotonic() < deadline
             time.sleep(0.02)
         signalled = time.monotonic()
         engine.send_signal(signal.SIGTERM)
@@ -532,16 +535,23 @@ def test_sigterm_lets_a_short_request_finish(model_dirs, engine_at, hf_reference
     engine, address = engine_at("llama", None, "--shutdown-timeout", "30")
     llm = LLM(str(model_dirs["llama"]), engine_address=address)
     try:
-        params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
+        # Short against the 30 s drain, long enough (~1 s) to be still running when
+        # the signal lands: 40 tokens could finish before the first look at the stats.
+        params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
         processed = llm.input_processor.process_inputs("short", PROMPTS[1], params)
         llm.output_processor.add_request(processed)
         llm.engine_core.add_request(processed.engine_requests[0])
+        deadline = time.monotonic() + 30
         while llm.get_stats().num_running_reqs == 0:
+            assert time.monotonic() < deadline
             time.sleep(0.01)
         engine.send_signal(signal.SIGTERM)
         (out,) = llm._run(["short"], use_tqdm=False)
-        assert out.outputs[0].token_ids == hf_reference(
-            "llama", llm.tokenizer.encode(PROMPTS[1]), 40)
+        tokens = out.outputs[0].token_ids
+        reference = hf_reference("llama", llm.tokenizer.encode(PROMPTS[1]), 400)
+        # transformers stops at EOS; the request ignores it and runs to its length.
+        assert len(tokens) == 400 and tokens[:len(reference)] == reference
+        assert out.outputs[0].finish_reason == "length"
         assert engine.wait(15) == 0
         with pytest.raises((EngineDeadError, RuntimeError)):  # then it is gone
             llm.generate("more", GREEDY, use_tqdm=False)

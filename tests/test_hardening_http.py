@@ -185,7 +185,9 @@ def test_the_connection_guard_closes_slow_headers_and_refuses_only_when_all_are_
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    while not server.started:
+    deadline = time.monotonic() + 30
+    while not server.started:  # a port taken meanwhile ends the thread: fail, not hang
+        assert thread.is_alive() and time.monotonic() < deadline
         time.sleep(0.01)
     opened: list[socket.socket] = []
     try:
@@ -196,8 +198,11 @@ def test_the_connection_guard_closes_slow_headers_and_refuses_only_when_all_are_
         assert all(_closed_by_server(s) for s in half)  # header timeout
         busy = [_half_open(port, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n") for _ in range(8)]
         opened += busy
-        time.sleep(0.3)
-        assert _get(port, "/") == 503  # every connection is mid-request: refuse the new one
+        # Every connection is mid-request once the 8 reach /slow: refuse the new one.
+        deadline = time.monotonic() + 10
+        while (status := _get(port, "/")) != 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status == 503
         release.set()
         assert all(b"200 OK" in s.recv(1024) for s in busy)
         assert _get(port, "/") == 200
@@ -213,13 +218,21 @@ def _response(s: socket.socket) -> bytes:
     """One whole HTTP response (headers and a Content-Length body) from a raw socket."""
     data = b""
     while b"\r\n\r\n" not in data:
-        data += s.recv(4096)
+        data += _recv(s, data)
     head, _, body = data.partition(b"\r\n\r\n")
     length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
                       if line.lower().startswith(b"content-length:")))
     while len(body) < length:
-        body += s.recv(4096)
+        body += _recv(s, body)
     return head + b"\r\n\r\n" + body
+
+
+def _recv(s: socket.socket, so_far: bytes) -> bytes:
+    """The next bytes; a connection the server closed early is a failure (recv would
+    return b"" at once, forever)."""
+    chunk = s.recv(4096)
+    assert chunk, f"the server closed the connection after {so_far[:200]!r}"
+    return chunk
 
 
 def _half_open(port: int, data: bytes = b"GET / HTTP/1.1\r\nHost: x\r\n") -> socket.socket:

@@ -449,7 +449,8 @@ async def _running(engine: AsyncLLM, prompt, params, request_id) -> asyncio.Task
 
 def test_pause_in_each_mode_with_requests_in_flight(model_dirs):
     model_dir = model_dirs["llama"]
-    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    # 1500 tokens (~1 s here): still running when each pause lands, on a slow CI too.
+    long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
 
     async def main() -> None:
         engine = AsyncLLM(str(model_dir), kv_cache_memory_bytes=8 * 2**20)
@@ -460,7 +461,7 @@ def test_pause_in_each_mode_with_requests_in_flight(model_dirs):
             await engine.pause_generation(mode="abort")
             aborted = await asyncio.wait_for(task, 30)
             assert aborted.outputs[0].finish_reason == "abort"
-            assert len(aborted.outputs[0].token_ids) < 400
+            assert len(aborted.outputs[0].token_ids) < 1500
             with pytest.raises(ValueError, match=r"paused.*resume_generation"):
                 await _collect(engine, PROMPTS[0], long, "refused")
             await engine.resume_generation()
@@ -468,7 +469,7 @@ def test_pause_in_each_mode_with_requests_in_flight(model_dirs):
             task = await _running(engine, PROMPTS[1], long, "w")
             await engine.pause_generation(mode="wait")  # returns once "w" has finished
             assert await engine.is_paused()
-            waited = await asyncio.wait_for(task, 10)
+            waited = await asyncio.wait_for(task, 30)
             assert waited.outputs[0].finish_reason == "length"
             assert waited.outputs[0].token_ids == reference.outputs[0].token_ids
             await engine.resume_generation()
@@ -495,7 +496,7 @@ def test_pause_in_each_mode_with_requests_in_flight(model_dirs):
 def test_sleep_in_keep_mode_continues_the_requests_after_waking(model_dirs):
     """Their KV is freed with the cache: they recompute after waking, same tokens."""
     model_dir = model_dirs["llama"]
-    long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
 
     async def main() -> None:
         engine = AsyncLLM(str(model_dir), enable_sleep_mode=True,

@@ -130,7 +130,8 @@ def test_reset_prefix_cache_across_processes(model_dirs):
     engine = AsyncLLM(str(model_dirs["llama"]), kv_cache_memory_bytes=8 * 2**20)
 
     async def run():
-        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        # Long enough to hold its blocks still when the reset arrives.
+        long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
         stream = engine.generate(prompt, long, "held")
         await stream.__anext__()
         refused = await engine.reset_prefix_cache()  # blocks are held right now
@@ -160,7 +161,7 @@ def test_n_streams_by_index_and_aborts_every_child(model_dirs, hf_reference):
             last = out
         final = [o async for o in engine.generate(
             prompt, delta.clone(output_kind=RequestOutputKind.FINAL_ONLY), "final")]
-        long = SamplingParams(n=4, temperature=0.0, max_tokens=500, ignore_eos=True)
+        long = SamplingParams(n=4, temperature=0.0, max_tokens=1500, ignore_eos=True)
         aborted = engine.generate(prompt, long, "aborted")
         await aborted.__anext__()
         await engine.abort("aborted")

@@ -299,7 +299,8 @@ def test_api_key_graceful_sigterm_and_a_dead_engine(model_dirs):
         assert client.completions.create(model=NAME, prompt="x", max_tokens=2).choices
 
         # SIGTERM while a request is in flight: it still completes, then exit 0.
-        stream = client.completions.create(model=NAME, prompt="finish me", max_tokens=60,
+        # 400 tokens (~0.5 s): still running when the signal lands, well inside the 20 s.
+        stream = client.completions.create(model=NAME, prompt="finish me", max_tokens=400,
                                            temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         first = next(iter(stream))
