@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -351,3 +352,33 @@ def test_decode_plan_zeroes_exactly_the_gathered_rows_past_each_context(seed: in
         assert sorted(stale) == expected_stale
         assert group.blocks.tolist() == expected_blocks
     assert sorted(seen) == list(range(len(seq_lens)))
+
+
+def _greedy_groups(owned: list[int], slack: float) -> list[int]:
+    """The grouping rule, one decode at a time: sorted longest first, a group grows
+    while its padded blocks (its first's count per member) stay within `slack` times
+    its members' own blocks. Returns the group sizes."""
+    sizes: list[int] = []
+    first, own = 0, 0
+    for j, blocks in enumerate(owned):
+        if j > first and owned[first] * (j - first + 1) > slack * (own + blocks):
+            sizes.append(j - first)
+            first, own = j, 0
+        own += blocks
+    return [*sizes, len(owned) - first] if owned else sizes
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_groups_follow_the_greedy_padding_rule(seed: int) -> None:
+    """The plan splits decodes (vectorized) exactly where the one-at-a-time rule does,
+    over lengths from all-equal to widely spread."""
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        n = int(rng.integers(1, 80))
+        block_size = int(rng.choice([1, 4, 16]))
+        seq_lens = rng.integers(1, int(rng.choice([3, 50, 2000])), n)
+        table = torch.zeros(n, 2000 // block_size + 1, dtype=torch.int32)
+        plan = plan_attention(table, np.arange(n + 1), seq_lens, block_size)
+        owned = sorted((-(-int(s) // block_size) for s in seq_lens), reverse=True)
+        assert [len(g.rows) for g in plan.decodes] == _greedy_groups(
+            owned, DECODE_PADDING_SLACK)

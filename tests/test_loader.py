@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import MODEL_SPECS
@@ -455,7 +456,7 @@ def _forward_paged(model: DecoderForCausalLM, prompt: list[int],
             slot_mapping=slots, block_tables=table[None],
             query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
             seq_lens=torch.tensor([end], dtype=torch.int32),
-            query_start_loc_cpu=[0, end - start], seq_lens_cpu=[end],
+            query_start_loc_cpu=np.array([0, end - start]), seq_lens_cpu=np.array([end]),
             max_query_len=end - start, backend=TorchAttention(BLOCK_SIZE))
         meta.backend.prepare(meta)
         with torch.inference_mode():

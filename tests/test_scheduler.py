@@ -89,11 +89,11 @@ class FakeModelRunner:
             self.states[new.req_id] = _RunnerState(
                 new.prompt_token_ids + new.output_token_ids, list(new.block_ids),
                 new.num_computed_tokens)
-        for cached in so.scheduled_cached_reqs:
-            state = self.states[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
-        req_ids = [c.req_id for c in so.scheduled_cached_reqs]
+        for req_id, new_block_ids, num_computed in cached_of(so):
+            state = self.states[req_id]
+            state.block_ids.extend(new_block_ids)
+            state.num_computed_tokens = num_computed
+        req_ids = list(so.scheduled_cached_reqs.req_ids)
         req_ids += [n.req_id for n in so.scheduled_new_reqs]
         assert sorted(req_ids) == sorted(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
@@ -124,6 +124,14 @@ def step(scheduler: Scheduler, runner: FakeModelRunner,
     so = scheduler.schedule()
     outputs = flat(scheduler.update_from_output(so, runner.execute_model(so)))
     return so, {out.request_id: out for out in outputs}
+
+
+def cached_of(so: SchedulerOutput) -> list[tuple[str, list[int], int]]:
+    """(req_id, new block ids, num_computed_tokens) of each cached request, in order."""
+    c = so.scheduled_cached_reqs
+    assert set(c.new_block_ids) <= set(c.req_ids) and all(c.new_block_ids.values())
+    return [(r, c.new_block_ids.get(r, []), n)
+            for r, n in zip(c.req_ids, c.num_computed_tokens, strict=True)]
 
 
 def flat(by_client: dict[int, list[EngineCoreOutput]]) -> list[EngineCoreOutput]:
@@ -230,7 +238,7 @@ def test_new_prompts_and_decode_tokens_share_a_step():
     add(scheduler, create_requests(1, 10, id_prefix="late"))
     so, _ = step(scheduler, runner)
     assert so.num_scheduled_tokens == {"r0": 1, "r1": 1, "late0": 10}
-    assert [c.req_id for c in so.scheduled_cached_reqs] == ["r0", "r1"]
+    assert so.scheduled_cached_reqs.req_ids == ["r0", "r1"]
     assert [n.req_id for n in so.scheduled_new_reqs] == ["late0"]
     assert so.total_num_scheduled_tokens == 12
 
@@ -241,8 +249,7 @@ def test_running_requests_are_scheduled_in_admission_order():
     runner = create_runner(scheduler)
     step(scheduler, runner)
     so, _ = step(scheduler, runner)
-    assert [(c.req_id, c.num_computed_tokens) for c in so.scheduled_cached_reqs] == [
-        ("r0", 9), ("r1", 2), ("r2", 5)]
+    assert [(r, n) for r, _, n in cached_of(so)] == [("r0", 9), ("r1", 2), ("r2", 5)]
 
 
 def test_decodes_are_scheduled_before_new_prompts():
@@ -305,8 +312,7 @@ def test_chunked_prompt_continues_as_a_cached_request_with_its_progress():
     assert [(n.req_id, n.block_ids, n.num_computed_tokens)
             for n in first.scheduled_new_reqs] == [("r0", [0, 1], 0)]
     assert second.scheduled_new_reqs == []
-    assert [(c.req_id, c.new_block_ids, c.num_computed_tokens)
-            for c in second.scheduled_cached_reqs] == [("r0", [2, 3], 8)]
+    assert cached_of(second) == [("r0", [2, 3], 8)]
 
 
 def test_waiting_requests_are_admitted_in_arrival_order():
@@ -363,8 +369,7 @@ def test_block_shortage_preempts_the_most_recently_admitted_request():
     assert so.preempted_req_ids == ["r2"]
     assert so.num_scheduled_tokens == {"r0": 1, "r1": 1}
     # r2's blocks 3, 4 went back as [4, 3]: r0 takes 4, r1 takes 3.
-    assert [(c.req_id, c.new_block_ids) for c in so.scheduled_cached_reqs] == [
-        ("r0", [4]), ("r1", [3])]
+    assert [(r, b) for r, b, _ in cached_of(so)] == [("r0", [4]), ("r1", [3])]
     assert scheduler.running == [r0, r1]
     assert list(scheduler.waiting) == [r2]
 
@@ -701,7 +706,8 @@ def test_random_run_preempts_and_chunks_so_the_checks_below_mean_something(trace
     assert trace.scheduler.num_preemptions >= 5
     budget = trace.config["max_num_batched_tokens"]
     assert sum(so.total_num_scheduled_tokens == budget for so in trace.steps) >= 10
-    assert any(so.scheduled_new_reqs and so.scheduled_cached_reqs for so in trace.steps)
+    assert any(so.scheduled_new_reqs and so.scheduled_cached_reqs.req_ids
+               for so in trace.steps)
     assert any(so.preempted_req_ids for so in trace.steps)
 
 

@@ -45,9 +45,16 @@ class Request:
         self.client_index = client_index
         self.bad_words_token_ids = bad_words_token_ids
         self.max_tokens: int = sampling_params.max_tokens
+        self.min_tokens: int = sampling_params.min_tokens
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        # Every token that can end the request before max_tokens (EOS unless ignored):
+        # the one membership test most steps need (Scheduler.update_from_output).
+        self.stopping_ids = self.stop_token_ids | (
+            {eos_token_id} if eos_token_id is not None and not sampling_params.ignore_eos
+            else set())
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_tokens = len(self.all_token_ids)  # kept equal to len(all_token_ids)
         self.num_computed_tokens = 0
         # Tokens the prefix cache held when first scheduled (None: not yet scheduled).
         self.num_cached_tokens: int | None = None
@@ -69,17 +76,14 @@ class Request:
                    req.cache_salt, client_index, req.bad_words_token_ids)
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        if self.block_size is not None and len(self.all_token_ids) % self.block_size == 0:
+        self.num_tokens += 1
+        if self.block_size is not None and self.num_tokens % self.block_size == 0:
             extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size,
                                 self.cache_salt)
 

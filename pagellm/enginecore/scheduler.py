@@ -117,7 +117,9 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         kv_cache_manager = self.kv_cache_manager
         num_scheduled: dict[str, int] = {}
-        cached: list[CachedRequestData] = []
+        cached = CachedRequestData.empty()
+        cached_ids, cached_computed, new_block_ids = (
+            cached.req_ids, cached.num_computed_tokens, cached.new_block_ids)
         new: list[NewRequestData] = []
         preempted_now = False
 
@@ -144,9 +146,12 @@ class Scheduler:
                 block_ids = kv_cache_manager.allocate_slots(request, num_new)
             if block_ids is None:
                 break  # the request preempted itself; everything after it is gone too
-            cached.append(CachedRequestData(request.request_id, block_ids,
-                                            request.num_computed_tokens))
-            num_scheduled[request.request_id] = num_new
+            request_id = request.request_id
+            cached_ids.append(request_id)
+            cached_computed.append(request.num_computed_tokens)
+            if block_ids:  # most steps add no block to most requests
+                new_block_ids[request_id] = block_ids
+            num_scheduled[request_id] = num_new
             request.num_computed_tokens += num_new
             budget -= num_new
             i += 1
@@ -204,6 +209,7 @@ class Scheduler:
         logprobs_by_request = runner_output.logprobs
         any_prompt_logprobs = bool(runner_output.prompt_logprobs)
         any_finished = False
+        client, client_outputs = -1, []  # the last request's client and its list
         for request_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                          strict=True):
             request = requests.get(request_id)
@@ -218,17 +224,22 @@ class Scheduler:
                 continue
             for k, token_id in enumerate(token_ids):
                 request.append_output_token_id(token_id)
-                if check_stop(request):
+                # Most tokens end nothing: one set lookup and one compare say so.
+                if ((token_id in request.stopping_ids
+                     or len(request.output_token_ids) >= request.max_tokens)
+                        and check_stop(request)):
                     token_ids = token_ids[:k + 1]  # nothing after the stop is kept
                     any_finished = True
                     self._free(request)
                     break
             logprobs = logprobs_by_request.get(request_id) if logprobs_by_request else None
-            outputs.setdefault(request.client_index, []).append(EngineCoreOutput(
-                request_id, token_ids, request.finish_reason, request.stop_reason,
-                new_logprobs=[logprobs] if logprobs is not None else None,
-                new_prompt_logprobs=prompt_logprobs,
-                num_cached_tokens=request.num_cached_tokens or 0))
+            if request.client_index != client:
+                client = request.client_index
+                client_outputs = outputs.setdefault(client, [])
+            client_outputs.append(EngineCoreOutput(  # positional: the fields' order
+                request_id, token_ids, request.finish_reason, request.stop_reason, None,
+                [logprobs] if logprobs is not None else None, prompt_logprobs, False,
+                request.num_cached_tokens or 0))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
@@ -276,7 +287,7 @@ class Scheduler:
         params = request.sampling_params
         outputs = request.output_token_ids
         num_outputs = len(outputs)
-        if num_outputs >= params.min_tokens:
+        if num_outputs >= request.min_tokens:
             last = outputs[-1]
             if last == request.eos_token_id and not params.ignore_eos:
                 request.finish(FinishReason.STOP)

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -42,8 +43,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
     seq_lens: torch.Tensor  # [num_reqs] int32, context length including this step
-    query_start_loc_cpu: list[int]  # host copies: the reference path slices with them
-    seq_lens_cpu: list[int]
+    query_start_loc_cpu: np.ndarray  # [num_reqs + 1] int64, host copies: the CPU plan
+    seq_lens_cpu: np.ndarray  # [num_reqs] int64      reads them (no list round trip)
     max_query_len: int
     backend: AttentionBackend
     num_segments: int = 1  # split-KV slices for decode-only batches (Triton)

@@ -51,11 +51,13 @@ class InputBatch:
         self._optional = (self.seeds, self.stop_ids, self.logit_bias, self.allowed,
                           self.bad_words, self.num_logprobs, self.num_prompt_logprobs)
         self.rows: dict[str, int] = {}
+        self.generation = 0  # bumped whenever `rows` changes
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def add(self, new: NewRequestData) -> int:
         row = self._free_rows.pop()
         self.rows[new.req_id] = row
+        self.generation += 1
         prompt, output = new.prompt_token_ids, new.output_token_ids
         n = len(prompt) + len(output)
         self.token_ids[row, :len(prompt)] = prompt
@@ -72,6 +74,7 @@ class InputBatch:
     def remove(self, req_id: str) -> None:
         row = self.rows.pop(req_id, None)
         if row is not None:
+            self.generation += 1
             for table in self._optional:
                 table.pop(row, None)
             self.penalized.discard(row)

@@ -46,6 +46,7 @@ from pagellm.executor.step_buffers import StepBuffers
 from pagellm.protocol.messages import TokenLogprobs
 from pagellm.protocol.sampling_params import SamplingParams
 from pagellm.protocol.scheduling import (
+    CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     PromptLogprobsChunk,
@@ -117,6 +118,9 @@ class ModelRunner:
             "top_k": ((max_num_seqs,), torch.int64), "top_p": ((max_num_seqs,), torch.float32),
             "min_p": ((max_num_seqs,), torch.float32)})
         self.graphs: DecodeGraphs | None = None
+        # The last step's batch rows, valid while the batch's rows stay as they were.
+        self._rows_generation, self._rows_req_ids = -1, []
+        self._rows = np.zeros(0, np.int64)  # [R]
         self.kv_caches: list[torch.Tensor] = []
 
     # -- KV cache ------------------------------------------------------------------
@@ -163,8 +167,9 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             baseline = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.execute_model(SchedulerOutput(new, [], {r.req_id: len(r.prompt_token_ids)
-                                                     for r in new}, tokens, [], []))
+        self.execute_model(SchedulerOutput(
+            new, CachedRequestData.empty(), {r.req_id: len(r.prompt_token_ids) for r in new},
+            tokens, [], []))
         peak = torch.cuda.max_memory_allocated(self.device) - baseline if cuda else 0
         for request in new:
             self.batch.remove(request.req_id)
@@ -200,7 +205,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=buf["slot_mapping"][:size], block_tables=buf["block_tables"][:size],
             query_start_loc=buf["query_start_loc"][:size + 1], seq_lens=buf["seq_lens"][:size],
-            query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=1, backend=self.attention,
+            query_start_loc_cpu=np.zeros(1, np.int64), seq_lens_cpu=np.zeros(0, np.int64),
+            max_query_len=1, backend=self.attention,
             # Fixed at capture, for the longest context the graph may meet.
             num_segments=num_kv_segments(size, self.num_kv_heads, 1,
                                          self.model_config.max_model_len, self.num_sms))
@@ -268,21 +274,24 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             batch.add(new)
         rows = batch.rows
-        for cached in so.scheduled_cached_reqs:
-            if cached.new_block_ids:  # most steps add no block to most requests
-                batch.append_blocks(rows[cached.req_id], cached.new_block_ids)
+        for req_id, block_ids in so.scheduled_cached_reqs.new_block_ids.items():
+            batch.append_blocks(rows[req_id], block_ids)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
         batch, bs = self.batch, self.block_size
         cached, new = so.scheduled_cached_reqs, so.scheduled_new_reqs
-        req_ids = [c.req_id for c in cached] + [n.req_id for n in new]
+        req_ids = cached.req_ids + [n.req_id for n in new] if new else cached.req_ids
         num_reqs = len(req_ids)
-        rows = np.fromiter(map(batch.rows.__getitem__, req_ids), np.int64, num_reqs)
+        # Most steps run the same requests, in the same rows, as the last one.
+        if batch.generation != self._rows_generation or req_ids != self._rows_req_ids:
+            self._rows_generation, self._rows_req_ids = batch.generation, req_ids
+            self._rows = np.fromiter(map(batch.rows.__getitem__, req_ids), np.int64, num_reqs)
+        rows = self._rows
         counts = np.fromiter(map(so.num_scheduled_tokens.__getitem__, req_ids), np.int64,
                              num_reqs)
         # The scheduler's count is the one truth (the batch keeps no copy to drift).
-        starts = np.array([c.num_computed_tokens for c in cached]
-                          + [n.num_computed_tokens for n in new], np.int64)
+        starts = np.array(cached.num_computed_tokens + [n.num_computed_tokens for n in new]
+                          if new else cached.num_computed_tokens, np.int64)
         ends = starts + counts
         cu = np.cumsum(counts)
         req_index = np.repeat(np.arange(num_reqs), counts)  # [T] request of each token
@@ -306,7 +315,7 @@ class ModelRunner:
             query_start_loc=put("query_start_loc", np.arange(graph_size + 1)
                                 if graph_size else query_start_loc),
             seq_lens=put("seq_lens", ends, 0, graph_size),
-            query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=ends.tolist(),
+            query_start_loc_cpu=query_start_loc, seq_lens_cpu=ends,
             max_query_len=int(counts.max()), backend=self.attention,
             num_segments=num_kv_segments(num_reqs, self.num_kv_heads,
                                          int(counts.max()), int(ends.max()), self.num_sms))

@@ -17,7 +17,7 @@ being the last ones of that context.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,12 +108,13 @@ class AttentionPlan:
     scratch: GatherScratch
 
 
-def plan_attention(block_tables: torch.Tensor, query_start_loc: list[int],
-                   seq_lens: list[int], block_size: int,
+def plan_attention(block_tables: torch.Tensor, query_start_loc: Sequence[int] | np.ndarray,
+                   seq_lens: Sequence[int] | np.ndarray, block_size: int,
                    scratch: GatherScratch | None = None) -> AttentionPlan:
-    """block_tables: [num_reqs(+), max_blocks] int32; query_start_loc, seq_lens: host
-    ints as in `paged_attention`. The index work runs in numpy on the host (a few small
-    arrays per step: torch's per-op overhead would cost more than the work)."""
+    """block_tables: [num_reqs(+), max_blocks] int32; query_start_loc [num_reqs + 1],
+    seq_lens [num_reqs]: host ints as in `paged_attention` (int64 arrays pass
+    uncopied). The index work runs in numpy on the host (a few small arrays per step:
+    torch's per-op overhead would cost more than the work)."""
     num_reqs = len(seq_lens)
     assert len(query_start_loc) == num_reqs + 1
     assert block_tables.dim() == 2 and block_tables.shape[0] >= num_reqs
@@ -128,16 +129,16 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: list[int],
                 for i in np.flatnonzero(q_lens > 1).tolist()]
     decodes = np.flatnonzero(q_lens == 1)
     decodes = decodes[np.argsort(-lens[decodes], kind="stable")]  # longest first
-    owned = ((lens[decodes] + block_size - 1) // block_size).tolist()
+    owned = (lens[decodes] + block_size - 1) // block_size  # [D] blocks, non-increasing
     groups: list[tuple[int, int]] = []  # [first, end) into `decodes`
-    first, own = 0, 0
-    for j, blocks in enumerate(owned):  # a group's first sets its length
-        if j > first and owned[first] * (j - first + 1) > DECODE_PADDING_SLACK * (own + blocks):
-            groups.append((first, j))
-            first, own = j, 0
-        own += blocks
-    if len(decodes):
-        groups.append((first, len(decodes)))
+    first = 0
+    while first < len(decodes):  # a group's first sets its length; it ends where its
+        rest = owned[first:]  # padded blocks would first exceed the slack (numpy: a
+        over = rest[0] * np.arange(1, len(rest) + 1) > DECODE_PADDING_SLACK * np.cumsum(rest)
+        over[0] = False  # Python loop over hundreds of decodes cost ~40 us a step)
+        end = first + (int(over.argmax()) if over.any() else len(rest))
+        groups.append((first, end))
+        first = end
 
     def to(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device)

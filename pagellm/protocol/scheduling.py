@@ -29,16 +29,25 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
-    req_id: str
-    new_block_ids: list[int]  # appended to the request's block table
-    num_computed_tokens: int
+    """The running requests scheduled again this step, as parallel lists: one Struct
+    per step rather than one per request (the scheduler fills it for every running
+    request every step, and the runner reads the lists whole)."""
+
+    req_ids: list[str]
+    num_computed_tokens: list[int]  # per request, tokens whose KV is in the cache
+    # Only the requests that grew this step: blocks appended to their block tables.
+    new_block_ids: dict[str, list[int]]
+
+    @classmethod
+    def empty(cls) -> CachedRequestData:
+        return cls([], [], {})
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     """One step's work. Requests run in the order cached, then new."""
 
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
+    scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]  # finished or aborted since the last step: forget them
