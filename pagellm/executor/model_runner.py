@@ -119,7 +119,8 @@ class ModelRunner:
             "min_p": ((max_num_seqs,), torch.float32)})
         self.graphs: DecodeGraphs | None = None
         # The last step's batch rows, valid while the batch's rows stay as they were.
-        self._rows_generation, self._rows_req_ids = -1, []
+        self._rows_generation = -1
+        self._rows_req_ids: list[str] = []
         self._rows = np.zeros(0, np.int64)  # [R]
         self.kv_caches: list[torch.Tensor] = []
 
