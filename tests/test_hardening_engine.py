@@ -581,6 +581,25 @@ def test_no_socket_directory_is_left_behind(model_dirs, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+
+def test_a_process_that_exits_with_a_context_open_exits(tmp_path):
+    """An engine core whose frontend died hung at interpreter exit for good (an orphan):
+    the context it still held started a thread to terminate it, which never runs then."""
+    script = textwrap.dedent(f"""
+        import zmq
+        from pagellm.enginecore.transport import Context
+        context = Context()
+        server = context.socket(zmq.PULL)
+        server.bind("ipc://{tmp_path}/socket")
+        client = context.socket(zmq.PUSH)
+        client.connect("ipc://{tmp_path}/socket")
+        client.send(b"x")
+        assert server.recv() == b"x"
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+
 def test_engine_core_accepts_the_demo_model(tmp_path):
     """Finding 9: `pagellm engine-core --model demo` was refused."""
     address = f"ipc://{tmp_path}/demo-engine"

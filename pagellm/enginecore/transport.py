@@ -13,6 +13,7 @@ import ipaddress
 import itertools
 import logging
 import shutil
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,10 +62,16 @@ class Context(zmq.Context):
         self.setsockopt(zmq.LINGER, 0)
 
     def __del__(self) -> None:
-        if not self.closed and not getattr(self, "_shadow", False):
-            with contextlib.suppress(RuntimeError):  # no new threads at interpreter exit
-                threading.Thread(target=self.destroy, kwargs={"linger": 0}, daemon=True,
-                                 name="zmq-context-term").start()
+        if self.closed or getattr(self, "_shadow", False):
+            return
+        # At interpreter exit the process's end frees it. A thread started then never
+        # runs, and `Thread.start` waits for it forever: a process that exited with a
+        # context open (an engine core whose frontend died) hung there for good.
+        if sys.is_finalizing():
+            return
+        with contextlib.suppress(RuntimeError):  # Python 3.12+: no new threads at exit
+            threading.Thread(target=self.destroy, kwargs={"linger": 0}, daemon=True,
+                             name="zmq-context-term").start()
 
 
 def monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
