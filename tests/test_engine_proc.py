@@ -236,13 +236,15 @@ def test_sigkill_fails_a_blocked_llm_generate_within_a_second(model_dirs):
 
     thread = threading.Thread(target=generate)
     thread.start()
-    assert wait_until(lambda: llm.get_stats().num_running_reqs == 2)
-    killed = time.monotonic()
-    os.kill(llm.engine_core.engine_process.pid, signal.SIGKILL)
-    assert done.wait(5)
-    elapsed = time.monotonic() - killed
-    thread.join()
-    llm.shutdown()
+    try:
+        assert wait_until(lambda: llm.get_stats().num_running_reqs == 2)
+        killed = time.monotonic()
+        os.kill(llm.engine_core.engine_process.pid, signal.SIGKILL)
+        assert done.wait(5)
+        elapsed = time.monotonic() - killed
+    finally:  # a failed wait must not leave the engine and the thread behind
+        llm.shutdown()
+        thread.join(30)
     assert len(errors) == 1 and isinstance(errors[0], EngineDeadError), errors
     assert elapsed < 1.0
 
