@@ -251,6 +251,41 @@ def test_foreign_requests_the_engine_cannot_serve_fail_alone(tight_engine, attac
     still_serves(attached)
 
 
+
+def test_every_message_counts_the_adds_its_load_accounts_for(tight_engine, attached):
+    """A data-parallel frontend routes by load = reported + ADDs sent - ADDs the report
+    accounts for (a report computed before an ADD arrived must not hide it). An ADD
+    refused on arrival counts at once (else it would count as load for good); an
+    accepted one once the busy loop has queued it, and never before the load has it."""
+    _, address = tight_engine
+    client = RawEngineClient(address)
+    seen: list[tuple[int, int]] = []  # (adds taken, waiting + running) per message
+    try:
+        client.send(RequestType.ADD, request("refused", [5], n=3))  # refused on arrival
+        client.send(RequestType.ADD, request("long", [5, 6], max_tokens=1500,
+                                             ignore_eos=True))
+
+        def read_until(wanted: tuple[int, int]) -> None:
+            deadline = time.monotonic() + 30
+            while not seen or seen[-1] != wanted:
+                assert time.monotonic() < deadline, seen[-5:]
+                if client.output.poll(100):
+                    message = msgspec.msgpack.decode(client.output.recv(),
+                                                     type=EngineCoreOutputs)
+                    seen.append((message.num_adds_taken,
+                                 message.num_waiting + message.num_running))
+
+        read_until((2, 1))  # both taken, "long" running
+        client.send(RequestType.ABORT, ["long"])
+        read_until((2, 0))  # then gone (a heartbeat says so at the latest)
+    finally:
+        client.close()
+    taken = [t for t, _ in seen]
+    assert taken == sorted(taken) and taken[-1] == 2
+    until_abort = seen[:seen.index((2, 1)) + 1]
+    assert all(load == 1 for t, load in until_abort if t == 2)  # "long" in every such load
+    still_serves(attached)
+
 def test_garbage_frames_are_dropped_and_the_engine_keeps_serving(tight_engine, attached):
     _, address = tight_engine
     client = RawEngineClient(address)

@@ -173,9 +173,13 @@ class EngineCoreProc:
         # Utility calls answered once a pause in mode "wait" settles.
         self._deferred: list[tuple[int, UtilityRequest, Deferred]] = []
         self.encode_s = 0.0  # mean output encoding time, updated by the output thread
-        # (waiting, running) as the busy loop last saw them: every message carries it
-        # (a data-parallel frontend routes by it). One tuple, replaced whole.
-        self.load = (0, 0)
+        # (waiting, running, ADDs handled per client) as the busy loop last saw them, one
+        # tuple replaced whole: every message carries its client's part, plus the ADDs
+        # the input thread refused (a data-parallel frontend routes by it). Each count
+        # has one writer; a client's entries go when it does.
+        self._adds_handled: dict[int, int] = {}  # busy loop
+        self._adds_refused: dict[int, int] = {}  # input thread
+        self.load: tuple[int, int, dict[int, int]] = (0, 0, {})
         self._last_word_sent = False
         self.threads = [self._thread(self._input_loop, "input"),
                         self._thread(self._output_loop, "output")]
@@ -208,7 +212,8 @@ class EngineCoreProc:
                     if outputs:
                         self.output_queue.put(_Send(outputs))
                 self._answer_deferred()
-                self.load = (self.core.scheduler.num_waiting, self.core.scheduler.num_running)
+                self.load = (self.core.scheduler.num_waiting, self.core.scheduler.num_running,
+                             self._adds_handled.copy())
         except ShutdownRequested:
             logger.info("engine core: stopping now (second signal)")
         except Exception as e:  # the loop's failure is every client's EngineDeadError
@@ -255,6 +260,9 @@ class EngineCoreProc:
     def _handle(self, item: Any) -> None:
         if isinstance(item, _ThreadDied):
             raise EngineThreadDied(item.message)
+        if isinstance(item, _Add):
+            client = item.request.client_index
+            self._adds_handled[client] = self._adds_handled.get(client, 0) + 1
         try:
             if isinstance(item, _Add):
                 self.core.add_preprocessed(item.request)
@@ -267,6 +275,7 @@ class EngineCoreProc:
                         timestamp=time.monotonic(), utility_output=answer)}))
             elif isinstance(item, _ClientGone):
                 self.core.abort_client(item.client)
+                self._adds_handled.pop(item.client, None)
         except Exception as e:  # one client's message must not stop the engine
             logger.exception("engine core: could not handle %s", type(item).__name__)
             if isinstance(item, _Add):
@@ -369,13 +378,15 @@ class EngineCoreProc:
             self._forget_client(client)
             self.output_queue.put(_Unregister(client))
         elif kind == RequestType.ADD:
-            self._add(client, payload, decoders[kind])
+            if not self._add(client, payload, decoders[kind]):
+                self._adds_refused[client] = self._adds_refused.get(client, 0) + 1
         elif kind == RequestType.ABORT:
             self.input_queue.put(_Abort(client, decoders[kind].decode(payload)))
         else:
             self.input_queue.put(_Utility(client, decoders[kind].decode(payload)))
 
-    def _add(self, client: int, payload: bytes, decoder: MsgpackDecoder[Any]) -> None:
+    def _add(self, client: int, payload: bytes, decoder: MsgpackDecoder[Any]) -> bool:
+        """Queue the request for the busy loop; False if it was refused here."""
         try:
             request = decoder.decode(payload)
         except msgspec.ValidationError as e:  # e.g. a sampling value out of range
@@ -383,14 +394,16 @@ class EngineCoreProc:
             if request_id is None:
                 raise
             self._error_to(client, request_id, f"invalid request: {e}")
-            return
+            return False
         if not self._accepting.is_set():
             self._error_to(client, request.request_id, "the engine core is shutting down")
-            return
+            return False
         try:
             self.input_queue.put(_Add(self.core.preprocess(request, client)))
         except RequestRejected as e:
             self._error_to(client, request.request_id, str(e))
+            return False
+        return True
 
     def _hello(self, identity: bytes, client: int | None, request: HandshakeRequest) -> None:
         error = None
@@ -437,6 +450,7 @@ class EngineCoreProc:
             if record is None:
                 return
             self._identities.pop(record.identity, None)
+            self._adds_refused.pop(index, None)
         self.input_queue.put(_ClientGone(index))
         logger.info("frontend %d detached", index)
 
@@ -460,7 +474,8 @@ class EngineCoreProc:
             if record is None:
                 return  # the client left
             start = time.perf_counter()
-            outputs.num_waiting, outputs.num_running = self.load
+            outputs.num_waiting, outputs.num_running, handled = self.load
+            outputs.num_adds_taken = handled.get(index, 0) + self._adds_refused.get(index, 0)
             encoder.encode_into(outputs, buffer)
             self.encode_s = 0.9 * self.encode_s + 0.1 * (time.perf_counter() - start)
             try:

@@ -6,11 +6,13 @@ one `MPClient` per core; `DPSyncClient` (for `LLM`) and `DPAsyncClient` (for
 `AsyncLLM` and the server) put them behind the one client interface:
 
 - A new request goes to the least loaded core: waiting + running as the core reported
-  in its last message (every message carries it, heartbeats too) plus what this client
-  sent there since. Among cores within `LOAD_SLACK_REQUESTS` / `LOAD_SLACK_FRACTION` of
-  the least loaded, the one that already holds the longest prefix of the prompt wins
-  (`PrefixIndex`: the prompt block hashes this client sent to each core, LRU-bounded by
-  that core's KV blocks), so that shared prefixes keep hitting one core's cache.
+  in its last message (every message carries it, heartbeats too) plus the ADDs this
+  client sent there that the report does not account for yet (it says how many it
+  does: a report computed before an ADD arrived must not hide it). Among cores within
+  `LOAD_SLACK_REQUESTS` / `LOAD_SLACK_FRACTION` of the least loaded, the one that
+  already holds the longest prefix of the prompt wins (`PrefixIndex`: the prompt block
+  hashes this client sent to each core, LRU-bounded by that core's KV blocks), so that
+  shared prefixes keep hitting one core's cache.
 - An abort goes to the core that holds the request (request id -> core, forgotten
   once the request finishes); utility calls go to every core at once and their
   results are merged (`merge_results`, the one place that says how).

@@ -126,10 +126,13 @@ class MPClient(EngineCoreClient):
         self.dead_error: str | None = None
         self.label = label
         self._on_dead_callback = on_dead
-        # The engine's load as its last message reported it, and the requests sent to it
-        # since (what a data-parallel client routes by).
+        # The engine's load as its last message reported it, and the ADDs sent to it
+        # beyond those that load accounts for (what a data-parallel client routes by).
+        # Counting by acknowledgement, not "since the last report": a report computed
+        # before an ADD arrived would otherwise hide it. Each count has one writer.
         self.reported_load = 0
-        self.sent_since_report = 0
+        self.adds_sent = 0  # callers' thread
+        self.adds_acknowledged = 0  # the output reader
         self._closed = False
         self._death_lock = threading.Lock()
         # Threads that poll this context's sockets: stopped before it is destroyed (a
@@ -233,12 +236,12 @@ class MPClient(EngineCoreClient):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(RequestType.ADD, request)
-        self.sent_since_report += 1
+        self.adds_sent += 1
 
     @property
     def load(self) -> int:
         """Requests waiting or running there, as far as this client knows."""
-        return self.reported_load + self.sent_since_report
+        return self.reported_load + self.adds_sent - self.adds_acknowledged
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_error is None and not self._closed:
@@ -324,7 +327,7 @@ class MPClient(EngineCoreClient):
 
     def _check_outputs(self, outputs: EngineCoreOutputs) -> None:
         self.reported_load = outputs.num_waiting + outputs.num_running
-        self.sent_since_report = 0
+        self.adds_acknowledged = outputs.num_adds_taken
         if outputs.engine_dead is not None:
             self._on_dead(outputs.engine_dead)
 

@@ -115,8 +115,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     `timestamp` is the engine's time.monotonic() when the step ended (system-wide on
     Linux, so a frontend on the same host can measure its lag). `engine_dead` is the
     engine's last message: why it stopped. `num_waiting` / `num_running` are the
-    engine's load when the message left (every message, heartbeats too): a
-    data-parallel frontend routes each new request to the least loaded engine core.
+    engine's load when the message left (every message, heartbeats too), and
+    `num_adds_taken` how many of this client's ADDs that load accounts for (queued in
+    the scheduler, or refused): a data-parallel frontend routes each new request to the
+    least loaded engine core, counting the ADDs it sent beyond those as load too.
     """
 
     outputs: list[EngineCoreOutput] = []
@@ -125,6 +127,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     engine_dead: str | None = None
     num_waiting: int = 0
     num_running: int = 0
+    num_adds_taken: int = 0
 
 
 class RequestType(bytes, enum.Enum):
@@ -192,4 +195,4 @@ class DPRegisterReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     error: str | None = None
 
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
