@@ -277,7 +277,11 @@ def test_guidellm_streaming_benchmark(server, model_dirs, tmp_path, request_form
             prompt_ids = tokenizer.encode(body["prompt"])
         assert request["input_metrics"]["text_tokens"] == len(prompt_ids)
         assert request["output_metrics"]["text_tokens"] == OUTPUT_TOKENS
-        assert request["info"]["timings"]["token_iterations"] > 1  # it streamed
+    # It streamed. Not every request in pieces: a stream whose reader falls behind gets
+    # what is ready as one chunk (vLLM's coalescing too), and 16 tokens take ~15 ms here.
+    iterations = [r["info"]["timings"]["token_iterations"]
+                  for r in benchmark["requests"]["successful"]]
+    assert max(iterations) > 1, iterations
 
     # The console's throughput table, as a user reads it: every rate is non-zero.
     table = run.stdout.split("Server Throughput Statistics", 1)[1]
