@@ -135,6 +135,10 @@ class MPClient(EngineCoreClient):
         self.adds_acknowledged = 0  # the output reader
         self._closed = False
         self._death_lock = threading.Lock()
+        # zmq sockets are not thread-safe: an LLM generating in one thread while another
+        # asks for stats interleaved two messages' frames, and the engine dropped both
+        # as malformed (the stats call then timed out after 60 s).
+        self._send_lock = threading.Lock()
         # Threads that poll this context's sockets: stopped before it is destroyed (a
         # socket closed under another thread's poll can hang zmq_ctx_term for good).
         self._pollers: list[threading.Thread] = []
@@ -249,7 +253,9 @@ class MPClient(EngineCoreClient):
 
     def _send(self, kind: RequestType, payload: Any) -> None:
         self.check_alive()
-        self.engine.send_multipart([kind.value, self._encoder.encode(payload)])
+        data = self._encoder.encode(payload)
+        with self._send_lock:
+            self.engine.send_multipart([kind.value, data])
 
     def _utility_request(self, method: UtilityMethod, args: tuple[Any, ...]) -> UtilityRequest:
         return UtilityRequest(next(self._call_ids), method, list(args))
@@ -337,7 +343,7 @@ class MPClient(EngineCoreClient):
         self._closed = True
         if self.engine_process is None and self.dead_error is None:
             # Attached: tell the engine we leave, so it aborts what we left running.
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError), self._send_lock:
                 self.engine.send_multipart([RequestType.BYE.value, b""])
                 self.engine.setsockopt(zmq.LINGER, 1000)
         self._close_transport()
