@@ -369,3 +369,25 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_shutdown_wakes_a_generate_blocked_in_another_thread(model_dirs):
+    """A generate left waiting (its caller's thread still blocked when a test failed and
+    shut the LLM down) waited forever, and kept the process from exiting."""
+    llm = LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=KV)
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(["a"], SamplingParams(max_tokens=1500, ignore_eos=True),
+                         use_tqdm=False)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    assert wait_until(lambda: llm.get_stats().num_running_reqs == 1)
+    llm.shutdown()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], EngineDeadError), errors

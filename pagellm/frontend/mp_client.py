@@ -452,6 +452,14 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
                 future.set_exception(EngineDeadError(cause))
         self._calls.clear()
 
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        super().shutdown()
+        # A caller still waiting for outputs (a generate in another thread) wakes now;
+        # else it waited forever, and so did its process at exit.
+        self._outputs.put(EngineDeadError("the engine-core client was shut down"))
+
 
 class AsyncMPClient(MPClient, AsyncEngineCoreClient):
     """For `AsyncLLM`: an asyncio task reads this client's outputs through zmq's
