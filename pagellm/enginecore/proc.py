@@ -260,11 +260,10 @@ class EngineCoreProc:
     def _handle(self, item: Any) -> None:
         if isinstance(item, _ThreadDied):
             raise EngineThreadDied(item.message)
-        if isinstance(item, _Add):
-            client = item.request.client_index
-            self._adds_handled[client] = self._adds_handled.get(client, 0) + 1
         try:
             if isinstance(item, _Add):
+                client = item.request.client_index  # counted even if the add fails
+                self._adds_handled[client] = self._adds_handled.get(client, 0) + 1
                 self.core.add_preprocessed(item.request)
             elif isinstance(item, _Abort):
                 self.core.abort_requests(item.request_ids, item.client)
