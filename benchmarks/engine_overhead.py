@@ -2,7 +2,7 @@
 
 With a model this small the forward pass costs little, so the step is dominated by
 the engine core's own bookkeeping: scheduling, preparing inputs, updating requests and
-encoding outputs (everything but forward and sample). The target is under 0.5 ms per
+handing out outputs (everything but forward and sample). The target is under 0.5 ms per
 step at 256 running requests (issue #16). Preparing inputs includes the attention
 backend's per-step plan (on the CPU, the reference kernels' gather indices and masks),
 reported on its own line. Also reported: how far the frontend (AsyncLLM: detokenization
@@ -41,7 +41,7 @@ TINY = ModelSpec(arch="llama", hidden_size=32, num_layers=1, num_heads=2, num_kv
                  intermediate_size=64, vocab_size=512, max_position_embeddings=2048)
 KV_CACHE_BYTES = 256 * 2**20
 FIELDS = ("schedule_s", "prepare_inputs_s", "forward_s", "sample_s", "update_s",
-          "output_encode_s", "attention_plan_s")
+          "output_s", "attention_plan_s")
 
 
 def prompt(i: int, prompt_len: int) -> list[int]:
@@ -85,8 +85,8 @@ async def run(engine: AsyncLLM, num_requests: int, prompt_len: int, output_len: 
 
 def run_engine_only(model: Path, num_requests: int, prompt_len: int, output_len: int
                     ) -> tuple[list[StepTimings], float]:
-    """Step an in-process engine core to the end; each step's timings (output encoding
-    as the engine process's output thread does it) while all requests run."""
+    """Step an in-process engine core to the end; each step's timings while all
+    requests run ("output": encoding the outputs; no sockets here)."""
     core = EngineCore(EngineArgs(model=str(model), max_num_seqs=num_requests,
                                  kv_cache_memory_bytes=KV_CACHE_BYTES))
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -105,7 +105,7 @@ def run_engine_only(model: Path, num_requests: int, prompt_len: int, output_len:
                 encoder.encode_into(client_outputs, buffer)
             if running == num_requests and core.scheduler.num_running == num_requests:
                 timings = core.recent_steps[-1]
-                timings.output_encode_s = time.perf_counter() - t0
+                timings.output_s = time.perf_counter() - t0
                 steps.append(timings)
     finally:
         core.shutdown()
@@ -141,7 +141,7 @@ def main() -> None:
         raise SystemExit("never saw all requests running at once; use more output tokens")
     per_step = {f: statistics.median(getattr(s, f) for s in steps) * 1e3 for f in FIELDS}
     bookkeeping = sum(per_step[f] for f in ("schedule_s", "prepare_inputs_s", "update_s",
-                                            "output_encode_s"))
+                                            "output_s"))
     total_tokens = ns.num_requests * ns.output_len
     print(f"{ns.num_requests} concurrent requests, {ns.output_len} output tokens each, "
           f"{elapsed:.1f} s, {total_tokens / elapsed:.0f} output tokens/s"
@@ -151,7 +151,7 @@ def main() -> None:
     for f in FIELDS[:-1]:
         print(f"  {f.removesuffix('_s'):<16}{per_step[f]:8.3f}")
     print(f"    of which attention plan {per_step['attention_plan_s']:6.3f}   (in prepare_inputs)")
-    print(f"  bookkeeping     {bookkeeping:8.3f}   (schedule + prepare + update + encode; "
+    print(f"  bookkeeping     {bookkeeping:8.3f}   (schedule + prepare + update + output; "
           "target < 0.5 ms)")
     lag_ms = statistics.median(lags) * 1e3 if lags else float("nan")
     if not ns.engine_only:

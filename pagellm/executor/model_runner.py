@@ -30,6 +30,7 @@ import torch
 
 from pagellm.executor.attention import AttentionMetadata, get_attention_backend, num_kv_segments
 from pagellm.executor.config import ModelConfig
+from pagellm.executor.cpu_threads import ThreadTuner
 from pagellm.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from pagellm.executor.input_batch import InputBatch
 from pagellm.executor.loader import load_model
@@ -123,6 +124,9 @@ class ModelRunner:
         self._rows_req_ids: list[str] = []
         self._rows = np.zeros(0, np.int64)  # [R]
         self.kv_caches: list[torch.Tensor] = []
+        # On the CPU, each step size's thread count is measured (cpu_threads.py).
+        self.thread_tuner = (ThreadTuner(torch.get_num_threads())
+                             if device.type == "cpu" and torch.get_num_threads() > 1 else None)
 
     # -- KV cache ------------------------------------------------------------------
 
@@ -219,6 +223,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        tuner = self.thread_tuner
+        if tuner is None or scheduler_output.is_empty:
+            return self._execute(scheduler_output)
+        threads = tuner.threads_for(scheduler_output.total_num_scheduled_tokens)
+        before = torch.get_num_threads()  # an in-process engine leaves its host's as found
+        if threads != before:
+            torch.set_num_threads(threads)
+        try:
+            output = self._execute(scheduler_output)
+        finally:
+            if threads != before:
+                torch.set_num_threads(before)
+        tuner.record(output.forward_s + output.sample_s)
+        return output
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:

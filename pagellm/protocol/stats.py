@@ -13,7 +13,7 @@ class StepTimings(msgspec.Struct, array_like=True, gc=False):
     forward_s: float = 0.0
     sample_s: float = 0.0
     update_s: float = 0.0
-    output_encode_s: float = 0.0
+    output_s: float = 0.0  # the busy loop handing out the step's outputs (encode, send)
     collective_s: float = 0.0  # part of forward_s + sample_s (tensor parallel, CPU only)
     dispatch_s: float = 0.0  # sending the step to the worker processes and back
     # Part of prepare_inputs_s: the attention backend's per-step plan (on the CPU, the
@@ -23,7 +23,7 @@ class StepTimings(msgspec.Struct, array_like=True, gc=False):
 
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
     """A snapshot of the engine core. `step_timings` is the mean over the last
-    `STEP_WINDOW` steps (output encoding: over the last messages sent)."""
+    `STEP_WINDOW` steps (output_s: a moving mean over the last steps' outputs)."""
 
     num_running_reqs: int
     num_waiting_reqs: int
