@@ -12,6 +12,7 @@ from pagellm.executor.cpu_threads import (
     TRIAL_BLOCK,
     TRIAL_STEPS,
     ThreadTuner,
+    tunable_threads,
 )
 
 ROUND = 2 * TRIAL_BLOCK  # one block of every thread, one of one thread
@@ -106,6 +107,21 @@ def test_steps_that_were_never_recorded_do_not_stall_the_trial() -> None:
     for _ in range(TRIAL_STEPS):
         tuner.threads_for(256)  # nothing recorded at all: keep every thread
     assert tuner.threads_for(256) == 2
+
+
+def test_only_openmp_thread_counts_are_tuned(monkeypatch) -> None:
+    """One thread has nothing to choose; torch's native backend fixes its pool once
+    parallel work started (and warns at every change)."""
+    info = "ATen/Parallel:\n\tat::get_num_threads() : 2\nATen parallel backend: {}\n"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch.__config__, "parallel_info", lambda: info.format("OpenMP"))
+    assert tunable_threads()
+    monkeypatch.setattr(torch.__config__, "parallel_info",
+                        lambda: info.format("native thread pool"))
+    assert not tunable_threads()
+    monkeypatch.setattr(torch.__config__, "parallel_info", lambda: info.format("OpenMP"))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert not tunable_threads()
 
 
 def test_an_in_process_engine_leaves_its_hosts_thread_count_as_found(tmp_path, monkeypatch

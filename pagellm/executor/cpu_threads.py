@@ -28,6 +28,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+import torch
+
 TRIAL_BLOCK = 4  # steps per block of one thread count; its first step is not timed
 TRIAL_ROUNDS = 3  # blocks of each count per measurement, at most
 TRIAL_STEPS = 2 * TRIAL_BLOCK * TRIAL_ROUNDS
@@ -35,6 +37,14 @@ CLEAR_WIN = 1.25  # after one block of each, a count this much faster is kept at
 ONE_THREAD_MARGIN = 1.02  # one thread wins unless every thread is >2% faster
 REFRESH_STEPS = 2000  # steps of one size between measurements
 MIN_SIZE_BITS = 6  # steps of under 64 tokens are one size (decodes of small batches)
+
+
+def tunable_threads() -> bool:
+    """More than one thread, and torch's OpenMP backend: its thread count may change
+    between steps (the native backend's pool is fixed once parallel work has started,
+    and warns at every attempt)."""
+    return (torch.get_num_threads() > 1
+            and "parallel backend: OpenMP" in torch.__config__.parallel_info())
 
 
 @dataclass

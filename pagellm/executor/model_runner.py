@@ -30,7 +30,7 @@ import torch
 
 from pagellm.executor.attention import AttentionMetadata, get_attention_backend, num_kv_segments
 from pagellm.executor.config import ModelConfig
-from pagellm.executor.cpu_threads import ThreadTuner
+from pagellm.executor.cpu_threads import ThreadTuner, tunable_threads
 from pagellm.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from pagellm.executor.input_batch import InputBatch
 from pagellm.executor.loader import load_model
@@ -126,7 +126,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # On the CPU, each step size's thread count is measured (cpu_threads.py).
         self.thread_tuner = (ThreadTuner(torch.get_num_threads())
-                             if device.type == "cpu" and torch.get_num_threads() > 1 else None)
+                             if device.type == "cpu" and tunable_threads() else None)
 
     # -- KV cache ------------------------------------------------------------------
 
