@@ -71,9 +71,6 @@ OUTPUT_HWM = 10_000  # outputs queued for one client before it counts as not rea
 _POLL_MS = 100  # how often the I/O threads check for shutdown
 _SIGNAL_CHECK_S = 0.2  # how often an idle busy loop lets signal handlers run
 _WATCH_S = 0.1  # how often the output thread looks at its clients' connections
-# How long the busy loop waits for the output thread to send a step's outputs.
-# Typically ~0.15 ms; a client the output thread is watching may hold it longer.
-_HANDOFF_S = 0.001
 SHUTDOWN_GRACE_S = 15.0  # after this long in the final shutdown the process exits anyway
 
 
@@ -143,7 +140,6 @@ class _Unregister:
 @dataclass
 class _Send:
     outputs: dict[int, EngineCoreOutputs]  # client index -> its outputs
-    sent: threading.Event | None = None  # set once they are sent (a step's, see _hand_out)
 
 
 @dataclass
@@ -176,7 +172,17 @@ class EngineCoreProc:
         self._stop_requested: float | None = None  # when the first SIGTERM/SIGINT came
         # Utility calls answered once a pause in mode "wait" settles.
         self._deferred: list[tuple[int, UtilityRequest, Deferred]] = []
-        self.output_s = 0.0  # mean time the busy loop waits for a step's outputs to go out
+        self.output_s = 0.0  # mean time the busy loop spends sending a step's outputs
+        # The busy loop sends a step's outputs itself (`_hand_out`) to the clients in
+        # `_direct` (registered by the output thread) that have nothing queued for the
+        # output thread (`_queued`: _Send entries per client not yet sent), so every
+        # client's messages stay in order. `_out_lock` guards both maps and every use of
+        # a client's PUSH socket, which the two threads share.
+        self._out_lock = threading.Lock()
+        self._direct: dict[int, _Client] = {}
+        self._queued: dict[int, int] = {}
+        self._encoder = MsgpackEncoder()  # the busy loop's; the output thread has its own
+        self._buffer = bytearray()
         # (waiting, running, ADDs handled per client) as the busy loop last saw them, one
         # tuple replaced whole: every message carries its client's part, plus the ADDs
         # the input thread refused (a data-parallel frontend routes by it). Each count
@@ -274,8 +280,8 @@ class EngineCoreProc:
             elif isinstance(item, _Utility):
                 answer = self._call(item.client, item.request)
                 if answer is not None:
-                    self.output_queue.put(_Send({item.client: EngineCoreOutputs(
-                        timestamp=time.monotonic(), utility_output=answer)}))
+                    self._send_now({item.client: EngineCoreOutputs(
+                        timestamp=time.monotonic(), utility_output=answer)})
             elif isinstance(item, _ClientGone):
                 self.core.abort_client(item.client)
                 self._adds_handled.pop(item.client, None)
@@ -305,17 +311,44 @@ class EngineCoreProc:
         return UtilityOutput(request.call_id, result=msgspec.msgpack.encode(result))
 
     def _hand_out(self, outputs: dict[int, EngineCoreOutputs]) -> None:
-        """Queue a step's outputs for the output thread and wait (at most _HANDOFF_S)
-        until it has sent them. Without the wait the output thread, woken by the queue,
-        waited for the GIL while this thread scheduled and prepared the next step (until
-        its first torch op): ~0.5-0.8 ms of every step's latency to the frontend at 256
-        streams. Waiting hands it the GIL at once; the busy loop gives up about the time
-        the output thread needs anyway (encoding and sending, ~0.15 ms)."""
+        """Send a step's outputs (timed: `StepTimings.output_s`)."""
         start = time.perf_counter()
-        item = _Send(outputs, threading.Event())
-        self.output_queue.put(item)
-        item.sent.wait(_HANDOFF_S)  # type: ignore[union-attr]
+        self._send_now(outputs)
         self.output_s = 0.9 * self.output_s + 0.1 * (time.perf_counter() - start)
+
+    def _send_now(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """Send outputs from the busy loop. Handed to the output thread instead, a step's
+        outputs waited for the GIL while this thread scheduled and prepared the next
+        step (until its first torch op): ~0.5-0.8 ms of every step's latency to the
+        frontend at 256 streams. A client with messages queued, not yet registered,
+        gone, or with a full queue (zmq.Again: the output thread tells which) goes
+        through the output thread as before."""
+        slow: dict[int, EngineCoreOutputs] = {}
+        waiting, running, handled = self.load
+        with self._out_lock:
+            for index, client_outputs in outputs.items():
+                record = self._direct.get(index)
+                if record is None or self._queued.get(index):
+                    slow[index] = client_outputs
+                    continue
+                client_outputs.num_waiting, client_outputs.num_running = waiting, running
+                client_outputs.num_adds_taken = (handled.get(index, 0)
+                                                 + self._adds_refused.get(index, 0))
+                self._encoder.encode_into(client_outputs, self._buffer)
+                try:
+                    record.socket.send(self._buffer, flags=zmq.NOBLOCK)  # copies
+                    record.last_sent = time.monotonic()
+                except zmq.Again:
+                    slow[index] = client_outputs
+        if slow:
+            self._queue_send(slow)
+
+    def _queue_send(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """Give outputs to the output thread to send (counted per client, see _direct)."""
+        with self._out_lock:
+            for index in outputs:
+                self._queued[index] = self._queued.get(index, 0) + 1
+        self.output_queue.put(_Send(outputs))
 
     def _answer_deferred(self) -> None:
         if not self._deferred or not self.core.pause_settled():
@@ -326,14 +359,14 @@ class EngineCoreProc:
                 output = self._result(request, result.finish())
             except Exception as e:
                 output = UtilityOutput(request.call_id, failure=f"{type(e).__name__}: {e}")
-            self.output_queue.put(_Send({client: EngineCoreOutputs(
-                timestamp=time.monotonic(), utility_output=output)}))
+            self._send_now({client: EngineCoreOutputs(
+                timestamp=time.monotonic(), utility_output=output)})
 
     def _error_to(self, client: int, request_id: str, error: str) -> None:
         """Fail one request that never reached the scheduler."""
-        self.output_queue.put(_Send({client: EngineCoreOutputs(
+        self._queue_send({client: EngineCoreOutputs(
             [EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error)],
-            time.monotonic())}))
+            time.monotonic())})
 
     def _shutdown(self, message: str) -> None:
         # Whatever hangs below, a supervisor's SIGTERM must end the process.
@@ -482,8 +515,13 @@ class EngineCoreProc:
             logger.warning("frontend %d %s: dropping it and aborting its requests",
                            record.index, reason)
             clients.pop(record.index, None)
-            _close(record)
+            close(record)
             self._forget_client(record.index)
+
+        def close(record: _Client, linger_ms: int = 0) -> None:
+            with self._out_lock:
+                self._direct.pop(record.index, None)
+                _close(record, linger_ms)
 
         def send(index: int, outputs: EngineCoreOutputs, last: bool = False) -> None:
             record = clients.get(index)
@@ -493,7 +531,8 @@ class EngineCoreProc:
             outputs.num_adds_taken = handled.get(index, 0) + self._adds_refused.get(index, 0)
             encoder.encode_into(outputs, buffer)
             try:
-                record.socket.send(buffer, flags=zmq.NOBLOCK)  # copies: the buffer is reused
+                with self._out_lock:
+                    record.socket.send(buffer, flags=zmq.NOBLOCK)  # copies: buffer reused
                 record.last_sent = time.monotonic()
             except zmq.Again:  # gone, or connected with a full queue: it stopped reading
                 if last:
@@ -512,21 +551,25 @@ class EngineCoreProc:
                 item = None
             if isinstance(item, _Register):
                 clients[item.client.index] = item.client
+                with self._out_lock:
+                    self._direct[item.client.index] = item.client
             elif isinstance(item, _Unregister):
                 record = clients.pop(item.client, None)
                 if record is not None:
-                    _close(record, linger_ms=1000)
+                    close(record, linger_ms=1000)
             elif isinstance(item, _Send):
                 for index, outputs in item.outputs.items():
                     send(index, outputs)
-                if item.sent is not None:
-                    item.sent.set()
+                    with self._out_lock:
+                        left = self._queued.pop(index, 1) - 1
+                        if left:
+                            self._queued[index] = left
             elif isinstance(item, _Stop):
                 for index in list(clients):
                     send(index, EngineCoreOutputs(timestamp=time.monotonic(),
                                                   engine_dead=item.message), last=True)
                 for record in clients.values():
-                    _close(record, linger_ms=1000)  # let the last word reach the frontends
+                    close(record, linger_ms=1000)  # let the last word reach the frontends
                 clients.clear()
                 self._last_word_sent = True
                 return
