@@ -46,23 +46,28 @@ def total(found: dict[str, list[tuple[dict[str, str], float]]], name: str,
                if all(sample_labels.get(k) == v for k, v in labels.items()))
 
 
+STREAMED = 64  # tokens of each streamed completion
+
+
 @pytest.mark.slow
 def test_a_known_workload_counts_each_completion_once_under_vllm_names(server, tokenizer):
     before = samples(server)
     prompts = ["one two three", "four five"]
-    # One request with two prompts, one streamed (inter-token latencies are observed
-    # between streamed outputs).
-    for body in ({"prompt": prompts, "n": 2}, {"prompt": "six", "n": 2, "stream": True}):
+    # One request with two prompts of 4 tokens, one streamed of 64 (inter-token
+    # latencies are observed between streamed outputs; a stream read slower than the
+    # engine steps gets several tokens per output, so it is long enough to be split).
+    for body in ({"prompt": prompts, "n": 2, "max_tokens": 4},
+                 {"prompt": "six", "n": 2, "stream": True, "max_tokens": STREAMED}):
         status, reply = server.request("POST", "/v1/completions", {
-            "model": NAME, "max_tokens": 4, "temperature": 1.0, "ignore_eos": True, **body})
+            "model": NAME, "temperature": 1.0, "ignore_eos": True, **body})
         assert status == 200, reply
     after = samples(server)
 
     def delta(name: str, **labels: str) -> float:
         return total(after, name, **labels) - total(before, name, **labels)
 
-    # 3 prompts, each of n=2 completions of 4 tokens. As in vLLM V1 (n child requests),
-    # each completion is a request: every request counter agrees on 6.
+    # 3 prompts, each of n=2 completions. As in vLLM V1 (n child requests), each
+    # completion is a request: every request counter agrees on 6.
     prompts_sent, completions = 3, 6
     for name in ("vllm:request_success_total", "vllm:e2e_request_latency_seconds_count",
                  "vllm:time_to_first_token_seconds_count",
@@ -72,14 +77,15 @@ def test_a_known_workload_counts_each_completion_once_under_vllm_names(server, t
     assert delta("vllm:request_success_total", finished_reason="length") == completions
     assert delta("vllm:request_params_n_count") == prompts_sent
     assert delta("vllm:request_params_n_sum") == 2 * prompts_sent
-    assert delta("vllm:generation_tokens_total") == completions * 4
-    assert delta("vllm:request_generation_tokens_sum") == completions * 4
+    generated = 4 * 4 + 2 * STREAMED
+    assert delta("vllm:generation_tokens_total") == generated
+    assert delta("vllm:request_generation_tokens_sum") == generated
     prompt_tokens = 2 * sum(len(tokenizer.encode(p)) for p in [*prompts, "six"])
     assert delta("vllm:prompt_tokens_total") == prompt_tokens
     assert delta("vllm:request_prompt_tokens_sum") == prompt_tokens
-    # Inter-token intervals: at most 3 per streamed completion of 4 tokens (fewer when
+    # Inter-token intervals: at most STREAMED - 1 per streamed completion (fewer when
     # one streamed delta carries several steps' tokens); none for the unstreamed ones.
-    assert 0 < delta("vllm:inter_token_latency_seconds_count") <= 2 * 3
+    assert 0 < delta("vllm:inter_token_latency_seconds_count") <= 2 * (STREAMED - 1)
     assert delta("vllm:prefix_cache_queries_total") > 0
 
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
