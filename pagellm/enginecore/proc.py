@@ -324,16 +324,13 @@ class EngineCoreProc:
         gone, or with a full queue (zmq.Again: the output thread tells which) goes
         through the output thread as before."""
         slow: dict[int, EngineCoreOutputs] = {}
-        waiting, running, handled = self.load
         with self._out_lock:
             for index, client_outputs in outputs.items():
                 record = self._direct.get(index)
                 if record is None or self._queued.get(index):
                     slow[index] = client_outputs
                     continue
-                client_outputs.num_waiting, client_outputs.num_running = waiting, running
-                client_outputs.num_adds_taken = (handled.get(index, 0)
-                                                 + self._adds_refused.get(index, 0))
+                self._stamp(index, client_outputs)
                 self._encoder.encode_into(client_outputs, self._buffer)
                 try:
                     record.socket.send(self._buffer, flags=zmq.NOBLOCK)  # copies
@@ -342,6 +339,11 @@ class EngineCoreProc:
                     slow[index] = client_outputs
         if slow:
             self._queue_send(slow)
+
+    def _stamp(self, index: int, outputs: EngineCoreOutputs) -> None:
+        """The load every message carries, as client `index` should count it."""
+        outputs.num_waiting, outputs.num_running, handled = self.load
+        outputs.num_adds_taken = handled.get(index, 0) + self._adds_refused.get(index, 0)
 
     def _queue_send(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         """Give outputs to the output thread to send (counted per client, see _direct)."""
@@ -527,8 +529,7 @@ class EngineCoreProc:
             record = clients.get(index)
             if record is None:
                 return  # the client left
-            outputs.num_waiting, outputs.num_running, handled = self.load
-            outputs.num_adds_taken = handled.get(index, 0) + self._adds_refused.get(index, 0)
+            self._stamp(index, outputs)
             encoder.encode_into(outputs, buffer)
             try:
                 with self._out_lock:

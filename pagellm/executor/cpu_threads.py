@@ -51,6 +51,7 @@ def tunable_threads() -> bool:
 class _Size:
     """One step size's measurement in progress, or its choice."""
 
+    key: int  # its tokens' bit length
     trial_step: int = 0  # position in the interleaved trial schedule
     samples: dict[int, list[float]] = field(default_factory=dict)  # threads -> seconds
     choice: int | None = None
@@ -93,7 +94,7 @@ class ThreadTuner:
     def _size(self, key: int) -> _Size:
         size = self._sizes.get(key)
         if size is None:  # a new size: what the measured ones imply, if anything
-            size = self._sizes[key] = _Size()
+            size = self._sizes[key] = _Size(key)
             if any(k < key and s.choice == self.max_threads for k, s in self._sizes.items()):
                 size.choice = self.max_threads
             elif any(k > key and s.choice == 1 for k, s in self._sizes.items()):
@@ -116,8 +117,7 @@ class ThreadTuner:
 
     def _choose(self, size: _Size, threads: int) -> None:
         size.choice, size.steps_since_choice = threads, 0
-        key = next(k for k, s in self._sizes.items() if s is size)
         for k, other in self._sizes.items():  # the sizes it implies, unless measuring
-            if other.choice is not None and ((threads == 1 and k < key) or (
-                    threads == self.max_threads and k > key)):
+            if other.choice is not None and ((threads == 1 and k < size.key) or (
+                    threads == self.max_threads and k > size.key)):
                 other.choice = threads
