@@ -84,6 +84,33 @@ def test_output_tokens_extend_the_hashes_as_blocks_fill():
     assert r.block_hashes == expected
 
 
+@pytest.mark.parametrize("prompt_len", [2, 4, 6, 9])
+@pytest.mark.parametrize("salt", [None, "tenant-1"])
+def test_hashes_kept_while_decoding_equal_hashing_the_whole_sequence(prompt_len: int,
+                                                                      salt: str | None):
+    """A request hashes each block as it fills from the block's own tokens (the
+    output's last, after the prompt's last while the output is shorter than a block):
+    the same hashes as hashing prompt + output from scratch, salt on the first block
+    included, also when the prompt is shorter than one block."""
+    prompt = list(range(1, prompt_len + 1))
+    r = make_request("r", prompt, salt=salt)
+    tokens = list(prompt)
+    for token in range(50, 64):
+        r.append_output_token_id(token)
+        tokens.append(token)
+        expected: list[bytes] = []
+        extend_block_hashes(expected, tokens, BS, salt)
+        assert r.block_hashes == expected, (prompt_len, token)
+    assert len(r.block_hashes) == (prompt_len + 14) // BS
+
+
+def test_extending_hashes_from_tokens_that_start_too_late_is_refused():
+    hashes: list[bytes] = []
+    with pytest.raises(ValueError, match="position 4"):
+        extend_block_hashes(hashes, [5, 6, 7, 8], BS, None, offset=4)
+    assert hashes == []
+
+
 def test_salt_changes_every_hash():
     plain, salted = make_request("p", PROMPT), make_request("s", PROMPT, salt="tenant-1")
     assert not set(plain.block_hashes) & set(salted.block_hashes)

@@ -28,10 +28,14 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int],
 
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        cache_salt: str | None) -> None:
-    """Append to `hashes` the hash of every full block of `token_ids` it lacks."""
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1,
-                       block_size):
+                        cache_salt: str | None, offset: int = 0) -> None:
+    """Append to `hashes` the hash of every full block of the request it lacks, given
+    the request's tokens from position `offset` on (which must cover those blocks)."""
+    first = len(hashes) * block_size
+    if first < offset:
+        raise ValueError(f"tokens from position {offset} cannot hash the block at {first}")
+    for start in range(first, offset + len(token_ids) - block_size + 1, block_size):
         parent = hashes[-1] if hashes else None
         extra = (cache_salt,) if cache_salt is not None and parent is None else ()
-        hashes.append(hash_block(parent, token_ids[start:start + block_size], extra))
+        hashes.append(hash_block(parent, token_ids[start - offset:start - offset + block_size],
+                                 extra))

@@ -18,6 +18,9 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # per request: blocks made findable
+        # Per request: the context length up to which allocate_slots has nothing to do
+        # (every slot held, no block to fill), the one lookup most calls need.
+        self._fits: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up at admission, cumulative
         self.prefix_cache_hits = 0  # tokens found
 
@@ -71,49 +74,50 @@ class KVCacheManager:
         there are not enough free blocks.
         """
         request_id = request.request_id
-        if new_computed_blocks is None:
-            # A running request (the scheduler asks this for each of them every step):
-            # most steps fit in the blocks it holds and fill none, so answer at once.
-            held_now = self.req_to_blocks.get(request_id)
-            end = request.num_computed_tokens + num_new_tokens
-            if held_now is not None and end <= len(held_now) * self.block_size and (
-                    not self.enable_prefix_caching
-                    or min(end // self.block_size, len(request.block_hashes))
-                    <= self.num_cached_blocks.get(request_id, 0)):
-                return []
+        end = request.num_computed_tokens + num_new_tokens
+        if new_computed_blocks is None and end <= self._fits.get(request_id, -1):
+            return []  # most steps of a running request: nothing to add or cache
         hits = new_computed_blocks or []
         held = self.req_to_blocks.get(request_id, [])
-        computed = request.num_computed_tokens + len(hits) * self.block_size
         needed = self.num_blocks_needed(request, num_new_tokens, len(hits))
-        evictable_hits = sum(1 for block in hits if block.ref_cnt == 0)
+        evictable_hits = sum(1 for block in hits if block.ref_cnt == 0) if hits else 0
         if needed + evictable_hits > self.block_pool.num_free_blocks:
             return None
         if new_computed_blocks is not None:  # admission: count the lookup
             self.prefix_cache_queries += request.num_tokens if self.enable_prefix_caching \
                 else 0
             self.prefix_cache_hits += len(hits) * self.block_size
-        self.block_pool.touch(hits)
+        if hits:
+            self.block_pool.touch(hits)
         new_blocks = self.block_pool.get_new_blocks(needed) if needed else []
         held = self.req_to_blocks.setdefault(request_id, held)
         held += hits
         held += new_blocks
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(request, held, (computed + num_new_tokens) // self.block_size)
+        capacity = len(held) * self.block_size
+        if self.enable_prefix_caching and request.block_size is not None:  # hashed
+            num_cached = self._cache_full_blocks(
+                request, held, (end + len(hits) * self.block_size) // self.block_size)
+            # Up to this end, a later call would neither add a block nor fill one.
+            capacity = min(capacity, (num_cached + 1) * self.block_size - 1)
+        self._fits[request_id] = capacity
         return [block.block_id for block in new_blocks]
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
-                           num_full: int) -> None:
+                           num_full: int) -> int:
+        """Make the request's full, computed blocks findable; returns how many are."""
         start = self.num_cached_blocks.get(request.request_id, 0)
         end = min(num_full, len(request.block_hashes))
         for i in range(start, end):
             self.block_pool.cache_block(blocks[i], request.block_hashes[i])
-        self.num_cached_blocks[request.request_id] = max(start, end)
+        num_cached = self.num_cached_blocks[request.request_id] = max(start, end)
+        return num_cached
 
     def free(self, request: Request, keep_cached: bool = True) -> None:
         """Return the request's blocks; with keep_cached=False their hashes are
         forgotten first (their content cannot be trusted)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self._fits.pop(request.request_id, None)
         if not keep_cached:
             self.block_pool.uncache(blocks)
         self.block_pool.free_blocks(reversed(blocks))

@@ -22,7 +22,17 @@ class Request:
     `num_computed_tokens` counts tokens whose KV is in the cache; the scheduler's whole
     job is to move it toward `num_tokens` (prompt plus output) step by step. A prompt,
     a chunk of a prompt and a decode token are all just "tokens not yet computed".
+    Slots, not a __dict__: the scheduler reads a few of these fields of every running
+    request every step, right after a forward pass has pushed them out of the caches.
     """
+
+    __slots__ = ("arrival_time", "bad_words_token_ids", "block_hashes",
+                 "block_size", "cache_salt", "client_index", "eos_token_id",
+                 "finish_reason", "max_tokens", "min_tokens", "num_cached_tokens",
+                 "num_computed_tokens", "num_prompt_logprobs_sent", "num_tokens",
+                 "output_token_ids", "priority", "prompt_token_ids", "request_id",
+                 "sampling_params", "status", "stop_reason", "stop_token_ids",
+                 "stopping_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None,
@@ -53,8 +63,7 @@ class Request:
             {eos_token_id} if eos_token_id is not None and not sampling_params.ignore_eos
             else set())
         self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
-        self.num_tokens = len(self.all_token_ids)  # kept equal to len(all_token_ids)
+        self.num_tokens = len(prompt_token_ids)  # prompt + output
         self.num_computed_tokens = 0
         # Tokens the prefix cache held when first scheduled (None: not yet scheduled).
         self.num_cached_tokens: int | None = None
@@ -66,7 +75,7 @@ class Request:
         self.cache_salt = cache_salt
         self.block_hashes: list[BlockHash] = []
         if block_size is not None:
-            extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+            extend_block_hashes(self.block_hashes, prompt_token_ids, block_size, cache_salt)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, block_size: int | None = None,
@@ -80,12 +89,16 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     def append_output_token_id(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+        output = self.output_token_ids
+        output.append(token_id)
         self.num_tokens += 1
-        if self.block_size is not None and self.num_tokens % self.block_size == 0:
-            extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size,
-                                self.cache_salt)
+        bs = self.block_size
+        if bs is not None and self.num_tokens % bs == 0:  # a block just filled: hash it
+            # Its tokens: the output's last, after the prompt's last if the output is short.
+            block = output[-bs:] if len(output) >= bs else \
+                self.prompt_token_ids[len(output) - bs:] + output
+            extend_block_hashes(self.block_hashes, block, bs, self.cache_salt,
+                                offset=self.num_tokens - bs)
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.status = RequestStatus.FINISHED

@@ -126,24 +126,26 @@ class Scheduler:
         # 1. Running requests, in order. This loop runs for every running request every
         #    step, so it is kept lean: `_num_new_tokens` inlined, and a request's
         #    num_computed_tokens advanced as soon as it is scheduled (preemption only
-        #    takes requests not yet scheduled this step: the tail, or the request itself).
+        #    takes requests not yet scheduled this step: the tail, or the request itself;
+        #    popping the tail ends the iteration early).
         running = self.running
-        i = 0
-        while i < len(running) and budget > 0:
-            request = running[i]
+        allocate_slots = kv_cache_manager.allocate_slots
+        for request in running:
+            if budget <= 0:
+                break
             num_new = request.num_tokens - request.num_computed_tokens
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
-            block_ids = kv_cache_manager.allocate_slots(request, num_new)
+            block_ids = allocate_slots(request, num_new)
             while block_ids is None:
                 victim = running.pop()
                 self._preempt(victim)
                 preempted_now = True
                 if victim is request:
                     break
-                block_ids = kv_cache_manager.allocate_slots(request, num_new)
+                block_ids = allocate_slots(request, num_new)
             if block_ids is None:
                 break  # the request preempted itself; everything after it is gone too
             request_id = request.request_id
@@ -154,7 +156,6 @@ class Scheduler:
             num_scheduled[request_id] = num_new
             request.num_computed_tokens += num_new
             budget -= num_new
-            i += 1
 
         # 2. Waiting requests, unless this step had to preempt (admitting now would
         #    only preempt again).

@@ -308,21 +308,27 @@ class ModelRunner:
             self._rows_generation, self._rows_req_ids = batch.generation, req_ids
             self._rows = np.fromiter(map(batch.rows.__getitem__, req_ids), np.int64, num_reqs)
         rows = self._rows
-        counts = np.fromiter(map(so.num_scheduled_tokens.__getitem__, req_ids), np.int64,
-                             num_reqs)
         # The scheduler's count is the one truth (the batch keeps no copy to drift).
         starts = np.array(cached.num_computed_tokens + [n.num_computed_tokens for n in new]
                           if new else cached.num_computed_tokens, np.int64)
+        num_tokens = so.total_num_scheduled_tokens
+        if num_tokens == num_reqs:  # one token each (a decode step): no per-token index
+            counts, cu = np.ones(num_reqs, np.int64), np.arange(1, num_reqs + 1)
+            token_rows, positions = rows, starts  # [T] = [R]
+        else:
+            counts = np.fromiter(map(so.num_scheduled_tokens.__getitem__, req_ids), np.int64,
+                                 num_reqs)
+            cu = np.cumsum(counts)
+            req_index = np.repeat(np.arange(num_reqs), counts)  # [T] request of each token
+            token_rows = rows[req_index]  # [T]
+            positions = starts[req_index] + np.arange(num_tokens) - (cu - counts)[req_index]
         ends = starts + counts
-        cu = np.cumsum(counts)
-        req_index = np.repeat(np.arange(num_reqs), counts)  # [T] request of each token
-        positions = starts[req_index] + np.arange(cu[-1]) - (cu - counts)[req_index]
-        input_ids = batch.token_ids[rows[req_index], positions].astype(np.int64)
-        block_tables = batch.block_table[rows, :batch.num_blocks[rows].max()]
-        slot_mapping = (block_tables[req_index, positions // bs].astype(np.int64) * bs
+        input_ids = batch.token_ids[token_rows, positions].astype(np.int64)
+        slot_mapping = (batch.block_table[token_rows, positions // bs].astype(np.int64) * bs
                         + positions % bs)
+        block_tables = batch.block_table[rows, :batch.num_blocks[rows].max()]
         sampling = np.flatnonzero(ends == batch.num_tokens[rows])  # caught up: sample
-        num_tokens = int(cu[-1])
+        max_query_len = 1 if num_tokens == num_reqs else int(counts.max())
         # Every request computes one token: a CUDA graph's step, padded to its size.
         graph_size = self.graphs.padded_size(num_reqs) \
             if self.graphs is not None and num_tokens == num_reqs else None
@@ -337,9 +343,9 @@ class ModelRunner:
                                 if graph_size else query_start_loc),
             seq_lens=put("seq_lens", ends, 0, graph_size),
             query_start_loc_cpu=query_start_loc, seq_lens_cpu=ends,
-            max_query_len=int(counts.max()), backend=self.attention,
-            num_segments=num_kv_segments(num_reqs, self.num_kv_heads,
-                                         int(counts.max()), int(ends.max()), self.num_sms))
+            max_query_len=max_query_len, backend=self.attention,
+            num_segments=num_kv_segments(num_reqs, self.num_kv_heads, max_query_len,
+                                         int(ends.max()), self.num_sms))
         t_plan = time.perf_counter()
         self.attention.prepare(meta)
         attention_plan_s = time.perf_counter() - t_plan

@@ -17,6 +17,7 @@ being the last ones of that context.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -122,27 +123,30 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: Sequence[int] | 
     table = block_tables.cpu().numpy()  # free on the CPU, the CPU path's case
     starts = np.asarray(query_start_loc, dtype=np.int64)
     lens = np.asarray(seq_lens, dtype=np.int64)
-    q_lens = np.diff(starts)
-    prefills = [Prefill(int(starts[i]), int(starts[i + 1]), int(lens[i]),
-                        block_tables[i, :-(-int(lens[i]) // block_size)].long(),
-                        fresh=bool(q_lens[i] == lens[i]))
-                for i in np.flatnonzero(q_lens > 1).tolist()]
-    decodes = np.flatnonzero(q_lens == 1)
-    decodes = decodes[np.argsort(-lens[decodes], kind="stable")]  # longest first
-    owned = (lens[decodes] + block_size - 1) // block_size  # [D] blocks, non-increasing
+    q_lens = starts[1:] - starts[:-1]
+    long = q_lens > 1
+    if long.any():
+        prefills = [Prefill(int(starts[i]), int(starts[i + 1]), int(lens[i]),
+                            block_tables[i, :-(-int(lens[i]) // block_size)].long(),
+                            fresh=bool(q_lens[i] == lens[i]))
+                    for i in np.flatnonzero(long).tolist()]
+        decodes = np.flatnonzero(~long)
+        decodes = decodes[np.argsort(-lens[decodes], kind="stable")]  # longest first
+    else:  # a decode-only step, the common case
+        prefills = []
+        decodes = np.argsort(-lens, kind="stable")
+    owned = (lens[decodes] + (block_size - 1)) // block_size  # [D] blocks, non-increasing
     groups: list[tuple[int, int]] = []  # [first, end) into `decodes`
     first = 0
     while first < len(decodes):  # a group's first sets its length; it ends where its
         rest = owned[first:]  # padded blocks would first exceed the slack (numpy: a
-        over = rest[0] * np.arange(1, len(rest) + 1) > DECODE_PADDING_SLACK * np.cumsum(rest)
+        over = rest[0] * np.arange(1, len(rest) + 1) > DECODE_PADDING_SLACK * rest.cumsum()
         over[0] = False  # Python loop over hundreds of decodes cost ~40 us a step)
-        end = first + (int(over.argmax()) if over.any() else len(rest))
+        end = first + (int(over.argmax()) or len(rest))
         groups.append((first, end))
         first = end
-
-    def to(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device)
-
+    to = torch.from_numpy if device.type == "cpu" else (
+        lambda array: torch.from_numpy(array).to(device))
     return AttentionPlan([_decode_group(table, starts, lens, block_size, decodes[a:b], to)
                           for a, b in groups], prefills, scratch or GatherScratch())
 
@@ -150,40 +154,48 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: Sequence[int] | 
 def _decode_group(table: np.ndarray, starts: np.ndarray, lens: np.ndarray,
                   block_size: int, index: np.ndarray,
                   to: Callable[[np.ndarray], torch.Tensor]) -> DecodeGroup:
-    """The decode group of requests `index` (longest first): see `DecodeGroup`."""
+    """The decode group of requests `index` (longest first): see `DecodeGroup`. A few
+    dozen numpy calls for the whole group, none per request: this runs every step."""
     bs, batch = block_size, len(index)
     group_lens = lens[index]  # [Bg]
-    owned = (group_lens + bs - 1) // bs  # [Bg] blocks of its own
+    owned = (group_lens + (bs - 1)) // bs  # [Bg] blocks of its own
     nb = int(owned[0])
     length = nb * bs
-    rows = table[index, :nb].astype(np.int64)  # [Bg, nb]
-    blocks = np.where(np.arange(nb)[None, :] < owned[:, None], rows, rows[:, :1])
-    # Stale rows: in each request's last block, the slots past its context; a one-block
-    # request pads with copies of that block, so the same slots in every copy.
-    row_start = np.arange(batch) * length
-    tail = group_lens - (owned - 1) * bs  # first stale slot of the last block, 1..bs
-    stale = [_ranges(row_start + (owned - 1) * bs + tail, bs - tail)]
-    single = np.flatnonzero(owned == 1)
-    if nb > 1 and len(single):
-        copies = np.arange(1, nb) * bs  # [nb - 1]
-        first = (row_start[single, None] + copies[None, :]
-                 + group_lens[single, None]).reshape(-1)
-        stale.append(_ranges(first, np.repeat(bs - group_lens[single], nb - 1)))
-    stale_rows = np.concatenate(stale)
-    # Row r is 0 for the first len_r positions, -inf after: a window onto one template.
-    template = np.zeros(2 * length, dtype=np.float32)
-    template[length:] = -np.inf
-    bias = np.lib.stride_tricks.sliding_window_view(template, length)[length - group_lens]
-    return DecodeGroup(to(starts[index]), to(blocks.reshape(-1)),
+    rows = table[index, :nb]  # [Bg, nb]
+    if nb > 1:  # rows past a request's own blocks repeat its first
+        rows = np.where(np.arange(nb) < owned[:, None], rows, rows[:, :1])
+    # Stale rows of the gathered [Bg * length]: row r's sequence starts at r * length;
+    # its positions [len_r, owned_r * bs) are the tail of its last block.
+    row_start = np.arange(0, batch * length, length)
+    firsts, counts = row_start + group_lens, owned * bs - group_lens
+    single = np.flatnonzero(owned == 1) if nb > 1 else ()
+    if len(single):  # a one-block request's padding copies carry the same tail
+        copies = np.arange(bs, length, bs)  # [nb - 1] where each copy starts
+        firsts = np.concatenate((firsts, (firsts[single, None] + copies).ravel()))
+        counts = np.concatenate((counts, np.repeat(counts[single], nb - 1)))
+    stale_rows = _ranges(firsts, counts)
+    bias = _bias_rows(length)[length - group_lens]  # [Bg, length]
+    return DecodeGroup(to(starts[index]), to(rows.astype(np.int64).ravel()),
                        to(stale_rows) if len(stale_rows) else None,
                        to(bias[:, None, None, :]))
 
 
+@functools.lru_cache(maxsize=64)
+def _bias_rows(length: int) -> np.ndarray:
+    """Row i of the [length + 1, length] read-only view is 0 for the first length - i
+    positions and -inf after: windows onto one template, so a group's bias is one
+    gather of rows (a compare and a select over the whole [Bg, length] cost twice as
+    much)."""
+    template = np.zeros(2 * length, dtype=np.float32)
+    template[length:] = -np.inf
+    return np.lib.stride_tricks.sliding_window_view(template, length)
+
+
 def _ranges(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """The concatenation of range(first, first + count) for each pair (int64)."""
-    total = int(counts.sum())
-    offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
-    return (np.repeat(firsts, counts) + offsets).astype(np.int64)
+    ends = counts.cumsum()
+    offsets = np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - counts, counts)
+    return np.repeat(firsts, counts) + offsets
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
