@@ -18,9 +18,6 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # per request: blocks made findable
-        # Per request: the context length up to which allocate_slots has nothing to do
-        # (every slot held, no block to fill), the one lookup most calls need.
-        self._fits: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up at admission, cumulative
         self.prefix_cache_hits = 0  # tokens found
 
@@ -73,10 +70,10 @@ class KVCacheManager:
         Returns the ids of the fresh blocks added, or None, changing nothing, when
         there are not enough free blocks.
         """
-        request_id = request.request_id
         end = request.num_computed_tokens + num_new_tokens
-        if new_computed_blocks is None and end <= self._fits.get(request_id, -1):
+        if new_computed_blocks is None and end <= request.kv_fits:
             return []  # most steps of a running request: nothing to add or cache
+        request_id = request.request_id
         hits = new_computed_blocks or []
         held = self.req_to_blocks.get(request_id, [])
         needed = self.num_blocks_needed(request, num_new_tokens, len(hits))
@@ -99,7 +96,7 @@ class KVCacheManager:
                 request, held, (end + len(hits) * self.block_size) // self.block_size)
             # Up to this end, a later call would neither add a block nor fill one.
             capacity = min(capacity, (num_cached + 1) * self.block_size - 1)
-        self._fits[request_id] = capacity
+        request.kv_fits = capacity
         return [block.block_id for block in new_blocks]
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
@@ -117,7 +114,7 @@ class KVCacheManager:
         forgotten first (their content cannot be trusted)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self._fits.pop(request.request_id, None)
+        request.kv_fits = -1
         if not keep_cached:
             self.block_pool.uncache(blocks)
         self.block_pool.free_blocks(reversed(blocks))

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import enum
+import functools
 
 from pagellm.enginecore.block_hash import BlockHash, extend_block_hashes
 from pagellm.protocol.messages import EngineCoreRequest, FinishReason
 from pagellm.protocol.sampling_params import SamplingParams
+
+
+@functools.lru_cache(maxsize=256)
+def _shared(ids: frozenset[int]) -> frozenset[int]:
+    """One object for equal sets (most requests stop on the same EOS): the update
+    tests every sampled token against its request's set, and a set shared by all of
+    them stays in the cache. Bounded, so distinct sets from clients cannot grow it."""
+    return ids
 
 
 class RequestStatus(enum.IntEnum):
@@ -28,7 +37,7 @@ class Request:
 
     __slots__ = ("arrival_time", "bad_words_token_ids", "block_hashes",
                  "block_size", "cache_salt", "client_index", "eos_token_id",
-                 "finish_reason", "max_tokens", "min_tokens", "num_cached_tokens",
+                 "finish_reason", "kv_fits", "max_tokens", "min_tokens", "num_cached_tokens",
                  "num_computed_tokens", "num_prompt_logprobs_sent", "num_tokens",
                  "output_token_ids", "priority", "prompt_token_ids", "request_id",
                  "sampling_params", "status", "stop_reason", "stop_token_ids",
@@ -59,12 +68,16 @@ class Request:
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         # Every token that can end the request before max_tokens (EOS unless ignored):
         # the one membership test most steps need (Scheduler.update_from_output).
-        self.stopping_ids = self.stop_token_ids | (
+        self.stopping_ids = _shared(self.stop_token_ids | (
             {eos_token_id} if eos_token_id is not None and not sampling_params.ignore_eos
-            else set())
+            else set()))
         self.output_token_ids: list[int] = []
         self.num_tokens = len(prompt_token_ids)  # prompt + output
         self.num_computed_tokens = 0
+        # The context length up to which the KV cache manager has nothing to do for it
+        # (every slot held, no block to fill): its answer to most steps, kept here
+        # because the scheduler asks for every running request every step.
+        self.kv_fits = -1
         # Tokens the prefix cache held when first scheduled (None: not yet scheduled).
         self.num_cached_tokens: int | None = None
         self.status = RequestStatus.WAITING
