@@ -314,19 +314,20 @@ class ModelRunner:
         num_tokens = so.total_num_scheduled_tokens
         if num_tokens == num_reqs:  # one token each (a decode step): no per-token index
             counts, cu = np.ones(num_reqs, np.int64), np.arange(1, num_reqs + 1)
-            token_rows, positions = rows, starts  # [T] = [R]
+            req_index, positions = cu - 1, starts  # [T] = [R]
         else:
             counts = np.fromiter(map(so.num_scheduled_tokens.__getitem__, req_ids), np.int64,
                                  num_reqs)
             cu = np.cumsum(counts)
             req_index = np.repeat(np.arange(num_reqs), counts)  # [T] request of each token
-            token_rows = rows[req_index]  # [T]
             positions = starts[req_index] + np.arange(num_tokens) - (cu - counts)[req_index]
         ends = starts + counts
-        input_ids = batch.token_ids[token_rows, positions].astype(np.int64)
-        slot_mapping = (batch.block_table[token_rows, positions // bs].astype(np.int64) * bs
-                        + positions % bs)
+        input_ids = batch.token_ids[rows[req_index], positions].astype(np.int64)
+        # The slots from the gathered rows, not the whole table again (a forward pass has
+        # just pushed it out of the cache: one miss per request each time).
         block_tables = batch.block_table[rows, :batch.num_blocks[rows].max()]
+        slot_mapping = (block_tables[req_index, positions // bs].astype(np.int64) * bs
+                        + positions % bs)
         sampling = np.flatnonzero(ends == batch.num_tokens[rows])  # caught up: sample
         max_query_len = 1 if num_tokens == num_reqs else int(counts.max())
         # Every request computes one token: a CUDA graph's step, padded to its size.
