@@ -180,19 +180,20 @@ def _decode_group(table: np.ndarray, starts: np.ndarray, lens: np.ndarray,
                        to(bias[:, None, None, :]))
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _bias_rows(length: int) -> np.ndarray:
     """Row i of the [length + 1, length] read-only view is 0 for the first length - i
     positions and -inf after: windows onto one template, so a group's bias is one
     gather of rows (a compare and a select over the whole [Bg, length] cost twice as
-    much)."""
+    much). A step has a few group lengths; 16 templates of a 32k context are 4 MB."""
     template = np.zeros(2 * length, dtype=np.float32)
     template[length:] = -np.inf
     return np.lib.stride_tricks.sliding_window_view(template, length)
 
 
 def _ranges(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The concatenation of range(first, first + count) for each pair (int64)."""
+    """The concatenation of range(first, first + count) for each pair (int64 firsts:
+    int64 rows, as `index_fill_` wants)."""
     ends = counts.cumsum()
     offsets = np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - counts, counts)
     return np.repeat(firsts, counts) + offsets
