@@ -111,11 +111,10 @@ class CompletionState:
         else:
             token_ids = list(token_ids)
             logprobs = list(logprobs) if logprobs is not None else None
-        return CompletionOutput(
-            index=self.index, text=text, token_ids=token_ids,
-            cumulative_logprob=self.cumulative_logprob, logprobs=logprobs,
-            finish_reason=str(self.finish_reason) if self.finished else None,
-            stop_reason=self.stop_reason)
+        return CompletionOutput(  # positional, the fields' order: once per stream per step
+            self.index, text, token_ids, self.cumulative_logprob, logprobs,
+            None if self.finish_reason is None else str(self.finish_reason),
+            self.stop_reason)
 
 
 class RequestState:
@@ -160,7 +159,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
+        for c in self.completions:  # a loop, not all(genexpr): twice per stream per step
+            if c.finish_reason is None:
+                return False
+        return True
 
     def notify(self, changed: CompletionState) -> None:
         """A stream's news: `changed` goes into an output built when the consumer takes
