@@ -13,7 +13,10 @@ under 2 ms (median).
 
 `--engine-only` steps an `EngineCore` in this process instead (no frontend, no
 sockets): the same workload's step timings without the frontend competing for the
-machine's cores, every step while all requests run.
+machine's cores, every step while all requests run. `--frontend-only` is the other
+half: an `OutputProcessor` fed one token per stream per step, as the engine core would
+send them, with a waiting consumer task per stream; it reports each step's
+`process_outputs` and the consumers' takes (building their outputs), medians.
 """
 
 from __future__ import annotations
@@ -33,8 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from pagellm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
 from pagellm.enginecore.core import EngineCore
 from pagellm.executor.demo_model import ModelSpec, make_model
+from pagellm.frontend.input_processor import InputProcessor
+from pagellm.frontend.output_collector import RequestOutputCollector
+from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.protocol.codec import MsgpackEncoder
-from pagellm.protocol.messages import EngineCoreRequest
+from pagellm.protocol.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo
 from pagellm.protocol.stats import EngineStats, StepTimings
 
 TINY = ModelSpec(arch="llama", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -112,19 +118,77 @@ def run_engine_only(model: Path, num_requests: int, prompt_len: int, output_len:
     return steps, time.perf_counter() - start
 
 
+def run_frontend_only(model: Path, num_requests: int, prompt_len: int, output_len: int
+                      ) -> tuple[list[float], list[float]]:
+    """Per step: seconds in `process_outputs` for one token per stream, and seconds
+    until every consumer has taken its output (DELTA streams, as `run`'s)."""
+    info = EngineInfo(model="tiny", max_model_len=TINY.max_position_embeddings,
+                      vocab_size=TINY.vocab_size, block_size=16, num_kv_blocks=1,
+                      max_num_batched_tokens=8192, device="cpu", dtype="float32",
+                      max_num_seqs=num_requests)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    inputs, processor = InputProcessor(tokenizer, info), OutputProcessor(tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    streams = [inputs.process_inputs(f"r{i}", {"prompt_token_ids": prompt(i, prompt_len)},
+                                     params) for i in range(num_requests)]
+    engine_ids = [s.engine_requests[0].request_id for s in streams]
+    collectors = [processor.add_stream(s) for s in streams]
+    processing: list[float] = []
+    taking: list[float] = []
+
+    async def consume(collector: RequestOutputCollector) -> int:
+        tokens = 0
+        while tokens < output_len:
+            output = await collector.get()
+            assert not isinstance(output, BaseException), output
+            tokens += len(output.outputs[0].token_ids)
+        return tokens
+
+    async def drive() -> list[int]:
+        consumers = [asyncio.create_task(consume(c)) for c in collectors]
+        await asyncio.sleep(0)  # every consumer waits
+        for step in range(output_len):
+            outputs = [EngineCoreOutput(r, [(step * 13 + k) % 500 + 3])
+                       for k, r in enumerate(engine_ids)]
+            t0 = time.perf_counter()
+            processor.process_outputs(outputs)
+            t1 = time.perf_counter()
+            await asyncio.sleep(0)  # the woken consumers run and take
+            processing.append(t1 - t0)
+            taking.append(time.perf_counter() - t1)
+        return await asyncio.gather(*consumers)
+
+    assert asyncio.run(drive()) == [output_len] * num_requests
+    return processing, taking
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--engine-only", action="store_true",
-                        help="step an engine core in this process: no frontend, no sockets")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--engine-only", action="store_true",
+                      help="step an engine core in this process: no frontend, no sockets")
+    mode.add_argument("--frontend-only", action="store_true",
+                      help="feed the output processor synthetic steps: no engine")
     parser.add_argument("--output-json", type=Path, default=None)
     ns = parser.parse_args()
     lags: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "tiny", TINY)
+        if ns.frontend_only:
+            processing, taking = run_frontend_only(model, ns.num_requests, ns.prompt_len,
+                                                   ns.output_len)
+            print(f"{ns.num_requests} DELTA streams, {ns.output_len} steps of one token each "
+                  "(frontend alone), per step (ms, median):")
+            print(f"  process_outputs {statistics.median(processing) * 1e3:8.3f}")
+            print(f"  consumers take  {statistics.median(taking) * 1e3:8.3f}")
+            return
         if ns.engine_only:
             steps, elapsed = run_engine_only(model, ns.num_requests, ns.prompt_len,
                                              ns.output_len)

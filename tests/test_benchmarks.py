@@ -1,4 +1,4 @@
-"""The GPU benchmark scripts, in their CPU smoke forms: CI proves that they run, that a
+"""The benchmark scripts, in their CPU smoke forms: CI proves that they run, that a
 wrong kernel cannot report a speed, and that their JSON has what a GPU session will read,
 before a GPU session spends its scarce time on them."""
 
@@ -15,6 +15,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # benchmarks/ is scripts, not a package
 
 import decode_roofline  # noqa: E402
+import engine_overhead  # noqa: E402
 import gpu_suite  # noqa: E402
 import kernel_bench  # noqa: E402
 import parallel  # noqa: E402
@@ -183,3 +184,14 @@ def test_parallel_smoke_runs_each_layout_to_the_same_tokens(tmp_path):
     # The bare all-reduce it is compared with: measured, and under a step's collectives
     # (a decode step of the smoke model makes 2 per layer, 2 layers, plus the embedding's).
     assert 0 < results["allreduce_floor_us"] < 1000 * two["collective_s"]
+
+
+def test_engine_overhead_frontend_alone_delivers_every_token_and_times_each_step(tmp_path):
+    """Every consumer must receive one token per step (asserted inside the run), else
+    the takes it times are not the ones a stream needs."""
+    from pagellm.executor.demo_model import make_model
+
+    model = make_model(tmp_path / "tiny", engine_overhead.TINY)
+    processing, taking = engine_overhead.run_frontend_only(model, 8, 4, 5)
+    assert len(processing) == len(taking) == 5
+    assert all(t > 0 for t in processing + taking)

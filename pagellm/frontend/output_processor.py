@@ -159,7 +159,9 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        for c in self.completions:  # a loop, not all(genexpr): twice per stream per step
+        # A loop, not all(genexpr): asked twice per stream per step, and the generator
+        # cost 10% of a consumer's take (benchmarks/engine_overhead.py --frontend-only).
+        for c in self.completions:  # noqa: SIM110
             if c.finish_reason is None:
                 return False
         return True
