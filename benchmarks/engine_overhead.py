@@ -122,12 +122,12 @@ def run_frontend_only(model: Path, num_requests: int, prompt_len: int, output_le
                       ) -> tuple[list[float], list[float]]:
     """Per step: seconds in `process_outputs` for one token per stream, and seconds
     until every consumer has taken its output (DELTA streams, as `run`'s)."""
+    from transformers import AutoTokenizer  # here: the other modes do not need it
+
     info = EngineInfo(model="tiny", max_model_len=TINY.max_position_embeddings,
                       vocab_size=TINY.vocab_size, block_size=16, num_kv_blocks=1,
                       max_num_batched_tokens=8192, device="cpu", dtype="float32",
                       max_num_seqs=num_requests)
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model)
     inputs, processor = InputProcessor(tokenizer, info), OutputProcessor(tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,

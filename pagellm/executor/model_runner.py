@@ -312,7 +312,8 @@ class ModelRunner:
         starts = np.array(cached.num_computed_tokens + [n.num_computed_tokens for n in new]
                           if new else cached.num_computed_tokens, np.int64)
         num_tokens = so.total_num_scheduled_tokens
-        if num_tokens == num_reqs:  # one token each (a decode step): no per-token index
+        decode = num_tokens == num_reqs  # one token each (counts are >= 1): a decode step
+        if decode:  # no per-token request index to build
             counts, cu = np.ones(num_reqs, np.int64), np.arange(1, num_reqs + 1)
             req_index, positions = cu - 1, starts  # [T] = [R]
         else:
@@ -329,10 +330,10 @@ class ModelRunner:
         slot_mapping = (block_tables[req_index, positions // bs].astype(np.int64) * bs
                         + positions % bs)
         sampling = np.flatnonzero(ends == batch.num_tokens[rows])  # caught up: sample
-        max_query_len = 1 if num_tokens == num_reqs else int(counts.max())
+        max_query_len = 1 if decode else int(counts.max())
         # Every request computes one token: a CUDA graph's step, padded to its size.
         graph_size = self.graphs.padded_size(num_reqs) \
-            if self.graphs is not None and num_tokens == num_reqs else None
+            if self.graphs is not None and decode else None
         query_start_loc = np.concatenate(([0], cu))
         put = self.buffers.put
         self.buffers.begin_step()
