@@ -40,7 +40,12 @@ from pagellm.frontend.input_processor import InputProcessor
 from pagellm.frontend.output_collector import RequestOutputCollector
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.protocol.codec import MsgpackEncoder
-from pagellm.protocol.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo
+from pagellm.protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+)
 from pagellm.protocol.stats import EngineStats, StepTimings
 
 TINY = ModelSpec(arch="llama", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -151,10 +156,13 @@ def run_frontend_only(model: Path, num_requests: int, prompt_len: int, output_le
         consumers = [asyncio.create_task(consume(c)) for c in collectors]
         await asyncio.sleep(0)  # every consumer waits
         for step in range(output_len):
-            outputs = [EngineCoreOutput(r, [(step * 13 + k) % 500 + 3])
-                       for k, r in enumerate(engine_ids)]
+            tokens = [(step * 13 + k) % 500 + 3 for k in range(len(engine_ids))]
+            # As the engine core sends them: a first token in full, then plain columns.
+            message = EngineCoreOutputs(token_req_ids=engine_ids, token_ids=tokens) if step \
+                else EngineCoreOutputs([EngineCoreOutput(r, [t])
+                                        for r, t in zip(engine_ids, tokens, strict=True)])
             t0 = time.perf_counter()
-            processor.process_outputs(outputs)
+            processor.process_outputs(message)
             t1 = time.perf_counter()
             await asyncio.sleep(0)  # the woken consumers run and take
             processing.append(t1 - t0)

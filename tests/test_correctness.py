@@ -55,7 +55,7 @@ def test_greedy_matches_with_staggered_arrivals(name, model_dirs, hf_reference, 
         if core.scheduler.num_running and core.scheduler.num_waiting:
             mixed_steps += 1
         outputs: list[EngineCoreOutput] = [o for by_client in core.step().values()
-                                           for o in by_client.outputs]
+                                           for o in by_client.all_outputs()]
         for out in outputs:
             got.setdefault(names[out.request_id], []).extend(out.new_token_ids)
         step += 1

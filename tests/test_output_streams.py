@@ -19,7 +19,12 @@ from pagellm.frontend.core_client import EngineDeadError
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.tokenizer import load_tokenizer
-from pagellm.protocol.messages import EngineCoreOutput, EngineInfo, FinishReason
+from pagellm.protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineInfo,
+    FinishReason,
+)
 
 NUM_STREAMS = 64
 NUM_STEPS = 6
@@ -48,12 +53,17 @@ def token(stream: int, completion: int, step: int) -> int:
     return 300 + (stream * 7 + completion * 3 + step * 11) % 200
 
 
-def step_outputs(requests: list[ProcessedRequest], step: int) -> list[EngineCoreOutput]:
-    """Every completion of every stream samples one token; the last step finishes."""
+def step_outputs(requests: list[ProcessedRequest], step: int) -> EngineCoreOutputs:
+    """Every completion of every stream samples one token; the last step finishes. As
+    the engine core sends them: the first and last tokens as outputs, the others as
+    the message's columns of plain tokens."""
+    ids = [(engine.request_id, token(i, j, step)) for i, request in enumerate(requests)
+           for j, engine in enumerate(request.engine_requests)]
+    if 0 < step < NUM_STEPS - 1:
+        return EngineCoreOutputs(token_req_ids=[r for r, _ in ids],
+                                 token_ids=[t for _, t in ids])
     reason = FinishReason.LENGTH if step == NUM_STEPS - 1 else None
-    return [EngineCoreOutput(engine.request_id, [token(i, j, step)], reason)
-            for i, request in enumerate(requests)
-            for j, engine in enumerate(request.engine_requests)]
+    return EngineCoreOutputs([EngineCoreOutput(r, [t], reason) for r, t in ids])
 
 
 def fed(stream: int, completion: int = 0) -> list[int]:

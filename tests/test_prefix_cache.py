@@ -39,7 +39,7 @@ def fake_run(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
     for req_id, _n in out.num_scheduled_tokens.items():
         request = sched.requests[req_id]
         ids.append(req_id)
-        sampled.append([7] if request.num_computed_tokens == request.num_tokens else [])
+        sampled.append(7 if request.num_computed_tokens == request.num_tokens else -1)
     return ModelRunnerOutput(ids, sampled)
 
 

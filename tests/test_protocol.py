@@ -110,10 +110,12 @@ MESSAGES = [
     EngineCoreOutput("r1", [7], FinishReason.STOP, stop_reason=5),
     EngineCoreOutput("r2", [], FinishReason.ERROR, error="bad request"),
     EngineCoreOutputs([EngineCoreOutput("r1", [7, 8]), EngineCoreOutput("r2", [9])], 4.25),
+    EngineCoreOutputs([EngineCoreOutput("r1", [7])], 4.5, token_req_ids=["r2", "r3"],
+                      token_ids=[11, 12]),
     SchedulerOutput([NewRequestData("r1", [1, 2], [3], PARAMS, 0, [4, 5], 0)],
                     CachedRequestData(["r2", "r3"], [17, 5], {"r2": [6]}),
                     {"r1": 3, "r2": 1, "r3": 1}, 5, ["r0"], ["r9"]),
-    ModelRunnerOutput(["r1", "r2"], [[5], []],
+    ModelRunnerOutput(["r1", "r2"], [5, -1],
                       logprobs={"r1": TokenLogprobs([5, 1], [-0.5, -0.25], [2, 1])},
                       prompt_logprobs={"r2": PromptLogprobsChunk(3, [
                           TokenLogprobs([9], [-1.5], [4])])},

@@ -21,7 +21,12 @@ import pytest
 from pagellm.enginecore.kv_cache_manager import KVCacheManager
 from pagellm.enginecore.request import Request, RequestStatus
 from pagellm.enginecore.scheduler import Scheduler, SchedulerConfig
-from pagellm.protocol.messages import EngineCoreOutput, FinishReason
+from pagellm.protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    TokenLogprobs,
+)
 from pagellm.protocol.sampling_params import SamplingParams
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 
@@ -96,7 +101,7 @@ class FakeModelRunner:
         req_ids = list(so.scheduled_cached_reqs.req_ids)
         req_ids += [n.req_id for n in so.scheduled_new_reqs]
         assert sorted(req_ids) == sorted(so.num_scheduled_tokens)
-        sampled: list[list[int]] = []
+        sampled: list[int] = []
         for req_id in req_ids:
             state = self.states[req_id]
             end = state.num_computed_tokens + so.num_scheduled_tokens[req_id]
@@ -107,9 +112,9 @@ class FakeModelRunner:
                 script = self.script.get(req_id)
                 token = script.pop(0) if script else next_token(state.token_ids[-1])
                 state.token_ids.append(token)
-                sampled.append([token])
+                sampled.append(token)
             else:
-                sampled.append([])
+                sampled.append(-1)
         return ModelRunnerOutput(req_ids, sampled)
 
 
@@ -134,9 +139,9 @@ def cached_of(so: SchedulerOutput) -> list[tuple[str, list[int], int]]:
             for r, n in zip(c.req_ids, c.num_computed_tokens, strict=True)]
 
 
-def flat(by_client: dict[int, list[EngineCoreOutput]]) -> list[EngineCoreOutput]:
-    """The step's outputs, whichever clients they go to."""
-    return [out for outputs in by_client.values() for out in outputs]
+def flat(by_client: dict[int, EngineCoreOutputs]) -> list[EngineCoreOutput]:
+    """The step's outputs, whichever clients they go to (plain tokens included)."""
+    return [out for message in by_client.values() for out in message.all_outputs()]
 
 
 def run_to_completion(scheduler: Scheduler, runner: FakeModelRunner,
@@ -485,6 +490,35 @@ def _run_one(request: Request, script: list[int], **scheduler_kwargs) -> list[En
         outputs += step(scheduler, runner)[1].values()
     assert_everything_free(scheduler)
     return outputs
+
+
+def test_plain_tokens_travel_as_columns_and_first_last_and_logprob_tokens_in_full():
+    """The first token carries the prefix-cache hit and the last the finish reason: both
+    are EngineCoreOutputs; the tokens between are the message's two columns. A request
+    with logprobs gets an output for every token (its logprobs ride on it)."""
+    scheduler = create_scheduler()
+    plain, with_logprobs = create_requests(2, 4, max_tokens=4, ignore_eos=True)
+    add(scheduler, [plain, with_logprobs])
+    runner = create_runner(scheduler)
+    messages = []
+    while scheduler.has_unfinished_requests():
+        so = scheduler.schedule()
+        runner_output = runner.execute_model(so)
+        # The runner's logprobs for the request that asked (the scheduler passes them on).
+        runner_output.logprobs = {with_logprobs.request_id: TokenLogprobs([1], [-0.5], [1])}
+        messages.append(scheduler.update_from_output(so, runner_output)[0])
+    assert len(messages) == 4
+    for i, message in enumerate(messages):
+        full = {o.request_id: o for o in message.outputs}
+        assert full[with_logprobs.request_id].new_logprobs is not None
+        if i in (0, 3):  # first and last: in full
+            assert message.token_req_ids == [] and message.token_ids == []
+            assert full[plain.request_id].new_token_ids == [plain.output_token_ids[i]]
+        else:
+            assert plain.request_id not in full
+            assert message.token_req_ids == [plain.request_id]
+            assert message.token_ids == [plain.output_token_ids[i]]
+    assert messages[-1].outputs[0].finish_reason == FinishReason.LENGTH
 
 
 def test_eos_finishes_with_stop_and_no_stop_reason():

@@ -21,6 +21,7 @@ from pagellm.protocol.messages import (
     EngineInfo,
     FinishReason,
     UtilityMethod,
+    message_for,
 )
 from pagellm.protocol.sampling_params import ALL_LOGPROBS, MAX_STRINGS, check_token_ids
 from pagellm.protocol.stats import STEP_WINDOW, EngineStats, StepTimings
@@ -51,7 +52,7 @@ class EngineCore:
             device=str(self.executor.device), dtype=str(model_config.dtype).removeprefix("torch."),
             max_logprobs=args.max_logprobs, max_num_seqs=args.max_num_seqs)
         # Outputs made outside a step (refused or aborted requests), sent with the next.
-        self._outbox: dict[int, list[EngineCoreOutput]] = {}
+        self._outbox: dict[int, EngineCoreOutputs] = {}
         # Pausing: None while scheduling, else the PauseMode. Requests that arrive while
         # paused in mode "keep" wait here until resume; in the other modes they fail.
         self.paused: str | None = None
@@ -125,7 +126,7 @@ class EngineCore:
         where they wait for the resume. Returns `pause_settled()`."""
         if mode == "abort":
             for request in [*self.scheduler.requests.values(), *self._held]:
-                self._outbox.setdefault(request.client_index, []).append(
+                message_for(self._outbox, request.client_index).outputs.append(
                     EngineCoreOutput(request.request_id, [], FinishReason.ABORT))
             self.scheduler.finish_requests(list(self.scheduler.requests), FinishReason.ABORT)
             self._held = []
@@ -198,7 +199,7 @@ class EngineCore:
             except StepFailed as e:  # the step's requests fail; the engine goes on
                 _merge(outputs, self.scheduler.fail_step(scheduler_output, str(e)))
                 self.executor.retain_requests({r.request_id for r in self.scheduler.running})
-                return _by_client(outputs)
+                return _stamped(outputs)
             t2 = time.perf_counter()
             _merge(outputs, self.scheduler.update_from_output(scheduler_output, runner_output))
             t3 = time.perf_counter()
@@ -209,7 +210,7 @@ class EngineCore:
                 dispatch_s=runner_output.dispatch_s,
                 attention_plan_s=runner_output.attention_plan_s))
             self.num_steps += 1
-        return _by_client(outputs)
+        return _stamped(outputs)
 
     def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
@@ -285,7 +286,7 @@ class EngineCore:
 
     def _reject(self, client_index: int, request_id: str, error: str,
                 unavailable: bool = False) -> None:
-        self._outbox.setdefault(client_index, []).append(EngineCoreOutput(
+        message_for(self._outbox, client_index).outputs.append(EngineCoreOutput(
             request_id, [], FinishReason.ERROR, error=error, unavailable=unavailable))
 
     def _validate(self, request: EngineCoreRequest) -> str | None:
@@ -347,15 +348,22 @@ class RequestRejected(ValueError):
     """A request the engine cannot serve; the message says why."""
 
 
-def _merge(into: dict[int, list[EngineCoreOutput]], more: dict[int, list[EngineCoreOutput]]
-           ) -> None:
-    for client, outputs in more.items():
-        into.setdefault(client, []).extend(outputs)
+def _merge(into: dict[int, EngineCoreOutputs], more: dict[int, EngineCoreOutputs]) -> None:
+    for client, message in more.items():
+        mine = into.get(client)
+        if mine is None:
+            into[client] = message
+        else:
+            mine.outputs += message.outputs
+            mine.token_req_ids += message.token_req_ids
+            mine.token_ids += message.token_ids
 
 
-def _by_client(outputs: dict[int, list[EngineCoreOutput]]) -> dict[int, EngineCoreOutputs]:
+def _stamped(outputs: dict[int, EngineCoreOutputs]) -> dict[int, EngineCoreOutputs]:
     now = time.monotonic()
-    return {client: EngineCoreOutputs(outs, now) for client, outs in outputs.items()}
+    for message in outputs.values():
+        message.timestamp = now
+    return outputs
 
 
 def mean_timings(steps: deque[StepTimings]) -> StepTimings:

@@ -29,7 +29,13 @@ from dataclasses import dataclass
 from pagellm.enginecore.kv_cache_manager import KVCacheManager
 from pagellm.enginecore.request import Request, RequestStatus
 from pagellm.enginecore.request_queue import create_request_queue, sort_key
-from pagellm.protocol.messages import EngineCoreOutput, FinishReason, TokenLogprobs
+from pagellm.protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    TokenLogprobs,
+    message_for,
+)
 from pagellm.protocol.scheduling import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -198,47 +204,55 @@ class Scheduler:
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> dict[int, list[EngineCoreOutput]]:
+                           runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
         """Append sampled tokens, finish requests that stop, free their blocks. Outputs
-        are grouped by the client each request came from.
+        are grouped by the client each request came from; a plain token (not the first,
+        not the last, no logprobs) goes into the message's columns.
 
         This runs for every request every step: what few requests use (prompt logprobs)
-        is only looked at when the step has any, and one-token steps skip the list work."""
-        outputs: dict[int, list[EngineCoreOutput]] = {}
+        is only looked at when the step has any."""
+        outputs: dict[int, EngineCoreOutputs] = {}
         requests = self.requests
         check_stop = self._check_stop
         logprobs_by_request = runner_output.logprobs
         any_prompt_logprobs = bool(runner_output.prompt_logprobs)
         any_finished = False
-        client, client_outputs = -1, []  # the last request's client and its list
-        for request_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids,
-                                         strict=True):
+        client = -1  # the last request's client, and its message's lists:
+        full: list[EngineCoreOutput] = []
+        plain_ids: list[str] = []
+        plain_tokens: list[int] = []
+        for request_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids,
+                                        strict=True):
             request = requests.get(request_id)
             if request is None:
                 continue  # aborted meanwhile
             prompt_logprobs = (self._new_prompt_logprobs(request, runner_output)
                                if any_prompt_logprobs else None)
-            if not token_ids:  # a prompt chunk: samples nothing
+            if token_id < 0:  # a prompt chunk: samples nothing
                 if prompt_logprobs:
-                    outputs.setdefault(request.client_index, []).append(EngineCoreOutput(
+                    message_for(outputs, request.client_index).outputs.append(EngineCoreOutput(
                         request_id, [], new_prompt_logprobs=prompt_logprobs))
                 continue
-            for k, token_id in enumerate(token_ids):
-                request.append_output_token_id(token_id)
-                # Most tokens end nothing: one set lookup and one compare say so.
-                if ((token_id in request.stopping_ids
-                     or len(request.output_token_ids) >= request.max_tokens)
-                        and check_stop(request)):
-                    token_ids = token_ids[:k + 1]  # nothing after the stop is kept
-                    any_finished = True
-                    self._free(request)
-                    break
+            request.append_output_token_id(token_id)
+            # Most tokens end nothing: one set lookup and one compare say so.
+            if ((token_id in request.stopping_ids
+                 or len(request.output_token_ids) >= request.max_tokens)
+                    and check_stop(request)):
+                any_finished = True
+                self._free(request)
             logprobs = logprobs_by_request.get(request_id) if logprobs_by_request else None
             if request.client_index != client:
                 client = request.client_index
-                client_outputs = outputs.setdefault(client, [])
-            client_outputs.append(EngineCoreOutput(  # positional: the fields' order
-                request_id, token_ids, request.finish_reason, request.stop_reason, None,
+                message = message_for(outputs, client)
+                full, plain_ids, plain_tokens = (message.outputs, message.token_req_ids,
+                                                 message.token_ids)
+            if (logprobs is None and prompt_logprobs is None and request.finish_reason is None
+                    and len(request.output_token_ids) > 1):  # the first carries the cache hit
+                plain_ids.append(request_id)
+                plain_tokens.append(token_id)
+                continue
+            full.append(EngineCoreOutput(  # positional: the fields' order
+                request_id, [token_id], request.finish_reason, request.stop_reason, None,
                 [logprobs] if logprobs is not None else None, prompt_logprobs, False,
                 request.num_cached_tokens or 0))
         if any_finished:
@@ -246,7 +260,7 @@ class Scheduler:
         return outputs
 
     def fail_step(self, scheduler_output: SchedulerOutput, error: str
-                  ) -> dict[int, list[EngineCoreOutput]]:
+                  ) -> dict[int, EngineCoreOutputs]:
         """The executor could not run this step: finish every request in it with
         FinishReason.ERROR. Their blocks leave the prefix cache too: a block registered
         for tokens this step was to compute may hold anything."""
@@ -254,9 +268,9 @@ class Scheduler:
                   if r in self.requests]
         self.finish_requests([r.request_id for r in failed], FinishReason.ERROR,
                              keep_cached=False)
-        outputs: dict[int, list[EngineCoreOutput]] = {}
+        outputs: dict[int, EngineCoreOutputs] = {}
         for request in failed:
-            outputs.setdefault(request.client_index, []).append(EngineCoreOutput(
+            message_for(outputs, request.client_index).outputs.append(EngineCoreOutput(
                 request.request_id, [], FinishReason.ERROR, error=error))
         return outputs
 
@@ -320,3 +334,4 @@ class Scheduler:
         self.kv_cache_manager.free(request, keep_cached)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
+

@@ -123,6 +123,10 @@ class ModelRunner:
         self._rows_generation = -1
         self._rows_req_ids: list[str] = []
         self._rows = np.zeros(0, np.int64)  # [R]
+        # Read-only views of these serve every decode step's counts and offsets.
+        self._arange = np.arange(max_num_seqs + 1)  # [max_num_seqs + 1] int64
+        self._ones = np.ones(max_num_seqs, np.int64)
+        self._arange.flags.writeable = self._ones.flags.writeable = False
         self.kv_caches: list[torch.Tensor] = []
         # On the CPU, each step size's thread count is measured (cpu_threads.py).
         self.thread_tuner = (ThreadTuner(torch.get_num_threads())
@@ -252,7 +256,7 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
         t2 = time.perf_counter()
-        sampled_token_ids: list[list[int]]
+        sampled_token_ids: list[int]  # per request; -1: samples nothing this step
         logprobs: dict[str, TokenLogprobs] = {}
         if len(inputs.sampling):
             meta = self._sampling_metadata(inputs.sampling_rows)
@@ -261,16 +265,16 @@ class ModelRunner:
             sampled_np = out.sampled.cpu().numpy()
             self.batch.append_tokens(inputs.sampling_rows, sampled_np)
             if len(inputs.sampling) == len(inputs.req_ids):  # every request samples
-                sampled_token_ids = [[token_id] for token_id in sampled_np.tolist()]
+                sampled_token_ids = sampled_np.tolist()
             else:
-                sampled_token_ids = [[] for _ in inputs.req_ids]
+                sampled_token_ids = [-1] * len(inputs.req_ids)
                 for i, token_id in zip(inputs.sampling.tolist(), sampled_np.tolist(),
                                        strict=True):
-                    sampled_token_ids[i] = [token_id]
+                    sampled_token_ids[i] = token_id
             if out.logprobs is not None and meta.logprob_rows is not None:
                 logprobs = self._logprobs_by_request(inputs, meta.logprob_rows, out.logprobs)
         else:  # nothing to wait for: the next step must check its copies are done
-            sampled_token_ids = [[] for _ in inputs.req_ids]
+            sampled_token_ids = [-1] * len(inputs.req_ids)
             self.buffers.end_step()
         prompt_logprobs = self._prompt_logprobs(hidden, inputs) \
             if self.batch.num_prompt_logprobs else {}
@@ -299,6 +303,10 @@ class ModelRunner:
             batch.append_blocks(rows[req_id], block_ids)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
+        """The step's flat batch. Every numpy call here costs microseconds more than its
+        work (a forward pass has just pushed numpy's own state out of the caches), so a
+        decode step, the common case, takes fewer: its counts, offsets and request index
+        are views of one arange."""
         batch, bs = self.batch, self.block_size
         cached, new = so.scheduled_cached_reqs, so.scheduled_new_reqs
         req_ids = cached.req_ids + [n.req_id for n in new] if new else cached.req_ids
@@ -313,49 +321,57 @@ class ModelRunner:
                           if new else cached.num_computed_tokens, np.int64)
         num_tokens = so.total_num_scheduled_tokens
         decode = num_tokens == num_reqs  # one token each (counts are >= 1): a decode step
-        if decode:  # no per-token request index to build
-            counts, cu = np.ones(num_reqs, np.int64), np.arange(1, num_reqs + 1)
-            req_index, positions = cu - 1, starts  # [T] = [R]
+        if decode:
+            arange = self._arange
+            counts, cu = self._ones[:num_reqs], arange[1:num_reqs + 1]
+            query_start_loc = arange[:num_reqs + 1]
+            positions, ends = starts, starts + 1  # [T] = [R]
+            input_ids = batch.token_ids[rows, starts]
         else:
             counts = np.fromiter(map(so.num_scheduled_tokens.__getitem__, req_ids), np.int64,
                                  num_reqs)
             cu = np.cumsum(counts)
+            query_start_loc = np.concatenate(([0], cu))
             req_index = np.repeat(np.arange(num_reqs), counts)  # [T] request of each token
             positions = starts[req_index] + np.arange(num_tokens) - (cu - counts)[req_index]
-        ends = starts + counts
-        input_ids = batch.token_ids[rows[req_index], positions].astype(np.int64)
+            ends = starts + counts
+            input_ids = batch.token_ids[rows[req_index], positions]
         # The slots from the gathered rows, not the whole table again (a forward pass has
         # just pushed it out of the cache: one miss per request each time).
         block_tables = batch.block_table[rows, :batch.num_blocks[rows].max()]
-        slot_mapping = (block_tables[req_index, positions // bs].astype(np.int64) * bs
-                        + positions % bs)
+        block_index, offset = np.divmod(positions, bs)
+        slot_mapping = (block_tables[self._arange[:num_reqs] if decode else req_index,
+                                     block_index] * np.int64(bs) + offset)  # int64: no overflow
         sampling = np.flatnonzero(ends == batch.num_tokens[rows])  # caught up: sample
+        all_sample = len(sampling) == num_reqs
         max_query_len = 1 if decode else int(counts.max())
         # Every request computes one token: a CUDA graph's step, padded to its size.
         graph_size = self.graphs.padded_size(num_reqs) \
             if self.graphs is not None and decode else None
-        query_start_loc = np.concatenate(([0], cu))
         put = self.buffers.put
         self.buffers.begin_step()
         meta = AttentionMetadata(
             slot_mapping=put("slot_mapping", slot_mapping, -1, graph_size),
             block_tables=put("block_tables", block_tables, 0, graph_size),
             # Graph padding rows continue the one-token-per-request pattern.
-            query_start_loc=put("query_start_loc", np.arange(graph_size + 1)
+            query_start_loc=put("query_start_loc", self._arange[:graph_size + 1]
                                 if graph_size else query_start_loc),
             seq_lens=put("seq_lens", ends, 0, graph_size),
             query_start_loc_cpu=query_start_loc, seq_lens_cpu=ends,
             max_query_len=max_query_len, backend=self.attention,
             num_segments=num_kv_segments(num_reqs, self.num_kv_heads, max_query_len,
-                                         int(ends.max()), self.num_sms))
+                                         int(ends.max()), self.num_sms)
+            if self.num_sms else 1)
         t_plan = time.perf_counter()
         self.attention.prepare(meta)
         attention_plan_s = time.perf_counter() - t_plan
         return _StepInputs(req_ids, rows, starts, counts,
                            put("input_ids", input_ids, 0, graph_size),
                            put("positions", positions, 0, graph_size), meta,
-                           put("logits_indices", cu[sampling] - 1), sampling,
-                           rows[sampling], graph_size, attention_plan_s)
+                           put("logits_indices", self._arange[:num_reqs] if all_sample and decode
+                               else cu[sampling] - 1),
+                           sampling, rows if all_sample else rows[sampling], graph_size,
+                           attention_plan_s)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         """Per-row parameters for the sampling rows (batch rows `rows`, sampler rows

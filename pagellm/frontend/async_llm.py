@@ -285,7 +285,7 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await engine_core.get_output_async()
-                processed = self.output_processor.process_outputs(outputs.outputs)
+                processed = self.output_processor.process_outputs(outputs)
                 if processed.reqs_to_abort:  # stop strings: stop the engine at once
                     engine_core.abort_requests(processed.reqs_to_abort)
                 lag = time.monotonic() - outputs.timestamp

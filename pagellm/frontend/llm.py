@@ -271,9 +271,10 @@ class LLM:
         start, num_output_tokens = time.perf_counter(), 0
         try:
             while self.output_processor.has_unfinished_requests():
-                outputs = engine_core.get_output().outputs
-                num_output_tokens += sum(len(o.new_token_ids) for o in outputs)
-                processed = self.output_processor.process_outputs(outputs)
+                message = engine_core.get_output()
+                num_output_tokens += len(message.token_ids) + sum(
+                    len(o.new_token_ids) for o in message.outputs)
+                processed = self.output_processor.process_outputs(message)
                 if processed.reqs_to_abort:
                     engine_core.abort_requests(processed.reqs_to_abort)
                 if processed.errors:

@@ -442,7 +442,7 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
                 future = self._calls.pop(outputs.utility_output.call_id, None)
                 if future is not None:
                     future.set_result(outputs)
-            if outputs.outputs:
+            if outputs.has_outputs:
                 self._outputs.put(outputs)
 
     def _notify_dead(self, cause: str) -> None:
@@ -527,7 +527,7 @@ class AsyncMPClient(MPClient, AsyncEngineCoreClient):
                 future = self._calls.pop(outputs.utility_output.call_id, None)
                 if future is not None and not future.done():
                     future.set_result(outputs)
-            if outputs.outputs and self._queue is not None:
+            if outputs.has_outputs and self._queue is not None:
                 self._queue.put_nowait(outputs)
 
     def _notify_dead(self, cause: str) -> None:

@@ -72,7 +72,7 @@ class DecodeGroup:
     NaN included, and 0 * NaN is NaN): those `stale` rows are zeroed after the gather.
     Every position past the context is masked out of the softmax by `bias`."""
 
-    rows: torch.Tensor  # [Bg] int64 query rows
+    rows: torch.Tensor | None  # [Bg] int64 query rows; None: all of the step's, in order
     blocks: torch.Tensor  # [Bg * nb] int64
     stale: torch.Tensor | None  # [P] int64 rows of the gathered [Bg * nb * block_size]
     bias: torch.Tensor  # [Bg, 1, 1, nb * block_size] fp32: 0 inside the context, -inf past
@@ -130,38 +130,51 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: Sequence[int] | 
                             block_tables[i, :-(-int(lens[i]) // block_size)].long(),
                             fresh=bool(q_lens[i] == lens[i]))
                     for i in np.flatnonzero(long).tolist()]
-        decodes = np.flatnonzero(~long)
-        decodes = decodes[np.argsort(-lens[decodes], kind="stable")]  # longest first
-    else:  # a decode-only step, the common case
-        prefills = []
-        decodes = np.argsort(-lens, kind="stable")
-    owned = (lens[decodes] + (block_size - 1)) // block_size  # [D] blocks, non-increasing
-    groups: list[tuple[int, int]] = []  # [first, end) into `decodes`
-    first = 0
-    while first < len(decodes):  # a group's first sets its length; it ends where its
-        rest = owned[first:]  # padded blocks would first exceed the slack (numpy: a
-        over = rest[0] * np.arange(1, len(rest) + 1) > DECODE_PADDING_SLACK * rest.cumsum()
-        over[0] = False  # Python loop over hundreds of decodes cost ~40 us a step)
-        end = first + (int(over.argmax()) or len(rest))
-        groups.append((first, end))
-        first = end
+        decodes: np.ndarray | None = np.flatnonzero(~long)  # [D] their requests
+        decode_lens = lens[decodes]
+    else:  # a decode-only step, the common case: every request, in order
+        prefills, decodes, decode_lens = [], None, lens
     to = torch.from_numpy if device.type == "cpu" else (
         lambda array: torch.from_numpy(array).to(device))
-    return AttentionPlan([_decode_group(table, starts, lens, block_size, decodes[a:b], to)
-                          for a, b in groups], prefills, scratch or GatherScratch())
+    owned = (decode_lens + (block_size - 1)) // block_size  # [D] blocks of their own
+    if not len(owned):
+        return AttentionPlan([], prefills, scratch or GatherScratch())
+    nb = int(owned.max())
+    if nb * len(owned) <= DECODE_PADDING_SLACK * owned.sum():  # one group pads little:
+        # no sort, and in a decode-only step no query rows to pick (most steps; this
+        # runs cold after a forward pass, where each numpy call costs ~10 us)
+        return AttentionPlan([_decode_group(table, starts, decode_lens, owned, nb,
+                                            block_size, decodes, to)],
+                             prefills, scratch or GatherScratch())
+    # Longest first; a group's first sets its length and it ends where its padded
+    # blocks would first exceed the slack (vectorized: a Python loop over hundreds of
+    # decodes cost ~40 us a step).
+    order = np.argsort(-owned, kind="stable")
+    index = order if decodes is None else decodes[order]
+    decode_lens, owned = decode_lens[order], owned[order]
+    groups = []
+    first = 0
+    while first < len(owned):
+        rest = owned[first:]
+        over = rest[0] * np.arange(1, len(rest) + 1) > DECODE_PADDING_SLACK * rest.cumsum()
+        over[0] = False
+        end = first + (int(over.argmax()) or len(rest))
+        groups.append(_decode_group(table, starts, decode_lens[first:end], owned[first:end],
+                                    int(rest[0]), block_size, index[first:end], to))
+        first = end
+    return AttentionPlan(groups, prefills, scratch or GatherScratch())
 
 
-def _decode_group(table: np.ndarray, starts: np.ndarray, lens: np.ndarray,
-                  block_size: int, index: np.ndarray,
+def _decode_group(table: np.ndarray, starts: np.ndarray, group_lens: np.ndarray,
+                  owned: np.ndarray, nb: int, block_size: int, index: np.ndarray | None,
                   to: Callable[[np.ndarray], torch.Tensor]) -> DecodeGroup:
-    """The decode group of requests `index` (longest first): see `DecodeGroup`. A few
-    dozen numpy calls for the whole group, none per request: this runs every step."""
-    bs, batch = block_size, len(index)
-    group_lens = lens[index]  # [Bg]
-    owned = (group_lens + (bs - 1)) // bs  # [Bg] blocks of its own
-    nb = int(owned[0])
+    """The decode group of requests `index` (None: every request of the step, in
+    order), of context lengths `group_lens` and `owned` blocks each, `nb` the most:
+    see `DecodeGroup`. A few numpy calls for the whole group, none per request: this
+    runs every step."""
+    bs, batch = block_size, len(group_lens)
     length = nb * bs
-    rows = table[index, :nb]  # [Bg, nb]
+    rows = table[:batch, :nb] if index is None else table[index, :nb]  # [Bg, nb]
     if nb > 1:  # rows past a request's own blocks repeat its first
         rows = np.where(np.arange(nb) < owned[:, None], rows, rows[:, :1])
     # Stale rows of the gathered [Bg * length]: row r's sequence starts at r * length;
@@ -175,7 +188,8 @@ def _decode_group(table: np.ndarray, starts: np.ndarray, lens: np.ndarray,
         counts = np.concatenate((counts, np.repeat(counts[single], nb - 1)))
     stale_rows = _ranges(firsts, counts)
     bias = _bias_rows(length)[length - group_lens]  # [Bg, length]
-    return DecodeGroup(to(starts[index]), to(rows.astype(np.int64).ravel()),
+    return DecodeGroup(None if index is None else to(starts[index]),
+                       to(rows.astype(np.int64).ravel()),
                        to(stale_rows) if len(stale_rows) else None,
                        to(bias[:, None, None, :]))
 
@@ -228,10 +242,13 @@ def planned_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: Attenti
     _, num_heads, head_dim = query.shape
     num_kv_heads, kv_head_dim = kv_cache.shape[3:]
     assert kv_head_dim == head_dim and num_heads % num_kv_heads == 0
+    if len(plan.decodes) == 1 and plan.decodes[0].rows is None:  # a decode-only step
+        return _decode_attention(query, kv_cache, plan.decodes[0], plan.scratch, scale)
     out = torch.empty_like(query)
     for group in plan.decodes:
-        out[group.rows] = _decode_attention(query[group.rows], kv_cache, group,
-                                            plan.scratch, scale)
+        assert group.rows is not None
+        out.index_copy_(0, group.rows, _decode_attention(
+            query.index_select(0, group.rows), kv_cache, group, plan.scratch, scale))
     for p in plan.prefills:
         if p.fresh and key is not None and value is not None:
             k, v = key[p.start:p.end], value[p.start:p.end]

@@ -119,6 +119,13 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     `num_adds_taken` how many of this client's ADDs that load accounts for (queued in
     the scheduler, or refused): a data-parallel frontend routes each new request to the
     least loaded engine core, counting the ADDs it sent beyond those as load too.
+
+    Most of a busy step's news is one plain token per running request: those travel as
+    two columns (`token_req_ids[i]` sampled `token_ids[i]`, and nothing else happened
+    to it: not its first token, not finished, no logprobs) instead of an
+    EngineCoreOutput each, which cost the engine core a quarter of its per-request
+    update to build and encode (benchmarks/engine_overhead.py). Everything else, and
+    every request's first and last token, is in `outputs`.
     """
 
     outputs: list[EngineCoreOutput] = []
@@ -128,6 +135,27 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     num_waiting: int = 0
     num_running: int = 0
     num_adds_taken: int = 0
+    token_req_ids: list[str] = []
+    token_ids: list[int] = []
+
+    @property
+    def has_outputs(self) -> bool:
+        """Anything for the requests (not only load, a heartbeat or a utility answer)."""
+        return bool(self.outputs or self.token_req_ids)
+
+    def all_outputs(self) -> list[EngineCoreOutput]:
+        """Every request's news as EngineCoreOutputs, the columns' too (for tests and
+        tools; the output processor reads the columns as they are)."""
+        return self.outputs + [EngineCoreOutput(r, [t]) for r, t in
+                               zip(self.token_req_ids, self.token_ids, strict=True)]
+
+
+def message_for(outputs: dict[int, EngineCoreOutputs], client: int) -> EngineCoreOutputs:
+    """Client `client`'s message in a step's `outputs` (by client), added if none yet."""
+    message = outputs.get(client)
+    if message is None:
+        message = outputs[client] = EngineCoreOutputs()
+    return message
 
 
 class RequestType(bytes, enum.Enum):
@@ -195,4 +223,4 @@ class DPRegisterReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     error: str | None = None
 
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4

@@ -67,11 +67,12 @@ class PromptLogprobsChunk(msgspec.Struct, array_like=True, gc=False):
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
-    """Per scheduled request, the sampled token ids (empty for a partial prefill), and
-    logprobs for the requests that asked for them."""
+    """Per scheduled request, the token it sampled (-1: none, a partial prefill), and
+    logprobs for the requests that asked for them. One int per request, not a list:
+    the scheduler reads it for every running request every step."""
 
     req_ids: list[str]
-    sampled_token_ids: list[list[int]]
+    sampled_token_ids: list[int]
     logprobs: dict[str, TokenLogprobs] = {}
     prompt_logprobs: dict[str, PromptLogprobsChunk] = {}
     prepare_inputs_s: float = 0.0
