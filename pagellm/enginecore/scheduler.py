@@ -144,7 +144,10 @@ class Scheduler:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
-            block_ids = allocate_slots(request, num_new)
+            # Most steps a request's next tokens fit where it is (`kv_fits`, which the KV
+            # cache manager keeps): no call at all, for every running request every step.
+            block_ids = () if request.num_computed_tokens + num_new <= request.kv_fits \
+                else allocate_slots(request, num_new)
             while block_ids is None:
                 victim = running.pop()
                 self._preempt(victim)

@@ -123,9 +123,9 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: Sequence[int] | 
     table = block_tables.cpu().numpy()  # free on the CPU, the CPU path's case
     starts = np.asarray(query_start_loc, dtype=np.int64)
     lens = np.asarray(seq_lens, dtype=np.int64)
-    q_lens = starts[1:] - starts[:-1]
-    long = q_lens > 1
-    if long.any():
+    if int(starts[-1]) > num_reqs:  # some query is longer than a token (each has one)
+        q_lens = starts[1:] - starts[:-1]
+        long = q_lens > 1
         prefills = [Prefill(int(starts[i]), int(starts[i + 1]), int(lens[i]),
                             block_tables[i, :-(-int(lens[i]) // block_size)].long(),
                             fresh=bool(q_lens[i] == lens[i]))
