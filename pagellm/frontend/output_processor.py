@@ -301,12 +301,11 @@ class OutputProcessor:
     def process_outputs(self, message: EngineCoreOutputs) -> ProcessedOutputs:
         """One engine step's outputs (for many requests: this runs for every stream every
         step, so per-output work is kept to what the output needs). The message's plain
-        tokens (its columns) go through the same path as one-token outputs."""
+        tokens (its columns) become one-token outputs here, and take the same path."""
         processed = ProcessedOutputs()
         now = time.monotonic()
-        by_engine_id = self._by_engine_id
-        for output in message.outputs:
-            found = by_engine_id.get(output.request_id)
+        for output in message.all_outputs():
+            found = self._by_engine_id.get(output.request_id)
             if found is None:
                 continue  # aborted here while the engine was still stepping it
             state, completion = found
@@ -322,28 +321,18 @@ class OutputProcessor:
                 continue
             if output.new_prompt_logprobs:
                 state.add_prompt_logprobs(output.new_prompt_logprobs)
-            self._absorb(state, completion, output, now, processed)
-        for request_id, token_id in zip(message.token_req_ids, message.token_ids,
-                                        strict=True):
-            found = by_engine_id.get(request_id)
-            if found is not None:
-                self._absorb(*found, EngineCoreOutput(request_id, [token_id]), now, processed)
+            state.update_stats(output, completion, now)
+            if completion.update(output):
+                processed.reqs_to_abort.append(output.request_id)
+            if state.collector is not None:
+                state.notify(completion)  # the output is built when the consumer runs
+            else:
+                request_output = state.make_output(completion)
+                if request_output is not None:
+                    processed.request_outputs.append(request_output)
+            if completion.finish_reason is not None and state.finished:
+                self._forget(state.request_id)
         return processed
-
-    def _absorb(self, state: RequestState, completion: CompletionState,
-                output: EngineCoreOutput, now: float, processed: ProcessedOutputs) -> None:
-        """A completion's new tokens: its stream, or `processed`, gets the news."""
-        state.update_stats(output, completion, now)
-        if completion.update(output):
-            processed.reqs_to_abort.append(output.request_id)
-        if state.collector is not None:
-            state.notify(completion)  # the output is built when the consumer runs
-        else:
-            request_output = state.make_output(completion)
-            if request_output is not None:
-                processed.request_outputs.append(request_output)
-        if completion.finish_reason is not None and state.finished:
-            self._forget(state.request_id)
 
     def fail_all(self, error: BaseException) -> None:
         """End every stream with `error` (the engine died) and forget them all."""

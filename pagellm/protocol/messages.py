@@ -144,8 +144,11 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         return bool(self.outputs or self.token_req_ids)
 
     def all_outputs(self) -> list[EngineCoreOutput]:
-        """Every request's news as EngineCoreOutputs, the columns' too (for tests and
-        tools; the output processor reads the columns as they are)."""
+        """Every request's news as EngineCoreOutputs, the columns' too: one-token
+        outputs, made by one list comprehension on the receiving side (where the
+        output processor reads them)."""
+        if not self.token_req_ids:
+            return self.outputs
         return self.outputs + [EngineCoreOutput(r, [t]) for r, t in
                                zip(self.token_req_ids, self.token_ids, strict=True)]
 
