@@ -307,6 +307,8 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGrou
             t.view(-1, num_kv_heads * head_dim).index_fill_(0, group.stale, 0.0)
     k, v = (_fp32(t.view(batch, length, num_kv_heads, head_dim).transpose(1, 2))
             for t in (k, v))  # [Bg, H_kv, L, D]
-    groups = _fp32(q).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    # q may be a view into the step's fused q/k rows: SDPA is ~20% slower on it strided.
+    groups = _fp32(q).contiguous().view(batch, num_kv_heads, num_heads // num_kv_heads,
+                                        head_dim)
     o = F.scaled_dot_product_attention(groups, k, v, attn_mask=group.bias, scale=scale)
     return o.reshape(batch, num_heads, head_dim).to(q.dtype)
