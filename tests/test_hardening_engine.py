@@ -286,6 +286,28 @@ def test_every_message_counts_the_adds_its_load_accounts_for(tight_engine, attac
     assert all(load == 1 for t, load in until_abort if t == 2)  # "long" in every such load
     still_serves(attached)
 
+def test_the_message_with_a_requests_last_output_counts_it_out(tight_engine, attached):
+    """A finished request's last output carries the load after that step: stamped with
+    the load from before it, the message said the request still ran, and a
+    data-parallel frontend counted it until the core's next message."""
+    _, address = tight_engine
+    client = RawEngineClient(address)
+    try:
+        client.send(RequestType.ADD, request("short", [5, 6], max_tokens=3, ignore_eos=True))
+        deadline = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < deadline
+            if not client.output.poll(100):
+                continue
+            message = msgspec.msgpack.decode(client.output.recv(), type=EngineCoreOutputs)
+            if any(o.request_id == "short" and o.finished for o in message.outputs):
+                break
+        assert (message.num_waiting, message.num_running) == (0, 0)
+    finally:
+        client.close()
+    still_serves(attached)
+
+
 def test_garbage_frames_are_dropped_and_the_engine_keeps_serving(tight_engine, attached):
     _, address = tight_engine
     client = RawEngineClient(address)

@@ -219,11 +219,11 @@ class EngineCoreProc:
                 self._handle_inputs(block=not self.core.has_work())
                 if self.core.has_work():
                     outputs = self.core.step()
+                    self._save_load()  # before sending: the outputs carry the step's result
                     if outputs:
                         self._hand_out(outputs)
                 self._answer_deferred()
-                self.load = (self.core.scheduler.num_waiting, self.core.scheduler.num_running,
-                             self._adds_handled.copy())
+                self._save_load()
         except ShutdownRequested:
             logger.info("engine core: stopping now (second signal)")
         except Exception as e:  # the loop's failure is every client's EngineDeadError
@@ -231,6 +231,14 @@ class EngineCoreProc:
             logger.error("%s\n%s", message, traceback.format_exc())
         self._shutdown(message)
         return code
+
+    def _save_load(self) -> None:
+        """The load the next messages carry. Saved after a step, before its outputs go
+        out: stamped with the load before the step, a request's last output said it was
+        still running, and a data-parallel frontend counted it until the core's next
+        message."""
+        self.load = (self.core.scheduler.num_waiting, self.core.scheduler.num_running,
+                     self._adds_handled.copy())
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._stop_requested is not None:
