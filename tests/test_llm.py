@@ -4,6 +4,8 @@ decode, or an earlier greedy run of the same engine."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pagellm import LLM, SamplingParams
@@ -61,6 +63,38 @@ def test_incremental_detokenizer_never_splits_a_character(llama):
     assert "".join(deltas) == tokenizer.decode(ids) == text
     assert not any("\ufffd" in d for d in deltas)
     assert "" in deltas  # at least one token completed no character on its own
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_byte_level_streams_decode_exactly_as_the_tokenizer(llama, skip_special_tokens):
+    """A byte-level tokenizer's streams decode from each token's bytes (BytePieces)
+    instead of tokenizers' DecodeStream: on random ids (special ones, ids past the
+    vocabulary, characters split over tokens, invalid byte sequences), in chunks of
+    one to three tokens, the streamed text plus the final flush is the tokenizer's own
+    decode."""
+    from pagellm.frontend.detokenizer import byte_pieces
+
+    tokenizer = llama.tokenizer
+    pieces = byte_pieces(tokenizer._tokenizer)
+    assert pieces is not None and pieces.special  # the test tokenizer is byte-level
+    rng = random.Random(7)
+    vocab = len(pieces.pieces)
+    multibyte = [i for i, b in enumerate(pieces.pieces) if any(x >= 0x80 for x in b)]
+    for _ in range(200):
+        ids = [rng.choice(multibyte) if rng.random() < 0.5 else rng.randrange(vocab + 3)
+               for _ in range(rng.randrange(1, 30))]
+        detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("prefix"),
+                                       skip_special_tokens)
+        assert detok._pieces is not None
+        text, i = "", 0
+        while i < len(ids):
+            n = rng.randrange(1, 4)
+            text += detok.update(ids[i:i + n])
+            i += n
+        text += detok.flush()
+        expected = tokenizer._tokenizer.decode([t for t in ids if t < vocab],
+                                               skip_special_tokens=skip_special_tokens)
+        assert text == expected == detok.text, ids
 
 
 def test_stop_token_id_stops_at_its_first_occurrence(llama):

@@ -115,14 +115,18 @@ def test_the_ignored_fields_log_is_rate_limited(caplog):
     log = IgnoredFieldsLog()
     # The pagellm logger stops propagating once any test configured it (logger.py): hand
     # caplog's handler to it directly, so the count is the same alone and in the suite.
+    # Not propagating meanwhile: alone (nothing configured it yet) caplog's root handler
+    # would see every record a second time.
     pagellm_logger = logging.getLogger("pagellm")
     pagellm_logger.addHandler(caplog.handler)
+    propagate, pagellm_logger.propagate = pagellm_logger.propagate, False
     try:
         with caplog.at_level(logging.WARNING, logger="pagellm"):
             for i in range(3 * LINES_PER_MINUTE):
                 log.note([f"field_{i}", "x" * 10_000])
     finally:
         pagellm_logger.removeHandler(caplog.handler)
+        pagellm_logger.propagate = propagate
     assert len(caplog.records) == LINES_PER_MINUTE
     assert all(len(r.getMessage()) < 300 for r in caplog.records)  # names are cut
 

@@ -1,18 +1,96 @@
 """Incremental detokenization: text grows as tokens arrive, never splitting a character.
 
 Byte-level tokenizers can split one UTF-8 character over several tokens; decoding
-each token alone would print replacement characters. The tokenizers library's
-`DecodeStream` buffers such pieces and emits text only once it is valid. It is primed
-with the tail of the prompt so that the first generated token decodes as it would in
-context (leading spaces, merges across the boundary).
+each token alone would print replacement characters. For a tokenizer whose decoder is
+ByteLevel alone (GPT-2, Llama 3, Qwen, SmolLM) the text is the UTF-8 decoding of its
+tokens' bytes, so each token's bytes are looked up (`BytePieces`, made once per
+tokenizer) and fed to Python's incremental UTF-8 decoder, which holds back a
+character's first bytes until it is whole. Other fast tokenizers (SentencePiece-style
+decoders, whose output depends on context) use the tokenizers library's
+`DecodeStream`, primed with the tail of the prompt so that the first generated token
+decodes as it would in context (leading spaces, merges across the boundary). At 256
+streams the DecodeStream was the largest part of the frontend's step (60% of
+`process_outputs`, benchmarks/engine_overhead.py).
 """
 
 from __future__ import annotations
 
+import codecs
+import random
 from typing import Any
 
 # Prompt tokens used to prime the stream: enough context for any decoder's look-back.
 _PRIME_TOKENS = 6
+# Tokens whose lone decode is checked against their bytes when a tokenizer's pieces are
+# made (every added token is checked too).
+_CHECKED_TOKENS = 2000
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the printable character that stands
+    for it in the vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = dict(zip(printable, printable, strict=True)), 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {b: chr(c) for b, c in chars.items()}
+
+
+class BytePieces:
+    """Each token id's bytes, and which ids are special, for a tokenizer whose decoder
+    is ByteLevel alone: the text of any ids is then `b"".join(pieces)` decoded as UTF-8
+    (invalid bytes as U+FFFD), which is what the tokenizers library computes."""
+
+    def __init__(self, pieces: list[bytes], special: frozenset[int]) -> None:
+        self.pieces = pieces
+        self.special = special
+
+    @classmethod
+    def of(cls, backend: Any) -> BytePieces | None:
+        """None unless the tokenizer is byte-level through and through: its decoder is
+        ByteLevel, and its own decode agrees with the bytes on every added token and
+        on a sample of the others (else DecodeStream stays in charge)."""
+        from tokenizers.decoders import ByteLevel
+
+        if not isinstance(backend.decoder, ByteLevel):
+            return None
+        # Alphabet character -> the byte it stands for, as one translate table: ~0.3 us a
+        # token, so a 150k vocabulary takes tens of milliseconds, once.
+        to_bytes = {ord(c): chr(b) for b, c in _bytes_to_unicode().items()}
+        vocab: dict[str, int] = backend.get_vocab(with_added_tokens=True)
+        pieces = [b""] * (max(vocab.values(), default=-1) + 1)
+        for token, token_id in vocab.items():
+            try:
+                pieces[token_id] = token.translate(to_bytes).encode("latin-1")
+            except UnicodeEncodeError:  # not in the alphabet: the decoder keeps its
+                pieces[token_id] = token.encode()  # UTF-8 (the checks below agree)
+        added = backend.get_added_tokens_decoder()
+        special = frozenset(i for i, token in added.items() if token.special)
+        sample = random.Random(0).sample(range(len(pieces)),
+                                         min(_CHECKED_TOKENS, len(pieces)))
+        for token_id in [*added, *sample]:
+            text = pieces[token_id].decode("utf-8", "replace")
+            if backend.decode([token_id], skip_special_tokens=False) != text:
+                return None
+        return cls(pieces, special)
+
+
+# Made once per tokenizer (a backend object lives as long as its tokenizer; the cache
+# holds it, so its id cannot be reused). Few tokenizers per process: bounded anyway.
+_PIECES: dict[int, tuple[Any, BytePieces | None]] = {}
+_MAX_TOKENIZERS = 8
+
+
+def byte_pieces(backend: Any) -> BytePieces | None:
+    cached = _PIECES.get(id(backend))
+    if cached is None:
+        if len(_PIECES) >= _MAX_TOKENIZERS:
+            _PIECES.pop(next(iter(_PIECES)))
+        cached = _PIECES[id(backend)] = (backend, BytePieces.of(backend))
+    return cached[1]
 
 
 class IncrementalDetokenizer:
@@ -32,18 +110,37 @@ class IncrementalDetokenizer:
         backend = getattr(tokenizer, "_tokenizer", None)
         self._backend = backend
         self._stream: Any = None
+        self._pieces: list[bytes] | None = None
         if backend is not None:
-            from tokenizers.decoders import DecodeStream
+            pieces = byte_pieces(backend)
+            if pieces is not None:  # no context needed: the output's own bytes
+                self._pieces = pieces.pieces
+                self._skip = pieces.special if skip_special_tokens else frozenset()
+                self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            else:
+                from tokenizers.decoders import DecodeStream
 
-            self._stream = DecodeStream(ids=prompt_token_ids[-_PRIME_TOKENS:],
-                                        skip_special_tokens=skip_special_tokens)
+                self._stream = DecodeStream(ids=prompt_token_ids[-_PRIME_TOKENS:],
+                                            skip_special_tokens=skip_special_tokens)
 
     def update(self, new_token_ids: list[int]) -> str:
         """Add tokens; return the text they completed (possibly empty)."""
         self.token_ids += new_token_ids
         if self.tokenizer is None:
             return ""
-        if self._stream is not None:  # usually one token: no list, no join
+        if self._pieces is not None:  # usually one token: no list, no join
+            pieces, skip = self._pieces, self._skip
+            # Ids past the tokenizer's vocabulary (a model's padded embedding rows)
+            # decode to nothing, as in the tokenizers library.
+            if len(new_token_ids) == 1:
+                token_id = new_token_ids[0]
+                data = pieces[token_id] if token_id < len(pieces) and token_id not in skip \
+                    else b""
+            else:
+                data = b"".join(pieces[t] for t in new_token_ids
+                                if t < len(pieces) and t not in skip)
+            delta = self._utf8.decode(data)
+        elif self._stream is not None:
             step, backend = self._stream.step, self._backend
             delta = ""
             for token_id in new_token_ids:

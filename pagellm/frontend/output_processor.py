@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagellm.frontend.detokenizer import IncrementalDetokenizer
+from pagellm.frontend.detokenizer import IncrementalDetokenizer, byte_pieces
 from pagellm.frontend.input_processor import ProcessedRequest
 from pagellm.frontend.output_collector import RequestOutputCollector
 from pagellm.frontend.outputs import (
@@ -255,6 +255,9 @@ def find_stop_string(text: str, new_chars: int, stop: list[str], include: bool
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "_tokenizer", None)
+        if backend is not None:  # made now, not on the event loop at the first request
+            byte_pieces(backend)
         self.requests: dict[str, RequestState] = {}
         self._by_engine_id: dict[str, tuple[RequestState, CompletionState]] = {}
 
