@@ -85,6 +85,8 @@ _MAX_TOKENIZERS = 8
 
 
 def byte_pieces(backend: Any) -> BytePieces | None:
+    """The tokenizer backend's `BytePieces` (None: not byte-level), made on first use:
+    building and checking them decodes a few thousand tokens, too much per stream."""
     cached = _PIECES.get(id(backend))
     if cached is None:
         if len(_PIECES) >= _MAX_TOKENIZERS:
