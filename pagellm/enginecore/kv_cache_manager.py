@@ -71,8 +71,6 @@ class KVCacheManager:
         there are not enough free blocks.
         """
         end = request.num_computed_tokens + num_new_tokens
-        if new_computed_blocks is None and end <= request.kv_fits:
-            return []  # most steps of a running request: nothing to add or cache
         request_id = request.request_id
         hits = new_computed_blocks or []
         held = self.req_to_blocks.get(request_id, [])

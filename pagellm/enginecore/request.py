@@ -75,8 +75,9 @@ class Request:
         self.num_tokens = len(prompt_token_ids)  # prompt + output
         self.num_computed_tokens = 0
         # The context length up to which the KV cache manager has nothing to do for it
-        # (every slot held, no block to fill): its answer to most steps, kept here
-        # because the scheduler asks for every running request every step.
+        # (every slot held, no block to fill), set by each allocation: the scheduler
+        # calls `allocate_slots` only past it (a compare instead of a call, for every
+        # running request every step).
         self.kv_fits = -1
         # Tokens the prefix cache held when first scheduled (None: not yet scheduled).
         self.num_cached_tokens: int | None = None

@@ -324,7 +324,7 @@ class ModelRunner:
         if decode:
             arange = self._arange
             counts, cu = self._ones[:num_reqs], arange[1:num_reqs + 1]
-            query_start_loc = arange[:num_reqs + 1]
+            query_start_loc, req_index = arange[:num_reqs + 1], arange[:num_reqs]
             positions, ends = starts, starts + 1  # [T] = [R]
             input_ids = batch.token_ids[rows, starts]
         else:
@@ -340,8 +340,8 @@ class ModelRunner:
         # just pushed it out of the cache: one miss per request each time).
         block_tables = batch.block_table[rows, :batch.num_blocks[rows].max()]
         block_index, offset = np.divmod(positions, bs)
-        slot_mapping = (block_tables[self._arange[:num_reqs] if decode else req_index,
-                                     block_index] * np.int64(bs) + offset)  # int64: no overflow
+        slot_mapping = (block_tables[req_index, block_index] * np.int64(bs)
+                        + offset)  # int64: no overflow
         sampling = np.flatnonzero(ends == batch.num_tokens[rows])  # caught up: sample
         all_sample = len(sampling) == num_reqs
         max_query_len = 1 if decode else int(counts.max())
@@ -368,7 +368,7 @@ class ModelRunner:
         return _StepInputs(req_ids, rows, starts, counts,
                            put("input_ids", input_ids, 0, graph_size),
                            put("positions", positions, 0, graph_size), meta,
-                           put("logits_indices", self._arange[:num_reqs] if all_sample and decode
+                           put("logits_indices", req_index if all_sample and decode
                                else cu[sampling] - 1),
                            sampling, rows if all_sample else rows[sampling], graph_size,
                            attention_plan_s)
