@@ -10,11 +10,13 @@ tokenizer's own decode of it; the end-to-end test compares with transformers.
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import pytest
 
 from pagellm import AsyncLLM, RequestOutput, RequestOutputKind, SamplingParams
+from pagellm.frontend import detokenizer
 from pagellm.frontend.core_client import EngineDeadError
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest
 from pagellm.frontend.output_processor import OutputProcessor
@@ -132,6 +134,52 @@ def test_cumulative_gives_the_latest_state_and_final_only_wakes_only_at_the_end(
         final = collectors[1].get_nowait()
         assert final.finished and final.outputs[0].token_ids == fed(1)
         assert final.outputs[0].text == tokenizer.decode(fed(1))
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+@pytest.mark.parametrize("fold", [None, 3])
+def test_stop_strings_in_streamed_text_cut_where_the_whole_text_says(
+        tokenizer, kind, include, fold, monkeypatch):
+    """The text is kept in pieces (every `fold` pieces joined) and streams read only
+    their tail (detokenizer.py): whatever the chunking and however far behind the
+    consumer is, the streamed text is the tokenizer's decode of the tokens cut at the
+    stop string's first occurrence (str.find on the whole text), and nothing sent
+    before the stop was found goes past that cut."""
+    if fold is not None:
+        monkeypatch.setattr(detokenizer, "_FOLD_PIECES", fold)
+    rng = random.Random(11)
+    info = EngineInfo("m", 256, tokenizer.vocab_size, 16, 64, 256, "cpu", "float32")
+    inputs = InputProcessor(tokenizer, info)
+    for trial in range(40):
+        ids = [rng.randrange(300, 1000) for _ in range(40)]
+        full = tokenizer.decode(ids)
+        start = rng.randrange(len(full) - 4)
+        stop = full[start:start + rng.randrange(1, 5)]
+        cut = full.find(stop) + (len(stop) if include else 0)
+        params = SamplingParams(temperature=0.0, max_tokens=len(ids), stop=[stop],
+                                include_stop_str_in_output=include, output_kind=kind)
+        processor = OutputProcessor(tokenizer)
+        request = inputs.process_inputs(f"t{trial}", {"prompt_token_ids": [5, 6]}, params)
+        collector = processor.add_stream(request)
+        engine_id = request.engine_requests[0].request_id
+        texts: list[str] = []
+        i, out = 0, None
+        while i < len(ids):
+            n = rng.randrange(1, 4)
+            chunk, i = ids[i:i + n], i + n
+            reason = FinishReason.LENGTH if i >= len(ids) else None
+            done = processor.process_outputs(EngineCoreOutputs([EngineCoreOutput(
+                engine_id, chunk, reason)])).reqs_to_abort == [engine_id] or reason
+            while (done or rng.random() < 0.5) and (out := collector.get_nowait()):
+                texts.append(out.outputs[0].text)
+                assert full[:cut].startswith(texts[-1] if kind == RequestOutputKind.CUMULATIVE
+                                             else "".join(texts)), (stop, texts)
+            if done:
+                break
+        assert out is None or out.finished  # the last output taken was the final one
+        streamed = "".join(texts) if kind == RequestOutputKind.DELTA else texts[-1]
+        assert streamed == full[:cut], (ids, stop)
 
 
 def test_outputs_delivered_before_an_engine_death_come_before_its_error(tokenizer):

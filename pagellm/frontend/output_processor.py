@@ -88,28 +88,34 @@ class CompletionState:
         if output.finish_reason is not None:
             self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
             delta += self.detokenizer.flush()
-        if self.stop and delta and len(self.detokenizer.token_ids) > self.min_tokens:
-            hit = find_stop_string(self.detokenizer.text, len(delta), self.stop,
-                                   self.include_stop)
+        detokenizer = self.detokenizer
+        if self.stop and delta and len(detokenizer.token_ids) > self.min_tokens:
+            # Only the new text and the stop_buffer characters before it can hold a hit.
+            start = max(0, detokenizer.length - len(delta) - self.stop_buffer)
+            hit = find_stop_string(detokenizer.text_between(start, detokenizer.length),
+                                   len(delta), self.stop, self.include_stop)
             if hit is not None:
-                self.stop_reason, self.text_end = hit
+                self.stop_reason, cut = hit
+                self.text_end = None if cut is None else start + cut
                 stopped_here = self.finish_reason is None
                 self.finish_reason = FinishReason.STOP
                 return stopped_here
         return False
 
     def completion(self, delta: bool) -> CompletionOutput:
-        text = self.detokenizer.text[:self.text_end]
+        detokenizer = self.detokenizer
+        end = detokenizer.length if self.text_end is None else self.text_end
         if not self.finished and self.stop_buffer:
-            text = text[:max(len(text) - self.stop_buffer, self.sent_text)]
-        token_ids = self.detokenizer.token_ids
+            end = min(end, max(end - self.stop_buffer, self.sent_text))
+        token_ids = detokenizer.token_ids
         logprobs = self.logprobs
-        if delta:  # slices are copies already
-            text, self.sent_text = text[self.sent_text:], len(text)
+        if delta:  # slices are copies already; the text is read from where it was sent
+            text, self.sent_text = detokenizer.text_between(self.sent_text, end), end
             token_ids, self.sent_tokens = token_ids[self.sent_tokens:], len(token_ids)
             if logprobs is not None:
                 logprobs, self.sent_logprobs = logprobs[self.sent_logprobs:], len(logprobs)
         else:
+            text = detokenizer.text[:end]
             token_ids = list(token_ids)
             logprobs = list(logprobs) if logprobs is not None else None
         return CompletionOutput(  # positional, the fields' order: once per stream per step
