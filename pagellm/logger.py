@@ -1,9 +1,11 @@
 """Logging for entry points: INFO lines such as the KV-cache size at start-up, and a
 rate limit on repeated warnings (a flood of bad messages or connections must not turn
-into a flood of log lines)."""
+into a flood of log lines). Also the one start-up step every long-lived process of
+ours takes once it is ready: `freeze_startup_heap`."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -65,3 +67,17 @@ def configure_logging() -> None:
     logger.addHandler(handler)
     logger.setLevel(os.environ.get("PAGELLM_LOG_LEVEL", "INFO").upper())
     logger.propagate = False
+
+
+def freeze_startup_heap(process: str) -> None:
+    """Collect, then move every object alive now into the collector's permanent
+    generation. What a process holds once it has started (torch, transformers, the
+    model, the server's framework: over 400 000 objects) lives as long as it does; left
+    to the cyclic collector, each full collection walks it all and stops the process
+    for 0.15-0.25 s (measured in the engine core's busy loop and in the server's event
+    loop). vLLM freezes its processes' start-up heaps for the same reason. Only for
+    processes we own: in a user's process it would keep their garbage forever."""
+    gc.collect()
+    frozen = len(gc.get_objects())
+    gc.freeze()
+    logger.debug("%s: froze %d start-up objects", process, frozen)

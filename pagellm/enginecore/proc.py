@@ -24,7 +24,6 @@ a message to every client, never leaving a process that heartbeats but is deaf.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import queue
@@ -45,6 +44,7 @@ from pagellm.enginecore.core import Deferred, EngineCore, RequestRejected
 from pagellm.enginecore.request import Request
 from pagellm.enginecore.transport import CurveServerKeys, SocketFactory, data_endpoint
 from pagellm.enginecore.transport import monitor as monitor_socket
+from pagellm.logger import freeze_startup_heap
 from pagellm.protocol.codec import MsgpackDecoder, MsgpackEncoder
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import (
@@ -204,12 +204,7 @@ class EngineCoreProc:
         `shutdown_timeout` seconds) or a failure in the loop (exit 1)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        # What exists now (torch, the model, one object per KV block: over half a million
-        # objects) lives as long as the process. Left to the cyclic collector, every
-        # full collection walks it all and stops the loop for ~0.25 s (vLLM freezes its
-        # startup heap too).
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap("engine core")  # with one object per KV block: 500 000+
         for thread in self.threads:
             thread.start()
         logger.info("engine core ready at %s", self.address)

@@ -23,7 +23,7 @@ from pagellm.frontend.server.connections import (
 )
 from pagellm.frontend.server.options import ServerOptions
 from pagellm.frontend.server.template_sandbox import ChatTemplateSandbox
-from pagellm.logger import rate_limit
+from pagellm.logger import freeze_startup_heap, rate_limit
 from pagellm.protocol.engine_args import EngineArgs
 
 logger = logging.getLogger("pagellm")
@@ -56,6 +56,7 @@ def run_server(args: EngineArgs, options: ServerOptions, host: str, port: int,
     # (invalid requests, refused connections and failed accepts come in floods).
     rate_limit("uvicorn.error", "asyncio")
     server = uvicorn.Server(config)
+    freeze_startup_heap("server")  # a full collection here stalled every stream ~0.16 s
     # uvicorn re-raises the signal that stopped it once it is done; with these as the
     # handlers it restores, that ends nothing and the process exits 0.
     previous: dict[signal.Signals, Any] = {
