@@ -510,19 +510,26 @@ def test_attention_bias_on_all_four_projections_matches_transformers(
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 48, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_cpu_linear_equals_f_linear_on_every_path(rows: int, bias: bool) -> None:
-    """decoder.linear picks W @ x^T (up to SMALL_BATCH_ROWS rows, one row padded to two),
-    oneDNN or F.linear by batch size: each must compute x W^T + b, in fp32 to rounding,
-    and non-contiguous x (a view with a row stride) must work."""
-    from pagellm.executor.models.decoder import SMALL_BATCH_ROWS, linear
+@pytest.mark.parametrize("in_features", [40, 2048])
+def test_cpu_linear_equals_f_linear_on_every_path(rows: int, bias: bool,
+                                                   in_features: int) -> None:
+    """decoder.linear picks W @ x^T (up to SMALL_BATCH_ROWS rows, one row padded to two,
+    unless x is SMALL_BATCH_ONEDNN_MIN_IN wide), oneDNN or F.linear by batch size and
+    width: each must compute x W^T + b, in fp32 to rounding, and non-contiguous x (a
+    view with a row stride) must work."""
+    from pagellm.executor.models.decoder import SMALL_BATCH_ONEDNN_MIN_IN, SMALL_BATCH_ROWS, linear
 
+    assert in_features in (40, SMALL_BATCH_ONEDNN_MIN_IN)  # both sides of the switch
     gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 40, generator=gen, dtype=torch.float64)
+    weight = torch.randn(96, in_features, generator=gen, dtype=torch.float64)
     b = torch.randn(96, generator=gen, dtype=torch.float64) if bias else None
-    wide = torch.randn(rows, 80, generator=gen, dtype=torch.float64)
-    x = wide[:, :40]  # rows 80 apart
+    wide = torch.randn(rows, 2 * in_features, generator=gen, dtype=torch.float64)
+    x = wide[:, :in_features]  # rows 2 * in_features apart
     expected = torch.nn.functional.linear(x, weight, b)  # float64: the exact answer
     y = linear(x.float(), weight.float(), None if b is None else b.float())
     assert y.shape == (rows, 96) and y.dtype == torch.float32 and y.is_contiguous()
-    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
+    # fp32 sums of in_features products of N(0, 1) values (a wrong path, transpose,
+    # stride or bias is off by O(1))
+    tolerance = 2.5e-7 * in_features
+    torch.testing.assert_close(y.double(), expected, rtol=tolerance, atol=tolerance)
     assert (rows <= SMALL_BATCH_ROWS) == (rows in (1, 2, 4))

@@ -91,6 +91,11 @@ class DecoderSpec:
 
 # Rows of x up to which a CPU GEMM runs as W @ x^T (BENCHMARKS.md, "CPU GEMMs").
 SMALL_BATCH_ROWS = 4
+# ... unless x is this wide: W @ x^T then reads W at 17-30 GB/s where oneDNN's unpacked
+# GEMM streams it at 30-48 (K = in features from 2048 up, out features 576 to 4864,
+# 1-4 rows; below it W @ x^T wins, by up to 40% at K = 896). Every MLP down projection
+# of a real model is that wide.
+SMALL_BATCH_ONEDNN_MIN_IN = 2048
 
 
 def _onednn_linear() -> Callable[..., torch.Tensor] | None:
@@ -119,15 +124,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     hundred, on the same unpacked weights. Below 5 rows both read W slowly (MKL's
     sgemv at half the memory bandwidth, its sgemm with 2-4 rows at a third), while W @
     x^T, with W as the big left operand, streams it near the bandwidth: a decode step of
-    a few requests is all such GEMMs. One row is padded to two for that path."""
+    a few requests is all such GEMMs, except the widest (`SMALL_BATCH_ONEDNN_MIN_IN`
+    input features and more), which oneDNN streams faster. One row is padded to two
+    for the W @ x^T path."""
     rows = x.shape[0]
     if x.is_cuda or x.dim() != 2 or rows == 0:
         return F.linear(x, weight, bias)
-    if rows <= SMALL_BATCH_ROWS:
+    onednn = _ONEDNN_LINEAR is not None and x.dtype == weight.dtype == torch.float32
+    if rows <= SMALL_BATCH_ROWS and not (onednn and x.shape[1] >= SMALL_BATCH_ONEDNN_MIN_IN):
         padded = x if rows > 1 else torch.cat((x, x))  # (a stride-0 expand is slow here)
         y = torch.mm(weight, padded.t())[:, :rows].t().contiguous()  # [M, out]
         return y if bias is None else y + bias
-    if _ONEDNN_LINEAR is not None and x.dtype == weight.dtype == torch.float32:
+    if onednn:
         return _ONEDNN_LINEAR(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
