@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from pagellm.executor.models.decoder import _ONEDNN_LINEAR
 
 WORKING_SET_BYTES = 150e6
+MAX_COPIES = 1024  # tiny shapes (the smoke test) need no working set
 
 
 def _median_s(fn: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor],
@@ -52,7 +53,7 @@ def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _ONEDNN_LINEAR(x, w, None, "none", [], "")  # [M, in] -> [M, out]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=int, nargs="+", default=[576, 896, 2048, 4864],
@@ -62,7 +63,7 @@ def main() -> None:
                         help="input features (columns of W)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=15)
-    ns = parser.parse_args()
+    ns = parser.parse_args(argv)
     if _ONEDNN_LINEAR is None:
         raise SystemExit("this torch has no oneDNN linear on the CPU")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; weights read, "
@@ -71,13 +72,17 @@ def main() -> None:
                                        for m in ns.rows))
     for out_features in ns.out:
         for in_features in ns.in_:
-            copies = max(1, int(WORKING_SET_BYTES // (out_features * in_features * 4)))
+            copies = min(MAX_COPIES, max(1, int(WORKING_SET_BYTES // (
+                out_features * in_features * 4))))
             weights = [torch.randn(out_features, in_features) for _ in range(copies)]
             nbytes = out_features * in_features * 4 * copies
             cells = []
             for rows in ns.rows:
                 x = torch.randn(rows, in_features)  # [M, in]
                 padded = x if rows > 1 else torch.cat((x, x))  # [max(M, 2), in]
+                # Both must compute x W^T before either's speed means anything.
+                torch.testing.assert_close(_w_xt(padded.t(), weights[0])[:, :rows].t(),
+                                           _onednn(x, weights[0]), rtol=1e-4, atol=1e-4)
                 mm = _median_s(functools.partial(_w_xt, padded.t()), weights, ns.repeats)
                 dnn = _median_s(functools.partial(_onednn, x), weights, ns.repeats)
                 cells.append(f"{nbytes / mm / 1e9:5.1f} / {nbytes / dnn / 1e9:5.1f}"

@@ -19,6 +19,7 @@ import engine_overhead  # noqa: E402
 import gpu_suite  # noqa: E402
 import kernel_bench  # noqa: E402
 import parallel  # noqa: E402
+import small_gemm  # noqa: E402
 
 CASE_TIMINGS = ("kernel_us", "kernel_gbps", "kernel_pct_of_copy", "sdpa_us", "sdpa_gbps",
                 "sdpa_pct_of_copy", "speedup_vs_sdpa")
@@ -195,3 +196,11 @@ def test_engine_overhead_frontend_alone_delivers_every_token_and_times_each_step
     processing, taking = engine_overhead.run_frontend_only(model, 8, 4, 5)
     assert len(processing) == len(taking) == 5
     assert all(t > 0 for t in processing + taking)
+
+
+def test_small_gemm_smoke_checks_both_ways_agree_and_reports_every_shape(capsys):
+    small_gemm.main(["--out", "8", "24", "--in", "16", "--rows", "1", "3", "--repeats", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.strip()[:1].isdigit()]
+    assert [r.split()[:3] for r in rows] == [["8", "x", "16"], ["24", "x", "16"]]
+    assert all(len(r.split("/")) == 3 for r in rows)  # two cells of "mm / oneDNN"
