@@ -130,13 +130,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.shape[0]
     if x.is_cuda or x.dim() != 2 or rows == 0:
         return F.linear(x, weight, bias)
-    onednn = _ONEDNN_LINEAR is not None and x.dtype == weight.dtype == torch.float32
-    if rows <= SMALL_BATCH_ROWS and not (onednn and x.shape[1] >= SMALL_BATCH_ONEDNN_MIN_IN):
+    onednn = _ONEDNN_LINEAR if x.dtype == weight.dtype == torch.float32 else None
+    if rows <= SMALL_BATCH_ROWS and (onednn is None
+                                     or x.shape[1] < SMALL_BATCH_ONEDNN_MIN_IN):
         padded = x if rows > 1 else torch.cat((x, x))  # (a stride-0 expand is slow here)
         y = torch.mm(weight, padded.t())[:, :rows].t().contiguous()  # [M, out]
         return y if bias is None else y + bias
-    if onednn:
-        return _ONEDNN_LINEAR(x.contiguous(), weight, bias, "none", [], "")
+    if onednn is not None:
+        return onednn(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
