@@ -75,8 +75,10 @@ def freeze_startup_heap(process: str) -> None:
     model, the server's framework: over 400 000 objects) lives as long as it does; left
     to the cyclic collector, each full collection walks it all and stops the process
     for 0.15-0.25 s (measured in the engine core's busy loop and in the server's event
-    loop). vLLM freezes its processes' start-up heaps for the same reason. Only for
-    processes we own: in a user's process it would keep their garbage forever."""
+    loop; a tensor-parallel step waits for its slowest rank). vLLM freezes its
+    processes' start-up heaps for the same reason. Only for processes we own (engine
+    core, tensor-parallel workers, server): in a user's process it would keep their
+    garbage forever."""
     gc.collect()
     frozen = len(gc.get_objects())
     gc.freeze()

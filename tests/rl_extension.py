@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -31,11 +32,13 @@ class Probe:
 
     def cpu_settings(self) -> dict[str, Any]:
         """The engine process's CPU settings as its threads see them: torch's thread
-        count, and the share of a multi-threaded product of subnormals that stays
-        subnormal (0.0 when every thread flushes them, 0.5 when one of two does)."""
+        count, the share of a multi-threaded product of subnormals that stays
+        subnormal (0.0 when every thread flushes them, 0.5 when one of two does), and
+        how many objects the garbage collector holds frozen (logger.freeze_startup_heap)."""
         x = torch.full((2**22,), 1e-39)  # parallel ops: every pool thread takes a part
         kept = float(((x * 1.0) != 0).float().mean())
-        return {"threads": torch.get_num_threads(), "subnormals_kept": kept}
+        return {"threads": torch.get_num_threads(), "subnormals_kept": kept,
+                "frozen_objects": gc.get_freeze_count()}
 
     def _private(self) -> None:  # not callable through collective_rpc
         raise AssertionError("unreachable")

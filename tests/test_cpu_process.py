@@ -1,6 +1,7 @@
 """The CPU engine process's settings, read from inside it (a worker extension): every
-usable core, and subnormal floats flushed in every thread of its pool (a thread that
-keeps them computes a hundred times slower on them: BENCHMARKS.md)."""
+usable core, subnormal floats flushed in every thread of its pool (a thread that
+keeps them computes a hundred times slower on them: BENCHMARKS.md), and a frozen
+start-up heap in every rank's process."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ def test_a_launched_cpu_engine_uses_every_core_and_flushes_subnormals_everywhere
     # Tensor-parallel ranks share the cores; one engine has them all.
     assert [s["threads"] for s in settings] == \
         [max(1, cores // tensor_parallel_size)] * tensor_parallel_size
+    # Every rank's start-up heap (torch alone: 160 000+ objects) is out of the
+    # collector's reach: a full collection walking it stalls the step ~0.2 s, and a
+    # tensor-parallel step waits for its slowest rank.
+    assert all(s["frozen_objects"] > 100_000 for s in settings), settings
 
 
 def _subnormals_survive() -> bool:

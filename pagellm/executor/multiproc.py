@@ -45,6 +45,7 @@ import zmq
 
 from pagellm.executor.executor import Executor
 from pagellm.executor.worker import StepFailed, is_device_fault
+from pagellm.logger import freeze_startup_heap
 from pagellm.protocol.engine_args import EngineArgs, usable_cpus
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 from pagellm.protocol.utility import WeightUpdate
@@ -403,6 +404,8 @@ def _serve(args: EngineArgs, rank: int, local_rank: int, host: str, port: int) -
                                  else type(e).__name__)
             header.message = str(e)
         replies.send_multipart([encoder.encode(header), result])
+        if method == "initialize_kv_cache" and header.error_type is None:  # started
+            freeze_startup_heap(f"tensor-parallel rank {rank}")  # see logger.py
         if method == "shutdown":
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
