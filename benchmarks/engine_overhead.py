@@ -46,6 +46,7 @@ from pagellm.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
+    TokenLogprobs,
 )
 from pagellm.protocol.stats import EngineStats, StepTimings
 
@@ -127,10 +128,12 @@ def run_engine_only(model: Path, num_requests: int, prompt_len: int, output_len:
     return steps, time.perf_counter() - start
 
 
-def run_frontend_only(model: Path, num_requests: int, prompt_len: int, output_len: int
-                      ) -> tuple[list[float], list[float]]:
+def run_frontend_only(model: Path, num_requests: int, prompt_len: int, output_len: int,
+                      logprobs: int | None = None) -> tuple[list[float], list[float]]:
     """Per step: seconds in `process_outputs` for one token per stream, and seconds
-    until every consumer has taken its output (DELTA streams, as `run`'s)."""
+    until every consumer has taken its output (DELTA streams, as `run`'s). With
+    `logprobs`, each token comes with that many alternatives (full outputs, as the
+    engine core sends them then)."""
     from transformers import AutoTokenizer  # here: the other modes do not need it
 
     info = EngineInfo(model="tiny", max_model_len=TINY.max_position_embeddings,
@@ -140,7 +143,7 @@ def run_frontend_only(model: Path, num_requests: int, prompt_len: int, output_le
     tokenizer = AutoTokenizer.from_pretrained(model)
     inputs, processor = InputProcessor(tokenizer, info), OutputProcessor(tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
+                            output_kind=RequestOutputKind.DELTA, logprobs=logprobs)
     streams = [inputs.process_inputs(f"r{i}", {"prompt_token_ids": prompt(i, prompt_len)},
                                      params) for i in range(num_requests)]
     engine_ids = [s.engine_requests[0].request_id for s in streams]
@@ -153,7 +156,14 @@ def run_frontend_only(model: Path, num_requests: int, prompt_len: int, output_le
         while tokens < output_len:
             output = await collector.get()
             assert not isinstance(output, BaseException), output
-            tokens += len(output.outputs[0].token_ids)
+            completion = output.outputs[0]
+            tokens += len(completion.token_ids)
+            if logprobs is not None:  # every token's alternatives arrived, decoded
+                assert completion.logprobs is not None
+                assert [len(p) for p in completion.logprobs] == \
+                    [logprobs + 1] * len(completion.token_ids)
+                assert all(lp.decoded_token is not None for p in completion.logprobs
+                           for lp in p.values())
         return tokens
 
     async def drive() -> list[int]:
@@ -161,10 +171,18 @@ def run_frontend_only(model: Path, num_requests: int, prompt_len: int, output_le
         await asyncio.sleep(0)  # every consumer waits
         for step in range(output_len):
             tokens = [(step * 13 + k) % 500 + 3 for k in range(len(engine_ids))]
-            # As the engine core sends them: a first token in full, then plain columns.
-            message = EngineCoreOutputs(token_req_ids=engine_ids, token_ids=tokens) if step \
-                else EngineCoreOutputs([EngineCoreOutput(r, [t])
-                                        for r, t in zip(engine_ids, tokens, strict=True)])
+            # As the engine core sends them: a first token in full, then plain columns
+            # (with logprobs: every token in full, its alternatives the next ids).
+            if logprobs is not None:
+                message = EngineCoreOutputs([EngineCoreOutput(r, [t], new_logprobs=[
+                    TokenLogprobs([t, *((t + j) % 500 + 3 for j in range(1, logprobs + 1))],
+                                  [-1.0] * (logprobs + 1), list(range(1, logprobs + 2)))])
+                    for r, t in zip(engine_ids, tokens, strict=True)])
+            elif step:
+                message = EngineCoreOutputs(token_req_ids=engine_ids, token_ids=tokens)
+            else:
+                message = EngineCoreOutputs([EngineCoreOutput(r, [t])
+                                             for r, t in zip(engine_ids, tokens, strict=True)])
             t0 = time.perf_counter()
             processor.process_outputs(message)
             t1 = time.perf_counter()
@@ -188,6 +206,8 @@ def main() -> None:
                       help="step an engine core in this process: no frontend, no sockets")
     mode.add_argument("--frontend-only", action="store_true",
                       help="feed the output processor synthetic steps: no engine")
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="--frontend-only: each token with this many alternatives")
     parser.add_argument("--output-json", type=Path, default=None)
     ns = parser.parse_args()
     lags: list[float] = []
@@ -195,9 +215,9 @@ def main() -> None:
         model = make_model(Path(tmp) / "tiny", TINY)
         if ns.frontend_only:
             processing, taking = run_frontend_only(model, ns.num_requests, ns.prompt_len,
-                                                   ns.output_len)
+                                                   ns.output_len, ns.logprobs)
             print(f"{ns.num_requests} DELTA streams, {ns.output_len} steps of one token each "
-                  "(frontend alone), per step (ms, median):")
+                  f"(frontend alone, logprobs={ns.logprobs}), per step (ms, median):")
             print(f"  process_outputs {statistics.median(processing) * 1e3:8.3f}")
             print(f"  consumers take  {statistics.median(taking) * 1e3:8.3f}")
             return

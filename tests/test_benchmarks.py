@@ -187,13 +187,15 @@ def test_parallel_smoke_runs_each_layout_to_the_same_tokens(tmp_path):
     assert 0 < results["allreduce_floor_us"] < 1000 * two["collective_s"]
 
 
-def test_engine_overhead_frontend_alone_delivers_every_token_and_times_each_step(tmp_path):
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_engine_overhead_frontend_alone_delivers_every_token_and_times_each_step(
+        tmp_path, logprobs):
     """Every consumer must receive one token per step (asserted inside the run), else
     the takes it times are not the ones a stream needs."""
     from pagellm.executor.demo_model import make_model
 
     model = make_model(tmp_path / "tiny", engine_overhead.TINY)
-    processing, taking = engine_overhead.run_frontend_only(model, 8, 4, 5)
+    processing, taking = engine_overhead.run_frontend_only(model, 8, 4, 5, logprobs)
     assert len(processing) == len(taking) == 5
     assert all(t > 0 for t in processing + taking)
 

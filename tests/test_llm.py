@@ -97,6 +97,20 @@ def test_byte_level_streams_decode_exactly_as_the_tokenizer(llama, skip_special_
         assert text == expected == detok.text, ids
 
 
+def test_token_texts_are_the_tokenizers_decode_of_each_id_alone(llama):
+    """A logprob's decoded_token comes from TokenTexts, which remembers each id's
+    text: every id of the vocabulary (special and added ones too), asked twice in a
+    shuffled order, must give `tokenizer.decode([id])`."""
+    from pagellm.frontend.detokenizer import TokenTexts
+
+    tokenizer = llama.tokenizer
+    texts = TokenTexts(tokenizer)
+    ids = list(range(len(tokenizer))) * 2
+    random.Random(3).shuffle(ids)
+    assert all(texts(i) == tokenizer.decode([i]) for i in ids)
+    assert any("\ufffd" in texts(i) for i in range(len(tokenizer)))  # half characters too
+
+
 def test_stop_token_id_stops_at_its_first_occurrence(llama):
     base = llama.generate("The quick brown fox", GREEDY, use_tqdm=False)[0].outputs[0]
     stop_id = base.token_ids[5]

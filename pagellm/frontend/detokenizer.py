@@ -105,6 +105,24 @@ def byte_pieces(backend: Any) -> BytePieces | None:
     return cached[1]
 
 
+class TokenTexts:
+    """Each token's text alone, as `tokenizer.decode([id])` gives it: a logprob's
+    `decoded_token` (vLLM's). Remembered, since it depends on the id alone: a request
+    with `logprobs=k` asks for k + 1 of them every token, at 1.8 us each through
+    transformers (256 streams with k = 5: 2.7 ms a step). At most one entry per id the
+    engine sends, which are ids of its vocabulary."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._decode = tokenizer.decode
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._decode([token_id])
+        return text
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any | None, prompt_token_ids: list[int],
                  skip_special_tokens: bool, spaces_between_special_tokens: bool = True

@@ -11,10 +11,11 @@ it in the engine core at once.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagellm.frontend.detokenizer import IncrementalDetokenizer, byte_pieces
+from pagellm.frontend.detokenizer import IncrementalDetokenizer, TokenTexts, byte_pieces
 from pagellm.frontend.input_processor import ProcessedRequest
 from pagellm.frontend.output_collector import RequestOutputCollector
 from pagellm.frontend.outputs import (
@@ -49,11 +50,13 @@ class ProcessedOutputs:
 class CompletionState:
     """One completion: its tokens, text and stop state."""
 
-    def __init__(self, index: int, request: EngineCoreRequest, tokenizer: Any) -> None:
+    def __init__(self, index: int, request: EngineCoreRequest, tokenizer: Any,
+                 token_text: Callable[[int], str] | None) -> None:
+        """`token_text`: a token's text alone, for logprobs (`TokenTexts`)."""
         params = request.sampling_params
-        if not params.detokenize:
-            tokenizer = None  # token ids only: no text, no decoded logprob tokens
-        self.tokenizer = tokenizer
+        if not params.detokenize:  # token ids only: no text, no decoded logprob tokens
+            tokenizer, token_text = None, None
+        self.token_text = token_text
         self.index = index
         self.min_tokens = params.min_tokens
         self.stop = params.stop or []
@@ -82,7 +85,7 @@ class CompletionState:
         delta = self.detokenizer.update(output.new_token_ids)
         if self.logprobs is not None and output.new_logprobs:
             for position in output.new_logprobs:
-                self.logprobs.append(logprob_dict(position, self.tokenizer))
+                self.logprobs.append(logprob_dict(position, self.token_text))
                 self.cumulative_logprob = (self.cumulative_logprob or 0.0) + \
                     position.logprobs[0]
         if output.finish_reason is not None:
@@ -127,7 +130,8 @@ class CompletionState:
 class RequestState:
     """A user's request: its completions, and where its outputs go."""
 
-    def __init__(self, processed: ProcessedRequest, tokenizer: Any) -> None:
+    def __init__(self, processed: ProcessedRequest, tokenizer: Any,
+                 token_text: Callable[[int], str] | None) -> None:
         self.request_id = processed.request_id
         self.prompt = processed.prompt
         self.prompt_token_ids = processed.prompt_token_ids
@@ -136,9 +140,9 @@ class RequestState:
         # Completions with news the stream has not been given yet (DELTA).
         self.unsent: list[CompletionState] = []
         self.engine_ids = [r.request_id for r in processed.engine_requests]
-        self.completions = [CompletionState(i, r, tokenizer)
+        self.completions = [CompletionState(i, r, tokenizer, token_text)
                             for i, r in enumerate(processed.engine_requests)]
-        self.tokenizer = tokenizer if processed.params.detokenize else None
+        self.token_text = token_text if processed.params.detokenize else None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] if processed.params.prompt_logprobs is not None else None)
         self.sent_prompt_logprobs = 0
@@ -162,7 +166,7 @@ class RequestState:
 
     def add_prompt_logprobs(self, positions: list[TokenLogprobs]) -> None:
         if self.prompt_logprobs is not None:
-            self.prompt_logprobs += [logprob_dict(p, self.tokenizer) for p in positions]
+            self.prompt_logprobs += [logprob_dict(p, self.token_text) for p in positions]
 
     @property
     def finished(self) -> bool:
@@ -231,13 +235,14 @@ class RequestState:
             self.collector.fail(error)
 
 
-def logprob_dict(position: TokenLogprobs, tokenizer: Any | None) -> PositionLogprobs:
+def logprob_dict(position: TokenLogprobs, token_text: Callable[[int], str] | None
+                 ) -> PositionLogprobs:
     """token id -> Logprob; the chosen token (first) keeps its own rank."""
     result: PositionLogprobs = {}
     for token_id, logprob, rank in zip(position.token_ids, position.logprobs, position.ranks,
                                        strict=True):
         if token_id not in result:
-            decoded = tokenizer.decode([token_id]) if tokenizer is not None else None
+            decoded = token_text(token_id) if token_text is not None else None
             result[token_id] = Logprob(logprob, rank, decoded)
     return result
 
@@ -264,6 +269,7 @@ class OutputProcessor:
         backend = getattr(tokenizer, "_tokenizer", None)
         if backend is not None:  # made now, not on the event loop at the first request
             byte_pieces(backend)
+        self.token_text = TokenTexts(tokenizer) if tokenizer is not None else None
         self.requests: dict[str, RequestState] = {}
         self._by_engine_id: dict[str, tuple[RequestState, CompletionState]] = {}
 
@@ -280,7 +286,7 @@ class OutputProcessor:
     def _add(self, processed: ProcessedRequest) -> RequestState:
         if processed.request_id in self.requests:
             raise ValueError(f"request id {processed.request_id!r} is already in use")
-        state = RequestState(processed, self.tokenizer)
+        state = RequestState(processed, self.tokenizer, self.token_text)
         self.requests[processed.request_id] = state
         for engine_id, completion in zip(state.engine_ids, state.completions, strict=True):
             self._by_engine_id[engine_id] = (state, completion)
