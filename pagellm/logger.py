@@ -80,6 +80,5 @@ def freeze_startup_heap(process: str) -> None:
     core, tensor-parallel workers, server): in a user's process it would keep their
     garbage forever."""
     gc.collect()
-    frozen = len(gc.get_objects())
     gc.freeze()
-    logger.debug("%s: froze %d start-up objects", process, frozen)
+    logger.debug("%s: froze %d start-up objects", process, gc.get_freeze_count())

@@ -82,7 +82,8 @@ class CompletionState:
 
     def update(self, output: EngineCoreOutput) -> bool:
         """Absorb one step's tokens; True when a stop string finished it here."""
-        delta = self.detokenizer.update(output.new_token_ids)
+        detokenizer = self.detokenizer
+        delta = detokenizer.update(output.new_token_ids)
         if self.logprobs is not None and output.new_logprobs:
             for position in output.new_logprobs:
                 self.logprobs.append(logprob_dict(position, self.token_text))
@@ -90,8 +91,7 @@ class CompletionState:
                     position.logprobs[0]
         if output.finish_reason is not None:
             self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
-            delta += self.detokenizer.flush()
-        detokenizer = self.detokenizer
+            delta += detokenizer.flush()
         if self.stop and delta and len(detokenizer.token_ids) > self.min_tokens:
             # Only the new text and the stop_buffer characters before it can hold a hit.
             start = max(0, detokenizer.length - len(delta) - self.stop_buffer)
