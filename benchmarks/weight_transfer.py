@@ -3,14 +3,17 @@
 For each backend, the time of one full update of every weight, measured where the RL
 driver sees it (the `update_weights` call), in GB/s of weight bytes:
 
-- "ipc": `LLM.update_weights(pairs)`: the frontend writes the tensors into /dev/shm,
-  the engine maps the file, checks every spec and copies.
-- "nccl": a trainer process broadcasts over the torch.distributed group (gloo on the
-  CPU) while the driver is inside `update_weights({"update_info": ...})`.
+- "ipc": `LLM.update_weights(pairs)`: host tensors are written into /dev/shm, the
+  engine maps the file, checks every spec and copies; with `--device cuda` the tensors
+  are on the GPU and go by CUDA IPC (one device buffer, device to device).
+- "nccl": a trainer process broadcasts over the torch.distributed group while the
+  driver is inside `update_weights({"update_info": ...})`: NCCL between distinct GPUs,
+  otherwise gloo through host memory (the line says which).
 
 Also the seconds of a level-1 and a level-2 sleep and wake. One JSON line per result.
 
     python benchmarks/weight_transfer.py --model benchmarks/configs/qwen2.5-0.5b
+    python benchmarks/weight_transfer.py --device cuda --dtype bfloat16   # on a GPU
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ sys.path.insert(0, sys.argv[1])
 from benchmarks.weight_transfer import random_weights
 from pagellm.executor.weight_transfer import trainer_init, trainer_send_weights
 group = trainer_init(json.loads(sys.argv[3]))
-weights = random_weights(sys.argv[2], sys.argv[4])
-print("ready", flush=True)
+weights = [(n, t.to(group.device)) for n, t in random_weights(sys.argv[2], sys.argv[4])]
+print(group.backend, flush=True)
 for line in sys.stdin:
     trainer_send_weights(weights, group)
     print("sent", flush=True)
@@ -61,20 +64,37 @@ def random_weights(model: str, dtype: str) -> list[tuple[str, torch.Tensor]]:
             for n, s in shapes.items()]
 
 
+def peak_rss_mib(llm: LLM) -> float | None:
+    """The engine-core process's resident high-water mark (Linux), in MiB."""
+    process = getattr(llm.engine_core, "engine_process", None)  # launched engines only
+    if process is None:
+        return None
+    try:
+        status = Path(f"/proc/{process.pid}/status").read_text()
+    except OSError:
+        return None
+    kib = next((int(line.split()[1]) for line in status.splitlines()
+                if line.startswith("VmHWM:")), None)
+    return None if kib is None else round(kib / 1024, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=str(ROOT / "benchmarks/configs/qwen2.5-0.5b"))
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the engine's, and "
+                        "where the ipc backend's tensors are)")
     ns = parser.parse_args()
-    weights = random_weights(ns.model, ns.dtype)
+    weights = [(n, t.to(ns.device)) for n, t in random_weights(ns.model, ns.dtype)]
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
     base = {"model": Path(ns.model).name, "dtype": ns.dtype, "weight_bytes": nbytes,
+            "device": ns.device,
             "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
             "date": time.strftime("%Y-%m-%d")}
     common = dict(load_format="dummy", skip_tokenizer_init=True, dtype=ns.dtype,
                   kv_cache_memory_bytes=64 * 2**20, max_model_len=2048,
-                  enable_sleep_mode=True)
+                  enable_sleep_mode=True, device=ns.device)
 
     with LLM(ns.model, weight_transfer_config={"backend": "ipc"}, **common) as llm:
         for _ in range(ns.repeats):
@@ -104,7 +124,8 @@ def main() -> None:
     try:
         with LLM(ns.model, weight_transfer_config={"backend": "nccl"}, **common) as llm:
             llm.init_weight_transfer_engine({"init_info": init_info})
-            assert trainer.stdout.readline().strip() == "ready"
+            backend = trainer.stdout.readline().strip()
+            assert backend in ("nccl", "gloo"), backend
             info = update_info_for(weights)
             for _ in range(ns.repeats):
                 llm.start_weight_update()
@@ -115,9 +136,10 @@ def main() -> None:
                 seconds = time.perf_counter() - t0
                 llm.finish_weight_update()
                 assert trainer.stdout.readline().strip() == "sent"
-                print(json.dumps({**base, "backend": "nccl (gloo)",
+                print(json.dumps({**base, "backend": f"nccl ({backend})",
                                   "seconds": round(seconds, 3),
-                                  "GB/s": round(nbytes / seconds / 1e9, 3)}), flush=True)
+                                  "GB/s": round(nbytes / seconds / 1e9, 3),
+                                  "engine_peak_rss_mib": peak_rss_mib(llm)}), flush=True)
     finally:
         trainer.kill()
         trainer.wait()

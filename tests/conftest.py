@@ -161,3 +161,16 @@ def make_llm() -> Iterator[Callable[..., Any]]:
     finally:
         for llm in created:
             llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def big_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A config-only llama of about 80 MB of fp32 weights (dummy-loaded), long enough
+    for the ROLL guide's max_model_len=8000: RSS drops are measurable above noise."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("big")
+    LlamaConfig(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=2, intermediate_size=1536, vocab_size=8192,
+                max_position_embeddings=8192, tie_word_embeddings=False).save_pretrained(path)
+    return path

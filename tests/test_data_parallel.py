@@ -150,6 +150,7 @@ def test_an_abort_reaches_the_core_that_holds_the_request(dp_llm):
 
 def test_utility_calls_reach_every_core_and_merge(dp_llm):
     client = client_of(dp_llm)
+    assert (dp_llm.info.world_size, dp_llm.info.data_parallel_size) == (1, 2)
 
     def per_core(method: UtilityMethod) -> list[Any]:
         return [c.call_utility(method) for c in client.clients]

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import psutil
 import pytest
 import torch
@@ -73,19 +74,6 @@ def parameter_count(model_dir: Path) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     return sum(p.numel() for p in model.parameters())
-
-
-@pytest.fixture(scope="module")
-def big_config(tmp_path_factory) -> Path:
-    """A config-only llama of about 80 MB of fp32 weights (dummy-loaded), long enough
-    for the ROLL guide's max_model_len=8000: RSS drops are measurable above noise."""
-    from transformers import LlamaConfig
-
-    path = tmp_path_factory.mktemp("big")
-    LlamaConfig(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
-                num_key_value_heads=2, intermediate_size=1536, vocab_size=8192,
-                max_position_embeddings=8192, tie_word_embeddings=False).save_pretrained(path)
-    return path
 
 
 # --- weight updates ---------------------------------------------------------------------
@@ -171,6 +159,123 @@ def test_updates_need_weight_transfer_config_and_buffers_come_only_from_shm(mode
         assert greedy(llm) == before
 
 
+def cuda_share(**changes: object):
+    """A well-formed CUDA IPC share, as torch's `_share_cuda_` would describe one."""
+    from pagellm.protocol.utility import CudaIpcBuffer
+
+    fields = {"device_uuid": "GPU-5f0c2a9e-0000-0000-0000-000000000000",
+              "handle": bytes(range(64)), "buffer_bytes": 4096, "offset_bytes": 512,
+              "ref_counter": b"/torch_4242_1234567_0", "ref_counter_offset": 3,
+              "event_handle": bytes(64), "event_sync_required": False, **changes}
+    return CudaIpcBuffer(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("changes", "complaint"), [
+    ({"ref_counter": b"/etc/passwd"}, "ref_counter must name one of torch's"),
+    ({"ref_counter": b"/torch_1_2_3\x00/etc"}, "ref_counter must name one of torch's"),
+    ({"ref_counter_offset": 10000}, "ref_counter_offset must be"),
+    ({"ref_counter_offset": -1}, "ref_counter_offset must be"),
+    ({"event_handle": bytes(63)}, "event_handle must be 64 bytes"),
+    ({"handle": b""}, "handle must be"),
+    ({"handle": bytes(4097)}, "handle must be"),
+    ({"buffer_bytes": 0}, "buffer_bytes must be"),
+    ({"offset_bytes": -64}, "offset_bytes must be"),
+    ({"device_uuid": ""}, "device_uuid"),
+])
+def test_cuda_ipc_shares_are_checked_where_they_enter(changes, complaint):
+    """torch trusts these values (its counter slot is written at the offset given), so
+    the engine's utility decoder refuses a bad one before any worker sees it."""
+    from pagellm.protocol.messages import UtilityMethod
+    from pagellm.protocol.utility import WeightSpec, WeightUpdate, convert_args
+
+    good = WeightUpdate([WeightSpec("w", "float32", [4], 0)], buffer_bytes=16,
+                        cuda_ipc=[cuda_share()])
+    wire = msgspec.to_builtins(good)
+    assert convert_args(UtilityMethod.UPDATE_WEIGHTS, [wire]) == (good,)
+    bad = msgspec.to_builtins(WeightUpdate(good.specs, buffer_bytes=16,
+                                           cuda_ipc=[cuda_share()]))
+    share = msgspec.to_builtins(cuda_share())
+    names = list(msgspec.structs.asdict(cuda_share()))
+    for name, value in changes.items():
+        share[names.index(name)] = msgspec.to_builtins(value)
+    bad[3] = [share]
+    with pytest.raises(ValueError, match=complaint):
+        convert_args(UtilityMethod.UPDATE_WEIGHTS, [bad])
+    both = msgspec.to_builtins(good)
+    both[1] = str(shm_dir() / "pagellm-weights-x")
+    with pytest.raises(ValueError, match="not both"):
+        convert_args(UtilityMethod.UPDATE_WEIGHTS, [both])
+
+
+def test_a_device_buffer_holds_every_tensor_aligned_and_reads_back_exactly():
+    """The CUDA IPC sender's packing (here into a host buffer: the same code on any
+    device) read back by the receiver's views: mixed dtypes, odd sizes, an empty and a
+    transposed tensor, each at a 64-byte boundary, none overlapping."""
+    from pagellm.executor.weight_transfer import ALIGN, layout, pack, views
+
+    generator = torch.Generator().manual_seed(0)
+    pairs = [("a", torch.randn(5, 3, generator=generator).t()),  # not contiguous
+             ("b", torch.randn(7, generator=generator).to(torch.bfloat16)),
+             ("c", torch.empty(0, 4, dtype=torch.float16)),
+             ("d", torch.randn(3, 3, generator=generator).to(torch.float16)),
+             ("e", torch.randn(2, 2, generator=generator))]
+    specs, size = layout(pairs)
+    assert [s.offset for s in specs] == [0, 64, 128, 128, 192]  # 60, 14, 0, 18 bytes
+    assert size == 192 + 16
+    buffer = torch.full((size,), 0xAB, dtype=torch.uint8)
+    pack(pairs, specs, buffer)
+    for (name, tensor), (got_name, got) in zip(pairs, views(buffer, specs), strict=True):
+        assert got_name == name and got.dtype == tensor.dtype
+        assert torch.equal(got, tensor), name
+    assert (buffer[60:64] == 0xAB).all() and (buffer[64 + 14:128] == 0xAB).all()
+    with pytest.raises(ValueError, match=r"weight e: bytes \[192, 208\) are outside the "
+                                         r"200-byte buffer"):
+        views(buffer[:200], specs)
+    assert ALIGN == 64
+
+
+def test_cuda_ipc_handles_sent_to_a_cpu_engine_fail_alone(model_dirs):
+    """A CPU engine cannot open them: a clear error, and the old weights keep serving.
+    (The CUDA path itself is tests/test_gpu.py's.)"""
+    from pagellm.protocol.utility import WeightSpec, WeightUpdate
+
+    model_dir = model_dirs["llama"]
+    spec = WeightSpec("model.norm.weight", "float32", [64], 0)
+    with LLM(str(model_dir), weight_transfer_config={"backend": "ipc"},
+             kv_cache_memory_bytes=8 * 2**20) as llm:
+        before = greedy(llm)
+        with pytest.raises(RuntimeError, match="reached an engine without CUDA"):
+            llm.update_weights(WeightUpdate([spec], buffer_bytes=256, cuda_ipc=[cuda_share()]))
+        with pytest.raises(RuntimeError, match=r"has 0 share\(s\); this is receiver 0"):
+            llm.update_weights(WeightUpdate([spec], buffer_bytes=256, cuda_ipc=[]))
+        assert greedy(llm) == before
+        assert_no_leaks(llm)
+
+
+def test_cuda_ipc_goes_to_every_worker_outside_this_process():
+    from pagellm.frontend.rl import cuda_ipc_receivers
+    from pagellm.protocol.messages import EngineInfo
+
+    def info(device: str, tp: int = 1, dp: int = 1) -> EngineInfo:
+        return EngineInfo("m", 64, 100, 16, 8, 64, device, "float32", world_size=tp,
+                          data_parallel_size=dp)
+
+    assert cuda_ipc_receivers(info("cpu", 2, 2), in_process=False) == 0
+    assert cuda_ipc_receivers(info("cuda:0"), in_process=True) == 0  # its own handles
+    assert cuda_ipc_receivers(info("cuda:0"), in_process=False) == 1
+    assert cuda_ipc_receivers(info("cuda:0", tp=2), in_process=True) == 2  # worker procs
+    assert cuda_ipc_receivers(info("cuda:1", tp=2, dp=3), in_process=False) == 6
+
+
+def test_the_nccl_backend_uses_nccl_only_between_distinct_gpus():
+    from pagellm.executor.weight_transfer import choose_backend
+
+    assert choose_backend(["GPU-a", "GPU-b", "GPU-c"]) == "nccl"
+    assert choose_backend(["GPU-a", "GPU-a"]) == "gloo"  # NCCL refuses a shared GPU
+    assert choose_backend(["GPU-a", "cpu"]) == "gloo"  # a CPU engine or trainer
+    assert choose_backend(["cpu", "cpu"]) == "gloo"
+
+
 TRAINER = """
 import sys
 from pathlib import Path
@@ -226,12 +331,15 @@ from test_rl import perturbed
 from pagellm.executor.weight_transfer import trainer_init, trainer_send_weights, update_info_for
 
 model_dir, init_info, bad = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3] == "bad"
-group = trainer_init(init_info)  # waits for the engine to join
+device = sys.argv[4] if len(sys.argv) > 4 else None  # default: trainer_init's choice
+group = trainer_init(init_info, device)  # waits for the engine to join
 weights = perturbed(model_dir, seed=7)
 if bad:  # one tensor a row short: the engine must refuse it and still drain the rest
     name = "model.layers.1.mlp.down_proj.weight"
     weights[name] = weights[name][:-1]
-print(json.dumps(update_info_for(weights.items())), flush=True)
+weights = {name: tensor.to(group.device) for name, tensor in weights.items()}
+print(json.dumps({"backend": group.backend, "update_info": update_info_for(weights.items())}),
+      flush=True)
 sys.stdin.readline()
 trainer_send_weights(weights.items(), group)
 print("sent", flush=True)
@@ -258,7 +366,9 @@ def test_a_trainer_broadcasts_weights_over_the_nccl_backend(model_dirs, bad):
                  kv_cache_memory_bytes=8 * 2**20) as llm:
             before = greedy(llm)
             llm.init_weight_transfer_engine({"init_info": init_info})
-            update_info = json.loads(trainer.stdout.readline())
+            joined = json.loads(trainer.stdout.readline())
+            assert joined["backend"] == "gloo"  # NCCL only between GPUs
+            update_info = joined["update_info"]
             llm.start_weight_update()
             with pytest.raises(RuntimeError, match="already in progress"):
                 llm.start_weight_update()
@@ -285,6 +395,79 @@ def test_a_trainer_broadcasts_weights_over_the_nccl_backend(model_dirs, bad):
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait()
+
+
+def test_broadcast_tensors_load_as_they_arrive_and_a_refused_update_is_drained():
+    """The receiving side of the "nccl" backend, over a real gloo group (trainer and
+    engine ranks in two threads): each tensor is handed over as it arrives, exactly as
+    sent, and gone before the next one arrives (one in memory at a time, not the whole
+    update); a refused update still drains every broadcast; an oversized one is refused
+    before the first."""
+    import threading
+    import weakref
+
+    from helpers import free_port
+
+    from pagellm.executor.weight_transfer import (
+        TransferInit,
+        WeightGroup,
+        receive,
+        specs_from_update_info,
+        trainer_send_weights,
+        update_info_for,
+    )
+
+    init = TransferInit(master_address="127.0.0.1", master_port=free_port(), world_size=2)
+    groups: dict[int, WeightGroup] = {}
+
+    def run(target, *args) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        return thread
+
+    joins = [run(lambda r: groups.__setitem__(r, WeightGroup(init, r)), r) for r in (0, 1)]
+    for thread in joins:
+        thread.join(60)
+    assert set(groups) == {0, 1} and groups[0].backend == groups[1].backend == "gloo"
+    generator = torch.Generator().manual_seed(0)
+    sent = [(f"w{i}", torch.randn(48, 40, generator=generator).to(dtype))
+            for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16,
+                                       torch.float32])]
+    specs = specs_from_update_info(update_info_for(sent))
+    try:
+        arrived: list[tuple[str, torch.Tensor]] = []
+        earlier: list[weakref.ref] = []
+
+        def load(name: str, tensor: torch.Tensor) -> None:
+            assert all(ref() is None for ref in earlier), "an earlier tensor is still held"
+            arrived.append((name, tensor.clone()))
+            earlier.append(weakref.ref(tensor))
+
+        trainer = run(trainer_send_weights, sent, groups[0])
+        assert receive(groups[1], specs, load, limit_bytes=2**30) == len(sent)
+        trainer.join(60)
+        assert [name for name, _ in arrived] == [name for name, _ in sent]
+        for (_, got), (_, want) in zip(arrived, sent, strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        trainer = run(trainer_send_weights, sent, groups[0])
+        assert receive(groups[1], specs, None, limit_bytes=2**30) == len(sent)
+        trainer.join(60)
+        assert not trainer.is_alive()  # every broadcast was taken
+        with pytest.raises(ValueError, match="larger than the model allows"):
+            receive(groups[1], specs, load, limit_bytes=1000)
+
+        def send_half_and_leave() -> None:
+            trainer_send_weights(sent[:2], groups[0])
+            groups[0].close()
+
+        trainer = run(send_half_and_leave)
+        with pytest.raises(RuntimeError, match=r"broadcast 3 of 4 \(w2\) failed \(the model "
+                                               r"now mixes old and new weights"):
+            receive(groups[1], specs, load, limit_bytes=2**30)
+        trainer.join(60)
+    finally:
+        for group in groups.values():
+            group.close()
 
 
 def test_phases_out_of_order_and_bad_init_info_are_errors(model_dirs):
@@ -575,6 +758,27 @@ def test_cli_takes_the_rl_options_as_vllm_spells_them():
 # --- the HTTP dev routes ----------------------------------------------------------------
 
 
+def test_get_world_size_counts_every_worker_as_vllm_does():
+    """Tensor-parallel ranks times engine cores (without the cores: include_dp=false):
+    what a trainer sizes its weight-transfer group by. The engine's own figures come
+    from its EngineInfo (checked in test_tensor_parallel and test_data_parallel)."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from pagellm.frontend.server.dev_routes import add_dev_routes
+    from pagellm.protocol.messages import EngineInfo
+
+    app = FastAPI()
+    info = EngineInfo("m", 64, 100, 16, 8, 64, "cuda:0", "bfloat16", world_size=4,
+                      data_parallel_size=2)
+    add_dev_routes(app, SimpleNamespace(info=info), None, None)  # type: ignore[arg-type]
+    with TestClient(app) as client:
+        assert client.get("/get_world_size").json() == {"world_size": 8}
+        assert client.get("/get_world_size?include_dp=false").json() == {"world_size": 4}
+
+
 def test_dev_routes_drive_sleep_pause_rpc_and_nccl_updates_over_http(model_dirs, monkeypatch):
     from helpers import NAME, Server, free_port
 
@@ -620,6 +824,7 @@ def test_dev_routes_drive_sleep_pause_rpc_and_nccl_updates_over_http(model_dirs,
             status, body = call("POST", path)
             assert status == 400 and body["error"]["message"], path
         assert call("GET", "/get_world_size") == (200, {"world_size": 1})
+        assert call("GET", "/get_world_size?include_dp=false") == (200, {"world_size": 1})
         assert call("POST", "/reset_prefix_cache") == (200, {"reset": True})
         status, body = call("POST", "/collective_rpc", {"method": "describe", "args": ["p"],
                                                         "kwargs": {"scale": 3.0}})
@@ -638,7 +843,7 @@ def test_dev_routes_drive_sleep_pause_rpc_and_nccl_updates_over_http(model_dirs,
              "good"], cwd=TESTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert call("POST", "/init_weight_transfer_engine", {"init_info": init_info}) == (
             200, {"message": "Weight transfer initialized"})
-        update_info = json.loads(trainer.stdout.readline())
+        update_info = json.loads(trainer.stdout.readline())["update_info"]
         assert call("POST", "/start_weight_update")[0] == 200
         trainer.stdin.write("go\n")
         trainer.stdin.flush()

@@ -147,6 +147,7 @@ def test_sleep_wake_and_a_weight_update_reach_every_rank(model_dirs, monkeypatch
     with LLM(str(model_dirs["qwen3"]), tensor_parallel_size=2, kv_cache_memory_bytes=KV,
              enable_sleep_mode=True, weight_transfer_config={"backend": "ipc"},
              worker_extension_cls="rl_extension.Probe", multiprocess=False) as llm:
+        assert llm.info.world_size == 2  # what /get_world_size reports
         before = _tokens(llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False))
         llm.sleep(level=1)
         assert llm.is_sleeping()
@@ -267,7 +268,7 @@ def test_a_trainer_broadcasts_weights_to_every_rank(model_dirs):
         with LLM(str(model_dir), tensor_parallel_size=2, kv_cache_memory_bytes=KV,
                  weight_transfer_config={"backend": "nccl"}) as llm:
             llm.init_weight_transfer_engine({"init_info": init_info})
-            update_info = json.loads(trainer.stdout.readline())
+            update_info = json.loads(trainer.stdout.readline())["update_info"]
             llm.start_weight_update()
             trainer.stdin.write("go\n")
             trainer.stdin.flush()

@@ -1,10 +1,11 @@
 """Freeing and restoring the engine's big allocations for sleep mode.
 
 Sleeping must give memory back to the system, not to a cache inside this process:
-on CUDA, torch's caching allocator keeps freed blocks until `empty_cache()`; on the
-CPU, glibc keeps freed heap pages (tensors below its mmap threshold, which grows up to
-32 MiB) until `malloc_trim`. `release()` does both, so the RSS or the device's free
-memory shows the drop.
+on CUDA, torch's caching allocator keeps freed blocks until `empty_cache()`, and its
+pinned host allocator keeps the level-1 weight backup's pages after waking until
+`empty_host_cache()`; on the CPU, glibc keeps freed heap pages (tensors below its mmap
+threshold, which grows up to 32 MiB) until `malloc_trim`. `release()` does all of
+these, so the RSS or the device's free memory shows the drop.
 
 Parameters are emptied in place (`param.data` swapped for a 0-element tensor), so the
 module tree, tied weights (one Parameter object) and every buffer (RoPE tables) stay
@@ -73,6 +74,11 @@ def release(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+        # The public name is recent; older torch has only the private hook.
+        empty_host_cache = (getattr(torch.accelerator, "empty_host_cache", None)
+                            or getattr(torch._C, "_host_emptyCache", None))
+        if empty_host_cache is not None:
+            empty_host_cache()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -1,5 +1,5 @@
-"""Weight updates without pickle: through shared memory (the "ipc" backend) or a
-torch.distributed group with the trainer (the "nccl" backend, below).
+"""Weight updates without pickle: through shared memory or CUDA IPC (the "ipc"
+backend) or a torch.distributed group with the trainer (the "nccl" backend, below).
 
 The sender (`LLM.update_weights`, a trainer on the same host) writes the tensors one
 after another into a file under /dev/shm and sends a `WeightUpdate`: each tensor's
@@ -21,7 +21,7 @@ import os
 import stat
 import tempfile
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ import msgspec
 import torch
 
 from pagellm.executor.tensor_codec import DTYPES, nbytes
-from pagellm.protocol.utility import WEIGHT_DTYPES, WeightSpec, WeightUpdate
+from pagellm.protocol.utility import WEIGHT_DTYPES, CudaIpcBuffer, WeightSpec, WeightUpdate
 from pagellm.protocol.validation import check_int
 
 PREFIX = "pagellm-weights-"
@@ -58,33 +58,43 @@ def shm_dir(needed: int = 0) -> Path:
                      "per update_weights call")
 
 
-@contextlib.contextmanager
-def shared_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[WeightUpdate]:
-    """Write `(checkpoint name, tensor)` pairs into a fresh shared-memory file; yields
-    the `WeightUpdate` describing it and deletes the file afterwards."""
-    pairs = list(weights)
+def _check_dtypes(pairs: list[tuple[str, torch.Tensor]]) -> None:
     for name, tensor in pairs:
         dtype = str(tensor.dtype).removeprefix("torch.")
         if dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight {name}: dtype {dtype} is not a weight dtype "
                              f"({', '.join(WEIGHT_DTYPES)})")
-    needed = sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for _, t in pairs)
-    fd, path = tempfile.mkstemp(prefix=PREFIX, dir=shm_dir(needed))
+
+
+def layout(pairs: list[tuple[str, torch.Tensor]]) -> tuple[list[WeightSpec], int]:
+    """Each tensor's spec at its place in one buffer (64-byte aligned starts), and the
+    buffer's size."""
+    specs, offset = [], 0
+    for name, tensor in pairs:
+        offset = -(-offset // ALIGN) * ALIGN
+        specs.append(WeightSpec(name, str(tensor.dtype).removeprefix("torch."),
+                                list(tensor.shape), offset))
+        offset += tensor.numel() * tensor.element_size()
+    return specs, offset
+
+
+@contextlib.contextmanager
+def shared_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[WeightUpdate]:
+    """Write `(checkpoint name, tensor)` pairs into a fresh shared-memory file; yields
+    the `WeightUpdate` describing it and deletes the file afterwards."""
+    pairs = list(weights)
+    _check_dtypes(pairs)
+    specs, size = layout(pairs)
+    fd, path = tempfile.mkstemp(prefix=PREFIX, dir=shm_dir(size))
     try:
-        specs: list[WeightSpec] = []
-        offset = 0
         with os.fdopen(fd, "wb") as f:
-            for name, tensor in pairs:
-                host = tensor.detach().to("cpu").contiguous()
-                dtype = str(host.dtype).removeprefix("torch.")
-                offset = -(-offset // ALIGN) * ALIGN
-                f.seek(offset)
-                if host.numel():
+            for spec, (_, tensor) in zip(specs, pairs, strict=True):
+                if tensor.numel():
+                    f.seek(spec.offset)
+                    host = tensor.detach().to("cpu").contiguous()
                     f.write(host.view(torch.uint8).numpy().data)
-                specs.append(WeightSpec(name, dtype, list(host.shape), offset))
-                offset += host.numel() * host.element_size()
-            f.truncate(offset)
-        yield WeightUpdate(specs, buffer=path, buffer_bytes=offset)
+            f.truncate(size)
+        yield WeightUpdate(specs, buffer=path, buffer_bytes=size)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -116,13 +126,26 @@ def open_update(update: WeightUpdate) -> Iterator[list[tuple[str, torch.Tensor]]
     try:
         raw = torch.frombuffer(mapped, dtype=torch.uint8) if mapped is not None \
             else torch.empty(0, dtype=torch.uint8)
-        tensors = [(spec.name, _view(raw, spec)) for spec in update.specs]
+        tensors = views(raw, update.specs)
         yield tensors
         del tensors, raw
     finally:
         if mapped is not None:
             with contextlib.suppress(BufferError):  # a view escaped: the GC unmaps later
                 mapped.close()
+
+
+def pack(pairs: list[tuple[str, torch.Tensor]], specs: list[WeightSpec],
+         buffer: torch.Tensor) -> None:
+    """Copy each tensor to its spec's place in `buffer` ([bytes] uint8, any device)."""
+    for spec, (_, tensor) in zip(specs, pairs, strict=True):
+        _view(buffer, spec).copy_(tensor.detach())
+
+
+def views(raw: torch.Tensor, specs: list[WeightSpec]) -> list[tuple[str, torch.Tensor]]:
+    """Each spec's tensor as a view of `raw` ([bytes] uint8); ValueError naming the
+    first spec that does not lie inside it, aligned."""
+    return [(spec.name, _view(raw, spec)) for spec in specs]
 
 
 def _view(raw: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
@@ -134,13 +157,110 @@ def _view(raw: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
     return raw[spec.offset:end].view(dtype).view(spec.shape)
 
 
+# --- the "ipc" backend's device half: CUDA IPC handles ------------------------------
+#
+# When every tensor is on a GPU and the engine runs on CUDA in another process, the
+# sender packs the tensors into one device buffer (a copy at device speed, no trip
+# through host memory) and shares it through torch's CUDA IPC, once per receiving
+# worker. Each worker maps it, checks every spec against it exactly as for a
+# shared-memory file, copies, and lets go of it before answering; the sender frees the
+# buffer when the call returns. These paths run only on a GPU (tests/test_gpu_rl.py).
+
+
+def cuda_ipc_usable(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether these tensors can travel by CUDA IPC: all on CUDA (and at least one)."""
+    devices = {t.device.type for t in tensors}
+    return devices == {"cuda"}
+
+
+@contextlib.contextmanager
+def cuda_ipc_weights(weights: Iterable[tuple[str, torch.Tensor]],
+                     receivers: int) -> Iterator[WeightUpdate]:
+    """Pack CUDA `(checkpoint name, tensor)` pairs into one device buffer on the first
+    tensor's GPU and share it `receivers` times (one share per worker that will open
+    it); yields the `WeightUpdate`. The buffer is freed afterwards."""
+    pairs = list(weights)
+    _check_dtypes(pairs)
+    if not pairs or not cuda_ipc_usable(t for _, t in pairs):
+        raise ValueError("CUDA IPC carries CUDA tensors only")
+    specs, size = layout(pairs)
+    device = pairs[0][1].device
+    buffer = torch.empty(max(size, ALIGN), dtype=torch.uint8, device=device)  # [bytes]
+    pack(pairs, specs, buffer)
+    torch.cuda.synchronize(device)  # written before anyone maps it
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    try:
+        shares = [_share(buffer, uuid) for _ in range(receivers)]
+        yield WeightUpdate(specs, buffer_bytes=size, cuda_ipc=shares)
+    finally:
+        del buffer
+        torch.cuda.ipc_collect()  # free it now if a receiver let go only after returning
+
+
+def _share(buffer: torch.Tensor, uuid: str) -> CudaIpcBuffer:
+    (_, handle, size, offset, ref_counter, ref_counter_offset, event_handle,
+     event_sync_required) = buffer.untyped_storage()._share_cuda_()
+    return CudaIpcBuffer(uuid, handle, size, offset, ref_counter, ref_counter_offset,
+                         event_handle, bool(event_sync_required))
+
+
+@contextlib.contextmanager
+def open_cuda_ipc(update: WeightUpdate, receiver: int
+                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The update's tensors as views of the sender's device buffer (share number
+    `receiver`), valid inside the `with`; ValueError naming what is wrong. The share is
+    released on leaving, whatever happened, so the sender can free its buffer."""
+    shares = update.cuda_ipc or []
+    if not 0 <= receiver < len(shares):
+        raise ValueError(f"CUDA IPC update has {len(shares)} share(s); this is receiver "
+                         f"{receiver} (one share per worker of every engine core)")
+    share = shares[receiver]
+    if not torch.cuda.is_available():
+        raise ValueError("CUDA IPC handles reached an engine without CUDA; send host "
+                         "tensors (they travel through shared memory)")
+    index = _device_index(share.device_uuid)
+    if index is None:
+        torch.UntypedStorage._release_ipc_counter(share.ref_counter,
+                                                  share.ref_counter_offset)
+        raise ValueError(f"the weights lie on GPU {share.device_uuid}, which this engine's "
+                         "worker cannot see (CUDA_VISIBLE_DEVICES); send host tensors")
+    if share.buffer_bytes < update.buffer_bytes:
+        torch.UntypedStorage._release_ipc_counter(share.ref_counter,
+                                                  share.ref_counter_offset)
+        raise ValueError(f"CUDA IPC buffer of {share.buffer_bytes} bytes is smaller than "
+                         f"the update's {update.buffer_bytes}")
+    storage = torch.UntypedStorage._new_shared_cuda(
+        index, share.handle, share.buffer_bytes, share.offset_bytes, share.ref_counter,
+        share.ref_counter_offset, share.event_handle, share.event_sync_required)
+    raw = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
+    tensors: list[tuple[str, torch.Tensor]] = []
+    try:
+        raw.set_(storage)  # [buffer_bytes] uint8: the sender's buffer
+        tensors.extend(views(raw, update.specs))
+        yield tensors
+    finally:
+        torch.cuda.synchronize(index)  # every copy out of it is done
+        tensors.clear()  # the caller's list too: no view outlives the share
+        del raw, storage  # releases this share (torch's deleter decrements its counter)
+
+
+def _device_index(uuid: str) -> int | None:
+    """This process's index of the GPU with that UUID, or None if it cannot see it."""
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return index
+    return None
+
+
 # --- the "nccl" backend: a torch.distributed group with the trainer -------------------
 #
 # vLLM's names: the trainer is rank 0 of a group of `world_size` (trainer + engine
 # workers); the engine's worker joins as `rank_offset + its rank`. The group is made
 # from a TCPStore directly (no init_process_group: the engine's own default group, if
-# any, is untouched). Gloo carries host tensors, on the CPU and, staged through host
-# memory, on CUDA (NCCL proper is for a GPU session to add).
+# any, is untouched). Its backend is agreed through that store: NCCL when every member
+# holds a GPU of its own (device to device, no host copy), otherwise gloo over host
+# tensors (on the CPU, or staged through host memory; also when the trainer and a
+# worker share a GPU, which NCCL refuses: the "ipc" backend is the fast path there).
 
 TRANSFER_TIMEOUT_S = 300.0  # joining the group and each broadcast
 
@@ -159,6 +279,13 @@ class TransferInit(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         check_int("rank_offset", self.rank_offset, minimum=1, maximum=self.world_size - 1)
 
 
+def choose_backend(members: list[str]) -> str:
+    """"nccl" when every member offered a GPU (its UUID) and no two share one; else
+    "gloo". `members[r]` is what rank r offered: a GPU's UUID, or "cpu"."""
+    gpus = [m for m in members if m != "cpu"]
+    return "nccl" if len(gpus) == len(members) == len(set(gpus)) else "gloo"
+
+
 class WeightGroup:
     """One process's membership in the weight-transfer group.
 
@@ -168,7 +295,7 @@ class WeightGroup:
     trainer script that simply ends would exit with SIGABRT. `close()` releases them;
     a finalizer does it at exit for callers that never call it."""
 
-    def __init__(self, init: TransferInit, rank: int,
+    def __init__(self, init: TransferInit, rank: int, device: torch.device | None = None,
                  timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
         import datetime
 
@@ -178,16 +305,32 @@ class WeightGroup:
         self.rank = rank
         store = dist.TCPStore(init.master_address, init.master_port, init.world_size,
                               is_master=rank == 0, timeout=timeout)
-        group = dist.ProcessGroupGloo(store, rank, init.world_size, timeout)
+        offer = "cpu"
+        if device is not None and device.type == "cuda":
+            offer = str(torch.cuda.get_device_properties(device).uuid)
+        store.set(f"pagellm/weights/member/{rank}", offer)
+        members = [store.get(f"pagellm/weights/member/{r}").decode()
+                   for r in range(init.world_size)]
+        self.backend = choose_backend(members)
+        groups = dist.PrefixStore(f"pagellm/weights/{self.backend}", store)
+        if self.backend == "nccl":
+            assert device is not None
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group: Any = dist.ProcessGroupNCCL(groups, rank, init.world_size, options)
+            self.device = device
+        else:
+            group = dist.ProcessGroupGloo(groups, rank, init.world_size, timeout)
+            self.device = torch.device("cpu")
         self._options = dist.BroadcastOptions()
         self._options.rootRank = 0
-        # The only references to the group and the store, so the finalizer (at exit,
+        # The only references to the group and the stores, so the finalizer (at exit,
         # or when this object goes) really destroys them, in this order.
-        self._live: list[Any] = [group, store]
+        self._live: list[Any] = [group, groups, store]
         self._finalizer = weakref.finalize(self, _release, self._live)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        """In place: rank 0's tensor overwrites everyone else's."""
+        """In place: rank 0's tensor overwrites everyone else's (on `self.device`)."""
         if not self._live:
             raise RuntimeError("the weight-transfer group is closed")
         self._live[0].broadcast([tensor], self._options).wait()
@@ -202,10 +345,16 @@ def _release(live: list[Any]) -> None:
         del live[0]
 
 
-def trainer_init(init_info: dict[str, Any]) -> WeightGroup:
+def trainer_init(init_info: dict[str, Any], device: torch.device | str | None = None
+                 ) -> WeightGroup:
     """The trainer's side of `init_weight_transfer_engine` (run both at once: each
-    waits for the other): rank 0 of the group."""
-    return WeightGroup(msgspec.convert(init_info, TransferInit), rank=0)
+    waits for the other): rank 0 of the group. `device`: the trainer's GPU, if it has
+    one (default: the current CUDA device when CUDA is available); the group uses NCCL
+    when the engine's workers are on GPUs too."""
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return WeightGroup(msgspec.convert(init_info, TransferInit), rank=0,
+                       device=None if device is None else torch.device(device))
 
 
 def trainer_send_weights(weights: Iterable[tuple[str, torch.Tensor]],
@@ -214,7 +363,8 @@ def trainer_send_weights(weights: Iterable[tuple[str, torch.Tensor]],
     `update_weights(update_info)` with the returned `update_info` meanwhile. Returns
     that update_info (names, dtype_names, shapes: vLLM's fields); see
     `update_info_for` to make it before sending."""
-    pairs = [(name, tensor.detach().to("cpu").contiguous()) for name, tensor in weights]
+    pairs = [(name, tensor.detach().to(group.device).contiguous())
+             for name, tensor in weights]
     info = update_info_for(pairs)
     for _, tensor in pairs:
         group.broadcast(tensor)
@@ -240,24 +390,34 @@ def specs_from_update_info(info: dict[str, Any]) -> list[WeightSpec]:
                            list[WeightSpec])
 
 
-def receive(group: WeightGroup, specs: list[WeightSpec], accept: Iterable[bool],
-            limit_bytes: int) -> list[tuple[str, torch.Tensor]]:
-    """Receive every spec's tensor in order (host memory). Specs not accepted are
-    received too, into scratch, so the trainer's broadcasts never hang, as long as the
-    whole update stays within `limit_bytes`; their tensors are left out of the result."""
-    total = 0
-    for spec in specs:
-        total += _spec_bytes(spec)
-    if total > limit_bytes:
-        raise ValueError(f"weight update of {total} bytes is larger than the model "
+def receive(group: WeightGroup, specs: list[WeightSpec],
+            load: Callable[[str, torch.Tensor], None] | None, limit_bytes: int) -> int:
+    """Receive every spec's tensor in order, on the group's device, handing each to
+    `load` as it arrives: one received tensor in memory at a time, not the whole update
+    (on a GPU, a model's worth of extra memory). With `load` None (an update refused
+    before anything arrived) they all land in one scratch buffer, reused, so the
+    trainer's broadcasts never hang. The whole update must stay within `limit_bytes`
+    (checked before the first broadcast). Returns the number of tensors received."""
+    sizes = [_spec_bytes(spec) for spec in specs]
+    if sum(sizes) > limit_bytes:
+        raise ValueError(f"weight update of {sum(sizes)} bytes is larger than the model "
                          f"allows ({limit_bytes}); nothing was received")
-    received = []
-    for spec, ok in zip(specs, accept, strict=True):
-        tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
-        group.broadcast(tensor)
-        if ok:
-            received.append((spec.name, tensor))
-    return received
+    scratch = None if load is not None else torch.empty(  # [largest tensor's bytes]
+        max(sizes, default=0), dtype=torch.uint8, device=group.device)
+    for index, (spec, size) in enumerate(zip(specs, sizes, strict=True)):
+        dtype = DTYPES[spec.dtype]
+        tensor = (torch.empty(spec.shape, dtype=dtype, device=group.device) if scratch is None
+                  else scratch[:size].view(dtype).view(spec.shape))
+        try:
+            group.broadcast(tensor)
+        except RuntimeError as e:  # the trainer died or timed out midway
+            mixed = (" (the model now mixes old and new weights: push the update again)"
+                     if load is not None and index else "")
+            raise RuntimeError(f"weight broadcast {index + 1} of {len(specs)} ({spec.name}) "
+                               f"failed{mixed}: {e}") from e
+        if load is not None:
+            load(spec.name, tensor)
+    return len(specs)
 
 
 def _spec_bytes(spec: WeightSpec) -> int:

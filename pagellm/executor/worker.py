@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -26,6 +27,7 @@ from pagellm.executor.tensor_codec import decode_value, encode_value
 from pagellm.executor.weight_transfer import (
     TransferInit,
     WeightGroup,
+    open_cuda_ipc,
     open_update,
     receive,
 )
@@ -190,15 +192,26 @@ class Worker:
             with open_update(update) as tensors:
                 self._load_checked(tensors)
             return len(tensors)
+        if update.cuda_ipc is not None:
+            receiver = self.args.data_parallel_rank * self.world_size + self.rank
+            with open_cuda_ipc(update, receiver) as tensors:
+                self._load_checked(tensors)
+                return len(tensors)
         if self._group is None:
             raise RuntimeError("a weight update without a buffer arrives over the "
                                "weight-transfer group: init_weight_transfer_engine first")
+        # Every name and shape is checked before the first broadcast arrives, so the
+        # tensors can load as they come (one in memory at a time); a refused update is
+        # still received, into scratch, so the trainer never hangs.
         problems = [self._problem(spec.name, spec.shape) for spec in update.specs]
         limit = 2 * memory.parameter_bytes(self.runner.model)
-        tensors = receive(self._group, update.specs, [p is None for p in problems], limit)
+        refused = any(p is not None for p in problems)
+        loaded = receive(self._group, update.specs, None if refused else self._loader(),
+                         limit)
         refuse(problems)
-        self._load_checked(tensors)
-        return len(tensors)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return loaded
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Join the trainer's group (backend "nccl"; "ipc" needs nothing). Blocks until
@@ -211,7 +224,7 @@ class Worker:
         if self._group is not None:
             raise RuntimeError("the weight-transfer engine is already initialized")
         init = msgspec.convert(init_info, TransferInit)
-        self._group = WeightGroup(init, rank=init.rank_offset + self.rank)
+        self._group = WeightGroup(init, rank=init.rank_offset + self.rank, device=self.device)
 
     def _problem(self, name: str, shape: list[int] | torch.Size) -> str | None:
         """What is wrong with loading a tensor of `shape` as checkpoint tensor `name`
@@ -226,14 +239,23 @@ class Worker:
     def _load_checked(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Copy only when every tensor fits: a bad update changes nothing."""
         refuse([self._problem(name, tensor.shape) for name, tensor in tensors])
+        load = self._loader()
+        for name, tensor in tensors:
+            load(name, tensor)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the sources may go away on return
+
+    def _loader(self) -> Callable[[str, torch.Tensor], None]:
+        """Copies one checked checkpoint tensor into this rank's part of the model."""
         model = self.runner.model
         params = dict(model.named_parameters())
-        for name, tensor in tensors:
+
+        def load(name: str, tensor: torch.Tensor) -> None:
             dest = model.destination(name, params)
             if dest is not None:
                 dest.load(tensor, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the sources may go away on return
+
+        return load
 
     rpc_methods: frozenset[str] = frozenset()  # set by the extension's subclass
 

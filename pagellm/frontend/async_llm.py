@@ -38,7 +38,7 @@ from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, P
 from pagellm.frontend.mp_client import CurveClientKeys
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.outputs import RequestOutput
-from pagellm.frontend.rl import WeightsArg, init_info_of, weight_update
+from pagellm.frontend.rl import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update
 from pagellm.frontend.tokenizer import generation_eos_token_ids, tokenizer_for
 from pagellm.logger import configure_logging
 from pagellm.protocol.engine_args import EngineArgs
@@ -215,7 +215,9 @@ class AsyncLLM:
     async def update_weights(self, weights: WeightsArg) -> int:
         """See `LLM.update_weights` (the shared-memory copy runs off the event loop)."""
         with contextlib.ExitStack() as stack:
-            update = await asyncio.to_thread(stack.enter_context, weight_update(weights))
+            receivers = cuda_ipc_receivers(self.info, in_process=False)  # always a process
+            update = await asyncio.to_thread(stack.enter_context,
+                                             weight_update(weights, receivers))
             return await self._utility(UtilityMethod.UPDATE_WEIGHTS, update, timeout=None)
 
     async def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:

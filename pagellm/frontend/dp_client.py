@@ -210,12 +210,13 @@ def merge_infos(infos: Sequence[EngineInfo]) -> EngineInfo:
     first = infos[0]
     for rank, info in enumerate(infos):
         for name in ("model", "max_model_len", "vocab_size", "block_size", "max_logprobs",
-                     "max_num_seqs"):
+                     "max_num_seqs", "world_size"):
             if getattr(info, name) != getattr(first, name):
                 raise ValueError(f"data-parallel engine cores disagree on {name}: "
                                  f"{getattr(first, name)!r} (rank 0) vs "
                                  f"{getattr(info, name)!r} (rank {rank})")
-    return msgspec.structs.replace(first, num_kv_blocks=min(i.num_kv_blocks for i in infos))
+    return msgspec.structs.replace(first, num_kv_blocks=min(i.num_kv_blocks for i in infos),
+                                   data_parallel_size=len(infos))
 
 
 class DPClient(EngineCoreClient):

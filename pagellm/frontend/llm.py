@@ -10,12 +10,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagellm.executor.demo_model import resolve_model
-from pagellm.frontend.core_client import EngineDeadError, SyncEngineCoreClient, make_client
+from pagellm.frontend.core_client import (
+    EngineDeadError,
+    InprocClient,
+    SyncEngineCoreClient,
+    make_client,
+)
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagellm.frontend.mp_client import CurveClientKeys
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.outputs import RequestOutput
-from pagellm.frontend.rl import WeightsArg, init_info_of, weight_update
+from pagellm.frontend.rl import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update
 from pagellm.frontend.tokenizer import generation_eos_token_ids, tokenizer_for
 from pagellm.logger import configure_logging
 from pagellm.protocol.engine_args import EngineArgs
@@ -193,15 +198,17 @@ class LLM:
     def update_weights(self, weights: WeightsArg) -> int:
         """Load new weights into the running engine: `(checkpoint name, tensor)` pairs
         (Hugging Face names, full tensors, any subset of the model's). They travel
-        through shared memory, not the socket; the engine checks every name, shape and
+        through shared memory, not the socket (GPU tensors to a CUDA engine in another
+        process: CUDA IPC, device to device); the engine checks every name, shape and
         dtype before copying (a bad update leaves the old weights serving) and forgets
         cached prefixes. Needs weight_transfer_config={"backend": "ipc"}. Returns the
         number of tensors loaded. A trainer process on the same host may instead write
         the shared memory itself (`pagellm.executor.weight_transfer.shared_weights`) and
         pass the `WeightUpdate` it yields."""
-        with weight_update(weights) as update:
-            return self._client().call_utility(UtilityMethod.UPDATE_WEIGHTS, update,
-                                               timeout=None)
+        client = self._client()
+        receivers = cuda_ipc_receivers(self.info, isinstance(client, InprocClient))
+        with weight_update(weights, receivers) as update:
+            return client.call_utility(UtilityMethod.UPDATE_WEIGHTS, update, timeout=None)
 
     def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:
         """vLLM's phase 0: {"init_info": {"master_address", "master_port", "rank_offset",

@@ -1,5 +1,6 @@
 """What `LLM` and `AsyncLLM` share for weight updates: the argument they accept and
-how it becomes a `WeightUpdate` in shared memory."""
+how it becomes a `WeightUpdate`: CUDA IPC shares of a device buffer when the tensors
+are on a GPU and the engine's workers can open them, else a shared-memory file."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from pagellm.protocol.messages import EngineInfo
 from pagellm.protocol.utility import WeightUpdate
 
 if TYPE_CHECKING:
@@ -17,14 +19,29 @@ if TYPE_CHECKING:
 WeightsArg = Iterable[tuple[str, "torch.Tensor"]] | WeightUpdate | dict[str, Any]
 
 
+def cuda_ipc_receivers(info: EngineInfo, in_process: bool) -> int:
+    """How many workers open a CUDA IPC update: every worker of every engine core. 0
+    when CUDA IPC cannot reach them: an engine not on CUDA, or a single worker inside
+    this very process (CUDA cannot open a process's own IPC handles)."""
+    if not info.device.startswith("cuda") or (in_process and info.world_size == 1):
+        return 0
+    return info.world_size * info.data_parallel_size
+
+
 @contextlib.contextmanager
-def weight_update(weights: WeightsArg) -> Iterator[WeightUpdate]:
-    """The `WeightUpdate` to send; pairs are written to shared memory for the call and
-    deleted after it (torch is imported only here, not with the frontend)."""
+def weight_update(weights: WeightsArg, cuda_receivers: int = 0) -> Iterator[WeightUpdate]:
+    """The `WeightUpdate` to send; the buffer behind it lives for the call and is freed
+    after it (torch is imported only here, not with the frontend). CUDA tensors go by
+    CUDA IPC when `cuda_receivers` (see `cuda_ipc_receivers`) workers can open it."""
     if isinstance(weights, WeightUpdate):
         yield weights
         return
-    from pagellm.executor.weight_transfer import shared_weights, specs_from_update_info
+    from pagellm.executor.weight_transfer import (
+        cuda_ipc_usable,
+        cuda_ipc_weights,
+        shared_weights,
+        specs_from_update_info,
+    )
 
     if isinstance(weights, dict):
         if set(weights) != {"update_info"} or not isinstance(weights["update_info"], dict):
@@ -33,7 +50,12 @@ def weight_update(weights: WeightsArg) -> Iterator[WeightUpdate]:
         yield WeightUpdate(specs_from_update_info(weights["update_info"]))
         return
 
-    with shared_weights(weights) as update:
+    pairs = list(weights)
+    if cuda_receivers and pairs and cuda_ipc_usable(t for _, t in pairs):
+        with cuda_ipc_weights(pairs, cuda_receivers) as update:
+            yield update
+        return
+    with shared_weights(pairs) as update:
         yield update
 
 

@@ -185,6 +185,8 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):
     dtype: str
     max_logprobs: int = 20
     max_num_seqs: int = 256
+    world_size: int = 1  # this core's workers (tensor-parallel ranks)
+    data_parallel_size: int = 1  # engine cores behind this frontend (set by the DP client)
 
 
 class HandshakeRequest(msgspec.Struct, array_like=True, gc=False):

@@ -8,17 +8,23 @@ are msgpack bytes of the method's result type.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, NamedTuple
 
 import msgspec
 
 from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.stats import EngineStats
+from pagellm.protocol.validation import check_int
 
 SleepLevel = Literal[0, 1, 2]  # 0: pause only; 1: free the KV cache, weights to host; 2: both
 PauseMode = Literal["abort", "wait", "keep"]
 WakeTag = Literal["weights", "kv_cache", "scheduling"]  # "scheduling" ends a level-0 sleep
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+CUDA_IPC_HANDLE_SIZE = 64  # cudaIpcEventHandle_t; a memory handle may carry more (torch's)
+MAX_IPC_HANDLE_BYTES = 4096
+REF_COUNTER_NAME = re.compile(rb"/torch_\d{1,10}_\d{1,20}_\d{1,20}")  # at::NewProcessWideShmHandle
+REF_COUNTER_SLOTS = 10000  # torch::CUDA_IPC_REF_COUNTER_FILE_SIZE: slots per counter file
 
 
 class WeightSpec(msgspec.Struct, array_like=True, gc=False):
@@ -31,15 +37,58 @@ class WeightSpec(msgspec.Struct, array_like=True, gc=False):
     offset: int = 0
 
 
+class CudaIpcBuffer(msgspec.Struct, array_like=True, gc=False):
+    """One device buffer shared through CUDA IPC: the eight values torch's
+    `UntypedStorage._share_cuda_()` returns, as named fields (vLLM pickles them). One
+    per receiving worker: torch counts each share once, and each receiver releases its
+    own, so the sender's buffer is freed once every receiver let go.
+
+    Checked on arrival, before anything is opened: torch trusts these values, and a
+    counter slot outside torch's counter file would be written to."""
+
+    device_uuid: str  # the GPU the buffer lives on (receivers number devices their own way)
+    handle: bytes  # the cudaIpcMemHandle of the allocation the buffer lies in
+    buffer_bytes: int
+    offset_bytes: int  # where the buffer starts in that allocation
+    ref_counter: bytes  # torch's shared-memory counter file ("/torch_<pid>_<n>_<n>")
+    ref_counter_offset: int  # this share's slot in that file
+    event_handle: bytes  # the sender's cudaIpcEventHandle: the bytes are written when it fires
+    event_sync_required: bool
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.device_uuid) <= 64:
+            raise ValueError("cuda_ipc device_uuid must be a GPU's UUID")
+        if not 0 < len(self.handle) <= MAX_IPC_HANDLE_BYTES:
+            raise ValueError(f"cuda_ipc handle must be 1-{MAX_IPC_HANDLE_BYTES} bytes")
+        check_int("cuda_ipc buffer_bytes", self.buffer_bytes, minimum=1, maximum=2**62)
+        check_int("cuda_ipc offset_bytes", self.offset_bytes, minimum=0, maximum=2**62)
+        if REF_COUNTER_NAME.fullmatch(self.ref_counter) is None:
+            raise ValueError("cuda_ipc ref_counter must name one of torch's counter files "
+                             "(/torch_<pid>_<n>_<n>)")
+        check_int("cuda_ipc ref_counter_offset", self.ref_counter_offset, minimum=0,
+                  maximum=REF_COUNTER_SLOTS - 1)
+        if len(self.event_handle) != CUDA_IPC_HANDLE_SIZE:
+            raise ValueError(f"cuda_ipc event_handle must be {CUDA_IPC_HANDLE_SIZE} bytes")
+
+
 class WeightUpdate(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One chunk of new weights. With a `buffer`, the bytes lie in a shared-memory file
-    (under /dev/shm, made by the sender: backend "ipc"); without one, they arrive by
-    broadcast from the trainer's rank 0, in `specs` order (backend "nccl", after
-    init_weight_transfer_engine). No pickle either way."""
+    """One chunk of new weights, `buffer_bytes` long, each spec's tensor at its offset.
+    Where those bytes are (no pickle either way):
+    - `buffer`: a shared-memory file under /dev/shm, made by the sender (backend "ipc");
+    - `cuda_ipc`: a device buffer of the sender's, one share per receiving worker
+      (backend "ipc" with CUDA tensors, to a CUDA engine in another process);
+    - neither: they arrive by broadcast from the trainer's rank 0, in `specs` order
+      (backend "nccl", after init_weight_transfer_engine)."""
 
     specs: list[WeightSpec]
     buffer: str | None = None
     buffer_bytes: int = 0
+    cuda_ipc: list[CudaIpcBuffer] | None = None
+
+    def __post_init__(self) -> None:
+        if self.buffer is not None and self.cuda_ipc is not None:
+            raise ValueError("a weight update's bytes are in a buffer file or behind CUDA "
+                             "IPC handles, not both")
 
 
 class Signature(NamedTuple):

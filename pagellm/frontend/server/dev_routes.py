@@ -7,7 +7,7 @@
     POST /resume                        {"status": "resumed"}
     GET  /is_paused                     {"is_paused": bool}
     POST /reset_prefix_cache            {"reset": bool}
-    GET  /get_world_size                {"world_size": 1}
+    GET  /get_world_size?include_dp=true {"world_size": tp x dp} (workers; tp without dp)
     POST /collective_rpc                {"method", "args", "kwargs", "timeout"} -> {"results"}
     POST /init_weight_transfer_engine   {"init_info": {...}}
     POST /start_weight_update
@@ -101,8 +101,12 @@ def add_dev_routes(app: FastAPI, engine: AsyncLLM,
         return {"reset": await control(engine.reset_prefix_cache())}
 
     @app.get("/get_world_size")
-    async def get_world_size() -> dict[str, int]:
-        return {"world_size": 1}
+    async def get_world_size(include_dp: bool = True) -> dict[str, int]:
+        """vLLM's figure: every worker process (tensor-parallel ranks times engine
+        cores), or one core's with include_dp=false: what a trainer sizes its
+        weight-transfer group by (world_size = 1 + this)."""
+        info = engine.info
+        return {"world_size": info.world_size * (info.data_parallel_size if include_dp else 1)}
 
     @app.post("/collective_rpc")
     async def collective_rpc(request: Request) -> dict[str, Any]:

@@ -1,0 +1,148 @@
+"""On a CUDA machine (`pytest -m gpu`): the GPU halves of the RL engine. Weight updates
+from CUDA tensors by CUDA IPC (the sender's buffer freed after), the "nccl" backend's
+choice between NCCL and gloo with a CUDA engine, and sleep giving device and pinned host
+memory back. References: transformers on the pushed weights, the engine's own tokens
+before sleeping, `torch.cuda.mem_get_info` and the process's RSS. Skipped cleanly
+without a GPU; the CPU halves are tests/test_rl.py's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from test_rl import NCCL_TRAINER, TESTS, greedy, hf_greedy, hf_model, parameter_count, perturbed
+
+from pagellm import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PROMPTS = ["Hello", "The quick brown fox", "def fibonacci(n):", "a b c d e f"]
+KV = 64 * 2**20
+
+
+def test_cuda_tensors_travel_by_cuda_ipc_and_the_senders_buffer_is_freed(model_dirs,
+                                                                        monkeypatch):
+    """GPU tensors to an engine in another process: CUDA IPC, never /dev/shm. The
+    engine loads transformers' tokens on the new weights; a bad update is refused whole;
+    either way every share is released, so the sender's buffer is freed."""
+    import pagellm.executor.weight_transfer as weight_transfer
+
+    def no_shared_memory(*args: object, **kwargs: object) -> None:
+        raise AssertionError("CUDA tensors went through shared memory")
+
+    monkeypatch.setattr(weight_transfer, "shared_weights", no_shared_memory)
+    model_dir = model_dirs["llama"]
+    new = {name: t.cuda() for name, t in perturbed(model_dir, seed=3).items()}
+    with LLM(str(model_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=KV,
+             weight_transfer_config={"backend": "ipc"}) as llm:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        assert llm.update_weights(new.items()) == len(new)
+        torch.cuda.ipc_collect()
+        assert torch.cuda.memory_allocated() == base  # the shared buffer is gone
+        reference = hf_model(model_dir, perturbed(model_dir, seed=3))
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10),
+                               use_tqdm=False)
+        after = [o.outputs[0].token_ids for o in outputs]
+        assert after == [hf_greedy(reference, o.prompt_token_ids, 10) for o in outputs]
+        name = "model.layers.0.self_attn.q_proj.weight"
+        bad = dict(new)
+        bad[name] = new[name][:-1]
+        with pytest.raises(RuntimeError, match=f"old weights kept: {name}"):
+            llm.update_weights(bad.items())
+        torch.cuda.ipc_collect()
+        assert torch.cuda.memory_allocated() == base
+        assert greedy(llm, PROMPTS) == after
+
+
+@pytest.mark.parametrize("engine_gpu", [0, 1], ids=["shared-gpu", "own-gpu"])
+def test_the_nccl_backend_with_a_cuda_engine(model_dirs, engine_gpu):
+    """The trainer (its own process, on cuda:0) broadcasts to a CUDA engine: over NCCL
+    when the engine has a GPU of its own, over gloo through host memory when they share
+    one (NCCL refuses two ranks on one GPU). Either way the engine then gives
+    transformers' tokens on the pushed weights."""
+    from helpers import free_port
+
+    if engine_gpu >= torch.cuda.device_count():
+        pytest.skip(f"needs {engine_gpu + 1} GPUs")
+    model_dir = model_dirs["llama"]
+    init_info = {"master_address": "127.0.0.1", "master_port": free_port(),
+                 "rank_offset": 1, "world_size": 2}
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", NCCL_TRAINER, str(model_dir), json.dumps(init_info), "good",
+         "cuda:0"], cwd=TESTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        with LLM(str(model_dir), device=f"cuda:{engine_gpu}", dtype="float32",
+                 kv_cache_memory_bytes=KV, weight_transfer_config={"backend": "nccl"}) as llm:
+            llm.init_weight_transfer_engine({"init_info": init_info})
+            joined = json.loads(trainer.stdout.readline())
+            assert joined["backend"] == ("nccl" if engine_gpu else "gloo")
+            llm.start_weight_update()
+            trainer.stdin.write("go\n")
+            trainer.stdin.flush()
+            names = joined["update_info"]["names"]
+            assert llm.update_weights({"update_info": joined["update_info"]}) == len(names)
+            llm.finish_weight_update()
+            assert trainer.stdout.readline().strip() == "sent"
+            reference = hf_model(model_dir, perturbed(model_dir, seed=7))
+            outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10),
+                                   use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outputs] == [
+                hf_greedy(reference, o.prompt_token_ids, 10) for o in outputs]
+        assert trainer.wait(30) == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+
+
+def test_sleep_gives_device_and_pinned_memory_back_and_wakes_with_graphs(big_config):
+    """Level 1: the device's free memory grows by the KV cache and the weights, which
+    wait in pinned host memory (the RSS grows by them) and are freed after waking (the
+    RSS drops back: pinned pages are not kept in torch's host cache). Waking captures the
+    CUDA graphs again (printed: what it costs) and gives the same tokens. Level 2 also
+    returns the weights' device memory, with no host copy."""
+    kv_bytes = 512 * 2**20
+    with LLM(str(big_config), load_format="dummy", skip_tokenizer_init=True,
+             device="cuda", dtype="float32", enable_sleep_mode=True,
+             kv_cache_memory_bytes=kv_bytes, max_model_len=1024, multiprocess=False) as llm:
+        runner = llm.engine_core.core.executor.runner
+        weights = parameter_count(big_config) * 4  # fp32
+        prompts = [{"prompt_token_ids": [(7 * i + j) % 8000 + 1 for j in range(50)]}
+                   for i in range(4)]
+        params = SamplingParams(temperature=0.0, max_tokens=16)
+
+        def tokens() -> list[list[int]]:
+            return [o.outputs[0].token_ids
+                    for o in llm.generate(prompts, params, use_tqdm=False)]
+
+        before = tokens()
+        assert runner.graphs is not None
+        process = psutil.Process()
+        free_awake, rss_awake = torch.cuda.mem_get_info()[0], process.memory_info().rss
+        llm.sleep(level=1)
+        free_asleep, rss_asleep = torch.cuda.mem_get_info()[0], process.memory_info().rss
+        assert free_asleep - free_awake > 0.9 * (kv_bytes + weights)
+        assert rss_asleep - rss_awake > 0.8 * weights  # the pinned host copy
+        assert runner.graphs is None
+        start = time.perf_counter()
+        assert llm.wake_up() is True
+        seconds = time.perf_counter() - start
+        assert runner.graphs is not None
+        assert abs(torch.cuda.mem_get_info()[0] - free_awake) < 0.05 * (kv_bytes + weights)
+        assert process.memory_info().rss - rss_awake < 0.2 * weights  # the copy is freed
+        print(f"\nwake_up after level 1 (weights {weights / 2**20:.0f} MiB, KV "
+              f"{kv_bytes / 2**20:.0f} MiB, CUDA graphs captured again): {seconds:.2f} s")
+        assert tokens() == before
+        llm.sleep(level=2)
+        free_level2 = torch.cuda.mem_get_info()[0]
+        assert free_level2 - free_awake > 0.9 * (kv_bytes + weights)
+        assert process.memory_info().rss - rss_awake < 0.2 * weights  # no host copy
+        assert llm.wake_up() is True  # weights undefined until pushed (tests/test_rl.py)
+        assert abs(torch.cuda.mem_get_info()[0] - free_awake) < 0.05 * (kv_bytes + weights)
