@@ -135,7 +135,7 @@ def test_sleep_gives_device_and_pinned_memory_back_and_wakes_with_graphs(big_con
         assert llm.wake_up() is True
         seconds = time.perf_counter() - start
         assert runner.graphs is not None
-        assert abs(torch.cuda.mem_get_info()[0] - free_awake) < 0.05 * (kv_bytes + weights)
+        assert abs(torch.cuda.mem_get_info()[0] - free_awake) < 0.1 * (kv_bytes + weights)
         assert process.memory_info().rss - rss_awake < 0.2 * weights  # the copy is freed
         print(f"\nwake_up after level 1 (weights {weights / 2**20:.0f} MiB, KV "
               f"{kv_bytes / 2**20:.0f} MiB, CUDA graphs captured again): {seconds:.2f} s")
@@ -145,4 +145,4 @@ def test_sleep_gives_device_and_pinned_memory_back_and_wakes_with_graphs(big_con
         assert free_level2 - free_awake > 0.9 * (kv_bytes + weights)
         assert process.memory_info().rss - rss_awake < 0.2 * weights  # no host copy
         assert llm.wake_up() is True  # weights undefined until pushed (tests/test_rl.py)
-        assert abs(torch.cuda.mem_get_info()[0] - free_awake) < 0.05 * (kv_bytes + weights)
+        assert abs(torch.cuda.mem_get_info()[0] - free_awake) < 0.1 * (kv_bytes + weights)
