@@ -399,15 +399,16 @@ def test_a_trainer_broadcasts_weights_over_the_nccl_backend(model_dirs, bad):
 
 def test_broadcast_tensors_load_as_they_arrive_and_a_refused_update_is_drained():
     """The receiving side of the "nccl" backend, over a real gloo group (trainer and
-    engine ranks in two threads): each tensor is handed over as it arrives, exactly as
-    sent, and gone before the next one arrives (one in memory at a time, not the whole
-    update); a refused update still drains every broadcast; an oversized one is refused
-    before the first."""
+    engine ranks in two threads): every tensor reaches its destination exactly as sent,
+    whether it lands in the parameter itself (kept whole, same dtype) or goes through
+    scratch (another dtype; a rank's slice); a refused update still drains every
+    broadcast and leaves the parameters alone; an oversized one is refused before the
+    first; a trainer that leaves midway is named."""
     import threading
-    import weakref
 
     from helpers import free_port
 
+    from pagellm.executor.models.decoder import Destination
     from pagellm.executor.weight_transfer import (
         TransferInit,
         WeightGroup,
@@ -434,27 +435,27 @@ def test_broadcast_tensors_load_as_they_arrive_and_a_refused_update_is_drained()
             for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16,
                                        torch.float32])]
     specs = specs_from_update_info(update_info_for(sent))
+    params = [torch.zeros(48, 40), torch.zeros(48, 40, dtype=torch.bfloat16),
+              torch.zeros(48, 40), torch.zeros(48, 16)]  # [3]: this rank's 16 columns
+    dests = [Destination(params[0], (48, 40)), Destination(params[1], (48, 40)),
+             Destination(params[2], (48, 40)), Destination(params[3], (48, 40), 1, 8, 16)]
+    want = [sent[0][1], sent[1][1], sent[2][1].float(), sent[3][1][:, 8:24]]
+    assert [d.receiver(t.dtype, torch.device("cpu")) is not None
+            for d, (_, t) in zip(dests, sent, strict=True)] == [True, True, False, False]
     try:
-        arrived: list[tuple[str, torch.Tensor]] = []
-        earlier: list[weakref.ref] = []
-
-        def load(name: str, tensor: torch.Tensor) -> None:
-            assert all(ref() is None for ref in earlier), "an earlier tensor is still held"
-            arrived.append((name, tensor.clone()))
-            earlier.append(weakref.ref(tensor))
-
         trainer = run(trainer_send_weights, sent, groups[0])
-        assert receive(groups[1], specs, load, limit_bytes=2**30) == len(sent)
+        assert receive(groups[1], specs, dests, limit_bytes=2**30) == len(sent)
         trainer.join(60)
-        assert [name for name, _ in arrived] == [name for name, _ in sent]
-        for (_, got), (_, want) in zip(arrived, sent, strict=True):
-            assert got.dtype == want.dtype and torch.equal(got, want)
-        trainer = run(trainer_send_weights, sent, groups[0])
+        for got, expected in zip(params, want, strict=True):
+            assert got.dtype == expected.dtype and torch.equal(got, expected)
+        before = [p.clone() for p in params]
+        trainer = run(trainer_send_weights, [(n, t + 1) for n, t in sent], groups[0])
         assert receive(groups[1], specs, None, limit_bytes=2**30) == len(sent)
         trainer.join(60)
         assert not trainer.is_alive()  # every broadcast was taken
+        assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
         with pytest.raises(ValueError, match="larger than the model allows"):
-            receive(groups[1], specs, load, limit_bytes=1000)
+            receive(groups[1], specs, dests, limit_bytes=1000)
 
         def send_half_and_leave() -> None:
             trainer_send_weights(sent[:2], groups[0])
@@ -463,7 +464,7 @@ def test_broadcast_tensors_load_as_they_arrive_and_a_refused_update_is_drained()
         trainer = run(send_half_and_leave)
         with pytest.raises(RuntimeError, match=r"broadcast 3 of 4 \(w2\) failed \(the model "
                                                r"now mixes old and new weights"):
-            receive(groups[1], specs, load, limit_bytes=2**30)
+            receive(groups[1], specs, dests, limit_bytes=2**30)
         trainer.join(60)
     finally:
         for group in groups.values():

@@ -21,9 +21,9 @@ import os
 import stat
 import tempfile
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -31,6 +31,9 @@ import torch
 from pagellm.executor.tensor_codec import DTYPES, nbytes
 from pagellm.protocol.utility import WEIGHT_DTYPES, CudaIpcBuffer, WeightSpec, WeightUpdate
 from pagellm.protocol.validation import check_int
+
+if TYPE_CHECKING:
+    from pagellm.executor.models.decoder import Destination
 
 PREFIX = "pagellm-weights-"
 ALIGN = 64  # each tensor starts on a 64-byte boundary (aligned views for every dtype)
@@ -390,33 +393,43 @@ def specs_from_update_info(info: dict[str, Any]) -> list[WeightSpec]:
                            list[WeightSpec])
 
 
-def receive(group: WeightGroup, specs: list[WeightSpec],
-            load: Callable[[str, torch.Tensor], None] | None, limit_bytes: int) -> int:
-    """Receive every spec's tensor in order, on the group's device, handing each to
-    `load` as it arrives: one received tensor in memory at a time, not the whole update
-    (on a GPU, a model's worth of extra memory). With `load` None (an update refused
-    before anything arrived) they all land in one scratch buffer, reused, so the
-    trainer's broadcasts never hang. The whole update must stay within `limit_bytes`
-    (checked before the first broadcast). Returns the number of tensors received."""
+def receive(group: WeightGroup, specs: list[WeightSpec], dests: list[Destination] | None,
+            limit_bytes: int) -> int:
+    """Receive every spec's tensor in order, loading each into `dests[i]` (where it
+    goes in the model: the caller has checked names and shapes) as it arrives; with
+    `dests` None (an update refused before anything arrived) receive them all the same,
+    into scratch, so the trainer's broadcasts never hang. The whole update must stay
+    within `limit_bytes` (checked before the first broadcast). Returns the number of
+    tensors received.
+
+    A tensor this rank keeps whole, in the parameter's dtype, lands in the parameter
+    itself. Any other lands in one scratch buffer the size of the largest such, reused,
+    and is copied from there: never the whole update in memory (on a GPU, a model's
+    worth), nor a fresh allocation per tensor (on the CPU, each one's pages faulted in
+    and zeroed again: 2.3-2.7 s for a 2 GB update, against 0.8-1.0 s in place)."""
     sizes = [_spec_bytes(spec) for spec in specs]
     if sum(sizes) > limit_bytes:
         raise ValueError(f"weight update of {sum(sizes)} bytes is larger than the model "
                          f"allows ({limit_bytes}); nothing was received")
-    scratch = None if load is not None else torch.empty(  # [largest tensor's bytes]
-        max(sizes, default=0), dtype=torch.uint8, device=group.device)
-    for index, (spec, size) in enumerate(zip(specs, sizes, strict=True)):
-        dtype = DTYPES[spec.dtype]
-        tensor = (torch.empty(spec.shape, dtype=dtype, device=group.device) if scratch is None
-                  else scratch[:size].view(dtype).view(spec.shape))
+    direct: list[torch.Tensor | None] = [None] * len(specs)  # the parameter, if in place
+    if dests is not None:
+        direct = [dest.receiver(DTYPES[spec.dtype], group.device)
+                  for spec, dest in zip(specs, dests, strict=True)]
+    scratch = torch.empty(  # [bytes of the largest tensor received indirectly]
+        max((size for size, d in zip(sizes, direct, strict=True) if d is None), default=0),
+        dtype=torch.uint8, device=group.device)
+    for index, (spec, size, into) in enumerate(zip(specs, sizes, direct, strict=True)):
+        tensor = into if into is not None else \
+            scratch[:size].view(DTYPES[spec.dtype]).view(spec.shape)
         try:
             group.broadcast(tensor)
         except RuntimeError as e:  # the trainer died or timed out midway
             mixed = (" (the model now mixes old and new weights: push the update again)"
-                     if load is not None and index else "")
+                     if dests is not None and (index or into is not None) else "")
             raise RuntimeError(f"weight broadcast {index + 1} of {len(specs)} ({spec.name}) "
                                f"failed{mixed}: {e}") from e
-        if load is not None:
-            load(spec.name, tensor)
+        if dests is not None and into is None:
+            dests[index].load(tensor, non_blocking=True)
     return len(specs)
 
 

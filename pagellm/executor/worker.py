@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -22,6 +22,7 @@ import torch
 from pagellm.executor import memory
 from pagellm.executor.config import ModelConfig, resolve_device, resolve_model_config
 from pagellm.executor.model_runner import ModelRunner
+from pagellm.executor.models.decoder import Destination
 from pagellm.executor.parallel import TensorParallel
 from pagellm.executor.tensor_codec import decode_value, encode_value
 from pagellm.executor.weight_transfer import (
@@ -203,12 +204,13 @@ class Worker:
         # Every name and shape is checked before the first broadcast arrives, so the
         # tensors can load as they come (one in memory at a time); a refused update is
         # still received, into scratch, so the trainer never hangs.
-        problems = [self._problem(spec.name, spec.shape) for spec in update.specs]
         limit = 2 * memory.parameter_bytes(self.runner.model)
-        refused = any(p is not None for p in problems)
-        loaded = receive(self._group, update.specs, None if refused else self._loader(),
-                         limit)
-        refuse(problems)
+        try:
+            dests = self._destinations([(spec.name, spec.shape) for spec in update.specs])
+        except ValueError:
+            receive(self._group, update.specs, None, limit)
+            raise
+        loaded = receive(self._group, update.specs, dests, limit)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return loaded
@@ -226,36 +228,34 @@ class Worker:
         init = msgspec.convert(init_info, TransferInit)
         self._group = WeightGroup(init, rank=init.rank_offset + self.rank, device=self.device)
 
-    def _problem(self, name: str, shape: list[int] | torch.Size) -> str | None:
-        """What is wrong with loading a tensor of `shape` as checkpoint tensor `name`
-        (the full tensor: each rank takes its slice)."""
-        dest = self.runner.model.destination(name)
-        if dest is None:
-            return f"{name}: no such weight in the model"
-        if dest.tensor is not None and dest.shape != tuple(shape):
-            return f"{name}: shape {tuple(shape)}, the model's is {dest.shape}"
-        return None
+    def _destinations(self, shapes: list[tuple[str, Sequence[int]]]) -> list[Destination]:
+        """Where each `(checkpoint name, full shape)` of an update loads on this rank
+        (each rank takes its slice); ValueError naming every one that does not fit, so
+        that a bad update changes nothing."""
+        model = self.runner.model
+        params = dict(model.named_parameters())
+        dests, problems = [], []
+        for name, shape in shapes:
+            dest = model.destination(name, params)
+            if dest is None:
+                problems.append(f"{name}: no such weight in the model")
+            elif dest.tensor is not None and dest.shape != tuple(shape):
+                problems.append(f"{name}: shape {tuple(shape)}, the model's is {dest.shape}")
+            else:
+                dests.append(dest)
+        if problems:
+            more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+            raise ValueError(f"weight update refused, old weights kept: "
+                             f"{'; '.join(problems[:8])}{more}")
+        return dests
 
     def _load_checked(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Copy only when every tensor fits: a bad update changes nothing."""
-        refuse([self._problem(name, tensor.shape) for name, tensor in tensors])
-        load = self._loader()
-        for name, tensor in tensors:
-            load(name, tensor)
+        dests = self._destinations([(name, tensor.shape) for name, tensor in tensors])
+        for dest, (_, tensor) in zip(dests, tensors, strict=True):
+            dest.load(tensor, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the sources may go away on return
-
-    def _loader(self) -> Callable[[str, torch.Tensor], None]:
-        """Copies one checked checkpoint tensor into this rank's part of the model."""
-        model = self.runner.model
-        params = dict(model.named_parameters())
-
-        def load(name: str, tensor: torch.Tensor) -> None:
-            dest = model.destination(name, params)
-            if dest is not None:
-                dest.load(tensor, non_blocking=True)
-
-        return load
 
     rpc_methods: frozenset[str] = frozenset()  # set by the extension's subclass
 
@@ -349,15 +349,6 @@ def num_kv_blocks(budget: int, source: str, per_block: int, block_size: int,
             f"or gpu_memory_utilization, or lower max_model_len or "
             f"max_num_batched_tokens")
     return int(num_blocks)
-
-
-def refuse(problems: list[str | None]) -> None:
-    """Raise naming up to eight problems, if there are any."""
-    found = [p for p in problems if p is not None]
-    if found:
-        more = f" (and {len(found) - 8} more)" if len(found) > 8 else ""
-        raise ValueError(f"weight update refused, old weights kept: "
-                         f"{'; '.join(found[:8])}{more}")
 
 
 class StepFailed(RuntimeError):

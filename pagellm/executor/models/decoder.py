@@ -313,6 +313,17 @@ class Destination:
         with torch.no_grad():
             self.tensor.copy_(part, non_blocking=non_blocking)
 
+    def receiver(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The parameter view itself, when a whole checkpoint tensor of `dtype` on
+        `device` can be written straight into it (this rank keeps all of it, same dtype
+        and device, contiguous): a broadcast lands there with no copy. Else None."""
+        t = self.tensor
+        whole = self.dim is None or (self.start == 0 and self.length == self.shape[self.dim])
+        if t is None or not whole or t.dtype != dtype or t.device != device \
+                or not t.is_contiguous():
+            return None
+        return t
+
 
 # A checkpoint tensor that loads into nothing (computed or tied), distinct from None.
 SKIP = Destination(None)
