@@ -182,6 +182,49 @@ def test_utility_calls_reach_every_core_and_merge(dp_llm):
     assert_all_free(dp_llm)
 
 
+def test_each_core_takes_the_gpus_after_those_of_the_cores_before_it(monkeypatch):
+    """On CUDA, tensor-parallel rank r of data-parallel core d picks device
+    (d - the node's first core) * tp + r among the devices it sees, whoever launched it
+    (this node's frontend, a headless node, a supervisor): `device_for` is the one
+    place, and the launcher leaves CUDA_VISIBLE_DEVICES as it found it (and, when the
+    launch itself fails, no pipe behind)."""
+    import torch
+
+    from pagellm.executor import worker
+    from pagellm.frontend.engine_process import EngineProcess
+    from pagellm.protocol.engine_args import EngineArgs
+
+    monkeypatch.setattr(worker, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    args = EngineArgs(model="demo", device="cuda", tensor_parallel_size=2,
+                      data_parallel_size=2)
+    picked = [[worker.device_for(args.replace(data_parallel_rank=d), r).index
+               for r in (0, 1)] for d in (0, 1)]
+    assert picked == [[0, 1], [2, 3]]
+    headless = args.replace(data_parallel_size=4, data_parallel_start_rank=2,
+                            data_parallel_rank=3)
+    assert [worker.device_for(headless, r).index for r in (0, 1)] == [2, 3]
+    with pytest.raises(ValueError, match="needs cuda:4, but this node has 4"):
+        worker.device_for(args.replace(data_parallel_size=3, data_parallel_rank=2), 0)
+
+    launched: list[dict[str, str]] = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(*_: Any, env: dict[str, str], **__: Any) -> None:
+        launched.append(env)
+        raise Stop
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    fds = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(Stop):
+        EngineProcess(args.replace(data_parallel_rank=1), num_local=2)
+    assert launched[0]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert set(os.listdir("/proc/self/fd")) == fds  # a launch that fails leaves no pipe
+
+
 def test_router_prefers_the_cached_prefix_only_among_near_equal_loads():
     router = Router(block_size=4, capacities=[8, 8])
     from pagellm.protocol.messages import EngineCoreRequest

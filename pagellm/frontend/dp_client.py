@@ -246,9 +246,9 @@ class DPClient(EngineCoreClient):
         self.clients = clients
         processes: dict[int, EngineProcess] = {}
         try:
-            for i, rank in enumerate(ranks):  # all load at once
+            for rank in ranks:  # all load at once
                 processes[rank] = EngineProcess(args.replace(data_parallel_rank=rank),
-                                                num_local=len(ranks), local_rank=i)
+                                                num_local=len(ranks))
             remote = self._await_registrations(
                 [r for r in range(size) if r not in processes], processes)
             for rank in range(size):

@@ -48,10 +48,11 @@ class EngineStartupError(RuntimeError):
 
 class EngineProcess:
     def __init__(self, args: EngineArgs, address: str | None = None, num_local: int = 1,
-                 local_rank: int = 0, extra_args: Sequence[str] = ()) -> None:
+                 extra_args: Sequence[str] = ()) -> None:
         """`address`: where it binds (default: ipc:// in a private directory; a headless
         data-parallel node gives tcp://, and its CURVE flags in `extra_args`).
-        `num_local` engine cores share this host; this is the `local_rank`-th of them."""
+        `num_local` engine cores share this host's CPUs (each takes its own GPUs by its
+        data-parallel rank: `executor.worker.device_for`)."""
         self.tmpdir = tempfile.mkdtemp(prefix="pagellm-")
         self.address = address or f"ipc://{self.tmpdir}/engine"
         status_read, status_write = os.pipe()
@@ -65,22 +66,19 @@ class EngineProcess:
         # OMP_NUM_THREADS (even empty: torch's own default) wins.
         env.setdefault("OMP_NUM_THREADS",
                        str(max(1, usable_cpus() // max(1, num_local))))
-        if num_local > 1 and args.device in ("auto", "cuda"):
-            # Data parallel: each engine core (and its tensor-parallel workers) gets its
-            # own GPUs, out of those this process may see.
-            tp = args.tensor_parallel_size
-            visible = env.get("CUDA_VISIBLE_DEVICES")
-            devices = visible.split(",") if visible else [str(i) for i in range(
-                num_local * tp)]
-            mine = devices[local_rank * tp:(local_rank + 1) * tp]
-            if len(mine) == tp:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
         # No drain on SIGTERM: we only stop it once we no longer want its outputs.
         cmd = [sys.executable, "-m", "pagellm.enginecore", *args.to_cli_args(),
                "--address", self.address, "--shutdown-timeout", "0",
                "--status-fd", str(status_write), "--lifeline-fd", str(lifeline_read),
                *extra_args]
-        self.proc = subprocess.Popen(cmd, pass_fds=(status_write, lifeline_read), env=env)
+        try:
+            self.proc = subprocess.Popen(cmd, pass_fds=(status_write, lifeline_read),
+                                         env=env)
+        except BaseException:  # no child (no interpreter, no fds left): nothing stays
+            for fd in (status_read, status_write, lifeline_read, lifeline_write):
+                os.close(fd)
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            raise
         os.close(status_write)
         os.close(lifeline_read)
         fcntl.fcntl(status_read, fcntl.F_SETFL, os.O_NONBLOCK)

@@ -106,11 +106,10 @@ def run_headless(args: EngineArgs, curve: CurveClientKeys | None = None) -> int:
             shutil.copy(curve.server_public_key_file, Path(keys_dir) / "frontend.key")
             extra = ["--curve-secret-key", str(curve.secret_key_file),
                      "--curve-authorized-keys", keys_dir]
-        for i, rank in enumerate(ranks):
+        for rank in ranks:
             address = _tcp(host, _free_port(host))
             processes[rank] = EngineProcess(args.replace(data_parallel_rank=rank), address,
-                                            num_local=len(ranks), local_rank=i,
-                                            extra_args=extra)
+                                            num_local=len(ranks), extra_args=extra)
         _wait_ready(processes)
         sock = context.socket(zmq.DEALER)
         if curve is not None:
