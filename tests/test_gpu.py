@@ -47,7 +47,6 @@ def test_graphs_and_eager_give_identical_outputs(model_dirs, make_llm):
         runs = [llm.generate(PROMPTS[:n], params, use_tqdm=False) for n in (1, 3, 10)]
         results.append([[(c.token_ids, [sorted(lp.items()) for lp in c.logprobs or []])
                          for o in run for c in o.outputs] for run in runs])
-        llm.shutdown()
     graphs, eager = results
     assert [[ids for ids, _ in run] for run in graphs] == \
         [[ids for ids, _ in run] for run in eager]

@@ -8,7 +8,11 @@ replays them with one launch. A graph replays fixed shapes and fixed addresses, 
   requests runs the smallest captured size >= R, with the R real requests first and
   padding after (no KV write: slot -1; no keys: seq_len 0);
 - their inputs are the persistent `StepBuffers` views, which each step refills;
-- the split-KV slice count of the attention kernel is fixed per size at capture.
+- the split-KV slice count of the attention kernel is fixed per size at capture;
+- a graph ends at the hidden states: the logits of the rows that sample are computed
+  after it, eagerly. Every graph's output stays allocated in the shared pool, so
+  logits there would cost the sum of all sizes x vocabulary (1.3 GB for Qwen2.5 in
+  bf16 at max_num_seqs 256, outside the KV budget); hidden states cost 13 MB.
 
 Only steps in which every request computes exactly one token use a graph (decodes, and
 the rare prompt whose last token is all that is left); everything else runs eagerly.
@@ -22,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-# The forward pass at one padded batch size -> (hidden [size, H], logits [size, V]).
-Forward = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+# The forward pass at one padded batch size -> hidden [size, H].
+Forward = Callable[[int], torch.Tensor]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -38,7 +42,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, sizes: list[int]) -> None:
         self.sizes = sorted(sizes)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def padded_size(self, num_reqs: int) -> int | None:
         """The captured size a step of num_reqs requests runs at (None: too big)."""
@@ -56,18 +60,18 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden, logits = forward(size)
+                hidden = forward(size)
             pool = graph.pool()
-            self._graphs[size] = (graph, hidden, logits)
+            self._graphs[size] = (graph, hidden)
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    def replay(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, size: int) -> torch.Tensor:
         """Run the graph of `size` on what the step buffers hold now; the returned
-        tensors are the graph's own and are overwritten by its next replay."""
-        graph, hidden, logits = self._graphs[size]
+        hidden states [size, H] are the graph's own, overwritten by its next replay."""
+        graph, hidden = self._graphs[size]
         graph.replay()
-        return hidden, logits
+        return hidden
 
     def clear(self) -> None:
         self._graphs.clear()

@@ -193,23 +193,26 @@ class ModelRunner:
         assert self.device.type == "cuda" and self.kv_caches, "needs CUDA and a KV cache"
         assert self.attention.name == "triton", "graphs need the Triton attention backend"
         sizes = capture_sizes(self.max_num_seqs)
-        put = self.buffers.put
-        self.buffers.begin_step()
-        # Padding everywhere while capturing: no KV writes, no keys read.
-        largest = sizes[-1]
-        for name, fill in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1),
-                           ("block_tables", 0), ("seq_lens", 0)):
-            put(name, np.zeros(0, np.int64), fill, largest)
-        put("query_start_loc", np.arange(largest + 1))
-        self.buffers.end_step()
+        self.stage_padding(sizes[-1])
         self.graphs = DecodeGraphs(sizes)
         with torch.inference_mode():
             seconds = self.graphs.capture(self._decode_forward)
         return len(sizes), seconds
 
-    def _decode_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def stage_padding(self, size: int) -> None:
+        """Fill the first `size` rows of the step buffers with padding requests, the
+        inputs graphs are captured on: no KV writes (slot -1), no keys read (length 0)."""
+        put = self.buffers.put
+        self.buffers.begin_step()
+        for name, fill in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1),
+                           ("block_tables", 0), ("seq_lens", 0)):
+            put(name, np.zeros(0, np.int64), fill, size)
+        put("query_start_loc", np.arange(size + 1))
+        self.buffers.end_step()
+
+    def _decode_forward(self, size: int) -> torch.Tensor:
         """The forward pass a decode graph records: `size` one-token requests read from
-        the step buffers -> (hidden [size, H], logits [size, V])."""
+        the step buffers -> hidden [size, H] (logits come after the graph)."""
         buf = self.buffers.device_buffers
         meta = AttentionMetadata(
             slot_mapping=buf["slot_mapping"][:size], block_tables=buf["block_tables"][:size],
@@ -219,9 +222,8 @@ class ModelRunner:
             # Fixed at capture, for the longest context the graph may meet.
             num_segments=num_kv_segments(size, self.num_kv_heads, 1,
                                          self.model_config.max_model_len, self.num_sms))
-        hidden = self.model(buf["input_ids"][:size], buf["positions"][:size], meta,
-                            self.kv_caches)
-        return hidden, self.model.compute_logits(hidden)
+        return self.model(buf["input_ids"][:size], buf["positions"][:size], meta,
+                          self.kv_caches)
 
     # -- one step ------------------------------------------------------------------
 
@@ -250,11 +252,10 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         t1 = time.perf_counter()
         if inputs.graph_size is not None and self.graphs is not None:
-            hidden, all_logits = self.graphs.replay(inputs.graph_size)
-            logits = all_logits[inputs.logits_indices]  # [S, V]
+            hidden = self.graphs.replay(inputs.graph_size)  # [padded size, H]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
         t2 = time.perf_counter()
         sampled_token_ids: list[int]  # per request; -1: samples nothing this step
         logprobs: dict[str, TokenLogprobs] = {}

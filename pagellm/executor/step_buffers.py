@@ -59,7 +59,9 @@ class StepBuffers:
         rows = len(data)
         size = rows if size is None else size
         host = self._host_arrays[name]
-        if data.ndim == 2:
+        if rows == 0:
+            pass  # nothing to write (an empty array has no columns to match a 2-D buffer)
+        elif data.ndim == 2:
             host[:rows, :data.shape[1]] = data
         else:
             host[:rows] = data
