@@ -140,6 +140,32 @@ def test_every_parameter_equals_its_checkpoint_tensor(built: Built, name: str) -
         assert torch.equal(params[param_name], tensor), param_name
 
 
+def test_a_bf16_model_is_never_materialized_in_fp32(built: Built) -> None:
+    """Weights are materialized in the model's dtype: built on the meta device in
+    fp32, materialized and only then cast, a bf16 model would briefly need twice its
+    memory (one that fits in bf16 could fail to load). `Module.to_empty` materializes
+    through `torch.empty_like`: every tensor it makes must be bf16, covering every
+    parameter."""
+    from torch.overrides import TorchFunctionMode
+
+    made: list[tuple[torch.dtype, int]] = []
+
+    class Materialized(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if func is torch.empty_like:
+                made.append((out.dtype, out.numel()))
+            return out
+
+    model_dir = built(SPECS[next(iter(SPECS))])
+    args = EngineArgs(model=str(model_dir), dtype="bfloat16", load_format="dummy")
+    with Materialized():
+        model = load_model(resolve_model_config(args), torch.device("cpu"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {dtype for dtype, _ in made} == {torch.bfloat16}
+    assert sum(n for _, n in made) >= sum(p.numel() for p in model.parameters())
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 def test_compute_logits_uses_lm_head_or_tied_embeddings(built: Built, name: str) -> None:
     spec = SPECS[name]

@@ -47,7 +47,8 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
     keeps its slice."""
     with torch.device("meta"):
         model = DecoderForCausalLM(config.spec, tp)
-    model = model.to_empty(device=device).to(config.dtype)
+    # Cast on meta, then materialize: never a whole fp32 copy of a bf16 model.
+    model = model.to(config.dtype).to_empty(device=device)
     model.model.rotary_emb.reset_cache()  # computed, not loaded: fill it on the device
     if config.load_format == "dummy":
         _init_dummy(model, config.seed)
