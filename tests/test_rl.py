@@ -5,6 +5,7 @@ tokens before sleeping, and the engine process's RSS measured from outside."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -546,6 +547,35 @@ def test_sleep_levels_need_enable_sleep_mode_and_bad_arguments_name_the_call(mod
         with pytest.raises(RuntimeError, match="bad arguments for pause"):
             llm.pause_generation(mode="later")
         assert greedy(llm, PROMPTS[:1])
+
+
+def test_the_weight_backup_is_one_buffer_of_exactly_the_weights_bytes():
+    """A level-1 backup on CUDA is one host buffer, pinned as a whole (torch's pinned
+    allocator would round each parameter up to a power of two): every parameter has an
+    aligned view of its own in it, none overlapping, and the buffer is no larger than
+    their bytes plus alignment."""
+    from pagellm.executor.memory import ALIGN, host_views
+
+    params = [(f"p{i}", torch.nn.Parameter(torch.randn(*shape).to(dtype)))
+              for i, (shape, dtype) in enumerate([((3, 5), torch.float32),
+                                                  ((7,), torch.bfloat16),
+                                                  ((0, 4), torch.float16),
+                                                  ((33, 3), torch.float32)])]
+    buffer, views = host_views(params)
+    nbytes = [p.numel() * p.element_size() for _, p in params]
+    assert sum(nbytes) <= buffer.numel() < sum(nbytes) + len(params) * ALIGN
+    spans = []
+    for (name, p), size in zip(params, nbytes, strict=True):
+        view = views[name]
+        assert view.shape == p.shape and view.dtype == p.dtype
+        start = view.data_ptr() - buffer.data_ptr()
+        assert start % ALIGN == 0 and start + size <= buffer.numel()
+        spans.append((start, start + size))
+        view.copy_(p.data)
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    for name, p in params:
+        assert torch.equal(views[name], p.data)
 
 
 def test_sleeping_gives_the_memory_back_to_the_system(big_config):

@@ -2,10 +2,11 @@
 
 Sleeping must give memory back to the system, not to a cache inside this process:
 on CUDA, torch's caching allocator keeps freed blocks until `empty_cache()`, and its
-pinned host allocator keeps the level-1 weight backup's pages after waking until
-`empty_host_cache()`; on the CPU, glibc keeps freed heap pages (tensors below its mmap
-threshold, which grows up to 32 MiB) until `malloc_trim`. `release()` does all of
-these, so the RSS or the device's free memory shows the drop.
+pinned host allocator keeps pinned pages until `empty_host_cache()` (the level-1
+weight backup is pinned apart from it, at its exact size: `HostBackup`); on the CPU,
+glibc keeps freed heap pages (tensors below its mmap threshold, which grows up to
+32 MiB) until `malloc_trim`. `release()` does all of these, so the RSS or the device's
+free memory shows the drop.
 
 Parameters are emptied in place (`param.data` swapped for a 0-element tensor), so the
 module tree, tied weights (one Parameter object) and every buffer (RoPE tables) stay
@@ -33,21 +34,72 @@ def parameter_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for _, p in parameters(model))
 
 
-def offload(model: nn.Module, keep: bool) -> dict[str, torch.Tensor] | None:
-    """Empty every parameter's storage; with `keep`, return a host copy of each (pinned
-    when they live on CUDA, so waking copies at full bus speed). Shapes stay readable
-    through the returned copies or through `shapes()` taken beforehand."""
-    backup: dict[str, torch.Tensor] = {}
-    for name, param in parameters(model):
-        if keep:
-            if param.device.type == "cpu":
-                backup[name] = param.data  # already host memory: keep it as it is
-            else:
-                host = torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
-                host.copy_(param.data)
-                backup[name] = host
+ALIGN = 64  # each parameter's copy starts on a 64-byte boundary (aligned for every dtype)
+
+
+class HostBackup:
+    """The level-1 copy of the weights in host memory, by parameter name.
+
+    On the CPU the parameters' own storage (already host memory). On CUDA one buffer of
+    exactly their size, page-locked with cudaHostRegister (as torch's own checkpoint
+    stager does), so waking copies at full bus speed: `pin_memory=True` would go through
+    torch's pinned allocator, which rounds every allocation up to a power of two (a
+    136 MB MLP weight pins 256 MB: up to twice the weights in all, memory the OS can
+    never swap). `free()` unpins it before it can go back to the system."""
+
+    def __init__(self, params: list[tuple[str, nn.Parameter]]) -> None:
+        self.pinned: torch.Tensor | None = None  # [bytes] uint8, registered with CUDA
+        if all(p.device.type == "cpu" for _, p in params):
+            self.tensors = {name: p.data for name, p in params}
+            return
+        buffer, self.tensors = host_views(params)
+        if buffer.numel():
+            _cuda_check(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(),
+                                                              buffer.numel(), 0),
+                        f"page-locking the {buffer.numel() / 2**20:.0f} MiB weight backup")
+            self.pinned = buffer
+        for name, p in params:
+            self.tensors[name].copy_(p.data)
+
+    def free(self) -> None:
+        """Drop the copies; unpin first (freed registered pages stay locked)."""
+        self.tensors.clear()
+        if self.pinned is not None:
+            _cuda_check(torch.cuda.cudart().cudaHostUnregister(self.pinned.data_ptr()),
+                        "unpinning the weight backup")
+            self.pinned = None
+
+
+def _cuda_check(error: int, doing: str) -> None:
+    """cudart's calls return a cudaError (an int enum, 0: success) rather than raise."""
+    if int(error) != 0:
+        raise RuntimeError(f"{doing} failed: cudaError {int(error)}")
+
+
+def host_views(params: list[tuple[str, nn.Parameter]]
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One host buffer ([bytes] uint8, exactly the parameters' sizes, 64-byte aligned
+    starts) and a view of it shaped like each parameter."""
+    offsets, total = [], 0
+    for _, p in params:
+        total = -(-total // ALIGN) * ALIGN
+        offsets.append(total)
+        total += p.numel() * p.element_size()
+    buffer = torch.empty(total, dtype=torch.uint8)
+    views = {name: buffer[start:start + p.numel() * p.element_size()].view(p.dtype)
+             .view(p.shape) for (name, p), start in zip(params, offsets, strict=True)}
+    return buffer, views
+
+
+def offload(model: nn.Module, keep: bool) -> HostBackup | None:
+    """Empty every parameter's storage; with `keep`, return a host copy of them
+    (`HostBackup`). Shapes stay readable through the copies or through `shapes()`
+    taken beforehand."""
+    params = parameters(model)
+    backup = HostBackup(params) if keep else None
+    for _, param in params:
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-    return backup if keep else None
+    return backup
 
 
 def shapes(model: nn.Module) -> dict[str, torch.Size]:
@@ -55,18 +107,22 @@ def shapes(model: nn.Module) -> dict[str, torch.Size]:
 
 
 def restore(model: nn.Module, sizes: dict[str, torch.Size],
-            backup: dict[str, torch.Tensor] | None) -> None:
+            backup: HostBackup | None) -> None:
     """Allocate every parameter again at its size, filled from `backup` when given
-    (contents undefined otherwise: level 2 waits for new weights)."""
+    (contents undefined otherwise: level 2 waits for new weights); the backup is freed
+    once copied."""
+    copies = {} if backup is None else backup.tensors
     for name, param in parameters(model):
-        if backup is not None and backup[name].device == param.device:
-            param.data = backup[name]
+        if name in copies and copies[name].device == param.device:
+            param.data = copies[name]
             continue
         param.data = torch.empty(sizes[name], dtype=param.dtype, device=param.device)
-        if backup is not None:
-            param.data.copy_(backup[name], non_blocking=True)
-    if backup is not None and any(p.device.type == "cuda" for _, p in parameters(model)):
-        torch.cuda.synchronize()  # the host copies may be freed once this returns
+        if name in copies:
+            param.data.copy_(copies[name], non_blocking=True)
+    if copies and any(p.device.type == "cuda" for _, p in parameters(model)):
+        torch.cuda.synchronize()  # every copy out of the backup is done
+    if backup is not None:
+        backup.free()
 
 
 def release(device: torch.device) -> None:

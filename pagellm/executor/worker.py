@@ -91,7 +91,7 @@ class Worker:
         self.enable_sleep_mode = args.enable_sleep_mode
         self.sleeping: set[str] = set()  # tags ("weights", "kv_cache") now freed
         self._weight_shapes = memory.shapes(self.model_runner.model)
-        self._weight_backup: dict[str, torch.Tensor] | None = None
+        self._weight_backup: memory.HostBackup | None = None
         self.weight_transfer = args.weight_transfer_config
         self._group: WeightGroup | None = None
 
@@ -150,8 +150,9 @@ class Worker:
         if "weights" not in self.sleeping:
             self._weight_backup = memory.offload(self.runner.model, keep=level == 1)
             self.sleeping.add("weights")
-        elif level == 2:
-            self._weight_backup = None  # a level-1 sleep deepened: the host copy goes too
+        elif level == 2 and self._weight_backup is not None:
+            self._weight_backup.free()  # a level-1 sleep deepened: the host copy goes too
+            self._weight_backup = None
         memory.release(self.device)
         after = memory.used_bytes(self.device)
         logger.info("sleep level %d: freed %.1f MiB in %.2f s; %.1f MiB still used on %s",
@@ -165,7 +166,7 @@ class Worker:
         t0, before = time.perf_counter(), memory.used_bytes(self.device)
         if "weights" in tags and "weights" in self.sleeping:
             memory.restore(self.runner.model, self._weight_shapes, self._weight_backup)
-            self._weight_backup = None  # the host copy is freed now, not at the next sleep
+            self._weight_backup = None  # restore freed it: not kept until the next sleep
             self.sleeping.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.sleeping:
             self.model_runner.initialize_kv_cache(self.num_kv_blocks)
