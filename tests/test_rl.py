@@ -347,12 +347,14 @@ print("sent", flush=True)
 """
 
 
-@pytest.mark.parametrize("bad", [False, True])
-def test_a_trainer_broadcasts_weights_over_the_nccl_backend(model_dirs, bad):
+@pytest.mark.parametrize("case", ["good", "bad", "asleep"])
+def test_a_trainer_broadcasts_weights_over_the_nccl_backend(model_dirs, case):
     """vLLM's four phases with the trainer in its own process (gloo on the CPU): init
     (both sides join), start, update (the engine receives what the trainer
     broadcasts), finish. A bad tensor is refused after the transfer drained, and the
-    old weights keep serving."""
+    old weights keep serving; an update while the weights sleep is refused naming that,
+    also after draining (the trainer never hangs)."""
+    bad = case == "bad"
     from helpers import free_port
 
     model_dir = model_dirs["llama"]
@@ -364,9 +366,11 @@ def test_a_trainer_broadcasts_weights_over_the_nccl_backend(model_dirs, bad):
         cwd=TESTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         with LLM(str(model_dir), weight_transfer_config={"backend": "nccl"},
-                 kv_cache_memory_bytes=8 * 2**20) as llm:
+                 kv_cache_memory_bytes=8 * 2**20, enable_sleep_mode=True) as llm:
             before = greedy(llm)
             llm.init_weight_transfer_engine({"init_info": init_info})
+            if case == "asleep":
+                llm.sleep(level=1)
             joined = json.loads(trainer.stdout.readline())
             assert joined["backend"] == "gloo"  # NCCL only between GPUs
             update_info = joined["update_info"]
@@ -378,12 +382,16 @@ def test_a_trainer_broadcasts_weights_over_the_nccl_backend(model_dirs, bad):
             if bad:
                 with pytest.raises(RuntimeError, match=r"old weights kept: model\.layers\.1"):
                     llm.update_weights({"update_info": update_info})
+            elif case == "asleep":
+                with pytest.raises(RuntimeError, match="the weights are asleep"):
+                    llm.update_weights({"update_info": update_info})
+                assert llm.wake_up() is True
             else:
                 assert llm.update_weights({"update_info": update_info}) == len(
                     update_info["names"])
             llm.finish_weight_update(weight_version="step-1")
             assert trainer.stdout.readline().strip() == "sent"
-            if bad:
+            if case != "good":
                 assert greedy(llm) == before
             else:
                 reference = hf_model(model_dir, perturbed(model_dir, seed=7))

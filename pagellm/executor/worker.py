@@ -91,6 +91,9 @@ class Worker:
         self.enable_sleep_mode = args.enable_sleep_mode
         self.sleeping: set[str] = set()  # tags ("weights", "kv_cache") now freed
         self._weight_shapes = memory.shapes(self.model_runner.model)
+        # The most a broadcast update may carry (it is received even when refused),
+        # taken while awake: asleep, the parameters hold no bytes.
+        self._update_limit = 2 * memory.parameter_bytes(self.model_runner.model)
         self._weight_backup: memory.HostBackup | None = None
         self.weight_transfer = args.weight_transfer_config
         self._group: WeightGroup | None = None
@@ -185,36 +188,40 @@ class Worker:
     def update_weights(self, update: WeightUpdate) -> int:
         """Copy the update's tensors into the model; every name, shape and dtype is
         checked before the first copy. Returns the number of tensors loaded."""
-        if self.weight_transfer is None:
-            raise RuntimeError("weight updates need the engine started with "
-                               "weight_transfer_config={'backend': 'ipc'}")
-        if "weights" in self.sleeping:
-            raise RuntimeError("the weights are asleep; wake_up(tags=['weights']) first")
+        if update.cuda_ipc is not None:  # opened first: refused or not, released after
+            receiver = self.args.data_parallel_rank * self.world_size + self.rank
+            with open_cuda_ipc(update, receiver) as tensors:
+                self._check_updatable()
+                self._load_checked(tensors)
+                return len(tensors)
         if update.buffer is not None:
+            self._check_updatable()
             with open_update(update) as tensors:
                 self._load_checked(tensors)
             return len(tensors)
-        if update.cuda_ipc is not None:
-            receiver = self.args.data_parallel_rank * self.world_size + self.rank
-            with open_cuda_ipc(update, receiver) as tensors:
-                self._load_checked(tensors)
-                return len(tensors)
         if self._group is None:
             raise RuntimeError("a weight update without a buffer arrives over the "
                                "weight-transfer group: init_weight_transfer_engine first")
         # Every name and shape is checked before the first broadcast arrives, so the
         # tensors can load as they come (one in memory at a time); a refused update is
         # still received, into scratch, so the trainer never hangs.
-        limit = 2 * memory.parameter_bytes(self.runner.model)
         try:
+            self._check_updatable()
             dests = self._destinations([(spec.name, spec.shape) for spec in update.specs])
-        except ValueError:
-            receive(self._group, update.specs, None, limit)
+        except (RuntimeError, ValueError):
+            receive(self._group, update.specs, None, self._update_limit)
             raise
-        loaded = receive(self._group, update.specs, dests, limit)
+        loaded = receive(self._group, update.specs, dests, self._update_limit)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return loaded
+
+    def _check_updatable(self) -> None:
+        if self.weight_transfer is None:
+            raise RuntimeError("weight updates need the engine started with "
+                               "weight_transfer_config={'backend': 'ipc'}")
+        if "weights" in self.sleeping:
+            raise RuntimeError("the weights are asleep; wake_up(tags=['weights']) first")
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Join the trainer's group (backend "nccl"; "ipc" needs nothing). Blocks until
