@@ -195,7 +195,7 @@ class AsyncLLM:
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         """See `LLM.wake_up`."""
-        return await self._utility(UtilityMethod.WAKE_UP, tags)
+        return await self._utility(UtilityMethod.WAKE_UP, tags, timeout=None)
 
     async def is_sleeping(self) -> bool:
         return await self._utility(UtilityMethod.IS_SLEEPING)

@@ -179,7 +179,9 @@ class LLM:
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Allocate again what `tags` name ("weights", "kv_cache", "scheduling"; None:
         all). Scheduling resumes once nothing is asleep; True when fully awake."""
-        return self._client().call_utility(UtilityMethod.WAKE_UP, tags)
+        # No timeout, as for sleep: waking copies the weights back and captures every
+        # CUDA graph again (tens of seconds for a large model; a dead engine still fails).
+        return self._client().call_utility(UtilityMethod.WAKE_UP, tags, timeout=None)
 
     def is_sleeping(self) -> bool:
         """True while paused or while any memory is asleep (vLLM's meaning)."""
