@@ -429,7 +429,7 @@ def receive(group: WeightGroup, specs: list[WeightSpec], dests: list[Destination
             raise RuntimeError(f"weight broadcast {index + 1} of {len(specs)} ({spec.name}) "
                                f"failed{mixed}: {e}") from e
         if dests is not None and into is None:
-            dests[index].load(tensor, non_blocking=True)
+            dests[index].load(tensor)  # blocking: the next broadcast overwrites scratch
     return len(specs)
 
 
