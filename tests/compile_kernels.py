@@ -148,7 +148,10 @@ def main() -> None:
                         "case": {k: str(v) for k, v in params.items()},
                         "constexprs": {k: str(v) for k, v in constexprs.items()},
                         "num_warps": compiled.metadata.num_warps,
-                        **_resource_usage(compiled.asm["cubin"], tmp)}), flush=True)
+                        **_resource_usage(compiled.asm["cubin"], tmp),
+                        # What a launch asks for: Triton's tiles are dynamic shared
+                        # memory, which the cubin's static SHARED figure leaves out.
+                        "shared": compiled.metadata.shared}), flush=True)
             recorder.calls.clear()
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import openai
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +99,11 @@ class Server:
         status, data = self.request("POST", path, body, **kw)
         return status, json.loads(data)
 
-    def client(self, key: str = "none") -> openai.OpenAI:
+    def client(self, key: str = "none") -> Any:
+        """An OpenAI SDK client (imported here: the GPU machine's image has no openai,
+        and every test module imports this file through conftest)."""
+        import openai
+
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
 
     def metric(self, name: str) -> float:

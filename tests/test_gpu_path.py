@@ -113,7 +113,10 @@ def test_padded_decode_steps_match_transformers(model_dirs, hf_reference, make_l
     caches = [c.clone() for c in runner.kv_caches]
     with torch.inference_mode():
         logits = runner.model.compute_logits(runner._decode_forward(8))  # as captured
-    assert all(torch.equal(a, b) for a, b in zip(caches, runner.kv_caches, strict=True))
+    # Bit patterns: the cache is never zeroed, and a NaN left in reused memory would
+    # not equal itself.
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(caches, runner.kv_caches, strict=True))
     assert torch.isfinite(logits).all()
     graphs = EagerReplay([1, 2, 4, 8], runner._decode_forward)
     runner.graphs = graphs
