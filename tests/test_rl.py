@@ -562,7 +562,8 @@ def test_the_weight_backup_is_one_buffer_of_exactly_the_weights_bytes():
     allocator would round each parameter up to a power of two): every parameter has an
     aligned view of its own in it, none overlapping, and the buffer is no larger than
     their bytes plus alignment."""
-    from pagellm.executor.memory import ALIGN, host_views
+    from pagellm.executor.memory import host_views
+    from pagellm.executor.weight_transfer import ALIGN
 
     params = [(f"p{i}", torch.nn.Parameter(torch.randn(*shape).to(dtype)))
               for i, (shape, dtype) in enumerate([((3, 5), torch.float32),

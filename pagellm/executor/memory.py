@@ -34,9 +34,6 @@ def parameter_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for _, p in parameters(model))
 
 
-ALIGN = 64  # each parameter's copy starts on a 64-byte boundary (aligned for every dtype)
-
-
 class HostBackup:
     """The level-1 copy of the weights in host memory, by parameter name.
 
@@ -79,16 +76,12 @@ def _cuda_check(error: int, doing: str) -> None:
 def host_views(params: list[tuple[str, nn.Parameter]]
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One host buffer ([bytes] uint8, exactly the parameters' sizes, 64-byte aligned
-    starts) and a view of it shaped like each parameter."""
-    offsets, total = [], 0
-    for _, p in params:
-        total = -(-total // ALIGN) * ALIGN
-        offsets.append(total)
-        total += p.numel() * p.element_size()
+    starts: a weight update's layout) and a view of it shaped like each parameter."""
+    from pagellm.executor.weight_transfer import layout, views
+
+    specs, total = layout([(name, p.data) for name, p in params])
     buffer = torch.empty(total, dtype=torch.uint8)
-    views = {name: buffer[start:start + p.numel() * p.element_size()].view(p.dtype)
-             .view(p.shape) for (name, p), start in zip(params, offsets, strict=True)}
-    return buffer, views
+    return buffer, dict(views(buffer, specs))
 
 
 def offload(model: nn.Module, keep: bool) -> HostBackup | None:
