@@ -28,7 +28,8 @@ from conftest import PROMPTS
 from helpers import NAME, ROOT, Server, free_port
 
 from pagellm import LLM, AsyncLLM, EngineDeadError, SamplingParams
-from pagellm.frontend.dp_client import DPSyncClient, Router, merge_results
+from pagellm.frontend.dp_client import DPSyncClient
+from pagellm.frontend.dp_routing import Router, merge_results
 from pagellm.protocol.messages import UtilityMethod
 
 TESTS = Path(__file__).resolve().parent

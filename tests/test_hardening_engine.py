@@ -38,9 +38,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 # An engine core with small limits, so that the limits can be reached in a test.
 TIGHT_ENGINE = textwrap.dedent("""
     import sys
+    import pagellm.enginecore.output_sender as output_sender
     import pagellm.enginecore.proc as proc
-    proc.CONNECT_GRACE_S = 1.0
-    proc.OUTPUT_HWM = 20
+    output_sender.CONNECT_GRACE_S = 1.0
+    output_sender.OUTPUT_HWM = 20
     proc.MAX_CLIENTS = 8
     from pagellm.enginecore.__main__ import main
     sys.exit(main(sys.argv[1:]))

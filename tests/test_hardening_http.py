@@ -261,17 +261,17 @@ def _get(port: int, path: str) -> int:
 def test_a_body_that_never_arrives_times_out(monkeypatch):
     from fastapi import Request
 
-    from pagellm.frontend.server import app as server_app
+    from pagellm.frontend.server import edge
 
-    monkeypatch.setattr(server_app, "BODY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(edge, "BODY_TIMEOUT_S", 0.2)
 
     async def receive() -> dict:
         await asyncio.sleep(0.05)
         return {"type": "http.request", "body": b"x", "more_body": True}  # forever
 
     request = Request({"type": "http", "method": "POST", "headers": []}, receive)
-    with pytest.raises(server_app.APIError) as info:
-        asyncio.run(server_app._read_body(request, 2**20))
+    with pytest.raises(edge.APIError) as info:
+        asyncio.run(edge.read_body(request, 2**20))
     assert info.value.status == 408
 
 

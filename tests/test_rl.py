@@ -813,7 +813,7 @@ def test_get_world_size_counts_every_worker_as_vllm_does():
     app = FastAPI()
     info = EngineInfo("m", 64, 100, 16, 8, 64, "cuda:0", "bfloat16", world_size=4,
                       data_parallel_size=2)
-    add_dev_routes(app, SimpleNamespace(info=info), None, None)  # type: ignore[arg-type]
+    add_dev_routes(app, SimpleNamespace(info=info), None)  # type: ignore[arg-type]
     with TestClient(app) as client:
         assert client.get("/get_world_size").json() == {"world_size": 8}
         assert client.get("/get_world_size?include_dp=false").json() == {"world_size": 4}

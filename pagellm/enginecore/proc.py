@@ -8,6 +8,7 @@
     PULL ◀─── EngineCoreOutputs ────────── PUSH    output thread: outputs by client,
               (one PUSH per client)                 encode, send, heartbeats; watches
                                                     each client's output connection
+                                                    (OutputSender, output_sender.py)
 
 Who a message comes from is the ROUTER's routing id of the connection it arrived on,
 assigned by ZeroMQ (never a field the client writes), so no client can act for
@@ -23,7 +24,6 @@ a message to every client, never leaving a process that heartbeats but is deaf.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -32,20 +32,19 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 import msgspec
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from pagellm.enginecore.core import Deferred, EngineCore, RequestRejected
+from pagellm.enginecore.output_sender import AttachedClient, OutputSender, last_word
 from pagellm.enginecore.request import Request
-from pagellm.enginecore.transport import CurveServerKeys, SocketFactory, data_endpoint
-from pagellm.enginecore.transport import monitor as monitor_socket
+from pagellm.enginecore.transport import CurveServerKeys, SocketFactory
 from pagellm.logger import freeze_startup_heap
-from pagellm.protocol.codec import MsgpackDecoder, MsgpackEncoder
+from pagellm.protocol.codec import MsgpackDecoder
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import (
     PROTOCOL_VERSION,
@@ -63,14 +62,10 @@ from pagellm.protocol.messages import (
 
 logger = logging.getLogger("pagellm")
 
-HEARTBEAT_INTERVAL_S = 0.5  # an idle client hears from the engine at least this often
-CONNECT_GRACE_S = 10.0  # a client must connect its output socket within this long
 MAX_CLIENTS = 64  # frontends attached at once
 MAX_MESSAGE_BYTES = 64 * 2**20  # larger messages: ZeroMQ drops the connection
-OUTPUT_HWM = 10_000  # outputs queued for one client before it counts as not reading
-_POLL_MS = 100  # how often the I/O threads check for shutdown
+_POLL_MS = 100  # how often the input thread checks for shutdown
 _SIGNAL_CHECK_S = 0.2  # how often an idle busy loop lets signal handlers run
-_WATCH_S = 0.1  # how often the output thread looks at its clients' connections
 SHUTDOWN_GRACE_S = 15.0  # after this long in the final shutdown the process exits anyway
 
 
@@ -111,42 +106,6 @@ class _ThreadDied:
     message: str  # what died and how (an I/O thread, a tensor-parallel worker)
 
 
-# Items for the output thread ---------------------------------------------------------
-@dataclass
-class _Client:
-    """An attached frontend. Its sockets belong to the output thread once registered."""
-
-    index: int
-    identity: bytes  # the ROUTER routing id of its connection
-    socket: zmq.Socket  # PUSH: its outputs
-    monitor: zmq.Socket  # events of that socket
-    endpoint: str  # where that socket is bound
-    registered: float = field(default_factory=time.monotonic)
-    open_fds: set[int] = field(default_factory=set)  # its socket's open connections
-    handshakes: int = 0  # connections that completed the ZMTP (and CURVE) handshake
-    last_sent: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _Register:
-    client: _Client
-
-
-@dataclass
-class _Unregister:
-    client: int
-
-
-@dataclass
-class _Send:
-    outputs: dict[int, EngineCoreOutputs]  # client index -> its outputs
-
-
-@dataclass
-class _Stop:
-    message: str  # the last word to every client (why the engine stopped)
-
-
 class EngineCoreProc:
     def __init__(self, args: EngineArgs, address: str, curve: CurveServerKeys | None = None,
                  lifeline_fd: int | None = None, shutdown_timeout: float = 0.0) -> None:
@@ -161,10 +120,9 @@ class EngineCoreProc:
         self.frontends, _ = self.sockets.bind(zmq.ROUTER, address)
         self.frontends.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone peer raises
         self.frontends.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self.output_queue: queue.Queue[Any] = queue.Queue()
         self._lock = threading.Lock()  # guards the two maps below
         self._identities: dict[bytes, int] = {}  # connection -> client index
-        self._clients: dict[int, _Client] = {}
+        self._clients: dict[int, AttachedClient] = {}
         self._next_client = 0
         self._accepting = threading.Event()  # cleared while draining for shutdown
         self._accepting.set()
@@ -173,16 +131,7 @@ class EngineCoreProc:
         # Utility calls answered once a pause in mode "wait" settles.
         self._deferred: list[tuple[int, UtilityRequest, Deferred]] = []
         self.output_s = 0.0  # mean time the busy loop spends sending a step's outputs
-        # The busy loop sends a step's outputs itself (`_hand_out`) to the clients in
-        # `_direct` (registered by the output thread) that have nothing queued for the
-        # output thread (`_queued`: _Send entries per client not yet sent), so every
-        # client's messages stay in order. `_out_lock` guards both maps and every use of
-        # a client's PUSH socket, which the two threads share.
-        self._out_lock = threading.Lock()
-        self._direct: dict[int, _Client] = {}
-        self._queued: dict[int, int] = {}
-        self._encoder = MsgpackEncoder()  # the busy loop's; the output thread has its own
-        self._buffer = bytearray()
+        self.outputs = OutputSender(self._stamp, self._forget_client)
         # (waiting, running, ADDs handled per client) as the busy loop last saw them, one
         # tuple replaced whole: every message carries its client's part, plus the ADDs
         # the input thread refused (a data-parallel frontend routes by it). Each count
@@ -190,9 +139,8 @@ class EngineCoreProc:
         self._adds_handled: dict[int, int] = {}  # busy loop
         self._adds_refused: dict[int, int] = {}  # input thread
         self.load: tuple[int, int, dict[int, int]] = (0, 0, {})
-        self._last_word_sent = False
         self.threads = [self._thread(self._input_loop, "input"),
-                        self._thread(self._output_loop, "output")]
+                        self._thread(self.outputs.run, "output")]
         if lifeline_fd is not None:
             self.threads.append(threading.Thread(target=_watch_lifeline, args=(lifeline_fd,),
                                                  name="engine-lifeline", daemon=True))
@@ -283,7 +231,7 @@ class EngineCoreProc:
             elif isinstance(item, _Utility):
                 answer = self._call(item.client, item.request)
                 if answer is not None:
-                    self._send_now({item.client: EngineCoreOutputs(
+                    self.outputs.send_now({item.client: EngineCoreOutputs(
                         timestamp=time.monotonic(), utility_output=answer)})
             elif isinstance(item, _ClientGone):
                 self.core.abort_client(item.client)
@@ -316,44 +264,13 @@ class EngineCoreProc:
     def _hand_out(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         """Send a step's outputs (timed: `StepTimings.output_s`)."""
         start = time.perf_counter()
-        self._send_now(outputs)
+        self.outputs.send_now(outputs)
         self.output_s = 0.9 * self.output_s + 0.1 * (time.perf_counter() - start)
-
-    def _send_now(self, outputs: dict[int, EngineCoreOutputs]) -> None:
-        """Send outputs from the busy loop. Handed to the output thread instead, a step's
-        outputs waited for the GIL while this thread scheduled and prepared the next
-        step (until its first torch op): ~0.5-0.8 ms of every step's latency to the
-        frontend at 256 streams. A client with messages queued, not yet registered,
-        gone, or with a full queue (zmq.Again: the output thread tells which) goes
-        through the output thread as before."""
-        slow: dict[int, EngineCoreOutputs] = {}
-        with self._out_lock:
-            for index, client_outputs in outputs.items():
-                record = self._direct.get(index)
-                if record is None or self._queued.get(index):
-                    slow[index] = client_outputs
-                    continue
-                self._stamp(index, client_outputs)
-                self._encoder.encode_into(client_outputs, self._buffer)
-                try:
-                    record.socket.send(self._buffer, flags=zmq.NOBLOCK)  # copies
-                    record.last_sent = time.monotonic()
-                except zmq.Again:
-                    slow[index] = client_outputs
-        if slow:
-            self._queue_send(slow)
 
     def _stamp(self, index: int, outputs: EngineCoreOutputs) -> None:
         """The load every message carries, as client `index` should count it."""
         outputs.num_waiting, outputs.num_running, handled = self.load
         outputs.num_adds_taken = handled.get(index, 0) + self._adds_refused.get(index, 0)
-
-    def _queue_send(self, outputs: dict[int, EngineCoreOutputs]) -> None:
-        """Give outputs to the output thread to send (counted per client, see _direct)."""
-        with self._out_lock:
-            for index in outputs:
-                self._queued[index] = self._queued.get(index, 0) + 1
-        self.output_queue.put(_Send(outputs))
 
     def _answer_deferred(self) -> None:
         if not self._deferred or not self.core.pause_settled():
@@ -364,12 +281,12 @@ class EngineCoreProc:
                 output = self._result(request, result.finish())
             except Exception as e:
                 output = UtilityOutput(request.call_id, failure=f"{type(e).__name__}: {e}")
-            self._send_now({client: EngineCoreOutputs(
+            self.outputs.send_now({client: EngineCoreOutputs(
                 timestamp=time.monotonic(), utility_output=output)})
 
     def _error_to(self, client: int, request_id: str, error: str) -> None:
         """Fail one request that never reached the scheduler."""
-        self._queue_send({client: EngineCoreOutputs(
+        self.outputs.queue_send({client: EngineCoreOutputs(
             [EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error)],
             time.monotonic())})
 
@@ -380,11 +297,12 @@ class EngineCoreProc:
         watchdog.start()
         self._accepting.clear()
         self._stopping.set()
-        self.output_queue.put(_Stop(message))
+        self.outputs.stop(message)
         for thread in self.threads[:2]:
             thread.join(timeout=5)
-        if not self.threads[1].is_alive() and not self._last_word_sent:
-            self._last_word(message)  # the output thread died: say it from here
+        if not self.threads[1].is_alive() and not self.outputs.last_word_sent:
+            with self._lock:  # the output thread died: say it from here
+                last_word(list(self._clients.values()), message)
         self.core.shutdown()
         self.sockets.close()
 
@@ -430,7 +348,7 @@ class EngineCoreProc:
             raise ValueError(f"{kind.name} from a connection that has not attached (HELLO)")
         if kind == RequestType.BYE:
             self._forget_client(client)
-            self.output_queue.put(_Unregister(client))
+            self.outputs.unregister(client)
         elif kind == RequestType.ADD:
             if not self._add(client, payload, decoders[kind]):
                 self._adds_refused[client] = self._adds_refused.get(client, 0) + 1
@@ -475,22 +393,17 @@ class EngineCoreProc:
             return
         index = self._next_client
         try:
-            sock, endpoint = self.sockets.bind(zmq.PUSH, data_endpoint(self.address,
-                                                                       f"out{index}"))
+            record = AttachedClient.bind(self.sockets, self.address, index, identity)
         except zmq.ZMQError as e:  # e.g. out of file descriptors
             self._reply(identity, HandshakeReply(error=f"cannot attach a frontend: {e}"))
             return
-        sock.setsockopt(zmq.SNDHWM, OUTPUT_HWM)
-        events = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-        monitor = monitor_socket(sock, events)
         self._next_client += 1
-        record = _Client(index, identity, sock, monitor, endpoint)
         with self._lock:
             self._identities[identity] = index
             self._clients[index] = record
-        self.output_queue.put(_Register(record))  # the output thread owns its sockets now
+        self.outputs.register(record)
         self._reply(identity, HandshakeReply(info=self.core.info, client_index=index,
-                                             output_endpoint=endpoint))
+                                             output_endpoint=record.endpoint))
         logger.info("frontend %d attached", index)
 
     def _reply(self, identity: bytes, reply: HandshakeReply) -> None:
@@ -507,134 +420,6 @@ class EngineCoreProc:
             self._adds_refused.pop(index, None)
         self.input_queue.put(_ClientGone(index))
         logger.info("frontend %d detached", index)
-
-    # -- output thread ---------------------------------------------------------------
-
-    def _output_loop(self) -> None:
-        clients: dict[int, _Client] = {}  # owned by this thread
-        encoder = MsgpackEncoder()
-        buffer = bytearray()
-        last_watch = 0.0
-
-        def drop(record: _Client, reason: str) -> None:
-            logger.warning("frontend %d %s: dropping it and aborting its requests",
-                           record.index, reason)
-            clients.pop(record.index, None)
-            close(record)
-            self._forget_client(record.index)
-
-        def close(record: _Client, linger_ms: int = 0) -> None:
-            with self._out_lock:
-                self._direct.pop(record.index, None)
-                _close(record, linger_ms)
-
-        def send(index: int, outputs: EngineCoreOutputs, last: bool = False) -> None:
-            record = clients.get(index)
-            if record is None:
-                return  # the client left
-            self._stamp(index, outputs)
-            encoder.encode_into(outputs, buffer)
-            try:
-                with self._out_lock:
-                    record.socket.send(buffer, flags=zmq.NOBLOCK)  # copies: buffer reused
-                record.last_sent = time.monotonic()
-            except zmq.Again:  # gone, or connected with a full queue: it stopped reading
-                if last:
-                    return
-                record.monitor.poll(int(_WATCH_S * 1000))  # a departure may be on its way
-                reason = _watch(record, time.monotonic())
-                if reason is None and record.handshakes:
-                    reason = f"stopped reading its outputs (a queue of {OUTPUT_HWM} is full)"
-                if reason is not None:
-                    drop(record, reason)
-
-        while True:
-            try:
-                item = self.output_queue.get(timeout=_WATCH_S if clients else _POLL_MS / 1000)
-            except queue.Empty:
-                item = None
-            if isinstance(item, _Register):
-                clients[item.client.index] = item.client
-                with self._out_lock:
-                    self._direct[item.client.index] = item.client
-            elif isinstance(item, _Unregister):
-                record = clients.pop(item.client, None)
-                if record is not None:
-                    close(record, linger_ms=1000)
-            elif isinstance(item, _Send):
-                for index, outputs in item.outputs.items():
-                    send(index, outputs)
-                    with self._out_lock:
-                        left = self._queued.pop(index, 1) - 1
-                        if left:
-                            self._queued[index] = left
-            elif isinstance(item, _Stop):
-                for index in list(clients):
-                    send(index, EngineCoreOutputs(timestamp=time.monotonic(),
-                                                  engine_dead=item.message), last=True)
-                for record in clients.values():
-                    close(record, linger_ms=1000)  # let the last word reach the frontends
-                clients.clear()
-                self._last_word_sent = True
-                return
-            now = time.monotonic()
-            if now - last_watch >= _WATCH_S:
-                last_watch = now
-                for record in list(clients.values()):
-                    reason = _watch(record, now)
-                    if reason is not None:
-                        drop(record, reason)
-                for record in [r for r in clients.values()
-                               if now - r.last_sent > HEARTBEAT_INTERVAL_S]:
-                    send(record.index, EngineCoreOutputs(timestamp=now))
-
-    def _last_word(self, message: str) -> None:
-        """The output thread is gone: tell every client why, from this thread."""
-        with self._lock:
-            records = list(self._clients.values())
-        data = msgspec.msgpack.encode(EngineCoreOutputs(timestamp=time.monotonic(),
-                                                        engine_dead=message))
-        for record in records:
-            with contextlib.suppress(zmq.ZMQError):
-                record.socket.send(data, flags=zmq.NOBLOCK)
-            _close(record, linger_ms=1000)
-
-
-def _watch(record: _Client, now: float) -> str | None:
-    """Apply the client's pending socket events; why it must be dropped, if it must.
-
-    ACCEPTED and DISCONNECTED carry the connection's descriptor; HANDSHAKE_SUCCEEDED
-    (ZMTP, and CURVE when configured) does not, so peers are counted by it: a stranger
-    whose CURVE handshake fails comes and goes without counting."""
-    while record.monitor.poll(0):
-        event = recv_monitor_message(record.monitor)
-        kind, value = event["event"], event["value"]
-        if kind == zmq.EVENT_ACCEPTED:
-            record.open_fds.add(value)
-        elif kind == zmq.EVENT_DISCONNECTED:
-            record.open_fds.discard(value)
-        elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            record.handshakes += 1
-    if record.handshakes > 1:
-        # Outputs are round-robined between peers: a second one would read this
-        # client's outputs. Fail closed.
-        return "got a second connection on its output socket"
-    if record.handshakes and not record.open_fds:
-        return "disconnected"
-    if not record.handshakes and now - record.registered > CONNECT_GRACE_S:
-        return f"did not connect its output socket within {CONNECT_GRACE_S:.0f} s"
-    return None
-
-
-def _close(record: _Client, linger_ms: int = 0) -> None:
-    with contextlib.suppress(zmq.ZMQError):
-        record.socket.disable_monitor()
-    record.monitor.close(linger=0)
-    record.socket.close(linger=linger_ms)
-    if record.endpoint.startswith("ipc://"):  # no socket file per departed client
-        with contextlib.suppress(OSError):
-            os.unlink(record.endpoint.removeprefix("ipc://"))
-
 
 def _request_id_of(payload: bytes) -> str | None:
     """The id of an ADD that failed validation, to tell its sender why."""

@@ -8,14 +8,11 @@ one `MPClient` per core; `DPSyncClient` (for `LLM`) and `DPAsyncClient` (for
 - A new request goes to the least loaded core: waiting + running as the core reported
   in its last message (every message carries it, heartbeats too) plus the ADDs this
   client sent there that the report does not account for yet (it says how many it
-  does: a report computed before an ADD arrived must not hide it). Among cores within
-  `LOAD_SLACK_REQUESTS` / `LOAD_SLACK_FRACTION` of the least loaded, the one that
-  already holds the longest prefix of the prompt wins (`PrefixIndex`: the prompt block
-  hashes this client sent to each core, LRU-bounded by that core's KV blocks), so that
-  shared prefixes keep hitting one core's cache.
+  does: a report computed before an ADD arrived must not hide it). Near-ties go to the
+  core that holds the longest prefix of the prompt (dp_routing.py's `Router`).
 - An abort goes to the core that holds the request (request id -> core, forgotten
   once the request finishes); utility calls go to every core at once and their
-  results are merged (`merge_results`, the one place that says how).
+  results are merged (dp_routing.py's `merge_results`, the one place that says how).
 - The death of any core is every waiter's `EngineDeadError`, naming the core's rank,
   and stops all the others (nothing is left running).
 - Cores of other nodes (data_parallel_size_local < data_parallel_size) are started by
@@ -35,14 +32,12 @@ import queue
 import threading
 import time
 from abc import abstractmethod
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import zmq
 
-from pagellm.enginecore.block_hash import BlockHash, extend_block_hashes
 from pagellm.enginecore.transport import Context, is_loopback
 from pagellm.frontend.core_client import (
     UTILITY_TIMEOUT_S,
@@ -51,6 +46,7 @@ from pagellm.frontend.core_client import (
     EngineDeadError,
     SyncEngineCoreClient,
 )
+from pagellm.frontend.dp_routing import Router, merge_infos, merge_results
 from pagellm.frontend.engine_process import EngineProcess
 from pagellm.frontend.mp_client import (
     LOCAL_STARTUP_TIMEOUT_S,
@@ -66,18 +62,10 @@ from pagellm.protocol.messages import (
     DPRegisterReply,
     EngineCoreOutputs,
     EngineCoreRequest,
-    EngineInfo,
     UtilityMethod,
 )
-from pagellm.protocol.stats import EngineStats, StepTimings
 
 logger = logging.getLogger("pagellm")
-
-# Loads this close to the least loaded count as equal, and the cached prefix decides:
-# a request more or 10% (of the least load) buys a cache hit.
-LOAD_SLACK_REQUESTS = 1
-LOAD_SLACK_FRACTION = 0.1
-
 
 def rank_label(rank: int) -> str:
     return f"engine core of data-parallel rank {rank}"
@@ -101,122 +89,11 @@ def local_ranks(args: EngineArgs) -> range:
     return range(start, start + local)
 
 
-class PrefixIndex:
-    """The prompt block hashes sent to one engine core, least recently used first,
-    at most `capacity` of them (the core cannot cache more blocks than it has)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = max(1, capacity)
-        self._hashes: OrderedDict[BlockHash, None] = OrderedDict()
-
-    def cached_prefix(self, hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of a prompt the core probably holds."""
-        count = 0
-        for h in hashes:
-            if h not in self._hashes:
-                break
-            count += 1
-        return count
-
-    def add(self, hashes: Sequence[BlockHash]) -> None:
-        for h in hashes:
-            self._hashes[h] = None
-            self._hashes.move_to_end(h)
-        while len(self._hashes) > self.capacity:
-            self._hashes.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._hashes)
-
-
-class Router:
-    """Which engine core gets a new request (see the module's docstring)."""
-
-    def __init__(self, block_size: int, capacities: Sequence[int],
-                 prefix_aware: bool = True) -> None:
-        self.block_size = block_size
-        self.prefix_aware = prefix_aware
-        self.indexes = [PrefixIndex(c) for c in capacities]
-        self._turn = 0  # exact ties rotate: one request at a time still uses every core
-
-    def hashes(self, request: EngineCoreRequest) -> list[BlockHash]:
-        hashes: list[BlockHash] = []
-        if self.prefix_aware:
-            extend_block_hashes(hashes, request.prompt_token_ids, self.block_size,
-                                request.cache_salt)
-        return hashes
-
-    def choose(self, loads: Sequence[int], hashes: Sequence[BlockHash]) -> int:
-        least = min(loads)
-        slack = max(LOAD_SLACK_REQUESTS, LOAD_SLACK_FRACTION * least)
-        n = len(loads)
-        candidates = [r for r, load in enumerate(loads)
-                      if load <= (least + slack if hashes else least)]
-        turn, self._turn = self._turn, (self._turn + 1) % n
-        return max(candidates, key=lambda r: (self.indexes[r].cached_prefix(hashes),
-                                              -loads[r], -((r - turn) % n)))
-
-    def record(self, rank: int, hashes: Sequence[BlockHash]) -> None:
-        self.indexes[rank].add(hashes)
-
-
-def merge_stats(stats: Sequence[EngineStats]) -> EngineStats:
-    """Counts summed; the KV cache usage over all blocks; step timings averaged."""
-    n = len(stats)
-    total = sum(s.num_total_blocks for s in stats)
-    timings = [msgspec.structs.asdict(s.step_timings) for s in stats]
-    return EngineStats(
-        num_running_reqs=sum(s.num_running_reqs for s in stats),
-        num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
-        num_free_blocks=sum(s.num_free_blocks for s in stats),
-        num_total_blocks=total,
-        kv_cache_usage=sum(s.kv_cache_usage * s.num_total_blocks for s in stats)
-        / max(total, 1),
-        prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
-        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
-        num_preemptions=sum(s.num_preemptions for s in stats),
-        num_steps=sum(s.num_steps for s in stats),
-        step_timings=StepTimings(**{k: sum(t[k] for t in timings) / n
-                                    for k in timings[0]}),
-        per_engine=list(stats))
-
-
-def merge_results(method: UtilityMethod, results: list[Any]) -> Any:
-    """One utility call's results from every engine core (rank order) as one: the one
-    place that says how each method's results combine."""
-    if method == UtilityMethod.GET_STATS:
-        return merge_stats(results)
-    if method in (UtilityMethod.RESET_PREFIX_CACHE, UtilityMethod.WAKE_UP):
-        return all(results)  # reset everywhere / awake everywhere
-    if method in (UtilityMethod.IS_SLEEPING, UtilityMethod.IS_PAUSED):
-        return any(results)  # not all serving
-    if method == UtilityMethod.COLLECTIVE_RPC:
-        return [r for per_core in results for r in per_core]  # every worker, rank order
-    if method == UtilityMethod.UPDATE_WEIGHTS:
-        return min(results)  # tensors every core loaded
-    return None  # sleep, pause, resume, weight-update phases: nothing to return
-
-
 def _check_supported(method: UtilityMethod) -> None:
     if method == UtilityMethod.INIT_WEIGHT_TRANSFER_ENGINE:
         # Every core would join the trainer's group with the same rank.
         raise ValueError("init_weight_transfer_engine (backend 'nccl') is not supported "
                          "with data_parallel_size > 1 yet: use the 'ipc' backend")
-
-
-def merge_infos(infos: Sequence[EngineInfo]) -> EngineInfo:
-    """The engine facts the frontend validates requests against: the same on every
-    core, or the cores do not serve the same model the same way."""
-    first = infos[0]
-    for rank, info in enumerate(infos):
-        for name in ("model", "max_model_len", "vocab_size", "block_size", "max_logprobs",
-                     "max_num_seqs", "world_size"):
-            if getattr(info, name) != getattr(first, name):
-                raise ValueError(f"data-parallel engine cores disagree on {name}: "
-                                 f"{getattr(first, name)!r} (rank 0) vs "
-                                 f"{getattr(info, name)!r} (rank {rank})")
-    return msgspec.structs.replace(first, num_kv_blocks=min(i.num_kv_blocks for i in infos),
-                                   data_parallel_size=len(infos))
 
 
 class DPClient(EngineCoreClient):

@@ -13,36 +13,27 @@ it), 401 without the API key, 404 for another model or route, 405, 408 / 413 for
 body that arrives too slowly / is too large, 503 while the engine is paused or asleep
 and once the engine core is dead. A client that goes away aborts its requests.
 
-What a client sends is bounded where it enters: the API key guards every route but
-/health, /ping, /metrics and /version; bodies are capped (`max_body_bytes`) and must arrive
-within BODY_TIMEOUT_S; JSON nested too deeply is a 400; tokenization and chat templates
-run off the event loop (the tokenizer thread), and templates sent by clients only with
-`trust_request_chat_template`, in a killable sandbox process (template_sandbox.py);
-unknown body fields are accepted and named once in a rate-limited log (extra_fields.py).
+What a client sends is bounded where it enters (edge.py: the API key, body size and
+arrival time, decoding); the handlers (serving.py) run tokenization and chat templates off
+the event loop, and templates sent by clients only with `trust_request_chat_template`, in
+a killable sandbox process (template_sandbox.py); unknown body fields are accepted and
+named once in a rate-limited log (extra_fields.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import inspect
-import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.frontend.async_llm import AsyncLLM
 from pagellm.frontend.core_client import EngineDeadError
-from pagellm.frontend.input_processor import ProcessedRequest, child_request_id
 from pagellm.frontend.output_processor import EngineUnavailableError
-from pagellm.frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagellm.frontend.server.api_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,73 +41,26 @@ from pagellm.frontend.server.api_models import (
     TokenizeRequest,
 )
 from pagellm.frontend.server.dev_routes import add_dev_routes
-from pagellm.frontend.server.extra_fields import IgnoredFieldsLog, unknown_fields
-from pagellm.frontend.server.formatting import (
-    chat_logprobs,
-    completion_logprobs,
-    echo_pieces,
-    prompt_logprobs_json,
-    token_pieces,
-    tokenizer_config,
-    usage,
+from pagellm.frontend.server.edge import (
+    APIError,
+    APIKeyGuard,
+    bad_request,
+    decode_body,
+    error_response,
+    read_body,
 )
+from pagellm.frontend.server.extra_fields import IgnoredFieldsLog, unknown_fields
 from pagellm.frontend.server.metrics import ServerMetrics
 from pagellm.frontend.server.options import ServerOptions
-from pagellm.frontend.server.template_sandbox import ChatTemplateSandbox, TemplateTimeout
+from pagellm.frontend.server.serving import OpenAIServing
+from pagellm.frontend.server.template_sandbox import ChatTemplateSandbox
 from pagellm.version import __version__
 
 VERSION = __version__
 logger = logging.getLogger("pagellm")
 
-# No API key needed: health checks (load balancers send no key) and metrics.
-OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
-BODY_TIMEOUT_S = 30.0  # a request body must arrive within this long
-
-ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]],
-                    Callable[[MutableMapping[str, Any]], Awaitable[None]]], Awaitable[None]]
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None
-                 ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
-
-
-def error_response(status: int, message: str, kind: str, param: str | None = None
-                   ) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status}}, status_code=status)
-
-
-def bad_request(message: str) -> APIError:
-    return APIError(400, message, "BadRequestError")
-
-
 # Error types by status for errors raised by routing itself (Starlette's HTTPException).
 _ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError"}
-
-
-class APIKeyGuard:
-    """ASGI middleware: every route but OPEN_PATHS needs `Authorization: Bearer KEY`
-    (unknown routes and the generated docs included, so nothing is learned without
-    it)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: MutableMapping[str, Any],
-                       receive: Callable[[], Awaitable[Any]],
-                       send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(401, "invalid or missing API key",
-                                          "AuthenticationError")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def build_app(engine: AsyncLLM, options: ServerOptions,
@@ -126,14 +70,14 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     app = FastAPI(title="pagellm", version=VERSION)
     metrics = ServerMetrics(options.served_model_name, engine.info.max_model_len,
                             data_parallel=engine.engine_args.data_parallel_size > 1)
-    server = _Server(engine, options, metrics, sandbox)
+    server = OpenAIServing(engine, options, metrics, sandbox)
     ignored = IgnoredFieldsLog()
     if options.api_key is not None:
         app.add_middleware(APIKeyGuard, api_key=options.api_key)
 
     async def body_of(request: Request, kind: type[Any]) -> Any:
-        data = await _read_body(request, options.max_body_bytes)
-        body = _decode(data, kind)
+        data = await read_body(request, options.max_body_bytes)
+        body = decode_body(data, kind)
         extra = unknown_fields(data, kind)
         if extra:
             ignored.note(extra)
@@ -228,81 +172,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
         return await _respond(request, body.stream, server.chat(body))
 
     if options.enable_dev_endpoints:
-        add_dev_routes(app, engine, body_of, APIError)
+        add_dev_routes(app, engine, body_of)
     return app
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, at most `limit` bytes (413), arriving within BODY_TIMEOUT_S (408)."""
-    length = request.headers.get("content-length", "")
-    too_large = APIError(413, f"the request body is larger than {limit} bytes",
-                         "RequestEntityTooLargeError")
-    if length.isdigit() and int(length) > limit:
-        raise too_large
-    chunks: list[bytes] = []
-
-    async def read() -> None:
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-
-    try:
-        await asyncio.wait_for(read(), BODY_TIMEOUT_S)
-    except asyncio.TimeoutError:  # not the builtin on Python 3.10
-        raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
-                       "RequestTimeoutError") from None
-    return b"".join(chunks)
-
-
-def _decode(data: bytes, kind: type[Any]) -> Any:
-    try:
-        return msgspec.json.decode(data, type=kind)
-    except RecursionError:
-        raise bad_request("the body nests JSON too deeply") from None
-    except UnicodeDecodeError as e:
-        raise bad_request(f"the body is not valid UTF-8 (byte {e.start})") from None
-    except msgspec.ValidationError as e:
-        raise bad_request(f"invalid request: {e}") from None
-    except msgspec.DecodeError as e:
-        path = _invalid_text_path(data)
-        if path is not None:
-            raise bad_request(f"{path}: not valid text (a lone surrogate)") from None
-        raise bad_request(f"the body is not valid JSON: {e}") from None
-
-
-def _invalid_text_path(data: bytes) -> str | None:
-    """Where a JSON body (that the stdlib can parse) holds a string that is not valid
-    Unicode: msgspec refuses those, rightly, but names no field."""
-    try:
-        value = json.loads(data)
-    except (ValueError, RecursionError):
-        return None
-
-    def walk(node: Any, path: str) -> str | None:
-        if isinstance(node, str):
-            try:
-                node.encode("utf-8")
-            except UnicodeEncodeError:
-                return path or "body"
-        elif isinstance(node, dict):
-            for key, item in node.items():
-                found = walk(item, f"{path}.{key}" if path else str(key))
-                if found:
-                    return found
-        elif isinstance(node, list):
-            for i, item in enumerate(node):
-                found = walk(item, f"{path}[{i}]")
-                if found:
-                    return found
-        return None
-
-    try:
-        return walk(value, "")
-    except RecursionError:
-        return None
 
 
 async def _respond(request: Request, stream: bool, work: Any) -> Response:
@@ -326,383 +197,3 @@ async def _respond(request: Request, stream: bool, work: Any) -> Response:
         task.cancel()
         return Response(status_code=499)
     return JSONResponse(task.result())
-
-
-class _Server:
-    """Request handling shared by the routes."""
-
-    def __init__(self, engine: AsyncLLM, options: ServerOptions, metrics: ServerMetrics,
-                 sandbox: ChatTemplateSandbox | None) -> None:
-        if options.trust_request_chat_template and sandbox is None:
-            raise ValueError("trust_request_chat_template needs a ChatTemplateSandbox")
-        self.engine = engine
-        self.options = options
-        self.name = options.served_model_name
-        self.metrics = metrics
-        self.sandbox = sandbox
-        # chat_template_kwargs are template variables: names that are parameters of
-        # apply_chat_template (tokenize, return_tensors, ...) would change what it does.
-        self.reserved_kwargs: frozenset[str] = frozenset()
-        if engine.tokenizer is not None:
-            parameters = inspect.signature(engine.tokenizer.apply_chat_template).parameters
-            self.reserved_kwargs = frozenset(
-                name for name, p in parameters.items()
-                if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
-
-    def tokenizer(self) -> Any:
-        if self.engine.tokenizer is None:
-            raise bad_request("this server was started with --skip-tokenizer-init")
-        return self.engine.tokenizer
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.name:
-            raise APIError(404, f"The model `{model}` does not exist (this server serves "
-                                f"`{self.name}`).", "NotFoundError", "model")
-
-    def check_prompt_chars(self, name: str, chars: int) -> None:
-        """Refuse text that cannot fit in max_model_len tokens before tokenizing it."""
-        limit = self.engine.input_processor.max_prompt_chars
-        if chars > limit:
-            raise bad_request(f"{name} is {chars} characters: more than max_model_len="
-                              f"{self.engine.info.max_model_len} tokens can hold ({limit} "
-                              "characters at most)")
-
-    def tokenizer_info(self) -> dict[str, Any]:
-        return tokenizer_config(self.tokenizer(), self.engine.info.max_model_len)
-
-    async def tokenize(self, body: TokenizeRequest) -> list[int]:
-        tokenizer = self.tokenizer()
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of prompt or messages")
-        if body.messages is not None:
-            if body.continue_final_message and body.add_generation_prompt:
-                raise bad_request("continue_final_message and add_generation_prompt cannot "
-                                  "both be true (set add_generation_prompt to false)")
-            return await self._chat_prompt(body.messages, body.add_generation_prompt, None,
-                                           None, body.continue_final_message)
-        assert body.prompt is not None
-        self.check_prompt_chars("prompt", len(body.prompt))
-        ids = await self.engine.run_in_tokenizer_thread(
-            tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
-        return list(ids)
-
-    async def _chat_prompt(self, messages: list[Any], add_generation_prompt: bool,
-                           kwargs: dict[str, Any] | None, template: str | None,
-                           continue_final_message: bool = False,
-                           add_special_tokens: bool = False) -> list[int]:
-        """The conversation's prompt ids: the model's chat template on the tokenizer
-        thread, or a template from the request in the sandbox (if trusted), rendered to
-        text and then tokenized (with the tokenizer's special tokens only if asked: the
-        template holds them already). With continue_final_message the text ends where
-        the last message's content does (transformers' rule), so the model continues
-        that message instead of starting a new one."""
-        tokenizer = self.tokenizer()
-        try:
-            conversation = [{"role": m.role, "content": m.text()} for m in messages]
-        except ValueError as e:
-            raise bad_request(str(e)) from None
-        self.check_prompt_chars("messages", sum(len(m["content"]) for m in conversation))
-        kwargs = dict(kwargs or {})
-        if "chat_template" in kwargs:
-            template = kwargs.pop("chat_template")
-        reserved = sorted(set(kwargs) & self.reserved_kwargs)
-        if reserved:
-            raise bad_request(f"chat_template_kwargs may only set template variables, not "
-                              f"{', '.join(reserved)}")
-        if template is not None and not self.options.trust_request_chat_template:
-            raise bad_request("chat templates from requests are refused (start the server "
-                              "with --trust-request-chat-template to allow them)")
-        try:
-            if template is None:
-                text = await self.engine.run_in_tokenizer_thread(
-                    tokenizer.apply_chat_template, conversation,
-                    add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
-            else:
-                if not isinstance(template, str):
-                    raise bad_request("chat_template must be a string")
-                assert self.sandbox is not None
-                text = await asyncio.to_thread(self.sandbox.render, template, conversation,
-                                               add_generation_prompt, kwargs)
-        except APIError:
-            raise
-        except TemplateTimeout as e:
-            raise bad_request(f"messages: {e}") from None
-        except Exception as e:  # a template error is the request's fault
-            raise bad_request(f"messages: the chat template failed: {e}") from None
-        if continue_final_message:
-            final = conversation[-1]["content"].strip()
-            end = text.rfind(final) if final else -1
-            if end == -1:
-                raise bad_request("continue_final_message: the final message's content is "
-                                  "not in the rendered chat template")
-            text = text[:end + len(final)]
-        ids = await self.engine.run_in_tokenizer_thread(
-            tokenizer.encode, text, add_special_tokens=add_special_tokens)
-        return list(ids)
-
-    async def _process(self, prompts: list[Any], params: Any, request_id: str, priority: int,
-                       salt: str | None) -> list[ProcessedRequest]:
-        """Validate every prompt before any starts (on the tokenizer thread); a bad one
-        is a 400. One HTTP request may not ask for more sequences than the engine runs
-        at once."""
-        limit = self.engine.info.max_num_seqs
-        if len(prompts) * params.n > limit:
-            raise bad_request(f"{len(prompts)} prompt(s) x n={params.n} is more sequences "
-                              f"than this engine runs at once (max_num_seqs={limit})")
-
-        def process_all() -> list[ProcessedRequest]:
-            processed = []
-            for i, prompt in enumerate(prompts):
-                if salt is not None:
-                    prompt = {"prompt": prompt} if isinstance(prompt, str) else dict(prompt)
-                    prompt["cache_salt"] = salt
-                processed.append(self.engine.process(
-                    prompt, params, child_request_id(request_id, i), priority))
-            return processed
-
-        try:
-            return await self.engine.run_in_tokenizer_thread(process_all)
-        except (ValueError, TypeError) as e:
-            raise bad_request(str(e)) from None
-
-    async def _run_all(self, processed: list[ProcessedRequest]
-                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Merge the prompts' streams: (prompt index, output) as they come."""
-        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = \
-            asyncio.Queue()
-
-        async def pump(i: int, request: ProcessedRequest) -> None:
-            tracker = self.metrics.tracker(request.params.n)
-            try:
-                async for output in self.engine.stream(request):
-                    tracker.observe(output)
-                    queue.put_nowait((i, output))
-            except Exception as e:
-                queue.put_nowait(e)
-            finally:
-                queue.put_nowait(None)
-
-        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(processed)]
-        remaining = len(tasks)
-        try:
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    # -- /v1/completions ---------------------------------------------------------------
-
-    async def completions(self, body: CompletionRequest) -> Any:
-        self.check_model(body.model)
-        try:
-            body.check_supported()
-            prompts = body.prompts()
-            prompt_logprobs = body.prompt_logprobs
-            if prompt_logprobs is None and body.echo:
-                prompt_logprobs = body.logprobs  # echoed tokens carry their logprobs
-            params = body.sampling_params(1 if body.score_only else body.max_tokens,
-                                          body.logprobs, prompt_logprobs)
-        except (ValueError, TypeError) as e:
-            raise bad_request(str(e)) from None
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        if not body.add_special_tokens:
-            prompts = await self._tokenize_plain(prompts)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        processed = await self._process(prompts, params, request_id, body.priority,
-                                        body.cache_salt)
-        created = int(time.time())
-        header = {"id": request_id, "object": "text_completion", "created": created,
-                  "model": self.name}
-        if body.stream:
-            return self._stream_completions(processed, header, body)
-        finals: dict[int, RequestOutput] = {}
-        async for i, output in self._run_all(processed):
-            finals[i] = output
-        choices = []
-        for i in range(len(processed)):
-            out = finals[i]
-            if texts[i] is not None and out.prompt is None:
-                out.prompt = texts[i]  # tokenized here (add_special_tokens=false)
-            choices += await self.engine.run_in_tokenizer_thread(
-                self._completion_choices, out, i, body)
-        completion = 0 if body.score_only else \
-            sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
-        return {**header, "choices": choices, "usage": usage(processed, completion)}
-
-    async def _tokenize_plain(self, prompts: list[Any]) -> list[Any]:
-        """Text prompts as token ids without the tokenizer's special tokens (vLLM's
-        add_special_tokens=false)."""
-        tokenizer = self.tokenizer()
-        for p in prompts:
-            if isinstance(p, str):
-                self.check_prompt_chars("prompt", len(p))
-
-        def encode() -> list[Any]:
-            return [{"prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)}
-                    if isinstance(p, str) else p for p in prompts]
-
-        return await self.engine.run_in_tokenizer_thread(encode)
-
-    def _completion_choices(self, out: RequestOutput, i: int, body: CompletionRequest
-                            ) -> list[dict[str, Any]]:
-        """The choices of prompt `i` (on the tokenizer thread: echoed prompts and
-        logprob texts are detokenized here)."""
-        tokenizer = self.engine.tokenizer
-        echo_text = ""
-        echo_tokens: list[tuple[int, PositionLogprobs | None, str]] = []
-        if body.echo:
-            echo_text, pieces = echo_pieces(tokenizer, out.prompt_token_ids, out.prompt)
-            echo_tokens = list(zip(out.prompt_token_ids, out.prompt_logprobs or
-                                   [None] * len(pieces), pieces, strict=True))
-        choices = []
-        for c in out.outputs:
-            logprobs = None
-            if body.logprobs is not None:
-                generated: list[tuple[int, PositionLogprobs | None, str]] = \
-                    [] if body.score_only else list(zip(
-                    c.token_ids, c.logprobs or [], token_pieces(
-                        tokenizer, c.token_ids, out.prompt_token_ids,
-                        body.skip_special_tokens), strict=False))
-                logprobs = completion_logprobs(echo_tokens + generated,
-                                               body.return_tokens_as_token_ids)
-            choices.append({
-                "index": i * body.n + c.index,
-                "text": echo_text + ("" if body.score_only else c.text),
-                "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": None if body.score_only else c.stop_reason,
-                "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)
-                if body.prompt_logprobs is not None else None,
-                **self._token_ids(body, out.prompt_token_ids,
-                                  [] if body.score_only else c.token_ids)})
-        return choices
-
-    @staticmethod
-    def _token_ids(body: Any, prompt_ids: list[int] | None, ids: list[int]
-                   ) -> dict[str, list[int] | None]:
-        """vLLM's return_token_ids fields (None when not asked for, as vLLM sends)."""
-        if not body.return_token_ids:
-            return {"prompt_token_ids": None, "token_ids": None}
-        return {"prompt_token_ids": prompt_ids, "token_ids": list(ids)}
-
-    def _stream_completions(self, processed: list[ProcessedRequest], header: dict[str, Any],
-                            body: CompletionRequest) -> AsyncIterator[str]:
-        started: set[tuple[int, int]] = set()
-
-        def chunks(i: int, out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = completion_logprobs(
-                    [(t, e, e[t].decoded_token or "") for t, e in
-                     zip(c.token_ids, c.logprobs or [], strict=False)],
-                    body.return_tokens_as_token_ids)
-            first = (i, c.index) not in started
-            started.add((i, c.index))
-            choice = {"index": i * body.n + c.index, "text": c.text, "logprobs": logprobs,
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                      **self._token_ids(body, out.prompt_token_ids, c.token_ids)}
-            if body.return_token_ids and not first:
-                choice["prompt_token_ids"] = None  # the first chunk carries them
-            return [{"choices": [choice]}]
-
-        return self._events(processed, header, body, chunks)
-
-    async def _events(self, processed: list[ProcessedRequest], header: dict[str, Any],
-                      body: CompletionRequest | ChatCompletionRequest,
-                      chunks: Callable[[int, RequestOutput, CompletionOutput],
-                                       list[dict[str, Any]]]) -> AsyncIterator[str]:
-        """Server-sent events: every completion update as `chunks` makes it (the
-        payloads without the header), with the usage so far in each if asked
-        (continuous_usage_stats), the final usage if asked, then [DONE]; the engine
-        dying mid-stream becomes an error event."""
-        completion = 0
-        try:
-            async for i, out in self._run_all(processed):
-                for c in out.outputs:
-                    completion += len(c.token_ids)
-                    for payload in chunks(i, out, c):
-                        if body.continuous_usage:
-                            payload["usage"] = usage(processed, completion)
-                        yield _sse({**header, **payload})
-            if body.include_usage:
-                yield _sse({**header, "choices": [], "usage": usage(processed, completion)})
-        except EngineDeadError as e:
-            yield _sse({"error": {"message": f"the engine core is dead: {e}",
-                                  "type": "ServiceUnavailableError", "code": 503}})
-        yield "data: [DONE]\n\n"
-
-    # -- /v1/chat/completions ------------------------------------------------------------
-
-    async def chat(self, body: ChatCompletionRequest) -> Any:
-        self.check_model(body.model)
-        try:
-            body.check_supported()
-            top = (body.top_logprobs or 0) if body.logprobs else None
-            params = body.sampling_params(body.completion_limit, top, body.prompt_logprobs)
-        except (ValueError, TypeError) as e:
-            raise bad_request(str(e)) from None
-        prompt_ids = await self._chat_prompt(
-            body.messages, body.add_generation_prompt, body.chat_template_kwargs,
-            body.chat_template, body.continue_final_message, body.add_special_tokens)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        processed = await self._process([{"prompt_token_ids": prompt_ids}], params,
-                                        request_id, body.priority, body.cache_salt)
-        header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                  "model": self.name}
-        if body.stream:
-            return self._stream_chat(processed, header, body)
-        final = None
-        async for _, out in self._run_all(processed):
-            final = out
-        assert final is not None
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0,
-                                              body.return_tokens_as_token_ids)
-                    if body.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    "token_ids": list(c.token_ids) if body.return_token_ids else None}
-                   for c in final.outputs]
-        completion = sum(len(c.token_ids) for c in final.outputs)
-        # vLLM puts the prompt's fields on the response: a chat has one prompt.
-        return {**header, "choices": choices, "usage": usage(processed, completion),
-                "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs),
-                "prompt_token_ids": final.prompt_token_ids if body.return_token_ids
-                else None}
-
-    def _stream_chat(self, processed: list[ProcessedRequest], header: dict[str, Any],
-                     body: ChatCompletionRequest) -> AsyncIterator[str]:
-        started: set[int] = set()
-
-        def chunks(_: int, out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
-            payloads = []
-            if c.index not in started:  # the role first, as OpenAI does
-                started.add(c.index)
-                first: dict[str, Any] = {"choices": [{
-                    "index": c.index, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}]}
-                if body.return_token_ids:
-                    first["prompt_token_ids"] = out.prompt_token_ids
-                payloads.append(first)
-            choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
-                      "logprobs": chat_logprobs(c.token_ids, c.logprobs,
-                                                body.top_logprobs or 0,
-                                                body.return_tokens_as_token_ids)
-                      if body.logprobs else None,
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            if body.return_token_ids:
-                choice["token_ids"] = list(c.token_ids)
-            payloads.append({"choices": [choice]})
-            return payloads
-
-        return self._events(processed, {**header, "object": "chat.completion.chunk"},
-                            body, chunks)
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {msgspec.json.encode(payload).decode()}\n\n"

@@ -30,6 +30,7 @@ from fastapi import FastAPI, Query, Request
 
 from pagellm.frontend.async_llm import AsyncLLM
 from pagellm.frontend.core_client import EngineDeadError
+from pagellm.frontend.server.edge import APIError, bad_request
 
 T = TypeVar("T")
 
@@ -54,22 +55,21 @@ class FinishRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def add_dev_routes(app: FastAPI, engine: AsyncLLM,
-                   body_of: Callable[[Request, type[Any]], Awaitable[Any]],
-                   error: Callable[[int, str, str], Exception]) -> None:
+                   body_of: Callable[[Request, type[Any]], Awaitable[Any]]) -> None:
     async def control(call: Awaitable[T]) -> T:
         try:
             return await call
         except EngineDeadError:
             raise
         except TimeoutError as e:
-            raise error(504, str(e), "TimeoutError") from None
+            raise APIError(504, str(e), "TimeoutError") from None
         except (RuntimeError, ValueError) as e:
-            raise error(400, str(e), "BadRequestError") from None
+            raise bad_request(str(e)) from None
 
     @app.post("/sleep")
     async def sleep(level: str = "1", mode: str = "abort") -> dict[str, Any]:
         if not level.isdigit():
-            raise error(400, f"level must be 0, 1 or 2, got {level!r}", "BadRequestError")
+            raise bad_request(f"level must be 0, 1 or 2, got {level!r}")
         await control(engine.sleep(int(level), mode))
         return {"status": "sleeping", "level": int(level)}
 
