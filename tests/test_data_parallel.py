@@ -174,13 +174,55 @@ def test_utility_calls_reach_every_core_and_merge(dp_llm):
     assert len(checksums) == 2 and checksums[0] == checksums[1]
     with pytest.raises(RuntimeError, match=r"data-parallel rank 0.*fail"):
         dp_llm.collective_rpc("fail")
-    with pytest.raises(ValueError, match="not supported with data_parallel_size"):
-        dp_llm.init_weight_transfer_engine({"init_info": {
-            "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-            "world_size": 2}})
     assert merge_results(UtilityMethod.WAKE_UP, [True, False]) is False
     assert merge_results(UtilityMethod.UPDATE_WEIGHTS, [3, 3]) == 3
     assert_all_free(dp_llm)
+
+
+@pytest.mark.slow
+def test_a_trainer_broadcasts_weights_to_every_core(model_dirs, monkeypatch):
+    """The "nccl" backend (gloo here) with two data-parallel cores, in vLLM's numbering:
+    core d's worker r joins the trainer's group as rank_offset + d x tp + r, so each
+    broadcast reaches both cores and both serve the new weights. A group too small for
+    every worker is refused, naming the size it needs, before any worker joins."""
+    from test_rl import NCCL_TRAINER, hf_greedy, hf_model, perturbed
+
+    monkeypatch.setenv("PYTHONPATH", with_tests_on_path())
+    model_dir = model_dirs["llama"]
+    init_info = {"master_address": "127.0.0.1", "master_port": free_port(),
+                 "rank_offset": 1, "world_size": 3}
+    with LLM(str(model_dir), data_parallel_size=2, kv_cache_memory_bytes=KV,
+             weight_transfer_config={"backend": "nccl"},
+             worker_extension_cls="rl_extension.Probe") as llm:
+        with pytest.raises(RuntimeError, match=r"world_size=2 cannot hold this engine's 2 "
+                                               r"worker\(s\) .* = 3"):
+            llm.init_weight_transfer_engine({"init_info": {**init_info, "world_size": 2}})
+        before = llm.collective_rpc("weight_checksum")
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", NCCL_TRAINER, str(model_dir), json.dumps(init_info),
+             "good"], cwd=TESTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            llm.init_weight_transfer_engine({"init_info": init_info})
+            update_info = json.loads(trainer.stdout.readline())["update_info"]
+            llm.start_weight_update()
+            trainer.stdin.write("go\n")
+            trainer.stdin.flush()
+            assert llm.update_weights({"update_info": update_info}) == len(
+                update_info["names"])
+            llm.finish_weight_update()
+            assert trainer.stdout.readline().strip() == "sent"
+            assert trainer.wait(30) == 0
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+                trainer.wait()
+        after = llm.collective_rpc("weight_checksum")
+        assert before[0] == before[1] and after[0] == after[1] and after != before
+        reference = hf_model(model_dir, perturbed(model_dir, seed=7))
+        out = llm.generate(PROMPTS[:6], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == [
+            hf_greedy(reference, o.prompt_token_ids, GREEDY.max_tokens) for o in out]
+        assert_all_free(llm)
 
 
 def test_each_core_takes_the_gpus_after_those_of_the_cores_before_it(monkeypatch):

@@ -189,8 +189,7 @@ class Worker:
         """Copy the update's tensors into the model; every name, shape and dtype is
         checked before the first copy. Returns the number of tensors loaded."""
         if update.cuda_ipc is not None:  # opened first: refused or not, released after
-            receiver = self.args.data_parallel_rank * self.world_size + self.rank
-            with open_cuda_ipc(update, receiver) as tensors:
+            with open_cuda_ipc(update, self._global_rank()) as tensors:
                 self._check_updatable()
                 self._load_checked(tensors)
                 return len(tensors)
@@ -234,7 +233,22 @@ class Worker:
         if self._group is not None:
             raise RuntimeError("the weight-transfer engine is already initialized")
         init = msgspec.convert(init_info, TransferInit)
-        self._group = WeightGroup(init, rank=init.rank_offset + self.rank, device=self.device)
+        # Refused by every worker alike before any joins: a rank past the group's size
+        # would wait out TRANSFER_TIMEOUT_S.
+        workers = self.args.data_parallel_size * self.world_size
+        if init.rank_offset + workers > init.world_size:
+            raise ValueError(
+                f"init_info world_size={init.world_size} cannot hold this engine's "
+                f"{workers} worker(s) from rank_offset={init.rank_offset}: it needs at "
+                f"least rank_offset + data_parallel_size x tensor_parallel_size = "
+                f"{init.rank_offset + workers}")
+        self._group = WeightGroup(init, rank=init.rank_offset + self._global_rank(),
+                                  device=self.device)
+
+    def _global_rank(self) -> int:
+        """This worker among every worker of every data-parallel engine core (vLLM's
+        numbering: core by core, tensor-parallel ranks within each)."""
+        return self.args.data_parallel_rank * self.world_size + self.rank
 
     def _destinations(self, shapes: list[tuple[str, Sequence[int]]]) -> list[Destination]:
         """Where each `(checkpoint name, full shape)` of an update loads on this rank

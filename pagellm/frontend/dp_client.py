@@ -89,13 +89,6 @@ def local_ranks(args: EngineArgs) -> range:
     return range(start, start + local)
 
 
-def _check_supported(method: UtilityMethod) -> None:
-    if method == UtilityMethod.INIT_WEIGHT_TRANSFER_ENGINE:
-        # Every core would join the trainer's group with the same rank.
-        raise ValueError("init_weight_transfer_engine (backend 'nccl') is not supported "
-                         "with data_parallel_size > 1 yet: use the 'ipc' backend")
-
-
 class DPClient(EngineCoreClient):
     """What the sync and async data-parallel clients share: start-up, routing, aborts,
     death and shutdown."""
@@ -269,10 +262,6 @@ class DPClient(EngineCoreClient):
         """The rank of the engine core that holds an unfinished request."""
         return self._owner.get(request_id)
 
-    def _start_utility(self, method: UtilityMethod) -> None:
-        self.check_alive()
-        _check_supported(method)
-
     @staticmethod
     def _name_rank(rank: int, error: Exception) -> Exception:
         """A core's utility failure, naming the core (its death already does)."""
@@ -349,7 +338,7 @@ class DPSyncClient(DPClient, SyncEngineCoreClient):
 
     def call_utility(self, method: UtilityMethod, *args: Any,
                      timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
-        self._start_utility(method)
+        self.check_alive()
         calls = [client.start_utility(method, *args) for client in self.clients]
         deadline = None if timeout is None else time.monotonic() + timeout
         results = []
@@ -406,7 +395,7 @@ class DPAsyncClient(DPClient, AsyncEngineCoreClient):
 
     async def call_utility_async(self, method: UtilityMethod, *args: Any,
                                  timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
-        self._start_utility(method)
+        self.check_alive()
         self._ensure_readers()
         results = await asyncio.gather(
             *(client.call_utility_async(method, *args, timeout=timeout)
