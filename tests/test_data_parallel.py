@@ -185,7 +185,7 @@ def test_a_trainer_broadcasts_weights_to_every_core(model_dirs, monkeypatch):
     core d's worker r joins the trainer's group as rank_offset + d x tp + r, so each
     broadcast reaches both cores and both serve the new weights. A group too small for
     every worker is refused, naming the size it needs, before any worker joins."""
-    from test_rl import NCCL_TRAINER, hf_greedy, hf_model, perturbed
+    from test_rl import NcclTrainer, hf_greedy, hf_model, perturbed
 
     monkeypatch.setenv("PYTHONPATH", with_tests_on_path())
     model_dir = model_dirs["llama"]
@@ -198,24 +198,17 @@ def test_a_trainer_broadcasts_weights_to_every_core(model_dirs, monkeypatch):
                                                r"worker\(s\) .* = 3"):
             llm.init_weight_transfer_engine({"init_info": {**init_info, "world_size": 2}})
         before = llm.collective_rpc("weight_checksum")
-        trainer = subprocess.Popen(
-            [sys.executable, "-c", NCCL_TRAINER, str(model_dir), json.dumps(init_info),
-             "good"], cwd=TESTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
+        with NcclTrainer(model_dir, init_info) as trainer:
+            trainer.guard(client_of(llm).clients[0].engine_process.pid)  # all go with it
             llm.init_weight_transfer_engine({"init_info": init_info})
-            update_info = json.loads(trainer.stdout.readline())["update_info"]
+            update_info = trainer.joined()["update_info"]
             llm.start_weight_update()
-            trainer.stdin.write("go\n")
-            trainer.stdin.flush()
+            trainer.send()
             assert llm.update_weights({"update_info": update_info}) == len(
                 update_info["names"])
             llm.finish_weight_update()
-            assert trainer.stdout.readline().strip() == "sent"
-            assert trainer.wait(30) == 0
-        finally:
-            if trainer.poll() is None:
-                trainer.kill()
-                trainer.wait()
+            assert trainer.sent()
+            assert trainer.finish() == 0
         after = llm.collective_rpc("weight_checksum")
         assert before[0] == before[1] and after[0] == after[1] and after != before
         reference = hf_model(model_dir, perturbed(model_dir, seed=7))

@@ -7,15 +7,12 @@ without a GPU; the CPU halves are tests/test_rl.py's."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 import torch
-from test_rl import NCCL_TRAINER, TESTS, greedy, hf_greedy, hf_model, parameter_count, perturbed
+from test_rl import NcclTrainer, greedy, hf_greedy, hf_model, parameter_count, perturbed
 
 from pagellm import LLM, SamplingParams
 
@@ -74,32 +71,25 @@ def test_the_nccl_backend_with_a_cuda_engine(model_dirs, engine_gpu):
     model_dir = model_dirs["llama"]
     init_info = {"master_address": "127.0.0.1", "master_port": free_port(),
                  "rank_offset": 1, "world_size": 2}
-    trainer = subprocess.Popen(
-        [sys.executable, "-c", NCCL_TRAINER, str(model_dir), json.dumps(init_info), "good",
-         "cuda:0"], cwd=TESTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        with LLM(str(model_dir), device=f"cuda:{engine_gpu}", dtype="float32",
-                 kv_cache_memory_bytes=KV, weight_transfer_config={"backend": "nccl"}) as llm:
-            llm.init_weight_transfer_engine({"init_info": init_info})
-            joined = json.loads(trainer.stdout.readline())
-            assert joined["backend"] == ("nccl" if engine_gpu else "gloo")
-            llm.start_weight_update()
-            trainer.stdin.write("go\n")
-            trainer.stdin.flush()
-            names = joined["update_info"]["names"]
-            assert llm.update_weights({"update_info": joined["update_info"]}) == len(names)
-            llm.finish_weight_update()
-            assert trainer.stdout.readline().strip() == "sent"
-            reference = hf_model(model_dir, perturbed(model_dir, seed=7))
-            outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10),
-                                   use_tqdm=False)
-            assert [o.outputs[0].token_ids for o in outputs] == [
-                hf_greedy(reference, o.prompt_token_ids, 10) for o in outputs]
-        assert trainer.wait(30) == 0
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-            trainer.wait()
+    with NcclTrainer(model_dir, init_info, device="cuda:0") as trainer, \
+            LLM(str(model_dir), device=f"cuda:{engine_gpu}", dtype="float32",
+                kv_cache_memory_bytes=KV, weight_transfer_config={"backend": "nccl"}) as llm:
+        trainer.guard(llm.engine_core.engine_process.pid)
+        llm.init_weight_transfer_engine({"init_info": init_info})
+        joined = trainer.joined()
+        assert joined["backend"] == ("nccl" if engine_gpu else "gloo")
+        llm.start_weight_update()
+        trainer.send()
+        names = joined["update_info"]["names"]
+        assert llm.update_weights({"update_info": joined["update_info"]}) == len(names)
+        llm.finish_weight_update()
+        assert trainer.sent()
+        reference = hf_model(model_dir, perturbed(model_dir, seed=7))
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10),
+                               use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [
+            hf_greedy(reference, o.prompt_token_ids, 10) for o in outputs]
+        assert trainer.finish() == 0
 
 
 def test_sleep_gives_device_and_pinned_memory_back_and_wakes_with_graphs(big_config):

@@ -5,10 +5,14 @@ tokens before sleeping, and the engine process's RSS measured from outside."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -347,6 +351,58 @@ print("sent", flush=True)
 """
 
 
+class NcclTrainer:
+    """NCCL_TRAINER in a process of its own, owned by a `with` block.
+
+    The engine waits up to TRANSFER_TIMEOUT_S (300 s) for the trainer to join its
+    group; a trainer that dies first (a failed import, a crash) would make the test
+    wait that long. Once `guard(engine_pid)` is called, such a death kills the engine
+    too, so the test fails at once (and the trainer's traceback is in its stderr)."""
+
+    def __init__(self, model_dir: Path, init_info: dict, mode: str = "good",
+                 device: str | None = None) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", NCCL_TRAINER, str(model_dir), json.dumps(init_info), mode,
+             *([device] if device else [])],
+            cwd=TESTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._finished = threading.Event()
+
+    def guard(self, engine_pid: int) -> None:
+        def watch() -> None:
+            if self.process.wait() != 0 and not self._finished.is_set():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(engine_pid, signal.SIGKILL)
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    def joined(self) -> dict:
+        """What the trainer printed once in the group: its backend and update_info."""
+        return json.loads(self.process.stdout.readline())
+
+    def send(self) -> None:
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+
+    def sent(self) -> bool:
+        return self.process.stdout.readline().strip() == "sent"
+
+    def finish(self) -> int:
+        self._finished.set()
+        return self.process.wait(30)
+
+    def __enter__(self) -> NcclTrainer:
+        return self
+
+    def stop(self) -> None:
+        self._finished.set()
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 @pytest.mark.parametrize("case", ["good", "bad", "asleep"])
 def test_a_trainer_broadcasts_weights_over_the_nccl_backend(model_dirs, case):
     """vLLM's four phases with the trainer in its own process (gloo on the CPU): init
@@ -360,50 +416,42 @@ def test_a_trainer_broadcasts_weights_over_the_nccl_backend(model_dirs, case):
     model_dir = model_dirs["llama"]
     init_info = {"master_address": "127.0.0.1", "master_port": free_port(),
                  "rank_offset": 1, "world_size": 2}
-    trainer = subprocess.Popen(
-        [sys.executable, "-c", NCCL_TRAINER, str(model_dir), json.dumps(init_info),
-         "bad" if bad else "good"],
-        cwd=TESTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        with LLM(str(model_dir), weight_transfer_config={"backend": "nccl"},
-                 kv_cache_memory_bytes=8 * 2**20, enable_sleep_mode=True) as llm:
-            before = greedy(llm)
-            llm.init_weight_transfer_engine({"init_info": init_info})
-            if case == "asleep":
-                llm.sleep(level=1)
-            joined = json.loads(trainer.stdout.readline())
-            assert joined["backend"] == "gloo"  # NCCL only between GPUs
-            update_info = joined["update_info"]
+    with NcclTrainer(model_dir, init_info, "bad" if bad else "good") as trainer, \
+            LLM(str(model_dir), weight_transfer_config={"backend": "nccl"},
+                kv_cache_memory_bytes=8 * 2**20, enable_sleep_mode=True) as llm:
+        trainer.guard(llm.engine_core.engine_process.pid)
+        before = greedy(llm)
+        llm.init_weight_transfer_engine({"init_info": init_info})
+        if case == "asleep":
+            llm.sleep(level=1)
+        joined = trainer.joined()
+        assert joined["backend"] == "gloo"  # NCCL only between GPUs
+        update_info = joined["update_info"]
+        llm.start_weight_update()
+        with pytest.raises(RuntimeError, match="already in progress"):
             llm.start_weight_update()
-            with pytest.raises(RuntimeError, match="already in progress"):
-                llm.start_weight_update()
-            trainer.stdin.write("go\n")
-            trainer.stdin.flush()
-            if bad:
-                with pytest.raises(RuntimeError, match=r"old weights kept: model\.layers\.1"):
-                    llm.update_weights({"update_info": update_info})
-            elif case == "asleep":
-                with pytest.raises(RuntimeError, match="the weights are asleep"):
-                    llm.update_weights({"update_info": update_info})
-                assert llm.wake_up() is True
-            else:
-                assert llm.update_weights({"update_info": update_info}) == len(
-                    update_info["names"])
-            llm.finish_weight_update(weight_version="step-1")
-            assert trainer.stdout.readline().strip() == "sent"
-            if case != "good":
-                assert greedy(llm) == before
-            else:
-                reference = hf_model(model_dir, perturbed(model_dir, seed=7))
-                out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-                assert [o.outputs[0].token_ids for o in out] == [
-                    hf_greedy(reference, o.prompt_token_ids, 10) for o in out]
-            assert_no_leaks(llm)
-        assert trainer.wait(30) == 0
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-            trainer.wait()
+        trainer.send()
+        if bad:
+            with pytest.raises(RuntimeError, match=r"old weights kept: model\.layers\.1"):
+                llm.update_weights({"update_info": update_info})
+        elif case == "asleep":
+            with pytest.raises(RuntimeError, match="the weights are asleep"):
+                llm.update_weights({"update_info": update_info})
+            assert llm.wake_up() is True
+        else:
+            assert llm.update_weights({"update_info": update_info}) == len(
+                update_info["names"])
+        llm.finish_weight_update(weight_version="step-1")
+        assert trainer.sent()
+        if case != "good":
+            assert greedy(llm) == before
+        else:
+            reference = hf_model(model_dir, perturbed(model_dir, seed=7))
+            out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in out] == [
+                hf_greedy(reference, o.prompt_token_ids, 10) for o in out]
+        assert_no_leaks(llm)
+        assert trainer.finish() == 0
 
 
 def test_broadcast_tensors_load_as_they_arrive_and_a_refused_update_is_drained():
@@ -833,7 +881,7 @@ def test_dev_routes_drive_sleep_pause_rpc_and_nccl_updates_over_http(model_dirs,
                     "--weight-transfer-config", '{"backend": "nccl"}',
                     "--worker-extension-cls", "rl_extension.Probe", "--api-key", "k")
     key = {"Authorization": "Bearer k"}
-    trainer = None
+    trainer: NcclTrainer | None = None
     try:
         def call(method: str, path: str, body: object = None) -> tuple[int, dict]:
             status, data = server.request(method, path, body, headers=key)
@@ -878,19 +926,17 @@ def test_dev_routes_drive_sleep_pause_rpc_and_nccl_updates_over_http(model_dirs,
         # The weight-update phases with a trainer broadcasting (gloo).
         init_info = {"master_address": "127.0.0.1", "master_port": free_port(),
                      "rank_offset": 1, "world_size": 2}
-        trainer = subprocess.Popen(
-            [sys.executable, "-c", NCCL_TRAINER, str(model_dir), json.dumps(init_info),
-             "good"], cwd=TESTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        trainer = NcclTrainer(model_dir, init_info)
+        trainer.guard(server.engine_pid())
         assert call("POST", "/init_weight_transfer_engine", {"init_info": init_info}) == (
             200, {"message": "Weight transfer initialized"})
-        update_info = json.loads(trainer.stdout.readline())["update_info"]
+        update_info = trainer.joined()["update_info"]
         assert call("POST", "/start_weight_update")[0] == 200
-        trainer.stdin.write("go\n")
-        trainer.stdin.flush()
+        trainer.send()
         assert call("POST", "/update_weights", {"update_info": update_info}) == (
             200, {"message": "Weights updated"})
         assert call("POST", "/finish_weight_update", {"weight_version": "1"})[0] == 200
-        assert trainer.wait(30) == 0
+        assert trainer.finish() == 0
         reference = hf_model(model_dir, perturbed(model_dir, seed=7))
         ids = server.post("/tokenize", {"prompt": PROMPTS[1]}, headers=key)[1]["tokens"]
         tokens = hf_greedy(reference, ids, 8)
@@ -898,9 +944,8 @@ def test_dev_routes_drive_sleep_pause_rpc_and_nccl_updates_over_http(model_dirs,
 
         assert complete() == AutoTokenizer.from_pretrained(model_dir).decode(tokens)
     finally:
-        if trainer is not None and trainer.poll() is None:
-            trainer.kill()
-            trainer.wait()
+        if trainer is not None:
+            trainer.stop()
         assert server.stop() == 0
 
 

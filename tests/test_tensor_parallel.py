@@ -5,7 +5,6 @@ logprobs, and the checkpoint itself (the ranks' slices put back together)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -256,32 +255,27 @@ def test_the_server_serves_a_tensor_parallel_engine(model_dirs, hf_reference):
 def test_a_trainer_broadcasts_weights_to_every_rank(model_dirs):
     """The "nccl" backend (gloo here) with two ranks: each joins the trainer's group as
     rank_offset + rank, receives every full tensor and keeps its slice."""
-    from test_rl import NCCL_TRAINER, TESTS, hf_greedy, hf_model, perturbed
+    from test_rl import NcclTrainer, hf_greedy, hf_model, perturbed
 
     model_dir = model_dirs["llama"]
     init_info = {"master_address": "127.0.0.1", "master_port": free_port(),
                  "rank_offset": 1, "world_size": 3}
-    trainer = subprocess.Popen(
-        [sys.executable, "-c", NCCL_TRAINER, str(model_dir), json.dumps(init_info), "good"],
-        cwd=TESTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        with LLM(str(model_dir), tensor_parallel_size=2, kv_cache_memory_bytes=KV,
-                 weight_transfer_config={"backend": "nccl"}) as llm:
-            llm.init_weight_transfer_engine({"init_info": init_info})
-            update_info = json.loads(trainer.stdout.readline())["update_info"]
-            llm.start_weight_update()
-            trainer.stdin.write("go\n")
-            trainer.stdin.flush()
-            assert llm.update_weights({"update_info": update_info}) == len(
-                update_info["names"])
-            llm.finish_weight_update()
-            assert trainer.stdout.readline().strip() == "sent"
-            reference = hf_model(model_dir, perturbed(model_dir, seed=7))
-            out = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=10),
-                               use_tqdm=False)
-            assert [o.outputs[0].token_ids for o in out] == [
-                hf_greedy(reference, o.prompt_token_ids, 10) for o in out]
-            assert_no_leaks(llm)
-    finally:
-        trainer.kill()
-        trainer.wait()
+    with NcclTrainer(model_dir, init_info) as trainer, \
+            LLM(str(model_dir), tensor_parallel_size=2, kv_cache_memory_bytes=KV,
+                weight_transfer_config={"backend": "nccl"}) as llm:
+        trainer.guard(llm.engine_core.engine_process.pid)
+        llm.init_weight_transfer_engine({"init_info": init_info})
+        update_info = trainer.joined()["update_info"]
+        llm.start_weight_update()
+        trainer.send()
+        assert llm.update_weights({"update_info": update_info}) == len(
+            update_info["names"])
+        llm.finish_weight_update()
+        assert trainer.sent()
+        reference = hf_model(model_dir, perturbed(model_dir, seed=7))
+        out = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=10),
+                           use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == [
+            hf_greedy(reference, o.prompt_token_ids, 10) for o in out]
+        assert_no_leaks(llm)
+        assert trainer.finish() == 0
