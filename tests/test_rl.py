@@ -541,6 +541,16 @@ def test_phases_out_of_order_and_bad_init_info_are_errors(model_dirs):
                 "master_address": "127.0.0.1", "master_port": 1, "world_size": 1}})
         with pytest.raises(ValueError, match="init_info"):
             llm.init_weight_transfer_engine({"master_port": 1})
+        # vLLM's packed broadcasts (many tensors per buffer) are not spoken here:
+        # received one tensor at a time they would load garbage, so they are refused.
+        empty = {"names": [], "dtype_names": [], "shapes": []}
+        with pytest.raises(ValueError, match="packed broadcasts are not supported"):
+            llm.update_weights({"update_info": {**empty, "packed": True}})
+        with pytest.raises(ValueError, match=r"unknown field.*is_checkpoint_format"):
+            llm.update_weights({"update_info": {**empty, "is_checkpoint_format": True}})
+        with pytest.raises(RuntimeError, match="init_weight_transfer_engine first"):
+            llm.update_weights({"update_info": {**empty, "packed": False,
+                                                "packed_num_buffers": 2}})
 
 
 # --- sleep and wake ---------------------------------------------------------------------

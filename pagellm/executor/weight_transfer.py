@@ -382,8 +382,22 @@ def update_info_for(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, An
             "shapes": [list(t.shape) for _, t in pairs]}
 
 
+# vLLM's update_info fields beyond the three lists: packing is not spoken here (each
+# tensor is its own broadcast), so only an unpacked update is accepted.
+_PACKING_FIELDS = frozenset({"packed", "packed_buffer_size_bytes", "packed_num_buffers"})
+
+
 def specs_from_update_info(info: dict[str, Any]) -> list[WeightSpec]:
-    """vLLM's update_info (three lists of equal length) as our specs."""
+    """vLLM's update_info (three lists of equal length) as our specs. A field this
+    engine would not honour is refused, naming it: received as if unpacked, a packed
+    update would load garbage or hang the trainer."""
+    unknown = sorted(str(k)[:64] for k in set(info) - {"names", "dtype_names", "shapes"}
+                     - _PACKING_FIELDS)
+    if unknown:
+        raise ValueError(f"update_info: unknown field(s) {', '.join(unknown[:8])}")
+    if info.get("packed", False) is not False:
+        raise ValueError("update_info: packed broadcasts are not supported; send each "
+                         "tensor on its own (packed=False, as trainer_send_weights does)")
     names, dtypes, shapes = (info.get(k) for k in ("names", "dtype_names", "shapes"))
     if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
             and len(names) == len(dtypes) == len(shapes)):
