@@ -20,6 +20,11 @@ class Probe:
     def embedding_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return self.model_runner.model.model.embed_tokens.weight[rows.long()].clone()
 
+    def load_named(self, name: str, tensor: torch.Tensor) -> list[str]:
+        """How TRL's and OpenRLHF's worker extensions push weights: one tensor at a
+        time into the model's vLLM-style `load_weights`."""
+        return sorted(self.model_runner.model.load_weights(weights=[(name, tensor)]))
+
     def describe(self, prefix: str, *, scale: float = 1.0) -> dict[str, Any]:
         return {"prefix": prefix, "scale": scale, "rank": getattr(self, "rank", None)}
 

@@ -826,6 +826,32 @@ def test_collective_rpc_calls_extension_methods_by_name(model_dirs, monkeypatch,
         assert_no_leaks(llm)
 
 
+def test_an_extension_loads_weights_one_tensor_at_a_time_as_with_vllm(model_dirs,
+                                                                    monkeypatch):
+    """RL frameworks' worker extensions (TRL, OpenRLHF) call
+    `self.model_runner.model.load_weights(weights=[(name, tensor)])` per tensor, as
+    vLLM's models allow: every tensor pushed that way, the engine gives transformers'
+    tokens on the new weights (q/k/v and gate/up land in their merged parameters). A name
+    the model lacks fails the call, naming it."""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    model_dir = model_dirs["qwen2"]
+    weights = perturbed(model_dir, seed=11)
+    with LLM(str(model_dir), worker_extension_cls="rl_extension.Probe",
+             kv_cache_memory_bytes=8 * 2**20) as llm:
+        greedy(llm)  # fills the prefix cache with the old weights' KV
+        for name, tensor in weights.items():
+            assert llm.collective_rpc("load_named", args=(name, tensor)) == [[name]]
+        assert llm.reset_prefix_cache()
+        reference = hf_model(model_dir, weights)
+        out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == [
+            hf_greedy(reference, o.prompt_token_ids, 10) for o in out]
+        with pytest.raises(RuntimeError, match=r"no such weight in the model: "
+                                               r"\['model\.nope\.weight'\]"):
+            llm.collective_rpc("load_named", args=("model.nope.weight", torch.zeros(2)))
+        assert_no_leaks(llm)
+
+
 def test_collective_rpc_without_an_extension_and_a_bad_extension(model_dirs):
     with LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=8 * 2**20,
              multiprocess=False) as llm, \

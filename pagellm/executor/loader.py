@@ -53,7 +53,11 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
     if config.load_format == "dummy":
         _init_dummy(model, config.seed)
     else:
-        model.load_weights(iterate_safetensors(safetensors_files(Path(config.model))))
+        loaded = model.load_weights(iterate_safetensors(safetensors_files(Path(config.model))))
+        missing = sorted(model.checkpoint_keys() - loaded)
+        if missing:
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:8]}"
+                             f"{'...' if len(missing) > 8 else ''}")
     return model.eval()
 
 

@@ -349,9 +349,12 @@ class DecoderForCausalLM(nn.Module):
         logits = self.tp.all_gather_last(linear(hidden, weight))
         return logits if self.tp.size == 1 else logits[:, :self.spec.vocab_size]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy a whole checkpoint in; raise naming every missing or unexpected tensor
-        by its checkpoint name."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors in, any subset of them, as vLLM's models do (RL
+        worker extensions push one tensor at a time this way); the checkpoint names
+        loaded. A name the model does not have, or a wrong shape, raises naming it
+        (the tensors before it are loaded). The loader checks a whole checkpoint's
+        completeness against `checkpoint_keys`."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         unexpected: list[str] = []
@@ -365,10 +368,19 @@ class DecoderForCausalLM(nn.Module):
             except ValueError as e:
                 raise ValueError(f"shape mismatch for {name}: checkpoint {e}") from None
             loaded.add(name)
-        missing = sorted(self._expected_checkpoint_keys(params) - loaded)
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not match the model: missing {missing[:8]}"
-                             f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}")
+        if unexpected:
+            raise ValueError(f"no such weight in the model: {unexpected[:8]}"
+                             f"{'...' if len(unexpected) > 8 else ''}")
+        return loaded
+
+    def checkpoint_keys(self) -> set[str]:
+        """The checkpoint names our parameters load from (merged ones split back)."""
+        keys = set()
+        for name, _ in self.named_parameters():
+            parts = [name.replace(merged, ckpt) for ckpt, merged, _ in _STACKED
+                     if f".{merged}." in name]
+            keys.update(parts or [name])
+        return keys
 
     def destination(self, name: str, params: dict[str, nn.Parameter] | None = None
                     ) -> Destination | None:
@@ -411,14 +423,4 @@ class DecoderForCausalLM(nn.Module):
         }[shard]
         return Destination(param[offset:offset + size], (full, *param.shape[1:]), 0, start,
                            size)
-
-    @staticmethod
-    def _expected_checkpoint_keys(params: dict[str, nn.Parameter]) -> set[str]:
-        """The checkpoint names our parameters load from (merged ones split back)."""
-        keys = set()
-        for name in params:
-            parts = [name.replace(merged, ckpt) for ckpt, merged, _ in _STACKED
-                     if f".{merged}." in name]
-            keys.update(parts or [name])
-        return keys
 
