@@ -43,6 +43,7 @@ from pagellm.enginecore.core import Deferred, EngineCore, RequestRejected
 from pagellm.enginecore.output_sender import AttachedClient, OutputSender, last_word
 from pagellm.enginecore.request import Request
 from pagellm.enginecore.transport import CurveServerKeys, SocketFactory
+from pagellm.lifeline import wait_for_eof
 from pagellm.logger import freeze_startup_heap
 from pagellm.protocol.codec import MsgpackDecoder
 from pagellm.protocol.engine_args import EngineArgs
@@ -433,14 +434,7 @@ def _request_id_of(payload: bytes) -> str | None:
 
 
 def _watch_lifeline(fd: int) -> None:
-    """The frontend that launched us holds the other end: EOF means it is gone."""
-    while True:
-        try:
-            if not os.read(fd, 1):
-                break
-        except InterruptedError:
-            continue
-        except OSError:
-            break
+    """The frontend that launched us holds the other end of the lifeline."""
+    wait_for_eof(fd)
     logger.info("engine core: launching frontend is gone")
     os.kill(os.getpid(), signal.SIGTERM)

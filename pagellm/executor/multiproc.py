@@ -45,6 +45,7 @@ import zmq
 
 from pagellm.executor.executor import Executor
 from pagellm.executor.worker import StepFailed, is_device_fault
+from pagellm.lifeline import wait_for_eof
 from pagellm.logger import freeze_startup_heap
 from pagellm.protocol.engine_args import EngineArgs, usable_cpus
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
@@ -413,15 +414,8 @@ def _serve(args: EngineArgs, rank: int, local_rank: int, host: str, port: int) -
 
 
 def _exit_on_eof(fd: int) -> None:
-    """The engine core holds the other end: EOF means it is gone, however it died."""
-    while True:
-        try:
-            if not os.read(fd, 1):
-                break
-        except InterruptedError:
-            continue
-        except OSError:
-            break
+    """The engine core holds the other end of the lifeline."""
+    wait_for_eof(fd)
     os._exit(0)
 
 
