@@ -155,6 +155,66 @@ def test_generation_config_eos_ids_become_stop_tokens(llama):
     assert request.sampling_params.stop_token_ids is None
 
 
+def test_stop_strings_and_bad_words_stay_in_the_frontend(llama):
+    """Stop strings are matched by the output processor and bad words travel as token
+    ids: the engine's copies of the params carry neither (a long stop list would
+    otherwise be copied into each of n child requests)."""
+    processed = llama.input_processor.process_inputs(
+        "x", "hi", SamplingParams(n=3, stop=["zz"], bad_words=["ab"]))
+    assert processed.params.stop == ["zz"] and processed.params.bad_words == ["ab"]
+    assert len(processed.engine_requests) == 3
+    for request in processed.engine_requests:
+        assert request.sampling_params.stop is None
+        assert request.sampling_params.bad_words is None
+        assert request.bad_words_token_ids == [
+            llama.tokenizer.encode(w, add_special_tokens=False) for w in ("ab", " ab")]
+
+
+def test_stop_token_ids_reach_the_engine_once_each(llama):
+    """The client's ids and generation_config's extra EOS id (2), each once: a client's
+    list as long as the vocabulary stays within it after the EOS id joins."""
+    process = llama.input_processor.process_inputs
+    vocab = llama.info.vocab_size
+    params = process("x", "hi", SamplingParams(stop_token_ids=[5, 5, 9])).engine_requests[0]
+    assert params.sampling_params.stop_token_ids == [5, 9, 2]
+    everything = list(range(vocab - 1, -1, -1))
+    params = process("y", "hi", SamplingParams(stop_token_ids=everything)).engine_requests[0]
+    assert params.sampling_params.stop_token_ids == everything
+
+
+def test_what_the_engine_would_refuse_is_refused_before_it(llama):
+    """min_tokens against the max_tokens a None resolves to, and bad words longer than
+    the vocabulary: named by the input processor, not by the engine afterwards."""
+    process = llama.input_processor.process_inputs
+    max_len = llama.info.max_model_len
+    with pytest.raises(ValueError, match=r"min_tokens \(100\) must be <= max_tokens \(48"):
+        process("x", {"prompt_token_ids": [1] * (max_len - 48)},
+                SamplingParams(max_tokens=None, min_tokens=100))
+    with pytest.raises(ValueError, match="bad_words entry has"):
+        process("y", "hi", SamplingParams(bad_words=["ab " * llama.info.vocab_size]))
+
+
+def test_a_request_that_fails_to_send_leaves_nothing_behind(llama, monkeypatch):
+    """A send that fails midway (the second of two prompts) fails the call; the first
+    prompt's request is aborted in the engine and forgotten here, so the next call
+    returns (it waited forever for the orphan) and no block is held (make_llm)."""
+    engine_core = llama.engine_core
+    real, sent = engine_core.add_request, []
+
+    def flaky(request):
+        if sent:
+            raise ConnectionError("injected: the send failed")
+        sent.append(request.request_id)
+        real(request)
+
+    monkeypatch.setattr(engine_core, "add_request", flaky)
+    with pytest.raises(ConnectionError, match="injected"):
+        llama.generate(["first", "second"], GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert len(sent) == 1 and not llama.output_processor.has_unfinished_requests()
+    assert llama.generate("first", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_cuts_text_and_frees_the_request(llama, include):
     base = llama.generate("def f(x):", SamplingParams(temperature=0, max_tokens=30),
@@ -319,3 +379,10 @@ def test_llm_signature_lists_every_engine_option():
         if f.name != "model":
             assert params[f.name].default == f.default
     assert params["max_num_seqs"].default == 256 and params["block_size"].default == 16
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan")])
+def test_collective_rpc_timeout_must_be_positive(llama, timeout):
+    """A timeout that has passed before the call starts is a mistake, not a wait."""
+    with pytest.raises(ValueError, match="timeout"):
+        llama.collective_rpc("describe", timeout=timeout)

@@ -65,6 +65,12 @@ BAD_SAMPLING = [
     ({"stop_token_ids": ["a"]}, TypeError, "stop_token_ids"),
     ({"stop_token_ids": 5}, TypeError, "stop_token_ids"),
     ({"output_kind": 7}, TypeError, "output_kind"),
+    # Sizes a client could inflate: the characters of all stop strings (bad words).
+    ({"stop": ["x" * 2**16, "y"]}, ValueError, "stop hold 65537 characters"),
+    ({"bad_words": ["x" * (2**16 + 1)]}, ValueError, "bad_words hold"),
+    # extra_args crosses to the engine: what msgpack cannot carry is refused here.
+    ({"extra_args": {"a": object()}}, TypeError, "extra_args"),
+    ({"extra_args": {"a": 2**70}}, TypeError, "extra_args"),
 ]
 
 

@@ -45,6 +45,7 @@ from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.sampling_params import SamplingParams
 from pagellm.protocol.stats import EngineStats
+from pagellm.protocol.validation import check_float
 
 logger = logging.getLogger("pagellm")
 T = TypeVar("T")
@@ -237,6 +238,8 @@ class AsyncLLM:
         """See `LLM.collective_rpc`."""
         from pagellm.executor.tensor_codec import decode_value, encode_value
 
+        if timeout is not None:
+            check_float("timeout", timeout, minimum=0.0, min_exclusive=True)
         return decode_value(await self._utility(
             UtilityMethod.COLLECTIVE_RPC, method, encode_value(list(args)),
             encode_value(kwargs or {}), timeout=timeout))

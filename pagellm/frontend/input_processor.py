@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from pagellm.protocol.messages import EngineCoreRequest, EngineInfo
-from pagellm.protocol.sampling_params import ALL_LOGPROBS, RequestOutputKind, SamplingParams
+from pagellm.protocol.sampling_params import (
+    ALL_LOGPROBS,
+    RequestOutputKind,
+    SamplingParams,
+    check_token_ids,
+)
 from pagellm.protocol.validation import INT64_MAX, INT64_MIN, check_int
 
 
@@ -120,12 +125,15 @@ class InputProcessor:
             prompt_ids = prompt_ids[-keep:]
         params = self._resolve_params(params, len(prompt_ids))
         arrival = time.time() if arrival_time is None else arrival_time
+        # Stop strings are matched here (OutputProcessor) and bad words go as token ids:
+        # neither travels to the engine, n times over.
+        engine_params = _derived(params, stop=None, bad_words=None)
         if params.n == 1:
-            children = [(self.engine_request_id(request_id, 0), params)]
+            children = [(self.engine_request_id(request_id, 0), engine_params)]
         else:
             # The prompt's logprobs are the same for every completion: compute them once.
             children = [(self.engine_request_id(request_id, i),
-                         _derived(params, n=1, seed=_child_seed(params.seed, i),
+                         _derived(engine_params, n=1, seed=_child_seed(params.seed, i),
                                   prompt_logprobs=params.prompt_logprobs if i == 0 else None))
                         for i in range(params.n)]
         bad_words = self._bad_words(params.bad_words)
@@ -214,9 +222,13 @@ class InputProcessor:
         elif prompt_len + max_tokens > max_len:
             raise ValueError(f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) "
                              f"exceeds max_model_len ({max_len})")
-        stop_ids = list(params.stop_token_ids or ())
-        if self.extra_eos_ids and not params.ignore_eos:
-            stop_ids += [t for t in self.extra_eos_ids if t not in stop_ids]
+        if params.min_tokens > max_tokens:  # SamplingParams checked only a given max_tokens
+            raise ValueError(f"min_tokens ({params.min_tokens}) must be <= max_tokens "
+                             f"({max_tokens}: what max_model_len leaves after the prompt)")
+        # Each id once: the client's (checked against the vocabulary) and the extra EOS
+        # ids, so the list stays within the vocabulary's size as the engine requires.
+        extra = () if params.ignore_eos else self.extra_eos_ids
+        stop_ids = list(dict.fromkeys([*(params.stop_token_ids or ()), *extra]))
         # logprobs=-1 (the whole vocabulary) travels as the count it means.
         whole_vocab = {name: self.info.vocab_size for name in ("logprobs", "prompt_logprobs")
                        if getattr(params, name) == ALL_LOGPROBS}
@@ -235,6 +247,7 @@ class InputProcessor:
             for variant in (word, " " + word):
                 ids = self.tokenizer.encode(variant, add_special_tokens=False)
                 if ids and ids not in sequences:
+                    check_token_ids("bad_words entry", ids, self.info.vocab_size)
                     sequences.append(ids)
         return sequences
 

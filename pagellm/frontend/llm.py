@@ -27,6 +27,7 @@ from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.protocol.stats import EngineStats
+from pagellm.protocol.validation import check_float
 
 ChatMessages = list[dict[str, Any]]
 
@@ -101,11 +102,16 @@ class LLM:
         # Validate everything before sending anything: a bad prompt leaves no trace.
         requests = [self._process(p, sp, prio) for p, sp, prio in zip(
             prompt_list, params_list, priorities, strict=True)]
-        for processed in requests:
-            self.output_processor.add_request(processed)
-            for request in processed.engine_requests:
-                engine_core.add_request(request)
-        return self._run([r.request_id for r in requests], use_tqdm)
+        request_ids = [r.request_id for r in requests]
+        try:
+            for processed in requests:
+                self.output_processor.add_request(processed)
+                for request in processed.engine_requests:
+                    engine_core.add_request(request)
+        except BaseException:  # a send failed: what was registered or sent must go too
+            self._abort(request_ids)
+            raise
+        return self._run(request_ids, use_tqdm)
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -234,6 +240,8 @@ class LLM:
         Arguments and results are msgpack values and tensors."""
         from pagellm.executor.tensor_codec import decode_value, encode_value
 
+        if timeout is not None:
+            check_float("timeout", timeout, minimum=0.0, min_exclusive=True)
         results = self._client().call_utility(
             UtilityMethod.COLLECTIVE_RPC, method, encode_value(list(args)),
             encode_value(kwargs or {}), timeout=timeout)
@@ -298,11 +306,15 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-            unfinished = self.output_processor.abort_requests(request_ids)
-            if unfinished and engine_core.dead_error is None:
-                # Interrupted or failed: leave no request behind in the engine.
-                engine_core.abort_requests(unfinished)
+            self._abort(request_ids)  # interrupted or failed: leave nothing behind
         return [results[r] for r in request_ids]
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """Forget what is unfinished of these requests, here and in the engine."""
+        engine_core = self._client()
+        unfinished = self.output_processor.abort_requests(request_ids)
+        if unfinished and engine_core.dead_error is None:
+            engine_core.abort_requests(unfinished)
 
 
 def _engine_signature() -> inspect.Signature:

@@ -50,16 +50,18 @@ class ProcessedOutputs:
 class CompletionState:
     """One completion: its tokens, text and stop state."""
 
-    def __init__(self, index: int, request: EngineCoreRequest, tokenizer: Any,
-                 token_text: Callable[[int], str] | None) -> None:
-        """`token_text`: a token's text alone, for logprobs (`TokenTexts`)."""
+    def __init__(self, index: int, request: EngineCoreRequest, stop: list[str],
+                 tokenizer: Any, token_text: Callable[[int], str] | None) -> None:
+        """`stop`: the request's stop strings (they stay here: the engine's copy of the
+        params has none). `token_text`: a token's text alone, for logprobs
+        (`TokenTexts`)."""
         params = request.sampling_params
         if not params.detokenize:  # token ids only: no text, no decoded logprob tokens
             tokenizer, token_text = None, None
         self.token_text = token_text
         self.index = index
         self.min_tokens = params.min_tokens
-        self.stop = params.stop or []
+        self.stop = stop
         self.include_stop = params.include_stop_str_in_output
         # Streamed text holds back what could still turn out to start a stop string.
         self.stop_buffer = max((len(s) for s in self.stop), default=1) - 1
@@ -140,7 +142,8 @@ class RequestState:
         # Completions with news the stream has not been given yet (DELTA).
         self.unsent: list[CompletionState] = []
         self.engine_ids = [r.request_id for r in processed.engine_requests]
-        self.completions = [CompletionState(i, r, tokenizer, token_text)
+        stop = processed.params.stop or []
+        self.completions = [CompletionState(i, r, stop, tokenizer, token_text)
                             for i, r in enumerate(processed.engine_requests)]
         self.token_text = token_text if processed.params.detokenize else None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (

@@ -27,6 +27,7 @@ GREEDY_TEMPERATURE = 1e-5
 # logprobs / prompt_logprobs / max_logprobs: vLLM's "the whole vocabulary".
 ALL_LOGPROBS = -1
 MAX_STRINGS = 1024  # stop strings, bad words
+MAX_STRING_CHARS = 2**16  # characters in all of a request's stop strings (or bad words)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -109,6 +110,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 and all(isinstance(k, str) for k in self.extra_args)):
             raise TypeError(f"extra_args must be a dict with string keys, got "
                             f"{self.extra_args!r}")
+        if self.extra_args:
+            try:  # it crosses to the engine: refused here, named, not when sent
+                msgspec.msgpack.encode(self.extra_args)
+            except (TypeError, OverflowError) as e:
+                raise TypeError(f"extra_args must hold msgpack values (str, int within "
+                                f"64 bits, float, bool, None, lists, dicts): {e}") from None
         for name in ("ignore_eos", "detokenize", "skip_special_tokens",
                      "spaces_between_special_tokens", "include_stop_str_in_output"):
             check_bool(name, getattr(self, name))
@@ -174,8 +181,9 @@ def check_token_ids(name: str, ids: list[int], vocab_size: int) -> None:
 
 def _string_list(name: str, value: Any) -> list[str] | None:
     """None, or a list of non-empty strings (a single string is accepted, as vLLM).
-    At most MAX_STRINGS: each is searched for (stop) or tokenized (bad words) per
-    request, so their number is work a client could otherwise inflate at will."""
+    At most MAX_STRINGS of them and MAX_STRING_CHARS characters in all: each is
+    searched for (stop) or tokenized (bad words) per request, so their number and size
+    are work and memory a client could otherwise inflate at will."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -189,6 +197,10 @@ def _string_list(name: str, value: Any) -> list[str] | None:
             raise TypeError(f"{name} entries must be strings, got {type(s).__name__} {s!r}")
         if not s:
             raise ValueError(f"{name} entries must be non-empty strings")
+    chars = sum(len(s) for s in value)
+    if chars > MAX_STRING_CHARS:
+        raise ValueError(f"{name} hold {chars} characters in all, more than "
+                         f"{MAX_STRING_CHARS}")
     return value
 
 
