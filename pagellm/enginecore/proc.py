@@ -17,8 +17,9 @@ a client can make the engine hold is bounded: the number of clients (MAX_CLIENTS
 the size of a message (MAX_MESSAGE_BYTES), the outputs queued for a client that stops
 reading (OUTPUT_HWM: it is dropped), and a client that never connects its output
 socket is dropped after CONNECT_GRACE_S. No pickle anywhere; a message that does not
-decode is logged (rate-limited) and dropped, and a request the engine cannot serve
-fails alone with an error output. An I/O thread that dies takes the engine down with
+decode is logged (rate-limited) and dropped, a request the engine cannot serve
+fails alone with an error output, and a utility call it cannot decode (an unknown
+method) is answered with a failure, never left to its caller's timeout. An I/O thread that dies takes the engine down with
 a message to every client, never leaving a process that heartbeats but is deaf.
 """
 
@@ -34,7 +35,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -62,6 +63,7 @@ from pagellm.protocol.messages import (
 )
 
 logger = logging.getLogger("pagellm")
+T = TypeVar("T")
 
 MAX_CLIENTS = 64  # frontends attached at once
 MAX_MESSAGE_BYTES = 64 * 2**20  # larger messages: ZeroMQ drops the connection
@@ -356,15 +358,26 @@ class EngineCoreProc:
         elif kind == RequestType.ABORT:
             self.input_queue.put(_Abort(client, decoders[kind].decode(payload)))
         else:
-            self.input_queue.put(_Utility(client, decoders[kind].decode(payload)))
+            try:
+                call = decoders[kind].decode(payload)
+            except msgspec.ValidationError as e:  # e.g. a method this engine lacks
+                call_id = _first_field(payload, int)
+                if call_id is None or not 0 <= call_id < 2**63:
+                    raise
+                # Answered, or the caller would wait for its own timeout.
+                self.outputs.queue_send({client: EngineCoreOutputs(
+                    timestamp=time.monotonic(), utility_output=UtilityOutput(
+                        call_id, failure=f"invalid utility call: {e}"))})
+                return
+            self.input_queue.put(_Utility(client, call))
 
     def _add(self, client: int, payload: bytes, decoder: MsgpackDecoder[Any]) -> bool:
         """Queue the request for the busy loop; False if it was refused here."""
         try:
             request = decoder.decode(payload)
         except msgspec.ValidationError as e:  # e.g. a sampling value out of range
-            request_id = _request_id_of(payload)
-            if request_id is None:
+            request_id = _first_field(payload, str)
+            if not request_id:
                 raise
             self._error_to(client, request_id, f"invalid request: {e}")
             return False
@@ -422,13 +435,14 @@ class EngineCoreProc:
         self.input_queue.put(_ClientGone(index))
         logger.info("frontend %d detached", index)
 
-def _request_id_of(payload: bytes) -> str | None:
-    """The id of an ADD that failed validation, to tell its sender why."""
+def _first_field(payload: bytes, kind: type[T]) -> T | None:
+    """The first field of a message that failed validation (an ADD's request id, a
+    utility call's id), to tell its sender why."""
     try:
         fields = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError:
         return None
-    if isinstance(fields, list) and fields and isinstance(fields[0], str) and fields[0]:
+    if isinstance(fields, list) and fields and type(fields[0]) is kind:
         return fields[0]
     return None
 
