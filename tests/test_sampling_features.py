@@ -216,6 +216,27 @@ def test_bad_words_are_never_completed(model_dirs, make_llm):
     assert single in banned and not banned & set(out.token_ids)
 
 
+def test_multi_token_bad_words_are_never_completed(model_dirs, make_llm):
+    """A word of several tokens: its last token is banned wherever the others end the
+    output. The greedy output held the word; with it banned, neither spelling the
+    engine bans (alone, after a space) occurs anywhere in the output."""
+    llm = make_llm(model_dirs["llama"])
+    tok = llm.tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    base = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    word = next(tok.decode(base[k:k + 3]) for k in range(len(base) - 2)
+                if tok.encode(tok.decode(base[k:k + 3]), add_special_tokens=False)
+                == base[k:k + 3])
+    bad = params.clone(bad_words=[word])
+    banned = llm.input_processor.process_inputs("x", PROMPT, bad).engine_requests[0] \
+        .bad_words_token_ids
+    assert any(len(ids) == 3 for ids in banned)
+    out = llm.generate(PROMPT, bad, use_tqdm=False)[0].outputs[0].token_ids
+    assert out != base
+    for ids in banned:
+        assert not any(out[i:i + len(ids)] == ids for i in range(len(out))), (ids, out)
+
+
 def test_min_tokens_holds_back_eos_and_stop_tokens(model_dirs, make_llm):
     llm = make_llm(model_dirs["qwen2"])
     base = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=20),

@@ -45,7 +45,7 @@ class InputBatch:
         self.penalized: set[int] = set()
         self.logit_bias: dict[int, dict[int, float]] = {}
         self.allowed: dict[int, list[int]] = {}
-        self.bad_words: dict[int, list[list[int]]] = {}
+        self.bad_words: dict[int, BadWords] = {}
         self.num_logprobs: dict[int, int] = {}
         self.num_prompt_logprobs: dict[int, int] = {}
         self._optional = (self.seeds, self.stop_ids, self.logit_bias, self.allowed,
@@ -68,7 +68,7 @@ class InputBatch:
         self.append_blocks(row, new.block_ids)
         self._set_sampling(row, new.sampling_params, new.eos_token_id)
         if new.bad_words_token_ids:
-            self.bad_words[row] = new.bad_words_token_ids
+            self.bad_words[row] = group_bad_words(new.bad_words_token_ids)
         return row
 
     def remove(self, req_id: str) -> None:
@@ -121,3 +121,19 @@ class InputBatch:
             self.num_logprobs[row] = params.logprobs
         if params.prompt_logprobs is not None:
             self.num_prompt_logprobs[row] = params.prompt_logprobs
+
+
+# A request's bad words, grouped for the per-step check: prefix length -> the prefix
+# (the tokens that must end the output) -> the last tokens it bans. Checking one output
+# costs a lookup per distinct word length, not a comparison per word (1024 words were
+# ~2 ms per request per step, for every request in the batch).
+BadWords = dict[int, dict[tuple[int, ...], list[int]]]
+
+
+def group_bad_words(words: list[list[int]]) -> BadWords:
+    grouped: BadWords = {}
+    for word in words:
+        banned = grouped.setdefault(len(word) - 1, {}).setdefault(tuple(word[:-1]), [])
+        if word[-1] not in banned:
+            banned.append(word[-1])
+    return grouped

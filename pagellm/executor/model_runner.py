@@ -430,12 +430,11 @@ class ModelRunner:
             num_output = int(batch.num_tokens[r] - batch.num_prompt_tokens[r])
             if r in batch.stop_ids and num_output < batch.min_tokens[r]:
                 banned += [(i, t) for t in batch.stop_ids[r]]
-            for word in batch.bad_words.get(r, ()):
-                prefix = len(word) - 1
-                end = int(batch.num_tokens[r])
-                if prefix <= num_output and (prefix == 0 or batch.token_ids[
-                        r, end - prefix:end].tolist() == word[:-1]):
-                    banned.append((i, word[-1]))
+            end = int(batch.num_tokens[r])
+            for prefix, table in batch.bad_words.get(r, {}).items():
+                if prefix <= num_output:
+                    key = tuple(batch.token_ids[r, end - prefix:end].tolist())
+                    banned += [(i, t) for t in table.get(key, ())]
         return banned
 
     def _penalties(self, which: list[tuple[int, int]]) -> Penalties:
