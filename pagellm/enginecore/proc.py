@@ -19,8 +19,9 @@ reading (OUTPUT_HWM: it is dropped), and a client that never connects its output
 socket is dropped after CONNECT_GRACE_S. No pickle anywhere; a message that does not
 decode is logged (rate-limited) and dropped, a request the engine cannot serve
 fails alone with an error output, and a utility call it cannot decode (an unknown
-method) is answered with a failure, never left to its caller's timeout. An I/O thread that dies takes the engine down with
-a message to every client, never leaving a process that heartbeats but is deaf.
+method) is answered with a failure, never left to its caller's timeout. An I/O thread
+that dies takes the engine down with a message to every client, never leaving a
+process that heartbeats but is deaf.
 """
 
 from __future__ import annotations
