@@ -164,6 +164,63 @@ def test_updates_need_weight_transfer_config_and_buffers_come_only_from_shm(mode
         assert greedy(llm) == before
 
 
+def test_an_update_naming_a_weight_twice_is_refused_naming_it(model_dirs):
+    """Each name once per update, checked before the first copy: the old weights keep
+    serving."""
+    from pagellm.protocol.utility import WeightUpdate
+
+    model_dir = model_dirs["llama"]
+    name = "model.layers.0.self_attn.q_proj.weight"
+    with LLM(str(model_dir), weight_transfer_config={"backend": "ipc"},
+             kv_cache_memory_bytes=8 * 2**20) as llm:
+        before = greedy(llm)
+        with shared_weights(perturbed(model_dir).items()) as update:
+            spec = next(s for s in update.specs if s.name == name)
+            twice = WeightUpdate([*update.specs, spec], update.buffer, update.buffer_bytes)
+            with pytest.raises(RuntimeError, match=rf"old weights kept: {name} appears "
+                                                   r"more than once"):
+                llm.update_weights(twice)
+        assert greedy(llm) == before  # nothing of the (otherwise good) update was copied
+        assert not leftover_buffers()
+        assert_no_leaks(llm)
+
+
+def test_specs_pointing_many_times_at_one_region_are_refused_by_the_limits(model_dirs):
+    """Red-team finding 7: a few bytes of specs, all naming one region of one shared
+    file, once made the busy loop copy it once per spec while no request was served;
+    300,000 distinct names the model skips (RoPE tables) stalled it for 3 s. An
+    update's number of tensors (twice the checkpoint's at most) and total size (the
+    limit of every path: 2 x the model's bytes) are checked first, and the engine keeps
+    serving and taking updates."""
+    from pagellm.protocol.utility import WeightSpec, WeightUpdate
+
+    model_dir = model_dirs["llama"]
+    weights = checkpoint(model_dir)
+    name = "model.embed_tokens.weight"
+    with LLM(str(model_dir), weight_transfer_config={"backend": "ipc"},
+             kv_cache_memory_bytes=8 * 2**20) as llm:
+        before = greedy(llm)
+        with shared_weights([(name, perturbed(model_dir)[name])]) as region:
+            copies = 2 * len(weights)  # as many as may come; the old code copied each
+            alias = WeightUpdate(region.specs * copies, region.buffer, region.buffer_bytes)
+            with pytest.raises(RuntimeError) as info:
+                llm.update_weights(alias)
+            total = copies * weights[name].numel() * weights[name].element_size()
+            limit = 2 * 4 * parameter_count(model_dir)  # float32 on the CPU
+            assert (f"weight update of {total} bytes is larger than the model allows "
+                    f"({limit}); refused, nothing copied or received") in str(info.value)
+            skipped = [WeightSpec(f"model.layers.{i}.self_attn.rotary_emb.inv_freq",
+                                  "float32", [0], 0) for i in range(copies + 1)]
+            with pytest.raises(RuntimeError, match=rf"weight update of {copies + 1} tensors "
+                                                   rf"is more than the model has \({copies} "):
+                llm.update_weights(WeightUpdate(skipped, region.buffer, region.buffer_bytes))
+        assert greedy(llm) == before
+        assert llm.update_weights(weights.items()) == len(weights)  # still takes updates
+        assert greedy(llm) == before  # the same weights again
+        assert not leftover_buffers()
+        assert_no_leaks(llm)
+
+
 def cuda_share(**changes: object):
     """A well-formed CUDA IPC share, as torch's `_share_cuda_` would describe one."""
     from pagellm.protocol.utility import CudaIpcBuffer
@@ -468,7 +525,9 @@ def test_broadcast_tensors_load_as_they_arrive_and_a_refused_update_is_drained()
     from pagellm.executor.models.decoder import Destination
     from pagellm.executor.weight_transfer import (
         TransferInit,
+        UpdateTooLarge,
         WeightGroup,
+        check_specs,
         receive,
         specs_from_update_info,
         trainer_send_weights,
@@ -501,18 +560,18 @@ def test_broadcast_tensors_load_as_they_arrive_and_a_refused_update_is_drained()
             for d, (_, t) in zip(dests, sent, strict=True)] == [True, True, False, False]
     try:
         trainer = run(trainer_send_weights, sent, groups[0])
-        assert receive(groups[1], specs, dests, limit_bytes=2**30) == len(sent)
+        assert receive(groups[1], specs, dests) == len(sent)
         trainer.join(60)
         for got, expected in zip(params, want, strict=True):
             assert got.dtype == expected.dtype and torch.equal(got, expected)
         before = [p.clone() for p in params]
         trainer = run(trainer_send_weights, [(n, t + 1) for n, t in sent], groups[0])
-        assert receive(groups[1], specs, None, limit_bytes=2**30) == len(sent)
+        assert receive(groups[1], specs, None) == len(sent)
         trainer.join(60)
         assert not trainer.is_alive()  # every broadcast was taken
         assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
-        with pytest.raises(ValueError, match="larger than the model allows"):
-            receive(groups[1], specs, dests, limit_bytes=1000)
+        with pytest.raises(UpdateTooLarge, match="larger than the model allows"):
+            check_specs(specs, limit_bytes=1000, limit_count=10)  # the worker's, first
 
         def send_half_and_leave() -> None:
             trainer_send_weights(sent[:2], groups[0])
@@ -521,11 +580,73 @@ def test_broadcast_tensors_load_as_they_arrive_and_a_refused_update_is_drained()
         trainer = run(send_half_and_leave)
         with pytest.raises(RuntimeError, match=r"broadcast 3 of 4 \(w2\) failed \(the model "
                                                r"now mixes old and new weights"):
-            receive(groups[1], specs, dests, limit_bytes=2**30)
+            receive(groups[1], specs, dests)
         trainer.join(60)
     finally:
         for group in groups.values():
             group.close()
+
+
+def test_a_broadcast_update_is_checked_in_the_same_place(model_dirs):
+    """The "nccl" path refuses what the others do, before the first broadcast: a name
+    given twice is refused after every broadcast was drained (the trainer never hangs)
+    and the old weights keep serving; an update larger than the model allows is refused
+    with nothing received. The group stays in step: a good update then lands."""
+    from helpers import free_port
+
+    from pagellm.executor.weight_transfer import (
+        trainer_init,
+        trainer_send_weights,
+        update_info_for,
+    )
+
+    model_dir = model_dirs["llama"]
+    init_info = {"master_address": "127.0.0.1", "master_port": free_port(),
+                 "rank_offset": 1, "world_size": 2}
+    new = perturbed(model_dir, seed=7)
+    info = update_info_for(new.items())
+    first, second = (f"model.layers.{i}.self_attn.q_proj.weight" for i in (0, 1))
+    twice = {**info, "names": [first if n == second else n for n in info["names"]]}
+    copies = 2 * len(new)  # as many tensors as may come, too many bytes
+    huge = {"names": ["model.embed_tokens.weight"] * copies,
+            "dtype_names": ["float32"] * copies,
+            "shapes": [list(new["model.embed_tokens.weight"].shape)] * copies}
+    groups: list = []
+
+    def send() -> threading.Thread:
+        thread = threading.Thread(target=trainer_send_weights, args=(new.items(), groups[0]),
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    with LLM(str(model_dir), weight_transfer_config={"backend": "nccl"},
+             kv_cache_memory_bytes=8 * 2**20, multiprocess=False) as llm:
+        before = greedy(llm)
+        joiner = threading.Thread(target=lambda: groups.append(trainer_init(init_info, "cpu")),
+                                  daemon=True)
+        joiner.start()
+        llm.init_weight_transfer_engine({"init_info": init_info})
+        joiner.join(60)
+        try:
+            llm.start_weight_update()
+            trainer = send()
+            with pytest.raises(RuntimeError, match=rf"old weights kept: {first} appears more "
+                                                   r"than once"):
+                llm.update_weights({"update_info": twice})
+            trainer.join(60)
+            assert not trainer.is_alive()  # every broadcast was taken
+            assert greedy(llm) == before
+            with pytest.raises(RuntimeError, match=r"larger than the model allows \(\d+\); "
+                                                   r"refused, nothing copied or received"):
+                llm.update_weights({"update_info": huge})  # the trainer sends nothing
+            trainer = send()
+            assert llm.update_weights({"update_info": info}) == len(new)
+            trainer.join(60)
+            llm.finish_weight_update()
+            assert greedy(llm) != before  # the good update landed, in step
+        finally:
+            for group in groups:
+                group.close()
 
 
 def test_phases_out_of_order_and_bad_init_info_are_errors(model_dirs):

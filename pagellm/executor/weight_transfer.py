@@ -4,9 +4,11 @@ backend) or a torch.distributed group with the trainer (the "nccl" backend, belo
 The sender (`LLM.update_weights`, a trainer on the same host) writes the tensors one
 after another into a file under /dev/shm and sends a `WeightUpdate`: each tensor's
 checkpoint name, dtype, shape and byte offset, plus the file's path and size. The
-engine maps the file, checks every spec against the file and the model before it
-copies anything (so a bad update leaves the old weights serving), then copies. The
-sender deletes the file when the call returns. Nothing crosses the socket but the specs.
+engine checks the update as a whole (`check_specs`: no name twice, no more bytes than
+the model allows), maps the file, checks every spec against the file and the model
+before it copies anything (so a bad update leaves the old weights serving), then
+copies. The sender deletes the file when the call returns. Nothing crosses the socket
+but the specs.
 
 The engine opens only regular files named `pagellm-weights-*` directly in /dev/shm or
 the temp directory (the fallback when /dev/shm is too small), without following links:
@@ -407,14 +409,14 @@ def specs_from_update_info(info: dict[str, Any]) -> list[WeightSpec]:
                            list[WeightSpec])
 
 
-def receive(group: WeightGroup, specs: list[WeightSpec], dests: list[Destination] | None,
-            limit_bytes: int) -> int:
+def receive(group: WeightGroup, specs: list[WeightSpec], dests: list[Destination] | None
+            ) -> int:
     """Receive every spec's tensor in order, loading each into `dests[i]` (where it
     goes in the model: the caller has checked names and shapes) as it arrives; with
     `dests` None (an update refused before anything arrived) receive them all the same,
-    into scratch, so the trainer's broadcasts never hang. The whole update must stay
-    within `limit_bytes` (checked before the first broadcast). Returns the number of
-    tensors received.
+    into scratch, so the trainer's broadcasts never hang. The caller has passed the
+    specs through `check_specs` (never receive, not even into scratch, an update larger
+    than the model allows). Returns the number of tensors received.
 
     A tensor this rank keeps whole, in the parameter's dtype, lands in the parameter
     itself. Any other lands in one scratch buffer the size of the largest such, reused,
@@ -422,9 +424,6 @@ def receive(group: WeightGroup, specs: list[WeightSpec], dests: list[Destination
     worth), nor a fresh allocation per tensor (on the CPU, each one's pages faulted in
     and zeroed again: 2.3-2.7 s for a 2 GB update, against 0.8-1.0 s in place)."""
     sizes = [_spec_bytes(spec) for spec in specs]
-    if sum(sizes) > limit_bytes:
-        raise ValueError(f"weight update of {sum(sizes)} bytes is larger than the model "
-                         f"allows ({limit_bytes}); nothing was received")
     direct: list[torch.Tensor | None] = [None] * len(specs)  # the parameter, if in place
     if dests is not None:
         direct = [dest.receiver(DTYPES[spec.dtype], group.device)
@@ -445,6 +444,39 @@ def receive(group: WeightGroup, specs: list[WeightSpec], dests: list[Destination
         if dests is not None and into is None:
             dests[index].load(tensor)  # blocking: the next broadcast overwrites scratch
     return len(specs)
+
+
+# --- every path: the update as a whole ------------------------------------------------
+
+
+class UpdateTooLarge(ValueError):
+    """A weight update whose specs add up to more than the model allows: refused with
+    nothing of it copied or received (on the "nccl" backend not even drained: receiving
+    it is the cost the limit exists to refuse)."""
+
+
+def check_specs(specs: list[WeightSpec], limit_bytes: int, limit_count: int) -> None:
+    """The checks of an update as a whole, made on its specs alone before any byte of
+    it is copied or received, whatever the path (shared-memory file, CUDA IPC, or
+    broadcast): its number of tensors and total size (UpdateTooLarge beyond
+    `limit_count` / `limit_bytes`; ValueError naming a spec that is no weight), then its
+    names (ValueError naming the first that comes twice). Without them a few bytes of
+    specs could make the engine copy, or receive, one region of the buffer any number
+    of times, or look up any number of names it skips, while it serves no one."""
+    if len(specs) > limit_count:
+        raise UpdateTooLarge(f"weight update of {len(specs)} tensors is more than the "
+                             f"model has ({limit_count} at most); refused, nothing copied "
+                             f"or received")
+    total = sum(_spec_bytes(spec) for spec in specs)
+    if total > limit_bytes:
+        raise UpdateTooLarge(f"weight update of {total} bytes is larger than the model "
+                             f"allows ({limit_bytes}); refused, nothing copied or received")
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise ValueError(f"weight update refused, old weights kept: {spec.name} "
+                             f"appears more than once")
+        seen.add(spec.name)
 
 
 def _spec_bytes(spec: WeightSpec) -> int:

@@ -27,7 +27,9 @@ from pagellm.executor.parallel import TensorParallel
 from pagellm.executor.tensor_codec import decode_value, encode_value
 from pagellm.executor.weight_transfer import (
     TransferInit,
+    UpdateTooLarge,
     WeightGroup,
+    check_specs,
     open_cuda_ipc,
     open_update,
     receive,
@@ -91,9 +93,17 @@ class Worker:
         self.enable_sleep_mode = args.enable_sleep_mode
         self.sleeping: set[str] = set()  # tags ("weights", "kv_cache") now freed
         self._weight_shapes = memory.shapes(self.model_runner.model)
-        # The most a broadcast update may carry (it is received even when refused),
-        # taken while awake: asleep, the parameters hold no bytes.
-        self._update_limit = 2 * memory.parameter_bytes(self.model_runner.model)
+        # The most one update may carry, on every path (`check_specs`): a broadcast is
+        # received even when refused, and specs may point many times at one region of a
+        # buffer. Each rank holds at least 1/world_size of every tensor, so a full
+        # checkpoint is at most world_size x this rank's bytes; twice that for one sent
+        # in a wider dtype (float32 to a 16-bit model). Taken while awake: asleep, the
+        # parameters hold no bytes.
+        self._update_limit = (2 * self.world_size
+                              * memory.parameter_bytes(self.model_runner.model))
+        # And at most twice the checkpoint's tensors (room for the ones we skip: RoPE
+        # tables, a tied LM head's copy).
+        self._update_max_specs = 2 * len(self.model_runner.model.checkpoint_keys())
         self._weight_backup: memory.HostBackup | None = None
         self.weight_transfer = args.weight_transfer_config
         self._group: WeightGroup | None = None
@@ -186,15 +196,16 @@ class Worker:
     # -- weight updates and collective_rpc ----------------------------------------
 
     def update_weights(self, update: WeightUpdate) -> int:
-        """Copy the update's tensors into the model; every name, shape and dtype is
-        checked before the first copy. Returns the number of tensors loaded."""
+        """Copy the update's tensors into the model; the update as a whole
+        (`_check_update`) and every name, shape and dtype are checked before the first
+        copy. Returns the number of tensors loaded."""
         if update.cuda_ipc is not None:  # opened first: refused or not, released after
             with open_cuda_ipc(update, self._global_rank()) as tensors:
-                self._check_updatable()
+                self._check_update(update)
                 self._load_checked(tensors)
                 return len(tensors)
         if update.buffer is not None:
-            self._check_updatable()
+            self._check_update(update)
             with open_update(update) as tensors:
                 self._load_checked(tensors)
             return len(tensors)
@@ -203,22 +214,31 @@ class Worker:
                                "weight-transfer group: init_weight_transfer_engine first")
         # Every name and shape is checked before the first broadcast arrives, so the
         # tensors can load as they come (one in memory at a time); a refused update is
-        # still received, into scratch, so the trainer never hangs.
+        # still received, into scratch, so the trainer never hangs; but not one larger
+        # than the model allows, nor one with a spec that is no weight (`receive`
+        # refuses it before the first broadcast): nothing of those is received.
         try:
-            self._check_updatable()
+            self._check_update(update)
             dests = self._destinations([(spec.name, spec.shape) for spec in update.specs])
-        except (RuntimeError, ValueError):
-            receive(self._group, update.specs, None, self._update_limit)
+        except UpdateTooLarge:
             raise
-        loaded = receive(self._group, update.specs, dests, self._update_limit)
+        except (RuntimeError, ValueError):
+            receive(self._group, update.specs, None)
+            raise
+        loaded = receive(self._group, update.specs, dests)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return loaded
 
-    def _check_updatable(self) -> None:
+    def _check_update(self, update: WeightUpdate) -> None:
+        """What every path checks first, before any byte of the update is copied or
+        received: that this engine takes updates, the update's size and names
+        (`check_specs`), then that the weights are awake (after the size: an update
+        refused while asleep is drained, one too large never is)."""
         if self.weight_transfer is None:
             raise RuntimeError("weight updates need the engine started with "
                                "weight_transfer_config={'backend': 'ipc'}")
+        check_specs(update.specs, self._update_limit, self._update_max_specs)
         if "weights" in self.sleeping:
             raise RuntimeError("the weights are asleep; wake_up(tags=['weights']) first")
 
