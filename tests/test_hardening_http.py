@@ -299,3 +299,267 @@ def tokenizer(model_dirs):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dirs["llama"])
+
+
+# -- Write stalls: clients that stop reading their responses (red-team finding 4) ------
+
+STALL_S = 1.0  # the write-stall bound in these tests (the server's is 30 s)
+
+
+class _StallProbe:
+    """An in-process uvicorn server on GuardedH11Protocol: GET /stream?bytes=N streams N
+    bytes (without N, forever) through Starlette's StreamingResponse, as the app's
+    streams go; any other path answers 200. It records when writes were paused and
+    when each stream ended, with how many bytes. The server's send buffers are pinned
+    small: on loopback the kernel would otherwise take megabytes before flow control
+    engages."""
+
+    def __init__(self, max_connections: int) -> None:
+        import uvicorn
+        from starlette.responses import StreamingResponse
+
+        from pagellm.frontend.server.connections import ConnectionLimits, GuardedH11Protocol
+
+        self.paused: list[float] = []
+        self.ended: list[tuple[float, int]] = []
+        probe = self
+
+        class Protocol(GuardedH11Protocol):
+            def connection_made(self, transport: asyncio.Transport) -> None:
+                transport.get_extra_info("socket").setsockopt(
+                    socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
+                super().connection_made(transport)
+
+            def pause_writing(self) -> None:
+                probe.paused.append(time.monotonic())
+                super().pause_writing()
+
+        async def app(scope, receive, send):
+            if scope["type"] != "http":
+                return
+            if scope["path"] != "/stream":
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                await send({"type": "http.response.body", "body": b"ok"})
+                return
+            total = int(scope["query_string"].partition(b"=")[2] or -1)
+            sent = 0
+
+            async def chunks():
+                nonlocal sent
+                while sent != total:
+                    chunk = b"x" * (8192 if total < 0 else min(8192, total - sent))
+                    sent += len(chunk)
+                    yield chunk
+                    await asyncio.sleep(0)
+
+            await StreamingResponse(chunks())(scope, receive, send)
+            self.ended.append((time.monotonic(), sent))
+
+        self.port = free_port()
+        limits = ConnectionLimits(max_connections=max_connections,
+                                  write_stall_timeout_s=STALL_S)
+        config = uvicorn.Config(app, port=self.port, lifespan="off", log_level="error",
+                                http=functools.partial(Protocol, limits=limits))
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:  # a port taken meanwhile ends the thread
+            assert self.thread.is_alive() and time.monotonic() < deadline
+            time.sleep(0.01)
+
+    def stream(self, total: int | None = None) -> socket.socket:
+        """A client with a small receive buffer that has asked for a stream."""
+        query = b"" if total is None else b"?bytes=%d" % total
+        return _small_buffer_client(self.port, b"GET /stream%s HTTP/1.1\r\nHost: x\r\n\r\n"
+                                    % query)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+def test_a_client_that_never_reads_is_closed_after_the_stall_bound_freeing_its_slot():
+    """Finding 4: once a non-reading client's socket buffers filled, its connection
+    stayed busy forever (so never evictable), and --max-connections of them had every
+    other client refused with 503. Now a connection whose writes stay paused for the
+    bound is aborted, the app sees a disconnect, and the slot is free again."""
+    probe = _StallProbe(max_connections=2)
+    stuck: list[socket.socket] = []
+    try:
+        stuck = [probe.stream(), probe.stream()]  # never read
+        _wait_for(probe.paused, 2, timeout=10)  # both sockets are full
+        first_pause = min(probe.paused)
+        assert _get(probe.port, "/") == 503  # every slot is held by a stalled stream
+        _wait_for(probe.ended, 2, timeout=STALL_S + 10)  # the streams saw a disconnect
+        assert min(when for when, _ in probe.ended) >= first_pause + STALL_S - 0.05
+        for s in stuck:
+            _read_to_eof(s)  # what the kernel still held, then the server's close
+        assert _get(probe.port, "/") == 200  # the slots are free again
+    finally:
+        for s in stuck:
+            s.close()
+        probe.stop()
+
+
+def test_a_client_that_reads_slowly_but_steadily_is_not_cut_off():
+    """The bound is on one stall, not on the response: a client that keeps draining its
+    socket (~300 KB/s here, so each pause ends well within the bound) gets all of a
+    response that takes longer than the bound, paused again and again on the way."""
+    probe = _StallProbe(max_connections=2)
+    total, rate = 640 * 1024, 300 * 1024  # bytes, bytes per second
+    s = probe.stream(total)
+    try:
+        s.settimeout(10)
+        data = b""
+        start = time.monotonic()
+        while not data.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's last chunk
+            chunk = s.recv(8192)
+            assert chunk, f"closed by the server after {len(data)} bytes"
+            data += chunk
+            # Keep to the rate on average: after a late wake-up, read sooner.
+            time.sleep(max(0.0, start + len(data) / rate - time.monotonic()))
+        assert time.monotonic() - start > 1.5 * STALL_S
+        assert data.startswith(b"HTTP/1.1 200 OK")
+        assert len(probe.paused) >= 3  # flow control did hold the stream back
+        assert [sent for _, sent in probe.ended] == [total]
+    finally:
+        s.close()
+        probe.stop()
+
+
+# The real server with --max-connections 2, a short stall bound and small send buffers
+# (names swapped in serve's module before it runs, as test_server's heap probe does).
+STALL_SERVER = """
+import socket, sys
+from dataclasses import dataclass
+from pagellm.frontend.server import connections, serve
+from pagellm.frontend.server.options import ServerOptions
+from pagellm.logger import configure_logging
+from pagellm.protocol.engine_args import EngineArgs
+
+
+@dataclass(frozen=True)
+class QuickStall(connections.ConnectionLimits):
+    write_stall_timeout_s: float = float(sys.argv[3])
+
+
+class SmallSendBuffers(connections.GuardedH11Protocol):
+    def connection_made(self, transport):
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                                      32 * 1024)
+        super().connection_made(transport)
+
+
+serve.ConnectionLimits, serve.GuardedH11Protocol = QuickStall, SmallSendBuffers
+configure_logging()
+args = EngineArgs(model=sys.argv[1], kv_cache_memory_bytes=8 << 20)
+sys.exit(serve.run_server(args, ServerOptions(served_model_name=sys.argv[4]), "127.0.0.1",
+                          int(sys.argv[2]), max_connections=2))
+"""
+
+
+def test_the_server_closes_stalled_streams_aborts_their_requests_and_serves_again(
+        model_dirs):
+    """Finding 4 end to end: two streaming completions whose clients never read hold
+    both of --max-connections 2; after the bound both are closed, their requests are
+    aborted in the engine (none finished: 1900 tokens each), and a new client is
+    served."""
+    import os
+    import subprocess
+    import sys
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", STALL_SERVER, str(model_dirs["llama"]), str(port),
+         str(STALL_S), NAME], env={**os.environ, "PAGELLM_LOG_LEVEL": "WARNING"})
+    stuck: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline
+            try:
+                if _get(port, "/health") == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        body = json.dumps({"model": NAME, "prompt": "never read", "max_tokens": 1900,
+                           "ignore_eos": True, "n": 4, "logprobs": 5, "stream": True})
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: "
+                   b"application/json\r\ncontent-length: %d\r\n\r\n%s"
+                   % (len(body), body.encode()))
+        stuck = [_small_buffer_client(port, request) for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while (status := _get(port, "/health")) != 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status == 503  # both slots are taken by the streams (/metrics too)
+        deadline = time.monotonic() + STALL_S + 20
+        while (status := _get(port, "/health")) != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status == 200  # a slot is free again
+        deadline = time.monotonic() + 10
+        while _metric(port, "vllm:num_requests_running") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _metric(port, "vllm:num_requests_running") == 0
+        assert _metric(port, "vllm:request_success_total") == 0  # aborted, not finished
+        assert 0 < _metric(port, "vllm:generation_tokens_total") < 2 * 4 * 1900
+        for s in stuck:  # both streams ended (reading one still open would revive it)
+            _read_to_eof(s)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.request("POST", "/v1/completions", json.dumps({
+            "model": NAME, "prompt": "and now", "max_tokens": 2}),
+            {"content-type": "application/json"})
+        assert connection.getresponse().status == 200
+        connection.close()
+    finally:
+        for s in stuck:
+            s.close()
+        server.send_signal(signal.SIGTERM)
+        try:
+            assert server.wait(60) == 0
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+
+
+def _small_buffer_client(port: int, request: bytes) -> socket.socket:
+    """A client with a 4 KiB receive buffer (set before connecting, so the window is
+    small from the start) that has sent `request` and reads nothing yet."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.sendall(request)
+    return s
+
+
+def _wait_for(events: list, count: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while len(events) < count:
+        assert time.monotonic() < deadline, f"{len(events)} of {count} within {timeout} s"
+        time.sleep(0.01)
+
+
+def _read_to_eof(s: socket.socket) -> None:
+    """Read what the kernel still holds for this client up to the server's close (EOF
+    or a reset); a connection still open fails with a timeout."""
+    s.settimeout(5)
+    try:
+        while s.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+
+
+def _metric(port: int, name: str) -> float:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", "/metrics")
+        response = connection.getresponse()
+        assert response.status == 200
+        text = response.read().decode()
+    finally:
+        connection.close()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{"))

@@ -11,7 +11,12 @@ accept). `GuardedH11Protocol` adds:
 - a connection limit: above `max_connections`, the connection that has waited longest
   without a request in progress is closed to make room, so half-open connections can
   never crowd out a client that sends a request; only when every connection is busy
-  with a request is a new one answered 503 and closed.
+  with a request is a new one answered 503 and closed;
+- a write-stall timeout: a connection whose writes have been paused by flow control
+  (its client reads nothing, so the socket and the transport's buffer are full) for
+  `write_stall_timeout_s` is aborted. Without it a streaming client that never reads
+  holds its connection busy forever, never evictable, and `max_connections` of them
+  refuse everyone else (the engine frees their KV cache; the slots stayed taken).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 logger = logging.getLogger("pagellm")
 
 HEADER_TIMEOUT_S = 10.0
+WRITE_STALL_TIMEOUT_S = 30.0
 MAX_CONNECTIONS = 2048
 _FD_RESERVE = 128  # descriptors kept for the engine sockets, logs, the tokenizer, ...
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\n"
@@ -38,6 +44,7 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\n"
 class ConnectionLimits:
     max_connections: int = MAX_CONNECTIONS
     header_timeout_s: float = HEADER_TIMEOUT_S
+    write_stall_timeout_s: float = WRITE_STALL_TIMEOUT_S
 
 
 def connection_limit(requested: int) -> int:
@@ -53,13 +60,15 @@ def connection_limit(requested: int) -> int:
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header timeout and a connection limit."""
+    """uvicorn's h11 protocol with a header timeout, a connection limit and a
+    write-stall timeout."""
 
     def __init__(self, *args: Any, limits: ConnectionLimits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
         self.waiting_since = time.monotonic()  # when it last had no request in progress
         self._header_timer: asyncio.TimerHandle | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
 
     @property
     def busy(self) -> bool:
@@ -88,7 +97,24 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._disarm_stall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is over its high-water mark: the client is not keeping
+        up. Start the stall clock (uvicorn's own handling holds the response's next send
+        until `resume_writing`, which a client that never reads never brings)."""
+        super().pause_writing()
+        if self._stall_timer is None:
+            self._stall_timer = self.loop.call_later(self.limits.write_stall_timeout_s,
+                                                     self._on_write_stall)
+
+    def resume_writing(self) -> None:
+        """The buffer drained below its low-water mark: the client reads, however slowly
+        (it must take in about 48 KiB, the gap between asyncio's default water marks,
+        per `write_stall_timeout_s`)."""
+        super().resume_writing()
+        self._disarm_stall()
 
     def _make_room(self) -> bool:
         """Close the connection that has waited longest without a request in progress;
@@ -120,3 +146,18 @@ class GuardedH11Protocol(H11Protocol):
             logger.warning("HTTP: closing a connection that sent no complete request "
                            "within %.0f s", self.limits.header_timeout_s)
             self.transport.close()
+
+    def _disarm_stall(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _on_write_stall(self) -> None:
+        """Abort, not close: close() would wait for the buffer to drain, which is what
+        never happens. connection_lost then marks the request disconnected, and the app
+        aborts its engine requests as for a client that left. Busy or not: a finished
+        response stuck in the buffer holds the socket just the same."""
+        self._stall_timer = None
+        logger.warning("HTTP: closing a connection whose client has not read its response "
+                       "for %.0f s", self.limits.write_stall_timeout_s)
+        self.transport.abort()
