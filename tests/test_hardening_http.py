@@ -563,3 +563,70 @@ def _metric(port: int, name: str) -> float:
         connection.close()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{"))
+
+
+# --- a second red-team round: sizes and errors (each a finding it reproduced) -----------
+
+
+def test_chat_roles_and_template_variables_count_toward_the_prompt_size(guarded):
+    """Only message contents were counted: a 15 MB `role` was tokenized on the one
+    tokenizer thread every request shares (17 s for everyone). Every string the
+    template may render is counted before rendering, and the rendered text again
+    before tokenizing (a trusted template may repeat what it is given)."""
+    huge = "x" * 200_000  # more characters than max_model_len tokens can hold
+    repeat = "{% for i in range(100000) %}{{ messages[0]['content'] }}{% endfor %}"
+    for body, refused in (
+            ({"messages": [{"role": huge, "content": "hi"}]}, "messages is 2000"),
+            ({"messages": MESSAGES, "chat_template_kwargs": {"note": huge}}, "messages is"),
+            ({"messages": MESSAGES, "chat_template": repeat}, "the rendered chat is")):
+        status, response = post(guarded, "/v1/chat/completions",
+                                 {"model": NAME, "max_tokens": 2, **body})
+        assert status == 400, response
+        message = response["error"]["message"]
+        assert refused in message and "characters" in message, message
+    assert completion_text(guarded, prompt="still serving")
+
+
+@pytest.mark.parametrize("key", ["²", "１２", "--5", "1e3", ""])
+def test_logit_bias_keys_are_ascii_token_ids(guarded, key):
+    """str.isdigit() took "²" (then int() failed, naming nothing) and fullwidth digits
+    (silently token 12)."""
+    status, response = post(guarded, "/v1/completions", {
+        "model": NAME, "prompt": "x", "max_tokens": 1, "logit_bias": {key: 1.0}})
+    assert status == 400 and "logit_bias keys must be token ids" in \
+        response["error"]["message"], response
+
+
+@pytest.fixture(scope="module")
+def dev_server(model_dirs) -> Iterator[Server]:
+    s = Server(model_dirs["llama"], "--enable-dev-endpoints", "--enable-sleep-mode")
+    yield s
+    assert s.stop() == 0
+
+
+def test_a_stream_the_engine_refuses_ends_with_an_error_event(dev_server):
+    """The 200 and its headers are out before the engine answers: a refusal (here: the
+    engine sleeps) must arrive as an error event and [DONE], not a dropped connection."""
+    assert dev_server.request("POST", "/sleep?level=1")[0] == 200
+    try:
+        status, data = dev_server.request("POST", "/v1/completions", {
+            "model": NAME, "prompt": "hi", "max_tokens": 4, "stream": True})
+        assert status == 200
+        events = [line.removeprefix(b"data: ") for line in data.split(b"\n\n") if line]
+        assert events[-1] == b"[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "sleeping" in error["message"], error
+    finally:
+        assert dev_server.request("POST", "/wake_up")[0] == 200
+
+
+def test_dev_routes_refuse_values_out_of_range(dev_server):
+    """A level past any integer the wire takes was a 500; a timeout that had passed
+    before the call began was a 504 while the call still ran in the engine."""
+    for path in ("/sleep?level=99999999999999999999999", "/sleep?level=%D9%A3"):
+        status, data = dev_server.request("POST", path)
+        assert status == 400 and b"level must be 0, 1 or 2" in data, (path, data)
+    status, data = dev_server.request("POST", "/collective_rpc",
+                                      {"method": "describe", "timeout": -1})
+    assert status == 400 and b"timeout" in data, data
+    assert not json.loads(dev_server.get("/is_sleeping")[1])["is_sleeping"]

@@ -15,6 +15,7 @@ add_special_tokens, continue_final_message, continuous_usage_stats).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -29,6 +30,10 @@ class StreamOptions(msgspec.Struct):
 
 # Fields (vLLM's or OpenAI's) for features not served here: ignoring them would change
 # what the client gets without telling it, so any value but the default is a 400.
+# A logit_bias key: a token id in decimal (at most int64's digits; the range is checked
+# by SamplingParams, naming the field).
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")
+
 UNSERVED_FIELDS = {
     "use_beam_search": "beam search", "guided_json": "guided decoding",
     "guided_regex": "guided decoding", "guided_choice": "guided decoding",
@@ -100,8 +105,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         if self.logit_bias is not None:
             bias = {}
             for key, value in self.logit_bias.items():
-                if not key.lstrip("-").isdigit():
-                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                if not _TOKEN_ID_KEY.fullmatch(key):  # ASCII: str.isdigit takes "²"
+                    raise ValueError(f"logit_bias keys must be token ids (decimal "
+                                     f"integers), got {key[:24]!r}")
                 bias[int(key)] = value
         extra: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):

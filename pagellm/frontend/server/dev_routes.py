@@ -68,8 +68,8 @@ def add_dev_routes(app: FastAPI, engine: AsyncLLM,
 
     @app.post("/sleep")
     async def sleep(level: str = "1", mode: str = "abort") -> dict[str, Any]:
-        if not level.isdigit():
-            raise bad_request(f"level must be 0, 1 or 2, got {level!r}")
+        if level not in ("0", "1", "2"):
+            raise bad_request(f"level must be 0, 1 or 2, got {level[:20]!r}")
         await control(engine.sleep(int(level), mode))
         return {"status": "sleeping", "level": int(level)}
 

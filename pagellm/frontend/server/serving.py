@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +22,7 @@ import msgspec
 from pagellm.frontend.async_llm import AsyncLLM
 from pagellm.frontend.core_client import EngineDeadError
 from pagellm.frontend.input_processor import ProcessedRequest, child_request_id
+from pagellm.frontend.output_processor import EngineUnavailableError
 from pagellm.frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagellm.frontend.server.api_models import (
     ChatCompletionRequest,
@@ -40,6 +42,8 @@ from pagellm.frontend.server.formatting import (
 from pagellm.frontend.server.metrics import ServerMetrics
 from pagellm.frontend.server.options import ServerOptions
 from pagellm.frontend.server.template_sandbox import ChatTemplateSandbox, TemplateTimeout
+
+logger = logging.getLogger("pagellm")
 
 
 class OpenAIServing:
@@ -115,7 +119,12 @@ class OpenAIServing:
             conversation = [{"role": m.role, "content": m.text()} for m in messages]
         except ValueError as e:
             raise bad_request(str(e)) from None
-        self.check_prompt_chars("messages", sum(len(m["content"]) for m in conversation))
+        # Bounded before rendering (every string the template may render) and again
+        # before tokenizing (what the template made of them): tokenizing runs on the one
+        # tokenizer thread that every request shares.
+        self.check_prompt_chars("messages", sum(len(m["role"]) + len(m["content"])
+                                                for m in conversation)
+                                + len(msgspec.json.encode(kwargs or {})))
         kwargs = dict(kwargs or {})
         if "chat_template" in kwargs:
             template = kwargs.pop("chat_template")
@@ -150,6 +159,7 @@ class OpenAIServing:
                 raise bad_request("continue_final_message: the final message's content is "
                                   "not in the rendered chat template")
             text = text[:end + len(final)]
+        self.check_prompt_chars("the rendered chat", len(text))
         ids = await self.engine.run_in_tokenizer_thread(
             tokenizer.encode, text, add_special_tokens=add_special_tokens)
         return list(ids)
@@ -334,7 +344,7 @@ class OpenAIServing:
         """Server-sent events: every completion update as `chunks` makes it (the
         payloads without the header), with the usage so far in each if asked
         (continuous_usage_stats), the final usage if asked, then [DONE]; the engine
-        dying mid-stream becomes an error event."""
+        dying or the request failing mid-stream becomes an error event."""
         completion = 0
         try:
             async for i, out in self._run_all(processed):
@@ -349,6 +359,13 @@ class OpenAIServing:
         except EngineDeadError as e:
             yield _sse({"error": {"message": f"the engine core is dead: {e}",
                                   "type": "ServiceUnavailableError", "code": 503}})
+        except EngineUnavailableError as e:
+            yield _sse({"error": {"message": str(e), "type": "ServiceUnavailableError",
+                                  "code": 503}})
+        except Exception as e:  # 200 is sent already: the error must be an event
+            logger.warning("a stream failed: %s: %s", type(e).__name__, e)
+            yield _sse({"error": {"message": f"{type(e).__name__}: {e}",
+                                  "type": "InternalServerError", "code": 500}})
         yield "data: [DONE]\n\n"
 
     # -- /v1/chat/completions ------------------------------------------------------------
