@@ -109,7 +109,7 @@ class LLM:
                 for request in processed.engine_requests:
                     engine_core.add_request(request)
         except BaseException:  # a send failed: what was registered or sent must go too
-            self._abort(request_ids)
+            self._abort(engine_core, request_ids)
             raise
         return self._run(request_ids, use_tqdm)
 
@@ -306,12 +306,12 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-            self._abort(request_ids)  # interrupted or failed: leave nothing behind
+            self._abort(engine_core, request_ids)  # interrupted or failed: leave nothing
         return [results[r] for r in request_ids]
 
-    def _abort(self, request_ids: list[str]) -> None:
-        """Forget what is unfinished of these requests, here and in the engine."""
-        engine_core = self._client()
+    def _abort(self, engine_core: SyncEngineCoreClient, request_ids: list[str]) -> None:
+        """Forget what is unfinished of these requests, here and in the engine (the
+        client the call started with: shutdown() may have cleared ours since)."""
         unfinished = self.output_processor.abort_requests(request_ids)
         if unfinished and engine_core.dead_error is None:
             engine_core.abort_requests(unfinished)
