@@ -14,6 +14,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # benchmarks/ is scripts, not a package
 
+import bad_words  # noqa: E402
 import decode_roofline  # noqa: E402
 import engine_overhead  # noqa: E402
 import gpu_suite  # noqa: E402
@@ -206,3 +207,12 @@ def test_small_gemm_smoke_checks_both_ways_agree_and_reports_every_shape(capsys)
     rows = [line for line in lines if line.strip()[:1].isdigit()]
     assert [r.split()[:3] for r in rows] == [["8", "x", "16"], ["24", "x", "16"]]
     assert all(len(r.split("/")) == 3 for r in rows)  # two cells of "mm / oneDNN"
+
+
+def test_bad_words_smoke_runs_both_ways_and_reports_a_per_step_cost(tmp_path):
+    results = run_json(bad_words.main, ["--num-requests", "2", "--num-words", "8",
+                                        "--output-len", "4", "--repeats", "1"],
+                       tmp_path / "bad_words.json")
+    assert results["benchmark"] == "bad_words"
+    assert len(results["runs_s"]["plain"]) == len(results["runs_s"]["bad_words"]) == 1
+    assert isinstance(results["extra_ms_per_step"], float)
