@@ -200,14 +200,7 @@ def test_a_trainer_broadcasts_weights_to_every_core(model_dirs, monkeypatch):
         before = llm.collective_rpc("weight_checksum")
         with NcclTrainer(model_dir, init_info) as trainer:
             trainer.guard(client_of(llm).clients[0].engine_process.pid)  # all go with it
-            llm.init_weight_transfer_engine({"init_info": init_info})
-            update_info = trainer.joined()["update_info"]
-            llm.start_weight_update()
-            trainer.send()
-            assert llm.update_weights({"update_info": update_info}) == len(
-                update_info["names"])
-            llm.finish_weight_update()
-            assert trainer.sent()
+            trainer.push(llm, init_info)
             assert trainer.finish() == 0
         after = llm.collective_rpc("weight_checksum")
         assert before[0] == before[1] and after[0] == after[1] and after != before

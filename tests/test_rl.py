@@ -447,6 +447,17 @@ class NcclTrainer:
         self._finished.set()
         return self.process.wait(30)
 
+    def push(self, llm: LLM, init_info: dict) -> None:
+        """vLLM's four phases, the engine's side (`llm`) against this trainer: join,
+        start, receive every tensor the trainer broadcasts, finish."""
+        llm.init_weight_transfer_engine({"init_info": init_info})
+        update_info = self.joined()["update_info"]
+        llm.start_weight_update()
+        self.send()
+        assert llm.update_weights({"update_info": update_info}) == len(update_info["names"])
+        llm.finish_weight_update()
+        assert self.sent()
+
     def __enter__(self) -> NcclTrainer:
         return self
 

@@ -264,14 +264,7 @@ def test_a_trainer_broadcasts_weights_to_every_rank(model_dirs):
             LLM(str(model_dir), tensor_parallel_size=2, kv_cache_memory_bytes=KV,
                 weight_transfer_config={"backend": "nccl"}) as llm:
         trainer.guard(llm.engine_core.engine_process.pid)
-        llm.init_weight_transfer_engine({"init_info": init_info})
-        update_info = trainer.joined()["update_info"]
-        llm.start_weight_update()
-        trainer.send()
-        assert llm.update_weights({"update_info": update_info}) == len(
-            update_info["names"])
-        llm.finish_weight_update()
-        assert trainer.sent()
+        trainer.push(llm, init_info)
         reference = hf_model(model_dir, perturbed(model_dir, seed=7))
         out = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=10),
                            use_tqdm=False)
