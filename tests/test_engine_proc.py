@@ -391,3 +391,76 @@ def test_shutdown_wakes_a_generate_blocked_in_another_thread(model_dirs):
     thread.join(10)
     assert not thread.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], EngineDeadError), errors
+
+
+def test_async_shutdown_ends_every_open_stream_and_pending_call(model_dirs):
+    """shutdown() with streams open and a pause in mode "wait" pending: each ends at
+    once with EngineDeadError (they waited forever: the output handler was cancelled
+    without failing its streams, and the client's pending calls were never woken); a
+    generate afterwards says the engine was shut down."""
+    engine = AsyncLLM(str(model_dirs["llama"]), kv_cache_memory_bytes=KV)
+    long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+    started: set[int] = set()
+
+    async def stream(i: int) -> None:
+        async for _ in engine.generate(f"prompt {i}", long, f"s{i}"):
+            started.add(i)
+
+    async def run() -> tuple[list, Exception]:
+        tasks = [asyncio.create_task(stream(i)) for i in range(3)]
+        while len(started) < 3:
+            await asyncio.sleep(0.01)
+        tasks.append(asyncio.create_task(engine.pause_generation("wait")))
+        await asyncio.sleep(0.3)  # the pause waits for the streams
+        engine.shutdown()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        try:
+            async for _ in engine.generate("late", GREEDY, "late"):
+                pass
+        except RuntimeError as e:
+            return results, e
+        raise AssertionError("a generate after shutdown ran")
+
+    results, late = asyncio.run(run())
+    assert all(isinstance(r, EngineDeadError) and "shut down" in str(r) for r in results), \
+        results
+    assert "this AsyncLLM has been shut down" in str(late)
+
+
+def test_a_stream_left_after_its_request_finished_spares_a_new_request_with_its_id(
+        model_dirs):
+    """Stream A's request finishes in the engine while its consumer has not read the
+    end; a new request reuses A's id (a service retrying a job); then A's consumer
+    leaves. Its cleanup aborted the new request by name; now it leaves it alone."""
+    engine = AsyncLLM(str(model_dirs["llama"]), kv_cache_memory_bytes=KV)
+    delta = dict(temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def run() -> tuple[str | None, int]:
+        first = engine.generate("a", SamplingParams(max_tokens=4, **delta), "job")
+        await first.__anext__()
+        while "job" in engine.output_processor.requests:  # finished in the engine
+            await asyncio.sleep(0.01)
+
+        async def second() -> tuple[str | None, int]:
+            tokens, reason = 0, None
+            async for out in engine.generate("b", SamplingParams(max_tokens=40, **delta),
+                                             "job"):
+                tokens += len(out.outputs[0].token_ids)
+                reason = out.outputs[0].finish_reason
+            return reason, tokens
+
+        task = asyncio.create_task(second())
+        while "job" not in engine.output_processor.requests:
+            await asyncio.sleep(0.01)
+        await first.aclose()  # A's consumer leaves without its final output
+        return await task
+
+    try:
+        assert asyncio.run(run()) == ("length", 40)
+        assert_all_free(engine_stats(engine))
+    finally:
+        engine.shutdown()
+
+
+def engine_stats(engine: AsyncLLM):
+    return asyncio.run(engine.get_stats())

@@ -35,7 +35,7 @@ from pagellm.frontend.core_client import (
     make_client,
 )
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
-from pagellm.frontend.mp_client import CurveClientKeys
+from pagellm.frontend.mp_client import CurveClientKeys, in_loop
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.outputs import RequestOutput
 from pagellm.frontend.rl import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update
@@ -102,6 +102,7 @@ class AsyncLLM:
     async def run_in_tokenizer_thread(self, fn: Callable[..., T], *args: Any,
                                       **kwargs: Any) -> T:
         """Run tokenizer work (`process`, chat templates, encode/decode) off the loop."""
+        self._client()  # after shutdown: say so, not "cannot schedule new futures"
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_thread,
                                           functools.partial(fn, *args, **kwargs))
@@ -124,6 +125,7 @@ class AsyncLLM:
         self._ensure_output_handler()
         request_id = processed.request_id
         collector = self.output_processor.add_stream(processed)
+        state = self.output_processor.requests[request_id]
         finished = False
         try:
             for request in processed.engine_requests:
@@ -137,7 +139,9 @@ class AsyncLLM:
                 finished = item.finished
                 yield item
         finally:
-            if not finished:  # cancelled, or the consumer left the loop early
+            # Cancelled, or the consumer left the loop early: abort the request, unless
+            # it finished meanwhile and its id now names another stream's request.
+            if not finished and self.output_processor.requests.get(request_id) is state:
                 self._abort([request_id])
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
@@ -257,9 +261,13 @@ class AsyncLLM:
         if getattr(self, "_tokenizer_thread", None) is None:
             return  # failed before anything started
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-        if self._output_handler is not None:
-            self._output_handler.cancel()
-            self._output_handler = None
+        handler, self._output_handler = self._output_handler, None
+        if handler is not None and not handler.get_loop().is_closed():
+            # Cancelled in its loop, it ends every open stream (`_handle_outputs`).
+            if in_loop(handler.get_loop()):
+                handler.cancel()
+            else:
+                handler.get_loop().call_soon_threadsafe(handler.cancel)
         engine_core, self.engine_core = self.engine_core, None
         if engine_core is not None:
             engine_core.shutdown()
@@ -297,6 +305,9 @@ class AsyncLLM:
                 self.output_lag_s = 0.9 * self.output_lag_s + 0.1 * lag
         except EngineDeadError as e:
             self.output_processor.fail_all(e)
+        except asyncio.CancelledError:  # shutdown(): no stream may wait on
+            self.output_processor.fail_all(EngineDeadError("this AsyncLLM was shut down"))
+            raise
         except Exception as e:  # a bug here must end the streams, not hang them
             logger.exception("AsyncLLM output handler failed")
             self.output_processor.fail_all(e)

@@ -534,7 +534,7 @@ class AsyncMPClient(MPClient, AsyncEngineCoreClient):
         loop = self._loop
         if loop is None or loop.is_closed():
             return  # nobody waits yet; later calls see dead_error
-        if _in_loop(loop):
+        if in_loop(loop):
             self._wake_all(cause)
         else:
             loop.call_soon_threadsafe(self._wake_all, cause)
@@ -549,10 +549,12 @@ class AsyncMPClient(MPClient, AsyncEngineCoreClient):
 
     def shutdown(self) -> None:
         if self._reader is not None and self._loop is not None and not self._loop.is_closed():
-            if _in_loop(self._loop):
+            if in_loop(self._loop):
                 self._reader.cancel()
             else:
                 self._loop.call_soon_threadsafe(self._reader.cancel)
+        if not self._closed:  # pending utility calls and readers must not wait on
+            self._notify_dead("this engine-core client was shut down")
         super().shutdown()
 
 
@@ -566,7 +568,8 @@ def _interruptible(get: Any) -> Any:
             continue
 
 
-def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+def in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether the caller runs in `loop`'s thread (its futures may be set directly)."""
     try:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
