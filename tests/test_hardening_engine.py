@@ -226,6 +226,8 @@ def test_foreign_requests_the_engine_cannot_serve_fail_alone(tight_engine, attac
         bad["bad-words-empty"].bad_words_token_ids = [[]]
         bad["nan"] = request("nan", [5])
         bad["nan"].arrival_time = float("nan")
+        bad["salt"] = request("salt", [5])
+        bad["salt"].cache_salt = "s" * 1025
         for r in bad.values():
             client.send(RequestType.ADD, r)
         # Out of range for SamplingParams: refused while decoding, still answered by id.
@@ -245,6 +247,7 @@ def test_foreign_requests_the_engine_cannot_serve_fail_alone(tight_engine, attac
         assert "top_k" in errors["top-k"]
         assert "outside the vocabulary" in errors["bad-words"]
         assert "must not be empty" in errors["bad-words-empty"]
+        assert "cache_salt is longer than 1024" in errors["salt"]
         client.send(RequestType.ADD, request("good", [5, 6, 7]))
         assert client.finished("good").finish_reason == FinishReason.LENGTH
     finally:

@@ -303,6 +303,9 @@ BAD_INPUTS = [
     ("ok", {"temperature": 0}, TypeError, "sampling_params"),
     ("ok", SamplingParams(stop_token_ids=[99999]), ValueError, "stop_token_ids"),
     ({"prompt": "x", "cache_salt": ""}, GREEDY, ValueError, "cache_salt"),
+    # Copied into each of n engine requests: bounded (15 MB with n=256 took 2.8 GB).
+    ({"prompt": "x", "cache_salt": "s" * 1025}, GREEDY, ValueError,
+     "cache_salt must be a non-empty string of at most 1024"),
 ]
 
 

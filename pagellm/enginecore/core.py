@@ -15,6 +15,7 @@ from pagellm.enginecore.scheduler import Scheduler, SchedulerConfig
 from pagellm.executor.executor import StepFailed, create_executor
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import (
+    MAX_CACHE_SALT_CHARS,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -297,6 +298,8 @@ class EngineCore:
         checked its own ranges when it was decoded)."""
         if not request.request_id:
             return "request_id must not be empty"
+        if request.cache_salt is not None and len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+            return f"cache_salt is longer than {MAX_CACHE_SALT_CHARS} characters"
         prompt = request.prompt_token_ids
         if not prompt:
             return "prompt_token_ids must not be empty"

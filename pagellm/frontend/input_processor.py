@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from pagellm.protocol.messages import EngineCoreRequest, EngineInfo
+from pagellm.protocol.messages import MAX_CACHE_SALT_CHARS, EngineCoreRequest, EngineInfo
 from pagellm.protocol.sampling_params import (
     ALL_LOGPROBS,
     RequestOutputKind,
@@ -166,8 +166,11 @@ class InputProcessor:
                                  "'prompt_token_ids' (and optionally 'cache_salt'), got keys "
                                  f"{sorted(prompt)}")
             cache_salt = prompt.get("cache_salt")
-            if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-                raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+            if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
+                                           or len(cache_salt) > MAX_CACHE_SALT_CHARS):
+                raise ValueError(f"cache_salt must be a non-empty string of at most "
+                                 f"{MAX_CACHE_SALT_CHARS} characters, got "
+                                 f"{str(cache_salt)[:40]!r}")
             if "prompt_token_ids" in prompt:
                 return None, self._check_token_ids(prompt["prompt_token_ids"]), cache_salt
             prompt = prompt["prompt"]

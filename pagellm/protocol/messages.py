@@ -37,7 +37,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0  # lower runs first under scheduling_policy="priority"
-    cache_salt: str | None = None  # requests with different salts never share KV blocks
+    # Requests with different salts never share KV blocks. At most MAX_CACHE_SALT_CHARS:
+    # a salt travels in each of a request's n engine requests.
+    cache_salt: str | None = None
     # sampling_params.bad_words as token ids, each word alone and after a space.
     bad_words_token_ids: list[list[int]] | None = None
 
@@ -229,3 +231,4 @@ class DPRegisterReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 
 
 PROTOCOL_VERSION = 4
+MAX_CACHE_SALT_CHARS = 1024  # a salt is an opaque key (vLLM's are short tokens)
