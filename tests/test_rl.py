@@ -221,6 +221,29 @@ def test_specs_pointing_many_times_at_one_region_are_refused_by_the_limits(model
         assert_no_leaks(llm)
 
 
+def test_weight_update_errors_echo_at_most_a_prefix_of_what_was_sent(model_dirs):
+    """A 40 MB tensor name or dtype came back as a 40 MB error string: refused with a
+    prefix of it; the engine keeps serving."""
+    from pagellm.protocol.utility import WeightSpec, WeightUpdate
+
+    model_dir = model_dirs["llama"]
+    name = "model.norm.weight"
+    with LLM(str(model_dir), weight_transfer_config={"backend": "ipc"},
+             kv_cache_memory_bytes=8 * 2**20) as llm:
+        before = greedy(llm)
+        with shared_weights([(name, checkpoint(model_dir)[name])]) as update:
+            spec = update.specs[0]
+            for bad, complaint in (
+                    (WeightSpec("x" * 100_000, spec.dtype, spec.shape), "characters"),
+                    (WeightSpec(name, "y" * 100_000, spec.shape), "not a weight dtype"),
+                    (WeightSpec(name, spec.dtype, [1] * 100_000), "dimensions")):
+                with pytest.raises(RuntimeError, match=complaint) as info:
+                    llm.update_weights(WeightUpdate([bad], update.buffer, update.buffer_bytes))
+                assert len(str(info.value)) < 400, len(str(info.value))
+        assert greedy(llm) == before
+        assert_no_leaks(llm)
+
+
 def cuda_share(**changes: object):
     """A well-formed CUDA IPC share, as torch's `_share_cuda_` would describe one."""
     from pagellm.protocol.utility import CudaIpcBuffer

@@ -69,5 +69,7 @@ def nbytes(name: str, shape: list[int], dtype: torch.dtype) -> int:
     """Bytes of a tensor a peer describes; ValueError naming `name` for a shape that is
     not one (too many dimensions, a negative size)."""
     if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
-        raise ValueError(f"{name}: bad shape {shape}")
+        shown = shape if len(shape) <= MAX_DIMS else f"of {len(shape)} dimensions"
+        raise ValueError(f"{name}: bad shape {shown} (at most {MAX_DIMS} dimensions, "
+                         f"none negative)")
     return math.prod(shape) * dtype.itemsize

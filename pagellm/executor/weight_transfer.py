@@ -449,6 +449,9 @@ def receive(group: WeightGroup, specs: list[WeightSpec], dests: list[Destination
 # --- every path: the update as a whole ------------------------------------------------
 
 
+MAX_NAME_CHARS = 512  # a checkpoint tensor's name (Hugging Face's are under 100)
+
+
 class UpdateTooLarge(ValueError):
     """A weight update whose specs add up to more than the model allows: refused with
     nothing of it copied or received (on the "nccl" backend not even drained: receiving
@@ -467,6 +470,11 @@ def check_specs(specs: list[WeightSpec], limit_bytes: int, limit_count: int) -> 
         raise UpdateTooLarge(f"weight update of {len(specs)} tensors is more than the "
                              f"model has ({limit_count} at most); refused, nothing copied "
                              f"or received")
+    for spec in specs:  # before any message names one: never echo a client's megabytes
+        if len(spec.name) > MAX_NAME_CHARS:
+            raise ValueError(f"weight update refused: a tensor name of {len(spec.name)} "
+                             f"characters ({spec.name[:40]!r}...), more than "
+                             f"{MAX_NAME_CHARS}")
     total = sum(_spec_bytes(spec) for spec in specs)
     if total > limit_bytes:
         raise UpdateTooLarge(f"weight update of {total} bytes is larger than the model "
@@ -482,6 +490,6 @@ def check_specs(specs: list[WeightSpec], limit_bytes: int, limit_count: int) -> 
 def _spec_bytes(spec: WeightSpec) -> int:
     """The spec's size in bytes; ValueError naming the weight if it is no weight."""
     if spec.dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"weight {spec.name}: dtype {spec.dtype!r} is not a weight dtype "
+        raise ValueError(f"weight {spec.name}: dtype {spec.dtype[:24]!r} is not a weight dtype "
                          f"({', '.join(WEIGHT_DTYPES)})")
     return nbytes(f"weight {spec.name}", spec.shape, DTYPES[spec.dtype])
