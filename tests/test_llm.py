@@ -389,3 +389,11 @@ def test_collective_rpc_timeout_must_be_positive(llama, timeout):
     """A timeout that has passed before the call starts is a mistake, not a wait."""
     with pytest.raises(ValueError, match="timeout"):
         llama.collective_rpc("describe", timeout=timeout)
+
+
+def test_a_kv_cache_larger_than_available_memory_is_refused_at_start_up(model_dirs):
+    """An explicit kv_cache_memory_bytes beyond what the device has: a clear refusal,
+    not an allocator traceback (or, below overcommit's limit, an OOM kill later)."""
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes=1000000000000000 is more "
+                                         "than cpu has available"):
+        LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=10**15, multiprocess=False)

@@ -118,6 +118,12 @@ class Worker:
         args = self.args
         if args.kv_cache_memory_bytes is not None:
             budget, source = args.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+            # Refused now rather than allocated lazily and OOM-killed mid-serving.
+            available = (torch.cuda.mem_get_info(self.device)[0]
+                         if self.device.type == "cuda" else psutil.virtual_memory().available)
+            if budget > available:
+                raise ValueError(f"kv_cache_memory_bytes={budget} is more than {self.device} "
+                                 f"has available ({available} bytes)")
         elif self.device.type == "cuda":
             budget, source = self._profiled_cuda_budget(args, self._used_before), (
                 "gpu_memory_utilization after profiling")
