@@ -9,6 +9,7 @@ rest; engine cores of a second (headless) node attach over loopback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -620,3 +621,158 @@ def test_two_nodes_on_a_network_address_need_curve_and_admit_only_the_engine_key
         _stop(stranger)
         if node1 is not None:
             _stop(node1)
+
+
+# -- the registration socket: bounded, and strict about what it takes ---------------------
+
+def _register(port: int, ranks: list[int], addresses: list[str], timeout_ms: int = 5000
+              ) -> str | None:
+    """One registration on a fresh connection: the frontend's reply (its error)."""
+    import msgspec
+    import zmq
+
+    from pagellm.protocol.messages import PROTOCOL_VERSION, DPRegister, DPRegisterReply
+
+    context = zmq.Context()
+    try:
+        sock = context.socket(zmq.DEALER)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(msgspec.msgpack.encode(DPRegister(PROTOCOL_VERSION, ranks, addresses)))
+        assert sock.poll(timeout_ms), "no reply to a registration"
+        return msgspec.msgpack.decode(sock.recv(), type=DPRegisterReply).error
+    finally:
+        context.destroy(linger=0)
+
+
+def _no_reply_to_oversized(port: int, size: int) -> bool:
+    """Send `size` bytes to the registration socket: True if nothing came back (the
+    connection was dropped unread) within a second."""
+    import zmq
+
+    context = zmq.Context()
+    try:
+        sock = context.socket(zmq.DEALER)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(b"\x93" + b"x" * size)
+        return not sock.poll(1000)
+    finally:
+        context.destroy(linger=0)
+
+
+def _listener() -> socket.socket:
+    """A bound, listening TCP socket: where a genuine engine core would be."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def test_the_registration_socket_drops_oversized_messages_and_refuses_bad_addresses():
+    """Without loading anything: a message larger than any DPRegister is dropped unread;
+    malformed addresses, out-of-range ports, overlong hosts, dead ports and a rank given
+    twice are refused with a reply saying why (echoing a bounded prefix at most), and
+    the rank stays open for the genuine node, whose registration ends the wait."""
+    from pagellm.frontend.dp_client import max_registration_bytes
+    from pagellm.protocol.engine_args import EngineArgs
+
+    port = free_port()
+    client = DPSyncClient.__new__(DPSyncClient)  # only the registration part
+    client.args = EngineArgs(model="demo", data_parallel_size=2, data_parallel_size_local=1,
+                             data_parallel_address="127.0.0.1", data_parallel_rpc_port=port)
+    client.curve, client._context, client._registration, client._auth = None, None, None, None
+    result: dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            result["found"] = client._await_registrations([1], {})
+        except BaseException as e:  # reported below
+            result["error"] = e
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    genuine, other = _listener(), _listener()
+    address = f"tcp://127.0.0.1:{genuine.getsockname()[1]}"
+    waiter.start()
+    try:
+        assert max_registration_bytes(2) < 4096
+        assert _no_reply_to_oversized(port, 2**20)
+        long_host = "h" * 300
+        cases = {
+            "tcp://nonsense": "not a tcp://HOST:PORT",
+            "tcp://127.0.0.1:70000": "out of range",
+            "tcp://127.0.0.1:0": "out of range",
+            "ipc:///tmp/x": "not a tcp://HOST:PORT",
+            "tcp://*:5555": "not a tcp://HOST:PORT",
+            f"tcp://{long_host}:5555": "not a tcp://HOST:PORT",
+            f"tcp://127.0.0.1:{free_port()}": "nothing accepts connections",
+        }
+        for bad, why in cases.items():
+            error = _register(port, [1], [bad])
+            assert error is not None and why in error, (bad, error)
+            assert len(error) < 250, error  # a bounded prefix of the address at most
+        other_address = f"tcp://127.0.0.1:{other.getsockname()[1]}"
+        error = _register(port, [1, 1], [other_address, address])
+        assert error is not None and "twice" in error, error
+        assert waiter.is_alive() and not result  # still waiting for rank 1
+        assert _register(port, [1], [address]) is None  # the genuine node
+        waiter.join(10)
+        assert result == {"found": {1: address}}, result
+    finally:
+        if waiter.is_alive():  # a failure above: end the wait
+            with contextlib.suppress(Exception):
+                _register(port, [1], [address], timeout_ms=1000)
+            waiter.join(10)
+        if client._context is not None:
+            client._context.destroy(linger=0)
+        genuine.close()
+        other.close()
+
+
+@pytest.mark.slow
+def test_a_frontend_waiting_for_a_node_survives_oversized_and_bogus_registrations(
+        model_dirs):
+    """The frontend is waiting for rank 1: an oversized message and a bogus address
+    (which used to kill the start-up) are refused, and the genuine headless node then
+    registers and serves."""
+    model_dir = model_dirs["llama"]
+    rpc_port = free_port()
+    started: dict[str, Any] = {}
+
+    def start() -> None:
+        try:
+            started["llm"] = LLM(str(model_dir), data_parallel_size=2,
+                                 data_parallel_size_local=1,
+                                 data_parallel_address="127.0.0.1",
+                                 data_parallel_rpc_port=rpc_port, kv_cache_memory_bytes=KV)
+        except BaseException as e:  # reported below
+            started["error"] = e
+
+    frontend = threading.Thread(target=start, daemon=True)
+    frontend.start()
+    node1 = None
+    try:
+        assert wait_until(lambda: _port_open(rpc_port), timeout=60)
+        assert _no_reply_to_oversized(rpc_port, 2**20)
+        error = _register(rpc_port, [1], ["tcp://nonsense"])
+        assert error is not None and "not a tcp://HOST:PORT" in error
+        node1 = headless_node(model_dir, rpc_port)
+        frontend.join(120)
+        assert "llm" in started, started
+        outputs = started["llm"].generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        assert all(o.outputs[0].token_ids for o in outputs)
+        assert client_of(started["llm"]).requests_per_engine == [1, 1]
+    finally:
+        if node1 is None and frontend.is_alive():  # a failure above: end its start-up
+            for core in psutil.Process().children(recursive=True):
+                if "pagellm.enginecore" in " ".join(core.cmdline()):
+                    core.kill()  # the frontend sees its local core die and stops
+        frontend.join(120)
+        if "llm" in started:
+            started["llm"].shutdown()
+        if node1 is not None:
+            _stop(node1)
+
+
+def _port_open(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+        return True
+    return False

@@ -272,3 +272,31 @@ def test_a_trainer_broadcasts_weights_to_every_rank(model_dirs):
             hf_greedy(reference, o.prompt_token_ids, 10) for o in out]
         assert_no_leaks(llm)
         assert trainer.finish() == 0
+
+
+@pytest.mark.slow
+def test_no_socket_directory_is_left_once_started_nor_after_a_kill_9_of_the_engine_core(
+        model_dirs, monkeypatch):
+    """The workers' ipc socket files go as soon as every worker has connected: none is
+    left behind, even when the engine core is killed with SIGKILL."""
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="tp-", dir="/tmp")  # short: ipc paths are limited
+    monkeypatch.setenv("TMPDIR", tmp)  # where the engine core makes its directory
+    llm = None
+    try:
+        llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, kv_cache_memory_bytes=KV)
+        assert len(_tokens(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))) == 2
+        assert not [p for p in os.listdir(tmp) if p.startswith("pagellm-tp-")]
+        engine = psutil.Process(llm.engine_core.engine_process.pid)
+        workers = _workers(engine.pid)
+        assert len(workers) == 2
+        engine.send_signal(signal.SIGKILL)
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive
+        assert not [p for p in os.listdir(tmp) if p.startswith("pagellm-tp-")]
+    finally:
+        if llm is not None:
+            llm.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)

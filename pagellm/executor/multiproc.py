@@ -147,10 +147,18 @@ class MultiprocExecutor(Executor):
         for local_rank in range(per_node):  # this is node 0: ranks 0..per_node-1
             self._spawn(args, local_rank, host, self._store.port, per_node)
         self._wait_ready()
+        self._remove_socket_dir()
         self._watcher = threading.Thread(target=self._watch, name="tp-watcher", daemon=True)
         self._watcher.start()
         logger.info("tensor parallel: %d workers ready (%d on this node)", self.world_size,
                     per_node)
+
+    def _remove_socket_dir(self) -> None:
+        """Once every local worker is connected, the ipc socket files are not needed
+        (established connections stay up without them): remove them, so that nothing
+        stays in /tmp even if the engine core is killed (multi-node: tcp, the directory
+        is empty)."""
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     def _spawn(self, args: EngineArgs, rank: int, host: str, port: int, per_node: int
                ) -> None:

@@ -29,6 +29,8 @@ import contextlib
 import functools
 import logging
 import queue
+import re
+import socket
 import threading
 import time
 from abc import abstractmethod
@@ -66,6 +68,46 @@ from pagellm.protocol.messages import (
 )
 
 logger = logging.getLogger("pagellm")
+
+# What the registration socket takes (it stays bound, unread, for this client's life:
+# its close tells headless nodes to stop). A DPRegister is [version, ranks, addresses]:
+# a msgpack array of an int and two lists, then per rank an int (at most 9 bytes) and
+# an address, tcp://HOST:PORT with HOST at most 253 characters (or a bracketed IPv6
+# address), behind a string header of at most 5 bytes. Larger messages make ZeroMQ
+# drop the connection before anything is read.
+MAX_HOST_CHARS = 253
+MAX_ADDRESS_CHARS = len("tcp://[") + MAX_HOST_CHARS + len("]:65535")
+_REGISTER_OVERHEAD_BYTES = 64  # array headers and the protocol version
+_REGISTER_RANK_BYTES = 9 + 5 + MAX_ADDRESS_CHARS  # one rank and its address
+REGISTRATION_HWM = 4  # messages queued per connection; beyond, ZeroMQ holds off
+REGISTRATION_PROBE_S = 2.0  # a registered address must accept a TCP connection by then
+_ECHO_CHARS = 80  # at most this much of a registrant's string in errors and logs
+_ADDRESS = re.compile(
+    r"tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>[0-9]{1,5})")
+
+
+def max_registration_bytes(num_ranks: int) -> int:
+    """The largest DPRegister of `num_ranks` ranks (the registration socket's
+    MAXMSGSIZE, with data_parallel_size: no node registers more ranks than that)."""
+    return _REGISTER_OVERHEAD_BYTES + num_ranks * _REGISTER_RANK_BYTES
+
+
+def clip(text: str) -> str:
+    """A client's string as errors and logs may show it: repr, at most _ECHO_CHARS."""
+    return repr(text[:_ECHO_CHARS]) + ("..." if len(text) > _ECHO_CHARS else "")
+
+
+def check_engine_address(address: str) -> tuple[str, int]:
+    """tcp://HOST:PORT (HOST a name or IPv4 address of at most 253 characters, or an
+    IPv6 address in brackets; PORT 1-65535) -> (host, port); ValueError if not."""
+    match = _ADDRESS.fullmatch(address) if len(address) <= MAX_ADDRESS_CHARS else None
+    if match is None or len(match["host"].strip("[]")) > MAX_HOST_CHARS:
+        raise ValueError(f"not a tcp://HOST:PORT address: {clip(address)}")
+    port = int(match["port"])
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port out of range (1-65535): {clip(address)}")
+    return match["host"].strip("[]"), port
+
 
 def rank_label(rank: int) -> str:
     return f"engine core of data-parallel rank {rank}"
@@ -172,6 +214,9 @@ class DPClient(EngineCoreClient):
         address = registration_address(self.args)
         self._context = Context()
         sock = self._registration = self._context.socket(zmq.ROUTER)
+        # It stays bound for this client's life: what anyone can make it hold is bounded.
+        sock.setsockopt(zmq.MAXMSGSIZE, max_registration_bytes(self.args.data_parallel_size))
+        sock.setsockopt(zmq.RCVHWM, REGISTRATION_HWM)
         if self.curve is not None:
             self._auth = _allow_only(self._context, self.curve)
             self.curve.configure(sock)  # key pair; the server key set here goes unused
@@ -199,7 +244,7 @@ class DPClient(EngineCoreClient):
                 message = msgspec.msgpack.decode(frames[-1], type=DPRegister)
                 error = self._registered(message, ranks, found)
             except msgspec.DecodeError as e:
-                error = f"not a registration: {e}"
+                error = f"not a registration: {clip(str(e))}"
             sock.send_multipart([frames[0], msgspec.msgpack.encode(DPRegisterReply(error))])
             if error is not None:
                 logger.warning("refused a data-parallel registration: %s", error)
@@ -217,19 +262,34 @@ class DPClient(EngineCoreClient):
 
     def _registered(self, message: DPRegister, wanted: list[int], found: dict[int, str]
                     ) -> str | None:
-        """Take a headless node's registration into `found`; why not, if not."""
+        """Take a headless node's registration into `found`; why not, if not (the
+        ranks stay open for the genuine node then)."""
         if message.protocol_version != PROTOCOL_VERSION:
             return f"protocol version {message.protocol_version} is not supported " \
                    f"(this frontend speaks {PROTOCOL_VERSION})"
         if len(message.ranks) != len(message.addresses) or not message.ranks:
             return "ranks and addresses must pair up"
+        seen: set[int] = set()
+        endpoints = []
         for rank, address in zip(message.ranks, message.addresses, strict=True):
+            if rank in seen:
+                return f"rank {rank} is registered twice in one message"
+            seen.add(rank)
             if rank not in wanted:
                 return f"rank {rank} is not one this frontend waits for ({wanted})"
             if rank in found:
                 return f"rank {rank} is already registered"
-            if not address.startswith("tcp://"):
-                return f"not a tcp:// address: {address!r}"
+            try:
+                endpoints.append(check_engine_address(address))
+            except ValueError as e:
+                return f"rank {rank}: {e}"
+        for rank, address, (host, port) in zip(message.ranks, message.addresses, endpoints,
+                                                strict=True):
+            try:  # an engine core that registers is bound already
+                socket.create_connection((host, port), timeout=REGISTRATION_PROBE_S).close()
+            except (OSError, ValueError) as e:  # ValueError: a name IDNA refuses
+                return f"rank {rank}: nothing accepts connections at {clip(address)} " \
+                       f"({clip(str(e))})"
         found.update(zip(message.ranks, message.addresses, strict=True))
         return None
 
