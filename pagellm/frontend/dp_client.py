@@ -56,6 +56,7 @@ from pagellm.frontend.mp_client import (
     CurveClientKeys,
     MPClient,
     SyncMPClient,
+    in_loop,
 )
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import (
@@ -471,7 +472,7 @@ class DPAsyncClient(DPClient, AsyncEngineCoreClient):
         if loop is not None and not loop.is_closed():
             for pump in self._pumps:
                 with contextlib.suppress(RuntimeError):
-                    if _in_loop(loop):
+                    if in_loop(loop):
                         pump.cancel()
                     else:
                         loop.call_soon_threadsafe(pump.cancel)
@@ -499,10 +500,3 @@ def _allow_only(context: zmq.Context, curve: CurveClientKeys) -> Any:
     auth.start()
     auth.configure_curve_callback(domain="*", credentials_provider=_OnlyKey(public))
     return auth
-
-
-def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
