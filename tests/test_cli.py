@@ -51,3 +51,56 @@ def test_make_model_then_demo(tmp_path: Path):
     assert result.returncode == 0, result.stderr
     assert "RANDOM weights" in result.stderr and "completion (4 tokens" in result.stdout
     assert (tmp_path / "cache").is_dir()
+
+
+def _one_line_error(result: subprocess.CompletedProcess, *names: str) -> None:
+    """Exit code 2, no traceback, and the last line of stderr an error naming `names`."""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr or "engine core failed" in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "error:" in last, result.stderr
+    for name in names:
+        assert name in last, result.stderr
+
+
+@pytest.mark.parametrize(("flag", "value", "names"), [
+    ("--kv-cache-memory-bytes", "9" * 400, ["--kv-cache-memory-bytes", "too large"]),
+    ("--kv-cache-memory-bytes", "999999999999999999GiB",
+     ["--kv-cache-memory-bytes", "too large"]),
+    ("--weight-transfer-config", "[" * 50000 + "]" * 50000,
+     ["--weight-transfer-config", "nested too deeply"]),
+    ("--max-num-seqs", "99999999999", ["--max-num-seqs", "1048576"]),
+    ("--max-num-batched-tokens", "9999999999999", ["--max-num-batched-tokens", "2147483647"]),
+], ids=["bytes-400-digits", "bytes-huge-GiB", "json-deep", "max-num-seqs", "batched-tokens"])
+def test_out_of_range_flags_give_a_one_line_error_naming_the_flag(
+        model_dirs, flag: str, value: str, names: list[str]) -> None:
+    result = run_cli("generate", "--model", str(model_dirs["llama"]), flag, value, "x")
+    _one_line_error(result, *names)
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("cls", ["builtins.int", "threading.Thread"])
+def test_worker_extension_that_is_no_mixin_is_named(model_dirs, cls: str) -> None:
+    result = run_cli("generate", "--model", str(model_dirs["llama"]), "--max-model-len", "64",
+                     "--worker-extension-cls", cls, "x")
+    _one_line_error(result, "worker_extension_cls", cls, "mixin")
+
+
+@pytest.mark.parametrize(("update", "field"), [
+    ({"rope_parameters": {"rope_type": "linear", "factor": "abc"}}, "rope_parameters.factor"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                          "original_max_position_embeddings": -5}},
+     "rope_parameters.original_max_position_embeddings"),
+    ({"attention_dropout": "abc"}, "attention_dropout"),  # transformers' own check
+])
+def test_config_garbage_gives_a_one_line_error_naming_the_field(
+        model_dirs, tmp_path: Path, update: dict, field: str) -> None:
+    import json
+    import shutil
+
+    model_dir = Path(shutil.copytree(model_dirs["llama"], tmp_path / "m"))
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, **update}))
+    result = run_cli("generate", "--model", str(model_dir), "x")
+    _one_line_error(result, field)
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr

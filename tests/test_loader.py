@@ -559,3 +559,64 @@ def test_cpu_linear_equals_f_linear_on_every_path(rows: int, bias: bool,
     tolerance = 2.5e-7 * in_features
     torch.testing.assert_close(y.double(), expected, rtol=tolerance, atol=tolerance)
     assert (rows <= SMALL_BATCH_ROWS) == (rows in (1, 2, 4))
+
+
+# ------------------------------------------------------------ refused before allocating
+
+
+@pytest.fixture
+def no_materializing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if the loader materializes the model (the refusal must come first)."""
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the model was materialized before the refusal")
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", refuse)
+
+
+def test_dummy_model_larger_than_available_memory_is_refused_naming_the_fields(
+        built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        no_materializing: None) -> None:
+    from pagellm.executor import loader
+
+    model_dir = _copy(built(SPECS["llama"]), tmp_path)
+    monkeypatch.setattr(loader, "available_memory", lambda device: 10**6)
+    with pytest.raises(ValueError, match="available on cpu") as info:
+        _dummy(model_dir, seed=1)
+    for field in ("vocab_size=1024", "hidden_size=", "num_hidden_layers=2",
+                  "intermediate_size="):
+        assert field in str(info.value)
+
+
+def test_a_vocabulary_beyond_any_memory_is_refused_naming_it(
+        built: Built, tmp_path: Path, no_materializing: None) -> None:
+    model_dir = _copy(built(SPECS["llama"]), tmp_path)
+    _edit_config_json(model_dir, lambda raw: raw.update(vocab_size=10**9))
+    with pytest.raises(ValueError, match="vocab_size=1000000000,"):
+        _dummy(model_dir, seed=1)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weight_bytes_equal_the_materialized_model(built: Built, name: str,
+                                                   dtype: str) -> None:
+    from pagellm.executor.loader import weight_bytes
+
+    config = _config(built(SPECS[name]), dtype=dtype, max_model_len=300)
+    model = load_model(config, CPU)
+    actual = sum(t.numel() * t.element_size()
+                 for t in (*model.parameters(), *model.buffers()))
+    assert weight_bytes(config) == actual
+
+
+def test_rope_tables_have_max_model_len_rows(built: Built) -> None:
+    """Sized by the positions that can occur, not the config's max_position_embeddings;
+    the scaling math (yarn, original length 256, max 1024) is unchanged."""
+    model_dir = built(ModelSpec(
+        max_position_embeddings=1024, seed=36,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                      "original_max_position_embeddings": 256}))
+    config = _config(model_dir, max_model_len=100)
+    rotary = load_model(config, CPU).model.rotary_emb
+    assert rotary.cos_cache.shape == rotary.sin_cache.shape == (100, 16)
+    cos, sin = LlamaRotaryEmbedding(config.hf_config)(torch.zeros(1), torch.arange(100)[None])
+    assert torch.equal(rotary.cos_cache, cos[0]) and torch.equal(rotary.sin_cache, sin[0])

@@ -229,3 +229,41 @@ def test_cli_rejects_bad_sizes_and_choices():
                  ["--model", "m", "--block-size", "12"]):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------ check_model_config
+
+_CONFIG = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "max_position_embeddings": 8}
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": "abc"}}, "rope_parameters.factor"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                       "original_max_position_embeddings": -5}},
+     "rope_scaling.original_max_position_embeddings"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 0}}, "rope_parameters.factor"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 1.0}}, "low_freq_factor"),
+    ({"rope_parameters": "yarn"}, "rope_parameters"),
+    ({"rope_theta": -1.0}, "rope_theta"),
+    ({"num_hidden_layers": 100000}, "num_hidden_layers"),
+    ({"vocab_size": 10**12}, "vocab_size"),
+    ({"hidden_size": 2**40}, "hidden_size"),
+])
+def test_check_model_config_refuses_garbage_naming_the_field(extra: dict, field: str) -> None:
+    from pagellm.protocol.validation import check_model_config
+
+    with pytest.raises(ValueError, match=field):
+        check_model_config({**_CONFIG, **extra})
+
+
+def test_check_model_config_accepts_real_rope_scaling() -> None:
+    from pagellm.protocol.validation import check_model_config
+
+    check_model_config({**_CONFIG, "rope_theta": 500000.0, "rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192, "rope_theta": 500000.0}})
+    check_model_config({**_CONFIG, "rope_scaling": {
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "attention_factor": None}})

@@ -324,3 +324,30 @@ def test_rotary_buffers_stay_out_of_the_state_dict() -> None:
     rotary = RotaryEmbedding(RopeSpec("default", 10000.0), 32, 64)
     assert rotary.state_dict() == {}
     assert {name for name, _ in rotary.named_buffers()} == {"cos_cache", "sin_cache"}
+
+
+@pytest.mark.parametrize("case", list(ROTARY_CASES))
+def test_rotary_tables_have_max_model_len_rows_with_unchanged_scaling(case: str) -> None:
+    """The tables cover the positions the engine can reach (max_model_len), not the
+    config's max_position_embeddings, which still drives the scaling: the rows equal
+    transformers' for a model of max_position_embeddings 4096."""
+    rope_parameters, head_dim, max_position, rows = ROTARY_CASES[case], 64, 4096, 100
+    rotary = RotaryEmbedding(RopeSpec.from_hf(dict(rope_parameters), None, None), head_dim,
+                             max_position, rows)
+    assert rotary.cos_cache.shape == rotary.sin_cache.shape == (rows, head_dim)
+    x = torch.zeros(rows, 1, head_dim)
+    _, _, cos_hf, sin_hf = _hf_rotate(rope_parameters, head_dim, max_position, x, x,
+                                      torch.arange(rows))
+    assert torch.equal(rotary.cos_cache, cos_hf) and torch.equal(rotary.sin_cache, sin_hf)
+
+
+def test_decoder_sizes_rope_tables_by_max_model_len() -> None:
+    from pagellm.executor.models.decoder import DecoderForCausalLM, DecoderSpec
+
+    spec = DecoderSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                       num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                       qkv_bias=False, o_bias=False, qk_norm=False, tie_word_embeddings=True,
+                       max_position=30_000_000, rope=RopeSpec("default", 10000.0))
+    with torch.device("meta"):
+        model = DecoderForCausalLM(spec, max_model_len=512)
+    assert model.model.rotary_emb.cos_cache.shape == (512, 16)

@@ -6,7 +6,8 @@ may be extended with the engine arg `worker_extension_cls="package.module.Class"
 (vLLM's dotted form). That class is imported, never unpickled, and mixed into `Worker`,
 so its methods see vLLM's worker attributes (`self.model_runner.model`, `self.device`,
 `self.rank`). Only public methods (no leading underscore) of the extension class are
-callable.
+callable. The class must be a plain mixin: no `__init__` or `__new__` of its own (they
+would be handed the worker's constructor arguments) and no builtin base.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ def worker_class(dotted: str | None) -> type[Worker]:
         raise ValueError(f"worker_extension_cls {dotted!r} cannot be imported: {e}") from e
     if not inspect.isclass(extension):
         raise ValueError(f"worker_extension_cls {dotted!r} is not a class")
+    own = [name for name in ("__init__", "__new__")
+           if getattr(extension, name) is not getattr(object, name)]
+    if extension.__module__ == "builtins" or own:
+        why = f"defines {' and '.join(own)}" if own else "is a builtin type"
+        raise ValueError(f"worker_extension_cls {dotted!r} {why}: it must be a plain mixin "
+                         "class (methods only; the worker's constructor takes its arguments)")
     methods = frozenset(name for name, member in inspect.getmembers(extension)
                         if callable(member) and not name.startswith("_")
                         and not hasattr(Worker, name))
@@ -40,7 +47,11 @@ def worker_class(dotted: str | None) -> type[Worker]:
     if clash:
         raise ValueError(f"worker_extension_cls {dotted!r} redefines worker attribute(s) "
                          f"{', '.join(sorted(clash))}")
-    return type(f"{class_name}Worker", (extension, Worker), {"rpc_methods": methods})
+    try:
+        return type(f"{class_name}Worker", (extension, Worker), {"rpc_methods": methods})
+    except TypeError as e:  # e.g. a metaclass or layout conflict
+        raise ValueError(f"worker_extension_cls {dotted!r} cannot be mixed into the "
+                         f"worker: {e}") from None
 
 
 def call(worker: Worker, methods: frozenset[str], method: str, args: list[Any],

@@ -1,4 +1,11 @@
-"""Build the model and fill its weights: safetensors (single or sharded) or dummy."""
+"""Build the model and fill its weights: safetensors (single or sharded) or dummy.
+
+The model is built on the meta device first, where it costs no memory, and its bytes
+(this rank's share, in the target dtype, with the RoPE tables) are checked against the
+memory free on the device before anything is allocated: a config.json claiming a huge
+vocabulary or thousands of layers is refused naming its fields, instead of exhausting
+memory (check_model_config bounds each field; this bounds their product).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,10 @@ from torch import nn
 from pagellm.executor.config import ModelConfig
 from pagellm.executor.models.decoder import DecoderForCausalLM
 from pagellm.executor.parallel import TensorParallel
+
+# The config.json fields the weights' size follows, named when they do not fit.
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim")
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -40,15 +51,68 @@ def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
                 yield name, f.get_tensor(name)
 
 
+def available_memory(device: torch.device) -> int:
+    """Bytes free to hold the model on `device`: CUDA's free memory, else the host's
+    available memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _config_sizes(config: ModelConfig) -> str:
+    hf = config.hf_config
+    fields = [f"{name}={getattr(hf, name)}" for name in SIZE_FIELDS
+              if getattr(hf, name, None) is not None]
+    return "config.json's " + ", ".join(fields)
+
+
+def _meta_model(config: ModelConfig, tp: TensorParallel | None) -> DecoderForCausalLM:
+    """The model in `config.dtype` on the meta device: shapes and dtypes, no memory."""
+    try:
+        with torch.device("meta"):
+            model = DecoderForCausalLM(config.spec, tp, config.max_model_len)
+        # Cast on meta, then materialize: never a whole fp32 copy of a bf16 model.
+        return model.to(config.dtype)
+    except (RuntimeError, OverflowError) as e:  # sizes beyond any tensor's
+        raise ValueError(f"{_config_sizes(config)}: the model cannot be built: {e}") from e
+
+
+def _bytes_of(model: DecoderForCausalLM) -> int:
+    """Parameters in their dtype; buffers (the RoPE tables) in float32, as
+    `reset_cache` makes them whatever the model's dtype."""
+    return (sum(p.numel() * p.element_size() for p in model.parameters())
+            + sum(b.numel() * 4 for b in model.buffers()))
+
+
+def weight_bytes(config: ModelConfig, tp: TensorParallel | None = None) -> int:
+    """Bytes of this rank's parameters in `config.dtype`, plus the RoPE tables."""
+    return _bytes_of(_meta_model(config, tp))
+
+
+def _check_memory(config: ModelConfig, needed: int, device: torch.device,
+                  tp: TensorParallel | None) -> None:
+    """Raise ValueError naming the config's sizes when the weights cannot fit."""
+    free = available_memory(device)
+    if needed > free:
+        dtype = str(config.dtype).removeprefix("torch.")
+        raise ValueError(
+            f"the model's weights need {needed} bytes ({needed / 2**30:.1f} GiB) in {dtype}"
+            f"{' on this rank' if tp is not None and tp.size > 1 else ''} "
+            f"({_config_sizes(config)}; RoPE tables for max_model_len={config.max_model_len})"
+            f", more than the {free} bytes ({free / 2**30:.1f} GiB) available on {device}")
+
+
 def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | None = None
                ) -> DecoderForCausalLM:
     """The model (this rank's slice of it, under tensor parallelism) on `device` in
     `config.dtype`, weights loaded, in eval mode. Every rank reads the checkpoint and
-    keeps its slice."""
-    with torch.device("meta"):
-        model = DecoderForCausalLM(config.spec, tp)
-    # Cast on meta, then materialize: never a whole fp32 copy of a bf16 model.
-    model = model.to(config.dtype).to_empty(device=device)
+    keeps its slice. Its size is checked first, before anything is allocated (module
+    docstring)."""
+    model = _meta_model(config, tp)
+    _check_memory(config, _bytes_of(model), device, tp)
+    model = model.to_empty(device=device)
     model.model.rotary_emb.reset_cache()  # computed, not loaded: fill it on the device
     if config.load_format == "dummy":
         _init_dummy(model, config.seed)

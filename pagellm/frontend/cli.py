@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from pagellm.frontend.server.options import MAX_BODY_BYTES, ServerOptions
 from pagellm.logger import configure_logging
@@ -191,8 +192,16 @@ def load_chat_template(value: str) -> str:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with errors on one line: the generate and serve usages run to dozens
+    of lines of engine options, which would bury the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: serve LLMs fast.")
+    parser = _Parser(prog="pagellm", description="pagellm: serve LLMs fast.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_make_model(sub)
@@ -215,6 +224,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"pagellm: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if not isinstance(e, KeyError) and not _from_model_library(e):
+            raise
+        # transformers' own checks of a model's config or tokenizer files (KeyError,
+        # huggingface_hub's StrictDataclassError...): one line, like ours.
+        text = " ".join(str(e.args[0] if isinstance(e, KeyError) and e.args else e).split())
+        print(f"pagellm: error: {type(e).__name__}: {text}", file=sys.stderr)
+        return 2
+
+
+def _from_model_library(error: BaseException) -> bool:
+    """Whether `error` is one of the model libraries' own exception types."""
+    module = type(error).__module__.split(".")[0]
+    return module in ("transformers", "huggingface_hub", "tokenizers", "safetensors")
 
 
 if __name__ == "__main__":

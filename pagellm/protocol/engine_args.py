@@ -21,9 +21,16 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
-from pagellm.protocol.validation import INT64_MAX, INT64_MIN, check_float, check_int
+from pagellm.protocol.validation import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    check_float,
+    check_int,
+)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp32": "float32", "fp16": "float16",
@@ -38,6 +45,9 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 WEIGHT_TRANSFER_BACKENDS = ("ipc", "nccl")
 # Most tensor-parallel workers, or data-parallel engine cores, one engine starts.
 MAX_PARALLEL = 256
+# Most requests running at once: per-request rows of the input batch are preallocated,
+# so a count beyond any real use would be an allocation failure, not a setting.
+MAX_NUM_SEQS = 2**20
 
 
 def usable_cpus() -> int:
@@ -177,16 +187,18 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         check_int("seed", self.seed, minimum=INT64_MIN, maximum=INT64_MAX)
         check_int("block_size", self.block_size)
-        check_int("max_model_len", self.max_model_len, minimum=1, allow_none=True)
-        check_int("max_num_seqs", self.max_num_seqs, minimum=1)
-        check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1,
+        check_int("max_model_len", self.max_model_len, minimum=1, maximum=INT32_MAX,
                   allow_none=True)
+        check_int("max_num_seqs", self.max_num_seqs, minimum=1, maximum=MAX_NUM_SEQS)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1,
+                  maximum=INT32_MAX, allow_none=True)
         check_float("gpu_memory_utilization", self.gpu_memory_utilization, minimum=0.0,
                     maximum=1.0, min_exclusive=True)
         check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1,
-                  allow_none=True)
-        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
-        check_int("max_logprobs", self.max_logprobs, minimum=-1)
+                  maximum=INT64_MAX, allow_none=True)
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0,
+                  maximum=INT32_MAX)
+        check_int("max_logprobs", self.max_logprobs, minimum=-1, maximum=INT32_MAX)
         check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1,
                   maximum=MAX_PARALLEL)
         check_int("data_parallel_size", self.data_parallel_size, minimum=1,
@@ -221,7 +233,8 @@ class EngineArgs:
             raise ValueError("worker_extension_cls must be 'package.module.Class', got "
                              f"{self.worker_extension_cls!r}")
         check_float("swap_space", self.swap_space, minimum=0.0)
-        check_int("max_seq_len_to_capture", self.max_seq_len_to_capture, minimum=1)
+        check_int("max_seq_len_to_capture", self.max_seq_len_to_capture, minimum=1,
+                  maximum=INT32_MAX)
         for name, (supported, why) in _SUPPORTED.items():
             value = getattr(self, name)
             if not any(value is s or (type(value) is type(s) and value == s)
@@ -300,9 +313,18 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
+        """The args the parsed flags give; a value refused names its flag
+        ("--max-num-seqs: max_num_seqs must be <= ...")."""
         values = vars(namespace)
-        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)
-                      if f.name in values})
+        try:
+            return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)
+                          if f.name in values})
+        except (ValueError, TypeError) as e:
+            name = next((f.name for f in dataclasses.fields(cls)
+                         if re.match(rf"{f.name}\b", str(e))), None)
+            if name is None:
+                raise
+            raise type(e)(f"--{name.replace('_', '-')}: {e}") from None
 
 
 # The vLLM options above that take only some of vLLM's values: name -> (the values
@@ -336,10 +358,17 @@ def parse_json(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({e})") from None
+        raise argparse.ArgumentTypeError(f"not JSON: {_clip(text)} ({e})") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"JSON nested too deeply: {_clip(text)}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {_clip(text)}")
     return value
+
+
+def _clip(text: str) -> str:
+    """A command-line value for a message: a megabyte of it is not worth echoing."""
+    return repr(text) if len(text) <= 80 else f"{text[:60]!r}...({len(text)} characters)"
 
 
 def _optional(convert: Any) -> Any:
@@ -354,8 +383,18 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
 
 
 def parse_bytes(text: str) -> int:
-    """'4GiB' -> 4294967296; plain integers pass through."""
+    """'4GiB' -> 4294967296; plain integers pass through. Exact (no float rounding or
+    overflow), and at most INT64_MAX bytes."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 4GiB or 512MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {_clip(text)} "
+                                         "(try 4GiB or 512MiB)")
+    whole = m.group(1).lstrip("0").partition(".")[0]
+    if len(whole) > 25:  # far beyond INT64_MAX in any unit: not worth the arithmetic
+        value = INT64_MAX + 1
+    else:
+        value = int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value > INT64_MAX:
+        raise argparse.ArgumentTypeError(f"{_clip(text)} is too large (at most {INT64_MAX} "
+                                         "bytes)")
+    return value

@@ -62,11 +62,38 @@ def check_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
+# Layers beyond any real model's (the largest have a few hundred): each costs host
+# memory for its modules before any weight exists, so a config claiming millions would
+# exhaust memory building them.
+MAX_NUM_LAYERS = 4096
+
+# RoPE scaling fields (config.json's rope_parameters / rope_scaling) -> strictly
+# positive (True) or any finite number (False).
+_ROPE_NUMBERS = {"rope_theta": True, "factor": True, "low_freq_factor": True,
+                 "high_freq_factor": True, "attention_factor": True, "beta_fast": False,
+                 "beta_slow": False, "mscale": False, "mscale_all_dim": False,
+                 "partial_rotary_factor": True}
+# The fields each scaling type needs (transformers refuses the config without them).
+_ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+
+
 def check_model_config(config: Any) -> None:
+    """Raise ValueError, "config.json: <field> must be ...", unless `config` (a
+    config.json's contents) passes `_check_model_config`."""
+    try:
+        _check_model_config(config)
+    except ValueError as e:
+        raise ValueError(f"config.json: {e}") from None
+
+
+def _check_model_config(config: Any) -> None:
     """The sizes a model's config.json gives, each checked by name before transformers
     reads them (the frontend for the tokenizer, the engine for the model): a zero or a
     fraction would otherwise surface as a ZeroDivisionError or a shape error deep in
-    config or model construction."""
+    config or model construction, and a size beyond int32 (or layers beyond
+    `MAX_NUM_LAYERS`) as an allocator error. The RoPE fields are checked too. Whether
+    the weights fit in memory is the loader's check (executor/loader.py)."""
     if not isinstance(config, dict):
         raise ValueError("config.json must hold a JSON object")
     sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -76,7 +103,10 @@ def check_model_config(config: Any) -> None:
     for name in sizes:
         value = config.get(name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise ValueError(f"{name} must be a positive integer, got {_short_repr(value)}")
+        limit = MAX_NUM_LAYERS if name == "num_hidden_layers" else INT32_MAX
+        if value > limit:
+            raise ValueError(_out_of_range(name, f"<= {limit}", 1, limit, "[", value))
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
     if kv_heads is not None and heads % kv_heads:
         raise ValueError(f"num_attention_heads ({heads}) must be a multiple of "
@@ -84,6 +114,54 @@ def check_model_config(config: Any) -> None:
     if config.get("head_dim") is None and config["hidden_size"] % heads:
         raise ValueError(f"hidden_size ({config['hidden_size']}) must be a multiple of "
                          f"num_attention_heads ({heads}) when there is no head_dim")
+    for name in ("rope_theta", "rms_norm_eps"):
+        if config.get(name) is not None:
+            try:
+                check_float(name, config[name], minimum=0.0, min_exclusive=True)
+            except TypeError as e:
+                raise ValueError(str(e)) from None
+    for field in ("rope_parameters", "rope_scaling"):
+        _check_rope(field, config.get(field))
+
+
+def _check_rope(field: str, params: Any) -> None:
+    """config.json's `field` (rope_parameters or rope_scaling): None or an object whose
+    scaling numbers are numbers in range (nested objects: one per layer type)."""
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise ValueError(f"{field} must be a JSON object, got {_short_repr(params)}")
+    for key, value in params.items():
+        name = f"{field}.{key}"
+        if isinstance(value, dict):
+            _check_rope(name, value)
+        elif key in ("rope_type", "type"):
+            if not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {_short_repr(value)}")
+        elif key == "original_max_position_embeddings":
+            if value is not None and (not _is_int(value) or not 1 <= value <= INT32_MAX):
+                raise ValueError(f"{name} must be a positive integer (<= {INT32_MAX}), got "
+                                 f"{_short_repr(value)}")
+        elif key in _ROPE_NUMBERS and value is not None:
+            try:
+                check_float(name, value, minimum=0.0 if _ROPE_NUMBERS[key] else None,
+                            min_exclusive=True)
+            except TypeError as e:
+                raise ValueError(str(e)) from None
+    rope_type = params.get("rope_type", params.get("type"))
+    required = _ROPE_REQUIRED.get(rope_type, ()) if isinstance(rope_type, str) else ()
+    absent = [key for key in required if params.get(key) is None]
+    if absent:
+        raise ValueError(f"{field} of rope_type {rope_type!r} needs {', '.join(absent)}")
+    low, high = params.get("low_freq_factor"), params.get("high_freq_factor")
+    if low is not None and low == high:
+        raise ValueError(f"{field}.low_freq_factor and high_freq_factor must differ, both "
+                         f"are {low}")
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}...({len(text)} characters)"
 
 
 def _out_of_range(name: str, bound: str, minimum: float | None, maximum: float | None,

@@ -265,12 +265,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: DecoderSpec, tp: TensorParallel) -> None:
+    def __init__(self, spec: DecoderSpec, tp: TensorParallel,
+                 max_model_len: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position)
+        # Tables for the positions that can occur (max_model_len); the config's
+        # max_position_embeddings still drives the RoPE scaling math.
+        self.rotary_emb = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position,
+                                          max_model_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -330,11 +334,14 @@ SKIP = Destination(None)
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, spec: DecoderSpec, tp: TensorParallel | None = None) -> None:
+    def __init__(self, spec: DecoderSpec, tp: TensorParallel | None = None,
+                 max_model_len: int | None = None) -> None:
+        """`max_model_len`: the longest sequence served, which sizes the RoPE tables
+        (default: the config's max_position_embeddings)."""
         super().__init__()
         self.spec = spec
         self.tp = tp = tp or TensorParallel.layout(spec)
-        self.model = DecoderModel(spec, tp)
+        self.model = DecoderModel(spec, tp, max_model_len)
         self.lm_head = (None if spec.tie_word_embeddings
                         else VocabParallelEmbedding(spec.hidden_size, tp))
 

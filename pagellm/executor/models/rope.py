@@ -1,8 +1,10 @@
 """Rotary position embeddings with the scaling types Llama and Qwen configs use.
 
 The inverse frequencies are computed with the same float32 operations as transformers
-so that fp32 outputs agree with it bit for bit; cos/sin are cached for every position
-up to max_position once, and looked up by the step's flat `positions`.
+so that fp32 outputs agree with it bit for bit; cos/sin are cached once for every
+position that can occur (`rows`: the engine's max_model_len, at most the config's
+max_position_embeddings, which alone enters the scaling math), and looked up by the
+step's flat `positions`.
 """
 
 from __future__ import annotations
@@ -107,30 +109,34 @@ def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_position: int
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, shared by all layers of a model.
+    """cos/sin tables for every position that can occur, shared by all layers of a model.
 
     Neox-style rotation (halves, as transformers' rotate_half). The tables are float32
     buffers outside the checkpoint; `reset_cache` recomputes them on the module's
-    device (the loader builds models on the meta device first).
+    device (the loader builds models on the meta device first). `max_position` (the
+    config's max_position_embeddings) enters only the scaling math; the tables have
+    `rows` rows (default: max_position), the positions the engine can reach.
     """
 
-    cos_cache: torch.Tensor  # [max_position, head_dim] float32
+    cos_cache: torch.Tensor  # [rows, head_dim] float32
     sin_cache: torch.Tensor
 
-    def __init__(self, spec: RopeSpec, head_dim: int, max_position: int) -> None:
+    def __init__(self, spec: RopeSpec, head_dim: int, max_position: int,
+                 rows: int | None = None) -> None:
         super().__init__()
         self.spec, self.head_dim, self.max_position = spec, head_dim, max_position
-        self.register_buffer("cos_cache", torch.empty(max_position, head_dim), persistent=False)
-        self.register_buffer("sin_cache", torch.empty(max_position, head_dim), persistent=False)
+        self.rows = max_position if rows is None else rows
+        self.register_buffer("cos_cache", torch.empty(self.rows, head_dim), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(self.rows, head_dim), persistent=False)
         self.reset_cache()
 
     def reset_cache(self) -> None:
         device = self.cos_cache.device
         inv_freq, attention_scaling = compute_inv_freq(self.spec, self.head_dim,
                                                        self.max_position)
-        positions = torch.arange(self.max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_position, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
+        positions = torch.arange(self.rows, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [rows, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [rows, head_dim]
         self.cos_cache = (emb.cos() * attention_scaling).to(device)
         self.sin_cache = (emb.sin() * attention_scaling).to(device)
 
