@@ -166,6 +166,12 @@ def test_priority_is_bounded_to_64_bits(model_dirs, make_llm):
     llm = make_llm(model_dirs["llama"])
     with pytest.raises(ValueError, match="priority"):
         llm.generate(["a"], GREEDY, use_tqdm=False, priority=[2**63])
+    # Under fcfs a priority would be silently ignored: refused, as vLLM does, naming
+    # what would honour it; the engine serves the next request as usual.
+    with pytest.raises(ValueError, match=r"priority=5 needs .*scheduling_policy='priority'.*"
+                                         r"'fcfs'"):
+        llm.generate(["a"], GREEDY, use_tqdm=False, priority=[5])
+    assert llm.generate(["a"], GREEDY, use_tqdm=False, priority=[0])[0].outputs[0].token_ids
 
 
 def test_a_prompt_too_long_for_the_model_is_refused_before_it_is_tokenized(

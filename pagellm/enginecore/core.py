@@ -52,7 +52,7 @@ class EngineCore:
             max_num_batched_tokens=self.executor.max_num_batched_tokens,
             device=str(self.executor.device), dtype=str(model_config.dtype).removeprefix("torch."),
             max_logprobs=args.max_logprobs, max_num_seqs=args.max_num_seqs,
-            world_size=args.tensor_parallel_size)
+            world_size=args.tensor_parallel_size, scheduling_policy=args.scheduling_policy)
         # Outputs made outside a step (refused or aborted requests), sent with the next.
         self._outbox: dict[int, EngineCoreOutputs] = {}
         # Pausing: None while scheduling, else the PauseMode. Requests that arrive while

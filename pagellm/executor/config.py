@@ -11,7 +11,7 @@ import torch
 
 from pagellm.executor.models.decoder import DecoderSpec
 from pagellm.protocol.engine_args import EngineArgs
-from pagellm.protocol.validation import check_model_config
+from pagellm.protocol.validation import load_model_config
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -46,23 +46,7 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
     path = Path(args.model)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory not found: {args.model}")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model directory {args.model} has no config.json")
-    config_json = path / "config.json"
-    try:
-        check_model_config(json.loads(config_json.read_text()))
-    except ValueError as e:  # ours say "config.json: <field> ...": give its full path
-        raise ValueError(f"{config_json}: {str(e).removeprefix('config.json: ')}") from e
-    try:
-        hf_config = AutoConfig.from_pretrained(path)
-    except Exception as e:
-        # transformers' own checks: ValueError, KeyError, huggingface_hub's
-        # StrictDataclassError...; on one line, naming the file
-        if not isinstance(e, (ValueError, TypeError, KeyError, ArithmeticError)) and \
-                not type(e).__module__.startswith(("transformers", "huggingface_hub")):
-            raise
-        text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-        raise ValueError(f"{config_json}: {' '.join(text.split())}") from e
+    hf_config = load_model_config(path)
     spec = DecoderSpec.from_hf_config(hf_config)
 
     if args.dtype == "auto":

@@ -113,6 +113,11 @@ class InputProcessor:
             raise TypeError(f"sampling_params must be a SamplingParams, got "
                             f"{type(params).__name__}")
         check_int("priority", priority, minimum=INT64_MIN, maximum=INT64_MAX)
+        if priority != 0 and self.info.scheduling_policy != "priority":
+            # vLLM refuses it too: under fcfs the value would be silently ignored
+            raise ValueError(f"priority={priority} needs an engine started with "
+                             f"scheduling_policy='priority'; this one schedules "
+                             f"{self.info.scheduling_policy!r}")
         # The one validation of the request's params (SamplingParams are mutable: the
         # caller's object may have changed since it was built); later copies derive
         # from it with values valid by construction.

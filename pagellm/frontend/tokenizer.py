@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pagellm.protocol.engine_args import EngineArgs
-from pagellm.protocol.validation import check_model_config
+from pagellm.protocol.validation import load_model_config
 
 
 def load_tokenizer(path: str) -> Any:
@@ -17,10 +17,9 @@ def load_tokenizer(path: str) -> Any:
     directory = Path(path)
     if not directory.is_dir():
         raise FileNotFoundError(f"tokenizer directory not found: {path}")
+    if (directory / "config.json").is_file():  # transformers reads it too
+        load_model_config(directory)
     try:
-        config = directory / "config.json"
-        if config.is_file():  # transformers reads it too, and trips over bad sizes
-            check_model_config(json.loads(config.read_text()))
         return AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError, TypeError, ArithmeticError) as e:
         raise ValueError(f"could not load a tokenizer from {path}: {e}") from e

@@ -189,6 +189,7 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):
     max_num_seqs: int = 256
     world_size: int = 1  # this core's workers (tensor-parallel ranks)
     data_parallel_size: int = 1  # engine cores behind this frontend (set by the DP client)
+    scheduling_policy: str = "fcfs"  # "priority" honours requests' priority
 
 
 class HandshakeRequest(msgspec.Struct, array_like=True, gc=False):
@@ -230,5 +231,5 @@ class DPRegisterReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     error: str | None = None
 
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_CACHE_SALT_CHARS = 1024  # a salt is an opaque key (vLLM's are short tokens)

@@ -10,7 +10,9 @@ of those destinations.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 INT32_MAX = 2**31 - 1  # counts that land in int32 arrays (token counts, top-k, ...)
@@ -85,6 +87,33 @@ def check_model_config(config: Any) -> None:
         _check_model_config(config)
     except ValueError as e:
         raise ValueError(f"config.json: {e}") from None
+
+
+def load_model_config(directory: Path) -> Any:
+    """`directory`'s config.json as transformers' config, checked twice: our bounds
+    (`check_model_config`), then transformers' own checks. Either refusal is a
+    one-line ValueError naming the file. The frontend calls this before it starts an
+    engine core, so a bad config is refused in the caller's process, not in a child's
+    traceback; the engine core calls it again for the model it builds."""
+    from transformers import AutoConfig
+
+    path = directory / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model directory {directory} has no config.json")
+    try:
+        check_model_config(json.loads(path.read_text()))
+    except ValueError as e:  # "config.json: <field> ...": give its full path
+        raise ValueError(f"{path}: {str(e).removeprefix('config.json: ')}") from e
+    try:
+        return AutoConfig.from_pretrained(directory)
+    except Exception as e:
+        # transformers' own checks: ValueError, KeyError, huggingface_hub's
+        # StrictDataclassError...
+        if not isinstance(e, (ValueError, TypeError, KeyError, ArithmeticError)) and \
+                not type(e).__module__.startswith(("transformers", "huggingface_hub")):
+            raise
+        text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        raise ValueError(f"{path}: {' '.join(text.split())}") from e
 
 
 def _check_model_config(config: Any) -> None:
