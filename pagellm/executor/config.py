@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,6 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_model_config(args: EngineArgs) -> ModelConfig:
     """Read config.json and settle dtype and max_model_len; errors name the problem."""
-    from transformers import AutoConfig
 
     path = Path(args.model)
     if not path.is_dir():
