@@ -447,6 +447,42 @@ def test_dummy_weights_are_seeded(built: Built, tmp_path: Path) -> None:
             assert not torch.equal(param, other_params[param_name]), param_name
 
 
+def test_dummy_weights_are_drawn_a_chunk_at_a_time(built: Built, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fp32 draws stay within DUMMY_CHUNK elements, however large a parameter: a
+    whole fp32 copy of a big embedding (vocab_size 20M: 5 GB) on top of the weights
+    took the load's peak to 1.5x what the memory check had allowed. Every element is
+    still drawn (none left at to_empty's garbage) and the parameters differ chunk to
+    chunk (the generator moves on)."""
+    from torch.overrides import TorchFunctionMode
+
+    import pagellm.executor.loader as loader
+
+    model_dir = _copy(built(SPECS["llama"]), tmp_path)
+    (model_dir / "model.safetensors").unlink()
+    monkeypatch.setattr(loader, "DUMMY_CHUNK", 1000)
+    drawn: list[int] = []
+
+    class Draws(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if func is torch.empty and out.dtype == torch.float32 and not out.is_meta:
+                drawn.append(out.numel())
+            return out
+
+    with Draws():
+        model = _dummy(model_dir, seed=0)
+    random = {n: p for n, p in model.named_parameters()
+              if not n.endswith(("norm.weight", ".bias"))}
+    assert max(p.numel() for p in random.values()) > 8 * 1000  # several chunks each
+    assert max(drawn) <= 1000
+    assert sum(drawn) == sum(p.numel() for p in random.values())
+    embed = model.model.embed_tokens.weight.view(-1)
+    assert not torch.equal(embed[:1000], embed[1000:2000])
+    for param_name, param in random.items():
+        assert 0.015 < param.std().item() < 0.025, param_name
+
+
 def test_dummy_weights_take_the_asked_dtype(built: Built, tmp_path: Path) -> None:
     model_dir = _copy(built(SPECS["qwen3"]), tmp_path)
     (model_dir / "model.safetensors").unlink()

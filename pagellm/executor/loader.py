@@ -4,7 +4,9 @@ The model is built on the meta device first, where it costs no memory, and its b
 (this rank's share, in the target dtype, with the RoPE tables) are checked against the
 memory free on the device before anything is allocated: a config.json claiming a huge
 vocabulary or thousands of layers is refused naming its fields, instead of exhausting
-memory (check_model_config bounds each field; this bounds their product).
+memory (check_model_config bounds each field; this bounds their product). Loading
+adds little to those bytes: dummy weights are drawn 16 MiB at a time, safetensors are
+copied one tensor at a time from a memory map.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from torch import nn
 from pagellm.executor.config import ModelConfig
 from pagellm.executor.models.decoder import DecoderForCausalLM
 from pagellm.executor.parallel import TensorParallel
+
+DUMMY_CHUNK = 1 << 22  # elements drawn at once for dummy weights: 16 MiB of fp32
 
 # The config.json fields the weights' size follows, named when they do not fit.
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -135,7 +139,11 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
-            else:
-                cpu = torch.empty(param.shape, dtype=torch.float32)
-                cpu.normal_(0.0, 0.02, generator=generator)
-                param.copy_(cpu)
+            else:  # drawn on the CPU in fp32 (the same values on every device and
+                # dtype), a chunk at a time: a whole fp32 copy of a large embedding
+                # would add half again to the weights' peak
+                flat = param.view(-1)
+                for start in range(0, flat.numel(), DUMMY_CHUNK):
+                    chunk = flat[start:start + DUMMY_CHUNK]
+                    chunk.copy_(torch.empty(chunk.numel(), dtype=torch.float32).normal_(
+                        0.0, 0.02, generator=generator))
