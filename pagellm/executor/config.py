@@ -40,7 +40,6 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_model_config(args: EngineArgs) -> ModelConfig:
     """Read config.json and settle dtype and max_model_len; errors name the problem."""
-
     path = Path(args.model)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory not found: {args.model}")
