@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import psutil
 import pytest
 
 from pagellm import LLM, SamplingParams
@@ -389,6 +390,32 @@ def test_collective_rpc_timeout_must_be_positive(llama, timeout):
     """A timeout that has passed before the call starts is a mistake, not a wait."""
     with pytest.raises(ValueError, match="timeout"):
         llama.collective_rpc("describe", timeout=timeout)
+
+
+def test_logits_that_cannot_fit_beside_the_kv_cache_are_refused_at_start_up(model_dirs,
+                                                                            monkeypatch):
+    """On the CPU nothing profiles a step: max_num_seqs x vocab_size logits (the
+    sampler's copies included) that the RAM left beside the KV cache cannot hold are
+    refused by name, not OOM-killed at the first full batch. 256 x 1024 logits need
+    11.5 MB (sampler.STEP_BYTES_PER_LOGIT = 44); 70% of 12 MB is 8.4 MB."""
+    available = 12 * 10**6
+    real = psutil.virtual_memory
+
+    def reports_12_mb():  # the real record, with less available
+        return real()._replace(available=available)
+
+    monkeypatch.setattr(psutil, "virtual_memory", reports_12_mb)
+    with pytest.raises(ValueError, match=r"one step's logits need 11534336 bytes .*"
+                                         r"max_num_seqs=256 rows x vocab_size=1024.* more "
+                                         r"than the 8400000 bytes .* beside the KV cache's "
+                                         r"share; lower max_num_seqs"):
+        LLM(str(model_dirs["llama"]), multiprocess=False)
+    with pytest.raises(ValueError, match="next to kv_cache_memory_bytes; lower max_num_seqs"):
+        LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=10**6, multiprocess=False)
+    with LLM(str(model_dirs["llama"]), max_num_seqs=16, max_model_len=128,
+             multiprocess=False) as llm:  # 16 rows: 0.7 MB
+        assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))[0]
+                   .outputs[0].token_ids) == 2
 
 
 def test_a_kv_cache_larger_than_available_memory_is_refused_at_start_up(model_dirs):

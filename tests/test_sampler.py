@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from pagellm.executor.sampler import (
+    Penalties,
     Sampler,
     SamplingMetadata,
     apply_min_p,
     apply_top_k_top_p,
     mix_seed,
+    step_peak_bytes,
 )
 
 CPU = torch.device("cpu")
@@ -123,3 +125,52 @@ def test_top_p_never_samples_outside_the_nucleus():
     for row in range(256):
         nucleus = set(order[row][before[row] < 0.6].tolist())
         assert int(out[row]) in nucleus
+
+
+def _peak_cpu_bytes(fn) -> int:
+    """The most bytes `fn` held at once on the CPU: a running sum of torch's allocation
+    and free events, as its profiler records them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    held = peak = 0
+    for event in events:
+        held += event.nbytes()
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("every_stage", [False, True])
+def test_step_peak_bytes_bounds_what_one_step_of_sampling_holds(every_stage):
+    """On the CPU the engine sizes memory for the logits with `step_peak_bytes` (nothing
+    profiles a step there): it must cover the LM head's bf16 output, the penalties'
+    tensors and every stage's working copies, measured by torch's profiler, and not
+    overstate them by much (it would refuse configurations that fit)."""
+    rows, vocab, hidden = 32, 20_000, 16
+    states = torch.randn(rows, hidden, dtype=torch.bfloat16)
+    head = torch.randn(vocab, hidden, dtype=torch.bfloat16)
+    ids = torch.arange(rows)
+
+    def step() -> None:
+        logits = states @ head.T  # [rows, vocab] bf16, as the LM head returns it
+        extra = {}
+        if every_stage:
+            penalties = Penalties(ids, torch.ones(rows), torch.ones(rows),
+                                  torch.full((rows,), 1.1),
+                                  torch.zeros(rows, vocab, dtype=torch.bool),
+                                  torch.zeros(rows, vocab))
+            extra = dict(min_p=torch.full((rows,), 0.05), banned=(ids, ids),
+                         allowed=(ids.repeat(3), torch.arange(3 * rows)),
+                         logit_bias=(ids, ids, torch.ones(rows)), penalties=penalties,
+                         logprob_rows=ids, num_logprobs=5, seeds={0: 1})
+        meta = _meta(rows, 0.9, top_k=torch.full((rows,), 50),
+                     top_p=torch.full((rows,), 0.9), **extra)
+        Sampler(CPU, 0)(logits, meta)
+
+    peak = _peak_cpu_bytes(step)
+    assert peak <= step_peak_bytes(rows, vocab)
+    if every_stage:
+        assert peak >= 0.8 * step_peak_bytes(rows, vocab)

@@ -155,8 +155,9 @@ class ModelRunner:
     def profile_run(self) -> int:
         """Run the largest step the scheduler can make (max_num_batched_tokens prompt
         tokens over up to max_num_seqs requests, every one sampling with top-k and
-        top-p) through the real step path, on a scratch KV cache just big enough.
-        Returns its peak activation memory in bytes on CUDA (0 on the CPU), which the
+        top-p and returning raw logprobs) through the real step path, on a scratch KV
+        cache just big enough. Returns its peak activation memory in bytes on CUDA (0 on
+        the CPU, where `sampler.step_peak_bytes` stands in for the logits), which the
         executor leaves free when it sizes the KV cache."""
         max_len, bs = self.model_config.max_model_len, self.block_size
         # The scheduler never runs more than max_num_seqs full-length requests at once.
@@ -166,7 +167,7 @@ class ModelRunner:
         first_block = np.cumsum([0] + [-(-n // bs) for n in lengths]).tolist()
         saved_caches = self.kv_caches
         self.initialize_kv_cache(first_block[-1])
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1, logprobs=1)
         vocab = self.model_config.vocab_size
         new = [NewRequestData(f"profile-{i}", [(i + j) % vocab for j in range(n)], [], params,
                               None, list(range(first_block[i], first_block[i + 1])), 0)

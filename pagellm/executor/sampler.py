@@ -25,6 +25,20 @@ import torch
 
 _MASK = float("-inf")
 
+# What one step's logits can take at the sampler's peak, per row and vocabulary entry:
+# the LM head's output (<= 4 bytes), the fp32 logits (4), the penalties' prompt mask
+# and output counts (5), and the working copies of every stage on at once (temperature,
+# the top-k/top-p sort's values and int64 order, softmax, the noise, raw logprobs):
+# 25 bytes measured with torch's profiler with top-k/top-p alone, 31 with every stage
+# (tests/test_sampler.py checks the bound). On the CPU nothing profiles the step at
+# start-up, so the engine sizes its memory with this (`step_peak_bytes`).
+STEP_BYTES_PER_LOGIT = 44
+
+
+def step_peak_bytes(rows: int, vocab_size: int) -> int:
+    """Bytes the logits of a step sampling `rows` requests can hold at once."""
+    return rows * vocab_size * STEP_BYTES_PER_LOGIT
+
 
 @dataclass
 class Penalties:

@@ -24,6 +24,7 @@ from pagellm.executor.config import ModelConfig, resolve_device, resolve_model_c
 from pagellm.executor.model_runner import ModelRunner
 from pagellm.executor.models.decoder import Destination
 from pagellm.executor.parallel import TensorParallel
+from pagellm.executor.sampler import step_peak_bytes
 from pagellm.executor.tensor_codec import decode_value, encode_value
 from pagellm.executor.weight_transfer import (
     TransferInit,
@@ -124,12 +125,28 @@ class Worker:
             if budget > available:
                 raise ValueError(f"kv_cache_memory_bytes={budget} is more than {self.device} "
                                  f"has available ({available} bytes)")
+            if self.device.type == "cpu":
+                self._check_step_fits(available - budget, "next to kv_cache_memory_bytes")
         elif self.device.type == "cuda":
             budget, source = self._profiled_cuda_budget(args, self._used_before), (
                 "gpu_memory_utilization after profiling")
         else:
             budget, source = self._cpu_budget(args), "available RAM"
         return budget, source, self.model_runner.kv_cache_bytes_per_block()
+
+    def _check_step_fits(self, room: int, where: str) -> None:
+        """On the CPU, where no step is profiled: refuse a max_num_seqs whose logits (and
+        the sampler's copies of them) would not fit in `room` bytes, rather than be
+        OOM-killed by the first full batch. On CUDA `profile_run` measures them."""
+        rows, vocab = self.args.max_num_seqs, self.model_config.vocab_size
+        step = step_peak_bytes(rows, vocab)
+        if step > room:
+            raise ValueError(
+                f"one step's logits need {step} bytes ({step / 2**30:.1f} GiB: "
+                f"max_num_seqs={rows} rows x vocab_size={vocab}, fp32, with the sampler's "
+                f"working copies), more than the {max(room, 0)} bytes "
+                f"({max(room, 0) / 2**30:.1f} GiB) of RAM available {where}; "
+                f"lower max_num_seqs")
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_kv_blocks = num_blocks
@@ -354,7 +371,12 @@ class Worker:
         local_cores = (args.data_parallel_size if args.data_parallel_size_local is None
                        else args.data_parallel_size_local) or 1
         share = CPU_KV_CACHE_RAM_SHARE / (self.local_world_size * local_cores)
-        return min(int(psutil.virtual_memory().available * share), useful)
+        available = psutil.virtual_memory().available
+        # Every rank samples the full logits (tensor parallelism all-gathers them).
+        self._check_step_fits(int(available * (1 - CPU_KV_CACHE_RAM_SHARE)
+                                  / (self.local_world_size * local_cores)),
+                              "beside the KV cache's share")
+        return min(int(available * share), useful)
 
     def _profiled_cuda_budget(self, args: EngineArgs, used_before: int) -> int:
         """Profile the largest step, then give the KV cache what is left of its share."""
