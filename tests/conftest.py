@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import background
 import psutil
 import pytest
 from helpers import free_port, start_engine, stop
@@ -58,6 +59,16 @@ PROMPTS = [
     "return self._cache.get(key, default) if key in self._cache else None",
     "  \n\t whitespace-heavy   prompt \n\n",
 ]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the background checks of the selected tests (tests/background.py)."""
+    background.start_jobs_of({getattr(item, "originalname", item.name)
+                              for item in session.items})
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    background.stop_all()
 
 
 @pytest.fixture(scope="session")

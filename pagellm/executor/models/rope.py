@@ -132,6 +132,8 @@ class RotaryEmbedding(nn.Module):
 
     def reset_cache(self) -> None:
         device = self.cos_cache.device
+        if device.type == "meta":  # shapes only; the loader fills them after to_empty
+            return  # (computing on meta runs torch's Python refs, which import dynamo)
         inv_freq, attention_scaling = compute_inv_freq(self.spec, self.head_dim,
                                                        self.max_position)
         positions = torch.arange(self.rows, dtype=torch.float32)
