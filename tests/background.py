@@ -26,12 +26,13 @@ import psutil
 
 
 class Job:
-    """One check's process: `argv()` gives its command line (None: cannot run here,
-    which its test reports); `result()` waits for it and returns what it printed."""
+    """One check's process: `argv(dir)` gives its command line (None: cannot run here,
+    which its test reports), `dir` a directory of its own for files it writes, kept
+    until the session ends; `result()` waits for it and returns what it printed."""
 
     registry: ClassVar[list[Job]] = []
 
-    def __init__(self, test: str, argv: Callable[[], list[str] | None],
+    def __init__(self, test: str, argv: Callable[[Path], list[str] | None],
                  cwd: Path | None = None, env: Callable[[Path], dict[str, str]] | None = None
                  ) -> None:
         self.test = test  # the name of the test function that awaits it
@@ -40,12 +41,19 @@ class Job:
         self.tmp: tempfile.TemporaryDirectory[str] | None = None
         Job.registry.append(self)
 
+    @property
+    def dir(self) -> Path:
+        assert self.tmp is not None, "the job has not started"
+        return Path(self.tmp.name)
+
     def start(self) -> None:
-        argv = self.argv()
-        if argv is None or self.proc is not None:
+        if self.proc is not None:
             return
-        self.tmp = tempfile.TemporaryDirectory(prefix="pagellm-job-")
+        self.tmp = self.tmp or tempfile.TemporaryDirectory(prefix="pagellm-job-")
         tmp = Path(self.tmp.name)
+        argv = self.argv(tmp)
+        if argv is None:
+            return
         env = self.env(tmp) if self.env is not None else None
         with (tmp / "stdout").open("wb") as out, (tmp / "stderr").open("wb") as err:
             self.proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdout=out, stderr=err)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from background import Job
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # benchmarks/ is scripts, not a package
@@ -19,7 +21,6 @@ import decode_roofline  # noqa: E402
 import engine_overhead  # noqa: E402
 import gpu_suite  # noqa: E402
 import kernel_bench  # noqa: E402
-import parallel  # noqa: E402
 import small_gemm  # noqa: E402
 
 CASE_TIMINGS = ("kernel_us", "kernel_gbps", "kernel_pct_of_copy", "sdpa_us", "sdpa_gbps",
@@ -145,16 +146,34 @@ def test_gpu_suite_kills_a_part_past_its_timeout():
     assert entry["result"] is None and "output_tail" in entry
 
 
+def background_json(script: str, *argv: str) -> Callable[[Path], list[str]]:
+    """A benchmark script's command line for a background job (tests/background.py)
+    writing its JSON into the job's directory."""
+    return lambda job_dir: [sys.executable, str(BENCHMARKS / script), *argv,
+                            "--output-json", str(job_dir / "out.json")]
+
+
+def job_json(job: Job) -> dict[str, Any]:
+    result = job.result()
+    assert result is not None and result.returncode == 0, result and result.stderr[-4000:]
+    return json.loads((job.dir / "out.json").read_text())
+
+
+GPU_SUITE_PARTS = ["kernel", "decode-qwen2.5-0.5b", "decode-qwen2.5-0.5b-eager",
+                   "throughput-qwen2.5-0.5b"]
+# 25 s of work: started when collection ends, niced (tests/background.py).
+GPU_SUITE = Job("test_gpu_suite_smoke_runs_each_kind_of_part_in_a_subprocess",
+                background_json("gpu_suite.py", "--smoke", "--parts", *GPU_SUITE_PARTS))
+
+
 @pytest.mark.slow
-def test_gpu_suite_smoke_runs_each_kind_of_part_in_a_subprocess(tmp_path):
+def test_gpu_suite_smoke_runs_each_kind_of_part_in_a_subprocess():
     """One part of each kind, both decode modes: the smoke forms of one kind's parts are
     the same run (the CPU has no model-sized work to do), so the other three would add
     40 s to the suite and no coverage; kernel_bench's and decode_roofline's own smoke
     tests check their numbers."""
-    parts = ["kernel", "decode-qwen2.5-0.5b", "decode-qwen2.5-0.5b-eager",
-             "throughput-qwen2.5-0.5b"]
-    results = run_json(gpu_suite.main, ["--smoke", "--parts", *parts],
-                       tmp_path / "suite.json")
+    parts = GPU_SUITE_PARTS
+    results = job_json(GPU_SUITE)
     for key in ("date", "device", "torch", "triton", "transformers", "command"):
         assert key in results, key
     assert "--smoke" in results["command"]
@@ -177,12 +196,16 @@ def test_gpu_suite_smoke_runs_each_kind_of_part_in_a_subprocess(tmp_path):
                     r["output_tokens"] / engine["seconds"])
 
 
+# 21 s of work, in the background like the GPU suite's smoke run.
+PARALLEL = Job("test_parallel_smoke_runs_each_layout_to_the_same_tokens",
+               background_json("parallel.py", "--smoke", "--layouts", "tp1", "tp2", "tp2dp2"))
+
+
 @pytest.mark.slow
-def test_parallel_smoke_runs_each_layout_to_the_same_tokens(tmp_path):
+def test_parallel_smoke_runs_each_layout_to_the_same_tokens():
     """One device, two tensor-parallel ranks, and two cores of two ranks each: the same
     greedy tokens (a layout that computed something else would be no benchmark)."""
-    results = run_json(parallel.main, ["--smoke", "--layouts", "tp1", "tp2", "tp2dp2"],
-                       tmp_path / "parallel.json")
+    results = job_json(PARALLEL)
     assert [r["layout"] for r in results["results"]] == ["tp1dp1", "tp2dp1", "tp2dp2"]
     for r in results["results"]:
         assert r["same_tokens_as_first"] is True

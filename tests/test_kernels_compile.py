@@ -30,7 +30,7 @@ def _env(tmp: Path) -> dict[str, str]:
 
 # Started when collection ends, niced (tests/background.py): 30 s of one core.
 COMPILE = Job("test_kernels_compile_for_hopper_and_ampere_without_spills",
-              lambda: [sys.executable, str(SCRIPT)] if PTXAS.exists() else None, env=_env)
+              lambda _: [sys.executable, str(SCRIPT)] if PTXAS.exists() else None, env=_env)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ def test_ruff_is_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def _mypy() -> list[str] | None:
+def _mypy(_: Path) -> list[str] | None:
     mypy = shutil.which("mypy")
     return None if mypy is None else [mypy]
 
