@@ -5,8 +5,9 @@ the result.
 The suite runs one test at a time, and most of them wait on engine processes or on
 the network, so one of the two cores of CI is idle much of the time. These two checks
 cost about 60 s of one core; run in the foreground, they are 60 s of the suite's 15
-minutes. Niced to 19 they take only what the tests leave, and when their test comes,
-they have finished or it waits for the rest: never slower than before.
+minutes. Niced to 19 they take only what the tests leave; their tests run last (the
+sort is stable), so by then they have finished or the test waits for the rest: never
+slower than before.
 
 A job whose test is not selected (`-k`, `--deselect`) never starts; each is stopped,
 with its children, when the session ends.
@@ -20,7 +21,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import psutil
 
@@ -87,6 +88,13 @@ class Job:
         if self.tmp is not None:
             self.tmp.cleanup()
             self.tmp = None
+
+
+def waiting_tests_last(items: list[Any]) -> None:
+    """Reorder `items` (pytest's, in place) so the tests that wait for a job run after
+    every other: their jobs get the whole suite to finish on the side."""
+    waiting = {job.test for job in Job.registry}
+    items.sort(key=lambda item: getattr(item, "originalname", item.name) in waiting)
 
 
 def start_jobs_of(selected_names: set[str]) -> None:

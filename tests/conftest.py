@@ -61,6 +61,10 @@ PROMPTS = [
 ]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    background.waiting_tests_last(items)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the background checks of the selected tests (tests/background.py)."""
     background.start_jobs_of({getattr(item, "originalname", item.name)

@@ -35,14 +35,8 @@ from pagellm.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from pagellm.executor.input_batch import InputBatch
 from pagellm.executor.loader import load_model
 from pagellm.executor.parallel import TensorParallel
-from pagellm.executor.sampler import (
-    LogprobsTensors,
-    Penalties,
-    Sampler,
-    SamplingMetadata,
-    gather_logprobs,
-    mix_seed,
-)
+from pagellm.executor.sampler import LogprobsTensors, Sampler, gather_logprobs
+from pagellm.executor.sampling_inputs import sampling_metadata, to_device
 from pagellm.executor.step_buffers import StepBuffers
 from pagellm.protocol.messages import TokenLogprobs
 from pagellm.protocol.sampling_params import SamplingParams
@@ -261,7 +255,8 @@ class ModelRunner:
         sampled_token_ids: list[int]  # per request; -1: samples nothing this step
         logprobs: dict[str, TokenLogprobs] = {}
         if len(inputs.sampling):
-            meta = self._sampling_metadata(inputs.sampling_rows)
+            meta = sampling_metadata(self.batch, inputs.sampling_rows, self.buffers,
+                                     self.processed_logprobs)
             out = self.sampler(logits, meta)
             # The step's one host sync; it also means every input copy is done.
             sampled_np = out.sampled.cpu().numpy()
@@ -375,92 +370,6 @@ class ModelRunner:
                            sampling, rows if all_sample else rows[sampling], graph_size,
                            attention_plan_s)
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """Per-row parameters for the sampling rows (batch rows `rows`, sampler rows
-        0..S-1), gathered from the batch; what no row needs stays None."""
-        batch, dev, put = self.batch, self.device, self.buffers.put
-        temperature = batch.temperature[rows]
-        random = temperature > 0
-        top_k, top_p, min_p = batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
-        row_list = rows.tolist()
-        meta = SamplingMetadata(
-            temperature=put("temperature", temperature), all_greedy=not random.any(),
-            any_greedy=not random.all(),
-            top_k=put("top_k", top_k) if (top_k[random] < batch.vocab_size).any() else None,
-            top_p=put("top_p", top_p) if (top_p[random] < 1.0).any() else None,
-            min_p=put("min_p", min_p) if (min_p[random] > 0.0).any() else None,
-            processed_logprobs=self.processed_logprobs)
-        if batch.seeds:
-            meta.seeds = {i: mix_seed(batch.seeds[r], int(batch.num_tokens[r]))
-                          for i, r in enumerate(row_list) if r in batch.seeds}
-        banned = self._banned_tokens(row_list)
-        if banned:
-            meta.banned = (_to(np.array([i for i, _ in banned]), dev),
-                           _to(np.array([t for _, t in banned]), dev))
-        if batch.allowed:
-            pairs = [(i, t) for i, r in enumerate(row_list) for t in batch.allowed.get(r, ())]
-            if pairs:
-                meta.allowed = (_to(np.array([i for i, _ in pairs]), dev),
-                                _to(np.array([t for _, t in pairs]), dev))
-        if batch.logit_bias:
-            triples = [(i, t, b) for i, r in enumerate(row_list)
-                       for t, b in batch.logit_bias.get(r, {}).items()]
-            if triples:
-                meta.logit_bias = (_to(np.array([i for i, _, _ in triples]), dev),
-                                   _to(np.array([t for _, t, _ in triples]), dev),
-                                   _to(np.array([b for _, _, b in triples], np.float32), dev))
-        if batch.penalized:
-            meta.penalties = self._penalties([(i, r) for i, r in enumerate(row_list)
-                                              if r in batch.penalized])
-        if batch.num_logprobs:
-            which = [i for i, r in enumerate(row_list) if r in batch.num_logprobs]
-            if which:
-                meta.logprob_rows = _to(np.array(which), dev)
-                meta.num_logprobs = max(batch.num_logprobs[row_list[i]] for i in which)
-        return meta
-
-    def _banned_tokens(self, rows: list[int]) -> list[tuple[int, int]]:
-        """(sampler row, token) pairs masked this step: EOS and stop ids before
-        min_tokens, and the last token of any bad word whose other tokens end the
-        output so far."""
-        batch = self.batch
-        banned: list[tuple[int, int]] = []
-        if not (batch.stop_ids or batch.bad_words):
-            return banned
-        for i, r in enumerate(rows):
-            num_output = int(batch.num_tokens[r] - batch.num_prompt_tokens[r])
-            if r in batch.stop_ids and num_output < batch.min_tokens[r]:
-                banned += [(i, t) for t in batch.stop_ids[r]]
-            end = int(batch.num_tokens[r])
-            for prefix, table in batch.bad_words.get(r, {}).items():
-                if prefix <= num_output:
-                    key = tuple(batch.token_ids[r, end - prefix:end].tolist())
-                    banned += [(i, t) for t in table.get(key, ())]
-        return banned
-
-    def _penalties(self, which: list[tuple[int, int]]) -> Penalties:
-        """Prompt masks and output counts [P, V] for the penalized rows, built by
-        scatters over padded token arrays (one extra column takes the padding)."""
-        batch, dev, vocab = self.batch, self.device, self.batch.vocab_size
-        rows = np.array([r for _, r in which])
-        prompt_lens = batch.num_prompt_tokens[rows]
-        output_lens = batch.num_tokens[rows] - prompt_lens
-        width_p, width_o = int(prompt_lens.max()), max(int(output_lens.max()), 1)
-        prompt = np.full((len(rows), width_p), vocab, dtype=np.int64)
-        output = np.full((len(rows), width_o), vocab, dtype=np.int64)
-        for j, r in enumerate(rows.tolist()):
-            prompt[j, :prompt_lens[j]] = batch.token_ids[r, :prompt_lens[j]]
-            output[j, :output_lens[j]] = batch.token_ids[r, prompt_lens[j]:batch.num_tokens[r]]
-        prompt_mask = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev)
-        prompt_mask.scatter_(1, _to(prompt, dev), True)
-        counts = torch.zeros(len(rows), vocab + 1, dtype=torch.float32, device=dev)
-        counts.scatter_add_(1, _to(output, dev), torch.ones(output.shape, device=dev))
-        return Penalties(rows=_to(np.array([i for i, _ in which]), dev),
-                         presence=_to(batch.presence[rows], dev),
-                         frequency=_to(batch.frequency[rows], dev),
-                         repetition=_to(batch.repetition[rows], dev),
-                         prompt_mask=prompt_mask[:, :vocab], output_counts=counts[:, :vocab])
-
     def _logprobs_by_request(self, inputs: _StepInputs, logprob_rows: torch.Tensor,
                              tensors: LogprobsTensors) -> dict[str, TokenLogprobs]:
         ids, lps = tensors.token_ids.tolist(), tensors.logprobs.tolist()
@@ -497,7 +406,7 @@ class ModelRunner:
                 hi = min(lo + PROMPT_LOGPROBS_SLICE, end)
                 flat = torch.arange(hi - lo, device=hidden.device) + int(offsets[i]) + lo - start
                 logprobs = self.model.compute_logits(hidden[flat]).float().log_softmax(dim=-1)
-                targets = _to(batch.token_ids[row, lo + 1:hi + 1].astype(np.int64),
+                targets = to_device(batch.token_ids[row, lo + 1:hi + 1].astype(np.int64),
                               self.device)
                 t = gather_logprobs(logprobs, targets, k)
                 ids += t.token_ids.tolist()
@@ -507,9 +416,3 @@ class ModelRunner:
                 TokenLogprobs(ids[j], lps[j], [ranks[j], *range(1, k + 1)])
                 for j in range(end - start)])
         return result
-
-
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host array -> tensor on `device` (no copy on the CPU)."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)

@@ -21,6 +21,7 @@ import torch
 
 from pagellm.executor import memory
 from pagellm.executor.config import ModelConfig, resolve_device, resolve_model_config
+from pagellm.executor.cuda_ipc import open_cuda_ipc
 from pagellm.executor.model_runner import ModelRunner
 from pagellm.executor.models.decoder import Destination
 from pagellm.executor.parallel import TensorParallel
@@ -31,7 +32,6 @@ from pagellm.executor.weight_transfer import (
     UpdateTooLarge,
     WeightGroup,
     check_specs,
-    open_cuda_ipc,
     open_update,
     receive,
 )

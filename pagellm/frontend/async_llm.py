@@ -34,8 +34,9 @@ from pagellm.frontend.core_client import (
     EngineDeadError,
     make_client,
 )
+from pagellm.frontend.curve import CurveClientKeys
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
-from pagellm.frontend.mp_client import CurveClientKeys, in_loop
+from pagellm.frontend.mp_client import in_loop
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.outputs import RequestOutput
 from pagellm.frontend.rl import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update

@@ -145,8 +145,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def _serve(ns: argparse.Namespace) -> int:
     if ns.headless:
+        from pagellm.frontend.curve import CurveClientKeys
         from pagellm.frontend.headless import run_headless
-        from pagellm.frontend.mp_client import CurveClientKeys
 
         return run_headless(EngineArgs.from_cli_args(ns), CurveClientKeys.from_paths(
             ns.curve_secret_key, ns.curve_server_public_key))

@@ -26,7 +26,7 @@ from pagellm.protocol.messages import (
 from pagellm.protocol.stats import EngineStats
 
 if TYPE_CHECKING:
-    from pagellm.frontend.mp_client import CurveClientKeys
+    from pagellm.frontend.curve import CurveClientKeys
 
 
 # How long a utility call may take by default (None: a pause or sleep in mode "wait",

@@ -48,12 +48,12 @@ from pagellm.frontend.core_client import (
     EngineDeadError,
     SyncEngineCoreClient,
 )
+from pagellm.frontend.curve import CurveClientKeys, allow_only
 from pagellm.frontend.dp_routing import Router, merge_infos, merge_results
 from pagellm.frontend.engine_process import EngineProcess
 from pagellm.frontend.mp_client import (
     LOCAL_STARTUP_TIMEOUT_S,
     AsyncMPClient,
-    CurveClientKeys,
     MPClient,
     SyncMPClient,
     in_loop,
@@ -219,7 +219,7 @@ class DPClient(EngineCoreClient):
         sock.setsockopt(zmq.MAXMSGSIZE, max_registration_bytes(self.args.data_parallel_size))
         sock.setsockopt(zmq.RCVHWM, REGISTRATION_HWM)
         if self.curve is not None:
-            self._auth = _allow_only(self._context, self.curve)
+            self._auth = allow_only(self._context, self.curve)
             self.curve.configure(sock)  # key pair; the server key set here goes unused
             sock.curve_server = True
         sock.bind(address)
@@ -477,26 +477,3 @@ class DPAsyncClient(DPClient, AsyncEngineCoreClient):
                     else:
                         loop.call_soon_threadsafe(pump.cancel)
         super().shutdown()
-
-
-class _OnlyKey:
-    """A ZAP credentials provider that admits one CURVE public key (z85)."""
-
-    def __init__(self, key: bytes) -> None:
-        self.key = key
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key == self.key
-
-
-def _allow_only(context: zmq.Context, curve: CurveClientKeys) -> Any:
-    """A started ZAP authenticator on `context` that admits only the engine cores'
-    public key (`curve.server_public_key_file`)."""
-    import zmq.auth
-    from zmq.auth.thread import ThreadAuthenticator
-
-    public, _ = zmq.auth.load_certificate(curve.server_public_key_file)
-    auth = ThreadAuthenticator(context, log=logger)
-    auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_OnlyKey(public))
-    return auth

@@ -35,9 +35,10 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pagellm.enginecore.transport import Context, is_loopback
 from pagellm.enginecore.transport import monitor as monitor_socket
+from pagellm.frontend.curve import CurveClientKeys
 from pagellm.frontend.dp_client import local_ranks, rank_label, registration_address
 from pagellm.frontend.engine_process import EngineProcess
-from pagellm.frontend.mp_client import LOCAL_STARTUP_TIMEOUT_S, CurveClientKeys
+from pagellm.frontend.mp_client import LOCAL_STARTUP_TIMEOUT_S
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import PROTOCOL_VERSION, DPRegister, DPRegisterReply
 

@@ -16,8 +16,8 @@ from pagellm.frontend.core_client import (
     SyncEngineCoreClient,
     make_client,
 )
+from pagellm.frontend.curve import CurveClientKeys
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
-from pagellm.frontend.mp_client import CurveClientKeys
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.outputs import RequestOutput
 from pagellm.frontend.rl import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update

@@ -23,8 +23,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -42,6 +40,7 @@ from pagellm.frontend.core_client import (
     EngineDeadError,
     SyncEngineCoreClient,
 )
+from pagellm.frontend.curve import CurveClientKeys
 from pagellm.frontend.engine_process import EngineProcess
 from pagellm.protocol.codec import MsgpackDecoder, MsgpackEncoder
 from pagellm.protocol.engine_args import EngineArgs
@@ -63,37 +62,6 @@ HEARTBEAT_TIMEOUT_S = 10.0  # an attached engine is dead after this long in sile
 _SIGNAL_CHECK_S = 0.2
 _EXIT_WAIT_S = 1.0  # a lost connection to a launched engine: wait this long for its exit
 _LAST_WORD_WAIT_S = 0.3  # ... to an attached one: this long for its last word
-
-
-@dataclass(frozen=True)
-class CurveClientKeys:
-    """Key files for an engine core that requires CURVE (zmq.auth's format)."""
-
-    secret_key_file: Path  # this frontend's key pair ("*.key_secret")
-    server_public_key_file: Path  # the engine's public key ("*.key")
-
-    @classmethod
-    def from_paths(cls, secret_key: str | None, server_public_key: str | None
-                   ) -> CurveClientKeys | None:
-        """Both or neither (None: no CURVE)."""
-        if (secret_key is None) != (server_public_key is None):
-            raise ValueError("curve_secret_key and curve_server_public_key go together")
-        if secret_key is None or server_public_key is None:
-            return None
-        return cls(Path(secret_key), Path(server_public_key))
-
-    def configure(self, sock: zmq.Socket) -> None:
-        import zmq.auth
-
-        for path in (self.secret_key_file, self.server_public_key_file):
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"CURVE key file not found: {path}")
-        public, secret = zmq.auth.load_certificate(self.secret_key_file)
-        if secret is None:
-            raise ValueError(f"{self.secret_key_file} holds no secret key")
-        server_public, _ = zmq.auth.load_certificate(self.server_public_key_file)
-        sock.curve_publickey, sock.curve_secretkey = public, secret
-        sock.curve_serverkey = server_public
 
 
 def _endpoint_for(engine_address: str, endpoint: str) -> str:

@@ -36,12 +36,8 @@ def weight_update(weights: WeightsArg, cuda_receivers: int = 0) -> Iterator[Weig
     if isinstance(weights, WeightUpdate):
         yield weights
         return
-    from pagellm.executor.weight_transfer import (
-        cuda_ipc_usable,
-        cuda_ipc_weights,
-        shared_weights,
-        specs_from_update_info,
-    )
+    from pagellm.executor.cuda_ipc import cuda_ipc_usable, cuda_ipc_weights
+    from pagellm.executor.weight_transfer import shared_weights, specs_from_update_info
 
     if isinstance(weights, dict):
         if set(weights) != {"update_info"} or not isinstance(weights["update_info"], dict):

@@ -14,7 +14,7 @@ import signal
 from typing import Any
 
 from pagellm.frontend.async_llm import AsyncLLM
-from pagellm.frontend.mp_client import CurveClientKeys
+from pagellm.frontend.curve import CurveClientKeys
 from pagellm.frontend.server.app import build_app
 from pagellm.frontend.server.connections import (
     ConnectionLimits,
