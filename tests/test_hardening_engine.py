@@ -20,6 +20,7 @@ import pytest
 import zmq
 from conftest import PROMPTS, assert_no_leaks
 from helpers import KV, ROOT, RawEngineClient, free_port, raw_hello, stop
+from zmq.utils.monitor import recv_monitor_message
 
 from pagellm import LLM, AsyncLLM, EngineDeadError, SamplingParams
 from pagellm.enginecore.transport import Context
@@ -43,6 +44,7 @@ TIGHT_ENGINE = textwrap.dedent("""
     output_sender.CONNECT_GRACE_S = 1.0
     output_sender.OUTPUT_HWM = 20
     proc.MAX_CLIENTS = 8
+    proc.MAX_MESSAGE_BYTES = 2**20
     from pagellm.enginecore.__main__ import main
     sys.exit(main(sys.argv[1:]))
 """)
@@ -350,6 +352,29 @@ def test_garbage_frames_are_dropped_and_the_engine_keeps_serving(tight_engine, a
         assert "bad arguments for get_stats" in answers[7].failure
     finally:
         client.close()
+    still_serves(attached)
+
+
+def test_a_message_over_the_size_limit_drops_its_connection(tight_engine, attached):
+    """MAX_MESSAGE_BYTES (1 MiB here) holds for every connection: ZeroMQ copies a
+    socket's options into its listener when it binds, and the limit was once set after
+    binding, so frames of any size were taken in whole (300 MiB in the review)."""
+    _, address = tight_engine
+    context = Context()
+    try:
+        dealer = context.socket(zmq.DEALER)
+        events = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                           | zmq.EVENT_DISCONNECTED)
+        dealer.connect(address)
+        assert events.poll(10_000) and recv_monitor_message(events)["event"] == \
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+        dealer.send_multipart([RequestType.ADD.value, b"\x00" * (2**20 - 64)])  # fits
+        assert not events.poll(500)
+        dealer.send_multipart([RequestType.ADD.value, b"\x00" * (2**20 + 1)])
+        assert events.poll(10_000), "the engine kept a connection that sent 1 MiB + 1"
+        assert recv_monitor_message(events)["event"] == zmq.EVENT_DISCONNECTED
+    finally:
+        context.destroy(linger=0)
     still_serves(attached)
 
 

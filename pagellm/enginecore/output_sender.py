@@ -39,7 +39,10 @@ logger = logging.getLogger("pagellm")
 
 HEARTBEAT_INTERVAL_S = 0.5  # an idle client hears from the engine at least this often
 CONNECT_GRACE_S = 10.0  # a client must connect its output socket within this long
-OUTPUT_HWM = 10_000  # outputs queued for one client before it counts as not reading
+# Outputs queued for one client before it counts as not reading: 10 s of steps at 100
+# steps/s, and at most ~100 MB for a client of 256 streams with top-20 logprobs.
+OUTPUT_HWM = 1000
+PEER_MESSAGE_BYTES = 4096  # the most an output socket's peer may send (it sends nothing)
 _WATCH_S = 0.1  # how often the output thread looks at its clients' connections
 
 
@@ -63,8 +66,11 @@ class AttachedClient:
              ) -> AttachedClient:
         """Bind client `index`'s PUSH socket beside `address` (raises zmq.ZMQError,
         e.g. out of file descriptors)."""
-        sock, endpoint = sockets.bind(zmq.PUSH, data_endpoint(address, f"out{index}"))
-        sock.setsockopt(zmq.SNDHWM, OUTPUT_HWM)
+        sock, endpoint = sockets.bind(zmq.PUSH, data_endpoint(address, f"out{index}"), {
+            zmq.SNDHWM: OUTPUT_HWM,
+            # A PUSH socket reads nothing, but a peer can still send it messages, which
+            # ZeroMQ would queue (RCVHWM of them): any but the handshake's drop it.
+            zmq.MAXMSGSIZE: PEER_MESSAGE_BYTES})
         events = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
         return cls(index, identity, sock, monitor_socket(sock, events), endpoint)
 

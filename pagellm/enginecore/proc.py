@@ -121,9 +121,9 @@ class EngineCoreProc:
         self.input_queue: queue.Queue[Any] = queue.Queue()
         # A tensor-parallel worker that dies between steps stops the busy loop too.
         self.core = EngineCore(args, on_failure=lambda m: self.input_queue.put(_ThreadDied(m)))
-        self.frontends, _ = self.sockets.bind(zmq.ROUTER, address)
-        self.frontends.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone peer raises
-        self.frontends.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.frontends, _ = self.sockets.bind(zmq.ROUTER, address, {
+            zmq.ROUTER_MANDATORY: 1,  # a reply to a gone peer raises
+            zmq.MAXMSGSIZE: MAX_MESSAGE_BYTES})
         self._lock = threading.Lock()  # guards the two maps below
         self._identities: dict[bytes, int] = {}  # connection -> client index
         self._clients: dict[int, AttachedClient] = {}

@@ -153,9 +153,16 @@ class SocketFactory:
             self._auth.start()
             self._auth.configure_curve(domain="*", location=str(curve.authorized_keys_dir))
 
-    def bind(self, kind: int, endpoint: str) -> tuple[zmq.Socket, str]:
-        """A bound socket and the endpoint it actually bound (ports resolved)."""
+    def bind(self, kind: int, endpoint: str, options: dict[int, int] | None = None
+             ) -> tuple[zmq.Socket, str]:
+        """A bound socket and the endpoint it actually bound (ports resolved).
+
+        `options` (zmq socket options) are set before binding: ZeroMQ copies a socket's
+        options into its listener when it binds, so a limit set afterwards (MAXMSGSIZE,
+        SNDHWM) never reaches the connections it accepts."""
         sock = self.context.socket(kind)
+        for option, value in (options or {}).items():
+            sock.setsockopt(option, value)
         if self._keys is not None:
             sock.curve_publickey, sock.curve_secretkey = self._keys
             sock.curve_server = True
