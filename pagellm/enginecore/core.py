@@ -56,9 +56,9 @@ class EngineCore:
         # Outputs made outside a step (refused or aborted requests), sent with the next.
         self._outbox: dict[int, EngineCoreOutputs] = {}
         # Pausing: None while scheduling, else the PauseMode. Requests that arrive while
-        # paused in mode "keep" wait here until resume; in the other modes they fail.
+        # paused in mode "keep" join the scheduler's waiting queue, which is not
+        # scheduled until resume; in the other modes they fail.
         self.paused: str | None = None
-        self._held: list[Request] = []
         self._sleep_level = 0
         self._updating = False  # between start_weight_update and finish_weight_update
         self.weight_version: str | None = None
@@ -88,20 +88,12 @@ class EngineCore:
                          unavailable=True)
             return
         try:
-            if any(r.request_id == request.request_id for r in self._held):
-                raise ValueError(f"request id {request.request_id!r} is already in use")
-            if self.paused == "keep":
-                self._held.append(request)
-            else:
-                self.scheduler.add_request(request)
+            self.scheduler.add_request(request)
         except ValueError as e:  # the id is in use (two frontends, or a foreign client)
             self._reject(request.client_index, request.request_id, str(e))
 
     def abort_requests(self, request_ids: list[str], client_index: int | None = None) -> None:
         """Abort requests; with a client_index, only those that client sent."""
-        ids = set(request_ids)
-        self._held = [r for r in self._held if r.request_id not in ids
-                      or (client_index is not None and r.client_index != client_index)]
         if client_index is not None:
             requests = self.scheduler.requests
             request_ids = [r for r in request_ids
@@ -110,7 +102,6 @@ class EngineCore:
 
     def abort_client(self, client_index: int) -> None:
         """A frontend left: abort everything it left running."""
-        self._held = [r for r in self._held if r.client_index != client_index]
         self.scheduler.finish_requests(self.scheduler.request_ids_of(client_index),
                                        FinishReason.ABORT)
 
@@ -127,11 +118,10 @@ class EngineCore:
         stay where they are until `resume()`. New requests fail, except in "keep" mode,
         where they wait for the resume. Returns `pause_settled()`."""
         if mode == "abort":
-            for request in [*self.scheduler.requests.values(), *self._held]:
+            for request in self.scheduler.requests.values():
                 message_for(self._outbox, request.client_index).outputs.append(
                     EngineCoreOutput(request.request_id, [], FinishReason.ABORT))
             self.scheduler.finish_requests(list(self.scheduler.requests), FinishReason.ABORT)
-            self._held = []
         self.paused = mode
         return self.pause_settled()
 
@@ -143,9 +133,6 @@ class EngineCore:
         if self.executor.sleeping:
             raise RuntimeError(f"cannot resume: {self._state()}; call wake_up() first")
         self.paused, self._sleep_level = None, 0
-        held, self._held = self._held, []
-        for request in held:
-            self.add_preprocessed(request)
 
     def sleep(self, level: int, mode: str) -> None:
         """Pause in `mode`, then (level >= 1, once the pause has settled: call again
