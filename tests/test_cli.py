@@ -92,6 +92,34 @@ def test_out_of_range_flags_give_a_one_line_error_naming_the_flag(
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+@pytest.mark.parametrize(("flag", "value", "names"), [
+    ("--port", "70000", ["--port", "65535"]),  # uvicorn would listen on 70000 - 65536
+    ("--shutdown-timeout", "1e400", ["--shutdown-timeout", "finite"]),
+    ("--shutdown-timeout", "nan", ["--shutdown-timeout", "finite"]),
+    ("--shutdown-timeout", "-1", ["--shutdown-timeout", ">= 0"]),
+    ("--max-body-size", "0", ["--max-body-size", ">= 1024"]),
+    ("--max-connections", "0", ["--max-connections", ">= 1"]),
+    ("--api-key", "", ["--api-key", "empty"]),
+], ids=["port", "timeout-inf", "timeout-nan", "timeout-negative", "body-0", "connections-0",
+        "empty-key"])
+def test_server_flags_out_of_range_are_named_before_anything_starts(
+        model_dirs, capsys, flag: str, value: str, names: list[str]) -> None:
+    """Each was a server that started wrong: 70000 listened on 4464, an empty key
+    admitted "Bearer ", 1e400 crashed it once the engine was up, 0 bytes refused all."""
+    result = run_main(capsys, "serve", str(model_dirs["llama"]), f"{flag}={value}")
+    _one_line_error(result, *names)
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_the_engine_core_refuses_an_infinite_shutdown_timeout(capsys) -> None:
+    from pagellm.enginecore.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--address", "ipc:///nowhere", "--model", "demo", "--shutdown-timeout", "inf"])
+    assert exit_info.value.code == 2
+    assert "--shutdown-timeout must be a finite number" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("cls", ["builtins.int", "threading.Thread"])
 def test_worker_extension_that_is_no_mixin_is_named(cls: str) -> None:
     from pagellm.executor.extension import worker_class

@@ -22,6 +22,7 @@ from pathlib import Path
 from pagellm.logger import configure_logging
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import StartupFailure
+from pagellm.protocol.validation import MAX_SHUTDOWN_TIMEOUT_S, check_float
 
 logger = logging.getLogger("pagellm")
 
@@ -57,8 +58,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m pagellm.engin
     ns = parser.parse_args(argv)
     if (ns.curve_secret_key is None) != (ns.curve_authorized_keys is None):
         parser.error("--curve-secret-key and --curve-authorized-keys go together")
-    if ns.shutdown_timeout < 0:
-        parser.error("--shutdown-timeout must be >= 0")
+    try:
+        check_float("--shutdown-timeout", ns.shutdown_timeout, minimum=0,
+                    maximum=MAX_SHUTDOWN_TIMEOUT_S)
+    except ValueError as e:
+        parser.error(str(e))
     if (ns.address is None) != ns.headless:
         parser.error("--address is required (and --headless takes none)")
     configure_logging()

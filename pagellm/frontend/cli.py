@@ -13,6 +13,7 @@ from typing import NoReturn
 from pagellm.frontend.server.options import MAX_BODY_BYTES, ServerOptions
 from pagellm.logger import configure_logging
 from pagellm.protocol.engine_args import EngineArgs, parse_bytes
+from pagellm.protocol.validation import MAX_SHUTDOWN_TIMEOUT_S, check_float, check_int
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -159,10 +160,7 @@ def _serve(ns: argparse.Namespace) -> int:
                          "pip install -e '.[serve]'") from None
     from pagellm.frontend.server.serve import run_server
 
-    if ns.shutdown_timeout < 0:
-        raise ValueError("--shutdown-timeout must be >= 0")
-    if ns.max_connections is not None and ns.max_connections < 1:
-        raise ValueError("--max-connections must be >= 1")
+    check_server_flags(ns)
     args = EngineArgs.from_cli_args(ns)
     chat_template = None if ns.chat_template is None else load_chat_template(ns.chat_template)
     if chat_template is not None and args.skip_tokenizer_init:
@@ -175,6 +173,23 @@ def _serve(ns: argparse.Namespace) -> int:
     return run_server(args, options, ns.host, ns.port, ns.engine_address,
                       ns.curve_secret_key, ns.curve_server_public_key, ns.shutdown_timeout,
                       ns.max_connections)
+
+
+MIN_BODY_BYTES = 1024  # below this even a short completion request cannot arrive
+
+
+def check_server_flags(ns: argparse.Namespace) -> None:
+    """The server's own flags, each named when out of range (the engine's are
+    EngineArgs'): a port beyond 65535 would wrap around to another (70000 is 4464), an
+    empty API key would admit "Bearer " and nothing else, an infinite shutdown timeout
+    would crash the server after the engine started."""
+    check_int("--port", ns.port, minimum=0, maximum=65535)
+    check_float("--shutdown-timeout", ns.shutdown_timeout, minimum=0,
+                maximum=MAX_SHUTDOWN_TIMEOUT_S)
+    check_int("--max-body-size", ns.max_body_size, minimum=MIN_BODY_BYTES)
+    check_int("--max-connections", ns.max_connections, minimum=1, allow_none=True)
+    if ns.api_key is not None and not ns.api_key.strip():
+        raise ValueError("--api-key must not be empty (leave the flag out for no key)")
 
 
 def load_chat_template(value: str) -> str:

@@ -68,6 +68,8 @@ def check_bool(name: str, value: Any) -> None:
 # memory for its modules before any weight exists, so a config claiming millions would
 # exhaust memory building them.
 MAX_NUM_LAYERS = 4096
+# --shutdown-timeout (server and engine core): finite, and at most a day.
+MAX_SHUTDOWN_TIMEOUT_S = 86400.0
 
 # RoPE scaling fields (config.json's rope_parameters / rope_scaling) -> strictly
 # positive (True) or any finite number (False).
