@@ -127,6 +127,12 @@ def test_lists_a_client_sends_are_bounded(model_dirs, make_llm):
         SamplingParams(stop=["x"] * 1025)
     with pytest.raises(ValueError, match="bad_words has 1025 entries"):
         SamplingParams(bad_words=["x"] * 1025)
+    # Counted before any entry is checked (the server checks them on its event loop).
+    too_many = 2**20 + 1
+    for kwargs in ({"stop_token_ids": [1] * too_many}, {"allowed_token_ids": [1] * too_many},
+                   {"logit_bias": dict.fromkeys(range(too_many), 1.0)}):
+        with pytest.raises(ValueError, match=f"has {too_many} entries, more than 1048576"):
+            SamplingParams(**kwargs)
     llm = make_llm(model_dirs["llama"])
     vocab = llm.info.vocab_size
     for kwargs, message in (({"allowed_token_ids": [1] * (vocab + 1)}, "allowed_token_ids"),

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import pytest
 from helpers import NAME, Server, free_port
 
@@ -144,6 +145,25 @@ def test_chat_templates_from_requests_run_sandboxed_with_a_time_limit(guarded, t
     status, body = post(guarded, "/v1/chat/completions", {
         "model": NAME, "messages": MESSAGES, "chat_template_kwargs": {"return_tensors": "pt"}})
     assert status == 400 and "return_tensors" in body["error"]["message"]
+
+
+def test_lists_are_counted_before_they_are_walked(guarded):
+    """Review 2: a 14 MB /detokenize list (an 84 MB answer), 1.2M chat messages and 1.3M
+    logit_bias keys were each walked on the event loop before being refused (2 s of a
+    frozen /health apiece)."""
+    limit = post(guarded, "/tokenize", {"prompt": "x"})[1]["max_model_len"]
+    status, body = post(guarded, "/detokenize", {"tokens": [1] * (limit + 1)})
+    assert status == 400 and f"more than max_model_len={limit}" in body["error"]["message"]
+    assert post(guarded, "/detokenize", {"tokens": [1] * 8})[0] == 200
+    status, body = post(guarded, "/v1/chat/completions", {
+        "model": NAME, "messages": [{"role": "user", "content": "x"}] * (2**16 + 1)})
+    assert status == 400 and "65537 messages, more than 65536" in body["error"]["message"]
+    from pagellm.frontend.server.api_models import CompletionRequest
+
+    request = msgspec.convert({"prompt": "x", "logit_bias": {str(i): 1 for i in range(
+        2**20 + 1)}}, CompletionRequest)
+    with pytest.raises(ValueError, match="logit_bias has 1048577 entries"):
+        request.sampling_params(4, None)
 
 
 def test_half_open_connections_never_crowd_out_a_request(guarded):

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.protocol.sampling_params import MAX_TOKEN_IDS, RequestOutputKind, SamplingParams
 
 
 class StreamOptions(msgspec.Struct):
@@ -103,6 +103,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         """Defaults follow OpenAI's (temperature 1, top_p 1), not greedy."""
         bias = None
         if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_TOKEN_IDS:  # before the loop: it runs on the
+                raise ValueError(f"logit_bias has {len(self.logit_bias)} entries, "  # loop
+                                 f"more than {MAX_TOKEN_IDS}")
             bias = {}
             for key, value in self.logit_bias.items():
                 if not _TOKEN_ID_KEY.fullmatch(key):  # ASCII: str.isdigit takes "²"

@@ -154,9 +154,12 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     async def detokenize(request: Request) -> dict[str, Any]:
         body = await body_of(request, DetokenizeRequest)
         server.check_model(body.model)
-        vocab = engine.info.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
+        vocab, limit = engine.info.vocab_size, engine.info.max_model_len
+        if len(body.tokens) > limit:  # the text grows by the longest token's length
+            raise bad_request(f"tokens: {len(body.tokens)} ids, more than max_model_len="
+                              f"{limit}")
+        if body.tokens and not 0 <= min(body.tokens) <= max(body.tokens) < vocab:
+            bad = [t for t in body.tokens if not 0 <= t < vocab]
             raise bad_request(f"tokens: ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         text = await engine.run_in_tokenizer_thread(server.tokenizer().decode, body.tokens)
         return {"prompt": text}

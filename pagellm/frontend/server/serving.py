@@ -45,6 +45,11 @@ from pagellm.frontend.server.template_sandbox import ChatTemplateSandbox, Templa
 
 logger = logging.getLogger("pagellm")
 
+# Messages of one chat: far beyond any conversation a context window holds, and
+# checked before the per-message work on the event loop (1.2M empty messages held the
+# loop for 2 s).
+MAX_MESSAGES = 2**16
+
 
 class OpenAIServing:
     """Request handling shared by the routes."""
@@ -115,6 +120,8 @@ class OpenAIServing:
         the last message's content does (transformers' rule), so the model continues
         that message instead of starting a new one."""
         tokenizer = self.tokenizer()
+        if len(messages) > MAX_MESSAGES:  # before the loop below, which runs on the loop
+            raise bad_request(f"messages: {len(messages)} messages, more than {MAX_MESSAGES}")
         try:
             conversation = [{"role": m.role, "content": m.text()} for m in messages]
         except ValueError as e:
@@ -165,18 +172,28 @@ class OpenAIServing:
         return list(ids)
 
     async def _process(self, prompts: list[Any], params: Any, request_id: str, priority: int,
-                       salt: str | None) -> list[ProcessedRequest]:
+                       salt: str | None, add_special_tokens: bool = True
+                       ) -> list[ProcessedRequest]:
         """Validate every prompt before any starts (on the tokenizer thread); a bad one
-        is a 400. One HTTP request may not ask for more sequences than the engine runs
-        at once."""
+        is a 400, and the ones after it are never tokenized. One HTTP request may not
+        ask for more sequences than the engine runs at once. Without add_special_tokens
+        (vLLM's flag) text prompts are tokenized here without the tokenizer's special
+        tokens."""
         limit = self.engine.info.max_num_seqs
         if len(prompts) * params.n > limit:
             raise bad_request(f"{len(prompts)} prompt(s) x n={params.n} is more sequences "
                               f"than this engine runs at once (max_num_seqs={limit})")
+        tokenizer = None if add_special_tokens else self.tokenizer()
+        for p in prompts if tokenizer is not None else ():  # (the engine checks the rest)
+            if isinstance(p, str):
+                self.check_prompt_chars("prompt", len(p))
 
         def process_all() -> list[ProcessedRequest]:
             processed = []
             for i, prompt in enumerate(prompts):
+                if tokenizer is not None and isinstance(prompt, str):
+                    prompt = {"prompt_token_ids": tokenizer.encode(
+                        prompt, add_special_tokens=False)}
                 if salt is not None:
                     prompt = {"prompt": prompt} if isinstance(prompt, str) else dict(prompt)
                     prompt["cache_salt"] = salt
@@ -236,11 +253,9 @@ class OpenAIServing:
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
         texts = [p if isinstance(p, str) else None for p in prompts]
-        if not body.add_special_tokens:
-            prompts = await self._tokenize_plain(prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         processed = await self._process(prompts, params, request_id, body.priority,
-                                        body.cache_salt)
+                                        body.cache_salt, body.add_special_tokens)
         created = int(time.time())
         header = {"id": request_id, "object": "text_completion", "created": created,
                   "model": self.name}
@@ -259,20 +274,6 @@ class OpenAIServing:
         completion = 0 if body.score_only else \
             sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
         return {**header, "choices": choices, "usage": usage(processed, completion)}
-
-    async def _tokenize_plain(self, prompts: list[Any]) -> list[Any]:
-        """Text prompts as token ids without the tokenizer's special tokens (vLLM's
-        add_special_tokens=false)."""
-        tokenizer = self.tokenizer()
-        for p in prompts:
-            if isinstance(p, str):
-                self.check_prompt_chars("prompt", len(p))
-
-        def encode() -> list[Any]:
-            return [{"prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)}
-                    if isinstance(p, str) else p for p in prompts]
-
-        return await self.engine.run_in_tokenizer_thread(encode)
 
     def _completion_choices(self, out: RequestOutput, i: int, body: CompletionRequest
                             ) -> list[dict[str, Any]]:
