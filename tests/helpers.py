@@ -150,6 +150,9 @@ class RawEngineClient:
             self.output.setsockopt(zmq.RCVHWM, rcvhwm)
             if rcvhwm:
                 self.output.setsockopt(zmq.RCVBUF, 4096)
+            if self.reply.output_password is not None:
+                self.output.plain_username = b"pagellm"
+                self.output.plain_password = self.reply.output_password.encode()
             connected = self.output.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
             self.output.connect(self.reply.output_endpoint)
             # The engine drops outputs for a client that has not connected yet: wait.

@@ -453,6 +453,35 @@ def test_identity_comes_from_the_connection(tight_engine, attached):
     assert greedy_ids(llm) == reference
 
 
+def test_a_stranger_cannot_connect_to_a_clients_output_socket(tight_engine, attached):
+    """Review 2: a process that only knew the port of a client's output socket (ports of
+    a loopback engine are listed in /proc/net/tcp) read some of its outputs, then the
+    second connection dropped the client. The socket now admits only the PLAIN
+    password the client got in its handshake reply: strangers fail the handshake,
+    neither read nor count as a peer."""
+    _, address = tight_engine
+    victim = RawEngineClient(address)
+    assert victim.reply.output_password  # no CURVE on this engine: a password
+    context = Context()
+    try:
+        strangers = []
+        for password in (None, "wrong"):
+            stranger = context.socket(zmq.PULL)
+            if password is not None:
+                stranger.plain_username, stranger.plain_password = b"pagellm", b"wrong"
+            stranger.connect(victim.reply.output_endpoint)
+            strangers.append(stranger)
+        time.sleep(0.5)  # their handshakes are over
+        victim.send(RequestType.ADD, request("mine", [1, 2, 3], max_tokens=50, ignore_eos=True))
+        final = victim.finished("mine")
+        assert final.finish_reason == FinishReason.LENGTH  # served, not dropped
+        assert not any(s.poll(300) for s in strangers)  # and nothing reached them
+    finally:
+        context.destroy(linger=0)
+        victim.close()
+    still_serves(attached)
+
+
 def test_a_client_that_stops_reading_is_dropped_and_its_requests_aborted(tight_engine,
                                                                           attached):
     """Finding 9: a client that never read made the engine's memory grow without bound.

@@ -56,6 +56,7 @@ class AttachedClient:
     socket: zmq.Socket  # PUSH: its outputs
     monitor: zmq.Socket  # events of that socket
     endpoint: str  # where that socket is bound
+    password: str | None  # its PLAIN password (transport.bind_private), None with CURVE
     registered: float = field(default_factory=time.monotonic)
     open_fds: set[int] = field(default_factory=set)  # its socket's open connections
     handshakes: int = 0  # connections that completed the ZMTP (and CURVE) handshake
@@ -66,13 +67,14 @@ class AttachedClient:
              ) -> AttachedClient:
         """Bind client `index`'s PUSH socket beside `address` (raises zmq.ZMQError,
         e.g. out of file descriptors)."""
-        sock, endpoint = sockets.bind(zmq.PUSH, data_endpoint(address, f"out{index}"), {
+        sock, endpoint, password = sockets.bind_private(
+            zmq.PUSH, data_endpoint(address, f"out{index}"), {
             zmq.SNDHWM: OUTPUT_HWM,
             # A PUSH socket reads nothing, but a peer can still send it messages, which
             # ZeroMQ would queue (RCVHWM of them): any but the handshake's drop it.
             zmq.MAXMSGSIZE: PEER_MESSAGE_BYTES})
         events = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-        return cls(index, identity, sock, monitor_socket(sock, events), endpoint)
+        return cls(index, identity, sock, monitor_socket(sock, events), endpoint, password)
 
 
 # Items for the output thread ---------------------------------------------------------

@@ -418,7 +418,8 @@ class EngineCoreProc:
             self._clients[index] = record
         self.outputs.register(record)
         self._reply(identity, HandshakeReply(info=self.core.info, client_index=index,
-                                             output_endpoint=record.endpoint))
+                                             output_endpoint=record.endpoint,
+                                             output_password=record.password))
         logger.info("frontend %d attached", index)
 
     def _reply(self, identity: bytes, reply: HandshakeReply) -> None:
@@ -433,6 +434,7 @@ class EngineCoreProc:
                 return
             self._identities.pop(record.identity, None)
             self._adds_refused.pop(index, None)
+        self.sockets.forget_password(record.password)
         self.input_queue.put(_ClientGone(index))
         logger.info("frontend %d detached", index)
 

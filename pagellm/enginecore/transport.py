@@ -12,6 +12,7 @@ import glob
 import ipaddress
 import itertools
 import logging
+import secrets
 import shutil
 import sys
 import threading
@@ -46,6 +47,7 @@ class CurveServerKeys:
 
 
 _monitor_ids = itertools.count()
+PLAIN_USER = "pagellm"  # the user name of PLAIN-authenticated client sockets
 
 
 class Context(zmq.Context):
@@ -145,6 +147,7 @@ class SocketFactory:
         self._ipc_files: list[Path] = []
         self._auth: Any = None
         self._keys: tuple[bytes, bytes] | None = None
+        self._domains = itertools.count()
         if curve is not None:
             from zmq.auth.thread import ThreadAuthenticator
 
@@ -153,8 +156,36 @@ class SocketFactory:
             self._auth.start()
             self._auth.configure_curve(domain="*", location=str(curve.authorized_keys_dir))
 
-    def bind(self, kind: int, endpoint: str, options: dict[int, int] | None = None
-             ) -> tuple[zmq.Socket, str]:
+    def bind_private(self, kind: int, endpoint: str, options: dict[int, int] | None = None
+                     ) -> tuple[zmq.Socket, str, str | None]:
+        """`bind` for one client's socket: (socket, endpoint, password). Without CURVE
+        the socket admits only a peer that sends the password (ZeroMQ's PLAIN
+        mechanism, checked by this context's ZAP handler), which the client gets in its
+        handshake reply: knowing a port is not enough to connect (a stranger on a
+        loopback TCP engine once read another client's outputs that way). With CURVE,
+        only authorized keys connect at all (None). `forget_password` undoes it."""
+        if self._keys is not None:
+            return (*self.bind(kind, endpoint, options), None)
+        if self._auth is None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._auth = ThreadAuthenticator(self.context, log=logger)
+            self._auth.start()
+        domain, password = f"pagellm-{next(self._domains)}", secrets.token_urlsafe(24)
+        self._auth.configure_plain(domain=domain, passwords={PLAIN_USER: password})
+        sock, bound = self.bind(kind, endpoint, options, plain_domain=domain)
+        return sock, bound, password
+
+    def forget_password(self, password: str | None) -> None:
+        """A departed client's password is no longer accepted (nor kept)."""
+        if password is None or self._auth is None:
+            return
+        for domain, users in list(self._auth.passwords.items()):
+            if users.get(PLAIN_USER) == password:
+                self._auth.passwords.pop(domain, None)
+
+    def bind(self, kind: int, endpoint: str, options: dict[int, int] | None = None,
+             plain_domain: str | None = None) -> tuple[zmq.Socket, str]:
         """A bound socket and the endpoint it actually bound (ports resolved).
 
         `options` (zmq socket options) are set before binding: ZeroMQ copies a socket's
@@ -166,6 +197,9 @@ class SocketFactory:
         if self._keys is not None:
             sock.curve_publickey, sock.curve_secretkey = self._keys
             sock.curve_server = True
+        elif plain_domain is not None:
+            sock.plain_server = True
+            sock.zap_domain = plain_domain.encode()
         try:
             sock.bind(endpoint)
         except zmq.ZMQError:

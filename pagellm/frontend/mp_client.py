@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from pagellm.enginecore.transport import Context
+from pagellm.enginecore.transport import PLAIN_USER, Context
 from pagellm.enginecore.transport import monitor as monitor_socket
 from pagellm.frontend.core_client import (
     UTILITY_TIMEOUT_S,
@@ -114,7 +114,8 @@ class MPClient(EngineCoreClient):
             self.engine, reply = self._handshake()
             assert reply.info is not None and reply.client_index is not None
             self.output = self._connect_output(_endpoint_for(self.address,
-                                                             reply.output_endpoint))
+                                                             reply.output_endpoint),
+                                               reply.output_password)
         except BaseException:
             self._close_transport()
             raise
@@ -193,8 +194,10 @@ class MPClient(EngineCoreClient):
             f"no answer from an engine core at {self.address} within {timeout:.0f} s "
             "(is it running? if it requires CURVE, are the keys right?)")
 
-    def _connect_output(self, endpoint: str) -> zmq.Socket:
+    def _connect_output(self, endpoint: str, password: str | None) -> zmq.Socket:
         sock = self._new_socket(zmq.PULL)
+        if password is not None:  # the engine admits only the client it gave it to
+            sock.plain_username, sock.plain_password = PLAIN_USER.encode(), password.encode()
         monitor = monitor_socket(sock, zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sock.connect(endpoint)
         # The engine drops outputs for a client that has not connected yet: wait.

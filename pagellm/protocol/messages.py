@@ -205,6 +205,9 @@ class HandshakeReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     client_index: int | None = None
     output_endpoint: str = ""  # PULL this client's outputs here
     error: str | None = None
+    # The PLAIN password of that socket (user "pagellm"); None when the engine uses
+    # CURVE, whose keys admit the client instead.
+    output_password: str | None = None
 
 
 class StartupFailure(msgspec.Struct, array_like=True, gc=False):
@@ -231,5 +234,5 @@ class DPRegisterReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     error: str | None = None
 
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_CACHE_SALT_CHARS = 1024  # a salt is an opaque key (vLLM's are short tokens)
