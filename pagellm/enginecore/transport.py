@@ -173,7 +173,11 @@ class SocketFactory:
             self._auth.start()
         domain, password = f"pagellm-{next(self._domains)}", secrets.token_urlsafe(24)
         self._auth.configure_plain(domain=domain, passwords={PLAIN_USER: password})
-        sock, bound = self.bind(kind, endpoint, options, plain_domain=domain)
+        try:
+            sock, bound = self.bind(kind, endpoint, options, plain_domain=domain)
+        except zmq.ZMQError:
+            self._auth.passwords.pop(domain, None)
+            raise
         return sock, bound, password
 
     def forget_password(self, password: str | None) -> None:
