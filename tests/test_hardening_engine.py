@@ -182,6 +182,18 @@ def test_priority_is_bounded_to_64_bits(model_dirs, make_llm):
     assert llm.generate(["a"], GREEDY, use_tqdm=False, priority=[0])[0].outputs[0].token_ids
 
 
+def test_a_request_larger_than_the_engine_takes_fails_alone(model_dirs, make_llm):
+    """The engine core drops a connection that sends more than MAX_MESSAGE_BYTES, which
+    would fail every request of that frontend: the client refuses such a message
+    itself, naming the request, and serves the next one on the same connection."""
+    llm = make_llm(model_dirs["llama"], multiprocess=True)
+    huge = SamplingParams(max_tokens=2, extra_args={"blob": "x" * (64 * 2**20)})
+    with pytest.raises(ValueError, match=r"request '.*' is \d+ bytes encoded, more than "
+                                         r"the 67108864 an engine core takes"):
+        llm.generate(["a"], huge, use_tqdm=False)
+    assert llm.generate(["a"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_a_prompt_too_long_for_the_model_is_refused_before_it_is_tokenized(
         model_dirs, make_llm, monkeypatch):
     llm = make_llm(model_dirs["llama"])

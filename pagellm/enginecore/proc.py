@@ -50,6 +50,7 @@ from pagellm.logger import freeze_startup_heap
 from pagellm.protocol.codec import MsgpackDecoder
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import (
+    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -67,7 +68,6 @@ logger = logging.getLogger("pagellm")
 T = TypeVar("T")
 
 MAX_CLIENTS = 64  # frontends attached at once
-MAX_MESSAGE_BYTES = 64 * 2**20  # larger messages: ZeroMQ drops the connection
 _POLL_MS = 100  # how often the input thread checks for shutdown
 _SIGNAL_CHECK_S = 0.2  # how often an idle busy loop lets signal handlers run
 SHUTDOWN_GRACE_S = 15.0  # after this long in the final shutdown the process exits anyway

@@ -45,6 +45,7 @@ from pagellm.frontend.engine_process import EngineProcess
 from pagellm.protocol.codec import MsgpackDecoder, MsgpackEncoder
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import (
+    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -225,6 +226,12 @@ class MPClient(EngineCoreClient):
     def _send(self, kind: RequestType, payload: Any) -> None:
         self.check_alive()
         data = self._encoder.encode(payload)
+        if len(data) > MAX_MESSAGE_BYTES:  # the engine would drop this connection
+            what = f"request {payload.request_id!r}" if kind == RequestType.ADD \
+                else f"this {kind.name.lower()} message"
+            raise ValueError(f"{what} is {len(data)} bytes encoded, more than the "
+                             f"{MAX_MESSAGE_BYTES} an engine core takes (its prompt, "
+                             "arguments or extra_args are too large)")
         with self._send_lock:
             self.engine.send_multipart([kind.value, data])
 

@@ -235,4 +235,7 @@ class DPRegisterReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 
 
 PROTOCOL_VERSION = 6
+# The largest message an engine core takes from a client; ZeroMQ drops the connection
+# of a client that sends a larger one, so clients refuse to send one (`MPClient._send`).
+MAX_MESSAGE_BYTES = 64 * 2**20
 MAX_CACHE_SALT_CHARS = 1024  # a salt is an opaque key (vLLM's are short tokens)
