@@ -118,6 +118,43 @@ def test_a_silently_hung_engine_is_noticed_by_its_heartbeat(engine_at, model_dir
             engine.send_signal(signal.SIGCONT)
 
 
+def test_a_stopped_launched_engine_is_noticed_and_killed(model_dirs, monkeypatch):
+    """Review 2: a launched engine core (or one of several data-parallel cores) that
+    stopped (SIGSTOP) hung every call forever: only its exit was watched. Its silence
+    now kills it, and every waiter, sync or async, gets EngineDeadError."""
+    import asyncio
+
+    import psutil
+
+    import pagellm.frontend.mp_client
+    from pagellm import AsyncLLM
+
+    monkeypatch.setattr(pagellm.frontend.mp_client, "HEARTBEAT_TIMEOUT_S", 1.5)
+    dead = r"no heartbeat from the engine core .* for 2 s \(pid (\d+), killed\)"
+    with LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=8 * 2**20) as llm:
+        greedy_ids(llm, PROMPTS[:1])
+        pid = llm.engine_core.engine_process.pid
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(EngineDeadError, match=dead):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+        psutil.Process(pid).wait(timeout=10)
+
+    async def main() -> None:
+        engine = AsyncLLM(str(model_dirs["llama"]), kv_cache_memory_bytes=8 * 2**20)
+        try:
+            pid = engine.engine_core.engine_process.pid
+            os.kill(pid, signal.SIGSTOP)
+            with pytest.raises(EngineDeadError, match=dead):
+                async for _ in engine.generate(PROMPTS[0], SamplingParams(max_tokens=4),
+                                               "stopped"):
+                    pass
+            psutil.Process(pid).wait(timeout=10)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_bad_arguments_exit_non_zero_with_a_message(model_dirs, tmp_path):
     run = [sys.executable, "-m", "pagellm.enginecore"]
     result = subprocess.run([*run, "--model", str(model_dirs["llama"])], capture_output=True,

@@ -59,7 +59,7 @@ from pagellm.protocol.utility import SIGNATURES
 
 LOCAL_STARTUP_TIMEOUT_S = 900.0  # loading a large model can take minutes
 REMOTE_HANDSHAKE_TIMEOUT_S = 30.0
-HEARTBEAT_TIMEOUT_S = 10.0  # an attached engine is dead after this long in silence
+HEARTBEAT_TIMEOUT_S = 10.0  # an engine core is dead after this long in silence
 _SIGNAL_CHECK_S = 0.2
 _EXIT_WAIT_S = 1.0  # a lost connection to a launched engine: wait this long for its exit
 _LAST_WORD_WAIT_S = 0.3  # ... to an attached one: this long for its last word
@@ -291,6 +291,18 @@ class MPClient(EngineCoreClient):
                 with contextlib.suppress(zmq.ZMQError):
                     monitor.close(linger=0)
 
+    def _on_silence(self) -> None:
+        """The engine stopped writing: dead. Its output thread sends a heartbeat every
+        0.5 s whatever its busy loop does, so silence means the process is stopped or
+        hung as a whole (SIGSTOP, a lock held forever). A launched one is then killed,
+        so that it frees its memory and no call waits on it."""
+        process = self.engine_process
+        self._on_dead(f"no heartbeat from the engine core at {self.address} for "
+                      f"{HEARTBEAT_TIMEOUT_S:.0f} s"
+                      + ("" if process is None else f" (pid {process.proc.pid}, killed)"))
+        if process is not None:
+            process.proc.kill()  # SIGKILL reaches a stopped process too
+
     def _on_dead(self, cause: str) -> None:
         self.die(cause if self.label is None else f"{self.label}: {cause}")
 
@@ -403,13 +415,11 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
 
     def _read_outputs(self) -> None:
         last_seen = time.monotonic()
-        attached = self.engine_process is None
         while not self._closed and self.dead_error is None:
             try:
                 if not self.output.poll(100):
-                    if attached and time.monotonic() - last_seen > HEARTBEAT_TIMEOUT_S:
-                        self._on_dead(f"no heartbeat from the engine core at {self.address} "
-                                      f"for {HEARTBEAT_TIMEOUT_S:.0f} s")
+                    if time.monotonic() - last_seen > HEARTBEAT_TIMEOUT_S:
+                        self._on_silence()
                     continue
                 outputs = self._decoder.decode(self.output.recv())
             except zmq.ZMQError:
@@ -489,13 +499,13 @@ class AsyncMPClient(MPClient, AsyncEngineCoreClient):
         return self._utility_result(method, outputs)
 
     async def _read_outputs(self, socket: zmq.asyncio.Socket) -> None:
-        timeout = HEARTBEAT_TIMEOUT_S if self.engine_process is None else None
         while not self._closed and self.dead_error is None:
             try:
-                data = await asyncio.wait_for(socket.recv(), timeout)
+                data = await asyncio.wait_for(socket.recv(), HEARTBEAT_TIMEOUT_S)
             except asyncio.TimeoutError:  # not the builtin on Python 3.10
-                self._on_dead(f"no heartbeat from the engine core at {self.address} for "
-                              f"{HEARTBEAT_TIMEOUT_S:.0f} s")
+                if socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    continue  # our event loop was what stalled: the engine did write
+                self._on_silence()
                 return
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
