@@ -263,8 +263,10 @@ def test_a_trainer_broadcasts_weights_to_every_rank(model_dirs):
 @pytest.mark.slow
 def test_a_killed_engine_core_takes_its_workers_with_it_and_leaves_no_socket_directory(
         model_dirs, monkeypatch):
-    """A SIGKILL of the engine core takes both workers with it. The workers' ipc socket
-    files go as soon as every worker has connected: none is left behind, even then."""
+    """A SIGKILL of the engine core takes both workers with it, a stopped one too (it
+    cannot read its lifeline: the kernel's parent-death signal kills it). The workers'
+    ipc socket files go as soon as every worker has connected: none is left behind,
+    even then."""
     import shutil
     import tempfile
 
@@ -278,6 +280,7 @@ def test_a_killed_engine_core_takes_its_workers_with_it_and_leaves_no_socket_dir
         engine = psutil.Process(llm.engine_core.engine_process.pid)
         workers = _workers(engine.pid)
         assert len(workers) == 2
+        workers[1].send_signal(signal.SIGSTOP)
         engine.send_signal(signal.SIGKILL)
         _, alive = psutil.wait_procs(workers, timeout=10)
         assert not alive

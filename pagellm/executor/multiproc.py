@@ -45,7 +45,7 @@ import zmq
 
 from pagellm.executor.executor import Executor
 from pagellm.executor.worker import StepFailed, is_device_fault
-from pagellm.lifeline import wait_for_eof
+from pagellm.lifeline import die_with_parent, wait_for_eof
 from pagellm.logger import freeze_startup_heap
 from pagellm.protocol.engine_args import EngineArgs, usable_cpus
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
@@ -326,6 +326,8 @@ def spawn_worker(args: EngineArgs, rank: int, local_rank: int, host: str, port: 
     cmd = [sys.executable, "-m", "pagellm.executor.multiproc", *args.to_cli_args(),
            "--rank", str(rank), "--local-rank", str(local_rank), "--store",
            f"{host}:{port}", "--lifeline-fd", str(lifeline)]
+    if threading.current_thread() is threading.main_thread():  # see die_with_parent
+        cmd.append("--die-with-parent")
     return subprocess.Popen(cmd, pass_fds=(lifeline,), env=env)
 
 
@@ -338,7 +340,10 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--local-rank", type=int, required=True)
     parser.add_argument("--store", required=True, help="HOST:PORT of the TCPStore")
     parser.add_argument("--lifeline-fd", type=int, default=None)
+    parser.add_argument("--die-with-parent", action="store_true")
     ns = parser.parse_args(argv)
+    if ns.die_with_parent:  # started by its parent's main thread
+        die_with_parent()  # (a parent that died before this: the lifeline's EOF)
     from pagellm.logger import configure_logging
 
     configure_logging()
