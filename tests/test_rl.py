@@ -141,6 +141,22 @@ def test_a_bad_update_is_refused_whole_and_the_old_weights_keep_serving(model_di
         assert "model.layers.9.mlp.up_proj.weight: no such weight" in message
         with pytest.raises(ValueError, match="dtype int64 is not a weight dtype"):
             llm.update_weights([(name, torch.zeros(2, dtype=torch.int64))])
+        # Review 2: each of these was a raw traceback from deep in the sender.
+        for weights, error in (([(name, [1.0] * 4)], f"weight {name}: expected a torch"),
+                               ([(7, torch.zeros(2))], r"weights\[0\]: the name must be"),
+                               ([(name,)], r"weights\[0\] must be a \(name, tensor\) pair")):
+            with pytest.raises(TypeError, match=error):
+                llm.update_weights(weights)
+        with pytest.raises(RuntimeError, match=f"{name}.*shape"):  # 0-d: written, refused
+            llm.update_weights([(name, torch.tensor(1.0))])
+        with pytest.raises(ValueError, match=r"<= 4611686018427387904 - at update_info\."
+                                             r"shapes\[0\]\[0\]"):
+            llm.update_weights({"update_info": {"names": [name], "dtype_names": ["float32"],
+                                                "shapes": [[10**30]]}})
+        with pytest.raises(RuntimeError, match="broadcast over backend 'nccl'; this engine's "
+                                               "backend is 'ipc'"):
+            llm.update_weights({"update_info": {"names": [name], "dtype_names": ["float32"],
+                                                "shapes": [list(new[name].shape)]}})
         assert greedy(llm) == before  # not one tensor of the bad update was copied
         assert not leftover_buffers()
         assert_no_leaks(llm)

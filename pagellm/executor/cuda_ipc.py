@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from pagellm.executor.weight_transfer import ALIGN, check_dtypes, layout, pack, views
+from pagellm.executor.weight_transfer import ALIGN, check_weights, layout, pack, views
 from pagellm.protocol.utility import CudaIpcBuffer, WeightUpdate
 
 
@@ -35,7 +35,7 @@ def cuda_ipc_weights(weights: Iterable[tuple[str, torch.Tensor]],
     tensor's GPU and share it `receivers` times (one share per worker that will open
     it); yields the `WeightUpdate`. The buffer is freed afterwards."""
     pairs = list(weights)
-    check_dtypes(pairs)
+    check_weights(pairs)
     if not pairs or not cuda_ipc_usable(t for _, t in pairs):
         raise ValueError("CUDA IPC carries CUDA tensors only")
     specs, size = layout(pairs)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
 import stat
 import tempfile
 import weakref
@@ -63,8 +64,20 @@ def shm_dir(needed: int = 0) -> Path:
                      "per update_weights call")
 
 
-def check_dtypes(pairs: list[tuple[str, torch.Tensor]]) -> None:
-    for name, tensor in pairs:
+def check_weights(pairs: list[Any]) -> None:
+    """What a sender was given is `(name, tensor)` pairs of weight dtypes: a TypeError
+    or ValueError naming the first that is not (before any byte is written)."""
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise TypeError(f"weights[{i}] must be a (name, tensor) pair, got "
+                            f"{type(pair).__name__}")
+        name, tensor = pair
+        if not isinstance(name, str):
+            raise TypeError(f"weights[{i}]: the name must be a string, got "
+                            f"{type(name).__name__}")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight {name}: expected a torch.Tensor, got "
+                            f"{type(tensor).__name__}")
         dtype = str(tensor.dtype).removeprefix("torch.")
         if dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight {name}: dtype {dtype} is not a weight dtype "
@@ -88,7 +101,7 @@ def shared_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Weig
     """Write `(checkpoint name, tensor)` pairs into a fresh shared-memory file; yields
     the `WeightUpdate` describing it and deletes the file afterwards."""
     pairs = list(weights)
-    check_dtypes(pairs)
+    check_weights(pairs)
     specs, size = layout(pairs)
     fd, path = tempfile.mkstemp(prefix=PREFIX, dir=shm_dir(size))
     try:
@@ -97,7 +110,7 @@ def shared_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Weig
                 if tensor.numel():
                     f.seek(spec.offset)
                     host = tensor.detach().to("cpu").contiguous()
-                    f.write(host.view(torch.uint8).numpy().data)
+                    f.write(host.reshape(-1).view(torch.uint8).numpy().data)
             f.truncate(size)
         yield WeightUpdate(specs, buffer=path, buffer_bytes=size)
     finally:
@@ -310,8 +323,15 @@ def specs_from_update_info(info: dict[str, Any]) -> list[WeightSpec]:
             and len(names) == len(dtypes) == len(shapes)):
         raise ValueError("update_info must hold 'names', 'dtype_names' and 'shapes', "
                          "lists of one length")
-    return msgspec.convert([[n, d, s] for n, d, s in zip(names, dtypes, shapes, strict=True)],
-                           list[WeightSpec])
+    try:
+        return msgspec.convert(
+            [[n, d, s] for n, d, s in zip(names, dtypes, shapes, strict=True)],
+            list[WeightSpec])
+    except msgspec.ValidationError as e:  # "... - at `$[3][2][0]`": name the field
+        fields = ("names", "dtype_names", "shapes")
+        where = re.sub(r"`\$\[(\d+)\]\[(\d)\]((?:\[\d+\])*)`",
+                       lambda m: f"update_info.{fields[int(m[2])]}[{m[1]}]{m[3]}", str(e))
+        raise ValueError(where) from None
 
 
 def receive(group: WeightGroup, specs: list[WeightSpec], dests: list[Destination] | None

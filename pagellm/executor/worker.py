@@ -233,6 +233,11 @@ class Worker:
                 self._load_checked(tensors)
             return len(tensors)
         if self._group is None:
+            if self.weight_transfer is not None and self.weight_transfer["backend"] != "nccl":
+                raise RuntimeError(
+                    "an update_info update (names, dtypes and shapes only) is broadcast "
+                    "over backend 'nccl'; this engine's backend is "
+                    f"{self.weight_transfer['backend']!r}: send the tensors themselves")
             raise RuntimeError("a weight update without a buffer arrives over the "
                                "weight-transfer group: init_weight_transfer_engine first")
         # Every name and shape is checked before the first broadcast arrives, so the

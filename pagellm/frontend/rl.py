@@ -37,7 +37,11 @@ def weight_update(weights: WeightsArg, cuda_receivers: int = 0) -> Iterator[Weig
         yield weights
         return
     from pagellm.executor.cuda_ipc import cuda_ipc_usable, cuda_ipc_weights
-    from pagellm.executor.weight_transfer import shared_weights, specs_from_update_info
+    from pagellm.executor.weight_transfer import (
+        check_weights,
+        shared_weights,
+        specs_from_update_info,
+    )
 
     if isinstance(weights, dict):
         if set(weights) != {"update_info"} or not isinstance(weights["update_info"], dict):
@@ -47,6 +51,7 @@ def weight_update(weights: WeightsArg, cuda_receivers: int = 0) -> Iterator[Weig
         return
 
     pairs = list(weights)
+    check_weights(pairs)
     if cuda_receivers and pairs and cuda_ipc_usable(t for _, t in pairs):
         with cuda_ipc_weights(pairs, cuda_receivers) as update:
             yield update

@@ -9,7 +9,7 @@ are msgpack bytes of the method's result type.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
@@ -27,14 +27,19 @@ REF_COUNTER_NAME = re.compile(rb"/torch_\d{1,10}_\d{1,20}_\d{1,20}")  # at::NewP
 REF_COUNTER_SLOTS = 10000  # torch::CUDA_IPC_REF_COUNTER_FILE_SIZE: slots per counter file
 
 
+# A tensor dimension or byte offset: bounded where it enters (a value past 2**64 could
+# not even be encoded again, and a 500 was all a client got).
+Size = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+
+
 class WeightSpec(msgspec.Struct, array_like=True, gc=False):
     """One tensor of a weight update: its checkpoint name (Hugging Face's), dtype, shape
     and where its bytes start in the update's buffer."""
 
     name: str
     dtype: str
-    shape: list[int]
-    offset: int = 0
+    shape: list[Size]
+    offset: Size = 0
 
 
 class CudaIpcBuffer(msgspec.Struct, array_like=True, gc=False):
