@@ -945,6 +945,33 @@ def test_pause_in_each_mode_with_requests_in_flight(model_dirs):
     asyncio.run(main())
 
 
+def test_a_waiting_pause_that_is_resumed_before_it_settles_says_so(model_dirs):
+    """Review 2: sleep(mode="wait") answered "sleeping" after a wake_up had resumed the
+    engine meanwhile (nothing freed): a trainer acting on that answer could run out of
+    memory. Both a waiting sleep and a waiting pause now fail, saying why."""
+    long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+
+    async def main() -> None:
+        engine = AsyncLLM(str(model_dirs["llama"]), kv_cache_memory_bytes=8 * 2**20,
+                          enable_sleep_mode=True)
+        try:
+            for start in (lambda: engine.sleep(1, mode="wait"),
+                          lambda: engine.pause_generation(mode="wait")):
+                task = await _running(engine, PROMPTS[1], long, f"r{id(start)}")
+                waiting = asyncio.create_task(start())
+                await asyncio.sleep(0.2)
+                assert not waiting.done()  # the request still runs
+                await engine.wake_up()
+                with pytest.raises(RuntimeError, match="resumed .* before the pause settled"):
+                    await asyncio.wait_for(waiting, 60)
+                assert not await engine.is_sleeping()
+                assert (await asyncio.wait_for(task, 60)).outputs[0].finish_reason == "length"
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_sleep_in_keep_mode_continues_the_requests_after_waking(model_dirs):
     """Their KV is freed with the cache: they recompute after waking, same tokens."""
     model_dir = model_dirs["llama"]

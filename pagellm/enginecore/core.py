@@ -142,11 +142,20 @@ class EngineCore:
 
     def finish_sleep(self, level: int) -> None:
         """The memory half of `sleep`, once `pause_settled()`."""
-        if level == 0 or self.paused is None:  # level 0, or resumed meanwhile
+        self._check_still_paused()
+        if level == 0:
             return
         self.scheduler.preempt_all()  # mode "keep": they recompute after waking
         self.scheduler.kv_cache_manager.forget_cached()
         self.executor.sleep(level)
+
+    def _check_still_paused(self) -> None:
+        """A pause (or sleep) in mode "wait" answers once its requests are done; if
+        something resumed the engine before that, its caller must not hear "paused"."""
+        if self.paused is None:
+            raise RuntimeError("the engine was resumed (wake_up or resume_generation) "
+                               "before the pause settled: it is not paused, nothing was "
+                               "freed")
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Allocate the named memory again (None: everything, and scheduling); the
@@ -234,7 +243,7 @@ class EngineCore:
         if method == UtilityMethod.IS_SLEEPING:
             return self.is_sleeping()
         if method == UtilityMethod.PAUSE:
-            return Deferred(lambda: None, self.pause(a[0]))
+            return Deferred(self._check_still_paused, self.pause(a[0]))
         if method == UtilityMethod.RESUME:
             return self.resume()
         if method == UtilityMethod.IS_PAUSED:
