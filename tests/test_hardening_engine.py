@@ -182,6 +182,25 @@ def test_priority_is_bounded_to_64_bits(model_dirs, make_llm):
     assert llm.generate(["a"], GREEDY, use_tqdm=False, priority=[0])[0].outputs[0].token_ids
 
 
+def test_request_ids_are_bounded(model_dirs, make_llm):
+    """A request id travels in every output of its request (a 10 MB one was taken)."""
+    from pagellm.protocol.messages import MAX_REQUEST_ID_CHARS
+
+    llm = make_llm(model_dirs["llama"])
+    for request_id in ("x" * 961, "x" * 10**7, ""):
+        with pytest.raises(ValueError, match="request_id must be a non-empty string of at "
+                                             "most 960 characters"):
+            llm.input_processor.process_inputs(request_id, "hi", GREEDY)
+    assert llm.input_processor.process_inputs("x" * 960, "hi", GREEDY).engine_requests
+    # A foreign client's id is checked by the engine itself.
+    core = llm.engine_core.core
+    core.add_request(request("y" * (MAX_REQUEST_ID_CHARS + 1), [1, 2]))
+    (failed,) = core.step()[0].outputs
+    assert failed.finish_reason == FinishReason.ERROR
+    assert f"longer than {MAX_REQUEST_ID_CHARS} characters" in failed.error
+    assert llm.generate(["a"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_a_request_larger_than_the_engine_takes_fails_alone(model_dirs, make_llm):
     """The engine core drops a connection that sends more than MAX_MESSAGE_BYTES, which
     would fail every request of that frontend: the client refuses such a message

@@ -962,7 +962,7 @@ def test_a_waiting_pause_that_is_resumed_before_it_settles_says_so(model_dirs):
                 await asyncio.sleep(0.2)
                 assert not waiting.done()  # the request still runs
                 await engine.wake_up()
-                with pytest.raises(RuntimeError, match="resumed .* before the pause settled"):
+                with pytest.raises(RuntimeError, match=r"resumed .* before the pause settled"):
                     await asyncio.wait_for(waiting, 60)
                 assert not await engine.is_sleeping()
                 assert (await asyncio.wait_for(task, 60)).outputs[0].finish_reason == "length"

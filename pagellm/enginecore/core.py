@@ -16,6 +16,7 @@ from pagellm.executor.executor import StepFailed, create_executor
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import (
     MAX_CACHE_SALT_CHARS,
+    MAX_REQUEST_ID_CHARS,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -294,6 +295,8 @@ class EngineCore:
         checked its own ranges when it was decoded)."""
         if not request.request_id:
             return "request_id must not be empty"
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            return f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters"
         if request.cache_salt is not None and len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
             return f"cache_salt is longer than {MAX_CACHE_SALT_CHARS} characters"
         prompt = request.prompt_token_ids

@@ -15,7 +15,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from pagellm.protocol.messages import MAX_CACHE_SALT_CHARS, EngineCoreRequest, EngineInfo
+from pagellm.protocol.messages import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_REQUEST_ID_CHARS,
+    REQUEST_ID_SUFFIX_CHARS,
+    EngineCoreRequest,
+    EngineInfo,
+)
 from pagellm.protocol.sampling_params import (
     ALL_LOGPROBS,
     RequestOutputKind,
@@ -112,6 +118,11 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got "
                             f"{type(params).__name__}")
+        longest = MAX_REQUEST_ID_CHARS - REQUEST_ID_SUFFIX_CHARS
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= longest:
+            raise ValueError(f"request_id must be a non-empty string of at most {longest} "
+                             f"characters, got {str(request_id)[:40]!r}"
+                             + ("..." if len(str(request_id)) > 40 else ""))
         check_int("priority", priority, minimum=INT64_MIN, maximum=INT64_MAX)
         if priority != 0 and self.info.scheduling_policy != "priority":
             # vLLM refuses it too: under fcfs the value would be silently ignored

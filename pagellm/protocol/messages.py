@@ -239,3 +239,7 @@ PROTOCOL_VERSION = 6
 # of a client that sends a larger one, so clients refuse to send one (`MPClient._send`).
 MAX_MESSAGE_BYTES = 64 * 2**20
 MAX_CACHE_SALT_CHARS = 1024  # a salt is an opaque key (vLLM's are short tokens)
+# A request id travels in every output of its request: bounded (the frontend leaves
+# REQUEST_ID_SUFFIX_CHARS of it for the parts it adds: completion and prompt indices).
+MAX_REQUEST_ID_CHARS = 1024
+REQUEST_ID_SUFFIX_CHARS = 64
