@@ -1017,6 +1017,9 @@ def test_collective_rpc_calls_extension_methods_by_name(model_dirs, monkeypatch,
             llm.collective_rpc("_private")
         with pytest.raises(RuntimeError, match="probe failed on purpose"):
             llm.collective_rpc("fail")
+        # What the wire cannot carry is refused in-process too (it used to pass there).
+        with pytest.raises(TypeError, match="Encoding objects of type object"):
+            llm.collective_rpc("describe", args=(object(),))
         if multiprocess:  # a timeout is an error for the caller; the engine goes on
             with pytest.raises(TimeoutError, match=r"collective_rpc timed out after 0\.5 s"):
                 llm.collective_rpc("nap", timeout=0.5, args=(2.0,))

@@ -16,6 +16,8 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+import msgspec
+
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import (
     EngineCoreOutputs,
@@ -176,10 +178,14 @@ class InprocClient(SyncEngineCoreClient):
 
     def call_utility(self, method: UtilityMethod, *args: Any,
                      timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
+        """As over a socket, except `timeout`: the call runs in the caller's thread, so
+        nothing can stop it early. Its arguments go through the wire's encoding, so
+        what an engine in another process would refuse is refused here too."""
         from pagellm.enginecore.core import Deferred
 
+        wire_args = msgspec.msgpack.decode(msgspec.msgpack.encode(list(args)))
         try:
-            result = self.core.call_utility(method, list(args))
+            result = self.core.call_utility(method, wire_args)
             if isinstance(result, Deferred):
                 while not self.core.pause_settled():
                     outputs = self.core.step().get(0)

@@ -237,7 +237,9 @@ class LLM:
                        ) -> list[Any]:
         """Call `method` of the worker extension (worker_extension_cls) on every worker;
         one result each. A method is a name, never a callable: nothing is pickled.
-        Arguments and results are msgpack values and tensors."""
+        Arguments and results are msgpack values and tensors. `timeout` bounds the
+        caller's wait (TimeoutError), not the method, which runs on in the engine; an
+        in-process engine (multiprocess=False) runs it in this thread, so it has none."""
         from pagellm.executor.tensor_codec import decode_value, encode_value
 
         if timeout is not None:
