@@ -170,7 +170,11 @@ def test_sleep_wake_and_a_weight_update_reach_every_rank(model_dirs, monkeypatch
 
 
 @pytest.mark.slow
-def test_a_killed_rank_is_an_engine_dead_error_naming_it_within_a_second(model_dirs):
+@pytest.mark.parametrize(("sig", "named"), [(signal.SIGKILL, r"rank 1 .*SIGKILL"),
+                                            (signal.SIGSTOP, r"rank 1 .*is stopped")])
+def test_a_killed_rank_is_an_engine_dead_error_naming_it_within_a_second(model_dirs, sig,
+                                                                         named):
+    """A stopped rank too (review 2): every collective would wait for it, forever."""
     with LLM(str(model_dirs["llama"]), tensor_parallel_size=2,
              kv_cache_memory_bytes=KV) as llm:
         assert len(_tokens(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))) == 2
@@ -179,8 +183,8 @@ def test_a_killed_rank_is_an_engine_dead_error_naming_it_within_a_second(model_d
         assert len(workers) == 2
         victim = next(w for w in workers if "--rank 1" in " ".join(w.cmdline()))
         killed = time.monotonic()
-        victim.send_signal(signal.SIGKILL)
-        with pytest.raises(EngineDeadError, match=r"rank 1 .*SIGKILL"):
+        victim.send_signal(sig)
+        with pytest.raises(EngineDeadError, match=named):
             llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1000, ignore_eos=True),
                          use_tqdm=False)
         assert time.monotonic() - killed < 1.5

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
+import psutil
 import zmq
 
 from pagellm.executor.executor import Executor
@@ -258,6 +259,9 @@ class MultiprocExecutor(Executor):
                 how = (f"killed by {signal.Signals(-code).name}" if code < 0
                        else f"exited with code {code}")
                 return f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}"
+            if _stopped(proc.pid):  # every collective would wait for it, forever
+                return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) is stopped "
+                        "(SIGSTOP): every step would wait for it")
         return None
 
     def _watch(self) -> None:
@@ -298,6 +302,14 @@ class MultiprocExecutor(Executor):
         stop_processes(list(self._procs.values()), SHUTDOWN_WAIT_S)
         self._ctx.destroy(linger=0)
         shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+def _stopped(pid: int) -> bool:
+    """Stopped by a signal (state T), not by a debugger (t: tracing stop)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False  # gone: poll() says how
 
 
 def stop_processes(procs: list[subprocess.Popen[bytes]], wait_s: float) -> None:
