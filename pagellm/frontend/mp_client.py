@@ -501,12 +501,14 @@ class AsyncMPClient(MPClient, AsyncEngineCoreClient):
     async def _read_outputs(self, socket: zmq.asyncio.Socket) -> None:
         while not self._closed and self.dead_error is None:
             try:
-                data = await asyncio.wait_for(socket.recv(), HEARTBEAT_TIMEOUT_S)
-            except asyncio.TimeoutError:  # not the builtin on Python 3.10
-                if socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    continue  # our event loop was what stalled: the engine did write
-                self._on_silence()
-                return
+                # Not asyncio.wait_for: on Python 3.11 it can swallow a cancellation that
+                # meets a message, and this task then outlives its event loop's end.
+                ready = await socket.poll(int(HEARTBEAT_TIMEOUT_S * 1000))  # POLLIN
+                # The second look: our event loop may be what stalled, not the engine.
+                if not ready and not int(socket.get(zmq.EVENTS)) & zmq.POLLIN:
+                    self._on_silence()
+                    return
+                data = await socket.recv()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
             outputs = self._decoder.decode(data)
