@@ -133,22 +133,22 @@ def test_a_stopped_launched_engine_is_noticed_and_killed(model_dirs, monkeypatch
     dead = r"no heartbeat from the engine core .* for 2 s \(pid (\d+), killed\)"
     with LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=8 * 2**20) as llm:
         greedy_ids(llm, PROMPTS[:1])
-        pid = llm.engine_core.engine_process.pid
-        os.kill(pid, signal.SIGSTOP)
+        process = psutil.Process(llm.engine_core.engine_process.pid)  # before it can go
+        process.send_signal(signal.SIGSTOP)
         with pytest.raises(EngineDeadError, match=dead):
             llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)
-        psutil.Process(pid).wait(timeout=10)
+        process.wait(timeout=10)
 
     async def main() -> None:
         engine = AsyncLLM(str(model_dirs["llama"]), kv_cache_memory_bytes=8 * 2**20)
         try:
-            pid = engine.engine_core.engine_process.pid
-            os.kill(pid, signal.SIGSTOP)
+            process = psutil.Process(engine.engine_core.engine_process.pid)
+            process.send_signal(signal.SIGSTOP)
             with pytest.raises(EngineDeadError, match=dead):
                 async for _ in engine.generate(PROMPTS[0], SamplingParams(max_tokens=4),
                                                "stopped"):
                     pass
-            psutil.Process(pid).wait(timeout=10)
+            process.wait(timeout=10)
         finally:
             engine.shutdown()
 

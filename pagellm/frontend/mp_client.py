@@ -501,14 +501,17 @@ class AsyncMPClient(MPClient, AsyncEngineCoreClient):
     async def _read_outputs(self, socket: zmq.asyncio.Socket) -> None:
         while not self._closed and self.dead_error is None:
             try:
-                # Not asyncio.wait_for: on Python 3.11 it can swallow a cancellation that
-                # meets a message, and this task then outlives its event loop's end.
-                ready = await socket.poll(int(HEARTBEAT_TIMEOUT_S * 1000))  # POLLIN
-                # The second look: our event loop may be what stalled, not the engine.
-                if not ready and not int(socket.get(zmq.EVENTS)) & zmq.POLLIN:
-                    self._on_silence()
-                    return
-                data = await socket.recv()
+                try:  # the hot path: a message is there (one await, as a plain recv)
+                    data = await socket.recv(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    # Not asyncio.wait_for: on Python 3.11 it can swallow a cancellation
+                    # that meets a message, and this task would outlive its event loop.
+                    ready = await socket.poll(int(HEARTBEAT_TIMEOUT_S * 1000))  # POLLIN
+                    # A second look: our event loop may be what stalled, not the engine.
+                    if not ready and not int(socket.get(zmq.EVENTS)) & zmq.POLLIN:
+                        self._on_silence()
+                        return
+                    continue
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
             outputs = self._decoder.decode(data)
