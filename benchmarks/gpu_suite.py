@@ -7,6 +7,8 @@
 
 Parts (names for --parts; a kind such as `decode` selects all of its parts):
 
+    tests                        the tests that need a GPU or compile the kernels for it
+                                 (pytest: TEST_FILES), their counts and failures
     kernel                       kernel_bench.py's full grid: decode paged attention's
                                  bandwidth against copy bandwidth and torch SDPA
     decode-<model>[-eager]       decode_roofline.py: batch-1 decode against the memory
@@ -23,11 +25,14 @@ command killed from outside keeps what finished. Each part's entry holds its own
 (with date, device and versions), the command that ran it, its exit status, its seconds
 and, when it failed, the tail of its output.
 
-Expected times on an H200 (estimates: first-run Triton compiles included): kernel 1-2
-min, each decode part about 1 min (engine start with CUDA-graph capture, then seconds of
-decoding), each throughput part 2-4 min (mostly transformers). The whole suite is close
-to 10 minutes, so a 10-minute window wants it split, e.g. `--parts kernel decode`, then
-one command per throughput part, then --merge.
+Expected times on an H200 (estimates: first-run Triton compiles included): tests 2-3
+min, kernel 1-2 min, each decode part about 1 min (engine start with CUDA-graph capture,
+then seconds of decoding), each throughput part 2-4 min (mostly transformers). The whole
+suite is over 10 minutes, more than one device command may take and most of a session's
+15 minutes of device time, so `--deadline` bounds the command: each part is cut at what
+is left of it, and parts with under MIN_PART_S left are skipped (and say so), so the
+command always ends in time with the JSON of what finished. BENCHMARKS.md has the
+session's plan (which parts, in which order).
 
 --smoke runs every part in its CPU form (kernel_bench and decode_roofline --smoke; the
 throughput parts on the demo model with a handful of tiny requests): numbers are
@@ -38,9 +43,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,6 +56,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark scripts
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
@@ -64,7 +73,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MODELS = {"qwen2.5-0.5b": HERE / "configs" / "qwen2.5-0.5b",
           "qwen2.5-1.5b": HERE / "configs" / "qwen2.5-1.5b"}
-KINDS = ("kernel", "decode", "throughput")
+KINDS = ("tests", "kernel", "decode", "throughput")
+# The correctness checks a GPU session runs first: CUDA against transformers, the
+# compiled kernels against their torch references, the CUDA step path, RL on CUDA.
+TEST_FILES = ["tests/test_gpu.py", "tests/test_kernels_triton.py", "tests/test_gpu_path.py",
+              "tests/test_gpu_rl.py"]
+SMOKE_TEST_FILES = ["tests/test_gpu.py"]  # on the CPU: every case skips, the wiring runs
+TEST_TIMEOUT_S = 120.0  # per test case (the slowest starts three engines)
+MIN_PART_S = 30.0  # under this much of --deadline left, a part is skipped, not started
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +92,7 @@ class Part:
 
 
 PARTS: list[Part] = [
+    Part("tests", "tests"),
     Part("kernel", "kernel"),
     *(Part(f"decode-{m}{'-eager' if eager else ''}", "decode", m, eager)
       for m in MODELS for eager in (False, True)),
@@ -128,9 +145,42 @@ def throughput_part(model: str, smoke: bool) -> dict[str, Any]:
             "ratio_output_tokens_per_s": pagellm.output_tokens_per_s / hf.output_tokens_per_s}
 
 
-def run_part(part: Part, smoke: bool, output: Path) -> None:
-    """Run one part in this process and write its results to `output`."""
+def tests_part(smoke: bool, output: Path) -> int:
+    """Run the GPU tests in a pytest of their own and write their counts and failures
+    (from its JUnit XML) to `output`; pytest's exit status."""
+    files = SMOKE_TEST_FILES if smoke else TEST_FILES
+    junit = output.with_suffix(".xml")
+    # A hung case fails alone after TEST_TIMEOUT_S (pytest-timeout), with its stacks.
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               f"--timeout={TEST_TIMEOUT_S:.0f}", f"--junitxml={junit}", *files]
+    returncode = subprocess.call(command, cwd=ROOT)
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures: list[dict[str, str]] = []
+    if junit.exists():
+        for case in ElementTree.parse(junit).getroot().iter("testcase"):
+            name = f"{case.get('classname')}::{case.get('name')}"
+            problem = next((c for c in case if c.tag in ("failure", "error")), None)
+            if problem is not None:
+                counts["failed" if problem.tag == "failure" else "errors"] += 1
+                failures.append({"test": name, "message": (problem.get("message") or "")[:2000]})
+            elif case.find("skipped") is not None:
+                counts["skipped"] += 1
+            else:
+                counts["passed"] += 1
+    device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+    output.write_text(json.dumps({
+        "benchmark": "tests", **kernel_bench.environment(device), "smoke": smoke,
+        "files": files, "returncode": returncode, **counts, "failures": failures},
+        indent=2))
+    return returncode
+
+
+def run_part(part: Part, smoke: bool, output: Path) -> int:
+    """Run one part in this process and write its results to `output`; the exit status
+    for the part (non-zero: a test failed)."""
     smoke_flag = ["--smoke"] if smoke else []
+    if part.kind == "tests":
+        return tests_part(smoke, output)
     if part.kind == "kernel":
         kernel_bench.main([*smoke_flag, "--output-json", str(output)])
     elif part.kind == "decode":
@@ -143,6 +193,7 @@ def run_part(part: Part, smoke: bool, output: Path) -> None:
         assert part.model is not None
         results = throughput_part(part.model, smoke)
         output.write_text(json.dumps(results, indent=2))
+    return 0
 
 
 # --------------------------------------------------------------------------- suite (parent)
@@ -150,8 +201,8 @@ def run_part(part: Part, smoke: bool, output: Path) -> None:
 
 def run_in_subprocess(part: Part, smoke: bool, timeout_s: float) -> dict[str, Any]:
     """Run a part in a fresh interpreter, echoing its output; its entry in the suite's
-    JSON. A part past timeout_s is killed (its engine core follows: it watches its
-    frontend)."""
+    JSON. A part past timeout_s is killed with its whole process group (the tests
+    part's pytest; an engine core would follow anyway: it watches its frontend)."""
     with tempfile.TemporaryDirectory(prefix="gpu-suite-") as tmp:
         output = Path(tmp) / "part.json"
         command = [sys.executable, str(Path(__file__).resolve()), "--run-part", part.name,
@@ -160,11 +211,15 @@ def run_in_subprocess(part: Part, smoke: bool, timeout_s: float) -> dict[str, An
         timed_out = threading.Event()
         start = time.perf_counter()
         proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+        def kill_group() -> None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
         def kill() -> None:
             timed_out.set()
-            proc.kill()
+            kill_group()
 
         timer = threading.Timer(timeout_s, kill)
         timer.start()
@@ -177,9 +232,8 @@ def run_in_subprocess(part: Part, smoke: bool, timeout_s: float) -> dict[str, An
             returncode = proc.wait()
         finally:
             timer.cancel()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            kill_group()  # whatever the part left running, too
+            proc.wait()
         seconds = time.perf_counter() - start
         result = json.loads(output.read_text()) if output.exists() else None
     status = ("timeout" if timed_out.is_set() else "ok" if returncode == 0 else "failed")
@@ -197,6 +251,10 @@ def headline(entry: dict[str, Any]) -> str:
     r = entry.get("result")
     if r is None:
         return "no result"
+    if r["benchmark"] == "tests":
+        failed = "; ".join(f["test"] for f in r["failures"][:3])
+        return (f"{r['passed']} passed, {r['failed']} failed, {r['errors']} errors, "
+                f"{r['skipped']} skipped" + (f": {failed}" if failed else ""))
     if r["benchmark"] == "kernel_bench":
         rows = [c for c in r["cases"] if c["matches_reference"]]
         long = [c for c in rows if c["context"] >= 8192] or rows
@@ -256,6 +314,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true", help="every part in its CPU form")
     parser.add_argument("--part-timeout", type=float, default=540.0,
                         help="seconds before a part is killed (default: 540)")
+    parser.add_argument("--deadline", type=float, default=None, metavar="S",
+                        help="seconds for the whole command: each part is cut at what is "
+                             f"left, and skipped with under {MIN_PART_S:.0f} s left")
     parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                         help="merge suite JSON files into --output-json; runs nothing")
     parser.add_argument("--run-part", default=None, help=argparse.SUPPRESS)
@@ -263,8 +324,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = sys.argv[1:] if argv is None else argv
     ns = parser.parse_args(args)
     if ns.run_part is not None:
-        run_part(next(p for p in PARTS if p.name == ns.run_part), ns.smoke, ns.part_output)
-        return {}
+        sys.exit(run_part(next(p for p in PARTS if p.name == ns.run_part), ns.smoke,
+                          ns.part_output))
     if ns.merge:
         merged = merge(ns.merge)
         write(merged, ns.output_json)
@@ -275,9 +336,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": shlex.join(["python", "benchmarks/gpu_suite.py", *args]),
         # The device is named at the end: this process keeps off the GPU while parts run.
         **kernel_bench.environment(torch.device("cpu")), "device": None, "parts": {}}
+    end = None if ns.deadline is None else time.monotonic() + ns.deadline
     for part in select_parts(ns.parts, parser):
+        left = ns.part_timeout if end is None else min(ns.part_timeout,
+                                                       end - time.monotonic())
+        if left < MIN_PART_S:
+            print(f"=== {part.name}: skipped, {max(left, 0):.0f} s of --deadline left",
+                  flush=True)
+            results["parts"][part.name] = {"status": "skipped", "seconds_left": left}
+            write(results, ns.output_json)
+            continue
         print(f"=== {part.name}", flush=True)
-        entry = run_in_subprocess(part, ns.smoke, ns.part_timeout)
+        entry = run_in_subprocess(part, ns.smoke, left)
         results["parts"][part.name] = entry
         write(results, ns.output_json)
     device = torch.device("cuda" if torch.cuda.is_available() and not ns.smoke else "cpu")

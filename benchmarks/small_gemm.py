@@ -1,15 +1,18 @@
-"""CPU GEMMs of a decode step with few requests: how fast each way reads the weights.
+"""CPU GEMMs of a linear layer: how fast each way reads the weights, and which way the
+engine picks.
 
-With 1-4 rows of x a linear layer is bound by reading W once, so the figure of merit
-is GB/s of weights. `decoder.linear` chooses between W @ x^T (aten's GEMM with W as
-the big left operand; one row padded to two) and oneDNN's unpacked fp32 linear; this
-sweep is where its thresholds (`SMALL_BATCH_ROWS`, `SMALL_BATCH_ONEDNN_MIN_IN`) come
-from. Each shape runs over enough distinct weight copies (~150 MB) that W comes from
-memory, as in a real model's step; the median of the repeats is reported. A star
-marks the shapes where oneDNN reads faster.
+With few rows of x a linear layer is bound by reading W once, so the figure of merit
+is GB/s of weights (with many rows it is FLOP/s: the GB/s then fall, and the ratios
+between the ways still rank them). `cpu_linear.linear` computes x W^T one of three ways
+(W @ x^T, oneDNN's unpacked fp32 linear, F.linear) and picks one by CPU vendor, dtype,
+rows and width (`cpu_linear.choose`); this sweep is where those rules come from. Each
+shape runs over enough distinct weight copies (~150 MB) that W comes from memory, as in
+a real model's step; the median of the repeats is reported. A star marks the fastest
+way, a caret the engine's choice on this machine.
 
     python benchmarks/small_gemm.py
-    python benchmarks/small_gemm.py --out 896 4864 --in 896 2048 4864
+    python benchmarks/small_gemm.py --out 896 4864 --in 896 2048 4864 --rows 1 4 48
+    python benchmarks/small_gemm.py --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from pagellm.executor.models.decoder import _ONEDNN_LINEAR
+from pagellm.executor.models.cpu_linear import INTEL_MKL, ONEDNN_LINEAR, Way, choose, gemm
 
 WORKING_SET_BYTES = 150e6
 MAX_COPIES = 1024  # tiny shapes (the smoke test) need no working set
@@ -45,14 +48,6 @@ def _median_s(fn: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Te
     return statistics.median(times)
 
 
-def _w_xt(xt: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.mm(w, xt)  # [out, in] @ [in, M] -> [out, M]
-
-
-def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return _ONEDNN_LINEAR(x, w, None, "none", [], "")  # [M, in] -> [M, out]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,32 +58,42 @@ def main(argv: list[str] | None = None) -> None:
                         help="input features (columns of W)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ns = parser.parse_args(argv)
-    if _ONEDNN_LINEAR is None:
+    dtype = getattr(torch, ns.dtype)
+    if ONEDNN_LINEAR is None:
         raise SystemExit("this torch has no oneDNN linear on the CPU")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; weights read, "
-          "GB/s: W @ x^T / oneDNN")
-    print("out x in      " + "  ".join(f"{m} row{'s' if m > 1 else ' '}      "
+    ways = list(Way)
+    print(f"torch {torch.__version__}, {ns.dtype}, {torch.get_num_threads()} threads, "
+          f"{'Intel MKL' if INTEL_MKL else 'not Intel MKL'}; weights read, GB/s: "
+          f"{' / '.join(w.value for w in ways)} (* fastest, ^ the engine's choice)")
+    print("out x in      " + "  ".join(f"{m} row{'s' if m > 1 else ' '}{' ' * 19}"
                                        for m in ns.rows))
     for out_features in ns.out:
         for in_features in ns.in_:
             copies = min(MAX_COPIES, max(1, int(WORKING_SET_BYTES // (
-                out_features * in_features * 4))))
-            weights = [torch.randn(out_features, in_features) for _ in range(copies)]
-            nbytes = out_features * in_features * 4 * copies
+                out_features * in_features * dtype.itemsize))))
+            weights = [torch.randn(out_features, in_features, dtype=dtype)
+                       for _ in range(copies)]
+            nbytes = out_features * in_features * dtype.itemsize * copies
             cells = []
             for rows in ns.rows:
-                x = torch.randn(rows, in_features)  # [M, in]
-                padded = x if rows > 1 else torch.cat((x, x))  # [max(M, 2), in]
-                # Both must compute x W^T before either's speed means anything.
-                torch.testing.assert_close(_w_xt(padded.t(), weights[0])[:, :rows].t(),
-                                           _onednn(x, weights[0]), rtol=1e-4, atol=1e-4)
-                mm = _median_s(functools.partial(_w_xt, padded.t()), weights, ns.repeats)
-                dnn = _median_s(functools.partial(_onednn, x), weights, ns.repeats)
-                cells.append(f"{nbytes / mm / 1e9:5.1f} / {nbytes / dnn / 1e9:5.1f}"
-                             f"{'*' if dnn < mm else ' '}")
+                x = torch.randn(rows, in_features, dtype=dtype)  # [M, in]
+                # Each must compute x W^T (to the rounding of sums of `in` products)
+                # before its speed means anything.
+                want = (x.double() @ weights[0].double().t()).to(dtype)
+                tol = 1e-6 if dtype == torch.float32 else 1e-3
+                for way in ways:
+                    torch.testing.assert_close(gemm(way, x, weights[0]), want,
+                                               rtol=100 * tol, atol=tol * in_features)
+                seconds = [_median_s(functools.partial(gemm, way, x), weights, ns.repeats)
+                           for way in ways]
+                best = seconds.index(min(seconds))
+                chosen = ways.index(choose(rows, in_features, dtype, INTEL_MKL))
+                cells.append(" /".join(
+                    f"{nbytes / t / 1e9:5.1f}{'*' if i == best else ' '}"
+                    f"{'^' if i == chosen else ' '}" for i, t in enumerate(seconds)))
             print(f"{out_features:5d} x {in_features:5d}  " + "  ".join(cells))
-
 
 if __name__ == "__main__":
     main()

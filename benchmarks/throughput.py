@@ -228,7 +228,7 @@ def machine_peaks(threads: int) -> dict[str, float]:
     """fp32 GEMM FLOP/s and memory read bandwidth, with `threads` torch threads: the best
     of a few 2048^3 GEMMs through aten (MKL) and through oneDNN, whichever is faster
     here (the engine uses both), and of a few sums over 1 GiB."""
-    from pagellm.executor.models.decoder import _ONEDNN_LINEAR
+    from pagellm.executor.models.cpu_linear import ONEDNN_LINEAR
 
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -236,8 +236,8 @@ def machine_peaks(threads: int) -> dict[str, float]:
         n = 2048
         a, b = torch.randn(n, n), torch.randn(n, n)
         mkl = min(_timed(lambda: torch.mm(a, b)) for _ in range(5))
-        onednn = min(_timed(lambda: _ONEDNN_LINEAR(a, b, None, "none", [], ""))
-                     for _ in range(5)) if _ONEDNN_LINEAR is not None else mkl
+        onednn = min(_timed(lambda: ONEDNN_LINEAR(a, b, None, "none", [], ""))
+                     for _ in range(5)) if ONEDNN_LINEAR is not None else mkl
         big = torch.ones(2**28)  # 1 GiB of fp32
         read = min(_timed(big.sum) for _ in range(5))
     finally:

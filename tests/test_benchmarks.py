@@ -147,6 +147,19 @@ def test_gpu_suite_kills_a_part_past_its_timeout():
     assert entry["result"] is None and "output_tail" in entry
 
 
+def test_gpu_suite_deadline_cuts_a_part_and_skips_the_rest(tmp_path, monkeypatch):
+    """A device command must end inside its limit: the first part is killed when the
+    deadline passes, the later ones are not started, and the JSON says so."""
+    monkeypatch.setattr(gpu_suite, "MIN_PART_S", 0.1)
+    out = tmp_path / "suite.json"
+    results = gpu_suite.main(["--smoke", "--parts", "kernel", "decode-qwen2.5-0.5b",
+                              "--deadline", "0.5", "--output-json", str(out)])
+    kernel, decode = results["parts"]["kernel"], results["parts"]["decode-qwen2.5-0.5b"]
+    assert kernel["status"] == "timeout" and kernel["seconds"] < 5
+    assert decode["status"] == "skipped" and decode["seconds_left"] < 0.1
+    assert json.loads(out.read_text())["parts"] == results["parts"]
+
+
 def background_json(script: str, *argv: str) -> Callable[[Path], list[str]]:
     """A benchmark script's command line for a background job (tests/background.py)
     writing its JSON into the job's directory."""
@@ -160,9 +173,12 @@ def job_json(job: Job) -> dict[str, Any]:
     return json.loads((job.dir / "out.json").read_text())
 
 
-GPU_SUITE_PARTS = ["kernel", "decode-qwen2.5-0.5b", "decode-qwen2.5-0.5b-eager",
+GPU_SUITE_PARTS = ["tests", "kernel", "decode-qwen2.5-0.5b", "decode-qwen2.5-0.5b-eager",
                    "throughput-qwen2.5-0.5b"]
-# 25 s of work: started when collection ends, niced (tests/background.py).
+# tests/test_gpu.py's cases, counted by hand: 3 models x (graphs, eager), graphs against
+# eager, bf16 logprobs of 2 models, host syncs, profiled KV-cache size.
+NUM_TEST_GPU_CASES = 3 * 2 + 1 + 2 + 1 + 1
+# 30 s of work: started when collection ends, niced (tests/background.py).
 GPU_SUITE = Job("test_gpu_suite_smoke_runs_each_kind_of_part_in_a_subprocess",
                 background_json("gpu_suite.py", "--smoke", "--parts", *GPU_SUITE_PARTS))
 
@@ -182,7 +198,11 @@ def test_gpu_suite_smoke_runs_each_kind_of_part_in_a_subprocess():
     for name, entry in results["parts"].items():
         assert entry["status"] == "ok", entry.get("output_tail")
         r = entry["result"]
-        if name == "kernel":
+        if name == "tests":  # on the CPU, test_gpu.py's cases all skip
+            assert r["benchmark"] == "tests" and r["files"] == ["tests/test_gpu.py"]
+            assert (r["passed"], r["failed"], r["errors"], r["failures"]) == (0, 0, 0, [])
+            assert r["skipped"] == NUM_TEST_GPU_CASES and r["returncode"] == 0
+        elif name == "kernel":
             assert_kernel_results(r, num_cases=4)
         elif name.startswith("decode-"):
             assert r["benchmark"] == "decode_roofline"
@@ -230,12 +250,16 @@ def test_engine_overhead_frontend_alone_delivers_every_token_and_times_each_step
     assert all(t > 0 for t in processing + taking)
 
 
-def test_small_gemm_smoke_checks_both_ways_agree_and_reports_every_shape(capsys):
-    small_gemm.main(["--out", "8", "24", "--in", "16", "--rows", "1", "3", "--repeats", "1"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_small_gemm_smoke_checks_every_way_agrees_and_reports_every_shape(capsys, dtype):
+    small_gemm.main(["--out", "8", "24", "--in", "16", "--rows", "1", "3", "--repeats", "1",
+                     "--dtype", dtype])
     lines = capsys.readouterr().out.splitlines()
     rows = [line for line in lines if line.strip()[:1].isdigit()]
     assert [r.split()[:3] for r in rows] == [["8", "x", "16"], ["24", "x", "16"]]
-    assert all(len(r.split("/")) == 3 for r in rows)  # two cells of "mm / oneDNN"
+    for r in rows:  # two cells (1 and 3 rows) of three ways, each with one best and
+        assert len(r.split("/")) == 5  # one chosen way marked
+        assert r.count("*") == r.count("^") == 2
 
 
 def test_bad_words_smoke_runs_both_ways_and_reports_a_per_step_cost(tmp_path):

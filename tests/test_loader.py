@@ -570,31 +570,62 @@ def test_attention_bias_on_all_four_projections_matches_transformers(
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 48, 300])
+WAYS_SEEN: set[tuple[bool, str, str]] = set()  # (Intel MKL, dtype, way) the cases took
+
+
+@pytest.mark.parametrize("intel_mkl", [False, True], ids=["other", "intel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 48, 300])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("in_features", [40, 2048])
-def test_cpu_linear_equals_f_linear_on_every_path(rows: int, bias: bool,
-                                                   in_features: int) -> None:
-    """decoder.linear picks W @ x^T (up to SMALL_BATCH_ROWS rows, one row padded to two,
-    unless x is SMALL_BATCH_ONEDNN_MIN_IN wide), oneDNN or F.linear by batch size and
-    width: each must compute x W^T + b, in fp32 to rounding, and non-contiguous x (a
-    view with a row stride) must work."""
-    from pagellm.executor.models.decoder import SMALL_BATCH_ONEDNN_MIN_IN, SMALL_BATCH_ROWS, linear
+def test_cpu_linear_equals_f_linear_on_every_path(rows: int, bias: bool, in_features: int,
+                                                   dtype: torch.dtype, intel_mkl: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_linear.linear picks W @ x^T (one row padded to two), oneDNN or F.linear by
+    CPU vendor, dtype, rows and width: each must compute x W^T + b to the dtype's
+    rounding, and non-contiguous x (a view with a row stride) must work. Both vendors'
+    rules run here, whatever this CPU is (the choice is a flag; every way runs on any
+    x86 CPU)."""
+    from pagellm.executor.models import cpu_linear
 
-    assert in_features in (40, SMALL_BATCH_ONEDNN_MIN_IN)  # both sides of the switch
+    monkeypatch.setattr(cpu_linear, "INTEL_MKL", intel_mkl)
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, in_features, generator=gen, dtype=torch.float64)
     b = torch.randn(96, generator=gen, dtype=torch.float64) if bias else None
     wide = torch.randn(rows, 2 * in_features, generator=gen, dtype=torch.float64)
     x = wide[:, :in_features]  # rows 2 * in_features apart
-    expected = torch.nn.functional.linear(x, weight, b)  # float64: the exact answer
-    y = linear(x.float(), weight.float(), None if b is None else b.float())
-    assert y.shape == (rows, 96) and y.dtype == torch.float32 and y.is_contiguous()
-    # fp32 sums of in_features products of N(0, 1) values (a wrong path, transpose,
-    # stride or bias is off by O(1))
-    tolerance = 2.5e-7 * in_features
-    torch.testing.assert_close(y.double(), expected, rtol=tolerance, atol=tolerance)
-    assert (rows <= SMALL_BATCH_ROWS) == (rows in (1, 2, 4))
+    xs, ws = x.to(dtype), weight.to(dtype)
+    bs = None if b is None else b.to(dtype)
+    # The exact answer for the rounded inputs; sums of in_features products of N(0, 1)
+    # values, in fp32 (or bf16 accumulated in fp32 and rounded to bf16): a wrong path,
+    # transpose, stride or bias is off by O(1).
+    expected = torch.nn.functional.linear(xs.double(), ws.double(),
+                                          None if bs is None else bs.double())
+    y = cpu_linear.linear(xs, ws, bs)
+    assert y.shape == (rows, 96) and y.dtype == dtype and y.is_contiguous()
+    if dtype == torch.float32:
+        rtol = atol = 2.5e-7 * in_features
+    else:  # bf16 keeps 8 bits: the result's rounding, the bias add's, |y| ~ sqrt(in)
+        rtol, atol = 1e-2, 1e-2 * in_features ** 0.5
+    torch.testing.assert_close(y.double(), expected, rtol=rtol, atol=atol)
+    way = cpu_linear.choose(rows, in_features, dtype, intel_mkl)
+    WAYS_SEEN.add((intel_mkl, str(dtype), way.name))
+
+
+def test_cpu_linear_cases_took_every_way_each_vendor_rule_names() -> None:
+    """The cases above (run first: same module, earlier in the file) covered each way
+    that each vendor's rules use: W @ x^T and oneDNN for fp32 off Intel, F.linear and
+    oneDNN for fp32 on Intel, W @ x^T and F.linear for bf16 on both."""
+    from pagellm.executor.models.cpu_linear import ONEDNN_LINEAR
+
+    if not WAYS_SEEN:
+        pytest.skip("run with the linear cases (-k cpu_linear)")
+    fp32, bf16 = str(torch.float32), str(torch.bfloat16)
+    many_rows = "ONEDNN" if ONEDNN_LINEAR is not None else "ATEN"  # (torch without it)
+    assert {w for i, d, w in WAYS_SEEN if not i and d == fp32} == {"W_XT", many_rows}
+    assert {w for i, d, w in WAYS_SEEN if i and d == fp32} == {"ATEN", many_rows}
+    for intel in (False, True):
+        assert {w for i, d, w in WAYS_SEEN if i == intel and d == bf16} == {"W_XT", "ATEN"}
 
 
 # ------------------------------------------------------------ refused before allocating

@@ -15,7 +15,7 @@ The forward pass takes the step's flat, unpadded token batch:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.executor.attention import Attention, AttentionMetadata
+from pagellm.executor.models.cpu_linear import linear
 from pagellm.executor.models.rope import RopeSpec, RotaryEmbedding, apply_rotary
 from pagellm.executor.parallel import TensorParallel
 
@@ -87,58 +88,6 @@ class DecoderSpec:
                                   getattr(config, "rope_theta", None),
                                   getattr(config, "rope_scaling", None)),
         )
-
-
-# Rows of x up to which a CPU GEMM runs as W @ x^T (BENCHMARKS.md, "CPU GEMMs").
-SMALL_BATCH_ROWS = 4
-# ... unless x is this wide: W @ x^T then reads W at 17-30 GB/s where oneDNN's unpacked
-# GEMM streams it at 30-48 (K = in features from 2048 up, out features 576 to 4864,
-# 1-4 rows; below it W @ x^T wins, by up to 40% at K = 896). Every MLP down projection
-# of a real model is that wide.
-SMALL_BATCH_ONEDNN_MIN_IN = 2048
-
-
-def _onednn_linear() -> Callable[..., torch.Tensor] | None:
-    """oneDNN's fp32 linear on plain (unpacked) weights, where this torch has it."""
-    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) \
-        if torch.backends.mkldnn.is_available() else None
-    if op is None:
-        return None
-    try:  # present is not enough: some builds register it without a CPU kernel
-        op(torch.ones(2, 2), torch.ones(2, 2), None, "none", [], "")
-    except RuntimeError:
-        return None
-    return op
-
-
-_ONEDNN_LINEAR = _onednn_linear()
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """F.linear (x: [M, in], weight: [out, in] -> [M, out]) with the CPU's fastest GEMM.
-
-    On the CPU, aten's fp32 GEMM is MKL's sgemm, which on this project's AMD machines
-    runs its AVX2 path: about 190 GFLOP/s on two cores where oneDNN, dispatching on
-    the CPU's own features (AVX-512 there), reaches 250 at 48 rows and 400 from a few
-    hundred, on the same unpacked weights. Below 5 rows both read W slowly (MKL's
-    sgemv at half the memory bandwidth, its sgemm with 2-4 rows at a third), while W @
-    x^T, with W as the big left operand, streams it near the bandwidth: a decode step of
-    a few requests is all such GEMMs, except the widest (`SMALL_BATCH_ONEDNN_MIN_IN`
-    input features and more), which oneDNN streams faster. One row is padded to two
-    for the W @ x^T path."""
-    rows = x.shape[0]
-    if x.is_cuda or x.dim() != 2 or rows == 0:
-        return F.linear(x, weight, bias)
-    onednn = _ONEDNN_LINEAR if x.dtype == weight.dtype == torch.float32 else None
-    if rows <= SMALL_BATCH_ROWS and (onednn is None
-                                     or x.shape[1] < SMALL_BATCH_ONEDNN_MIN_IN):
-        padded = x if rows > 1 else torch.cat((x, x))  # (a stride-0 expand is slow here)
-        y = torch.mm(weight, padded.t())[:, :rows].t().contiguous()  # [M, out]
-        return y if bias is None else y + bias
-    if onednn is not None:
-        return onednn(x.contiguous(), weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
