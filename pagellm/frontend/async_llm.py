@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from pagellm.executor.demo_model import resolve_model
+from pagellm.frontend.async_mp_client import in_loop
 from pagellm.frontend.core_client import (
     UTILITY_TIMEOUT_S,
     AsyncEngineCoreClient,
@@ -36,7 +37,6 @@ from pagellm.frontend.core_client import (
 )
 from pagellm.frontend.curve import CurveClientKeys
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
-from pagellm.frontend.mp_client import in_loop
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.outputs import RequestOutput
 from pagellm.frontend.rl import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update

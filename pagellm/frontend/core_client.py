@@ -2,8 +2,8 @@
 
 - `InprocClient` runs the `EngineCore` in this process (tests, debugging): each
   `get_output()` is one engine step.
-- `SyncMPClient` / `AsyncMPClient` (frontend/mp_client.py) talk to an engine core in
-  another process over ZeroMQ.
+- `SyncMPClient` / `AsyncMPClient` (frontend/mp_client.py, async_mp_client.py) talk to
+  an engine core in another process over ZeroMQ.
 
 `make_client` is the one place that chooses between them, for `LLM`, `AsyncLLM` and
 the server alike (vLLM's `EngineCoreClient.make_client`).
@@ -83,8 +83,9 @@ def make_client(args: EngineArgs, *, asyncio_mode: bool, multiprocess: bool = Tr
     several engine cores (frontend/dp_client.py). Engine options given with
     `engine_address` are an error: that engine is configured where it runs, and
     ignoring them would mislead."""
+    from pagellm.frontend.async_mp_client import AsyncMPClient
     from pagellm.frontend.dp_client import DPAsyncClient, DPSyncClient
-    from pagellm.frontend.mp_client import AsyncMPClient, SyncMPClient
+    from pagellm.frontend.mp_client import SyncMPClient
 
     if engine_address is not None:
         configured = [f.name for f in dataclasses.fields(args)

@@ -41,6 +41,7 @@ import msgspec
 import zmq
 
 from pagellm.enginecore.transport import Context, is_loopback
+from pagellm.frontend.async_mp_client import AsyncMPClient, in_loop
 from pagellm.frontend.core_client import (
     UTILITY_TIMEOUT_S,
     AsyncEngineCoreClient,
@@ -51,13 +52,7 @@ from pagellm.frontend.core_client import (
 from pagellm.frontend.curve import CurveClientKeys, allow_only
 from pagellm.frontend.dp_routing import Router, merge_infos, merge_results
 from pagellm.frontend.engine_process import EngineProcess
-from pagellm.frontend.mp_client import (
-    LOCAL_STARTUP_TIMEOUT_S,
-    AsyncMPClient,
-    MPClient,
-    SyncMPClient,
-    in_loop,
-)
+from pagellm.frontend.mp_client import LOCAL_STARTUP_TIMEOUT_S, MPClient, SyncMPClient
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import (
     PROTOCOL_VERSION,

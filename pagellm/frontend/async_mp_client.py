@@ -1,0 +1,134 @@
+"""`AsyncMPClient`: the engine-core client of `AsyncLLM` (frontend/mp_client.py has
+what it shares with `SyncMPClient`: the handshake, sending, the death watch)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pagellm.frontend import mp_client
+from pagellm.frontend.core_client import (
+    UTILITY_TIMEOUT_S,
+    AsyncEngineCoreClient,
+    EngineDeadError,
+)
+from pagellm.frontend.curve import CurveClientKeys
+from pagellm.frontend.engine_process import EngineProcess
+from pagellm.frontend.mp_client import MPClient
+from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.messages import EngineCoreOutputs, RequestType, UtilityMethod
+
+
+class AsyncMPClient(MPClient, AsyncEngineCoreClient):
+    """For `AsyncLLM`: an asyncio task reads this client's outputs through zmq's
+    asyncio support (no polling); requests go out on the plain DEALER socket, whose
+    sends never block (no high-water mark)."""
+
+    def __init__(self, args: EngineArgs | None, engine_address: str | None = None,
+                 curve: CurveClientKeys | None = None, *, process: EngineProcess | None = None,
+                 label: str | None = None, on_dead: Callable[[str], None] | None = None
+                 ) -> None:
+        super().__init__(args, engine_address, curve, process=process, label=label,
+                         on_dead=on_dead)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
+        self._calls: dict[int, asyncio.Future[EngineCoreOutputs]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    def _ensure_reader(self) -> asyncio.Queue[EngineCoreOutputs | EngineDeadError]:
+        loop = asyncio.get_running_loop()
+        if self._queue is None or self._loop is not loop:
+            self._loop = loop
+            self._queue = asyncio.Queue()
+            if self.dead_error is not None:
+                self._queue.put_nowait(EngineDeadError(self.dead_error))
+            socket = zmq.asyncio.Socket.from_socket(self.output)
+            self._reader = loop.create_task(self._read_outputs(socket))
+        return self._queue
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        item = await self._ensure_reader().get()
+        if isinstance(item, EngineDeadError):
+            self._ensure_reader().put_nowait(item)
+            raise item
+        return item
+
+    async def call_utility_async(self, method: UtilityMethod, *args: Any,
+                                 timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
+        self._ensure_reader()
+        request = self._utility_request(method, args)
+        future: asyncio.Future[EngineCoreOutputs] = asyncio.get_running_loop().create_future()
+        self._calls[request.call_id] = future
+        self._send(RequestType.UTILITY, request)
+        try:
+            outputs = await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            self._calls.pop(request.call_id, None)
+            raise TimeoutError(f"engine core utility call {method.name.lower()} timed out "
+                               f"after {timeout} s") from None
+        return self._utility_result(method, outputs)
+
+    async def _read_outputs(self, socket: zmq.asyncio.Socket) -> None:
+        while not self._closed and self.dead_error is None:
+            try:
+                try:  # the hot path: a message is there (one await, as a plain recv)
+                    data = await socket.recv(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    # Not asyncio.wait_for: on Python 3.11 it can swallow a cancellation
+                    # that meets a message, and this task would outlive its event loop.
+                    ready = await socket.poll(int(mp_client.HEARTBEAT_TIMEOUT_S * 1000))  # POLLIN
+                    # A second look: our event loop may be what stalled, not the engine.
+                    if not ready and not int(socket.get(zmq.EVENTS)) & zmq.POLLIN:
+                        self._on_silence()
+                        return
+                    continue
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            outputs = self._decoder.decode(data)
+            self._check_outputs(outputs)
+            if outputs.utility_output is not None:
+                future = self._calls.pop(outputs.utility_output.call_id, None)
+                if future is not None and not future.done():
+                    future.set_result(outputs)
+            if outputs.has_outputs and self._queue is not None:
+                self._queue.put_nowait(outputs)
+
+    def _notify_dead(self, cause: str) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # nobody waits yet; later calls see dead_error
+        if in_loop(loop):
+            self._wake_all(cause)
+        else:
+            loop.call_soon_threadsafe(self._wake_all, cause)
+
+    def _wake_all(self, cause: str) -> None:
+        if self._queue is not None:
+            self._queue.put_nowait(EngineDeadError(cause))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(cause))
+        self._calls.clear()
+
+    def shutdown(self) -> None:
+        if self._reader is not None and self._loop is not None and not self._loop.is_closed():
+            if in_loop(self._loop):
+                self._reader.cancel()
+            else:
+                self._loop.call_soon_threadsafe(self._reader.cancel)
+        if not self._closed:  # pending utility calls and readers must not wait on
+            self._notify_dead("this engine-core client was shut down")
+        super().shutdown()
+
+
+def in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether the caller runs in `loop`'s thread (its futures may be set directly)."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
