@@ -588,6 +588,7 @@ def test_cpu_linear_equals_f_linear_on_every_path(rows: int, bias: bool, in_feat
     x86 CPU)."""
     from pagellm.executor.models import cpu_linear
 
+    assert in_features in (40, cpu_linear.SMALL_BATCH_ONEDNN_MIN_IN)  # both sides of it
     monkeypatch.setattr(cpu_linear, "INTEL_MKL", intel_mkl)
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, in_features, generator=gen, dtype=torch.float64)

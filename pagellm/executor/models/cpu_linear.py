@@ -26,7 +26,6 @@ measures all three; BENCHMARKS.md, "CPU GEMMs", has the tables):
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Callable
 
 import torch
@@ -80,7 +79,6 @@ ONEDNN_LINEAR = _onednn_linear()
 INTEL_MKL = torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel"
 
 
-@functools.lru_cache(maxsize=4096)
 def choose(rows: int, in_features: int, dtype: torch.dtype, intel_mkl: bool) -> Way:
     """The GEMM for x [rows, in_features] of `dtype` (the rules in the module doc)."""
     if dtype == torch.float32:
