@@ -3,11 +3,12 @@ engine picks.
 
 With few rows of x a linear layer is bound by reading W once, so the figure of merit
 is GB/s of weights (with many rows it is FLOP/s: the GB/s then fall, and the ratios
-between the ways still rank them). `cpu_linear.linear` computes x W^T one of three ways
-(W @ x^T, oneDNN's unpacked fp32 linear, F.linear) and picks one by CPU vendor, dtype,
-rows and width (`cpu_linear.choose`); this sweep is where those rules come from. Each
-shape runs over enough distinct weight copies (~150 MB) that W comes from memory, as in
-a real model's step; the median of the repeats is reported. A star marks the fastest
+between the ways still rank them). `cpu_linear.linear` computes x W^T one of four ways
+(W @ x^T, oneDNN's linear on the plain weights, F.linear, oneDNN's on packed weights)
+and picks one by CPU vendor and features, dtype, rows and width (`cpu_linear.choose`);
+this sweep is where those rules come from. Each shape runs over enough distinct weight
+copies (~150 MB) that W comes from memory, as in a real model's step; the median of the
+repeats is reported. A star marks the fastest
 way, a caret the engine's choice on this machine.
 
     python benchmarks/small_gemm.py
@@ -29,7 +30,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from pagellm.executor.models.cpu_linear import INTEL_MKL, ONEDNN_LINEAR, Way, choose, gemm
+from pagellm.executor.models.cpu_linear import (
+    ONEDNN_LINEAR,
+    PACKED_WEIGHTS,
+    REORDER_WEIGHT,
+    THIS_CPU,
+    Way,
+    choose,
+    gemm,
+)
 
 WORKING_SET_BYTES = 150e6
 MAX_COPIES = 1024  # tiny shapes (the smoke test) need no working set
@@ -63,11 +72,12 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, ns.dtype)
     if ONEDNN_LINEAR is None:
         raise SystemExit("this torch has no oneDNN linear on the CPU")
-    ways = list(Way)
+    ways = [w for w in Way if w is not Way.PACKED or REORDER_WEIGHT is not None]
     print(f"torch {torch.__version__}, {ns.dtype}, {torch.get_num_threads()} threads, "
-          f"{'Intel MKL' if INTEL_MKL else 'not Intel MKL'}; weights read, GB/s: "
+          f"{THIS_CPU}; weights read, GB/s: "
           f"{' / '.join(w.value for w in ways)} (* fastest, ^ the engine's choice)")
-    print("out x in      " + "  ".join(f"{m} row{'s' if m > 1 else ' '}{' ' * 19}"
+    cell = 9 * len(ways) - 2  # characters of one row count's column
+    print("out x in      " + "  ".join(f"{f'{m} row' + ('s' if m > 1 else ''):{cell}}"
                                        for m in ns.rows))
     for out_features in ns.out:
         for in_features in ns.in_:
@@ -76,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
             weights = [torch.randn(out_features, in_features, dtype=dtype)
                        for _ in range(copies)]
             nbytes = out_features * in_features * dtype.itemsize * copies
+            if Way.PACKED in ways:  # as the loader packs a model's weights
+                PACKED_WEIGHTS.pack(weights)
             cells = []
             for rows in ns.rows:
                 x = torch.randn(rows, in_features, dtype=dtype)  # [M, in]
@@ -89,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                 seconds = [_median_s(functools.partial(gemm, way, x), weights, ns.repeats)
                            for way in ways]
                 best = seconds.index(min(seconds))
-                chosen = ways.index(choose(rows, in_features, dtype, INTEL_MKL))
+                chosen = ways.index(choose(rows, in_features, dtype, THIS_CPU))
                 cells.append(" /".join(
                     f"{nbytes / t / 1e9:5.1f}{'*' if i == best else ' '}"
                     f"{'^' if i == chosen else ' '}" for i, t in enumerate(seconds)))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from typing import Any
@@ -24,6 +25,16 @@ class Probe:
         """How TRL's and OpenRLHF's worker extensions push weights: one tensor at a
         time into the model's vLLM-style `load_weights`."""
         return sorted(self.model_runner.model.load_weights(weights=[(name, tensor)]))
+
+    def load_unseen(self, weights: dict[str, torch.Tensor]) -> int:
+        """Write checkpoint tensors where load_weights would, but through `.data`, as
+        some extensions do: no version counter sees these writes."""
+        model = self.model_runner.model
+        for name, tensor in weights.items():
+            dest = model.destination(name)
+            assert dest is not None and dest.tensor is not None, name
+            dataclasses.replace(dest, tensor=dest.tensor.data).load(tensor)
+        return len(weights)
 
     def describe(self, prefix: str, *, scale: float = 1.0) -> dict[str, Any]:
         return {"prefix": prefix, "scale": scale, "rank": getattr(self, "rank", None)}

@@ -570,26 +570,29 @@ def test_attention_bias_on_all_four_projections_matches_transformers(
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-4)
 
 
-WAYS_SEEN: set[tuple[bool, str, str]] = set()  # (Intel MKL, dtype, way) the cases took
+WAYS_SEEN: set[tuple[str, str, str]] = set()  # (CPU, dtype, way) the cases took
+CPUS = {"amd": (False, False), "intel": (True, False), "intel-amx": (True, True)}
 
 
-@pytest.mark.parametrize("intel_mkl", [False, True], ids=["other", "intel"])
+@pytest.mark.parametrize("cpu", list(CPUS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 48, 300])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("in_features", [40, 2048])
 def test_cpu_linear_equals_f_linear_on_every_path(rows: int, bias: bool, in_features: int,
-                                                   dtype: torch.dtype, intel_mkl: bool,
+                                                   dtype: torch.dtype, cpu: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """cpu_linear.linear picks W @ x^T (one row padded to two), oneDNN or F.linear by
-    CPU vendor, dtype, rows and width: each must compute x W^T + b to the dtype's
-    rounding, and non-contiguous x (a view with a row stride) must work. Both vendors'
-    rules run here, whatever this CPU is (the choice is a flag; every way runs on any
-    x86 CPU)."""
+    """cpu_linear.linear picks W @ x^T (one row padded to two), oneDNN on plain or packed
+    weights, or F.linear by CPU, dtype, rows and width: each must compute x W^T + b to
+    the dtype's rounding, and non-contiguous x (a view with a row stride) must work.
+    Every CPU's rules run here, whatever this CPU is (the choice is a flag; every way
+    runs on any x86 CPU)."""
     from pagellm.executor.models import cpu_linear
 
+    if CPUS[cpu][1] and cpu_linear.REORDER_WEIGHT is None:
+        pytest.skip("this torch has no oneDNN packed weights")
     assert in_features in (40, cpu_linear.SMALL_BATCH_ONEDNN_MIN_IN)  # both sides of it
-    monkeypatch.setattr(cpu_linear, "INTEL_MKL", intel_mkl)
+    monkeypatch.setattr(cpu_linear, "THIS_CPU", cpu_linear.Cpu(*CPUS[cpu]))
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, in_features, generator=gen, dtype=torch.float64)
     b = torch.randn(96, generator=gen, dtype=torch.float64) if bias else None
@@ -597,6 +600,7 @@ def test_cpu_linear_equals_f_linear_on_every_path(rows: int, bias: bool, in_feat
     x = wide[:, :in_features]  # rows 2 * in_features apart
     xs, ws = x.to(dtype), weight.to(dtype)
     bs = None if b is None else b.to(dtype)
+    cpu_linear.PACKED_WEIGHTS.pack([ws])  # as the loader does (unused off the PACKED way)
     # The exact answer for the rounded inputs; sums of in_features products of N(0, 1)
     # values, in fp32 (or bf16 accumulated in fp32 and rounded to bf16): a wrong path,
     # transpose, stride or bias is off by O(1).
@@ -609,24 +613,72 @@ def test_cpu_linear_equals_f_linear_on_every_path(rows: int, bias: bool, in_feat
     else:  # bf16 keeps 8 bits: the result's rounding, the bias add's, |y| ~ sqrt(in)
         rtol, atol = 1e-2, 1e-2 * in_features ** 0.5
     torch.testing.assert_close(y.double(), expected, rtol=rtol, atol=atol)
-    way = cpu_linear.choose(rows, in_features, dtype, intel_mkl)
-    WAYS_SEEN.add((intel_mkl, str(dtype), way.name))
+    way = cpu_linear.choose(rows, in_features, dtype, cpu_linear.THIS_CPU)
+    WAYS_SEEN.add((cpu, str(dtype), way.name))
 
 
-def test_cpu_linear_cases_took_every_way_each_vendor_rule_names() -> None:
+def test_cpu_linear_cases_took_every_way_each_cpu_rule_names() -> None:
     """The cases above (run first: same module, earlier in the file) covered each way
-    that each vendor's rules use: W @ x^T and oneDNN for fp32 off Intel, F.linear and
-    oneDNN for fp32 on Intel, W @ x^T and F.linear for bf16 on both."""
-    from pagellm.executor.models.cpu_linear import ONEDNN_LINEAR
+    that each CPU's rules use: W @ x^T and oneDNN for fp32 off Intel, F.linear and
+    oneDNN for fp32 on Intel; W @ x^T and F.linear for bf16, packed oneDNN in place of
+    F.linear with AMX."""
+    from pagellm.executor.models.cpu_linear import ONEDNN_LINEAR, REORDER_WEIGHT
 
     if not WAYS_SEEN:
         pytest.skip("run with the linear cases (-k cpu_linear)")
     fp32, bf16 = str(torch.float32), str(torch.bfloat16)
     many_rows = "ONEDNN" if ONEDNN_LINEAR is not None else "ATEN"  # (torch without it)
-    assert {w for i, d, w in WAYS_SEEN if not i and d == fp32} == {"W_XT", many_rows}
-    assert {w for i, d, w in WAYS_SEEN if i and d == fp32} == {"ATEN", many_rows}
-    for intel in (False, True):
-        assert {w for i, d, w in WAYS_SEEN if i == intel and d == bf16} == {"W_XT", "ATEN"}
+    assert {w for c, d, w in WAYS_SEEN if c == "amd" and d == fp32} == {"W_XT", many_rows}
+    for intel in ("intel", "intel-amx"):
+        assert {w for c, d, w in WAYS_SEEN if c == intel and d == fp32} == {"ATEN", many_rows}
+    for cpu, bf16_ways in (("amd", {"W_XT", "ATEN"}), ("intel", {"W_XT", "ATEN"}),
+                           ("intel-amx", {"W_XT", "PACKED"} if REORDER_WEIGHT else set())):
+        assert {w for c, d, w in WAYS_SEEN if c == cpu and d == bf16} == bf16_ways
+
+
+def test_packed_weights_follow_every_write_to_the_weight(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """A packed copy is a cache of its parameter: an in-place write through the
+    parameter or a view of it (what load_weights does), a new storage (sleep's .data
+    swap) and `drop_packed` (for writes no version counter sees: a collective's receive)
+    must each make the next GEMM use the new values, and a collected weight must take
+    its copy with it."""
+    import gc
+
+    from pagellm.executor.models import cpu_linear
+
+    if cpu_linear.REORDER_WEIGHT is None:
+        pytest.skip("this torch has no oneDNN packed weights")
+    monkeypatch.setattr(cpu_linear, "THIS_CPU", cpu_linear.Cpu(True, True))
+    packs = cpu_linear.PACKED_WEIGHTS
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, generator=gen).bfloat16()  # 8 rows: the PACKED way
+
+    def check(weight: torch.Tensor) -> None:
+        expected = torch.nn.functional.linear(x.double(), weight.detach().double())
+        torch.testing.assert_close(cpu_linear.linear(x, weight).double(), expected,
+                                   rtol=1e-2, atol=1e-1)
+
+    weight = torch.nn.Parameter(torch.randn(32, 64, generator=gen).bfloat16(),
+                                requires_grad=False)
+    assert packs.get(weight) is None  # not registered: F.linear's way
+    check(weight)
+    before = len(packs)
+    packs.pack([weight])  # as the loader does
+    assert len(packs) == before + 1
+    check(weight)
+    with torch.no_grad():  # load_weights: a copy into a view (a fused q/k/v slice)
+        weight[8:16].copy_(torch.randn(8, 64, generator=gen))
+    check(weight)
+    weight.data = torch.randn(32, 64, generator=gen).bfloat16()  # sleep / wake's swap
+    check(weight)
+    weight.data.mul_(-1)  # no version counter sees this ...
+    cpu_linear.drop_packed()  # ... the worker drops every copy after such writes
+    assert len(packs) == 0
+    check(weight)
+    del weight
+    gc.collect()
+    assert len(packs) == 0
 
 
 # ------------------------------------------------------------ refused before allocating
@@ -653,6 +705,29 @@ def test_dummy_model_larger_than_available_memory_is_refused_naming_the_fields(
     for field in ("vocab_size=1024", "hidden_size=", "num_hidden_layers=2",
                   "intermediate_size="):
         assert field in str(info.value)
+
+
+def test_weights_are_packed_only_where_their_copies_fit(built: Built, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """Where bf16 GEMMs run on packed copies, the loader packs a model's linear weights
+    (and the LM head's) only if weights and copies take at most half of the memory
+    available; a model too big for that still loads, on its plain weights."""
+    from pagellm.executor import loader
+    from pagellm.executor.models import cpu_linear
+
+    model_dir = _copy(built(SPECS["llama"]), tmp_path)
+    config = _config(model_dir, load_format="dummy", dtype="bfloat16")
+    copies = sum(w.numel() * 2 for w in loader._meta_model(config, None).linear_weights())
+    both = loader.weight_bytes(config) + copies
+    monkeypatch.setattr(cpu_linear, "THIS_CPU", cpu_linear.Cpu(False, amx_bf16=True))
+    monkeypatch.setattr(loader, "available_memory", lambda device: 2 * both - 1024)
+    tight = load_model(config, CPU)
+    assert all(cpu_linear.PACKED_WEIGHTS.get(w) is None for w in tight.linear_weights())
+    monkeypatch.setattr(loader, "available_memory", lambda device: 2 * both + 1024)
+    roomy = load_model(config, CPU)
+    assert all(cpu_linear.PACKED_WEIGHTS.get(w) is not None for w in roomy.linear_weights())
+    assert {w.shape[0] for w in roomy.linear_weights()} >= {config.spec.vocab_size}
 
 
 def test_a_vocabulary_beyond_any_memory_is_refused_naming_it(

@@ -510,6 +510,62 @@ class NcclTrainer:
         self.stop()
 
 
+def test_packed_bf16_weights_follow_extension_writes_sleep_and_updates(model_dirs, tmp_path,
+                                                                        monkeypatch):
+    """On CPUs with AMX a bf16 engine multiplies oneDNN's packed copies of its weights
+    (cpu_linear); every way the weights change must reach those copies: an extension
+    writing through `.data` (no version counter sees it), a level-2 sleep refilled by an
+    update, an update. Forced on any CPU here, with the engine in this process. The
+    reference for each set of weights is a fresh packed engine started from them: the
+    same code on the same weights gives the same tokens and the same logprobs."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from pagellm.executor.models import cpu_linear
+
+    if cpu_linear.REORDER_WEIGHT is None:
+        pytest.skip("this torch has no oneDNN packed weights")
+    monkeypatch.setattr(cpu_linear, "THIS_CPU",
+                        cpu_linear.Cpu(cpu_linear.THIS_CPU.intel_mkl, amx_bf16=True))
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    model_dir = model_dirs["llama"]
+    old, new = checkpoint(model_dir), perturbed(model_dir, seed=5)
+    new_dir = tmp_path / "new"
+    shutil.copytree(model_dir, new_dir)
+    for f in safetensors_files(new_dir):
+        f.unlink()
+    save_file(new, new_dir / "model.safetensors")
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=0)
+    common = dict(dtype="bfloat16", kv_cache_memory_bytes=8 * 2**20, multiprocess=False)
+
+    def run(llm: LLM) -> list[tuple[list[int], float | None]]:
+        llm.reset_prefix_cache()  # the same computation as a fresh engine's
+        return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+                for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    with LLM(str(new_dir), **common) as llm:
+        on_new = run(llm)
+    with LLM(str(model_dir), worker_extension_cls="rl_extension.Probe",
+             weight_transfer_config={"backend": "ipc"}, enable_sleep_mode=True,
+             **common) as llm:
+        assert len(cpu_linear.PACKED_WEIGHTS) > 0  # at load, before the KV cache is sized
+        on_old = run(llm)
+        assert on_old != on_new  # the two weight sets are told apart
+        assert llm.collective_rpc("load_unseen", args=(new,)) == [len(new)]
+        assert run(llm) == on_new
+        llm.sleep(level=2)
+        assert len(cpu_linear.PACKED_WEIGHTS) == 0  # freed with the weights
+        llm.wake_up(tags=["weights"])
+        llm.update_weights(old.items())
+        llm.wake_up(tags=["kv_cache"])
+        assert run(llm) == on_old
+        llm.update_weights(new.items())
+        assert run(llm) == on_new
+        assert len(cpu_linear.PACKED_WEIGHTS) > 0  # packed again by the steps
+        assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize("case", ["good", "bad", "asleep"])
 def test_a_trainer_broadcasts_weights_over_the_nccl_backend(model_dirs, case):
     """vLLM's four phases with the trainer in its own process (gloo on the CPU): init

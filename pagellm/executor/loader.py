@@ -6,12 +6,16 @@ memory free on the device before anything is allocated: a config.json claiming a
 vocabulary or thousands of layers is refused naming its fields, instead of exhausting
 memory (check_model_config bounds each field; this bounds their product). Loading
 adds little to those bytes: dummy weights are drawn 16 MiB at a time, safetensors are
-copied one tensor at a time from a memory map.
+copied one tensor at a time from a memory map. On a CPU whose bf16 GEMMs run on
+packed weights (cpu_linear.packs_weights), those copies are made here, before the
+engine measures what memory is left for the KV cache, if they fit in half of it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,10 +23,16 @@ import torch
 from torch import nn
 
 from pagellm.executor.config import ModelConfig
+from pagellm.executor.models.cpu_linear import PACKED_WEIGHTS, packs_weights
 from pagellm.executor.models.decoder import DecoderForCausalLM
 from pagellm.executor.parallel import TensorParallel
 
+logger = logging.getLogger("pagellm")
+
 DUMMY_CHUNK = 1 << 22  # elements drawn at once for dummy weights: 16 MiB of fp32
+# Packed weight copies are made only while weights and copies take at most this share of
+# the memory available before loading: the rest is for the KV cache and activations.
+PACKED_MAX_SHARE = 0.5
 
 # The config.json fields the weights' size follows, named when they do not fit.
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -108,6 +118,23 @@ def _check_memory(config: ModelConfig, needed: int, device: torch.device,
             f", more than the {free} bytes ({free / 2**30:.1f} GiB) available on {device}")
 
 
+def _packed_bytes(model: DecoderForCausalLM, config: ModelConfig, device: torch.device
+                  ) -> int:
+    """Bytes of the packed weight copies to make (cpu_linear): where GEMMs take them,
+    if weights and copies together take at most PACKED_MAX_SHARE of this rank's share
+    of the memory available; else 0 (the GEMMs run on the plain weights, as without AMX)."""
+    if not packs_weights(config.dtype, device):
+        return 0
+    copies = sum(w.numel() * w.element_size() for w in model.linear_weights())
+    share = available_memory(device) / model.tp.size  # every rank on this host
+    if _bytes_of(model) + copies > PACKED_MAX_SHARE * share:
+        logger.warning("bf16 GEMMs on plain weights: packed copies of them (%.2f GiB) would "
+                       "not fit in half of this rank's %.2f GiB of the memory available",
+                       copies / 2**30, share / 2**30)
+        return 0
+    return copies
+
+
 def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | None = None
                ) -> DecoderForCausalLM:
     """The model (this rank's slice of it, under tensor parallelism) on `device` in
@@ -116,6 +143,7 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
     docstring)."""
     model = _meta_model(config, tp)
     _check_memory(config, _bytes_of(model), device, tp)
+    copies = _packed_bytes(model, config, device)
     model = model.to_empty(device=device)
     model.model.rotary_emb.reset_cache()  # computed, not loaded: fill it on the device
     if config.load_format == "dummy":
@@ -126,6 +154,11 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
         if missing:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:8]}"
                              f"{'...' if len(missing) > 8 else ''}")
+    if copies:
+        start = time.perf_counter()
+        PACKED_WEIGHTS.pack(model.linear_weights())
+        logger.info("bf16 GEMMs on packed weights (AMX): %.2f GiB of copies made in %.1f s",
+                    copies / 2**30, time.perf_counter() - start)
     return model.eval()
 
 

@@ -23,6 +23,7 @@ from pagellm.executor import memory
 from pagellm.executor.config import ModelConfig, resolve_device, resolve_model_config
 from pagellm.executor.cuda_ipc import open_cuda_ipc
 from pagellm.executor.model_runner import ModelRunner
+from pagellm.executor.models.cpu_linear import drop_packed
 from pagellm.executor.models.decoder import Destination
 from pagellm.executor.parallel import TensorParallel
 from pagellm.executor.sampler import step_peak_bytes
@@ -189,6 +190,7 @@ class Worker:
         elif level == 2 and self._weight_backup is not None:
             self._weight_backup.free()  # a level-1 sleep deepened: the host copy goes too
             self._weight_backup = None
+        drop_packed()  # the CPU's packed weight copies: made again by the first step
         memory.release(self.device)
         after = memory.used_bytes(self.device)
         logger.info("sleep level %d: freed %.1f MiB in %.2f s; %.1f MiB still used on %s",
@@ -222,6 +224,12 @@ class Worker:
         """Copy the update's tensors into the model; the update as a whole
         (`_check_update`) and every name, shape and dtype are checked before the first
         copy. Returns the number of tensors loaded."""
+        try:
+            return self._update_weights(update)
+        finally:  # a collective's receive writes past the version counters packs check
+            drop_packed()
+
+    def _update_weights(self, update: WeightUpdate) -> int:
         if update.cuda_ipc is not None:  # opened first: refused or not, released after
             with open_cuda_ipc(update, self._global_rank()) as tensors:
                 self._check_update(update)
@@ -340,6 +348,8 @@ class Worker:
         except Exception as e:
             raise RuntimeError(f"collective_rpc {method!r} failed on worker "
                                f"{self.rank}: {type(e).__name__}: {e}") from e
+        finally:  # an extension may have written the weights any way (param.data)
+            drop_packed()
         return encode_value(result)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

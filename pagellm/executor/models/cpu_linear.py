@@ -1,15 +1,16 @@
-"""A linear layer on the CPU through the fastest of three GEMMs for its shape and CPU.
+"""A linear layer on the CPU through the fastest of four GEMMs for its shape and CPU.
 
-    x [M, in] @ W^T [in, out] -> [M, out], computed one of three ways:
+    x [M, in] @ W^T [in, out] -> [M, out], computed one of four ways:
       W_XT    torch.mm(W, x^T): W as the big left operand, streamed (one row of x
               padded to two: a stride-0 expand is slow there)
       ONEDNN  oneDNN's fp32 linear on the plain weights (no packed copy, so loading,
               weight updates and sleep see ordinary parameters)
       ATEN    F.linear: MKL's sgemv/sgemm for fp32, oneDNN's matmul for bf16
+      PACKED  oneDNN's linear on a packed copy of W (bf16 on CPUs with AMX)
 
 Which one is fastest depends on the CPU's vendor, because MKL runs its own fast
 kernels only on Intel CPUs and a generic AVX2 path elsewhere (benchmarks/small_gemm.py
-measures all three; BENCHMARKS.md, "CPU GEMMs", has the tables):
+measures them all; BENCHMARKS.md, "CPU GEMMs", has the tables):
 - AMD (EPYC with AVX-512, 2026-11-24), fp32: with 1-4 rows MKL reads W at a third to a
   half of the memory bandwidth and W_XT near it, except from 2048 input features up,
   where ONEDNN streams W faster; with more rows ONEDNN's GEMM reaches 450 GFLOP/s where
@@ -18,15 +19,33 @@ measures all three; BENCHMARKS.md, "CPU GEMMs", has the tables):
   1.3-2.8x faster than W_XT (which stays at 11-14 GB/s) and 1.1-1.5x faster than
   ONEDNN; from 4 rows ONEDNN is fastest. Qwen2.5-0.5B's batch-1 decode: 2x.
 - Anything else keeps the AMD rules, the first measured.
-- Other dtypes (bf16, fp16), any vendor: W_XT up to 4 rows, ATEN above. On the Intel
+- bf16 and fp16, any CPU: W_XT up to 4 rows (no reorder of W: it is the streamed
+  left operand), more rows ATEN, except bf16 on CPUs with AMX (below). On the Intel
   machine W_XT also times 1.2-1.7x faster alone at 8-256 rows in bf16, but a
   48-request run through the engine was 5-9% slower with it: not adopted.
+- bf16 on CPUs with AMX (Intel Xeon from Sapphire Rapids), more than 4 rows: PACKED,
+  oneDNN on a copy of W reordered once into its blocked layout. F.linear on the plain
+  bf16 weights was 1.2-2.3x slower at 5-2048 rows (oneDNN seems to reorder W on every
+  call: AMX wants it in pairs of rows); a 48-request bf16 run is ~20% faster packed.
+
+Packed copies (`PackedWeights`) cost a second copy of every linear weight in memory:
+the loader makes them only when weights and copies together take at most half of the
+memory available (a model too big for that runs on its plain weights, as before). The
+plain parameters stay the truth that loading, weight updates, sleep and extensions read
+and write. A copy is made again when its parameter's storage or version changed (every
+in-place write through the parameter or a view of it); writes that bypass the version
+counter (a collective's receive, an extension writing `param.data`) are covered by the
+worker dropping every copy after each weight update, sleep and collective_rpc
+(`drop_packed`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections.abc import Callable
+import functools
+import weakref
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +55,7 @@ class Way(enum.Enum):
     W_XT = "W @ x^T"
     ONEDNN = "oneDNN"
     ATEN = "F.linear"
+    PACKED = "oneDNN, packed W"
 
 
 # Rows of x up to which an fp32 GEMM off Intel runs as W @ x^T ...
@@ -62,34 +82,130 @@ def _onednn_linear() -> Callable[..., torch.Tensor] | None:
     return op
 
 
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"); "" where unknown."""
+def _cpuinfo(field: str) -> str:
+    """/proc/cpuinfo's first `field` line's value ("" where unknown)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.startswith(field):
                     return line.partition(":")[2].strip()
     except OSError:
         pass
     return ""
 
 
+def _reorder_weight() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """oneDNN's reorder of a linear weight into its blocked layout, where this torch has
+    it and the packed weight computes (probed, like `_onednn_linear`)."""
+    linear = ONEDNN_LINEAR
+    op = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    if linear is None or op is None:
+        return None
+    try:
+        w = torch.ones(16, 32, dtype=torch.bfloat16)
+        linear(torch.ones(5, 32, dtype=torch.bfloat16), op(w), None, "none", [], "")
+    except RuntimeError:
+        return None
+    return op
+
+
+@dataclasses.dataclass(frozen=True)
+class Cpu:
+    """What `choose` needs to know of a CPU."""
+
+    intel_mkl: bool  # MKL's own kernels, as torch links it: only on Intel CPUs
+    amx_bf16: bool  # AMX tiles for bf16, and oneDNN's packed weights here
+
+
 ONEDNN_LINEAR = _onednn_linear()
-# MKL's own kernels, as torch links it: only on Intel CPUs.
-INTEL_MKL = torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel"
+REORDER_WEIGHT = _reorder_weight()
+THIS_CPU = Cpu(
+    intel_mkl=torch.backends.mkl.is_available() and _cpuinfo("vendor_id") == "GenuineIntel",
+    amx_bf16=REORDER_WEIGHT is not None and "amx_bf16" in _cpuinfo("flags").split())
 
 
-def choose(rows: int, in_features: int, dtype: torch.dtype, intel_mkl: bool) -> Way:
-    """The GEMM for x [rows, in_features] of `dtype` (the rules in the module doc)."""
+class PackedWeights:
+    """oneDNN's packed copy of each weight registered with `pack`, by parameter.
+
+    The loader registers a model's linear weights when their copies fit (`pack`); other
+    weights are not packed (`get` is None: the GEMM takes F.linear). A copy is reused
+    while its parameter keeps the storage and version it was packed from (an in-place
+    write bumps the version of the tensor and of all its views); `clear` drops every
+    copy, for the writes no version counter sees, and the next `get` packs again.
+    Weights are held weakly: one that is garbage collected takes its copy with it.
+    (Keyed by id: a WeakKeyDictionary would compare two tensors with ==, elementwise.)"""
+
+    def __init__(self) -> None:
+        self._registered: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> weight
+        # id(weight) -> (data_ptr, version, packed weight [out, in] in oneDNN's layout)
+        self._copies: dict[int, tuple[int, int, torch.Tensor]] = {}
+
+    def pack(self, weights: Iterable[torch.Tensor]) -> None:
+        """Register these and pack them now (the loader does, before the engine measures
+        the memory left for the KV cache)."""
+        for w in weights:
+            self._registered[id(w)] = weakref.ref(w, functools.partial(self._forget, id(w)))
+            self.get(w)
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """weight's packed copy, made now if it has none or the weight changed; None for
+        a weight never registered."""
+        key = id(weight)
+        registered = self._registered.get(key)
+        if registered is None or registered() is not weight:
+            return None
+        entry = self._copies.get(key)
+        # (A tensor made in inference mode has no version counter: `clear` covers it.)
+        version = -1 if weight.is_inference() else weight._version
+        if entry is None or entry[0] != weight.data_ptr() or entry[1] != version:
+            assert REORDER_WEIGHT is not None
+            with torch.no_grad():
+                entry = (weight.data_ptr(), version, REORDER_WEIGHT(weight.detach()))
+            self._copies[key] = entry
+        return entry[2]
+
+    def _forget(self, key: int, _: object = None) -> None:
+        """A registered weight was collected (a weakref callback)."""
+        self._copies.pop(key, None)
+        self._registered.pop(key, None)
+
+    def clear(self) -> None:
+        """Drop every copy (the weights stay registered)."""
+        self._copies.clear()
+
+    def __len__(self) -> int:
+        """Copies held now."""
+        return len(self._copies)
+
+
+PACKED_WEIGHTS = PackedWeights()
+
+
+def drop_packed() -> None:
+    """Drop every packed copy: the weights were written in a way no version counter saw,
+    or their memory must go (sleep). The next GEMM packs again (~1 s per GB)."""
+    PACKED_WEIGHTS.clear()
+
+
+def packs_weights(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether GEMMs of a model of `dtype` on `device` take the PACKED way (the loader
+    packs its linear weights if their copies fit)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and THIS_CPU.amx_bf16
+
+
+def choose(rows: int, in_features: int, dtype: torch.dtype, cpu: Cpu) -> Way:
+    """The GEMM for x [rows, in_features] of `dtype` on `cpu` (the module doc's rules)."""
     if dtype == torch.float32:
         if ONEDNN_LINEAR is None:
-            return Way.W_XT if rows <= SMALL_BATCH_ROWS and not intel_mkl else Way.ATEN
-        if intel_mkl:
+            return Way.W_XT if rows <= SMALL_BATCH_ROWS and not cpu.intel_mkl else Way.ATEN
+        if cpu.intel_mkl:
             return Way.ATEN if rows <= INTEL_MKL_MAX_ROWS else Way.ONEDNN
         if rows <= SMALL_BATCH_ROWS and in_features < SMALL_BATCH_ONEDNN_MIN_IN:
             return Way.W_XT
         return Way.ONEDNN
-    return Way.W_XT if rows <= SMALL_BATCH_ROWS else Way.ATEN
+    if rows <= SMALL_BATCH_ROWS:
+        return Way.W_XT
+    return Way.PACKED if dtype == torch.bfloat16 and cpu.amx_bf16 else Way.ATEN
 
 
 def gemm(way: Way, x: torch.Tensor, weight: torch.Tensor,
@@ -101,9 +217,11 @@ def gemm(way: Way, x: torch.Tensor, weight: torch.Tensor,
         padded = x if rows > 1 else torch.cat((x, x))  # [max(M, 2), in]
         y = torch.mm(weight, padded.t())[:, :rows].t().contiguous()  # [M, out]
         return y if bias is None else y + bias
-    if way is Way.ONEDNN:
+    if way is Way.ONEDNN or way is Way.PACKED:
         assert ONEDNN_LINEAR is not None
-        return ONEDNN_LINEAR(x.contiguous(), weight, bias, "none", [], "")
+        w = PACKED_WEIGHTS.get(weight) if way is Way.PACKED else weight
+        if w is not None:  # (a weight the loader did not pack: F.linear)
+            return ONEDNN_LINEAR(x.contiguous(), w, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -112,4 +230,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear (x: [M, in], weight: [out, in] -> [M, out]) with the CPU's fastest GEMM."""
     if x.is_cuda or x.dim() != 2 or x.shape[0] == 0 or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
-    return gemm(choose(x.shape[0], x.shape[1], x.dtype, INTEL_MKL), x, weight, bias)
+    return gemm(choose(x.shape[0], x.shape[1], x.dtype, THIS_CPU), x, weight, bias)

@@ -301,9 +301,19 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] -> logits [N, vocab_size] (gathered from every rank's
         vocabulary slice, so each rank has them all)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.tp.all_gather_last(linear(hidden, weight))
+        logits = self.tp.all_gather_last(linear(hidden, self.head_weight))
         return logits if self.tp.size == 1 else logits[:, :self.spec.vocab_size]
+
+    @property
+    def head_weight(self) -> nn.Parameter:
+        """The LM head's weight [vocab slice, hidden]: the embedding's, when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """Every weight that multiplies through `linear` ([out, in]), the LM head's
+        included: those the CPU may keep packed copies of (cpu_linear)."""
+        return [m.weight for m in self.modules()
+                if isinstance(m, (Linear, RowParallelLinear))] + [self.head_weight]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors in, any subset of them, as vLLM's models do (RL
