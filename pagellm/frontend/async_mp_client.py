@@ -4,6 +4,7 @@ what it shares with `SyncMPClient`: the handshake, sending, the death watch)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,58 @@ from pagellm.frontend.mp_client import MPClient
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import EngineCoreOutputs, RequestType, UtilityMethod
 
+OutputQueue = asyncio.Queue[EngineCoreOutputs | EngineDeadError]
+
+
+class LoopQueue:
+    """An async client's outputs queue and the tasks that fill it, for whichever event
+    loop is running: a client used from a second event loop (`asyncio.run` twice) gets
+    a fresh queue and fresh tasks. An engine's death is an item too; taken, it is put
+    back, so every waiter sees it. (AsyncMPClient and DPAsyncClient each keep one.)"""
+
+    def __init__(self, start: Callable[[asyncio.AbstractEventLoop, OutputQueue],
+                                       list[asyncio.Task[None]]]) -> None:
+        self._start = start  # (loop, queue) -> the tasks that fill queue, started in loop
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.queue: OutputQueue | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def ensure(self, dead_error: str | None) -> OutputQueue:
+        """The running loop's queue, with its tasks started (and the death already
+        known, `dead_error`, in it) on first use from that loop."""
+        loop = asyncio.get_running_loop()
+        if self.queue is None or self.loop is not loop:
+            self.loop, self.queue = loop, asyncio.Queue()
+            if dead_error is not None:
+                self.queue.put_nowait(EngineDeadError(dead_error))
+            self._tasks = self._start(loop, self.queue)
+        return self.queue
+
+    async def get(self, dead_error: str | None) -> EngineCoreOutputs:
+        queue = self.ensure(dead_error)
+        item = await queue.get()
+        if isinstance(item, EngineDeadError):
+            queue.put_nowait(item)
+            raise item
+        return item
+
+    def run_in_loop(self, fn: Callable[..., object], *args: object) -> None:
+        """fn(*args) in the loop's thread: now if that is the caller's, else soon;
+        nothing if no loop used the queue yet or it closed (later calls see the state)."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        if in_loop(loop):
+            fn(*args)
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(fn, *args)
+
+    def cancel(self) -> None:
+        """Stop the tasks (shutdown), from any thread."""
+        for task in self._tasks:
+            self.run_in_loop(task.cancel)
+
 
 class AsyncMPClient(MPClient, AsyncEngineCoreClient):
     """For `AsyncLLM`: an asyncio task reads this client's outputs through zmq's
@@ -34,32 +87,16 @@ class AsyncMPClient(MPClient, AsyncEngineCoreClient):
                  ) -> None:
         super().__init__(args, engine_address, curve, process=process, label=label,
                          on_dead=on_dead)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
         self._calls: dict[int, asyncio.Future[EngineCoreOutputs]] = {}
-        self._reader: asyncio.Task[None] | None = None
-
-    def _ensure_reader(self) -> asyncio.Queue[EngineCoreOutputs | EngineDeadError]:
-        loop = asyncio.get_running_loop()
-        if self._queue is None or self._loop is not loop:
-            self._loop = loop
-            self._queue = asyncio.Queue()
-            if self.dead_error is not None:
-                self._queue.put_nowait(EngineDeadError(self.dead_error))
-            socket = zmq.asyncio.Socket.from_socket(self.output)
-            self._reader = loop.create_task(self._read_outputs(socket))
-        return self._queue
+        self._outputs = LoopQueue(lambda loop, _: [loop.create_task(
+            self._read_outputs(zmq.asyncio.Socket.from_socket(self.output)))])
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        item = await self._ensure_reader().get()
-        if isinstance(item, EngineDeadError):
-            self._ensure_reader().put_nowait(item)
-            raise item
-        return item
+        return await self._outputs.get(self.dead_error)
 
     async def call_utility_async(self, method: UtilityMethod, *args: Any,
                                  timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
-        self._ensure_reader()
+        self._outputs.ensure(self.dead_error)  # the reader that answers the call
         request = self._utility_request(method, args)
         future: asyncio.Future[EngineCoreOutputs] = asyncio.get_running_loop().create_future()
         self._calls[request.call_id] = future
@@ -94,32 +131,22 @@ class AsyncMPClient(MPClient, AsyncEngineCoreClient):
                 future = self._calls.pop(outputs.utility_output.call_id, None)
                 if future is not None and not future.done():
                     future.set_result(outputs)
-            if outputs.has_outputs and self._queue is not None:
-                self._queue.put_nowait(outputs)
+            if outputs.has_outputs and self._outputs.queue is not None:
+                self._outputs.queue.put_nowait(outputs)
 
     def _notify_dead(self, cause: str) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return  # nobody waits yet; later calls see dead_error
-        if in_loop(loop):
-            self._wake_all(cause)
-        else:
-            loop.call_soon_threadsafe(self._wake_all, cause)
+        self._outputs.run_in_loop(self._wake_all, cause)  # nobody waits yet: dead_error
 
     def _wake_all(self, cause: str) -> None:
-        if self._queue is not None:
-            self._queue.put_nowait(EngineDeadError(cause))
+        if self._outputs.queue is not None:
+            self._outputs.queue.put_nowait(EngineDeadError(cause))
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(EngineDeadError(cause))
         self._calls.clear()
 
     def shutdown(self) -> None:
-        if self._reader is not None and self._loop is not None and not self._loop.is_closed():
-            if in_loop(self._loop):
-                self._reader.cancel()
-            else:
-                self._loop.call_soon_threadsafe(self._reader.cancel)
+        self._outputs.cancel()
         if not self._closed:  # pending utility calls and readers must not wait on
             self._notify_dead("this engine-core client was shut down")
         super().shutdown()

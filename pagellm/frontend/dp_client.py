@@ -25,7 +25,6 @@ one `MPClient` per core; `DPSyncClient` (for `LLM`) and `DPAsyncClient` (for
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import queue
@@ -41,7 +40,7 @@ import msgspec
 import zmq
 
 from pagellm.enginecore.transport import Context, is_loopback
-from pagellm.frontend.async_mp_client import AsyncMPClient, in_loop
+from pagellm.frontend.async_mp_client import AsyncMPClient, LoopQueue, OutputQueue
 from pagellm.frontend.core_client import (
     UTILITY_TIMEOUT_S,
     AsyncEngineCoreClient,
@@ -413,26 +412,14 @@ class DPAsyncClient(DPClient, AsyncEngineCoreClient):
     clients: list[AsyncMPClient]
 
     def __init__(self, args: EngineArgs, curve: CurveClientKeys | None = None) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
-        self._pumps: list[asyncio.Task[None]] = []
+        self._outputs = LoopQueue(lambda loop, queue: [
+            loop.create_task(self._pump(c, queue)) for c in self.clients])
         super().__init__(args, curve)
 
     def _make_client(self, engine_address: str | None, **options: Any) -> AsyncMPClient:
         return AsyncMPClient(None, engine_address, **options)
 
-    def _ensure_readers(self) -> asyncio.Queue[EngineCoreOutputs | EngineDeadError]:
-        loop = asyncio.get_running_loop()
-        if self._queue is None or self._loop is not loop:
-            self._loop = loop
-            self._queue = asyncio.Queue()
-            if self.dead_error is not None:
-                self._queue.put_nowait(EngineDeadError(self.dead_error))
-            self._pumps = [loop.create_task(self._pump(c, self._queue)) for c in self.clients]
-        return self._queue
-
-    async def _pump(self, client: AsyncMPClient,
-                    into: asyncio.Queue[EngineCoreOutputs | EngineDeadError]) -> None:
+    async def _pump(self, client: AsyncMPClient, into: OutputQueue) -> None:
         try:
             while True:
                 outputs = await client.get_output_async()
@@ -442,17 +429,12 @@ class DPAsyncClient(DPClient, AsyncEngineCoreClient):
             into.put_nowait(EngineDeadError(self.dead_error or str(e)))
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        queue = self._ensure_readers()
-        item = await queue.get()
-        if isinstance(item, EngineDeadError):
-            queue.put_nowait(item)
-            raise item
-        return item
+        return await self._outputs.get(self.dead_error)
 
     async def call_utility_async(self, method: UtilityMethod, *args: Any,
                                  timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
         self.check_alive()
-        self._ensure_readers()
+        self._outputs.ensure(self.dead_error)
         results = await asyncio.gather(
             *(client.call_utility_async(method, *args, timeout=timeout)
               for client in self.clients), return_exceptions=True)
@@ -463,12 +445,5 @@ class DPAsyncClient(DPClient, AsyncEngineCoreClient):
         return merge_results(method, results)
 
     def shutdown(self) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            for pump in self._pumps:
-                with contextlib.suppress(RuntimeError):
-                    if in_loop(loop):
-                        pump.cancel()
-                    else:
-                        loop.call_soon_threadsafe(pump.cancel)
+        self._outputs.cancel()
         super().shutdown()
