@@ -12,30 +12,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 import psutil
 import torch
 
 from pagellm.executor import memory
 from pagellm.executor.config import ModelConfig, resolve_device, resolve_model_config
-from pagellm.executor.cuda_ipc import open_cuda_ipc
 from pagellm.executor.model_runner import ModelRunner
 from pagellm.executor.models.cpu_linear import drop_packed
-from pagellm.executor.models.decoder import Destination
 from pagellm.executor.parallel import TensorParallel
 from pagellm.executor.sampler import step_peak_bytes
 from pagellm.executor.tensor_codec import decode_value, encode_value
-from pagellm.executor.weight_transfer import (
-    TransferInit,
-    UpdateTooLarge,
-    WeightGroup,
-    check_specs,
-    open_update,
-    receive,
-)
+from pagellm.executor.weight_updates import WeightUpdates
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 from pagellm.protocol.utility import WeightUpdate
@@ -95,20 +84,11 @@ class Worker:
         self.enable_sleep_mode = args.enable_sleep_mode
         self.sleeping: set[str] = set()  # tags ("weights", "kv_cache") now freed
         self._weight_shapes = memory.shapes(self.model_runner.model)
-        # The most one update may carry, on every path (`check_specs`): a broadcast is
-        # received even when refused, and specs may point many times at one region of a
-        # buffer. Each rank holds at least 1/world_size of every tensor, so a full
-        # checkpoint is at most world_size x this rank's bytes; twice that for one sent
-        # in a wider dtype (float32 to a 16-bit model). Taken while awake: asleep, the
-        # parameters hold no bytes.
-        self._update_limit = (2 * self.world_size
-                              * memory.parameter_bytes(self.model_runner.model))
-        # And at most twice the checkpoint's tensors (room for the ones we skip: RoPE
-        # tables, a tied LM head's copy).
-        self._update_max_specs = 2 * len(self.model_runner.model.checkpoint_keys())
         self._weight_backup: memory.HostBackup | None = None
-        self.weight_transfer = args.weight_transfer_config
-        self._group: WeightGroup | None = None
+        self.updates = WeightUpdates(
+            self.model_runner.model, self.device, args.weight_transfer_config, world_size,
+            global_rank=args.data_parallel_rank * world_size + rank,
+            workers=args.data_parallel_size * world_size)
 
     @property
     def runner(self) -> ModelRunner:
@@ -221,119 +201,15 @@ class Worker:
     # -- weight updates and collective_rpc ----------------------------------------
 
     def update_weights(self, update: WeightUpdate) -> int:
-        """Copy the update's tensors into the model; the update as a whole
-        (`_check_update`) and every name, shape and dtype are checked before the first
-        copy. Returns the number of tensors loaded."""
+        """Copy the update's tensors into the model, every check passed before the first
+        copy (`WeightUpdates.apply`). Returns the number of tensors loaded."""
         try:
-            return self._update_weights(update)
+            return self.updates.apply(update, weights_asleep="weights" in self.sleeping)
         finally:  # a collective's receive writes past the version counters packs check
             drop_packed()
 
-    def _update_weights(self, update: WeightUpdate) -> int:
-        if update.cuda_ipc is not None:  # opened first: refused or not, released after
-            with open_cuda_ipc(update, self._global_rank()) as tensors:
-                self._check_update(update)
-                self._load_checked(tensors)
-                return len(tensors)
-        if update.buffer is not None:
-            self._check_update(update)
-            with open_update(update) as tensors:
-                self._load_checked(tensors)
-            return len(tensors)
-        if self._group is None:
-            if self.weight_transfer is not None and self.weight_transfer["backend"] != "nccl":
-                raise RuntimeError(
-                    "an update_info update (names, dtypes and shapes only) is broadcast "
-                    "over backend 'nccl'; this engine's backend is "
-                    f"{self.weight_transfer['backend']!r}: send the tensors themselves")
-            raise RuntimeError("a weight update without a buffer arrives over the "
-                               "weight-transfer group: init_weight_transfer_engine first")
-        # Every name and shape is checked before the first broadcast arrives, so the
-        # tensors can load as they come (one in memory at a time); a refused update is
-        # still received, into scratch, so the trainer never hangs; but not one larger
-        # than the model allows, nor one with a spec that is no weight (`receive`
-        # refuses it before the first broadcast): nothing of those is received.
-        try:
-            self._check_update(update)
-            dests = self._destinations([(spec.name, spec.shape) for spec in update.specs])
-        except UpdateTooLarge:
-            raise
-        except (RuntimeError, ValueError):
-            receive(self._group, update.specs, None)
-            raise
-        loaded = receive(self._group, update.specs, dests)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return loaded
-
-    def _check_update(self, update: WeightUpdate) -> None:
-        """What every path checks first, before any byte of the update is copied or
-        received: that this engine takes updates, the update's size and names
-        (`check_specs`), then that the weights are awake (after the size: an update
-        refused while asleep is drained, one too large never is)."""
-        if self.weight_transfer is None:
-            raise RuntimeError("weight updates need the engine started with "
-                               "weight_transfer_config={'backend': 'ipc'}")
-        check_specs(update.specs, self._update_limit, self._update_max_specs)
-        if "weights" in self.sleeping:
-            raise RuntimeError("the weights are asleep; wake_up(tags=['weights']) first")
-
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Join the trainer's group (backend "nccl"; "ipc" needs nothing). Blocks until
-        the trainer joins too, at most TRANSFER_TIMEOUT_S."""
-        if self.weight_transfer is None:
-            raise RuntimeError("weight updates need the engine started with "
-                               "weight_transfer_config")
-        if self.weight_transfer["backend"] != "nccl":
-            return
-        if self._group is not None:
-            raise RuntimeError("the weight-transfer engine is already initialized")
-        init = msgspec.convert(init_info, TransferInit)
-        # Refused by every worker alike before any joins: a rank past the group's size
-        # would wait out TRANSFER_TIMEOUT_S.
-        workers = self.args.data_parallel_size * self.world_size
-        if init.rank_offset + workers > init.world_size:
-            raise ValueError(
-                f"init_info world_size={init.world_size} cannot hold this engine's "
-                f"{workers} worker(s) from rank_offset={init.rank_offset}: it needs at "
-                f"least rank_offset + data_parallel_size x tensor_parallel_size = "
-                f"{init.rank_offset + workers}")
-        self._group = WeightGroup(init, rank=init.rank_offset + self._global_rank(),
-                                  device=self.device)
-
-    def _global_rank(self) -> int:
-        """This worker among every worker of every data-parallel engine core (vLLM's
-        numbering: core by core, tensor-parallel ranks within each)."""
-        return self.args.data_parallel_rank * self.world_size + self.rank
-
-    def _destinations(self, shapes: list[tuple[str, Sequence[int]]]) -> list[Destination]:
-        """Where each `(checkpoint name, full shape)` of an update loads on this rank
-        (each rank takes its slice); ValueError naming every one that does not fit, so
-        that a bad update changes nothing."""
-        model = self.runner.model
-        params = dict(model.named_parameters())
-        dests, problems = [], []
-        for name, shape in shapes:
-            dest = model.destination(name, params)
-            if dest is None:
-                problems.append(f"{name}: no such weight in the model")
-            elif dest.tensor is not None and dest.shape != tuple(shape):
-                problems.append(f"{name}: shape {tuple(shape)}, the model's is {dest.shape}")
-            else:
-                dests.append(dest)
-        if problems:
-            more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-            raise ValueError(f"weight update refused, old weights kept: "
-                             f"{'; '.join(problems[:8])}{more}")
-        return dests
-
-    def _load_checked(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy only when every tensor fits: a bad update changes nothing."""
-        dests = self._destinations([(name, tensor.shape) for name, tensor in tensors])
-        for dest, (_, tensor) in zip(dests, tensors, strict=True):
-            dest.load(tensor, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the sources may go away on return
+        self.updates.init_engine(init_info)
 
     rpc_methods: frozenset[str] = frozenset()  # set by the extension's subclass
 
