@@ -13,6 +13,7 @@ from pagellm.executor.sampler import (
     SamplingMetadata,
     apply_min_p,
     apply_top_k_top_p,
+    argmax_rows,
     mix_seed,
     step_peak_bytes,
 )
@@ -34,6 +35,24 @@ def sample(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata) -> to
 def test_greedy_rows_take_the_argmax():
     logits = torch.tensor([[0.1, 3.0, -1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
     assert sample(Sampler(CPU, 0), logits, _meta(2, 0.0)).tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_each_rows_first_maximal_index(dtype):
+    """Ties (small integers), an all -inf row, NaN (which wins, as in argmax) and a
+    strided view, against the first maximal index found by hand."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (40, 2 * 3001), generator=gen).float()[:, ::2]
+    x[0] = -math.inf
+    x[1, 7] = x[1, 2000] = math.nan
+    x = x.to(dtype)
+
+    def first_max(row: list[float]) -> int:
+        if any(math.isnan(v) for v in row):
+            return next(i for i, v in enumerate(row) if math.isnan(v))
+        return row.index(max(row))
+
+    assert argmax_rows(x).tolist() == [first_max(r) for r in x.float().tolist()]
 
 
 def test_greedy_and_random_rows_mix_in_one_batch():

@@ -103,7 +103,7 @@ class Sampler:
         logits = apply_token_masks(logits, meta)
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
-        greedy = logits.argmax(dim=-1) if meta.any_greedy else None
+        greedy = argmax_rows(logits) if meta.any_greedy else None
         if meta.all_greedy:
             assert greedy is not None
             sampled = greedy
@@ -131,7 +131,15 @@ class Sampler:
         for row, seed in seeds.items():
             generator = torch.Generator(device=probs.device).manual_seed(seed)
             q[row].exponential_(generator=generator)
-        return probs.div_(q).argmax(dim=-1)
+        return argmax_rows(probs.div_(q))
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, vocab] -> [rows] int64: each row's first maximal index, as argmax
+    (ties, -inf rows and NaN alike), through max's kernel: argmax's CPU kernel reads
+    at a third of its speed (48 x 151936 fp32: 4.8 ms against 1.7, 4% of a 48-request
+    bf16 run on 2 cores)."""
+    return x.max(dim=-1).indices
 
 
 def apply_token_masks(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
