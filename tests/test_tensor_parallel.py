@@ -34,7 +34,7 @@ def _tokens(outputs):
 
 def _workers(pid: int) -> list[psutil.Process]:
     return [p for p in psutil.Process(pid).children(recursive=True)
-            if "pagellm.executor.multiproc" in " ".join(p.cmdline())]
+            if "pagellm.executor.worker_proc" in " ".join(p.cmdline())]
 
 
 @pytest.mark.parametrize("size", [2, 4])

@@ -1,7 +1,7 @@
 """Tensor parallelism across processes: one worker process per rank.
 
     engine-core process                            worker processes, ranks 0..N-1
-    MultiprocExecutor                              (python -m pagellm.executor.multiproc)
+    MultiprocExecutor                              (python -m pagellm.executor.worker_proc)
       XPUB ── [seq, method, msgpack args] ───▶ SUB   every rank gets every call once
       PULL ◀── [reply header, msgpack result] ── PUSH  every rank answers every call
       TCPStore: torch.distributed's rendezvous ◀─ every rank: the broadcast and reply
@@ -24,7 +24,6 @@ torch.distributed's is: run it on a trusted network.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import logging
@@ -37,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -45,9 +44,7 @@ import psutil
 import zmq
 
 from pagellm.executor.executor import Executor
-from pagellm.executor.worker import StepFailed, is_device_fault
-from pagellm.lifeline import die_with_parent, wait_for_eof
-from pagellm.logger import freeze_startup_heap
+from pagellm.executor.worker import StepFailed
 from pagellm.protocol.engine_args import EngineArgs, usable_cpus
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 from pagellm.protocol.utility import WeightUpdate
@@ -80,7 +77,7 @@ _ANY_DECODER = msgspec.msgpack.Decoder()
 _ERROR_TYPES: dict[str, type[Exception]] = {
     e.__name__: e for e in (ValueError, TypeError, FileNotFoundError, MemoryError,
                             RuntimeError, StepFailed)}
-_SEQ = struct.Struct("<Q")
+SEQ = struct.Struct("<Q")
 
 
 class Reply(msgspec.Struct, array_like=True):
@@ -206,7 +203,7 @@ class MultiprocExecutor(Executor):
         if self._failure is not None:
             raise WorkerDied(self._failure)
         self._seq += 1
-        self._calls.send_multipart([_SEQ.pack(self._seq), method.encode(),
+        self._calls.send_multipart([SEQ.pack(self._seq), method.encode(),
                                     msgspec.msgpack.encode(args)])
         results: list[Any] = [None] * self.world_size
         errors: dict[int, Reply] = {}
@@ -330,118 +327,17 @@ def stop_processes(procs: list[subprocess.Popen[bytes]], wait_s: float) -> None:
 
 def spawn_worker(args: EngineArgs, rank: int, local_rank: int, host: str, port: int,
                  per_node: int, lifeline: int) -> subprocess.Popen[bytes]:
-    """Start rank `rank`'s worker process (`python -m pagellm.executor.multiproc`)."""
+    """Start rank `rank`'s worker process (`python -m pagellm.executor.worker_proc`)."""
     env = dict(os.environ)
     # The node's cores shared among its ranks: oversubscribed OpenMP threads spin.
     threads = int(env.get("OMP_NUM_THREADS") or usable_cpus())
     env["OMP_NUM_THREADS"] = str(max(1, threads // per_node))
-    cmd = [sys.executable, "-m", "pagellm.executor.multiproc", *args.to_cli_args(),
+    cmd = [sys.executable, "-m", "pagellm.executor.worker_proc", *args.to_cli_args(),
            "--rank", str(rank), "--local-rank", str(local_rank), "--store",
            f"{host}:{port}", "--lifeline-fd", str(lifeline)]
     if threading.current_thread() is threading.main_thread():  # see die_with_parent
         cmd.append("--die-with-parent")
     return subprocess.Popen(cmd, pass_fds=(lifeline,), env=env)
-
-
-# -- the worker process ------------------------------------------------------------------
-
-def worker_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagellm.executor.multiproc")
-    EngineArgs.add_cli_args(parser)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--local-rank", type=int, required=True)
-    parser.add_argument("--store", required=True, help="HOST:PORT of the TCPStore")
-    parser.add_argument("--lifeline-fd", type=int, default=None)
-    parser.add_argument("--die-with-parent", action="store_true")
-    ns = parser.parse_args(argv)
-    if ns.die_with_parent:  # started by its parent's main thread
-        die_with_parent()  # (a parent that died before this: the lifeline's EOF)
-    from pagellm.logger import configure_logging
-
-    configure_logging()
-    from pagellm.executor.memory import tune_engine_process
-
-    tune_engine_process()
-    if ns.lifeline_fd is not None:
-        threading.Thread(target=_exit_on_eof, args=(ns.lifeline_fd,), daemon=True).start()
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    args = EngineArgs.from_cli_args(ns)
-    host, _, port = ns.store.rpartition(":")
-    _serve(args, ns.rank, ns.local_rank, host, int(port))
-    os._exit(0)  # skip interpreter teardown (the process group's, zmq's)
-
-
-def _serve(args: EngineArgs, rank: int, local_rank: int, host: str, port: int) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from pagellm.executor.extension import worker_class
-
-    timeout = datetime.timedelta(seconds=STARTUP_TIMEOUT_S)
-    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    ctx = zmq.Context()
-    ctx.setsockopt(zmq.LINGER, 0)
-    replies = ctx.socket(zmq.PUSH)
-    replies.connect(store.get("pagellm/replies").decode())
-    calls = ctx.socket(zmq.SUB)
-    calls.setsockopt(zmq.SUBSCRIBE, b"")
-    calls.setsockopt(zmq.RCVHWM, 0)
-    gone = calls.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    calls.connect(store.get("pagellm/calls").decode())
-    world, per_node = args.tensor_parallel_size, args.tensor_parallel_size // args.nnodes
-    try:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        from pagellm.executor.worker import device_for
-
-        device = device_for(args, local_rank)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                store=dist.PrefixStore("pagellm/tp", store), rank=rank,
-                                world_size=world,
-                                timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-        worker = worker_class(args.worker_extension_cls)(args, rank, local_rank, world,
-                                                         per_node)
-    except Exception as e:
-        logger.exception("tensor-parallel rank %d failed to start", rank)
-        replies.send(msgspec.msgpack.encode(Reply(0, rank, type(e).__name__, str(e))))
-        time.sleep(0.5)  # let the reply leave before the process does
-        return
-    replies.send(msgspec.msgpack.encode(Reply(0, rank)))
-    decoders = {m: msgspec.msgpack.Decoder(t) for m, t in CALL_TYPES.items()}
-    encoder = msgspec.msgpack.Encoder()
-    poller = zmq.Poller()
-    poller.register(calls, zmq.POLLIN)
-    poller.register(gone, zmq.POLLIN)
-    while True:
-        events = dict(poller.poll())
-        if gone in events:
-            logger.info("tensor-parallel rank %d: the engine core is gone", rank)
-            return
-        seq, method_bytes, payload = calls.recv_multipart()
-        method = method_bytes.decode()
-        header, result = Reply(_SEQ.unpack(seq)[0], rank), b""
-        try:
-            value = getattr(worker, method)(*decoders[method].decode(payload))
-            if rank == 0 or method != "execute_model":  # rank 0 speaks for the step
-                result = encoder.encode(value)
-        except Exception as e:
-            if method != "execute_model" or not isinstance(e, StepFailed):
-                logger.exception("tensor-parallel rank %d: %s failed", rank, method)
-            header.error_type = ("DeviceFault" if is_device_fault(e)
-                                 else type(e).__name__)
-            header.message = str(e)
-        replies.send_multipart([encoder.encode(header), result])
-        if method == "initialize_kv_cache" and header.error_type is None:  # started
-            freeze_startup_heap(f"tensor-parallel rank {rank}")  # see logger.py
-        if method == "shutdown":
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-            return
-
-
-def _exit_on_eof(fd: int) -> None:
-    """The engine core holds the other end of the lifeline."""
-    wait_for_eof(fd)
-    os._exit(0)
 
 
 # -- a node of a multi-node run that runs only workers ----------------------------------
@@ -475,6 +371,3 @@ def run_headless(args: EngineArgs) -> int:
     logger.info("headless node %d: workers exited with %s", args.node_rank, codes)
     return 0 if stop.is_set() or all(c == 0 for c in codes) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(worker_main())
