@@ -711,8 +711,9 @@ def test_weights_are_packed_only_where_their_copies_fit(built: Built, tmp_path: 
                                                        monkeypatch: pytest.MonkeyPatch
                                                        ) -> None:
     """Where bf16 GEMMs run on packed copies, the loader packs a model's linear weights
-    (and the LM head's) only if weights and copies take at most half of the memory
-    available; a model too big for that still loads, on its plain weights."""
+    (and the LM head's) only if weights and copies take at most half of this worker's
+    share of the memory available; a model too big for that still loads, on its plain
+    weights."""
     from pagellm.executor import loader
     from pagellm.executor.models import cpu_linear
 
@@ -727,6 +728,9 @@ def test_weights_are_packed_only_where_their_copies_fit(built: Built, tmp_path: 
     monkeypatch.setattr(loader, "available_memory", lambda device: 2 * both + 1024)
     roomy = load_model(config, CPU)
     assert all(cpu_linear.PACKED_WEIGHTS.get(w) is not None for w in roomy.linear_weights())
+    # Two workers on this host (tensor or data parallel) load at once: half each.
+    shared = load_model(config, CPU, host_ranks=2)
+    assert all(cpu_linear.PACKED_WEIGHTS.get(w) is None for w in shared.linear_weights())
     assert {w.shape[0] for w in roomy.linear_weights()} >= {config.spec.vocab_size}
 
 

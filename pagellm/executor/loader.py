@@ -118,15 +118,16 @@ def _check_memory(config: ModelConfig, needed: int, device: torch.device,
             f", more than the {free} bytes ({free / 2**30:.1f} GiB) available on {device}")
 
 
-def _packed_bytes(model: DecoderForCausalLM, config: ModelConfig, device: torch.device
-                  ) -> int:
+def _packed_bytes(model: DecoderForCausalLM, config: ModelConfig, device: torch.device,
+                  host_ranks: int) -> int:
     """Bytes of the packed weight copies to make (cpu_linear): where GEMMs take them,
     if weights and copies together take at most PACKED_MAX_SHARE of this rank's share
-    of the memory available; else 0 (the GEMMs run on the plain weights, as without AMX)."""
+    of the memory available (split among the `host_ranks` workers of every engine core
+    on this host, which load at once); else 0 (the GEMMs run on the plain weights)."""
     if not packs_weights(config.dtype, device):
         return 0
     copies = sum(w.numel() * w.element_size() for w in model.linear_weights())
-    share = available_memory(device) / model.tp.size  # every rank on this host
+    share = available_memory(device) / host_ranks
     if _bytes_of(model) + copies > PACKED_MAX_SHARE * share:
         logger.warning("bf16 GEMMs on plain weights: packed copies of them (%.2f GiB) would "
                        "not fit in half of this rank's %.2f GiB of the memory available",
@@ -135,15 +136,16 @@ def _packed_bytes(model: DecoderForCausalLM, config: ModelConfig, device: torch.
     return copies
 
 
-def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | None = None
-               ) -> DecoderForCausalLM:
+def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | None = None,
+               host_ranks: int = 1) -> DecoderForCausalLM:
     """The model (this rank's slice of it, under tensor parallelism) on `device` in
-    `config.dtype`, weights loaded, in eval mode. Every rank reads the checkpoint and
-    keeps its slice. Its size is checked first, before anything is allocated (module
-    docstring)."""
+    `config.dtype`, weights loaded, in eval mode; `host_ranks` workers share this host's
+    memory (packed copies are made only if they fit in this one's share). Every rank
+    reads the checkpoint and keeps its slice. Its size is checked first, before anything
+    is allocated (module docstring)."""
     model = _meta_model(config, tp)
     _check_memory(config, _bytes_of(model), device, tp)
-    copies = _packed_bytes(model, config, device)
+    copies = _packed_bytes(model, config, device, host_ranks)
     model = model.to_empty(device=device)
     model.model.rotary_emb.reset_cache()  # computed, not loaded: fill it on the device
     if config.load_format == "dummy":

@@ -73,7 +73,8 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, seed: int,
                  attention_backend: str = "auto", logprobs_mode: str = "raw_logprobs",
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, host_ranks: int = 1) -> None:
+        """`host_ranks`: the workers sharing this host's memory (the loader's share)."""
         self.model_config = model_config
         # This rank's slice of the model (all of it without tensor parallelism).
         self.tp = tp or TensorParallel.layout(model_config.spec)
@@ -94,7 +95,7 @@ class ModelRunner:
                                  "attention_backend='torch'")
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 0)
-        self.model = load_model(model_config, device, self.tp)
+        self.model = load_model(model_config, device, self.tp, host_ranks)
         self.sampler = Sampler(device, seed)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

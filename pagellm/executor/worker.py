@@ -77,7 +77,7 @@ class Worker:
         self.model_runner = ModelRunner(self.model_config, self.device, args.block_size,
                                         args.max_num_seqs, self.max_num_batched_tokens,
                                         args.seed, args.attention_backend,
-                                        args.logprobs_mode, tp)
+                                        args.logprobs_mode, tp, self._host_ranks())
         self.num_kv_blocks = 0
         self.use_cuda_graphs = (self.device.type == "cuda" and not args.enforce_eager
                                 and self.model_runner.attention.name == "triton")
@@ -254,19 +254,23 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def _host_ranks(self) -> int:
+        """Workers on this host, of every engine core here: they share its RAM."""
+        args = self.args
+        local_cores = (args.data_parallel_size if args.data_parallel_size_local is None
+                       else args.data_parallel_size_local) or 1
+        return self.local_world_size * local_cores
+
     def _cpu_budget(self, args: EngineArgs) -> int:
         """A share of available RAM (split among the ranks of every engine core on this
         host), and never more than every running request at full length could use."""
         useful = (self.blocks_per_request * args.max_num_seqs
                   * self.runner.kv_cache_bytes_per_block())
-        local_cores = (args.data_parallel_size if args.data_parallel_size_local is None
-                       else args.data_parallel_size_local) or 1
-        share = CPU_KV_CACHE_RAM_SHARE / (self.local_world_size * local_cores)
+        share = CPU_KV_CACHE_RAM_SHARE / self._host_ranks()
         available = psutil.virtual_memory().available
         # Every rank samples the full logits (tensor parallelism all-gathers them).
         self._check_step_fits(int(available * (1 - CPU_KV_CACHE_RAM_SHARE)
-                                  / (self.local_world_size * local_cores)),
-                              "beside the KV cache's share")
+                                  / self._host_ranks()), "beside the KV cache's share")
         return min(int(available * share), useful)
 
     def _profiled_cuda_budget(self, args: EngineArgs, used_before: int) -> int:

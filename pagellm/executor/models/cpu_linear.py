@@ -29,8 +29,9 @@ measures them all; BENCHMARKS.md, "CPU GEMMs", has the tables):
   call: AMX wants it in pairs of rows); a 48-request bf16 run is ~20% faster packed.
 
 Packed copies (`PackedWeights`) cost a second copy of every linear weight in memory:
-the loader makes them only when weights and copies together take at most half of the
-memory available (a model too big for that runs on its plain weights, as before). The
+the loader makes them only when weights and copies together take at most half of this
+worker's share of the memory available (a model too big for that runs on its plain
+weights, as before). The
 plain parameters stay the truth that loading, weight updates, sleep and extensions read
 and write. A copy is made again when its parameter's storage or version changed (every
 in-place write through the parameter or a view of it); writes that bypass the version
