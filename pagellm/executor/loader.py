@@ -8,7 +8,8 @@ memory (check_model_config bounds each field; this bounds their product). Loadin
 adds little to those bytes: dummy weights are drawn 16 MiB at a time, safetensors are
 copied one tensor at a time from a memory map. On a CPU whose bf16 GEMMs run on
 packed weights (cpu_linear.packs_weights), those copies are made here, before the
-engine measures what memory is left for the KV cache, if they fit in half of it.
+engine measures what memory is left for the KV cache, if weights and copies fit in half
+of this worker's share of the memory available.
 """
 
 from __future__ import annotations
