@@ -266,12 +266,12 @@ class Worker:
         host), and never more than every running request at full length could use."""
         useful = (self.blocks_per_request * args.max_num_seqs
                   * self.runner.kv_cache_bytes_per_block())
-        share = CPU_KV_CACHE_RAM_SHARE / self._host_ranks()
+        ranks = self._host_ranks()
         available = psutil.virtual_memory().available
         # Every rank samples the full logits (tensor parallelism all-gathers them).
-        self._check_step_fits(int(available * (1 - CPU_KV_CACHE_RAM_SHARE)
-                                  / self._host_ranks()), "beside the KV cache's share")
-        return min(int(available * share), useful)
+        self._check_step_fits(int(available * (1 - CPU_KV_CACHE_RAM_SHARE) / ranks),
+                              "beside the KV cache's share")
+        return min(int(available * CPU_KV_CACHE_RAM_SHARE / ranks), useful)
 
     def _profiled_cuda_budget(self, args: EngineArgs, used_before: int) -> int:
         """Profile the largest step, then give the KV cache what is left of its share."""
