@@ -2,7 +2,7 @@
 
 - `InprocClient` runs the `EngineCore` in this process (tests, debugging): each
   `get_output()` is one engine step.
-- `SyncMPClient` / `AsyncMPClient` (frontend/mp_client.py, async_mp_client.py) talk to
+- `SyncMPClient` / `AsyncMPClient` (frontend/sync_mp_client.py, async_mp_client.py) talk to
   an engine core in another process over ZeroMQ.
 
 `make_client` is the one place that chooses between them, for `LLM`, `AsyncLLM` and
@@ -85,7 +85,7 @@ def make_client(args: EngineArgs, *, asyncio_mode: bool, multiprocess: bool = Tr
     ignoring them would mislead."""
     from pagellm.frontend.async_mp_client import AsyncMPClient
     from pagellm.frontend.dp_client import DPAsyncClient, DPSyncClient
-    from pagellm.frontend.mp_client import SyncMPClient
+    from pagellm.frontend.sync_mp_client import SyncMPClient
 
     if engine_address is not None:
         configured = [f.name for f in dataclasses.fields(args)

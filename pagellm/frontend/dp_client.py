@@ -51,7 +51,8 @@ from pagellm.frontend.core_client import (
 from pagellm.frontend.curve import CurveClientKeys, allow_only
 from pagellm.frontend.dp_routing import Router, merge_infos, merge_results
 from pagellm.frontend.engine_process import EngineProcess
-from pagellm.frontend.mp_client import LOCAL_STARTUP_TIMEOUT_S, MPClient, SyncMPClient
+from pagellm.frontend.mp_client import LOCAL_STARTUP_TIMEOUT_S, MPClient
+from pagellm.frontend.sync_mp_client import SyncMPClient
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import (
     PROTOCOL_VERSION,
