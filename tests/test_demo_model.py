@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagellm.executor import demo_model
+from pagellm.executor import demo_model, demo_tokenizer
 from pagellm.executor.demo_model import (
     DEMO_SPEC,
     DEMO_VERSION,
@@ -117,7 +117,7 @@ def test_tokenizer_is_deterministic_and_copied() -> None:
     first = train_tokenizer(1024)
     again = train_tokenizer(1024)
     assert first is not again  # callers may mutate their copy
-    fresh = demo_model._trained_tokenizer_json.__wrapped__(1024)  # bypass the cache
+    fresh = demo_tokenizer._trained_tokenizer_json.__wrapped__(1024)  # bypass the cache
     assert first.to_str() == fresh == again.to_str()
 
 
