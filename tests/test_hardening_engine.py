@@ -40,11 +40,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 TIGHT_ENGINE = textwrap.dedent("""
     import sys
     import pagellm.enginecore.output_sender as output_sender
-    import pagellm.enginecore.proc as proc
+    import pagellm.enginecore.input_receiver as input_receiver
     output_sender.CONNECT_GRACE_S = 1.0
     output_sender.OUTPUT_HWM = 20
-    proc.MAX_CLIENTS = 8
-    proc.MAX_MESSAGE_BYTES = 2**20
+    input_receiver.MAX_CLIENTS = 8
+    input_receiver.MAX_MESSAGE_BYTES = 2**20
     from pagellm.enginecore.__main__ import main
     sys.exit(main(sys.argv[1:]))
 """)
@@ -541,9 +541,9 @@ def test_a_client_that_stops_reading_is_dropped_and_its_requests_aborted(tight_e
 
 DYING_INPUT_THREAD = textwrap.dedent("""
     import sys
-    import pagellm.enginecore.proc as proc
+    import pagellm.enginecore.input_receiver as input_receiver
 
-    real = proc.EngineCoreProc._on_message
+    real = input_receiver.InputReceiver._on_message
     seen = 0
 
     def flaky(self, frames, decoders):
@@ -553,7 +553,7 @@ DYING_INPUT_THREAD = textwrap.dedent("""
             raise SystemExit("injected: the input thread dies")
         return real(self, frames, decoders)
 
-    proc.EngineCoreProc._on_message = flaky
+    input_receiver.InputReceiver._on_message = flaky
     from pagellm.enginecore.__main__ import main
     sys.exit(main(sys.argv[1:]))
 """)

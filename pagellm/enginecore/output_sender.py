@@ -33,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 from pagellm.enginecore.transport import SocketFactory, data_endpoint
 from pagellm.enginecore.transport import monitor as monitor_socket
 from pagellm.protocol.codec import MsgpackEncoder
-from pagellm.protocol.messages import EngineCoreOutputs
+from pagellm.protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
 logger = logging.getLogger("pagellm")
 
@@ -157,6 +157,13 @@ class OutputSender:
             for index in outputs:
                 self._queued[index] = self._queued.get(index, 0) + 1
         self._queue.put(_Send(outputs))
+
+    def fail_request(self, client: int, request_id: str, error: str) -> None:
+        """Fail one request that never reached the scheduler (through the output thread:
+        called from the input thread too)."""
+        self.queue_send({client: EngineCoreOutputs(
+            [EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error)],
+            time.monotonic())})
 
     # -- the output thread -----------------------------------------------------------
 

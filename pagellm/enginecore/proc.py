@@ -4,24 +4,22 @@
     DEALER ── HELLO / ADD / ABORT / ─────▶ ROUTER  (the one address a supervisor
               UTILITY / BYE                         configures): input thread — who sent
                                                     it (the connection), decode ─▶ queue
+                                                    (InputReceiver, input_receiver.py)
                                                 busy loop (main thread): step ◀──────┘
     PULL ◀─── EngineCoreOutputs ────────── PUSH    output thread: outputs by client,
               (one PUSH per client)                 encode, send, heartbeats; watches
                                                     each client's output connection
                                                     (OutputSender, output_sender.py)
 
-Who a message comes from is the ROUTER's routing id of the connection it arrived on,
-assigned by ZeroMQ (never a field the client writes), so no client can act for
-another. A client is told its index and its own output endpoint in READY. Everything
-a client can make the engine hold is bounded: the number of clients (MAX_CLIENTS),
-the size of a message (MAX_MESSAGE_BYTES), the outputs queued for a client that stops
-reading (OUTPUT_HWM: it is dropped), and a client that never connects its output
-socket is dropped after CONNECT_GRACE_S. No pickle anywhere; a message that does not
-decode is logged (rate-limited) and dropped, a request the engine cannot serve
-fails alone with an error output, and a utility call it cannot decode (an unknown
-method) is answered with a failure, never left to its caller's timeout. An I/O thread
-that dies takes the engine down with a message to every client, never leaving a
-process that heartbeats but is deaf.
+This module is the busy loop and the process around it: signals (the first SIGTERM or
+SIGINT drains for up to `shutdown_timeout` seconds, a second stops now), the launching
+frontend's lifeline, utility calls (a pause in mode "wait" is answered once it
+settles), and the load every message carries. Everything a client can make the engine
+hold is bounded: the number of clients and the size of a message (input_receiver.py),
+the outputs queued for a client that stops reading and the time a client has to
+connect its output socket (output_sender.py). An I/O thread that dies takes the engine
+down with a message to every client, never leaving a process that heartbeats but is
+deaf.
 """
 
 from __future__ import annotations
@@ -34,41 +32,34 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
-import zmq
 
-from pagellm.enginecore.core import Deferred, EngineCore, RequestRejected
-from pagellm.enginecore.output_sender import AttachedClient, OutputSender, last_word
-from pagellm.enginecore.request import Request
+from pagellm.enginecore.core import Deferred, EngineCore
+from pagellm.enginecore.input_receiver import (
+    Abort,
+    Add,
+    ClientGone,
+    InputReceiver,
+    ThreadDied,
+    Utility,
+)
+from pagellm.enginecore.output_sender import OutputSender, last_word
 from pagellm.enginecore.transport import CurveServerKeys, SocketFactory
 from pagellm.lifeline import wait_for_eof
 from pagellm.logger import freeze_startup_heap
-from pagellm.protocol.codec import MsgpackDecoder
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import (
-    MAX_MESSAGE_BYTES,
-    PROTOCOL_VERSION,
-    EngineCoreOutput,
     EngineCoreOutputs,
-    EngineCoreRequest,
-    FinishReason,
-    HandshakeReply,
-    HandshakeRequest,
-    RequestType,
     UtilityMethod,
     UtilityOutput,
     UtilityRequest,
 )
 
 logger = logging.getLogger("pagellm")
-T = TypeVar("T")
 
-MAX_CLIENTS = 64  # frontends attached at once
-_POLL_MS = 100  # how often the input thread checks for shutdown
 _SIGNAL_CHECK_S = 0.2  # how often an idle busy loop lets signal handlers run
 SHUTDOWN_GRACE_S = 15.0  # after this long in the final shutdown the process exits anyway
 
@@ -82,34 +73,6 @@ class EngineThreadDied(Exception):
     """An I/O thread of the engine core, or a tensor-parallel worker, died."""
 
 
-# Items for the busy loop (from the input thread) ------------------------------------
-@dataclass
-class _Add:
-    request: Request  # validated and hashed
-
-
-@dataclass
-class _Abort:
-    client: int
-    request_ids: list[str]
-
-
-@dataclass
-class _Utility:
-    client: int
-    request: UtilityRequest
-
-
-@dataclass
-class _ClientGone:
-    client: int
-
-
-@dataclass
-class _ThreadDied:
-    message: str  # what died and how (an I/O thread, a tensor-parallel worker)
-
-
 class EngineCoreProc:
     def __init__(self, args: EngineArgs, address: str, curve: CurveServerKeys | None = None,
                  lifeline_fd: int | None = None, shutdown_timeout: float = 0.0) -> None:
@@ -120,30 +83,22 @@ class EngineCoreProc:
         self.sockets = SocketFactory(address, curve, owns_directory=lifeline_fd is not None)
         self.input_queue: queue.Queue[Any] = queue.Queue()
         # A tensor-parallel worker that dies between steps stops the busy loop too.
-        self.core = EngineCore(args, on_failure=lambda m: self.input_queue.put(_ThreadDied(m)))
-        self.frontends, _ = self.sockets.bind(zmq.ROUTER, address, {
-            zmq.ROUTER_MANDATORY: 1,  # a reply to a gone peer raises
-            zmq.MAXMSGSIZE: MAX_MESSAGE_BYTES})
-        self._lock = threading.Lock()  # guards the two maps below
-        self._identities: dict[bytes, int] = {}  # connection -> client index
-        self._clients: dict[int, AttachedClient] = {}
-        self._next_client = 0
-        self._accepting = threading.Event()  # cleared while draining for shutdown
-        self._accepting.set()
-        self._stopping = threading.Event()
+        self.core = EngineCore(args, on_failure=lambda m: self.input_queue.put(ThreadDied(m)))
         self._stop_requested: float | None = None  # when the first SIGTERM/SIGINT came
         # Utility calls answered once a pause in mode "wait" settles.
         self._deferred: list[tuple[int, UtilityRequest, Deferred]] = []
         self.output_s = 0.0  # mean time the busy loop spends sending a step's outputs
-        self.outputs = OutputSender(self._stamp, self._forget_client)
+        # (the output thread drops a client that stops reading: the input side forgets it)
+        self.outputs = OutputSender(self._stamp, lambda index: self.inputs.forget_client(index))
+        self.inputs = InputReceiver(self.core, self.sockets, address, self.input_queue,
+                                    self.outputs)
         # (waiting, running, ADDs handled per client) as the busy loop last saw them, one
         # tuple replaced whole: every message carries its client's part, plus the ADDs
         # the input thread refused (a data-parallel frontend routes by it). Each count
         # has one writer; a client's entries go when it does.
-        self._adds_handled: dict[int, int] = {}  # busy loop
-        self._adds_refused: dict[int, int] = {}  # input thread
+        self._adds_handled: dict[int, int] = {}  # busy loop (the input thread: adds_refused)
         self.load: tuple[int, int, dict[int, int]] = (0, 0, {})
-        self.threads = [self._thread(self._input_loop, "input"),
+        self.threads = [self._thread(self.inputs.run, "input"),
                         self._thread(self.outputs.run, "output")]
         if lifeline_fd is not None:
             self.threads.append(threading.Thread(target=_watch_lifeline, args=(lifeline_fd,),
@@ -191,7 +146,7 @@ class EngineCoreProc:
         if self._stop_requested is not None:
             raise ShutdownRequested(signal.Signals(signum).name)
         self._stop_requested = time.monotonic()
-        self._accepting.clear()  # new requests and frontends are refused from now on
+        self.inputs.accepting.clear()  # new requests and frontends are refused from now on
         logger.info("engine core: %s, draining for up to %.0f s", signal.Signals(signum).name,
                     self.shutdown_timeout)
 
@@ -223,28 +178,28 @@ class EngineCoreProc:
                 return
 
     def _handle(self, item: Any) -> None:
-        if isinstance(item, _ThreadDied):
+        if isinstance(item, ThreadDied):
             raise EngineThreadDied(item.message)
         try:
-            if isinstance(item, _Add):
+            if isinstance(item, Add):
                 client = item.request.client_index  # counted even if the add fails
                 self._adds_handled[client] = self._adds_handled.get(client, 0) + 1
                 self.core.add_preprocessed(item.request)
-            elif isinstance(item, _Abort):
+            elif isinstance(item, Abort):
                 self.core.abort_requests(item.request_ids, item.client)
-            elif isinstance(item, _Utility):
+            elif isinstance(item, Utility):
                 answer = self._call(item.client, item.request)
                 if answer is not None:
                     self.outputs.send_now({item.client: EngineCoreOutputs(
                         timestamp=time.monotonic(), utility_output=answer)})
-            elif isinstance(item, _ClientGone):
+            elif isinstance(item, ClientGone):
                 self.core.abort_client(item.client)
                 self._adds_handled.pop(item.client, None)
         except Exception as e:  # one client's message must not stop the engine
             logger.exception("engine core: could not handle %s", type(item).__name__)
-            if isinstance(item, _Add):
-                self._error_to(item.request.client_index, item.request.request_id,
-                               f"{type(e).__name__}: {e}")
+            if isinstance(item, Add):
+                self.outputs.fail_request(item.request.client_index, item.request.request_id,
+                                          f"{type(e).__name__}: {e}")
 
     def _call(self, client: int, request: UtilityRequest) -> UtilityOutput | None:
         """Answer a utility call, or (a pause in mode "wait" still draining) remember it:
@@ -274,7 +229,7 @@ class EngineCoreProc:
     def _stamp(self, index: int, outputs: EngineCoreOutputs) -> None:
         """The load every message carries, as client `index` should count it."""
         outputs.num_waiting, outputs.num_running, handled = self.load
-        outputs.num_adds_taken = handled.get(index, 0) + self._adds_refused.get(index, 0)
+        outputs.num_adds_taken = handled.get(index, 0) + self.inputs.adds_refused.get(index, 0)
 
     def _answer_deferred(self) -> None:
         if not self._deferred or not self.core.pause_settled():
@@ -288,29 +243,20 @@ class EngineCoreProc:
             self.outputs.send_now({client: EngineCoreOutputs(
                 timestamp=time.monotonic(), utility_output=output)})
 
-    def _error_to(self, client: int, request_id: str, error: str) -> None:
-        """Fail one request that never reached the scheduler."""
-        self.outputs.queue_send({client: EngineCoreOutputs(
-            [EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error)],
-            time.monotonic())})
-
     def _shutdown(self, message: str) -> None:
         # Whatever hangs below, a supervisor's SIGTERM must end the process.
         watchdog = threading.Timer(SHUTDOWN_GRACE_S, os._exit, args=(1,))
         watchdog.daemon = True
         watchdog.start()
-        self._accepting.clear()
-        self._stopping.set()
+        self.inputs.accepting.clear()
+        self.inputs.stopping.set()
         self.outputs.stop(message)
         for thread in self.threads[:2]:
             thread.join(timeout=5)
         if not self.threads[1].is_alive() and not self.outputs.last_word_sent:
-            with self._lock:  # the output thread died: say it from here
-                last_word(list(self._clients.values()), message)
+            last_word(self.inputs.clients(), message)  # the output thread died: say it here
         self.core.shutdown()
         self.sockets.close()
-
-    # -- input thread ----------------------------------------------------------------
 
     def _thread(self, target: Callable[[], None], name: str) -> threading.Thread:
         def run() -> None:
@@ -319,136 +265,8 @@ class EngineCoreProc:
             except BaseException as e:  # a dead I/O thread must take the engine down
                 message = f"engine core {name} thread failed: {type(e).__name__}: {e}"
                 logger.error("%s\n%s", message, traceback.format_exc())
-                self.input_queue.put(_ThreadDied(message))
+                self.input_queue.put(ThreadDied(message))
         return threading.Thread(target=run, name=f"engine-{name}", daemon=True)
-
-    def _input_loop(self) -> None:
-        decoders = {RequestType.ADD: MsgpackDecoder(EngineCoreRequest),
-                    RequestType.ABORT: MsgpackDecoder(list[str]),
-                    RequestType.UTILITY: MsgpackDecoder(UtilityRequest),
-                    RequestType.HELLO: MsgpackDecoder(HandshakeRequest)}
-        while not self._stopping.is_set():
-            if not self.frontends.poll(_POLL_MS):
-                continue
-            frames = self.frontends.recv_multipart()
-            try:
-                self._on_message(frames, decoders)
-            except (msgspec.DecodeError, ValueError) as e:
-                logger.warning("engine core: dropped a malformed message: %s", e)
-            except Exception as e:  # no message may stop this thread
-                logger.exception("engine core: could not handle a message: %s", e)
-
-    def _on_message(self, frames: list[bytes], decoders: dict[RequestType, Any]) -> None:
-        if len(frames) != 3:
-            raise ValueError(f"expected a type frame and a payload, got {len(frames) - 1} "
-                             "frame(s)")
-        identity, kind, payload = frames[0], RequestType(frames[1]), frames[2]
-        with self._lock:
-            client = self._identities.get(identity)
-        if kind == RequestType.HELLO:
-            self._hello(identity, client, decoders[kind].decode(payload))
-            return
-        if client is None:
-            raise ValueError(f"{kind.name} from a connection that has not attached (HELLO)")
-        if kind == RequestType.BYE:
-            self._forget_client(client)
-            self.outputs.unregister(client)
-        elif kind == RequestType.ADD:
-            if not self._add(client, payload, decoders[kind]):
-                self._adds_refused[client] = self._adds_refused.get(client, 0) + 1
-        elif kind == RequestType.ABORT:
-            self.input_queue.put(_Abort(client, decoders[kind].decode(payload)))
-        else:
-            try:
-                call = decoders[kind].decode(payload)
-            except msgspec.ValidationError as e:  # e.g. a method this engine lacks
-                call_id = _first_field(payload, int)
-                if call_id is None or not 0 <= call_id < 2**63:
-                    raise
-                # Answered, or the caller would wait for its own timeout.
-                self.outputs.queue_send({client: EngineCoreOutputs(
-                    timestamp=time.monotonic(), utility_output=UtilityOutput(
-                        call_id, failure=f"invalid utility call: {e}"))})
-                return
-            self.input_queue.put(_Utility(client, call))
-
-    def _add(self, client: int, payload: bytes, decoder: MsgpackDecoder[Any]) -> bool:
-        """Queue the request for the busy loop; False if it was refused here."""
-        try:
-            request = decoder.decode(payload)
-        except msgspec.ValidationError as e:  # e.g. a sampling value out of range
-            request_id = _first_field(payload, str)
-            if not request_id:
-                raise
-            self._error_to(client, request_id, f"invalid request: {e}")
-            return False
-        if not self._accepting.is_set():
-            self._error_to(client, request.request_id, "the engine core is shutting down")
-            return False
-        try:
-            self.input_queue.put(_Add(self.core.preprocess(request, client)))
-        except RequestRejected as e:
-            self._error_to(client, request.request_id, str(e))
-            return False
-        return True
-
-    def _hello(self, identity: bytes, client: int | None, request: HandshakeRequest) -> None:
-        error = None
-        if request.protocol_version != PROTOCOL_VERSION:
-            error = (f"protocol version {request.protocol_version} is not supported (engine "
-                     f"speaks {PROTOCOL_VERSION})")
-        elif client is not None:
-            error = f"this connection is already attached as frontend {client}"
-        elif not self._accepting.is_set():
-            error = "the engine core is shutting down"
-        elif len(self._clients) >= MAX_CLIENTS:
-            error = f"the engine core serves at most {MAX_CLIENTS} frontends at once"
-        if error is not None:
-            self._reply(identity, HandshakeReply(error=error))
-            return
-        index = self._next_client
-        try:
-            record = AttachedClient.bind(self.sockets, self.address, index, identity)
-        except zmq.ZMQError as e:  # e.g. out of file descriptors
-            self._reply(identity, HandshakeReply(error=f"cannot attach a frontend: {e}"))
-            return
-        self._next_client += 1
-        with self._lock:
-            self._identities[identity] = index
-            self._clients[index] = record
-        self.outputs.register(record)
-        self._reply(identity, HandshakeReply(info=self.core.info, client_index=index,
-                                             output_endpoint=record.endpoint,
-                                             output_password=record.password))
-        logger.info("frontend %d attached", index)
-
-    def _reply(self, identity: bytes, reply: HandshakeReply) -> None:
-        self.frontends.send_multipart([identity, msgspec.msgpack.encode(reply)])
-
-    def _forget_client(self, index: int) -> None:
-        """The client is gone (BYE, lost connection, not reading): requests from its
-        connection are refused from now on and the busy loop aborts what it left."""
-        with self._lock:
-            record = self._clients.pop(index, None)
-            if record is None:
-                return
-            self._identities.pop(record.identity, None)
-            self._adds_refused.pop(index, None)
-        self.sockets.forget_password(record.password)
-        self.input_queue.put(_ClientGone(index))
-        logger.info("frontend %d detached", index)
-
-def _first_field(payload: bytes, kind: type[T]) -> T | None:
-    """The first field of a message that failed validation (an ADD's request id, a
-    utility call's id), to tell its sender why."""
-    try:
-        fields = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
-        return None
-    if isinstance(fields, list) and fields and type(fields[0]) is kind:
-        return fields[0]
-    return None
-
 
 def _watch_lifeline(fd: int) -> None:
     """The frontend that launched us holds the other end of the lifeline."""
