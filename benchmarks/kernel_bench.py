@@ -283,9 +283,13 @@ def select_device(smoke: bool) -> torch.device:
     if smoke:
         if "pagellm.kernels.triton_attention" not in sys.modules and not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"
-        from pagellm.kernels.triton_attention import interpreting
+        from pagellm.kernels.triton_attention import interpreter_fault, interpreting
 
         if interpreting():
+            fault = interpreter_fault()
+            if fault is not None:
+                raise SystemExit(f"kernel_bench --smoke runs Triton's interpreter on the "
+                                 f"CPU, which cannot run here: {fault}")
             return torch.device("cpu")
     if not torch.cuda.is_available():
         raise SystemExit("kernel_bench needs CUDA, or --smoke with TRITON_INTERPRET=1 "

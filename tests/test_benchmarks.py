@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from background import Job
+from conftest import runs_triton_kernels
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # benchmarks/ is scripts, not a package
@@ -49,6 +50,7 @@ def assert_kernel_results(results: dict[str, Any], num_cases: int) -> None:
         assert all(case[k] > 0 for k in CASE_TIMINGS), case
 
 
+@runs_triton_kernels
 def test_kernel_bench_smoke_matches_sdpa_and_reports_bandwidth(tmp_path):
     results = run_json(kernel_bench.main, ["--smoke"], tmp_path / "kernel.json")
     assert_kernel_results(results, num_cases=4)
@@ -60,6 +62,7 @@ def test_kernel_bench_smoke_matches_sdpa_and_reports_bandwidth(tmp_path):
                                    + 2 * case["batch"] * 4 * 16 * 4)
 
 
+@runs_triton_kernels
 def test_kernel_bench_split_kv_matches_sdpa_and_skips_over_budget(tmp_path):
     results = run_json(kernel_bench.main, ["--smoke", "--num-segments", "2", "--batches",
                                            "3", "--contexts", "40", "100000",
@@ -69,6 +72,7 @@ def test_kernel_bench_split_kv_matches_sdpa_and_skips_over_budget(tmp_path):
     assert [(s["batch"], s["context"]) for s in results["skipped"]] == [(3, 100000)]
 
 
+@runs_triton_kernels
 def test_kernel_bench_reports_no_speed_for_a_wrong_kernel(tmp_path, monkeypatch):
     from pagellm.kernels import triton_attention
 
@@ -183,6 +187,17 @@ GPU_SUITE = Job("test_gpu_suite_smoke_runs_each_kind_of_part_in_a_subprocess",
                 background_json("gpu_suite.py", "--smoke", "--parts", *GPU_SUITE_PARTS))
 
 
+@pytest.mark.skipif(kernel_bench.torch.cuda.is_available(), reason="--smoke runs on the GPU there")
+def test_kernel_bench_smoke_says_why_the_interpreter_cannot_run(monkeypatch):
+    from pagellm.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "interpreter_fault", lambda: "the probe failed")
+    with pytest.raises(SystemExit, match="interpreter on the CPU, which cannot run here: "
+                                         "the probe failed"):
+        kernel_bench.select_device(smoke=True)
+
+
+@runs_triton_kernels
 @pytest.mark.slow
 def test_gpu_suite_smoke_runs_each_kind_of_part_in_a_subprocess():
     """One part of each kind, both decode modes: the smoke forms of one kind's parts are

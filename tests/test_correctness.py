@@ -4,7 +4,7 @@ batches: all at once, staggered arrivals, or under preemption."""
 from __future__ import annotations
 
 import pytest
-from conftest import PROMPTS
+from conftest import PROMPTS, runs_triton_kernels
 
 from pagellm import SamplingParams
 from pagellm.protocol.messages import EngineCoreOutput
@@ -82,6 +82,7 @@ def test_greedy_matches_under_preemption(name, model_dirs, hf_reference, make_ll
         assert output.outputs[0].token_ids == reference
 
 
+@runs_triton_kernels
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_greedy_matches_with_the_triton_kernels(name, model_dirs, hf_reference, make_llm):

@@ -12,7 +12,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS
+from conftest import PROMPTS, runs_triton_kernels
 
 from pagellm import SamplingParams
 from pagellm.executor.attention import num_kv_segments
@@ -58,6 +58,7 @@ def test_kv_cache_budget_by_hand():
     assert cuda_kv_cache_budget(10 * gib, 0.5, 4 * gib, 2 * gib, 0, 0) < 0
 
 
+@runs_triton_kernels
 @pytest.mark.parametrize("segments", [1, 4])
 def test_padding_rows_attend_to_nothing_and_stay_finite(segments):
     """CUDA-graph padding rows (seq_len 0, slot -1) neither write the cache nor read
@@ -98,6 +99,7 @@ class EagerReplay(DecodeGraphs):
         return self.forward(size)
 
 
+@runs_triton_kernels
 @pytest.mark.slow
 def test_padded_decode_steps_match_transformers(model_dirs, hf_reference, make_llm):
     """Decode steps run the graph path padded up the ladder (3 requests run at size 4,

@@ -5,9 +5,11 @@ interpreter on the CPU (TRITON_INTERPRET=1, set in conftest) or on a GPU."""
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
+from conftest import runs_triton_kernels
 
 from pagellm.kernels import reference
 from pagellm.kernels import triton_attention as tk
@@ -71,6 +73,7 @@ CASES = (
 )
 
 
+@runs_triton_kernels
 @pytest.mark.parametrize(("group", "head_dim", "block_size", "dtype"), CASES,
                          ids=lambda v: str(v).removeprefix("torch."))
 def test_paged_attention_matches_reference_on_a_mixed_batch(group, head_dim, block_size,
@@ -82,6 +85,7 @@ def test_paged_attention_matches_reference_on_a_mixed_batch(group, head_dim, blo
     torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=TOLERANCE[dtype])
 
 
+@runs_triton_kernels
 @pytest.mark.parametrize(("group", "num_segments"), [(1, 2), (2, 4), (4, 4), (7, 2)])
 def test_split_kv_decode_matches_reference(group, num_segments):
     # Few requests with long contexts, one segment left empty for the short one.
@@ -126,3 +130,41 @@ def test_launchers_reject_what_the_kernels_cannot_take():
         tk.paged_attention(torch.zeros(3, 2, 48, device=DEVICE), odd, tables, *args)
     with pytest.raises(AssertionError):  # int32 slot mapping
         tk.write_kv_cache(query[:, :2], query[:, :2], cache, torch.zeros(3, dtype=torch.int32))
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
+
+
+@pytest.mark.skipif(not tk.interpreting(), reason="the interpreter's probe (CPU)")
+def test_interpreter_probe_finds_the_fault_where_triton_has_it():
+    """Triton 3.6's interpreter takes a loaded loop bound with int() of a one-element
+    array: numpy 2.5 refuses it, numpy 2.0-2.4 only warn. With that warning raised as an
+    error, the probe must report a fault on Triton < 3.7 and none from 3.7 (which
+    squeezes first); without it, none below numpy 2.5."""
+    import numpy as np
+    import triton
+
+    probe = tk.interpreter_fault.__wrapped__  # uncached
+    fixed = _version(triton.__version__) >= (3, 7)
+    if _version(np.__version__) < (2, 5):
+        assert probe() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        fault = probe()
+    if fixed:
+        assert fault is None
+    else:
+        assert fault is not None and "scalar" in fault, fault  # numpy says why
+
+
+def test_a_faulty_interpreter_is_refused_by_name(monkeypatch):
+    """attention_backend='triton' on the CPU says why the interpreter cannot run, before
+    any kernel launches (kernel_bench --smoke too: test_benchmarks.py)."""
+    from pagellm.executor import attention
+
+    monkeypatch.setattr(tk, "interpreter_fault", lambda: "the probe's loop failed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match="interpreter, which cannot run here: the probe"):
+        attention.get_attention_backend("triton", torch.device("cpu"), 16)

@@ -5,6 +5,7 @@ where the checkout is not importable."""
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
 import time
@@ -39,7 +40,13 @@ def test_the_wheel_installs_only_the_pagellm_namespace(wheel):
 
 def test_a_plain_install_runs_the_engine_the_server_and_the_standalone_core(wheel, tmp_path):
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=True)  # deps from this env
+    venv.create(env_dir, with_pip=True)
+    # The dependencies from this interpreter's site-packages, named in a .pth file (read
+    # as plain paths: no .pth in them runs, so an editable pagellm there stays out).
+    # system_site_packages would give the base interpreter's, which under a venv (CI's
+    # second leg) is not the environment under test.
+    (site_packages,) = env_dir.glob("lib/python*/site-packages")
+    (site_packages / "deps_under_test.pth").write_text("\n".join(site.getsitepackages()))
     python = env_dir / "bin" / "python"
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
                    check=True, timeout=300)

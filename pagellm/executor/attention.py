@@ -111,11 +111,15 @@ def get_attention_backend(name: str, device: torch.device, block_size: int
     if device.type == "cpu":
         # Must be set before the kernels' @triton.jit decorators run (module import).
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        from pagellm.kernels.triton_attention import interpreting
+        from pagellm.kernels.triton_attention import interpreter_fault, interpreting
 
         if not interpreting():
             raise RuntimeError("attention_backend='triton' on the CPU needs "
                                "TRITON_INTERPRET=1 before the Triton kernels are imported")
+        fault = interpreter_fault()
+        if fault is not None:
+            raise RuntimeError(f"attention_backend='triton' on the CPU runs Triton's "
+                               f"interpreter, which cannot run here: {fault}")
     return TritonAttention()
 
 

@@ -29,8 +29,10 @@ gets bf16 arithmetic and bf16 `tl.dot` wrong.
 
 from __future__ import annotations
 
+import functools
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -42,6 +44,35 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _loop_bound_probe_kernel(ptr):  # ptr: [1 + ptr[0]] int64
+    """A loop bounded by a loaded value, as the attention kernel's KV loop is."""
+    n = tl.load(ptr)
+    for i in range(0, n):
+        tl.store(ptr + 1 + i, i)
+
+
+@functools.cache
+def interpreter_fault() -> str | None:
+    """Why Triton's interpreter cannot run these kernels here, or None (probed once).
+
+    Triton 3.6's interpreter turns a loaded scalar into a loop bound with int() of a
+    one-element array, which numpy 2.5 refuses (deprecated since numpy 1.25; Triton 3.7
+    squeezes it first): there every attention launch fails inside the interpreter with
+    "only 0-dimensional arrays can be converted to Python scalars". Compiled for a GPU
+    the kernels never meet it. Only meaningful under TRITON_INTERPRET=1."""
+    data = torch.tensor([2, -1, -1], dtype=torch.int64)
+    try:
+        _loop_bound_probe_kernel[(1,)](data)
+    except Exception as e:  # the interpreter wraps what failed in its own error
+        return (f"Triton {triton.__version__}'s interpreter fails with numpy "
+                f"{np.__version__} ({type(e).__name__}: {e}); Triton >= 3.7 or numpy < 2.5 "
+                "runs it")
+    if data.tolist() != [2, 0, 1]:
+        return f"Triton {triton.__version__}'s interpreter ran a probe loop wrong: {data}"
+    return None
 
 
 # --------------------------------------------------------------------------- KV write
