@@ -183,20 +183,22 @@ def gather_contiguous(kv_cache: torch.Tensor, block_tables: torch.Tensor, contex
 
 def run_case(ns: argparse.Namespace, batch: int, context: int, device: torch.device,
              dtype: torch.dtype, num_sms: int, copy_gbps: float, gqa: bool) -> dict[str, Any]:
-    from pagellm.executor.attention import num_kv_segments
-    from pagellm.kernels.triton_attention import paged_attention
+    from pagellm.executor.attention import MAX_KV_SEGMENTS, num_kv_segments
+    from pagellm.kernels.triton_attention import interpreting, paged_attention, tile_keys
 
     generator = torch.Generator(device=device).manual_seed(ns.seed + batch * 100003 + context)
     case = make_case(batch, context, ns.num_heads, ns.num_kv_heads, ns.head_dim,
                      ns.block_size, dtype, device, generator)
-    segments = ns.num_segments or num_kv_segments(batch, ns.num_kv_heads, 1, context, num_sms)
+    segments = ns.num_segments or num_kv_segments(batch, ns.num_kv_heads, 1, context, num_sms,
+                                                  ns.max_segments or MAX_KV_SEGMENTS)
     scale = ns.head_dim ** -0.5
     out = torch.empty_like(case["query"])
 
     def kernel() -> torch.Tensor:
         return paged_attention(case["query"], case["kv_cache"], case["block_tables"],
                                case["query_start_loc"], case["seq_lens"], scale,
-                               max_query_len=1, num_segments=segments, out=out)
+                               max_query_len=1, num_segments=segments, out=out,
+                               tile=ns.tile)
 
     # The peer's inputs: contiguous, gathered once, untimed.
     q = case["query"][:, :, None, :]  # [B, H, 1, D]
@@ -216,6 +218,8 @@ def run_case(ns: argparse.Namespace, batch: int, context: int, device: torch.dev
     io_bytes = 2 * batch * ns.num_heads * ns.head_dim * elem  # queries read, outputs written
     row: dict[str, Any] = {
         "batch": batch, "context": context, "num_segments": segments,
+        "tile": ns.tile or tile_keys(ns.block_size, ns.head_dim, 4 if dtype == torch.float32
+                                     or interpreting() else dtype.itemsize),
         "kv_cache_gib": case["kv_cache"].numel() * elem / 2**30,
         "bytes_moved": kv_bytes + io_bytes}
 
@@ -253,6 +257,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
     parser.add_argument("--num-segments", type=int, default=None,
                         help="force split-KV slices (default: executor.attention's choice)")
+    parser.add_argument("--max-segments", type=int, default=None,
+                        help="cap of the default split-KV choice (default: "
+                             "executor.attention.MAX_KV_SEGMENTS)")
+    parser.add_argument("--tile", type=int, default=None,
+                        help="keys per kernel loop iteration (default: tile_keys())")
     parser.add_argument("--max-kv-gib", type=float, default=40.0,
                         help="skip cases whose KV cache is larger (default: 40)")
     parser.add_argument("--iters", type=int, default=None)

@@ -7,6 +7,7 @@ reads one of them cannot give a finite, correct answer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -194,7 +195,7 @@ def _check_against_naive(batch: _Batch, block_size: int, dtype: torch.dtype) -> 
     scale = batch.query.shape[-1] ** -0.5
 
     out = paged_attention(batch.query, batch.kv_cache, batch.block_tables,
-                          batch.query_start_loc, batch.seq_lens, scale)
+                          batch.query_start_loc, batch.seq_lens, scale).cpu()
 
     assert out.dtype == dtype
     assert out.shape == batch.query.shape
@@ -222,6 +223,23 @@ def test_paged_attention_matches_naive_dense_reference(gqa_ratio: int, block_siz
     batch = _make_batch(gqa_ratio * NUM_KV_HEADS, head_dim, block_size, dtype,
                         seed=gqa_ratio * 1000 + block_size + head_dim)
     _check_against_naive(batch, block_size, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("gqa_ratio", [1, 7])
+def test_paged_attention_matches_naive_on_cuda(gqa_ratio: int, dtype: torch.dtype) -> None:
+    """The torch backend on CUDA (attention_backend="torch" there), where SDPA picks
+    other kernels than on the CPU: the first H200 run found its cuDNN kernel taking the
+    fp32 mask as 16-bit values (errors up to 3.2 in bf16) until the mask followed the
+    query's dtype."""
+    batch = _make_batch(gqa_ratio * NUM_KV_HEADS, 64, 16, dtype, seed=gqa_ratio)
+    on_gpu = dataclasses.replace(batch, query=batch.query.cuda(),
+                                 kv_cache=batch.kv_cache.cuda(),
+                                 block_tables=batch.block_tables.cuda())
+    _check_against_naive(on_gpu, 16, dtype)
 
 
 @pytest.mark.parametrize("gqa_ratio", [1, 7])

@@ -86,6 +86,25 @@ def test_paged_attention_matches_reference_on_a_mixed_batch(group, head_dim, blo
 
 
 @runs_triton_kernels
+@pytest.mark.parametrize(("tile", "num_segments"), [(16, 1), (32, 1), (128, 1), (128, 2)])
+def test_every_tile_size_gives_the_reference_attention(tile, num_segments):
+    """Keys per loop iteration (`tile_keys` picks one per shape): one block, several,
+    and more than the longest block-table row holds (128 keys = 8 blocks against rows of
+    7 columns). Keys of a tile past the sequence sit in NaN-filled slots or in blocks
+    that are not the request's, so counting any of them shows."""
+    requests = MIXED if num_segments == 1 else [(1, 100), (1, 33), (1, 16), (1, 70)]
+    batch = make_batch(requests, NUM_KV_HEADS * 2, 64, 16, torch.float32, seed=tile)
+    query, cache, tables, qsl, seq_lens = batch
+    expected = reference.paged_attention(query, cache, tables, qsl, seq_lens, 0.125)
+    got = tk.paged_attention(
+        query, cache, tables, torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), 0.125,
+        max_query_len=max(b - a for a, b in itertools.pairwise(qsl)),
+        num_segments=num_segments, tile=tile)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+@runs_triton_kernels
 @pytest.mark.parametrize(("group", "num_segments"), [(1, 2), (2, 4), (4, 4), (7, 2)])
 def test_split_kv_decode_matches_reference(group, num_segments):
     # Few requests with long contexts, one segment left empty for the short one.

@@ -123,15 +123,21 @@ def get_attention_backend(name: str, device: torch.device, block_size: int
     return TritonAttention()
 
 
+# 16 left batch 1 at a 32k context with 32 programs on the H200's 132 SMs (11% of copy
+# bandwidth); 64 gave 26%, and 51% instead of 40% at batch 4, nothing lost elsewhere
+# (kernel_bench.py --max-segments, BENCHMARKS.md).
+MAX_KV_SEGMENTS = 64
+
+
 def num_kv_segments(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
-                    num_sms: int) -> int:
+                    num_sms: int, max_segments: int = MAX_KV_SEGMENTS) -> int:
     """Split-KV slices for a decode-only batch: enough programs to fill the GPU twice
-    over, each slice at least 256 keys long, at most 16 slices."""
+    over, each slice at least 256 keys long, at most `max_segments` slices."""
     if max_query_len != 1 or num_sms == 0:
         return 1
     programs = num_reqs * num_kv_heads
     segments = 1
-    while (segments < 16 and programs * segments < 2 * num_sms
+    while (segments < max_segments and programs * segments < 2 * num_sms
            and max_seq_len // (segments * 2) >= 256):
         segments *= 2
     return segments

@@ -76,7 +76,8 @@ class DecodeGroup:
     rows: torch.Tensor | None  # [Bg] int64 query rows; None: all of the step's, in order
     blocks: torch.Tensor  # [Bg * nb] int64
     stale: torch.Tensor | None  # [P] int64 rows of the gathered [Bg * nb * block_size]
-    bias: torch.Tensor  # [Bg, 1, 1, nb * block_size] fp32: 0 inside the context, -inf past
+    bias: torch.Tensor  # [Bg, 1, 1, nb * block_size]: 0 inside the context, -inf past;
+    # fp32 from the plan, in the SDPA query's dtype after the first layer (`_mask_like`)
 
 
 class GatherScratch:
@@ -284,6 +285,16 @@ def _sdpa_input(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype == torch.float16 else t
 
 
+def _mask_like(bias: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """An additive mask in the query's dtype (0 and -inf are exact in every float type).
+    SDPA accepts an fp32 mask beside a bf16 or fp16 query, but torch's cuDNN backend,
+    its default on Hopper with a recent cuDNN, reinterprets the fp32 buffer as 16-bit
+    values and returns wrong attention without an error (pytorch PR #191612); the first
+    H200 run measured errors of up to 3.2 against a float64 reference here. On the CPU
+    the two dtypes cost the same (measured) and give identical outputs."""
+    return bias if bias.dtype == query.dtype else bias.to(query.dtype)
+
+
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                        ) -> torch.Tensor:
     """q: [Q, H, D] (the last Q positions); k, v: [L, H_kv, D] -> [Q, H, D].
@@ -300,7 +311,8 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     else:  # a later chunk of a prompt: query i sits at position seq_len - q_len + i
         pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)
         future = torch.arange(seq_len, device=q.device)[None, :] > pos_q[:, None]  # [Q, L]
-        bias = torch.zeros(future.shape, device=q.device).masked_fill_(future, -math.inf)
+        bias = torch.zeros(future.shape, dtype=qt.dtype, device=q.device).masked_fill_(
+            future, -math.inf)  # in the query's dtype: see `_mask_like`
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, scale=scale,
                                            enable_gqa=True)
     return o[0].transpose(0, 1).to(q.dtype)
@@ -325,5 +337,6 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGrou
     # q may be a view into the step's fused q/k rows: SDPA is ~20% slower on it strided.
     groups = _sdpa_input(q).contiguous().view(batch, num_kv_heads, num_heads // num_kv_heads,
                                         head_dim)
+    group.bias = _mask_like(group.bias, groups)  # once per step: the plan serves every layer
     o = F.scaled_dot_product_attention(groups, k, v, attn_mask=group.bias, scale=scale)
     return o.reshape(batch, num_heads, head_dim).to(q.dtype)
