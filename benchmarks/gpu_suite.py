@@ -11,6 +11,8 @@ Parts (names for --parts; a kind such as `decode` selects all of its parts):
                                  (pytest: TEST_FILES), their counts and failures
     kernel                       kernel_bench.py's full grid: decode paged attention's
                                  bandwidth against copy bandwidth and torch SDPA
+    fused                        fused_bench.py: the decoder's fused kernels against the
+                                 torch ops they replace, GPU time per call in a graph
     decode-<model>[-eager]       decode_roofline.py: batch-1 decode against the memory
                                  roofline, with CUDA graphs and with --enforce-eager
     throughput-<model>           throughput.py's workload: 256 requests, prompt and output
@@ -25,9 +27,9 @@ command killed from outside keeps what finished. Each part's entry holds its own
 (with date, device and versions), the command that ran it, its exit status, its seconds
 and, when it failed, the tail of its output.
 
-Expected times on an H200 (estimates: first-run Triton compiles included): tests 2-3
-min, kernel 1-2 min, each decode part about 1 min (engine start with CUDA-graph capture,
-then seconds of decoding), each throughput part 2-4 min (mostly transformers). The whole
+Times on the H200 (2026-11-26, first-run Triton compiles included): tests 100-130 s,
+kernel 12 s, decode 40 s with CUDA graphs and 61 s eager (Qwen2.5-1.5B), throughput 179 s
+(Qwen2.5-0.5B, mostly transformers); fused not yet run (seconds). The whole
 suite is over 10 minutes, more than one device command may take and most of a session's
 15 minutes of device time, so `--deadline` bounds the command: each part is cut at what
 is left of it, and parts with under MIN_PART_S left are skipped (and say so), so the
@@ -62,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmar
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import decode_roofline
+import fused_bench
 import kernel_bench
 import torch
 from throughput import make_workload, run_pagellm, run_transformers
@@ -73,7 +76,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MODELS = {"qwen2.5-0.5b": HERE / "configs" / "qwen2.5-0.5b",
           "qwen2.5-1.5b": HERE / "configs" / "qwen2.5-1.5b"}
-KINDS = ("tests", "kernel", "decode", "throughput")
+KINDS = ("tests", "kernel", "fused", "decode", "throughput")
 # The correctness checks a GPU session runs first: CUDA against transformers, the
 # compiled kernels against their torch references, the CUDA step path, RL on CUDA.
 TEST_FILES = ["tests/test_gpu.py", "tests/test_kernels_triton.py", "tests/test_gpu_path.py",
@@ -94,6 +97,7 @@ class Part:
 PARTS: list[Part] = [
     Part("tests", "tests"),
     Part("kernel", "kernel"),
+    Part("fused", "fused"),
     *(Part(f"decode-{m}{'-eager' if eager else ''}", "decode", m, eager)
       for m in MODELS for eager in (False, True)),
     *(Part(f"throughput-{m}", "throughput", m) for m in MODELS),
@@ -183,6 +187,8 @@ def run_part(part: Part, smoke: bool, output: Path) -> int:
         return tests_part(smoke, output)
     if part.kind == "kernel":
         kernel_bench.main([*smoke_flag, "--output-json", str(output)])
+    elif part.kind == "fused":
+        fused_bench.main([*smoke_flag, "--output-json", str(output)])
     elif part.kind == "decode":
         assert part.model is not None
         argv = smoke_flag if smoke else ["--model", str(MODELS[part.model])]
@@ -268,6 +274,11 @@ def headline(entry: dict[str, Any]) -> str:
         return (f"{r['decode_tokens_per_s']:.1f} tok/s = {r['pct_of_roofline']:.1f}% of "
                 f"roofline {r['roofline_tokens_per_s']:.1f} (target "
                 f"{r['target_pct_of_roofline']:.0f}%)")
+    if r["benchmark"] == "fused_bench":
+        first = min(c["rows"] for c in r["cases"])
+        return f"{first} row(s): " + ", ".join(
+            f"{c['op']} {c['torch_us']:.1f} -> {c['fused_us']:.1f} us"
+            for c in r["cases"] if c["rows"] == first)
     pagellm, hf = r["results"]
     return (f"pagellm {pagellm['output_tokens_per_s']:.0f} out tok/s, transformers "
             f"{hf['output_tokens_per_s']:.0f}: {r['ratio_output_tokens_per_s']:.2f}x")

@@ -32,10 +32,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from pagellm.kernels import triton_attention as ta
+from pagellm.kernels import triton_fused as tf
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
           torch.int32: "i32", torch.int64: "i64"}
 TARGETS = (GPUTarget("cuda", 90, 32), GPUTarget("cuda", 80, 32))
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
 class _Recorder:
@@ -103,11 +105,33 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
         for head_dim in (64, 128):
             cases.append(("attention", dict(dtype=dtype, head_dim=head_dim, group=7,
                                             block_size=16, segments=8)))
+    # The fused decoder kernels: Qwen2.5-1.5B's sizes and the largest hidden size met
+    # (8192, Llama 70B), head sizes with and without a power-of-two half.
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for hidden in (1536, 8192):
+            for residual in (False, True):
+                cases.append(("rms_norm", dict(dtype=dtype, hidden=hidden, residual=residual)))
+        cases.append(("silu_and_mul", dict(dtype=dtype, width=8960)))
+        for head_dim in (64, 80, 128, 256):
+            cases.append(("rotary", dict(dtype=dtype, heads=14, head_dim=head_dim)))
     return cases
 
 
 def _launch(kind: str, p: dict[str, Any]) -> None:
     meta = torch.device("meta")
+    if kind == "rms_norm":
+        x = torch.empty(7, p["hidden"], dtype=p["dtype"], device=meta)
+        tf.rms_norm(x, torch.empty(p["hidden"], dtype=p["dtype"], device=meta), 1e-6,
+                    torch.empty_like(x) if p["residual"] else None)
+        return
+    if kind == "silu_and_mul":
+        tf.silu_and_mul(torch.empty(7, 2 * p["width"], dtype=p["dtype"], device=meta))
+        return
+    if kind == "rotary":
+        x = torch.empty(7, p["heads"] + 4, p["head_dim"], dtype=p["dtype"], device=meta)
+        cos = torch.empty(7, 1, p["head_dim"], dtype=p["dtype"], device=meta)
+        tf.rotary(x[:, :p["heads"]], cos, cos)
+        return
     kv_heads, num_reqs, num_blocks = 2, 3, 8
     heads = kv_heads * p.get("group", 1)
     kv_cache = torch.empty(2, num_blocks, p["block_size"], kv_heads, p["head_dim"],
@@ -126,23 +150,28 @@ def _launch(kind: str, p: dict[str, Any]) -> None:
 
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") != "1", "compile without the interpreter"
-    recorders = {name: _Recorder(getattr(ta, name)) for name in (
-        "_write_kv_cache_kernel", "_paged_attention_kernel", "_merge_segments_kernel")}
-    for name, recorder in recorders.items():
-        setattr(ta, name, recorder)
+    recorders = {(module, name): _Recorder(getattr(module, name)) for module, name in (
+        (ta, "_write_kv_cache_kernel"), (ta, "_paged_attention_kernel"),
+        (ta, "_merge_segments_kernel"), (tf, "_rms_norm_kernel"),
+        (tf, "_silu_and_mul_kernel"), (tf, "_rotary_kernel"))}
+    for (module, name), recorder in recorders.items():
+        setattr(module, name, recorder)
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"compile_kernels_{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
     seen: set[str] = set()
     for kind, params in _cases():
         _launch(kind, params)
         for recorder in recorders.values():
-            for args, constexprs in recorder.calls:
+            for args, kwargs in recorder.calls:
+                # Launch options (num_warps) go to the compiler, not to the signature.
+                options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
+                constexprs = {k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
                 src = _source(recorder.kernel, args, constexprs)
                 if src.hash() in seen:
                     continue
                 seen.add(src.hash())
                 for target in TARGETS:
-                    compiled = triton.compile(src, target=target)
+                    compiled = triton.compile(src, target=target, options=options)
                     print(json.dumps({
                         "kernel": recorder.kernel.__name__, "arch": target.arch,
                         "case": {k: str(v) for k, v in params.items()},

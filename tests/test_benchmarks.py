@@ -177,8 +177,8 @@ def job_json(job: Job) -> dict[str, Any]:
     return json.loads((job.dir / "out.json").read_text())
 
 
-GPU_SUITE_PARTS = ["tests", "kernel", "decode-qwen2.5-0.5b", "decode-qwen2.5-0.5b-eager",
-                   "throughput-qwen2.5-0.5b"]
+GPU_SUITE_PARTS = ["tests", "kernel", "fused", "decode-qwen2.5-0.5b",
+                   "decode-qwen2.5-0.5b-eager", "throughput-qwen2.5-0.5b"]
 # tests/test_gpu.py's cases, counted by hand: 3 models x (graphs, eager), graphs against
 # eager, bf16 logprobs of 2 models, host syncs, profiled KV-cache size.
 NUM_TEST_GPU_CASES = 3 * 2 + 1 + 2 + 1 + 1
@@ -219,6 +219,9 @@ def test_gpu_suite_smoke_runs_each_kind_of_part_in_a_subprocess():
             assert r["skipped"] == NUM_TEST_GPU_CASES and r["returncode"] == 0
         elif name == "kernel":
             assert_kernel_results(r, num_cases=4)
+        elif name == "fused":  # 3 ops x 2 row counts, each checked against torch
+            assert r["benchmark"] == "fused_bench" and len(r["cases"]) == 6
+            assert all(c["max_abs_diff"] < 1e-5 and c["fused_us"] > 0 for c in r["cases"])
         elif name.startswith("decode-"):
             assert r["benchmark"] == "decode_roofline"
             assert r["enforce_eager"] is name.endswith("-eager")

@@ -47,6 +47,10 @@ def test_kernels_compile_for_hopper_and_ampere_without_spills():
                 for kernel in ("_paged_attention_kernel", "_write_kv_cache_kernel"):
                     assert (kernel, arch, head_dim, dtype) in compiled
         assert ("_merge_segments_kernel", arch, "128", "torch.bfloat16") in compiled
+        kernels = {(r["kernel"], r["arch"], r["case"]["dtype"]) for r in rows}
+        for kernel in ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel"):
+            for dtype in ("torch.float32", "torch.bfloat16"):
+                assert (kernel, arch, dtype) in kernels
     spilled = [r for r in rows if r["local"] > 0]
     assert not spilled, spilled
     # Dynamic shared memory per program: an A100 gives a block up to 163 KiB, an H100

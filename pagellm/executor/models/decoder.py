@@ -27,6 +27,7 @@ from pagellm.executor.attention import Attention, AttentionMetadata
 from pagellm.executor.models.cpu_linear import linear
 from pagellm.executor.models.rope import RopeSpec, RotaryEmbedding, apply_rotary
 from pagellm.executor.parallel import TensorParallel
+from pagellm.kernels import fused_for
 
 # model_type -> architecture, for configs that do not list "architectures".
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -107,7 +108,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(x + residual), x + residual); x: [..., size]."""
+        """Returns (norm(x + residual), x + residual); x: [..., size]. On CUDA a [T, size]
+        x takes one fused kernel (kernels/triton_fused.py) instead of nine."""
+        fused = fused_for(x) if x.dim() == 2 else None
+        if fused is not None:
+            return fused.rms_norm(x, self.weight, self.eps, residual)
+        return self.reference(x, residual)
+
+    def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` in torch ops: the CPU path and the fused kernel's reference."""
         if residual is not None:
             x = x + residual
         h = x.float()
@@ -192,7 +202,11 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(tp.intermediate_size, spec.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        fused = fused_for(gate_up)
+        if fused is not None:  # one kernel instead of two (kernels/triton_fused.py)
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

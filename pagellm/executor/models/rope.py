@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.kernels import fused_for
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -156,6 +158,15 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
                  ) -> torch.Tensor:
-    """x: [T, H, D]; cos, signed_sin: [T, 1, D] (`RotaryEmbedding.cos_sin`)."""
+    """x: [T, H, D]; cos, signed_sin: [T, 1, D] (`RotaryEmbedding.cos_sin`). On CUDA one
+    fused kernel with the same roundings (kernels/triton_fused.py), else `rotate`."""
+    fused = fused_for(x)
+    if fused is not None:
+        return fused.rotary(x, cos, signed_sin)
+    return rotate(x, cos, signed_sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` in torch ops: the CPU path and the fused kernel's reference."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
