@@ -24,7 +24,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch
 import torch.nn.functional as F
-from kernel_bench import environment, parse_with_defaults, select_device
+from kernel_bench import environment, parse_with_defaults, select_device, time_op
 
 CALLS_PER_GRAPH = 50
 GPU_DEFAULTS: dict[str, Any] = dict(rows=[1, 16, 256], hidden=1536, intermediate=8960,
@@ -47,12 +46,7 @@ def per_call_seconds(fn: Callable[[], object], device: torch.device, iters: int)
     """Median GPU seconds per call of fn, replayed from a graph of CALLS_PER_GRAPH calls
     (on the CPU: wall time of eager calls)."""
     if device.type != "cuda":
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return time_op(fn, device, warmup=0, iters=iters, flush_l2=False)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
