@@ -184,7 +184,7 @@ def gather_contiguous(kv_cache: torch.Tensor, block_tables: torch.Tensor, contex
 def run_case(ns: argparse.Namespace, batch: int, context: int, device: torch.device,
              dtype: torch.dtype, num_sms: int, copy_gbps: float, gqa: bool) -> dict[str, Any]:
     from pagellm.executor.attention import MAX_KV_SEGMENTS, num_kv_segments
-    from pagellm.kernels.triton_attention import interpreting, paged_attention, tile_keys
+    from pagellm.kernels.triton_attention import paged_attention, tile_keys
 
     generator = torch.Generator(device=device).manual_seed(ns.seed + batch * 100003 + context)
     case = make_case(batch, context, ns.num_heads, ns.num_kv_heads, ns.head_dim,
@@ -218,8 +218,7 @@ def run_case(ns: argparse.Namespace, batch: int, context: int, device: torch.dev
     io_bytes = 2 * batch * ns.num_heads * ns.head_dim * elem  # queries read, outputs written
     row: dict[str, Any] = {
         "batch": batch, "context": context, "num_segments": segments,
-        "tile": ns.tile or tile_keys(ns.block_size, ns.head_dim, 4 if dtype == torch.float32
-                                     or interpreting() else dtype.itemsize),
+        "tile": ns.tile or tile_keys(ns.block_size, ns.head_dim, dtype),
         "kv_cache_gib": case["kv_cache"].numel() * elem / 2**30,
         "bytes_moved": kv_bytes + io_bytes}
 

@@ -310,16 +310,24 @@ def tile_shape(group: int) -> tuple[int, int]:
     return block_m, block_m // group
 
 
-def tile_keys(block_size: int, head_dim: int, element_size: int) -> int:
+def tile_keys(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
     """Keys per iteration of the attention loop: a K tile of up to 16 KB (64 keys of a
-    bf16 head of 128), at least one KV block, at most 128 keys (register pressure).
+    bf16 head of 128, counted in fp32 where the kernel computes in it), at least one KV
+    block, at most 128 keys (register pressure).
 
     Measured on an H200 (bf16, head 128, kernel_bench.py --tile): 64 keys beat 128 with
     one segment per request (103% against 86% of copy bandwidth at 256 x 32k), 128 beat
     64 under split-KV (82% against 75% at 64 x 32k with 4 segments); 64 is kept for
     both until the split case's own choice is measured with MAX_KV_SEGMENTS = 64."""
     dim_pad = triton.next_power_of_2(head_dim)
+    element_size = 4 if _computes_in_fp32(dtype) else dtype.itemsize
     return max(block_size, min(128, 16384 // (dim_pad * element_size)))
+
+
+def _computes_in_fp32(dtype: torch.dtype) -> bool:
+    """The kernel casts every load to fp32 for fp32 inputs and under the interpreter
+    (its bf16 arithmetic is wrong)."""
+    return dtype == torch.float32 or interpreting()
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -363,9 +371,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     group = num_heads // num_kv_heads
     block_m, block_q = tile_shape(group)
     dim_pad = triton.next_power_of_2(head_dim)
-    cast_fp32 = query.dtype == torch.float32 or interpreting()
+    cast_fp32 = _computes_in_fp32(query.dtype)
     if tile is None:
-        tile = tile_keys(block_size, head_dim, 4 if cast_fp32 else query.element_size())
+        tile = tile_keys(block_size, head_dim, query.dtype)
     assert tile % block_size == 0 and triton.next_power_of_2(tile) == tile, (tile, block_size)
     if num_segments > 1:
         segm_out = torch.empty(num_tokens, num_heads, num_segments, dim_pad,
