@@ -27,9 +27,9 @@ command killed from outside keeps what finished. Each part's entry holds its own
 (with date, device and versions), the command that ran it, its exit status, its seconds
 and, when it failed, the tail of its output.
 
-Times on the H200 (2026-11-26, first-run Triton compiles included): tests 100-130 s,
-kernel 12 s, decode 40 s with CUDA graphs and 61 s eager (Qwen2.5-1.5B), throughput 179 s
-(Qwen2.5-0.5B, mostly transformers); fused not yet run (seconds). The whole
+Times on the H200 (2026-11-26/27, first-run Triton compiles included): tests 100-136 s,
+kernel 12-19 s, fused 6 s, decode 39-44 s with CUDA graphs and 61 s eager (Qwen2.5-1.5B),
+throughput 179 s (Qwen2.5-0.5B, mostly transformers). The whole
 suite is over 10 minutes, more than one device command may take and most of a session's
 15 minutes of device time, so `--deadline` bounds the command: each part is cut at what
 is left of it, and parts with under MIN_PART_S left are skipped (and say so), so the
@@ -80,7 +80,8 @@ KINDS = ("tests", "kernel", "fused", "decode", "throughput")
 # The correctness checks a GPU session runs first: CUDA against transformers, the
 # compiled kernels against their torch references, the CUDA step path, RL on CUDA.
 TEST_FILES = ["tests/test_gpu.py", "tests/test_kernels_triton.py", "tests/test_gpu_path.py",
-              "tests/test_gpu_rl.py", "tests/test_kernels_reference.py"]
+              "tests/test_gpu_rl.py", "tests/test_kernels_reference.py",
+              "tests/test_kernels_fused.py"]
 SMOKE_TEST_FILES = ["tests/test_gpu.py"]  # on the CPU: every case skips, the wiring runs
 TEST_TIMEOUT_S = 120.0  # per test case (the slowest starts three engines)
 MIN_PART_S = 30.0  # under this much of --deadline left, a part is skipped, not started

@@ -218,7 +218,7 @@ def run_case(ns: argparse.Namespace, batch: int, context: int, device: torch.dev
     io_bytes = 2 * batch * ns.num_heads * ns.head_dim * elem  # queries read, outputs written
     row: dict[str, Any] = {
         "batch": batch, "context": context, "num_segments": segments,
-        "tile": ns.tile or tile_keys(ns.block_size, ns.head_dim, dtype),
+        "tile": ns.tile or tile_keys(ns.block_size, ns.head_dim, dtype, segments),
         "kv_cache_gib": case["kv_cache"].numel() * elem / 2**30,
         "bytes_moved": kv_bytes + io_bytes}
 

@@ -37,7 +37,7 @@ from pagellm.kernels import triton_fused as tf
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
           torch.int32: "i32", torch.int64: "i64"}
 TARGETS = (GPUTarget("cuda", 90, 32), GPUTarget("cuda", 80, 32))
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
 
 class _Recorder:
@@ -180,7 +180,10 @@ def main() -> None:
                         **_resource_usage(compiled.asm["cubin"], tmp),
                         # What a launch asks for: Triton's tiles are dynamic shared
                         # memory, which the cubin's static SHARED figure leaves out.
-                        "shared": compiled.metadata.shared}), flush=True)
+                        "shared": compiled.metadata.shared,
+                        # Fused multiply-adds: the rotary kernel must have none.
+                        "fma": len(re.findall(r"\bfma\.", compiled.asm["ptx"]))}),
+                          flush=True)
             recorder.calls.clear()
 
 

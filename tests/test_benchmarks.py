@@ -23,6 +23,7 @@ import engine_overhead  # noqa: E402
 import gpu_suite  # noqa: E402
 import kernel_bench  # noqa: E402
 import parallel  # noqa: E402
+import profile_decode  # noqa: E402
 import small_gemm  # noqa: E402
 
 CASE_TIMINGS = ("kernel_us", "kernel_gbps", "kernel_pct_of_copy", "sdpa_us", "sdpa_gbps",
@@ -119,6 +120,18 @@ def test_decode_roofline_smoke_measures_decode_against_the_roofline(tmp_path):
     if results["decode_tokens_per_s"] is not None:  # None only if noise beat 8 tokens
         assert results["pct_of_roofline"] == pytest.approx(
             100 * results["decode_tokens_per_s"] / results["roofline_tokens_per_s"])
+
+
+def test_profile_decode_smoke_counts_each_decode_steps_matmuls(tmp_path):
+    """The difference of two profiled generates over the decode steps between them: the
+    demo model's steps each run 4 matmuls a layer (fused QKV, output, fused gate-up,
+    down) and the lm_head for the one sampled row, so any other count means the prefill
+    did not cancel or the steps were miscounted."""
+    results = run_json(profile_decode.main, ["--smoke"], tmp_path / "profile.json")
+    assert results["benchmark"] == "profile_decode" and results["decode_steps"] == 4
+    config = json.loads((Path(results["model"]) / "config.json").read_text())
+    linear = next(r for r in results["kernels"] if r["kernel"] == "aten::linear")
+    assert linear["launches_per_step"] == 4 * config["num_hidden_layers"] + 1
 
 
 def test_gpu_suite_parts_select_by_name_or_kind():

@@ -51,8 +51,15 @@ def test_kernels_compile_for_hopper_and_ampere_without_spills():
         for kernel in ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel"):
             for dtype in ("torch.float32", "torch.bfloat16"):
                 assert (kernel, arch, dtype) in kernels
+    # The rotary embedding rounds each product before the sum, as torch does; a fused
+    # multiply-add skips that rounding (kernels/triton_fused.py). Ampere has no bf16
+    # multiply or add: there each is an fma with -0 or 1 (exact), so it is left out.
+    rotary = [r for r in rows if r["kernel"] == "_rotary_kernel"
+              and (r["arch"] == 90 or r["case"]["dtype"] != "torch.bfloat16")]
+    assert len(rotary) == 20 and all(r["fma"] == 0 for r in rotary), rotary
     spilled = [r for r in rows if r["local"] > 0]
     assert not spilled, spilled
     # Dynamic shared memory per program: an A100 gives a block up to 163 KiB, an H100
-    # 227; these tiles need far less (49 KiB at most: fp32, head_dim 256).
-    assert max(r["shared"] for r in rows) < 64 * 1024
+    # 227, Ampere's and Ada's smaller parts (sm_86, sm_89) 99. The largest tile is the
+    # split-KV one (128 keys of a 16-bit head of 128: 73 KiB), measured faster there.
+    assert max(r["shared"] for r in rows) < 99 * 1024

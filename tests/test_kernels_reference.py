@@ -175,7 +175,7 @@ def _naive_attention(batch: _Batch, scale: float) -> torch.Tensor:
     for r, seq_len in enumerate(batch.seq_lens):
         start, end = batch.query_start_loc[r], batch.query_start_loc[r + 1]
         q_len = end - start
-        q = batch.query[start:end].double()
+        q = batch.query[start:end].cpu().double()  # the test on CUDA moves the query
         k, v = batch.keys[r].double(), batch.values[r].double()
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         masked = torch.arange(seq_len)[None, :] > q_pos  # [q_len, seq_len]

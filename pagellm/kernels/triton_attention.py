@@ -20,7 +20,8 @@ KV block at a time with an online softmax, and accumulates in fp32:
 A tile spans several KV blocks (each key's block looked up in the table) so that each
 iteration keeps enough loads in flight: one 16-key block per iteration (4 KB of K and of
 V) reached 59% of the H200's copy bandwidth at batch 256 and a 32k context, 64 keys
-reach 103% (torch SDPA on contiguous K/V: 105%); see `tile_keys`.
+reach 103% (torch SDPA on contiguous K/V: 105%); split-KV programs take 128 (see
+`tile_keys`).
 
 Which request a program serves is found in the kernel by a binary search over
 query_start_loc (no host-side program table). For decode-only batches with few
@@ -310,18 +311,22 @@ def tile_shape(group: int) -> tuple[int, int]:
     return block_m, block_m // group
 
 
-def tile_keys(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+def tile_keys(block_size: int, head_dim: int, dtype: torch.dtype, num_segments: int = 1) -> int:
     """Keys per iteration of the attention loop: a K tile of up to 16 KB (64 keys of a
-    bf16 head of 128, counted in fp32 where the kernel computes in it), at least one KV
-    block, at most 128 keys (register pressure).
+    bf16 head of 128, counted in fp32 where the kernel computes in it), 32 KB under
+    split-KV (num_segments > 1) in 16-bit dtypes, at least one KV block, at most 128
+    keys (registers). fp32 keeps 16 KB: at 32 KB it spills (tests/compile_kernels.py).
 
-    Measured on an H200 (bf16, head 128, kernel_bench.py --tile): 64 keys beat 128 with
-    one segment per request (103% against 86% of copy bandwidth at 256 x 32k), 128 beat
-    64 under split-KV (82% against 75% at 64 x 32k with 4 segments); 64 is kept for
-    both until the split case's own choice is measured with MAX_KV_SEGMENTS = 64."""
+    Measured on an H200 (bf16, head 128, kernel_bench.py --tile, 2026-11-27): with one
+    segment per request 64 keys beat 128 (106% against 88% of copy bandwidth at
+    256 x 32k, 102 against 86 at 256 x 8k); split into segments 128 keys beat 64
+    everywhere (64 x 32k, 4 segments: 85 against 76%; 16 x 32k, 16: 77 against 69;
+    1 x 32k, 64: 31 against 26). A split program walks a short slice, where the larger
+    tile's fewer, longer iterations keep more loads in flight."""
     dim_pad = triton.next_power_of_2(head_dim)
     element_size = 4 if _computes_in_fp32(dtype) else dtype.itemsize
-    return max(block_size, min(128, 16384 // (dim_pad * element_size)))
+    budget = 32768 if num_segments > 1 and element_size == 2 else 16384
+    return max(block_size, min(128, budget // (dim_pad * element_size)))
 
 
 def _computes_in_fp32(dtype: torch.dtype) -> bool:
@@ -373,7 +378,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     dim_pad = triton.next_power_of_2(head_dim)
     cast_fp32 = _computes_in_fp32(query.dtype)
     if tile is None:
-        tile = tile_keys(block_size, head_dim, query.dtype)
+        tile = tile_keys(block_size, head_dim, query.dtype, num_segments)
     assert tile % block_size == 0 and triton.next_power_of_2(tile) == tile, (tile, block_size)
     if num_segments > 1:
         segm_out = torch.empty(num_tokens, num_heads, num_segments, dim_pad,

@@ -12,7 +12,10 @@ Each keeps the torch version's arithmetic (decoder.RMSNorm, rope.apply_rotary): 
 same dtype roundings in the same order, fp32 inside, so outputs match it to the last
 bit where the torch version does nothing but round exact products and sums (the rotary
 embedding and the residual add) and to fp32 reduction order elsewhere (the RMSNorm's
-mean). The torch versions stay the CPU path and these kernels' test references.
+mean). The rotary kernel compiles without fp fusion (`enable_fp_fusion=False`): with
+it, ptxas turns a product and the sum after it into one fused multiply-add, skipping
+the product's rounding (1 bf16 ulp off torch in about one value of 10^4 on the H200).
+The torch versions stay the CPU path and these kernels' test references.
 """
 
 from __future__ import annotations
@@ -159,5 +162,9 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     _rotary_kernel[(tokens,)](x, cos, signed_sin, out, x.stride(0), x.stride(1),
                               cos.stride(0), signed_sin.stride(0), heads, HALF=dim // 2,
                               HALF_PAD=triton.next_power_of_2(dim // 2),
-                              HEADS_PAD=triton.next_power_of_2(heads), num_warps=4)
+                              HEADS_PAD=triton.next_power_of_2(heads), num_warps=4,
+                              # Each product rounded before the sum, as torch's: with
+                              # fusion ptxas makes x1 * cos1 + p one fma.rn.bf16x2, whose
+                              # unrounded product was 1 bf16 ulp off torch on the H200.
+                              enable_fp_fusion=False)
     return out
