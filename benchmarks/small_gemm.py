@@ -57,6 +57,17 @@ def _median_s(fn: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Te
     return statistics.median(times)
 
 
+def _computes(way: Way, dtype: torch.dtype) -> bool:
+    """Whether `way` computes `dtype` on this CPU: oneDNN's bf16 inner product on plain
+    weights needs AVX-512 (on an AVX2 CPU it cannot make the primitive at all; the
+    engine never takes that way for bf16: `choose`)."""
+    try:
+        gemm(way, torch.ones(2, 16, dtype=dtype), torch.ones(8, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,10 +83,12 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, ns.dtype)
     if ONEDNN_LINEAR is None:
         raise SystemExit("this torch has no oneDNN linear on the CPU")
-    ways = [w for w in Way if w is not Way.PACKED or REORDER_WEIGHT is not None]
+    ways = [w for w in Way if (w is not Way.PACKED or REORDER_WEIGHT is not None)
+            and _computes(w, dtype)]
     print(f"torch {torch.__version__}, {ns.dtype}, {torch.get_num_threads()} threads, "
           f"{THIS_CPU}; weights read, GB/s: "
-          f"{' / '.join(w.value for w in ways)} (* fastest, ^ the engine's choice)")
+          f"{' / '.join(w.value for w in ways)} (* fastest, ^ the engine's choice)"
+          + "".join(f"; {w.value}: not on this CPU" for w in Way if w not in ways))
     cell = 9 * len(ways) - 2  # characters of one row count's column
     print("out x in      " + "  ".join(f"{f'{m} row' + ('s' if m > 1 else ''):{cell}}"
                                        for m in ns.rows))

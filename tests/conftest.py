@@ -187,6 +187,26 @@ def make_llm() -> Iterator[Callable[..., Any]]:
 
 
 @pytest.fixture(scope="session")
+def rl_server(model_dirs: dict[str, Path]) -> Iterator[Any]:
+    """`pagellm serve` started for RL, with short limits so that they can be reached in
+    a test (tests/test_server_guards.py, and the dev routes' fuzzer): dev endpoints
+    behind the key "k", sleep mode, the "nccl" weight transfer with a 2 s join timeout,
+    the test extension (rl_extension.Probe), processed logprobs, a 1 s stall timeout
+    and 5000 response entries. Tests leave it awake and unpaused."""
+    from helpers import Server
+
+    server = Server(model_dirs["llama"], "--api-key", "k", "--enable-dev-endpoints",
+                    "--enable-sleep-mode", "--weight-transfer-config",
+                    '{"backend": "nccl", "init_timeout_s": 2}',
+                    "--worker-extension-cls", "rl_extension.Probe",
+                    "--logprobs-mode", "processed_logprobs", "--engine-stall-timeout", "1",
+                    "--max-response-entries", "5000",
+                    env={"PYTHONPATH": str(Path(__file__).parent)})
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="session")
 def big_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A config-only llama of about 80 MB of fp32 weights (dummy-loaded), long enough
     for the ROLL guide's max_model_len=8000: RSS drops are measurable above noise."""

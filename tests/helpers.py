@@ -55,10 +55,11 @@ def stop(engine: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
 class Server:
     """`pagellm serve` on 127.0.0.1; with `log`, its stderr goes to that file."""
 
-    def __init__(self, model_dir: Path, *flags: str, log: Path | None = None) -> None:
+    def __init__(self, model_dir: Path, *flags: str, log: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PAGELLM_LOG_LEVEL": "WARNING"}
+        env = {**os.environ, "PAGELLM_LOG_LEVEL": "WARNING", **(env or {})}
         self.log = None if log is None else open(log, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagellm", "serve", str(model_dir), "--port",

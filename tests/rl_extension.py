@@ -26,6 +26,16 @@ class Probe:
         time into the model's vLLM-style `load_weights`."""
         return sorted(self.model_runner.model.load_weights(weights=[(name, tensor)]))
 
+    def reload_from(self, directory: str) -> int:
+        """vLLM's `reload_weights`, as RL recipes call it after a level-2 wake: every
+        checkpoint tensor from disk, through the model's load_weights."""
+        from pathlib import Path
+
+        from pagellm.executor.loader import iterate_safetensors, safetensors_files
+
+        return len(self.model_runner.model.load_weights(
+            iterate_safetensors(safetensors_files(Path(directory)))))
+
     def load_unseen(self, weights: dict[str, torch.Tensor]) -> int:
         """Write checkpoint tensors where load_weights would, but through `.data`, as
         some extensions do: no version counter sees these writes."""

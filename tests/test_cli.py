@@ -99,9 +99,13 @@ def test_out_of_range_flags_give_a_one_line_error_naming_the_flag(
     ("--shutdown-timeout", "-1", ["--shutdown-timeout", ">= 0"]),
     ("--max-body-size", "0", ["--max-body-size", ">= 1024"]),
     ("--max-connections", "0", ["--max-connections", ">= 1"]),
+    ("--max-connections-per-client", "0", ["--max-connections-per-client", ">= 1"]),
+    ("--max-response-entries", "0", ["--max-response-entries", ">= 1"]),
+    ("--engine-stall-timeout", "0", ["--engine-stall-timeout", "> 0"]),
+    ("--engine-stall-timeout", "inf", ["--engine-stall-timeout", "finite"]),
     ("--api-key", "", ["--api-key", "empty"]),
 ], ids=["port", "timeout-inf", "timeout-nan", "timeout-negative", "body-0", "connections-0",
-        "empty-key"])
+        "per-client-0", "entries-0", "stall-0", "stall-inf", "empty-key"])
 def test_server_flags_out_of_range_are_named_before_anything_starts(
         model_dirs, capsys, flag: str, value: str, names: list[str]) -> None:
     """Each was a server that started wrong: 70000 listened on 4464, an empty key

@@ -171,9 +171,10 @@ def http_server(model_dirs):
     assert server.stop() == 0
 
 
-def _complete(server: Server) -> str:
+def _complete(server: Server, key: str | None = None) -> str:
     status, body = server.post("/v1/completions", {"model": NAME, "prompt": PROMPTS[0],
-                                                    "max_tokens": 4, "temperature": 0})
+                                                    "max_tokens": 4, "temperature": 0},
+                               headers=_auth(key))
     assert status == 200, body
     return body["choices"][0]["text"]
 
@@ -182,17 +183,80 @@ def _complete(server: Server) -> str:
 @given(case=BODIES)
 def test_fuzzed_http_bodies_get_answers_never_500s(http_server, case):
     server, reference = http_server
-    path, body = case
+    _post_answered(server, *case, answers=(200, 400, 404))
+    assert _complete(server) == reference
+
+
+def _auth(key: str | None) -> dict[str, str]:
+    return {} if key is None else {"authorization": f"Bearer {key}"}
+
+
+def _post_answered(server: Server, path: str, body: Any, answers: tuple[int, ...],
+                   key: str | None = None) -> None:
+    """POST `body` (bytes as they are, anything else as JSON): one of `answers`, and an
+    error in OpenAI's shape naming why."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     try:
-        connection.request("POST", path, data, {"content-type": "application/json"})
+        connection.request("POST", path, data, {"content-type": "application/json",
+                                                **_auth(key)})
         response = connection.getresponse()
         payload = response.read()
     finally:
         connection.close()
-    assert response.status in (200, 400, 404), (response.status, payload[:300])
+    assert response.status in answers, (response.status, payload[:300])
     if response.status != 200:
         error = json.loads(payload)["error"]
         assert error["message"] and error["code"] == response.status
-    assert _complete(server) == reference
+
+
+# --- the RL dev routes (--enable-dev-endpoints): their JSON bodies ------------------------
+
+INIT_INFO = st.fixed_dictionaries({}, optional={
+    "master_address": st.one_of(st.just("127.0.0.1"), st.text(max_size=300), VALUES),
+    "master_port": st.one_of(st.integers(0, 70000), VALUES),
+    "rank_offset": st.one_of(st.integers(-1, 3), VALUES),
+    "world_size": st.one_of(st.integers(0, 3), VALUES), "packed": VALUES})
+UPDATE_INFO = st.fixed_dictionaries({}, optional={
+    "names": st.one_of(st.lists(st.sampled_from(["model.norm.weight", "x"]), max_size=3),
+                       VALUES),
+    "dtype_names": st.one_of(st.lists(st.sampled_from(["float32", "int8"]), max_size=3),
+                             VALUES),
+    "shapes": st.one_of(st.lists(st.lists(st.integers(-1, 64), max_size=2), max_size=3),
+                        VALUES),
+    "packed": VALUES})
+DEV_BODIES = st.one_of(
+    st.tuples(st.just("/collective_rpc"), st.fixed_dictionaries({}, optional={
+        "method": st.one_of(st.sampled_from(["describe", "weight_checksum", "fail",
+                                             "embedding_rows", "_private", "sleep"]),
+                            st.text(max_size=12), VALUES),
+        "args": VALUES, "kwargs": VALUES,
+        "timeout": st.one_of(st.floats(-1, 30), VALUES)})),
+    st.tuples(st.just("/init_weight_transfer_engine"),
+              st.one_of(st.fixed_dictionaries({"init_info": INIT_INFO}), VALUES)),
+    st.tuples(st.just("/update_weights"),
+              st.one_of(st.fixed_dictionaries({"update_info": UPDATE_INFO}), VALUES)),
+    st.tuples(st.sampled_from(["/start_weight_update", "/finish_weight_update"]),
+              st.one_of(st.fixed_dictionaries({}, optional={"weight_version": VALUES}),
+                        VALUES)),
+    st.tuples(st.sampled_from(["/collective_rpc", "/init_weight_transfer_engine",
+                               "/update_weights"]),
+              mutated(json.dumps({"init_info": {"master_address": "127.0.0.1",
+                                                "master_port": 1, "world_size": 2},
+                                  "method": "describe", "args": ["p"]}).encode())))
+
+
+@settings(FUZZ, max_examples=60)
+@given(case=DEV_BODIES)
+def test_fuzzed_dev_route_bodies_get_answers_never_500s(rl_server, case):
+    """Issue 37: the RL routes' bodies too (collective_rpc, the weight-transfer phases),
+    against an engine started for them (conftest's rl_server): each is answered (200, a
+    400 naming what is wrong, a 504 for a collective_rpc past its own timeout), never a
+    500, and the engine serves the same tokens after."""
+    reference = DEV_REFERENCE.setdefault(rl_server.port, _complete(rl_server, key="k"))
+    _post_answered(rl_server, *case, answers=(200, 400, 504), key="k")
+    assert _complete(rl_server, key="k") == reference
+    assert rl_server.get("/health")[0] == 200
+
+
+DEV_REFERENCE: dict[int, str] = {}  # the RL server's greedy text, taken before fuzzing it

@@ -41,10 +41,11 @@ TIGHT_ENGINE = textwrap.dedent("""
     import sys
     import pagellm.enginecore.output_sender as output_sender
     import pagellm.enginecore.input_receiver as input_receiver
+    import pagellm.enginecore.transport as transport
     output_sender.CONNECT_GRACE_S = 1.0
     output_sender.OUTPUT_HWM = 20
     input_receiver.MAX_CLIENTS = 8
-    input_receiver.MAX_MESSAGE_BYTES = 2**20
+    transport.MAX_MESSAGE_BYTES = 2**20  # the frontends' socket is bound there
     from pagellm.enginecore.__main__ import main
     sys.exit(main(sys.argv[1:]))
 """)

@@ -5,19 +5,25 @@ the event loop, Slowloris, bounded shutdown."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import http.client
 import json
+import select
 import signal
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 import pytest
 from helpers import NAME, Server, free_port
+
+if TYPE_CHECKING:
+    from pagellm.frontend.server.connections import ConnectionLimits
 
 MESSAGES = [{"role": "user", "content": "Tell me about blocks."}]
 
@@ -187,54 +193,35 @@ def test_half_open_connections_never_crowd_out_a_request(guarded):
 
 def test_the_connection_guard_closes_slow_headers_and_refuses_only_when_all_are_busy():
     """GuardedH11Protocol on its own, with a short header timeout."""
-    import uvicorn
-
-    from pagellm.frontend.server.connections import ConnectionLimits, GuardedH11Protocol
+    from pagellm.frontend.server.connections import ConnectionLimits
 
     release = threading.Event()
-
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        if scope["path"] == "/slow":
-            await asyncio.get_running_loop().run_in_executor(None, release.wait, 10)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    port = free_port()
-    limits = ConnectionLimits(max_connections=8, header_timeout_s=0.5)
-    config = uvicorn.Config(app, port=port, lifespan="off", log_level="error",
-                            http=functools.partial(GuardedH11Protocol, limits=limits))
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:  # a port taken meanwhile ends the thread: fail, not hang
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.01)
+    # One client (this test) may take every slot here: the limit in all is what is tested.
+    limits = ConnectionLimits(max_connections=8, max_connections_per_client=8,
+                              header_timeout_s=0.5)
     opened: list[socket.socket] = []
-    try:
-        half = [_half_open(port) for _ in range(20)]  # more than the limit
-        opened += half
-        assert _get(port, "/") == 200  # the oldest waiting connection made room
-        time.sleep(1.0)
-        assert all(_closed_by_server(s) for s in half)  # header timeout
-        busy = [_half_open(port, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n") for _ in range(8)]
-        opened += busy
-        # Every connection is mid-request once the 8 reach /slow: refuse the new one.
-        deadline = time.monotonic() + 10
-        while (status := _get(port, "/")) != 503 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert status == 503
-        release.set()
-        assert all(b"200 OK" in s.recv(1024) for s in busy)
-        assert _get(port, "/") == 200
-    finally:
-        release.set()
-        for s in opened:
-            s.close()
-        server.should_exit = True
-        thread.join(10)
+    with _guarded_server(limits, release, [], []) as port:
+        try:
+            half = [_half_open(port) for _ in range(20)]  # more than the limit
+            opened += half
+            assert _get(port, "/") == 200  # the oldest waiting connection made room
+            time.sleep(1.0)
+            assert all(_closed_by_server(s) for s in half)  # header timeout
+            busy = [_half_open(port, b"GET /ignore HTTP/1.1\r\nHost: x\r\n\r\n")
+                    for _ in range(8)]
+            opened += busy
+            # Every connection is mid-request once the 8 reach /ignore: refuse a new one.
+            deadline = time.monotonic() + 10
+            while (status := _get(port, "/")) != 503 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert status == 503
+            release.set()
+            assert all(b"200 OK" in s.recv(1024) for s in busy)
+            assert _get(port, "/") == 200
+        finally:
+            release.set()
+            for s in opened:
+                s.close()
 
 
 def _response(s: socket.socket) -> bytes:
@@ -279,23 +266,6 @@ def _get(port: int, path: str) -> int:
         return connection.getresponse().status
     finally:
         connection.close()
-
-
-def test_a_body_that_never_arrives_times_out(monkeypatch):
-    from fastapi import Request
-
-    from pagellm.frontend.server import edge
-
-    monkeypatch.setattr(edge, "BODY_TIMEOUT_S", 0.2)
-
-    async def receive() -> dict:
-        await asyncio.sleep(0.05)
-        return {"type": "http.request", "body": b"x", "more_body": True}  # forever
-
-    request = Request({"type": "http", "method": "POST", "headers": []}, receive)
-    with pytest.raises(edge.APIError) as info:
-        asyncio.run(edge.read_body(request, 2**20))
-    assert info.value.status == 408
 
 
 def test_sigterm_stops_the_server_within_its_shutdown_timeout(model_dirs):
@@ -380,6 +350,7 @@ class _StallProbe:
 
         self.port = free_port()
         limits = ConnectionLimits(max_connections=max_connections,
+                                  max_connections_per_client=max_connections,
                                   write_stall_timeout_s=STALL_S)
         config = uvicorn.Config(app, port=self.port, lifespan="off", log_level="error",
                                 http=functools.partial(Protocol, limits=limits))
@@ -452,7 +423,8 @@ def test_a_client_that_reads_slowly_but_steadily_is_not_cut_off():
         probe.stop()
 
 
-# The real server with --max-connections 2, a short stall bound and small send buffers
+# The real server with --max-connections 2 (both for this one client), a short stall
+# bound and small send buffers
 # (names swapped in serve's module before it runs, as test_server's heap probe does).
 STALL_SERVER = """
 import socket, sys
@@ -479,7 +451,7 @@ serve.ConnectionLimits, serve.GuardedH11Protocol = QuickStall, SmallSendBuffers
 configure_logging()
 args = EngineArgs(model=sys.argv[1], kv_cache_memory_bytes=8 << 20)
 sys.exit(serve.run_server(args, ServerOptions(served_model_name=sys.argv[4]), "127.0.0.1",
-                          int(sys.argv[2]), max_connections=2))
+                          int(sys.argv[2]), max_connections=2, max_connections_per_client=2))
 """
 
 
@@ -653,3 +625,228 @@ def test_dev_routes_refuse_values_out_of_range(dev_server):
                                       {"method": "describe", "timeout": -1})
     assert status == 400 and b"timeout" in data, data
     assert not json.loads(dev_server.get("/is_sleeping")[1])["is_sleeping"]
+
+
+# --- slow bodies and one client's share of the connections (issue 37, item 8) ----------
+
+BODY_S = 1.0  # the body deadline in these tests (the server's is 30 s)
+LINGER_S = 0.3  # how long a closed connection still drains (the server's is 2 s)
+DRIP_S = 0.2  # a byte of body this often
+
+
+class _Drip(NamedTuple):
+    """What a dripping client saw, in seconds from its headers: the answer (None: none
+    came) and when it came, the server's EOF (or reset), the first write refused."""
+
+    data: bytes
+    answered: float | None
+    eof: float | None
+    refused: float | None
+
+
+@contextlib.contextmanager
+def _guarded_server(limits: ConnectionLimits, release: threading.Event, started: list[str],
+                    ended: list[str]) -> Iterator[int]:
+    """An in-process uvicorn on GuardedH11Protocol (its port); its app records each
+    request's path as it starts (`started`) and what ended a body it read (`ended`):
+    /read reads its body, then answers; /ignore never reads it and answers once
+    `release` is set; /stream starts its response without reading and finishes it
+    once `release` is set; any other path answers at once."""
+    import uvicorn
+
+    from pagellm.frontend.server.connections import GuardedH11Protocol
+
+    async def wait_for_release() -> None:
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 10)
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        started.append(scope["path"])
+        if scope["path"] == "/read":
+            message = await receive()
+            while message["type"] == "http.request" and message["more_body"]:
+                message = await receive()
+            ended.append(message["type"])
+        elif scope["path"] == "/ignore":
+            await wait_for_release()
+        elif scope["path"] == "/stream":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"part", "more_body": True})
+            await wait_for_release()
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = free_port()
+    config = uvicorn.Config(app, port=port, lifespan="off", log_level="error",
+                            http=functools.partial(GuardedH11Protocol, limits=limits))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:  # a port taken meanwhile ends the thread: fail, not hang
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        yield port
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def _body_headers(path: str) -> bytes:
+    return (b"POST %s HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 100000\r\n\r\n" % path.encode())
+
+
+def _drip(port: int, path: str, seconds: float) -> _Drip:
+    """Valid headers and Content-Length 100000 for `path`, then a byte every DRIP_S
+    for up to `seconds` (or until a write is refused), reading whatever comes back."""
+    s = socket.create_connection(("127.0.0.1", port))
+    data, answered, eof, refused = b"", None, None, None
+    try:
+        s.sendall(_body_headers(path))
+        start = next_byte = time.monotonic()
+        while (now := time.monotonic()) - start < seconds:
+            if eof is None:
+                if select.select([s], [], [], max(0.0, next_byte - now))[0]:
+                    try:
+                        chunk = s.recv(65536)
+                    except ConnectionResetError:
+                        chunk = b""
+                    if chunk:
+                        data += chunk
+                        answered = time.monotonic() - start if answered is None else answered
+                    else:
+                        eof = time.monotonic() - start
+                    continue
+            else:
+                time.sleep(max(0.0, next_byte - now))
+            try:
+                s.send(b"x")
+            except OSError:
+                refused = time.monotonic() - start
+                break
+            next_byte += DRIP_S
+    finally:
+        s.close()
+    return _Drip(data, answered, eof, refused)
+
+
+@pytest.mark.parametrize("path", ["/read", "/ignore"])
+def test_a_dripping_body_is_answered_408_and_closed_at_the_body_deadline(path):
+    """Issue 37: valid headers, Content-Length 100000, then a byte every 4 s: writes
+    were still accepted at 39 s, past the 30 s body deadline (the app's 408 left the
+    connection to the 10 s header timeout, and a route that never reads its body had no
+    deadline at all). Now the connection answers 408 at the deadline, whether its route
+    reads the body or not, and refuses the client's writes once it has drained briefly."""
+    from pagellm.frontend.server.connections import ConnectionLimits
+
+    release, started, ended = threading.Event(), [], []
+    limits = ConnectionLimits(body_timeout_s=BODY_S, linger_s=LINGER_S)
+    with _guarded_server(limits, release, started, ended) as port:
+        drip = _drip(port, path, seconds=BODY_S + 5)
+        if path == "/read":
+            deadline = time.monotonic() + 5
+            while not ended and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert ended == ["http.disconnect"]  # the handler saw a client that left
+    assert drip.data.startswith(b"HTTP/1.1 408"), drip
+    assert b'"RequestTimeoutError"' in drip.data and b"within 1 s" in drip.data, drip
+    assert drip.answered is not None and BODY_S - 0.05 < drip.answered < BODY_S + 0.5, drip
+    assert drip.eof is not None and drip.eof - drip.answered < 0.3, drip
+    assert drip.refused is not None and drip.refused < BODY_S + LINGER_S + 1.0, drip
+
+
+def test_a_dripping_body_cuts_a_response_already_started_at_the_body_deadline():
+    """A route that streams before reading its body kept the connection as long as the
+    body dripped: at the deadline the response is cut (reset), not finished."""
+    from pagellm.frontend.server.connections import ConnectionLimits
+
+    release, started, ended = threading.Event(), [], []
+    limits = ConnectionLimits(body_timeout_s=BODY_S, linger_s=LINGER_S)
+    with _guarded_server(limits, release, started, ended) as port:
+        drip = _drip(port, "/stream", seconds=BODY_S + 5)
+    assert drip.data.startswith(b"HTTP/1.1 200") and b"part" in drip.data, drip
+    assert not drip.data.endswith(b"0\r\n\r\n"), drip  # never finished
+    assert drip.answered is not None and drip.answered < 0.5, drip
+    assert drip.eof is not None and BODY_S - 0.05 < drip.eof < BODY_S + 0.5, drip
+    assert drip.refused is not None and drip.refused < BODY_S + 1.0, drip
+
+
+def test_a_connection_answered_before_its_body_arrived_is_closed_at_once():
+    """A complete answer to a request whose body is still arriving (as the app's 401,
+    404 or 413 are) left the connection to the header timeout, the body dripping
+    meanwhile: it can never carry another request, so it closes at once."""
+    from pagellm.frontend.server.connections import ConnectionLimits
+
+    release, started, ended = threading.Event(), [], []
+    limits = ConnectionLimits(body_timeout_s=30, linger_s=LINGER_S)
+    with _guarded_server(limits, release, started, ended) as port:
+        drip = _drip(port, "/early", seconds=3)
+    assert drip.data.startswith(b"HTTP/1.1 200"), drip
+    assert drip.data.endswith(b"ok\r\n0\r\n\r\n"), drip  # complete (chunked)
+    assert drip.answered is not None and drip.eof is not None, drip
+    assert drip.eof - drip.answered < 0.3, drip
+    assert drip.refused is not None and drip.refused < LINGER_S + 1.0, drip
+
+
+def test_one_client_holding_its_share_with_slow_bodies_leaves_room_for_others():
+    """Issue 37: slow bodies from one client held 2047 of 2048 connection slots. With
+    --max-connections 8 (so 4 per client by default), a client at 127.0.0.2 opening a
+    waiting connection and then 8 requests with dripping bodies gets 4 connections: its
+    own waiting one makes room for the 4th, the rest are refused with 503. A client at
+    127.0.0.1 is still served, and its own waiting connection, older than any of them,
+    is left alone."""
+    from pagellm.frontend.server.connections import ConnectionLimits
+
+    release, started, ended = threading.Event(), [], []
+    limits = ConnectionLimits(max_connections=8, body_timeout_s=30)
+    assert limits.per_client == 4
+    opened: list[socket.socket] = []
+    with _guarded_server(limits, release, started, ended) as port:
+        try:
+            other_waiting = _half_open(port)
+            opened.append(other_waiting)
+            waiting = _connect_from("127.0.0.2", port, b"GET / HTTP/1.1\r\nHost: x\r\n")
+            opened.append(waiting)
+            outcomes = []
+            for _ in range(8):
+                before = len(started)
+                s = _connect_from("127.0.0.2", port, _body_headers("/read") + b"{")
+                opened.append(s)
+                outcomes.append(_served_or_refused(s, started, before))
+            assert outcomes == ["served"] * 4 + ["refused"] * 4
+            assert _closed_by_server(waiting)  # the 4th took its own client's idle slot
+            assert _get(port, "/") == 200
+            other_waiting.sendall(b"\r\n")  # finish the first client's waiting request
+            assert other_waiting.recv(1024).startswith(b"HTTP/1.1 200")
+        finally:
+            for s in opened:
+                s.close()
+
+
+def _connect_from(address: str, port: int, data: bytes) -> socket.socket:
+    """A connection from another loopback address (Linux routes all of 127.0.0.0/8 to
+    the loopback interface), so the server sees another client."""
+    s = socket.socket()
+    s.bind((address, 0))
+    s.connect(("127.0.0.1", port))
+    s.sendall(data)
+    return s
+
+
+def _served_or_refused(s: socket.socket, started: list[str], before: int) -> str:
+    """Whether the server took the request on `s` to its app or answered 503."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if len(started) > before:
+            return "served"
+        if select.select([s], [], [], 0.01)[0]:
+            data = s.recv(1024)
+            return "refused" if data.startswith(b"HTTP/1.1 503") else repr(data)
+    return "no answer"

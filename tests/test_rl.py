@@ -21,6 +21,7 @@ import psutil
 import pytest
 import torch
 from conftest import assert_no_leaks
+from helpers import free_port
 
 from pagellm import LLM, AsyncLLM, SamplingParams
 from pagellm.executor.loader import iterate_safetensors, safetensors_files
@@ -780,6 +781,30 @@ def test_phases_out_of_order_and_bad_init_info_are_errors(model_dirs):
                                                 "packed_num_buffers": 2}})
 
 
+def test_an_init_that_no_trainer_joins_fails_alone_naming_where_it_looked(model_dirs):
+    """Issue 37, item 1, in process (the client steps the engine while the join waits):
+    the join gives up after init_timeout_s naming the address; the next init starts
+    clean; a host name beyond any DNS name is refused before anything connects."""
+    port = free_port()
+    info = {"init_info": {"master_address": "127.0.0.1", "master_port": port,
+                          "world_size": 2}}
+    with LLM(str(model_dirs["llama"]), weight_transfer_config={"backend": "nccl",
+                                                               "init_timeout_s": 1},
+             kv_cache_memory_bytes=8 * 2**20, multiprocess=False) as llm:
+        for _ in range(2):  # a failed join leaves nothing behind: the second is the same
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=rf"could not join the trainer's "
+                                                   rf"weight-transfer group at 127.0.0.1:"
+                                                   rf"{port} as rank 1 within "
+                                                   rf"init_timeout_s=1"):
+                llm.init_weight_transfer_engine(info)
+            assert 1 <= time.monotonic() - start < 30
+        with pytest.raises(RuntimeError, match="master_address must be a host name"):
+            llm.init_weight_transfer_engine({"init_info": {
+                **info["init_info"], "master_address": "x" * 254}})
+        assert greedy(llm, PROMPTS[:1])
+
+
 # --- sleep and wake ---------------------------------------------------------------------
 
 
@@ -798,6 +823,35 @@ def test_level_1_wakes_to_the_same_tokens_and_level_2_to_the_pushed_weights(mode
         new = perturbed(model_dir, seed=3)
         llm.update_weights(new.items())
         assert llm.wake_up(tags=["kv_cache"]) is True
+        reference = hf_model(model_dir, new)
+        out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == [
+            hf_greedy(reference, o.prompt_token_ids, 10) for o in out]
+        assert_no_leaks(llm)
+
+
+def test_a_level_2_wake_refuses_requests_until_every_weight_is_loaded(model_dirs):
+    """Issue 37, item 7: woken from level 2 with no weights loaded, the engine served
+    garbage. Requests are refused (naming the state) while any checkpoint tensor has not
+    been loaded since, a partial update included; the full update serves transformers'
+    tokens on the new weights."""
+    model_dir = model_dirs["llama"]
+    new = perturbed(model_dir, seed=5)
+    names = sorted(new)
+    with LLM(str(model_dir), enable_sleep_mode=True, weight_transfer_config={"backend": "ipc"},
+             kv_cache_memory_bytes=8 * 2**20) as llm:
+        greedy(llm)
+        llm.sleep(level=2)
+        assert llm.wake_up() is True and not llm.is_sleeping()
+        with pytest.raises(ValueError, match=rf"discarded by sleep\(level=2\) and "
+                                             rf"{len(names)} of {len(names)} checkpoint"):
+            llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+        half = names[: len(names) // 2]
+        llm.update_weights([(n, new[n]) for n in half])
+        with pytest.raises(ValueError, match=rf"{len(names) - len(half)} of {len(names)} "
+                                             "checkpoint tensors have not been loaded"):
+            llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+        llm.update_weights([(n, new[n]) for n in names[len(half):]])
         reference = hf_model(model_dir, new)
         out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in out] == [
@@ -1134,6 +1188,12 @@ def test_cli_takes_the_rl_options_as_vllm_spells_them():
         parser.parse_args(["--model", "m", "--weight-transfer-config", "{not json"])
     with pytest.raises(ValueError, match="weight_transfer_config must be"):
         EngineArgs(model="m", weight_transfer_config={"backend": "carrier-pigeon"})
+    with pytest.raises(ValueError, match="weight_transfer_config must be"):
+        EngineArgs(model="m", weight_transfer_config={"init_timeout_s": 5})
+    for bad in (0, -1, float("inf"), 10**6):
+        with pytest.raises(ValueError, match="init_timeout_s"):
+            EngineArgs(model="m", weight_transfer_config={"backend": "nccl",
+                                                          "init_timeout_s": bad})
 
 
 # --- the HTTP dev routes ----------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -208,6 +209,20 @@ def test_curve_admits_the_right_key_and_refuses_a_wrong_one(engine_at, model_dir
     with pytest.raises(PermissionError, match="CURVE authentication"):
         LLM(str(model_dirs["llama"]), engine_address=address)  # no keys at all
     assert engine.poll() is None
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_attaching_where_nothing_listens_fails_within_seconds(model_dirs, tmp_path,
+                                                              transport):
+    """Issue 37: attaching to an address where nothing listens took 30-36 s before its
+    error (the wait for an engine that accepts but does not answer)."""
+    address = (f"tcp://127.0.0.1:{free_port()}" if transport == "tcp"
+               else f"ipc://{tmp_path}/no-engine-here")
+    start = time.monotonic()
+    with pytest.raises(ConnectionRefusedError, match="nothing accepts connections at "
+                       + re.escape(address)):
+        LLM(str(model_dirs["llama"]), engine_address=address)
+    assert time.monotonic() - start < 10
 
 
 def test_cli_help_documents_the_address(tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pagellm.logger import configure_logging
 from pagellm.protocol.engine_args import EngineArgs
-from pagellm.protocol.messages import StartupFailure
+from pagellm.protocol.messages import READY, StartupFailure
 from pagellm.protocol.validation import MAX_SHUTDOWN_TIMEOUT_S, check_float
 
 logger = logging.getLogger("pagellm")
@@ -66,28 +66,39 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m pagellm.engin
     if (ns.address is None) != ns.headless:
         parser.error("--address is required (and --headless takes none)")
     configure_logging()
-    from pagellm.executor.memory import tune_engine_process
-
-    tune_engine_process()
     if ns.headless:
+        from pagellm.executor.memory import tune_engine_process
         from pagellm.executor.multiproc import run_headless
 
+        tune_engine_process()
         try:
             args = EngineArgs.from_cli_args(ns)
             return run_headless(args)
         except ValueError as e:
             parser.error(str(e))
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+    sockets = None
     try:
-        from pagellm.enginecore.proc import EngineCoreProc
-        from pagellm.enginecore.transport import CurveServerKeys
-        from pagellm.executor.demo_model import resolve_model
+        from pagellm.enginecore.transport import CurveServerKeys, SocketFactory, bind_frontends
 
         curve = (CurveServerKeys(ns.curve_secret_key, ns.curve_authorized_keys)
                  if ns.curve_secret_key is not None else None)
         args = EngineArgs.from_cli_args(ns)
-        proc = EngineCoreProc(resolve_model(args), ns.address,
-                              curve, ns.lifeline_fd, ns.shutdown_timeout)
+        # Bound first (refusing an unsafe address), before torch is imported and the model
+        # loads: a frontend attaching meanwhile waits for READY instead of being refused.
+        # A launched engine (it has a lifeline) owns its socket directory.
+        sockets = SocketFactory(ns.address, curve, owns_directory=ns.lifeline_fd is not None)
+        frontends = bind_frontends(sockets)
+        from pagellm.executor.memory import tune_engine_process
+
+        tune_engine_process()
+        from pagellm.enginecore.proc import EngineCoreProc
+        from pagellm.executor.demo_model import resolve_model
+
+        proc = EngineCoreProc(resolve_model(args), sockets, frontends, ns.lifeline_fd,
+                              ns.shutdown_timeout)
+        if ns.status_fd is not None:
+            os.write(ns.status_fd, READY)
     except Exception as e:
         logger.error("engine core failed to start: %s: %s\n%s", type(e).__name__, e,
                      traceback.format_exc())
@@ -96,6 +107,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m pagellm.engin
 
             os.write(ns.status_fd, msgspec.msgpack.encode(StartupFailure(str(e),
                                                                          type(e).__name__)))
+        if sockets is not None:  # refuse further connections at once
+            sockets.close()
         if ns.lifeline_fd is not None and ns.address.startswith("ipc://"):
             # Launched: the socket directory is ours (see SocketFactory).
             shutil.rmtree(Path(ns.address.removeprefix("ipc://")).parent, ignore_errors=True)

@@ -3,6 +3,7 @@ directly; `EngineCoreProc` (the process wrapper) adds the I/O threads."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -28,6 +29,8 @@ from pagellm.protocol.messages import (
 from pagellm.protocol.sampling_params import ALL_LOGPROBS, MAX_STRINGS, check_token_ids
 from pagellm.protocol.stats import STEP_WINDOW, EngineStats, StepTimings
 from pagellm.protocol.utility import WeightUpdate, convert_args
+
+logger = logging.getLogger("pagellm")
 
 
 class EngineCore:
@@ -62,6 +65,9 @@ class EngineCore:
         self.paused: str | None = None
         self._sleep_level = 0
         self._updating = False  # between start_weight_update and finish_weight_update
+        # (checkpoint tensors not loaded since a wake from sleep level 2, of how many):
+        # while any is missing, requests are refused and none is scheduled.
+        self.unloaded_weights = (0, 0)
         self.weight_version: str | None = None
         self.recent_steps: deque[StepTimings] = deque(maxlen=STEP_WINDOW)
         self.num_steps = 0
@@ -84,7 +90,7 @@ class EngineCore:
         return Request.from_engine_core_request(request, self._hash_block_size, client_index)
 
     def add_preprocessed(self, request: Request) -> None:
-        if self.paused is not None and self.paused != "keep":
+        if (self.paused is not None and self.paused != "keep") or self.unloaded_weights[0]:
             self._reject(request.client_index, request.request_id, self._refusal(),
                          unavailable=True)
             return
@@ -108,8 +114,9 @@ class EngineCore:
 
     def has_work(self) -> bool:
         scheduler = self.scheduler
-        return bool(self._outbox) or (self.paused != "keep" and (
-            scheduler.has_unfinished_requests() or scheduler.has_finished_requests()))
+        return bool(self._outbox) or (
+            self.paused != "keep" and not self.unloaded_weights[0] and (
+                scheduler.has_unfinished_requests() or scheduler.has_finished_requests()))
 
     # -- pause and sleep (vLLM's semantics; the RL rollout loop) ---------------------
 
@@ -180,9 +187,28 @@ class EngineCore:
         return f"the engine is paused (mode {self.paused!r})"
 
     def _refusal(self) -> str:
+        missing, total = self.unloaded_weights
+        if missing and self.paused is None:
+            return (f"request refused: the weights were discarded by sleep(level=2) and "
+                    f"{missing} of {total} checkpoint tensors have not been loaded since; "
+                    f"requests are served again once update_weights (or a worker "
+                    f"extension's load_weights) has loaded them all")
         action = "wake_up()" if self._sleep_level or self.executor.sleeping \
             else "resume_generation()"
         return f"request refused: {self._state()}; requests are served again after {action}"
+
+    def _recount_weights(self) -> None:
+        """After a call that may have loaded weights, or woken them empty: how many are
+        still missing, logged when that changes."""
+        before = self.unloaded_weights[0]
+        self.unloaded_weights = self.executor.unloaded_weights()
+        missing, total = self.unloaded_weights
+        if missing and not before:
+            logger.warning("woke from sleep level 2 with no weights: requests are refused "
+                           "until all %d checkpoint tensors are loaded (update_weights, or "
+                           "an extension's load_weights)", total)
+        elif before and not missing:
+            logger.info("every weight loaded since the level-2 wake: serving again")
 
     def step(self) -> dict[int, EngineCoreOutputs]:
         """Schedule, execute, update: one continuous-batching iteration. Outputs are
@@ -224,10 +250,20 @@ class EngineCore:
 
     def call_utility(self, method: UtilityMethod, args: list[Any]) -> Any:
         """Run one utility call (arguments converted and checked against the method's
-        signature). A sleep or pause in mode "wait" that has not settled returns a
-        `Deferred`: the caller steps the engine until `pause_settled()`, then calls
-        its `finish()` for the result."""
+        signature). A call that completes later (a sleep or pause in mode "wait", an
+        init_weight_transfer_engine joining the trainer) returns a `Deferred`: the
+        caller keeps stepping the engine until its `ready()`, then calls its `finish()`
+        for the result."""
         a = convert_args(method, args)
+        if method in _MAY_LOAD_WEIGHTS and (method == UtilityMethod.WAKE_UP
+                                             or self.unloaded_weights[0]):
+            try:
+                return self._call(method, a)
+            finally:
+                self._recount_weights()
+        return self._call(method, a)
+
+    def _call(self, method: UtilityMethod, a: tuple[Any, ...]) -> Any:
         if method == UtilityMethod.GET_STATS:
             return self.get_stats()
         if method == UtilityMethod.RESET_PREFIX_CACHE:
@@ -238,13 +274,14 @@ class EngineCore:
                 raise RuntimeError("sleep levels 1 and 2 need the engine started with "
                                    "enable_sleep_mode=True")
             self.sleep(level, a[1])
-            return Deferred(lambda: self.finish_sleep(level), self.pause_settled())
+            return Deferred(lambda: self.finish_sleep(level), self.pause_settled)
         if method == UtilityMethod.WAKE_UP:
             return self.wake_up(a[0])
         if method == UtilityMethod.IS_SLEEPING:
             return self.is_sleeping()
         if method == UtilityMethod.PAUSE:
-            return Deferred(self._check_still_paused, self.pause(a[0]))
+            self.pause(a[0])
+            return Deferred(self._check_still_paused, self.pause_settled)
         if method == UtilityMethod.RESUME:
             return self.resume()
         if method == UtilityMethod.IS_PAUSED:
@@ -254,7 +291,9 @@ class EngineCore:
         if method == UtilityMethod.UPDATE_WEIGHTS:
             return self.update_weights(a[0])
         if method == UtilityMethod.INIT_WEIGHT_TRANSFER_ENGINE:
-            return self.executor.init_weight_transfer_engine(a[0])
+            # The join waits for the trainer off the loop: steps go on meanwhile.
+            self.executor.init_weight_transfer_engine(a[0])
+            return Deferred(lambda: None, self.executor.weight_transfer_joined)
         if method == UtilityMethod.START_WEIGHT_UPDATE:
             if self._updating:
                 raise RuntimeError("a weight update is already in progress")
@@ -338,13 +377,19 @@ class EngineCore:
         return None
 
 
-class Deferred:
-    """A utility call's result that waits for the pause to settle (mode "wait");
-    `settled` says it need not wait."""
+# Calls after which checkpoint tensors may have been loaded (or, waking, emptied).
+_MAY_LOAD_WEIGHTS = frozenset({UtilityMethod.WAKE_UP, UtilityMethod.UPDATE_WEIGHTS,
+                               UtilityMethod.COLLECTIVE_RPC})
 
-    def __init__(self, finish: Callable[[], Any], settled: bool) -> None:
+
+class Deferred:
+    """A utility call's result that comes later. `ready()` (cheap, polled by the loop's
+    owner between steps; it may raise the call's failure) says when; `finish()` then
+    gives the result."""
+
+    def __init__(self, finish: Callable[[], Any], ready: Callable[[], bool]) -> None:
         self.finish = finish
-        self.settled = settled
+        self.ready = ready
 
 
 class RequestRejected(ValueError):

@@ -30,7 +30,6 @@ from pagellm.enginecore.request import Request
 from pagellm.enginecore.transport import SocketFactory
 from pagellm.protocol.codec import MsgpackDecoder
 from pagellm.protocol.messages import (
-    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -84,16 +83,16 @@ class InputReceiver:
     while the engine drains for shutdown (new requests and frontends are refused),
     `stopping` ends the thread."""
 
-    def __init__(self, core: EngineCore, sockets: SocketFactory, address: str,
+    def __init__(self, core: EngineCore, sockets: SocketFactory, frontends: zmq.Socket,
                  items: queue.Queue[Any], outputs: OutputSender) -> None:
+        """`frontends`: the ROUTER at the engine's address (`transport.bind_frontends`),
+        bound before the model loaded."""
         self.core = core
         self.sockets = sockets
-        self.address = address
+        self.address = sockets.address
         self.items = items
         self.outputs = outputs
-        self.frontends, _ = sockets.bind(zmq.ROUTER, address, {
-            zmq.ROUTER_MANDATORY: 1,  # a reply to a gone peer raises
-            zmq.MAXMSGSIZE: MAX_MESSAGE_BYTES})
+        self.frontends = frontends
         self._lock = threading.Lock()  # guards the two maps below
         self._identities: dict[bytes, int] = {}  # connection -> client index
         self._clients: dict[int, AttachedClient] = {}

@@ -36,6 +36,7 @@ from types import FrameType
 from typing import Any
 
 import msgspec
+import zmq
 
 from pagellm.enginecore.core import Deferred, EngineCore
 from pagellm.enginecore.input_receiver import (
@@ -47,7 +48,7 @@ from pagellm.enginecore.input_receiver import (
     Utility,
 )
 from pagellm.enginecore.output_sender import OutputSender, last_word
-from pagellm.enginecore.transport import CurveServerKeys, SocketFactory
+from pagellm.enginecore.transport import SocketFactory
 from pagellm.lifeline import wait_for_eof
 from pagellm.logger import freeze_startup_heap
 from pagellm.protocol.engine_args import EngineArgs
@@ -61,6 +62,7 @@ from pagellm.protocol.messages import (
 logger = logging.getLogger("pagellm")
 
 _SIGNAL_CHECK_S = 0.2  # how often an idle busy loop lets signal handlers run
+_DEFERRED_POLL_S = 0.02  # ... and looks at a call that waits off the loop (a join)
 SHUTDOWN_GRACE_S = 15.0  # after this long in the final shutdown the process exits anyway
 
 
@@ -74,13 +76,14 @@ class EngineThreadDied(Exception):
 
 
 class EngineCoreProc:
-    def __init__(self, args: EngineArgs, address: str, curve: CurveServerKeys | None = None,
+    def __init__(self, args: EngineArgs, sockets: SocketFactory, frontends: zmq.Socket,
                  lifeline_fd: int | None = None, shutdown_timeout: float = 0.0) -> None:
-        self.address = address
+        """`sockets` and `frontends` (the ROUTER at the engine's address) are made by
+        the entry point before the model loads (`transport.bind_frontends`); the engine
+        owns them from here on."""
+        self.address = sockets.address
         self.shutdown_timeout = shutdown_timeout
-        # Refuses unsafe binds before loading. A launched engine (it has a lifeline) owns
-        # its socket directory, the launching frontend's private one.
-        self.sockets = SocketFactory(address, curve, owns_directory=lifeline_fd is not None)
+        self.sockets = sockets
         self.input_queue: queue.Queue[Any] = queue.Queue()
         # A tensor-parallel worker that dies between steps stops the busy loop too.
         self.core = EngineCore(args, on_failure=lambda m: self.input_queue.put(ThreadDied(m)))
@@ -90,7 +93,7 @@ class EngineCoreProc:
         self.output_s = 0.0  # mean time the busy loop spends sending a step's outputs
         # (the output thread drops a client that stops reading: the input side forgets it)
         self.outputs = OutputSender(self._stamp, lambda index: self.inputs.forget_client(index))
-        self.inputs = InputReceiver(self.core, self.sockets, address, self.input_queue,
+        self.inputs = InputReceiver(self.core, self.sockets, frontends, self.input_queue,
                                     self.outputs)
         # (waiting, running, ADDs handled per client) as the busy loop last saw them, one
         # tuple replaced whole: every message carries its client's part, plus the ADDs
@@ -98,6 +101,9 @@ class EngineCoreProc:
         # has one writer; a client's entries go when it does.
         self._adds_handled: dict[int, int] = {}  # busy loop (the input thread: adds_refused)
         self.load: tuple[int, int, dict[int, int]] = (0, 0, {})
+        # When the busy loop last went round (or waited, idle): messages carry how long
+        # ago (`loop_busy_s`), so a loop blocked in one call shows though heartbeats flow.
+        self.loop_turned = time.monotonic()
         self.threads = [self._thread(self.inputs.run, "input"),
                         self._thread(self.outputs.run, "output")]
         if lifeline_fd is not None:
@@ -118,9 +124,11 @@ class EngineCoreProc:
         code, message = 0, "engine core shut down"
         try:
             while not self._drained():
+                self.loop_turned = time.monotonic()
                 self._handle_inputs(block=not self.core.has_work())
                 if self.core.has_work():
                     outputs = self.core.step()
+                    self.loop_turned = time.monotonic()  # back from the step
                     self._save_load()  # before sending: the outputs carry the step's result
                     if outputs:
                         self._hand_out(outputs)
@@ -161,14 +169,20 @@ class EngineCoreProc:
         return timed_out or not self.core.has_work()
 
     def _handle_inputs(self, block: bool) -> None:
+        """Handle what the input thread queued; with `block`, first wait for something
+        (only a slice of time while a deferred call waits for something else than a
+        step: a join of the trainer's group is polled)."""
         item = None
         while block and item is None and self._stop_requested is None:
+            self.loop_turned = time.monotonic()  # idle is not stalled
             # Wake now and then: a signal the kernel hands to another thread only runs
             # its Python handler once the main thread runs bytecode again.
             try:
-                item = self.input_queue.get(timeout=_SIGNAL_CHECK_S)
+                item = self.input_queue.get(
+                    timeout=_DEFERRED_POLL_S if self._deferred else _SIGNAL_CHECK_S)
             except queue.Empty:
-                continue
+                if self._deferred:
+                    return
         while True:
             if item is not None:
                 self._handle(item)
@@ -189,6 +203,7 @@ class EngineCoreProc:
                 self.core.abort_requests(item.request_ids, item.client)
             elif isinstance(item, Utility):
                 answer = self._call(item.client, item.request)
+                self.loop_turned = time.monotonic()  # back from the call
                 if answer is not None:
                     self.outputs.send_now({item.client: EngineCoreOutputs(
                         timestamp=time.monotonic(), utility_output=answer)})
@@ -202,12 +217,13 @@ class EngineCoreProc:
                                           f"{type(e).__name__}: {e}")
 
     def _call(self, client: int, request: UtilityRequest) -> UtilityOutput | None:
-        """Answer a utility call, or (a pause in mode "wait" still draining) remember it:
-        `_answer_deferred` answers once the pause has settled."""
+        """Answer a utility call, or (one that completes later: a pause in mode "wait"
+        still draining, a weight-transfer join) remember it: `_answer_deferred` answers
+        once it is ready."""
         try:
             result = self.core.call_utility(request.method, request.args)
             if isinstance(result, Deferred):
-                if not result.settled:
+                if not result.ready():
                     self._deferred.append((client, request, result))
                     return None
                 result = result.finish()
@@ -229,19 +245,24 @@ class EngineCoreProc:
     def _stamp(self, index: int, outputs: EngineCoreOutputs) -> None:
         """The load every message carries, as client `index` should count it."""
         outputs.num_waiting, outputs.num_running, handled = self.load
+        outputs.loop_busy_s = round(max(0.0, time.monotonic() - self.loop_turned), 3)
         outputs.num_adds_taken = handled.get(index, 0) + self.inputs.adds_refused.get(index, 0)
 
     def _answer_deferred(self) -> None:
-        if not self._deferred or not self.core.pause_settled():
+        if not self._deferred:
             return
-        deferred, self._deferred = self._deferred, []
-        for client, request, result in deferred:
+        waiting = []
+        for client, request, result in self._deferred:
             try:
+                if not result.ready():
+                    waiting.append((client, request, result))
+                    continue
                 output = self._result(request, result.finish())
             except Exception as e:
                 output = UtilityOutput(request.call_id, failure=f"{type(e).__name__}: {e}")
             self.outputs.send_now({client: EngineCoreOutputs(
                 timestamp=time.monotonic(), utility_output=output)})
+        self._deferred = waiting
 
     def _shutdown(self, message: str) -> None:
         # Whatever hangs below, a supervisor's SIGTERM must end the process.

@@ -23,6 +23,8 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from pagellm.protocol.messages import MAX_MESSAGE_BYTES
+
 logger = logging.getLogger("pagellm")
 
 
@@ -223,3 +225,15 @@ class SocketFactory:
                 path.unlink()
         if self.owns_directory and self.ipc_path is not None:
             shutil.rmtree(self.ipc_path.parent, ignore_errors=True)
+
+
+def bind_frontends(sockets: SocketFactory) -> zmq.Socket:
+    """The ROUTER every client talks to, at the engine's address. The entry point binds
+    it before it imports torch or loads the model: a frontend attaching meanwhile
+    connects and its HELLO waits in the socket for READY, so a frontend that is refused
+    can tell at once that nothing runs there (`MPClient._handshake`), instead of
+    retrying for its whole handshake timeout in case an engine is still loading."""
+    sock, _ = sockets.bind(zmq.ROUTER, sockets.address, {
+        zmq.ROUTER_MANDATORY: 1,  # a reply to a gone peer raises
+        zmq.MAXMSGSIZE: MAX_MESSAGE_BYTES})
+    return sock

@@ -77,7 +77,25 @@ class Executor(ABC):
         return loaded
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Start every worker's join of the trainer's group ("nccl"); it goes on in the
+        background: poll `weight_transfer_joined`. (Every rank makes the same checks on
+        the same state first, so either all start or none does.)"""
         self._run("init_weight_transfer_engine", init_info)
+
+    def weight_transfer_joined(self) -> bool:
+        """True once every worker has joined; raises the first failure (and every rank
+        leaves, so that a new init starts clean)."""
+        try:
+            return all(self._run("weight_transfer_joined"))
+        except (RuntimeError, ValueError):
+            self._run("abandon_weight_transfer")
+            raise
+
+    def unloaded_weights(self) -> tuple[int, int]:
+        """(checkpoint tensors some rank has not loaded since a wake from sleep level 2,
+        of how many)."""
+        counts = self._run("unloaded_weights")
+        return max(c[0] for c in counts), counts[0][1]
 
     def collective_rpc(self, method: str, args: list[Any], kwargs: dict[str, Any]
                        ) -> list[Any]:

@@ -58,12 +58,18 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    """Each file's tensors in turn. A file the library cannot read (truncated by an
+    interrupted download, not safetensors at all) is named: its own message says why
+    ("incomplete metadata") but not which of a checkpoint's shards it means."""
+    from safetensors import SafetensorError, safe_open
 
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"cannot read the safetensors file {file}: {e}") from e
 
 
 def available_memory(device: torch.device) -> int:

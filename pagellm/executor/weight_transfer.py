@@ -5,22 +5,26 @@ The sender (`LLM.update_weights`, a trainer on the same host) writes the tensors
 after another into a file under /dev/shm and sends a `WeightUpdate`: each tensor's
 checkpoint name, dtype, shape and byte offset, plus the file's path and size. The
 engine checks the update as a whole (`check_specs`: no name twice, no more bytes than
-the model allows), maps the file, checks every spec against the file and the model
-before it copies anything (so a bad update leaves the old weights serving), then
-copies. The sender deletes the file when the call returns. Nothing crosses the socket
-but the specs.
+the model allows), maps the file (or reads it: `open_update`), checks every spec
+against the file and the model before it copies anything (so a bad update leaves the
+old weights serving), then copies. The sender deletes the file when the call returns.
+Nothing crosses the socket but the specs.
 
 The engine opens only regular files named `pagellm-weights-*` directly in /dev/shm or
-the temp directory (the fallback when /dev/shm is too small), without following links:
-a client cannot make it read anything else.
+the temp directory (the fallback when /dev/shm is too small), without following links
+or waiting for a writer, with one link and its own user as owner: a client cannot make
+it read anything else, or block; and a sender that truncates the file meanwhile waits,
+or fails its own update, instead of killing the engine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import re
+import signal
 import stat
 import tempfile
 import weakref
@@ -33,7 +37,7 @@ import torch
 
 from pagellm.executor.tensor_codec import DTYPES, nbytes
 from pagellm.protocol.utility import WEIGHT_DTYPES, WeightSpec, WeightUpdate
-from pagellm.protocol.validation import check_int
+from pagellm.protocol.validation import check_host, check_int
 
 if TYPE_CHECKING:
     from pagellm.executor.models.decoder import Destination
@@ -120,37 +124,108 @@ def shared_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Weig
 
 @contextlib.contextmanager
 def open_update(update: WeightUpdate) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The update's tensors, as read-only views of the mapped file (valid inside the
-    `with`); ValueError naming the first thing that is wrong."""
+    """The update's tensors (valid inside the `with`); ValueError naming the first
+    thing that is wrong.
+
+    The sender still holds the file and could shrink it while the engine copies: a
+    mapped page past the new end is a SIGBUS that kills the engine for every client.
+    So the file is mapped (copy-on-write, no copy of it made) only under a read lease
+    (`_hold_lease`), which makes any truncation or open for writing wait until the
+    engine lets go; where no lease can be had (a writer still has the file open, a file
+    system without leases) it is read whole into host memory instead, and a file that
+    shrinks meanwhile is a short read: a refused update, old weights kept. Reading
+    costs 1.3-4 s more for 2 GB here (fresh pages), mapping nothing."""
     if update.buffer is None:
         raise ValueError("weight update without a buffer (backend 'ipc' needs one)")
-    path = Path(update.buffer)
-    if path.parent not in buffer_dirs() or not path.name.startswith(PREFIX):
-        raise ValueError(f"weight buffer must be a {PREFIX}* file in "
-                         f"{' or '.join(map(str, buffer_dirs()))}, got {update.buffer!r}")
+    fd, size = _open_buffer(update.buffer)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        raise ValueError(f"cannot open weight buffer {update.buffer}: {e}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != update.buffer_bytes:
+        if size != update.buffer_bytes:
             raise ValueError(f"weight buffer {update.buffer} is not a regular file of "
                              f"{update.buffer_bytes} bytes")
-        mapped = mmap.mmap(fd, info.st_size, flags=mmap.MAP_PRIVATE,  # copy-on-write: never
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE) if info.st_size else None
-    finally:
-        os.close(fd)
-    try:
-        raw = torch.frombuffer(mapped, dtype=torch.uint8) if mapped is not None \
-            else torch.empty(0, dtype=torch.uint8)
-        tensors = views(raw, update.specs)
-        yield tensors
-        del tensors, raw
-    finally:
-        if mapped is not None:
+        if not size or not _hold_lease(fd):
+            raw = torch.empty(size, dtype=torch.uint8)  # [bytes]
+            _read_exactly(fd, raw, update.buffer)
+            yield views(raw, update.specs)
+            return
+        now = os.fstat(fd).st_size  # the lease holds it from here: is it still whole?
+        if now != size:
+            raise _shrank(update.buffer, now, size)
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,  # copy-on-write: never
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)  # the sender's bytes
+        try:
+            raw = torch.frombuffer(mapped, dtype=torch.uint8)  # [bytes]
+            tensors = views(raw, update.specs)
+            yield tensors
+            del tensors, raw
+        finally:
             with contextlib.suppress(BufferError):  # a view escaped: the GC unmaps later
                 mapped.close()
+    finally:
+        os.close(fd)  # and with it the lease
+
+
+def _hold_lease(fd: int) -> bool:
+    """Take a read lease on the open buffer file: until `fd` is closed, another
+    process's truncate, or open for writing, waits (up to the kernel's
+    lease-break-time, 45 s by default, after notifying us; copying an update takes well
+    under that). Refused (False) while anyone has the file open for writing, and where
+    the file system has no leases. The break notice comes as SIGURG, which a process
+    ignores by default, instead of SIGIO, which would kill it."""
+    if not hasattr(fcntl, "F_SETLEASE"):  # Linux only
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError:
+        return False
+    return True
+
+
+def _open_buffer(buffer: str) -> tuple[int, int]:
+    """A descriptor of the update's buffer file and its size, opened so that nothing a client names
+    can make the engine read anything else, or wait: only a `pagellm-weights-*` file
+    directly in one of `buffer_dirs()`; opened without following a link and without
+    blocking (a FIFO would block the open until a writer came); then it must be a
+    regular file with exactly one link (a hard link to another file, /etc/shadow, has
+    two) owned by the engine's own user."""
+    path = Path(buffer)
+    if path.parent not in buffer_dirs() or not path.name.startswith(PREFIX):
+        raise ValueError(f"weight buffer must be a {PREFIX}* file in "
+                         f"{' or '.join(map(str, buffer_dirs()))}, got {buffer!r}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"cannot open weight buffer {buffer}: {e}") from None
+    info = os.fstat(fd)
+    problem = ("not a regular file" if not stat.S_ISREG(info.st_mode)
+               else f"a file with {info.st_nlink} links (a buffer has exactly one)"
+               if info.st_nlink != 1
+               else f"owned by uid {info.st_uid}, not the engine's ({os.geteuid()})"
+               if info.st_uid != os.geteuid() else None)
+    if problem is not None:
+        os.close(fd)
+        raise ValueError(f"weight buffer {buffer} refused: {problem}")
+    return fd, info.st_size
+
+
+READ_CHUNK = 64 * 2**20  # bytes per read call (each a separate system call)
+
+
+def _read_exactly(fd: int, raw: torch.Tensor, buffer: str) -> None:
+    """Fill `raw` ([bytes] uint8) from the start of `fd`; ValueError if the file ends
+    first (its sender shrank it after the size check)."""
+    view = raw.numpy().data.cast("B")
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:done + READ_CHUNK]], done)
+        if got == 0:
+            raise _shrank(buffer, done, len(view))
+        done += got
+
+
+def _shrank(buffer: str, now: int, size: int) -> ValueError:
+    return ValueError(f"weight buffer {buffer} shrank to {now} of {size} bytes while it "
+                      "was opened: update refused, old weights kept")
 
 
 def pack(pairs: list[tuple[str, torch.Tensor]], specs: list[WeightSpec],
@@ -185,7 +260,7 @@ def _view(raw: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
 # tensors (on the CPU, or staged through host memory; also when the trainer and a
 # worker share a GPU, which NCCL refuses: the "ipc" backend is the fast path there).
 
-TRANSFER_TIMEOUT_S = 300.0  # joining the group and each broadcast
+TRANSFER_TIMEOUT_S = 300.0  # each broadcast (and the trainer's wait for the engine)
 
 
 class TransferInit(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -197,6 +272,7 @@ class TransferInit(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     world_size: int
 
     def __post_init__(self) -> None:
+        check_host("master_address", self.master_address)
         check_int("master_port", self.master_port, minimum=1, maximum=65535)
         check_int("world_size", self.world_size, minimum=2, maximum=1024)
         check_int("rank_offset", self.rank_offset, minimum=1, maximum=self.world_size - 1)
@@ -219,7 +295,10 @@ class WeightGroup:
     a finalizer does it at exit for callers that never call it."""
 
     def __init__(self, init: TransferInit, rank: int, device: torch.device | None = None,
-                 timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+                 timeout_s: float = TRANSFER_TIMEOUT_S, join_timeout_s: float | None = None
+                 ) -> None:
+        """`join_timeout_s` bounds reaching the store and meeting every member (default
+        `timeout_s`); `timeout_s` bounds each broadcast after that."""
         import datetime
 
         import torch.distributed as dist
@@ -227,7 +306,9 @@ class WeightGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank = rank
         store = dist.TCPStore(init.master_address, init.master_port, init.world_size,
-                              is_master=rank == 0, timeout=timeout)
+                              is_master=rank == 0, timeout=datetime.timedelta(
+                                  seconds=timeout_s if join_timeout_s is None
+                                  else join_timeout_s))
         offer = "cpu"
         if device is not None and device.type == "cuda":
             offer = str(torch.cuda.get_device_properties(device).uuid)
@@ -410,6 +491,14 @@ def check_specs(specs: list[WeightSpec], limit_bytes: int, limit_count: int) -> 
             raise ValueError(f"weight update refused, old weights kept: {spec.name} "
                              f"appears more than once")
         seen.add(spec.name)
+
+
+def buffer_limit(limit_bytes: int, count: int) -> int:
+    """The largest buffer file an update of `count` tensors within `limit_bytes` needs:
+    its tensors one after another, each start rounded up to ALIGN (`layout`). The file
+    is read whole, so a larger one would make the engine allocate what its sender
+    chose."""
+    return limit_bytes + ALIGN * count
 
 
 def _spec_bytes(spec: WeightSpec) -> int:

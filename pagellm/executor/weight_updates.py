@@ -6,7 +6,8 @@ nothing: every name, shape and dtype is checked first, and the old weights keep 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -19,10 +20,12 @@ from pagellm.executor.weight_transfer import (
     TransferInit,
     UpdateTooLarge,
     WeightGroup,
+    buffer_limit,
     check_specs,
     open_update,
     receive,
 )
+from pagellm.protocol.engine_args import DEFAULT_INIT_TIMEOUT_S
 from pagellm.protocol.utility import WeightUpdate
 
 
@@ -40,6 +43,7 @@ class WeightUpdates:
         self.model, self.device, self.config = model, device, config
         self.global_rank, self.workers = global_rank, workers
         self.group: WeightGroup | None = None
+        self._join: PendingJoin | None = None  # a join in progress (init_engine)
         # The most one update may carry, on every path (`check_specs`): a broadcast is
         # received even when refused, and specs may point many times at one region of a
         # buffer. Each rank holds at least 1/world_size of every tensor, so a full
@@ -52,26 +56,62 @@ class WeightUpdates:
         self.max_specs = 2 * len(model.checkpoint_keys())
 
     def init_engine(self, init_info: dict[str, Any]) -> None:
-        """Join the trainer's group (backend "nccl"; "ipc" needs nothing). Blocks until
-        the trainer joins too, at most TRANSFER_TIMEOUT_S."""
+        """Start joining the trainer's group (backend "nccl"; "ipc" needs nothing) and
+        return: the join waits for the trainer, up to the config's init_timeout_s, on a
+        thread of its own, so the engine keeps stepping (`joined` says when it is done).
+        A second init while one is pending, or after one succeeded, is refused."""
         if self.config is None:
             raise RuntimeError("weight updates need the engine started with "
                                "weight_transfer_config")
         if self.config["backend"] != "nccl":
             return
+        if self._join is not None:
+            raise RuntimeError("init_weight_transfer_engine is already in progress (waiting "
+                               "for the trainer to join)")
         if self.group is not None:
             raise RuntimeError("the weight-transfer engine is already initialized")
         init = msgspec.convert(init_info, TransferInit)
         # Refused by every worker alike before any joins: a rank past the group's size
-        # would wait out TRANSFER_TIMEOUT_S.
+        # would wait out the join timeout.
         if init.rank_offset + self.workers > init.world_size:
             raise ValueError(
                 f"init_info world_size={init.world_size} cannot hold this engine's "
                 f"{self.workers} worker(s) from rank_offset={init.rank_offset}: it needs at "
                 f"least rank_offset + data_parallel_size x tensor_parallel_size = "
                 f"{init.rank_offset + self.workers}")
-        self.group = WeightGroup(init, rank=init.rank_offset + self.global_rank,
-                                 device=self.device)
+        timeout = float(self.config.get("init_timeout_s", DEFAULT_INIT_TIMEOUT_S))
+        rank, device = init.rank_offset + self.global_rank, self.device
+        where = f"{init.master_address}:{init.master_port}"
+        self._join = PendingJoin(
+            lambda: WeightGroup(init, rank=rank, device=device, join_timeout_s=timeout),
+            f"could not join the trainer's weight-transfer group at {where} as rank {rank} "
+            f"within init_timeout_s={timeout:g}")
+
+    def joined(self) -> bool:
+        """False while a join started by `init_engine` waits; True once it is done (or
+        none was started). A failed join raises its error once, and a new init may be
+        tried."""
+        if self._join is None:
+            return True
+        try:
+            group = self._join.result()
+        except RuntimeError:
+            self._join = None
+            raise
+        if group is None:
+            return False
+        self.group, self._join = group, None
+        return True
+
+    def abandon_join(self) -> None:
+        """Another rank's join failed: leave the group this one joined, or will join
+        (its pending join closes what it makes), so that a new init starts clean."""
+        if self._join is not None:
+            self._join.abandon()
+            self._join = None
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     def apply(self, update: WeightUpdate, weights_asleep: bool) -> int:
         """Copy the update's tensors into the model; the update as a whole (`_check`)
@@ -94,7 +134,9 @@ class WeightUpdates:
                     "over backend 'nccl'; this engine's backend is "
                     f"{self.config['backend']!r}: send the tensors themselves")
             raise RuntimeError("a weight update without a buffer arrives over the "
-                               "weight-transfer group: init_weight_transfer_engine first")
+                               "weight-transfer group: init_weight_transfer_engine first"
+                               + (" (it is still waiting for the trainer to join)"
+                                  if self._join is not None else ""))
         # Every name and shape is checked before the first broadcast arrives, so the
         # tensors can load as they come (one in memory at a time); a refused update is
         # still received, into scratch, so the trainer never hangs; but not one larger
@@ -111,6 +153,7 @@ class WeightUpdates:
         loaded = receive(self.group, update.specs, dests)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.model.unloaded.difference_update(spec.name for spec in update.specs)
         return loaded
 
     def _check(self, update: WeightUpdate, weights_asleep: bool) -> None:
@@ -122,6 +165,11 @@ class WeightUpdates:
             raise RuntimeError("weight updates need the engine started with "
                                "weight_transfer_config={'backend': 'ipc'}")
         check_specs(update.specs, self.limit, self.max_specs)
+        if update.buffer is not None and update.buffer_bytes > buffer_limit(
+                self.limit, len(update.specs)):  # read whole into host memory
+            raise UpdateTooLarge(f"weight buffer of {update.buffer_bytes} bytes is larger "
+                                 f"than its tensors need ({self.limit} bytes at most, "
+                                 "aligned); refused, nothing read")
         if weights_asleep:
             raise RuntimeError("the weights are asleep; wake_up(tags=['weights']) first")
 
@@ -152,3 +200,51 @@ class WeightUpdates:
             dest.load(tensor, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the sources may go away on return
+        self.model.unloaded.difference_update(name for name, _ in tensors)
+
+
+class PendingJoin:
+    """Joining the trainer's weight-transfer group on a thread of its own. The join
+    waits in torch's TCPStore and gloo/NCCL rendezvous (which release the GIL) for a
+    trainer that may be slow, misconfigured or absent; on the engine's loop it held up
+    every client's steps for up to the whole timeout."""
+
+    def __init__(self, make: Callable[[], WeightGroup], failure: str) -> None:
+        self._failure = failure
+        self._lock = threading.Lock()  # the group's hand-over against `abandon`
+        self._abandoned = False
+        self._group: WeightGroup | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(make,),
+                                        name="weight-transfer-join", daemon=True)
+        self._thread.start()
+
+    def _run(self, make: Callable[[], WeightGroup]) -> None:
+        try:
+            group = make()
+        except BaseException as e:  # reported by `result`, on the loop's thread
+            self._error = e
+            return
+        with self._lock:
+            if self._abandoned:
+                group.close()
+            else:
+                self._group = group
+
+    def result(self) -> WeightGroup | None:
+        """The group once joined; None while the join waits; RuntimeError naming the
+        address and the cause if it failed."""
+        if self._thread.is_alive():
+            return None
+        if self._error is not None:
+            cause = str(self._error).splitlines()[0][:300] if str(self._error) else ""
+            raise RuntimeError(f"{self._failure}: {type(self._error).__name__}: {cause}")
+        return self._group
+
+    def abandon(self) -> None:
+        """Drop the group, now or whenever the join finishes."""
+        with self._lock:
+            self._abandoned = True
+            if self._group is not None:
+                self._group.close()
+                self._group = None

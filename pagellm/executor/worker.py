@@ -183,6 +183,8 @@ class Worker:
         again once everything is back (their addresses changed)."""
         t0, before = time.perf_counter(), memory.used_bytes(self.device)
         if "weights" in tags and "weights" in self.sleeping:
+            if self._weight_backup is None:  # level 2: allocated, not filled
+                self.runner.model.unloaded = self.runner.model.checkpoint_keys()
             memory.restore(self.runner.model, self._weight_shapes, self._weight_backup)
             self._weight_backup = None  # restore freed it: not kept until the next sleep
             self.sleeping.discard("weights")
@@ -209,7 +211,20 @@ class Worker:
             drop_packed()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Start joining the trainer's group; `weight_transfer_joined` says when done."""
         self.updates.init_engine(init_info)
+
+    def unloaded_weights(self) -> tuple[int, int]:
+        """(checkpoint tensors not loaded since a wake from sleep level 2, of how many):
+        the engine refuses requests until the first is 0."""
+        model = self.runner.model
+        return len(model.unloaded), len(model.checkpoint_keys())
+
+    def weight_transfer_joined(self) -> bool:
+        return self.updates.joined()
+
+    def abandon_weight_transfer(self) -> None:
+        self.updates.abandon_join()
 
     rpc_methods: frozenset[str] = frozenset()  # set by the extension's subclass
 

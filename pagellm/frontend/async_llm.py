@@ -258,6 +258,13 @@ class AsyncLLM:
     def is_dead(self) -> bool:
         return self.engine_core is not None and self.engine_core.dead_error is not None
 
+    @property
+    def engine_busy_s(self) -> float:
+        """How long the engine core's loop has been inside its current step or control
+        call (0 while it turns, idle included): a loop blocked in one call still
+        heartbeats, so this, not `is_dead`, tells a server it can serve no one."""
+        return 0.0 if self.engine_core is None else self.engine_core.engine_busy_s()
+
     def shutdown(self) -> None:
         if getattr(self, "_tokenizer_thread", None) is None:
             return  # failed before anything started

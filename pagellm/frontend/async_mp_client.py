@@ -104,9 +104,10 @@ class AsyncMPClient(MPClient, AsyncEngineCoreClient):
         try:
             outputs = await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
-            self._calls.pop(request.call_id, None)
             raise TimeoutError(f"engine core utility call {method.name.lower()} timed out "
                                f"after {timeout} s") from None
+        finally:  # timed out or cancelled (a /metrics scrape gave up): answer into the void
+            self._calls.pop(request.call_id, None)
         return self._utility_result(method, outputs)
 
     async def _read_outputs(self, socket: zmq.asyncio.Socket) -> None:

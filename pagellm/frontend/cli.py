@@ -10,10 +10,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from pagellm.frontend.server.options import MAX_BODY_BYTES, ServerOptions
+from pagellm.frontend.server.options import (
+    ENGINE_STALL_TIMEOUT_S,
+    MAX_BODY_BYTES,
+    MAX_RESPONSE_ENTRIES,
+    ServerOptions,
+)
 from pagellm.logger import configure_logging
 from pagellm.protocol.engine_args import EngineArgs, parse_bytes
-from pagellm.protocol.validation import MAX_SHUTDOWN_TIMEOUT_S, check_float, check_int
+from pagellm.protocol.validation import (
+    INT64_MAX,
+    MAX_SHUTDOWN_TIMEOUT_S,
+    check_float,
+    check_int,
+)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -124,6 +134,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-connections", type=int, default=None,
                    help="most open HTTP connections; above it the connection idle longest "
                         "is closed (default: 2048, or fewer if file descriptors are short)")
+    s.add_argument("--max-connections-per-client", type=int, default=None,
+                   help="most open HTTP connections from one IP address; above it that "
+                        "client's connection idle longest is closed, or the new one refused "
+                        "(default: half of --max-connections). Behind a reverse proxy every "
+                        "client is the proxy's address: raise it there")
+    s.add_argument("--max-response-entries", type=int, default=MAX_RESPONSE_ENTRIES,
+                   help="most token entries one request's response may hold: n x max_tokens "
+                        "x (1 + logprobs), plus prompt tokens x (1 + prompt_logprobs); a "
+                        f"larger request is a 400 (default: {MAX_RESPONSE_ENTRIES})")
+    s.add_argument("--engine-stall-timeout", type=float, default=ENGINE_STALL_TIMEOUT_S,
+                   help="seconds the engine core's loop may spend inside one step or "
+                        "control call before /health and /ping answer 503 (default: "
+                        f"{ENGINE_STALL_TIMEOUT_S:g})")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (rendered in a "
                         "sandboxed child process with a time limit)")
@@ -169,10 +192,12 @@ def _serve(ns: argparse.Namespace) -> int:
                             chat_template=chat_template,
                             api_key=ns.api_key, max_body_bytes=ns.max_body_size,
                             trust_request_chat_template=ns.trust_request_chat_template,
-                            enable_dev_endpoints=ns.enable_dev_endpoints)
+                            enable_dev_endpoints=ns.enable_dev_endpoints,
+                            max_response_entries=ns.max_response_entries,
+                            engine_stall_timeout_s=ns.engine_stall_timeout)
     return run_server(args, options, ns.host, ns.port, ns.engine_address,
                       ns.curve_secret_key, ns.curve_server_public_key, ns.shutdown_timeout,
-                      ns.max_connections)
+                      ns.max_connections, ns.max_connections_per_client)
 
 
 MIN_BODY_BYTES = 1024  # below this even a short completion request cannot arrive
@@ -188,6 +213,12 @@ def check_server_flags(ns: argparse.Namespace) -> None:
                 maximum=MAX_SHUTDOWN_TIMEOUT_S)
     check_int("--max-body-size", ns.max_body_size, minimum=MIN_BODY_BYTES)
     check_int("--max-connections", ns.max_connections, minimum=1, allow_none=True)
+    check_int("--max-connections-per-client", ns.max_connections_per_client, minimum=1,
+              allow_none=True)
+    check_int("--max-response-entries", ns.max_response_entries, minimum=1,
+              maximum=INT64_MAX)
+    check_float("--engine-stall-timeout", ns.engine_stall_timeout, minimum=0.0,
+                min_exclusive=True, maximum=MAX_SHUTDOWN_TIMEOUT_S)
     if ns.api_key is not None and not ns.api_key.strip():
         raise ValueError("--api-key must not be empty (leave the flag out for no key)")
 

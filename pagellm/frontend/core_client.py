@@ -44,6 +44,15 @@ class EngineDeadError(RuntimeError):
 class EngineCoreClient(ABC):
     info: EngineInfo
     dead_error: str | None = None
+    # How long the engine core's loop has been inside one step or control call, as its
+    # last message said (0 in this process: the caller's own thread runs the loop).
+    loop_busy_s: float = 0.0
+
+    def engine_busy_s(self) -> float:
+        """The longest any of this client's engine cores has been inside one step or
+        control call (`EngineCoreOutputs.loop_busy_s`): what /health judges a loop
+        blocked by."""
+        return self.loop_busy_s
 
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
@@ -188,7 +197,9 @@ class InprocClient(SyncEngineCoreClient):
         try:
             result = self.core.call_utility(method, wire_args)
             if isinstance(result, Deferred):
-                while not self.core.pause_settled():
+                while not result.ready():
+                    if not self.core.has_work():  # a join waits for its trainer
+                        time.sleep(0.01)
                     outputs = self.core.step().get(0)
                     if outputs is not None:
                         self._stepped.append(outputs)

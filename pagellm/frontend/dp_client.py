@@ -184,6 +184,9 @@ class DPClient(EngineCoreClient):
     def _make_client(self, engine_address: str | None, **options: Any) -> MPClient:
         """One engine core's client (`MPClient`'s keyword options)."""
 
+    def engine_busy_s(self) -> float:
+        return max(client.loop_busy_s for client in self.clients)
+
     @property
     def prefix_aware(self) -> bool:
         """Whether the cached prefix breaks near-ties in load (default: True)."""

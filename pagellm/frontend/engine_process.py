@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import msgspec
 
 from pagellm.protocol.engine_args import EngineArgs, usable_cpus
-from pagellm.protocol.messages import StartupFailure
+from pagellm.protocol.messages import READY, StartupFailure
 
 # Start-up failures re-raised in the frontend with their own type (a bad option is a
 # ValueError whether the engine core runs here or in a child process).
@@ -85,6 +85,7 @@ class EngineProcess:
         self._status_read: int | None = status_read
         self._fd_lock = threading.Lock()  # exit_cause (a watcher thread) vs terminate
         self._failure: EngineStartupError | None = None
+        self._status = b""  # what the child wrote on its status pipe so far
         self.pid = self.proc.pid
 
     def exit_cause(self) -> str | None:
@@ -100,22 +101,32 @@ class EngineProcess:
                    f"{signal.Signals(-code).name}"
         return f"engine core process (pid {self.pid}) exited with code {code}"
 
+    def ready(self) -> bool:
+        """Whether the child has said it serves (READY on its status pipe): it binds
+        its address before it loads, so a connection accepted there says nothing yet."""
+        self._read_status()
+        return self._status.startswith(READY)
+
     def startup_failure(self) -> EngineStartupError | None:
         """What the child wrote on its status pipe once it exited, if anything."""
         if self.proc.poll() is None:
             return None
         if self._failure is not None:
             return self._failure
-        data = b""
+        self._read_status()
+        if self._status and not self._status.startswith(READY):
+            with contextlib.suppress(msgspec.DecodeError):
+                status = msgspec.msgpack.decode(self._status, type=StartupFailure)
+                self._failure = EngineStartupError(status.message, status.error_type)
+        return self._failure
+
+    def _read_status(self) -> None:
+        """Add what the status pipe holds now to `_status` (non-blocking)."""
         with self._fd_lock:
             if self._status_read is not None:
                 with contextlib.suppress(OSError):
-                    data = os.read(self._status_read, 1 << 16)
-        if data:
-            with contextlib.suppress(msgspec.DecodeError):
-                status = msgspec.msgpack.decode(data, type=StartupFailure)
-                self._failure = EngineStartupError(status.message, status.error_type)
-        return self._failure
+                    while chunk := os.read(self._status_read, 1 << 16):
+                        self._status += chunk
 
     def wait_exit(self) -> None:
         """Block until the process has exited, without reaping it.

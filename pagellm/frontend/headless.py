@@ -173,7 +173,7 @@ def _failed(processes: dict[int, EngineProcess]) -> str | None:
 
 
 def _wait_ready(processes: dict[int, EngineProcess]) -> None:
-    """Until every core accepts connections (it binds once its model is loaded)."""
+    """Until every core serves (READY on its status pipe: it binds before it loads)."""
     deadline = time.monotonic() + LOCAL_STARTUP_TIMEOUT_S
     waiting = dict(processes)
     while waiting:
@@ -184,12 +184,8 @@ def _wait_ready(processes: dict[int, EngineProcess]) -> None:
             cause = process.exit_cause()
             if cause is not None:
                 raise RuntimeError(f"{rank_label(rank)} failed to start: {cause}")
-            host, port = process.address.removeprefix("tcp://").rsplit(":", 1)
-            try:
-                socket.create_connection((host.strip("[]"), int(port)), timeout=1).close()
+            if process.ready():
                 del waiting[rank]
-            except OSError:
-                pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"data-parallel rank(s) {sorted(waiting)} did not start "
                                f"within {LOCAL_STARTUP_TIMEOUT_S:.0f} s")

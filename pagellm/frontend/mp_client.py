@@ -54,6 +54,11 @@ from pagellm.protocol.utility import SIGNATURES
 
 LOCAL_STARTUP_TIMEOUT_S = 900.0  # loading a large model can take minutes
 REMOTE_HANDSHAKE_TIMEOUT_S = 30.0
+# An attached engine's address that refuses every connection for this long has nothing
+# listening: said then, not after REMOTE_HANDSHAKE_TIMEOUT_S. An engine core binds its
+# address first thing, before torch and the model load (`transport.bind_frontends`), so
+# this need only cover the interpreter's start (~0.5 s) on a busy machine.
+REFUSED_TIMEOUT_S = 5.0
 HEARTBEAT_TIMEOUT_S = 10.0  # an engine core is dead after this long in silence
 _EXIT_WAIT_S = 1.0  # a lost connection to a launched engine: wait this long for its exit
 _LAST_WORD_WAIT_S = 0.3  # ... to an attached one: this long for its last word
@@ -143,20 +148,29 @@ class MPClient(EngineCoreClient):
         return sock
 
     def _handshake(self) -> tuple[zmq.Socket, HandshakeReply]:
+        """HELLO, answered by READY. For an attached engine, an address that refuses
+        every connection attempt (ZeroMQ retries: EVENT_CONNECT_RETRIED, never
+        EVENT_CONNECTED) for REFUSED_TIMEOUT_S has nothing listening, and is named then;
+        one that accepts the connection but does not answer (still loading its model:
+        the HELLO waits in its socket) gets the whole REMOTE_HANDSHAKE_TIMEOUT_S. A
+        launched engine is watched through its process instead."""
         sock = self._new_socket(zmq.DEALER)
-        monitor = monitor_socket(sock, zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                 | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        auth_failed = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                       | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        local = self.engine_process is not None
+        monitor = monitor_socket(sock, auth_failed if local else (
+            auth_failed | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED))
         sock.connect(self.address)
         sock.send_multipart([RequestType.HELLO.value,
                              msgspec.msgpack.encode(HandshakeRequest(PROTOCOL_VERSION))])
-        local = self.engine_process is not None
         timeout = LOCAL_STARTUP_TIMEOUT_S if local else REMOTE_HANDSHAKE_TIMEOUT_S
         deadline = time.monotonic() + timeout
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         attached = False
+        connected = False
+        first_refused: float | None = None
         try:
             while time.monotonic() < deadline:
                 events = dict(poller.poll(100))
@@ -168,11 +182,22 @@ class MPClient(EngineCoreClient):
                                            f"frontend: {reply.error}")
                     attached = True
                     return sock, reply
-                if monitor in events:
-                    raise PermissionError(
-                        f"CURVE authentication with the engine core at {self.address} "
-                        "failed: it does not accept this frontend's key, or the engine's "
-                        "public key given here is wrong")
+                while monitor.poll(0):
+                    event = recv_monitor_message(monitor)["event"]
+                    if event & auth_failed:
+                        raise PermissionError(
+                            f"CURVE authentication with the engine core at {self.address} "
+                            "failed: it does not accept this frontend's key, or the "
+                            "engine's public key given here is wrong")
+                    connected = connected or event == zmq.EVENT_CONNECTED
+                    if event == zmq.EVENT_CONNECT_RETRIED and first_refused is None:
+                        first_refused = time.monotonic()
+                if not connected and first_refused is not None \
+                        and time.monotonic() - first_refused >= REFUSED_TIMEOUT_S:
+                    raise ConnectionRefusedError(
+                        f"nothing accepts connections at {self.address} (refused for "
+                        f"{REFUSED_TIMEOUT_S:g} s): is the engine core running, and is this "
+                        "its --address?")
                 if self.engine_process is not None:
                     failure = self.engine_process.startup_failure()
                     if failure is not None:
@@ -317,6 +342,7 @@ class MPClient(EngineCoreClient):
 
     def _check_outputs(self, outputs: EngineCoreOutputs) -> None:
         self.reported_load = outputs.num_waiting + outputs.num_running
+        self.loop_busy_s = outputs.loop_busy_s
         self.adds_acknowledged = outputs.num_adds_taken
         if outputs.engine_dead is not None:
             self._on_dead(outputs.engine_dead)

@@ -29,6 +29,7 @@ from pagellm.protocol.validation import (
     INT64_MAX,
     INT64_MIN,
     check_float,
+    check_host,
     check_int,
 )
 
@@ -43,11 +44,32 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 # "ipc": shared memory on the same host; "nccl": a torch.distributed group with the
 # trainer (gloo: host tensors; see executor/weight_transfer.py).
 WEIGHT_TRANSFER_BACKENDS = ("ipc", "nccl")
+# How long init_weight_transfer_engine waits for the trainer's group ("nccl"), unless
+# weight_transfer_config says otherwise: the trainer calls its side at the same time.
+DEFAULT_INIT_TIMEOUT_S = 60.0
+MAX_INIT_TIMEOUT_S = 3600.0
 # Most tensor-parallel workers, or data-parallel engine cores, one engine starts.
 MAX_PARALLEL = 256
 # Most requests running at once: per-request rows of the input batch are preallocated,
 # so a count beyond any real use would be an allocation failure, not a setting.
 MAX_NUM_SEQS = 2**20
+
+
+def check_weight_transfer_config(config: Any) -> None:
+    """{"backend": "ipc" | "nccl"} (vLLM's field), optionally with "init_timeout_s": how
+    long init_weight_transfer_engine waits for the trainer to join the "nccl" group
+    (DEFAULT_INIT_TIMEOUT_S; the engine keeps serving meanwhile)."""
+    if config is None:
+        return
+    if not (isinstance(config, dict) and "backend" in config
+            and set(config) <= {"backend", "init_timeout_s"}
+            and config["backend"] in WEIGHT_TRANSFER_BACKENDS):
+        raise ValueError(f"weight_transfer_config must be {{'backend': B}} with B one of "
+                         f"{', '.join(WEIGHT_TRANSFER_BACKENDS)} (and optionally "
+                         f"'init_timeout_s'), got {str(config)[:200]}")
+    if "init_timeout_s" in config:
+        check_float("weight_transfer_config.init_timeout_s", config["init_timeout_s"],
+                    minimum=0.0, maximum=MAX_INIT_TIMEOUT_S, min_exclusive=True)
 
 
 def usable_cpus() -> int:
@@ -108,7 +130,8 @@ class EngineArgs:
         False, "Allow sleep levels 1 and 2 (free the KV cache and the weights between "
         "RL rollouts).")
     weight_transfer_config: dict[str, Any] | None = field(default=None, metadata={
-        "help": 'Enable weight updates: JSON such as {"backend": "ipc"} (backends: ipc, nccl).'})
+        "help": 'Enable weight updates: JSON such as {"backend": "ipc"} (backends: ipc, nccl; '
+                '"init_timeout_s": how long an nccl init waits for the trainer, default 60).'})
     worker_extension_cls: str | None = _opt(
         None, "'package.module.Class' whose public methods collective_rpc may call.")
     # -- vLLM options with one meaning here -------------------------------------------
@@ -218,14 +241,8 @@ class EngineArgs:
         for name in ("data_parallel_rpc_port", "master_port"):
             check_int(name, getattr(self, name), minimum=1, maximum=65535)
         for name in ("data_parallel_address", "master_addr"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not re.fullmatch(r"[\w.:\-\[\]]{1,253}", value):
-                raise ValueError(f"{name} must be a host name or IP address, got {value!r}")
-        config = self.weight_transfer_config
-        if config is not None and (not isinstance(config, dict) or set(config) != {"backend"}
-                                   or config["backend"] not in WEIGHT_TRANSFER_BACKENDS):
-            raise ValueError(f"weight_transfer_config must be {{'backend': B}} with B one of "
-                             f"{', '.join(WEIGHT_TRANSFER_BACKENDS)}, got {config!r}")
+            check_host(name, getattr(self, name))
+        check_weight_transfer_config(self.weight_transfer_config)
         if self.worker_extension_cls is not None and not (
                 isinstance(self.worker_extension_cls, str)
                 and re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+",

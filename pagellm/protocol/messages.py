@@ -139,6 +139,11 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     num_adds_taken: int = 0
     token_req_ids: list[str] = []
     token_ids: list[int] = []
+    # How long the busy loop had been inside its current step or control call when this
+    # message left (0 while it turns, idle included): a loop blocked in one call (a
+    # weight transfer waiting on a trainer, a stuck extension) still heartbeats, from
+    # the output thread, and this is how a frontend tells it from a healthy one.
+    loop_busy_s: float = 0.0
 
     @property
     def has_outputs(self) -> bool:
@@ -210,6 +215,13 @@ class HandshakeReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     output_password: str | None = None
 
 
+# What a launched engine core writes on its status pipe once it serves (until then a
+# failure is a StartupFailure instead): it binds before it loads, so accepting
+# connections no longer means loaded, and a headless node waits for this before it
+# registers its cores. No msgpack array starts with this byte.
+READY = b"\x00"
+
+
 class StartupFailure(msgspec.Struct, array_like=True, gc=False):
     """Written by a locally launched engine core on its status pipe when it cannot
     start, so the frontend can name the cause."""
@@ -234,7 +246,7 @@ class DPRegisterReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     error: str | None = None
 
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 # The largest message an engine core takes from a client; ZeroMQ drops the connection
 # of a client that sends a larger one, so clients refuse to send one (`MPClient._send`).
 MAX_MESSAGE_BYTES = 64 * 2**20

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,20 @@ def check_float(name: str, value: Any, *, minimum: float | None = None,
     if maximum is not None and value > maximum:
         raise ValueError(_out_of_range(name, f"<= {_fmt(maximum)}", minimum, maximum, lower,
                                        value))
+
+
+MAX_HOST_CHARS = 253  # DNS's limit for a whole name
+_HOST = re.compile(r"[A-Za-z0-9._-]+|\[?[0-9A-Fa-f:.]+\]?")
+
+
+def check_host(name: str, value: Any) -> None:
+    """Raise ValueError naming `name` unless `value` is a host name or an IPv4 / IPv6
+    address (IPv6 optionally in brackets) of at most MAX_HOST_CHARS: what a socket is
+    pointed at, never text of a client's choosing for a resolver, a connect loop or a
+    log line to carry."""
+    if not isinstance(value, str) or len(value) > MAX_HOST_CHARS or not _HOST.fullmatch(value):
+        raise ValueError(f"{name} must be a host name or IP address of at most "
+                         f"{MAX_HOST_CHARS} characters, got {_short_repr(value)}")
 
 
 def check_bool(name: str, value: Any) -> None:

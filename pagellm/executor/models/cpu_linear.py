@@ -143,7 +143,10 @@ class PackedWeights:
 
     def pack(self, weights: Iterable[torch.Tensor]) -> None:
         """Register these and pack them now (the loader does, before the engine measures
-        the memory left for the KV cache)."""
+        the memory left for the KV cache). A torch without oneDNN's packed weights
+        (`REORDER_WEIGHT`: some builds lack the kernels) registers none: F.linear."""
+        if REORDER_WEIGHT is None:
+            return
         for w in weights:
             self._registered[id(w)] = weakref.ref(w, functools.partial(self._forget, id(w)))
             self.get(w)

@@ -307,6 +307,10 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(spec, tp, max_model_len)
         self.lm_head = (None if spec.tie_word_embeddings
                         else VocabParallelEmbedding(spec.hidden_size, tp))
+        # Checkpoint names whose parameters hold no values yet: allocated empty by a wake
+        # from sleep level 2, not loaded since (every load path takes names out). An
+        # engine serving from them would answer garbage with a 200.
+        self.unloaded: set[str] = set()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -348,6 +352,7 @@ class DecoderForCausalLM(nn.Module):
             except ValueError as e:
                 raise ValueError(f"shape mismatch for {name}: checkpoint {e}") from None
             loaded.add(name)
+        self.unloaded -= loaded
         if unexpected:
             raise ValueError(f"no such weight in the model: {unexpected[:8]}"
                              f"{'...' if len(unexpected) > 8 else ''}")

@@ -23,6 +23,7 @@ named once in a rate-limited log (extra_fields.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -59,6 +60,8 @@ from pagellm.version import __version__
 VERSION = __version__
 logger = logging.getLogger("pagellm")
 
+# How long /metrics waits for the engine's stats before it answers without them.
+METRICS_STATS_WAIT_S = 5.0
 # Error types by status for errors raised by routing itself (Starlette's HTTPException).
 _ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError"}
 
@@ -112,14 +115,33 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
         return error_response(500, f"internal error: {type(e).__name__}: {e}",
                               "InternalServerError")
 
+    def unhealthy() -> str | None:
+        """Why the server cannot serve now: its engine core died, or its loop has been
+        inside one step or control call for longer than the stall timeout (it still
+        heartbeats, so it is not dead, but every request waits behind that call)."""
+        if engine.is_dead:
+            return "the engine core is dead"
+        busy = engine.engine_busy_s
+        if busy > options.engine_stall_timeout_s:
+            return (f"the engine core's loop has been inside one step or control call for "
+                    f"{busy:.0f} s (more than --engine-stall-timeout "
+                    f"{options.engine_stall_timeout_s:g} s)")
+        return None
+
+    def health_response() -> Response:
+        problem = unhealthy()
+        if problem is None:
+            return Response(status_code=200)
+        return error_response(503, problem, "ServiceUnavailableError")
+
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if engine.is_dead else 200)
+        return health_response()
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:
         """SageMaker's health check (vLLM serves it too): /health under another name."""
-        return Response(status_code=503 if engine.is_dead else 200)
+        return health_response()
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
@@ -140,7 +162,13 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        stats = None if engine.is_dead else await engine.get_stats()
+        """The engine's gauges are asked of its loop: one that is inside a long call
+        would hold the scrape until it returns, so a scrape waits at most
+        METRICS_STATS_WAIT_S and otherwise shows the server's own metrics alone."""
+        stats = None
+        if not engine.is_dead and engine.engine_busy_s < METRICS_STATS_WAIT_S:
+            with contextlib.suppress(asyncio.TimeoutError):
+                stats = await asyncio.wait_for(engine.get_stats(), METRICS_STATS_WAIT_S)
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")

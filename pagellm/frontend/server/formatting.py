@@ -9,6 +9,7 @@ character offset into it: text[offset:offset + len(token)] == token.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pagellm.frontend.detokenizer import IncrementalDetokenizer
@@ -44,6 +45,18 @@ def echo_pieces(tokenizer: Any | None, prompt_ids: list[int], prompt: str | None
     return "".join(pieces), pieces
 
 
+# What a logprob that is not a finite number reads as in JSON, vLLM's value: -inf (a
+# token masked out, e.g. in processed mode) or NaN (a model gone numerically wrong) have
+# no JSON spelling, and a finished request answered 500 ("Out of range float values are
+# not JSON compliant") after its whole generation.
+NON_FINITE_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    """`value` as a response may carry it: NON_FINITE_LOGPROB unless finite."""
+    return value if math.isfinite(value) else NON_FINITE_LOGPROB
+
+
 def token_label(token_id: int, text: str | None, as_id: bool) -> str:
     """How a token is named in logprobs: its text, or vLLM's "token_id:N" (for clients
     that need ids: texts of different tokens can be equal)."""
@@ -58,8 +71,8 @@ def completion_logprobs(positions: list[tuple[int, PositionLogprobs | None, str]
     for token_id, entry, piece in positions:
         chosen = entry.get(token_id) if entry else None
         tokens.append(f"token_id:{token_id}" if as_ids else piece)
-        token_logprobs.append(chosen.logprob if chosen else None)
-        top.append({token_label(t, lp.decoded_token, as_ids): lp.logprob
+        token_logprobs.append(json_logprob(chosen.logprob) if chosen else None)
+        top.append({token_label(t, lp.decoded_token, as_ids): json_logprob(lp.logprob)
                     for t, lp in entry.items()} if entry else None)
         offsets.append(offset)
         offset += len(piece)
@@ -76,9 +89,11 @@ def chat_logprobs(token_ids: list[int], logprobs: list[PositionLogprobs] | None,
         ranked = sorted(entry.items(), key=lambda item: item[1].rank)[:top]
         token = token_label(token_id, chosen.decoded_token, as_ids)
         content.append({
-            "token": token, "logprob": chosen.logprob, "bytes": list(token.encode()),
+            "token": token, "logprob": json_logprob(chosen.logprob),
+            "bytes": list(token.encode()),
             "top_logprobs": [{"token": (label := token_label(t, lp.decoded_token, as_ids)),
-                              "logprob": lp.logprob, "bytes": list(label.encode())}
+                              "logprob": json_logprob(lp.logprob),
+                              "bytes": list(label.encode())}
                              for t, lp in ranked]})
     return {"content": content}
 
@@ -91,7 +106,7 @@ def prompt_logprobs_json(prompt_logprobs: list[PositionLogprobs | None] | None
     if prompt_logprobs is None:
         return None
     return [None if entry is None else
-            {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+            {str(t): {"logprob": json_logprob(lp.logprob), "rank": lp.rank,
                       "decoded_token": lp.decoded_token} for t, lp in entry.items()}
             for entry in prompt_logprobs]
 

@@ -6,6 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_BODY_BYTES = 16 * 2**20
+# /health answers 503 while the engine core's loop has been inside one step or control
+# call for longer (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S, 60 s, is the same bound).
+ENGINE_STALL_TIMEOUT_S = 60.0
+# Token entries one request's response may hold: n x max_tokens x (1 + logprobs), plus
+# prompt tokens x (1 + prompt_logprobs). Each is ~0.5 KB of Python objects while the
+# response is built (~80 bytes of JSON): 2**21 entries is about a gigabyte, where the
+# defaults let one request ask for 10-42 million.
+MAX_RESPONSE_ENTRIES = 2**21
 
 
 @dataclass(frozen=True)
@@ -18,3 +26,5 @@ class ServerOptions:
     trust_request_chat_template: bool = False  # requests may bring a chat template
     enable_dev_endpoints: bool = False  # the RL control routes (dev_routes.py)
     chat_template: str | None = None  # replaces the tokenizer's own (--chat-template)
+    engine_stall_timeout_s: float = ENGINE_STALL_TIMEOUT_S  # /health: 503 past this
+    max_response_entries: int = MAX_RESPONSE_ENTRIES  # a larger request is a 400

@@ -32,7 +32,8 @@ logger = logging.getLogger("pagellm")
 def run_server(args: EngineArgs, options: ServerOptions, host: str, port: int,
                engine_address: str | None = None, curve_secret_key: str | None = None,
                curve_server_public_key: str | None = None, shutdown_timeout: float = 5.0,
-               max_connections: int | None = None) -> int:
+               max_connections: int | None = None,
+               max_connections_per_client: int | None = None) -> int:
     import uvicorn
 
     engine = AsyncLLM.from_engine_args(
@@ -46,8 +47,11 @@ def run_server(args: EngineArgs, options: ServerOptions, host: str, port: int,
     if options.trust_request_chat_template and engine.tokenizer is not None:
         sandbox = ChatTemplateSandbox(engine.engine_args.tokenizer or engine.engine_args.model)
     app = build_app(engine, options, sandbox)
-    limits = ConnectionLimits(max_connections=connection_limit(
-        max_connections or ConnectionLimits.max_connections))
+    # Without max_connections_per_client, half of the limit in force after the
+    # descriptor check (ConnectionLimits.per_client), not half of what was asked.
+    limits = ConnectionLimits(
+        max_connections=connection_limit(max_connections or ConnectionLimits.max_connections),
+        max_connections_per_client=max_connections_per_client)
     config = uvicorn.Config(app, host=host, port=port, log_level="info",
                             http=functools.partial(GuardedH11Protocol,  # type: ignore[arg-type]
                                                    limits=limits),

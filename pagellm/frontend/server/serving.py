@@ -202,9 +202,24 @@ class OpenAIServing:
             return processed
 
         try:
-            return await self.engine.run_in_tokenizer_thread(process_all)
+            processed = await self.engine.run_in_tokenizer_thread(process_all)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
+        self.check_response_size(processed)
+        return processed
+
+    def check_response_size(self, processed: list[ProcessedRequest]) -> None:
+        """Refuse, before anything runs, a request whose response could hold more token
+        entries than --max-response-entries (`response_entries`): what the server holds
+        and encodes for it grows with n x max_tokens x (1 + logprobs), and the defaults
+        let one request build gigabytes on the event loop."""
+        entries = sum(response_entries(request) for request in processed)
+        limit = self.options.max_response_entries
+        if entries > limit:
+            raise bad_request(
+                f"this request's response could hold {entries} token entries (n x max_tokens "
+                f"x (1 + logprobs), plus prompt tokens x (1 + prompt_logprobs)), more than "
+                f"--max-response-entries={limit}: lower n, max_tokens or logprobs")
 
     async def _run_all(self, processed: list[ProcessedRequest]
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -393,19 +408,25 @@ class OpenAIServing:
         async for _, out in self._run_all(processed):
             final = out
         assert final is not None
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0,
-                                              body.return_tokens_as_token_ids)
-                    if body.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    "token_ids": list(c.token_ids) if body.return_token_ids else None}
-                   for c in final.outputs]
+        # Off the event loop: up to --max-response-entries logprob entries to build.
+        choices = await asyncio.to_thread(self._chat_choices, final, body)
         completion = sum(len(c.token_ids) for c in final.outputs)
         # vLLM puts the prompt's fields on the response: a chat has one prompt.
         return {**header, "choices": choices, "usage": usage(processed, completion),
                 "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs),
                 "prompt_token_ids": final.prompt_token_ids if body.return_token_ids
                 else None}
+
+    @staticmethod
+    def _chat_choices(final: RequestOutput, body: ChatCompletionRequest
+                      ) -> list[dict[str, Any]]:
+        return [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                 "logprobs": chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0,
+                                           body.return_tokens_as_token_ids)
+                 if body.logprobs else None,
+                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                 "token_ids": list(c.token_ids) if body.return_token_ids else None}
+                for c in final.outputs]
 
     def _stream_chat(self, processed: list[ProcessedRequest], header: dict[str, Any],
                      body: ChatCompletionRequest) -> AsyncIterator[str]:
@@ -434,6 +455,19 @@ class OpenAIServing:
 
         return self._events(processed, {**header, "object": "chat.completion.chunk"},
                             body, chunks)
+
+
+def response_entries(request: ProcessedRequest) -> int:
+    """The most token entries `request`'s outputs can carry: every completion's tokens,
+    each with its logprobs, and the prompt's logprobs (engine params are resolved:
+    max_tokens set, logprobs=-1 made the vocabulary's size)."""
+    entries = 0
+    for engine_request in request.engine_requests:
+        params = engine_request.sampling_params
+        entries += (params.max_tokens or 0) * (1 + (params.logprobs or 0))
+        if params.prompt_logprobs is not None:
+            entries += len(engine_request.prompt_token_ids) * (1 + params.prompt_logprobs)
+    return entries
 
 
 def _sse(payload: dict[str, Any]) -> str:
