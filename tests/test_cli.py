@@ -115,6 +115,17 @@ def test_server_flags_out_of_range_are_named_before_anything_starts(
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+def test_serving_from_an_engine_address_where_nothing_listens_is_one_line(
+        model_dirs, capsys) -> None:
+    """It was a traceback (the attach's ConnectionRefusedError went unhandled)."""
+    from helpers import free_port
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    result = run_main(capsys, "serve", str(model_dirs["llama"]), "--engine-address", address)
+    _one_line_error(result, "nothing accepts connections at", address)
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 def test_the_engine_core_refuses_an_infinite_shutdown_timeout(capsys) -> None:
     from pagellm.enginecore.__main__ import main
 

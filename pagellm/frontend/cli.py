@@ -267,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         return int(ns.func(ns))
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, ConnectionError, TimeoutError,
+            PermissionError) as e:  # bad input, or an engine address nothing answers at
         print(f"pagellm: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
