@@ -1221,7 +1221,7 @@ def test_get_world_size_counts_every_worker_as_vllm_does():
 
 
 def test_dev_routes_drive_sleep_pause_rpc_and_nccl_updates_over_http(model_dirs, monkeypatch):
-    from helpers import NAME, Server, free_port
+    from helpers import NAME, Server
 
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
     model_dir = model_dirs["llama"]

@@ -133,8 +133,8 @@ def open_update(update: WeightUpdate) -> Iterator[list[tuple[str, torch.Tensor]]
     (`_hold_lease`), which makes any truncation or open for writing wait until the
     engine lets go; where no lease can be had (a writer still has the file open, a file
     system without leases) it is read whole into host memory instead, and a file that
-    shrinks meanwhile is a short read: a refused update, old weights kept. Reading
-    costs 1.3-4 s more for 2 GB here (fresh pages), mapping nothing."""
+    shrinks meanwhile is a short read: a refused update, old weights kept. Reading is
+    the slower way (fresh pages to fill: twice the time, BENCHMARKS.md)."""
     if update.buffer is None:
         raise ValueError("weight update without a buffer (backend 'ipc' needs one)")
     fd, size = _open_buffer(update.buffer)
@@ -182,12 +182,12 @@ def _hold_lease(fd: int) -> bool:
 
 
 def _open_buffer(buffer: str) -> tuple[int, int]:
-    """A descriptor of the update's buffer file and its size, opened so that nothing a client names
-    can make the engine read anything else, or wait: only a `pagellm-weights-*` file
-    directly in one of `buffer_dirs()`; opened without following a link and without
-    blocking (a FIFO would block the open until a writer came); then it must be a
-    regular file with exactly one link (a hard link to another file, /etc/shadow, has
-    two) owned by the engine's own user."""
+    """A descriptor of the update's buffer file and its size, opened so that nothing a
+    client names can make the engine read anything else, or wait: only a
+    `pagellm-weights-*` file directly in one of `buffer_dirs()`; opened without following
+    a link and without blocking (a FIFO would block the open until a writer came); then
+    it must be a regular file with exactly one link (a hard link to another file,
+    /etc/shadow, has two) owned by the engine's own user."""
     path = Path(buffer)
     if path.parent not in buffer_dirs() or not path.name.startswith(PREFIX):
         raise ValueError(f"weight buffer must be a {PREFIX}* file in "

@@ -62,6 +62,7 @@ from pagellm.protocol.messages import (
     EngineCoreRequest,
     UtilityMethod,
 )
+from pagellm.protocol.validation import MAX_HOST_CHARS
 
 logger = logging.getLogger("pagellm")
 
@@ -71,7 +72,6 @@ logger = logging.getLogger("pagellm")
 # an address, tcp://HOST:PORT with HOST at most 253 characters (or a bracketed IPv6
 # address), behind a string header of at most 5 bytes. Larger messages make ZeroMQ
 # drop the connection before anything is read.
-MAX_HOST_CHARS = 253
 MAX_ADDRESS_CHARS = len("tcp://[") + MAX_HOST_CHARS + len("]:65535")
 _REGISTER_OVERHEAD_BYTES = 64  # array headers and the protocol version
 _REGISTER_RANK_BYTES = 9 + 5 + MAX_ADDRESS_CHARS  # one rank and its address
