@@ -13,11 +13,14 @@ it), 401 without the API key, 404 for another model or route, 405, 408 / 413 for
 body that arrives too slowly / is too large, 503 while the engine is paused or asleep
 and once the engine core is dead. A client that goes away aborts its requests.
 
-What a client sends is bounded where it enters (edge.py: the API key, body size and
-arrival time, decoding); the handlers (serving.py) run tokenization and chat templates off
-the event loop, and templates sent by clients only with `trust_request_chat_template`, in
-a killable sandbox process (template_sandbox.py); unknown body fields are accepted and
-named once in a rate-limited log (extra_fields.py).
+What a client sends is bounded where it enters (edge.py: the API key, body size,
+decoding; connections.py: connections and the body's arrival time); the handlers
+(serving.py) run tokenization and chat templates off the event loop, and templates sent
+by clients only with `trust_request_chat_template`, in a killable sandbox process
+(template_sandbox.py); unknown body fields are accepted and named once in a rate-limited
+log (extra_fields.py). /health answers 503 while the engine core is dead or its loop is
+stuck in one call (--engine-stall-timeout); a response is bounded in token entries
+(--max-response-entries).
 """
 
 from __future__ import annotations
