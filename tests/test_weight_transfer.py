@@ -189,15 +189,19 @@ def test_a_buffer_that_shrinks_after_its_size_check_is_a_refused_update(weights,
         path.unlink()
 
 
-def test_a_sender_truncating_its_buffer_mid_update_never_kills_the_engine(big_config):
+def test_a_sender_truncating_its_buffer_mid_update_never_kills_the_engine(big_config,
+                                                                          monkeypatch):
     """Item 3 end to end: a sender that truncated its 80 MB buffer a few milliseconds
     into the update killed the engine core (SIGBUS in the copy from the mapping). Each
-    such update now either landed whole or failed alone; the engine serves after every
-    one, with the weights it reports."""
+    such update now either lands whole or is refused whole (the weights' sum, read by
+    the test extension, is the new one or the old one, never a mix), and the engine
+    serves after every one."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # rl_extension
     with LLM(str(big_config), load_format="dummy", skip_tokenizer_init=True,
              weight_transfer_config={"backend": "ipc"}, kv_cache_memory_bytes=8 * 2**20,
-             max_model_len=256) as llm:
+             max_model_len=256, worker_extension_cls="rl_extension.Probe") as llm:
         prompt = [{"prompt_token_ids": [1, 2, 3, 4]}]
+        before = llm.collective_rpc("weight_checksum")[0]
         for delay_ms in (1, 3, 6, 12, 25):
             pairs = _random_weights(big_config, seed=delay_ms)
             path = buffer_path(f"race{delay_ms}")
@@ -206,11 +210,15 @@ def test_a_sender_truncating_its_buffer_mid_update_never_kills_the_engine(big_co
             truncator.start()
             try:
                 llm.update_weights(update)
-            except RuntimeError as e:  # refused whole: fine, the engine lives on
+                expected = sum(float(t.double().sum()) for _, t in pairs)
+            except RuntimeError as e:  # refused whole: the old weights stay
                 assert "weight buffer" in str(e), e
+                expected = before
             finally:
                 truncator.join()
                 path.unlink()
+            before = llm.collective_rpc("weight_checksum")[0]
+            assert before == pytest.approx(expected, rel=1e-9, abs=1e-6)
             out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
             assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
         assert_no_leaks(llm)
