@@ -287,21 +287,26 @@ def test_index_naming_a_missing_shard_raises(built: Built, tmp_path: Path) -> No
         load_model(config, CPU)
 
 
-@pytest.mark.parametrize(("keep", "reason"), [
-    (lambda size: size // 2, "incomplete metadata"),  # an interrupted download
-    (lambda size: 4, "header too small"),
+@pytest.mark.parametrize("keep", [
+    lambda size: size // 2,  # an interrupted download: the header's JSON cut short
+    lambda size: 4,  # shorter than the header's length prefix
 ], ids=["half", "4-bytes"])
 def test_a_truncated_shard_raises_naming_its_file_and_the_reason(
-        built: Built, tmp_path: Path, keep: Callable[[int], int], reason: str) -> None:
+        built: Built, tmp_path: Path, keep: Callable[[int], int]) -> None:
     """Issue 37: a truncated file failed with "Error while deserializing header:
-    incomplete metadata", naming no file (of however many shards)."""
+    incomplete metadata", naming no file (of however many shards). The reason is the
+    library's own words, which differ between safetensors releases ("incomplete metadata"
+    in 0.8, "MetadataIncompleteBuffer" at our floor): the message must carry them whole."""
     model_dir = _copy(built(ModelSpec(max_shard_size="100KB", seed=31)), tmp_path)
     shard = sorted(model_dir.glob("model-*.safetensors"))[1]
     with open(shard, "r+b") as f:
         f.truncate(keep(shard.stat().st_size))
     config = _config(model_dir)
-    with pytest.raises(ValueError, match=re.escape(str(shard)) + ".*" + reason):
+    with pytest.raises(ValueError, match=re.escape(str(shard))) as raised:
         load_model(config, CPU)
+    cause = raised.value.__cause__
+    assert cause is not None and "header" in str(cause).lower()
+    assert str(cause) in str(raised.value)
 
 
 def test_directory_without_weights_raises_pointing_at_dummy(built: Built, tmp_path: Path) -> None:
