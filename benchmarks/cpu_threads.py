@@ -5,7 +5,7 @@ switches torch's thread count between one and `--threads` every block of steps (
 rounds, interleaved, so drift hits both alike), reporting the median of each step's
 prepare + forward + sample. This is the engine alone: the model runner's
 `ThreadTuner` measures the same thing as it serves, where a busy frontend also
-competes for the cores (executor/cpu_threads.py).
+competes for the cores (executor/worker/cpu_threads.py).
 
     python benchmarks/cpu_threads.py --model tiny --batch 1 16 64 256
     python benchmarks/cpu_threads.py --model demo --batch 1 8 64 256
@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from engine_overhead import TINY, prompt
 
 from pagellm import EngineArgs, SamplingParams
+from pagellm.demo.model import DEMO_SPEC, make_model
 from pagellm.enginecore.core import EngineCore
-from pagellm.executor.demo_model import DEMO_SPEC, make_model
 from pagellm.protocol.messages import EngineCoreRequest
 
 ROUNDS = 6

@@ -51,7 +51,7 @@ import torch
 from kernel_bench import environment, measure_copy_bandwidth, parse_with_defaults
 
 from pagellm import LLM, SamplingParams
-from pagellm.executor.demo_model import resolve_model
+from pagellm.demo.model import resolve_model
 from pagellm.protocol.engine_args import EngineArgs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -35,8 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from pagellm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
+from pagellm.demo.model import ModelSpec, make_model
 from pagellm.enginecore.core import EngineCore
-from pagellm.executor.demo_model import ModelSpec, make_model
 from pagellm.frontend.input_processor import InputProcessor
 from pagellm.frontend.output_collector import RequestOutputCollector
 from pagellm.frontend.output_processor import OutputProcessor

@@ -69,7 +69,7 @@ import kernel_bench
 import torch
 from throughput import make_workload, run_pagellm, run_transformers
 
-from pagellm.executor.demo_model import resolve_model
+from pagellm.demo.model import resolve_model
 from pagellm.protocol.engine_args import EngineArgs
 
 HERE = Path(__file__).resolve().parent

@@ -183,7 +183,7 @@ def gather_contiguous(kv_cache: torch.Tensor, block_tables: torch.Tensor, contex
 
 def run_case(ns: argparse.Namespace, batch: int, context: int, device: torch.device,
              dtype: torch.dtype, num_sms: int, copy_gbps: float, gqa: bool) -> dict[str, Any]:
-    from pagellm.executor.attention import MAX_KV_SEGMENTS, num_kv_segments
+    from pagellm.executor.model.attention import MAX_KV_SEGMENTS, num_kv_segments
     from pagellm.kernels.triton_attention import paged_attention, tile_keys
 
     generator = torch.Generator(device=device).manual_seed(ns.seed + batch * 100003 + context)

@@ -32,8 +32,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from pagellm import LLM, SamplingParams
-from pagellm.executor.config import resolve_device
-from pagellm.executor.demo_model import ModelSpec, make_model
+from pagellm.demo.model import ModelSpec, make_model
+from pagellm.executor.model.config import resolve_device
 
 # Small enough for 2 CPU cores, large enough that a step is more than overhead.
 SMALL = ModelSpec(arch="qwen2", hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2,

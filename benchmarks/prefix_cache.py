@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from pagellm import AsyncLLM, RequestOutputKind, SamplingParams
-from pagellm.executor.demo_model import resolve_model
+from pagellm.demo.model import resolve_model
 from pagellm.protocol.engine_args import EngineArgs
 
 

@@ -37,7 +37,7 @@ from kernel_bench import environment, parse_with_defaults
 from torch.profiler import ProfilerActivity, profile
 
 from pagellm import LLM, SamplingParams
-from pagellm.executor.demo_model import resolve_model
+from pagellm.demo.model import resolve_model
 from pagellm.protocol.engine_args import EngineArgs
 
 ROOT = Path(__file__).resolve().parents[1]

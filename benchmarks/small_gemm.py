@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from pagellm.executor.models.cpu_linear import (
+from pagellm.executor.model.linear import (
     ONEDNN_LINEAR,
     PACKED_WEIGHTS,
     REORDER_WEIGHT,

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.executor.demo_model import resolve_model
+from pagellm.demo.model import resolve_model
 from pagellm.protocol.engine_args import EngineArgs
 
 PEERS = ("transformers", "ctranslate2")
@@ -228,7 +228,7 @@ def machine_peaks(threads: int) -> dict[str, float]:
     """fp32 GEMM FLOP/s and memory read bandwidth, with `threads` torch threads: the best
     of a few 2048^3 GEMMs through aten (MKL) and through oneDNN, whichever is faster
     here (the engine uses both), and of a few sums over 1 GiB."""
-    from pagellm.executor.models.cpu_linear import ONEDNN_LINEAR
+    from pagellm.executor.model.linear import ONEDNN_LINEAR
 
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -32,14 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch
 
 from pagellm import LLM
-from pagellm.executor.weight_transfer import update_info_for
+from pagellm.weights.nccl import update_info_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from benchmarks.weight_transfer import random_weights
-from pagellm.executor.weight_transfer import trainer_init, trainer_send_weights
+from pagellm.weights.nccl import trainer_init, trainer_send_weights
 group = trainer_init(json.loads(sys.argv[3]))
 weights = [(n, t.to(group.device)) for n, t in random_weights(sys.argv[2], sys.argv[4])]
 print(group.backend, flush=True)

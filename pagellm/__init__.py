@@ -24,7 +24,7 @@ from pagellm.version import __version__
 _PUBLIC = {
     "LLM": "pagellm.frontend.llm",
     "AsyncLLM": "pagellm.frontend.async_llm",
-    "EngineDeadError": "pagellm.frontend.core_client",
+    "EngineDeadError": "pagellm.frontend.engine_client.core_client",
     "RequestOutput": "pagellm.frontend.outputs",
     "CompletionOutput": "pagellm.frontend.outputs",
     "Logprob": "pagellm.frontend.outputs",
@@ -42,7 +42,7 @@ __all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineArgs", "EngineDeadError
 
 if TYPE_CHECKING:
     from pagellm.frontend.async_llm import AsyncLLM
-    from pagellm.frontend.core_client import EngineDeadError
+    from pagellm.frontend.engine_client.core_client import EngineDeadError
     from pagellm.frontend.input_processor import PromptType, TextPrompt, TokensPrompt
     from pagellm.frontend.llm import LLM
     from pagellm.frontend.outputs import CompletionOutput, Logprob, RequestOutput

@@ -23,7 +23,7 @@ import psutil
 import pytest
 from helpers import free_port, start_engine, stop
 
-from pagellm.executor.demo_model import ModelSpec, make_model
+from pagellm.demo.model import ModelSpec, make_model
 from pagellm.kernels.triton_attention import interpreter_fault, interpreting
 
 torch.set_num_threads(min(2, torch.get_num_threads()))

@@ -136,7 +136,7 @@ class RawEngineClient:
     def __init__(self, address: str, connect_output: bool = True, rcvhwm: int = 0) -> None:
         import zmq
 
-        from pagellm.enginecore.transport import Context
+        from pagellm.transport.sockets import Context
 
         self.context = Context()  # a leaked client never blocks its finalizer
         self.dealer = self.context.socket(zmq.DEALER)

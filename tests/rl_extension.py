@@ -31,7 +31,7 @@ class Probe:
         checkpoint tensor from disk, through the model's load_weights."""
         from pathlib import Path
 
-        from pagellm.executor.loader import iterate_safetensors, safetensors_files
+        from pagellm.executor.model.loader import iterate_safetensors, safetensors_files
 
         return len(self.model_runner.model.load_weights(
             iterate_safetensors(safetensors_files(Path(directory)))))

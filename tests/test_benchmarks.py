@@ -134,7 +134,7 @@ def test_profile_decode_smoke_counts_each_decode_steps_matmuls(tmp_path):
     # F.linear, or oneDNN's linear where this torch has it.
     import torch
 
-    from pagellm.executor.models import cpu_linear
+    from pagellm.executor.model import linear as cpu_linear
 
     way = cpu_linear.choose(1, config["hidden_size"], torch.float32, cpu_linear.THIS_CPU)
     op = {"W_XT": "aten::mm", "ATEN": "aten::linear",
@@ -282,7 +282,7 @@ def test_engine_overhead_frontend_alone_delivers_every_token_and_times_each_step
         tmp_path, logprobs):
     """Every consumer must receive one token per step (asserted inside the run), else
     the takes it times are not the ones a stream needs."""
-    from pagellm.executor.demo_model import make_model
+    from pagellm.demo.model import make_model
 
     model = make_model(tmp_path / "tiny", engine_overhead.TINY)
     processing, taking = engine_overhead.run_frontend_only(model, 8, 4, 5, logprobs)

@@ -137,7 +137,7 @@ def test_the_engine_core_refuses_an_infinite_shutdown_timeout(capsys) -> None:
 
 @pytest.mark.parametrize("cls", ["builtins.int", "threading.Thread"])
 def test_worker_extension_that_is_no_mixin_is_named(cls: str) -> None:
-    from pagellm.executor.extension import worker_class
+    from pagellm.executor.worker.extension import worker_class
 
     with pytest.raises(ValueError, match=rf"worker_extension_cls '{cls}' .*mixin"):
         worker_class(cls)

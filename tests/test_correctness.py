@@ -108,7 +108,7 @@ def test_bf16_logprobs_track_transformers_on_the_same_weights(model_dirs, make_l
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pagellm.executor.models import cpu_linear
+    from pagellm.executor.model import linear as cpu_linear
 
     if packed and cpu_linear.REORDER_WEIGHT is None:
         pytest.skip("this torch has no oneDNN packed weights")

@@ -1,11 +1,11 @@
-"""The CPU thread tuner (executor/cpu_threads.py), driven with step times given by
+"""The CPU thread tuner (executor/worker/cpu_threads.py), driven with step times given by
 hand, and its use by the model runner."""
 
 from __future__ import annotations
 
 import torch
 
-from pagellm.executor.cpu_threads import (
+from pagellm.executor.worker.cpu_threads import (
     CLEAR_WIN,
     ONE_THREAD_MARGIN,
     REFRESH_STEPS,
@@ -135,8 +135,8 @@ def test_an_in_process_engine_leaves_its_hosts_thread_count_as_found(tmp_path, m
         set_calls.append(n)
         set_num_threads(n)
 
+    from pagellm.demo.model import ModelSpec, make_model
     from pagellm.enginecore.core import EngineCore
-    from pagellm.executor.demo_model import ModelSpec, make_model
     from pagellm.protocol.engine_args import EngineArgs
     from pagellm.protocol.messages import EngineCoreRequest
     from pagellm.protocol.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""Data parallelism: one frontend client, several engine cores (frontend/dp_client.py).
+"""Data parallelism: one frontend client, several engine cores (engine_client/dp_client.py).
 
 Greedy tokens equal transformers' whatever core serves them; requests spread over the
 cores; an abort reaches the core that holds the request; utility calls reach every core
@@ -29,8 +29,8 @@ from conftest import PROMPTS
 from helpers import NAME, ROOT, Server, free_port
 
 from pagellm import LLM, AsyncLLM, EngineDeadError, SamplingParams
-from pagellm.frontend.dp_client import DPSyncClient
-from pagellm.frontend.dp_routing import Router, merge_results
+from pagellm.frontend.engine_client.dp_client import DPSyncClient
+from pagellm.frontend.engine_client.dp_routing import Router, merge_results
 from pagellm.protocol.messages import UtilityMethod
 
 TESTS = Path(__file__).resolve().parent
@@ -220,8 +220,8 @@ def test_each_core_takes_the_gpus_after_those_of_the_cores_before_it(monkeypatch
     launch itself fails, no pipe behind)."""
     import torch
 
-    from pagellm.executor import worker
-    from pagellm.frontend.engine_process import EngineProcess
+    from pagellm.executor.worker import worker
+    from pagellm.frontend.engine_client.engine_process import EngineProcess
     from pagellm.protocol.engine_args import EngineArgs
 
     monkeypatch.setattr(worker, "resolve_device", lambda device: torch.device("cuda"))
@@ -672,7 +672,7 @@ def test_the_registration_socket_drops_oversized_messages_and_refuses_bad_addres
     malformed addresses, out-of-range ports, overlong hosts, dead ports and a rank given
     twice are refused with a reply saying why (echoing a bounded prefix at most), and
     the rank stays open for the genuine node, whose registration ends the wait."""
-    from pagellm.frontend.dp_client import max_registration_bytes
+    from pagellm.frontend.engine_client.dp_registration import max_registration_bytes
     from pagellm.protocol.engine_args import EngineArgs
 
     port = free_port()

@@ -1,4 +1,4 @@
-"""Tests for pagellm.executor.demo_model: offline tokenizer training and random-weight HF models.
+"""Tests for pagellm.demo.model: offline tokenizer training and random-weight HF models.
 
 The rest of the suite trusts these models as references (our engine vs transformers on
 the same weights), so these tests check what a reference needs: transformers loads them
@@ -22,8 +22,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagellm.executor import demo_model, demo_tokenizer
-from pagellm.executor.demo_model import (
+from pagellm.demo import model as demo_model
+from pagellm.demo import tokenizer as demo_tokenizer
+from pagellm.demo.model import (
     DEMO_SPEC,
     DEMO_VERSION,
     ModelSpec,
@@ -416,7 +417,7 @@ def test_demo_model_dir_lost_race_keeps_winner(
 def test_module_import_is_cheap() -> None:
     """The CLI must not pull in torch / transformers just by importing this module."""
     code = (
-        "import sys, pagellm.executor.demo_model\n"
+        "import sys, pagellm.demo.model\n"
         "heavy = {'torch', 'transformers', 'tokenizers'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
     )

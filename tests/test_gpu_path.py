@@ -15,10 +15,10 @@ import torch
 from conftest import PROMPTS, runs_triton_kernels
 
 from pagellm import SamplingParams
-from pagellm.executor.attention import num_kv_segments
-from pagellm.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from pagellm.executor.executor import cuda_kv_cache_budget
-from pagellm.executor.step_buffers import StepBuffers
+from pagellm.executor.model.attention import num_kv_segments
+from pagellm.executor.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from pagellm.executor.worker.step_buffers import StepBuffers
 from pagellm.kernels import reference
 from pagellm.kernels import triton_attention as tk
 

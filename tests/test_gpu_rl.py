@@ -28,7 +28,7 @@ def test_cuda_tensors_travel_by_cuda_ipc_and_the_senders_buffer_is_freed(model_d
     """GPU tensors to an engine in another process: CUDA IPC, never /dev/shm. The
     engine loads transformers' tokens on the new weights; a bad update is refused whole;
     either way every share is released, so the sender's buffer is freed."""
-    import pagellm.executor.weight_transfer as weight_transfer
+    import pagellm.weights.shm as weight_transfer
 
     def no_shared_memory(*args: object, **kwargs: object) -> None:
         raise AssertionError("CUDA tensors went through shared memory")

@@ -23,7 +23,6 @@ from helpers import KV, ROOT, RawEngineClient, free_port, raw_hello, stop
 from zmq.utils.monitor import recv_monitor_message
 
 from pagellm import LLM, AsyncLLM, EngineDeadError, SamplingParams
-from pagellm.enginecore.transport import Context
 from pagellm.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -33,6 +32,7 @@ from pagellm.protocol.messages import (
     UtilityRequest,
 )
 from pagellm.protocol.validation import FLOAT32_MAX, INT32_MAX, INT64_MAX, INT64_MIN
+from pagellm.transport.sockets import Context
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -41,7 +41,7 @@ TIGHT_ENGINE = textwrap.dedent("""
     import sys
     import pagellm.enginecore.output_sender as output_sender
     import pagellm.enginecore.input_receiver as input_receiver
-    import pagellm.enginecore.transport as transport
+    import pagellm.transport.sockets as transport
     output_sender.CONNECT_GRACE_S = 1.0
     output_sender.OUTPUT_HWM = 20
     input_receiver.MAX_CLIENTS = 8
@@ -584,7 +584,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(model_dirs, mak
     """The safety net under validation: an exception inside the step fails the step's
     requests (an error output each) and the engine serves the next ones correctly;
     blocks computed in the failed step are not reused from the prefix cache."""
-    from pagellm.executor.input_batch import InputBatch
+    from pagellm.executor.worker.input_batch import InputBatch
 
     llm = make_llm(model_dirs["llama"])
     real = InputBatch._set_sampling
@@ -750,7 +750,7 @@ def test_a_process_that_exits_with_a_context_open_exits(tmp_path):
     the context it still held started a thread to terminate it, which never runs then."""
     script = textwrap.dedent(f"""
         import zmq
-        from pagellm.enginecore.transport import Context
+        from pagellm.transport.sockets import Context
         context = Context()
         server = context.socket(zmq.PULL)
         server.bind("ipc://{tmp_path}/socket")

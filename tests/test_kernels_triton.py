@@ -181,7 +181,7 @@ def test_interpreter_probe_finds_the_fault_where_triton_has_it():
 def test_a_faulty_interpreter_is_refused_by_name(monkeypatch):
     """attention_backend='triton' on the CPU says why the interpreter cannot run, before
     any kernel launches (kernel_bench --smoke too: test_benchmarks.py)."""
-    from pagellm.executor import attention
+    from pagellm.executor.model import attention
 
     monkeypatch.setattr(tk, "interpreter_fault", lambda: "the probe's loop failed")
     monkeypatch.setenv("TRITON_INTERPRET", "1")

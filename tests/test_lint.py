@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -37,21 +38,56 @@ def test_mypy_is_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-PARTS = ("protocol", "enginecore", "executor", "kernels", "frontend")
+PARTS = ("protocol", "transport", "weights", "demo", "enginecore", "executor", "kernels",
+         "frontend")
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Every pagellm module -> the pagellm modules it imports, at module level or inside
+    a function alike (a lazy import still ties the two), resolved to modules: `from
+    pagellm.executor.worker import memory` is `pagellm.executor.worker.memory`."""
+    modules = {}
+    for path in (ROOT / "pagellm").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pagellm"):
+                module = node.module or ""
+                found |= {f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module
+                          for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in modules}
+        graph[name] = found - {name}
+    return graph
+
+
+def _layer(module: str) -> str:
+    """Which part a module belongs to, naming executor's layers apart: "executor.model",
+    "executor.worker", "executor" (the process layer); pagellm's shared modules by their
+    own name ("logger")."""
+    names = module.split(".")[1:] or ["pagellm"]
+    if names[0] == "executor" and len(names) > 1 and names[1] in ("model", "worker"):
+        return f"executor.{names[1]}"
+    return names[0]
 
 
 def _imports(part: str) -> set[str]:
-    """What a part of pagellm imports: other parts by their name (`pagellm.executor.x`
-    counts as "executor"), pagellm's shared modules by theirs ("logger"), anything else
-    by its top-level name ("torch")."""
-    found = set()
+    """What a part of pagellm imports: other parts and executor's layers by their name
+    (see `_layer`), anything outside pagellm by its top-level name ("torch")."""
+    graph = _module_imports()
+    found = {_layer(target) for module, targets in graph.items()
+             if _layer(module) == part or _layer(module).startswith(part + ".")
+             for target in targets} - {part}
     for path in (ROOT / "pagellm" / part).rglob("*.py"):
-        for line in path.read_text().splitlines():
-            m = re.match(r"\s*(?:from|import)\s+([a-zA-Z_][\w.]*)", line)
-            if m:
-                names = m.group(1).split(".")
-                found.add(names[1] if names[0] == "pagellm" and len(names) > 1 else names[0])
-    return found
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+    return found - {"pagellm"}
 
 
 def test_every_import_of_our_code_goes_through_the_pagellm_namespace():
@@ -62,9 +98,60 @@ def test_every_import_of_our_code_goes_through_the_pagellm_namespace():
                 (path, line)
 
 
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of a module graph: its strongly connected components of more
+    than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                component.append(stack.pop())
+                if component[-1] == module:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_no_module_imports_itself_through_others():
+    """No import circle anywhere in pagellm, lazy imports included (issue 38: the
+    clients' base imported its subclasses, executor.py and multiproc.py each other)."""
+    assert not _circles(_module_imports())
+
+
+def test_the_circle_check_finds_circles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e", "d"}}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert _circles({"x": {"y"}, "y": {"x"}, "z": {"x"}}) == [["x", "y"]]
+
+
 def test_protocol_imports_neither_torch_nor_zmq_nor_other_packages():
-    assert not _imports("protocol") & {"torch", "zmq", "frontend", "enginecore", "executor",
-                                       "kernels", "pickle", "logger"}
+    assert not _imports("protocol") & {"torch", "zmq", *PARTS, "pickle", "logger"}
+
+
+def test_shared_homes_import_only_the_protocol():
+    """transport (sockets, CURVE), weights (the sender and both sides' formats) and demo
+    (the demo model) are used from both sides of the socket: they import no side."""
+    for part in ("transport", "weights", "demo"):
+        assert not _imports(part) & (set(PARTS) - {"protocol"} | {"executor.worker",
+                                                                  "executor.model"}), part
 
 
 def test_scheduler_and_block_manager_are_free_of_torch():
@@ -75,9 +162,14 @@ def test_scheduler_and_block_manager_are_free_of_torch():
 
 
 def test_imports_point_one_way():
+    """frontend -> enginecore -> executor (process layer -> worker -> model) -> kernels."""
     assert "frontend" not in _imports("enginecore") | _imports("executor") | _imports("kernels")
-    assert not _imports("executor") & {"enginecore", "frontend"}
-    assert not _imports("kernels") & {"enginecore", "frontend", "executor"}
+    assert not _imports("frontend") & {"executor", "executor.worker", "executor.model"}
+    assert not _imports("executor") & {"enginecore", "frontend", "transport"}
+    assert not _imports("executor.worker") & {"executor", "enginecore", "frontend"}
+    assert not _imports("executor.model") & {"executor", "executor.worker", "enginecore",
+                                             "frontend", "weights"}
+    assert not _imports("kernels") & {*PARTS, "executor.worker", "executor.model"} - {"kernels"}
 
 
 @pytest.mark.parametrize("module", ["pagellm", "pagellm.protocol", "pagellm.enginecore.scheduler",

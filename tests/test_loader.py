@@ -24,11 +24,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from pagellm.executor.attention import AttentionMetadata, TorchAttention
-from pagellm.executor.config import ModelConfig, resolve_model_config
-from pagellm.executor.demo_model import ModelSpec, make_model
-from pagellm.executor.loader import load_model
-from pagellm.executor.models.decoder import DecoderForCausalLM
+from pagellm.demo.model import ModelSpec, make_model
+from pagellm.executor.model.attention import AttentionMetadata, TorchAttention
+from pagellm.executor.model.config import ModelConfig, resolve_model_config
+from pagellm.executor.model.decoder import DecoderForCausalLM
+from pagellm.executor.model.loader import load_model
 from pagellm.protocol.engine_args import EngineArgs
 
 CPU = torch.device("cpu")
@@ -478,7 +478,7 @@ def test_dummy_weights_are_drawn_a_chunk_at_a_time(built: Built, tmp_path: Path,
     chunk (the generator moves on)."""
     from torch.overrides import TorchFunctionMode
 
-    import pagellm.executor.loader as loader
+    import pagellm.executor.model.loader as loader
 
     model_dir = _copy(built(SPECS["llama"]), tmp_path)
     (model_dir / "model.safetensors").unlink()
@@ -609,7 +609,7 @@ def test_cpu_linear_equals_f_linear_on_every_path(rows: int, bias: bool, in_feat
     the dtype's rounding, and non-contiguous x (a view with a row stride) must work.
     Every CPU's rules run here, whatever this CPU is (the choice is a flag; every way
     runs on any x86 CPU)."""
-    from pagellm.executor.models import cpu_linear
+    from pagellm.executor.model import linear as cpu_linear
 
     if CPUS[cpu][1] and cpu_linear.REORDER_WEIGHT is None:
         pytest.skip("this torch has no oneDNN packed weights")
@@ -644,7 +644,7 @@ def test_cpu_linear_cases_took_every_way_each_cpu_rule_names() -> None:
     that each CPU's rules use: W @ x^T and oneDNN for fp32 off Intel, F.linear and
     oneDNN for fp32 on Intel; W @ x^T and F.linear for bf16, packed oneDNN in place of
     F.linear with AMX."""
-    from pagellm.executor.models.cpu_linear import ONEDNN_LINEAR, REORDER_WEIGHT
+    from pagellm.executor.model.linear import ONEDNN_LINEAR, REORDER_WEIGHT
 
     if not WAYS_SEEN:
         pytest.skip("run with the linear cases (-k cpu_linear)")
@@ -668,7 +668,7 @@ def test_packed_weights_follow_every_write_to_the_weight(monkeypatch: pytest.Mon
     its copy with it."""
     import gc
 
-    from pagellm.executor.models import cpu_linear
+    from pagellm.executor.model import linear as cpu_linear
 
     if cpu_linear.REORDER_WEIGHT is None:
         pytest.skip("this torch has no oneDNN packed weights")
@@ -719,7 +719,7 @@ def no_materializing(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_dummy_model_larger_than_available_memory_is_refused_naming_the_fields(
         built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         no_materializing: None) -> None:
-    from pagellm.executor import loader
+    from pagellm.executor.model import loader
 
     model_dir = _copy(built(SPECS["llama"]), tmp_path)
     monkeypatch.setattr(loader, "available_memory", lambda device: 10**6)
@@ -737,8 +737,8 @@ def test_weights_are_packed_only_where_their_copies_fit(built: Built, tmp_path: 
     (and the LM head's) only if weights and copies take at most half of this worker's
     share of the memory available; a model too big for that still loads, on its plain
     weights."""
-    from pagellm.executor import loader
-    from pagellm.executor.models import cpu_linear
+    from pagellm.executor.model import linear as cpu_linear
+    from pagellm.executor.model import loader
 
     if cpu_linear.REORDER_WEIGHT is None:
         pytest.skip("this torch has no oneDNN packed weights")
@@ -771,7 +771,7 @@ def test_a_vocabulary_beyond_any_memory_is_refused_naming_it(
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_weight_bytes_equal_the_materialized_model(built: Built, name: str,
                                                    dtype: str) -> None:
-    from pagellm.executor.loader import weight_bytes
+    from pagellm.executor.model.loader import weight_bytes
 
     config = _config(built(SPECS[name]), dtype=dtype, max_model_len=300)
     model = load_model(config, CPU)

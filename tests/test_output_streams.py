@@ -17,7 +17,7 @@ import pytest
 
 from pagellm import AsyncLLM, RequestOutput, RequestOutputKind, SamplingParams
 from pagellm.frontend import detokenizer
-from pagellm.frontend.core_client import EngineDeadError
+from pagellm.frontend.engine_client.core_client import EngineDeadError
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.tokenizer import load_tokenizer

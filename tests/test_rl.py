@@ -24,8 +24,8 @@ from conftest import assert_no_leaks
 from helpers import free_port
 
 from pagellm import LLM, AsyncLLM, SamplingParams
-from pagellm.executor.loader import iterate_safetensors, safetensors_files
-from pagellm.executor.weight_transfer import buffer_dirs, shared_weights, shm_dir
+from pagellm.executor.model.loader import iterate_safetensors, safetensors_files
+from pagellm.weights.shm import buffer_dirs, shared_weights, shm_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 PROMPTS = ["Hello", "The quick brown fox", "def fibonacci(n):", "a b c d e f"]
@@ -313,7 +313,7 @@ def test_a_device_buffer_holds_every_tensor_aligned_and_reads_back_exactly():
     """The CUDA IPC sender's packing (here into a host buffer: the same code on any
     device) read back by the receiver's views: mixed dtypes, odd sizes, an empty and a
     transposed tensor, each at a 64-byte boundary, none overlapping."""
-    from pagellm.executor.weight_transfer import ALIGN, layout, pack, views
+    from pagellm.weights.shm import ALIGN, layout, pack, views
 
     generator = torch.Generator().manual_seed(0)
     pairs = [("a", torch.randn(5, 3, generator=generator).t()),  # not contiguous
@@ -355,8 +355,8 @@ def test_cuda_ipc_handles_sent_to_a_cpu_engine_fail_alone(model_dirs):
 
 
 def test_cuda_ipc_goes_to_every_worker_outside_this_process():
-    from pagellm.frontend.rl import cuda_ipc_receivers
     from pagellm.protocol.messages import EngineInfo
+    from pagellm.weights.sender import cuda_ipc_receivers
 
     def info(device: str, tp: int = 1, dp: int = 1) -> EngineInfo:
         return EngineInfo("m", 64, 100, 16, 8, 64, device, "float32", world_size=tp,
@@ -370,7 +370,7 @@ def test_cuda_ipc_goes_to_every_worker_outside_this_process():
 
 
 def test_the_nccl_backend_uses_nccl_only_between_distinct_gpus():
-    from pagellm.executor.weight_transfer import choose_backend
+    from pagellm.weights.nccl import choose_backend
 
     assert choose_backend(["GPU-a", "GPU-b", "GPU-c"]) == "nccl"
     assert choose_backend(["GPU-a", "GPU-a"]) == "gloo"  # NCCL refuses a shared GPU
@@ -385,7 +385,7 @@ from pathlib import Path
 import msgspec
 from test_rl import perturbed
 
-from pagellm.executor.weight_transfer import shared_weights
+from pagellm.weights.shm import shared_weights
 
 with shared_weights(perturbed(Path(sys.argv[1]), seed=7).items()) as update:
     sys.stdout.write(msgspec.msgpack.encode(update).hex() + "\\n")
@@ -430,7 +430,7 @@ from pathlib import Path
 
 from test_rl import perturbed
 
-from pagellm.executor.weight_transfer import trainer_init, trainer_send_weights, update_info_for
+from pagellm.weights.nccl import trainer_init, trainer_send_weights, update_info_for
 
 model_dir, init_info, bad = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3] == "bad"
 device = sys.argv[4] if len(sys.argv) > 4 else None  # default: trainer_init's choice
@@ -523,7 +523,7 @@ def test_packed_bf16_weights_follow_extension_writes_sleep_and_updates(model_dir
 
     from safetensors.torch import save_file
 
-    from pagellm.executor.models import cpu_linear
+    from pagellm.executor.model import linear as cpu_linear
 
     if cpu_linear.REORDER_WEIGHT is None:
         pytest.skip("this torch has no oneDNN packed weights")
@@ -629,17 +629,16 @@ def test_broadcast_tensors_load_as_they_arrive_and_a_refused_update_is_drained()
 
     from helpers import free_port
 
-    from pagellm.executor.models.decoder import Destination
-    from pagellm.executor.weight_transfer import (
+    from pagellm.executor.model.decoder import Destination
+    from pagellm.executor.worker.weight_receiver import receive
+    from pagellm.weights.nccl import (
         TransferInit,
-        UpdateTooLarge,
         WeightGroup,
-        check_specs,
-        receive,
         specs_from_update_info,
         trainer_send_weights,
         update_info_for,
     )
+    from pagellm.weights.tensor_codec import UpdateTooLarge, check_specs
 
     init = TransferInit(master_address="127.0.0.1", master_port=free_port(), world_size=2)
     groups: dict[int, WeightGroup] = {}
@@ -701,7 +700,7 @@ def test_a_broadcast_update_is_checked_in_the_same_place(model_dirs):
     with nothing received. The group stays in step: a good update then lands."""
     from helpers import free_port
 
-    from pagellm.executor.weight_transfer import (
+    from pagellm.weights.nccl import (
         trainer_init,
         trainer_send_weights,
         update_info_for,
@@ -901,8 +900,8 @@ def test_the_weight_backup_is_one_buffer_of_exactly_the_weights_bytes():
     allocator would round each parameter up to a power of two): every parameter has an
     aligned view of its own in it, none overlapping, and the buffer is no larger than
     their bytes plus alignment."""
-    from pagellm.executor.memory import host_views
-    from pagellm.executor.weight_transfer import ALIGN
+    from pagellm.executor.worker.memory import host_views
+    from pagellm.weights.shm import ALIGN
 
     params = [(f"p{i}", torch.nn.Parameter(torch.randn(*shape).to(dtype)))
               for i, (shape, dtype) in enumerate([((3, 5), torch.float32),
@@ -1316,7 +1315,7 @@ def test_a_small_dev_shm_falls_back_to_the_temp_dir_or_names_the_shortage(monkey
     directory instead, and when nothing has room the error says what to enlarge."""
     import os
 
-    from pagellm.executor import weight_transfer
+    from pagellm.weights import shm as weight_transfer
 
     real = os.statvfs
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pagellm.executor.sampler import (
+from pagellm.executor.worker.sampler import (
     Penalties,
     Sampler,
     SamplingMetadata,

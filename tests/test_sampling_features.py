@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagellm import SamplingParams
-from pagellm.executor.sampler import Penalties, apply_penalties
+from pagellm.executor.worker.sampler import Penalties, apply_penalties
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 

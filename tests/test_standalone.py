@@ -105,9 +105,9 @@ def test_a_killed_engine_is_noticed_from_the_socket_within_a_second(engine_at, m
 
 def test_a_silently_hung_engine_is_noticed_by_its_heartbeat(engine_at, model_dirs,
                                                             monkeypatch):
-    import pagellm.frontend.mp_client
+    import pagellm.frontend.engine_client.mp_client
 
-    monkeypatch.setattr(pagellm.frontend.mp_client, "HEARTBEAT_TIMEOUT_S", 1.5)
+    monkeypatch.setattr(pagellm.frontend.engine_client.mp_client, "HEARTBEAT_TIMEOUT_S", 1.5)
     engine, address = engine_at()
     with LLM(str(model_dirs["llama"]), engine_address=address) as llm:
         greedy_ids(llm, PROMPTS[:1])
@@ -127,10 +127,10 @@ def test_a_stopped_launched_engine_is_noticed_and_killed(model_dirs, monkeypatch
 
     import psutil
 
-    import pagellm.frontend.mp_client
+    import pagellm.frontend.engine_client.mp_client
     from pagellm import AsyncLLM
 
-    monkeypatch.setattr(pagellm.frontend.mp_client, "HEARTBEAT_TIMEOUT_S", 1.5)
+    monkeypatch.setattr(pagellm.frontend.engine_client.mp_client, "HEARTBEAT_TIMEOUT_S", 1.5)
     dead = r"no heartbeat from the engine core .* for 2 s \(pid (\d+), killed\)"
     with LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=8 * 2**20) as llm:
         greedy_ids(llm, PROMPTS[:1])

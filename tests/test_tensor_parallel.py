@@ -18,9 +18,9 @@ from conftest import PROMPTS, assert_no_leaks
 from helpers import ROOT, Server, free_port, stop
 
 from pagellm import LLM, EngineDeadError, SamplingParams
-from pagellm.executor.config import resolve_model_config
-from pagellm.executor.loader import load_model
-from pagellm.executor.parallel import TensorParallel, check_divisible
+from pagellm.executor.model.config import resolve_model_config
+from pagellm.executor.model.loader import load_model
+from pagellm.executor.model.parallel import TensorParallel, check_divisible
 from pagellm.protocol.engine_args import EngineArgs
 
 MAX_TOKENS = 24
@@ -139,7 +139,7 @@ def test_prefix_cache_n_and_seeded_sampling_work_under_tensor_parallel(model_dir
 def test_sleep_wake_and_a_weight_update_reach_every_rank(model_dirs, monkeypatch):
     """Each rank offloads and restores its own slice, and loads its slice of new
     weights from the shared buffer; collective_rpc answers once per rank."""
-    from pagellm.executor.loader import iterate_safetensors, safetensors_files
+    from pagellm.executor.model.loader import iterate_safetensors, safetensors_files
 
     qwen3 = dict(iterate_safetensors(safetensors_files(model_dirs["qwen3"])))
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))  # workers import rl_extension

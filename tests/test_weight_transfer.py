@@ -17,9 +17,9 @@ import torch
 from conftest import assert_no_leaks
 
 from pagellm import LLM, SamplingParams
-from pagellm.executor.loader import iterate_safetensors, safetensors_files
-from pagellm.executor.weight_transfer import PREFIX, layout, open_update, shm_dir
+from pagellm.executor.model.loader import iterate_safetensors, safetensors_files
 from pagellm.protocol.utility import WeightUpdate
+from pagellm.weights.shm import PREFIX, layout, open_update, shm_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 PROMPTS = ["Hello", "def fibonacci(n):"]
@@ -126,7 +126,7 @@ def test_a_buffer_file_larger_than_its_tensors_need_is_refused_unread(llm, weigh
 # itself) waits until the views are let go.
 TRUNCATE_UNDER_VIEWS = """
 import os, threading, time, torch
-from pagellm.executor.weight_transfer import open_update, shared_weights
+from pagellm.weights.shm import open_update, shared_weights
 tensor = torch.arange(1 << 20, dtype=torch.float32)
 done = []
 with shared_weights([("w", tensor)]) as update:
@@ -162,7 +162,7 @@ def test_a_buffer_that_shrinks_after_its_size_check_is_a_refused_update(weights,
     map it: the pages past its end are a SIGBUS), or, where no lease can be had (here a
     writer still has the file open), before it is read whole (a short read): either way
     the update fails naming it, and no tensor of it is handed out."""
-    from pagellm.executor import weight_transfer
+    from pagellm.weights import shm as weight_transfer
 
     path = buffer_path("short")
     update = write_buffer(path, weights)

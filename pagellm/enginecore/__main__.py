@@ -67,19 +67,19 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m pagellm.engin
         parser.error("--address is required (and --headless takes none)")
     configure_logging()
     if ns.headless:
-        from pagellm.executor.memory import tune_engine_process
-        from pagellm.executor.multiproc import run_headless
+        from pagellm.executor.worker.memory import tune_engine_process
+        from pagellm.executor.worker_node import run_worker_node
 
         tune_engine_process()
         try:
             args = EngineArgs.from_cli_args(ns)
-            return run_headless(args)
+            return run_worker_node(args)
         except ValueError as e:
             parser.error(str(e))
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     sockets = None
     try:
-        from pagellm.enginecore.transport import CurveServerKeys, SocketFactory, bind_frontends
+        from pagellm.transport.sockets import CurveServerKeys, SocketFactory, bind_frontends
 
         curve = (CurveServerKeys(ns.curve_secret_key, ns.curve_authorized_keys)
                  if ns.curve_secret_key is not None else None)
@@ -89,11 +89,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m pagellm.engin
         # A launched engine (it has a lifeline) owns its socket directory.
         sockets = SocketFactory(ns.address, curve, owns_directory=ns.lifeline_fd is not None)
         frontends = bind_frontends(sockets)
-        from pagellm.executor.memory import tune_engine_process
+        from pagellm.executor.worker.memory import tune_engine_process
 
         tune_engine_process()
+        from pagellm.demo.model import resolve_model
         from pagellm.enginecore.proc import EngineCoreProc
-        from pagellm.executor.demo_model import resolve_model
 
         proc = EngineCoreProc(resolve_model(args), sockets, frontends, ns.lifeline_fd,
                               ns.shutdown_timeout)

@@ -13,7 +13,8 @@ from typing import Any
 from pagellm.enginecore.kv_cache_manager import KVCacheManager
 from pagellm.enginecore.request import Request
 from pagellm.enginecore.scheduler import Scheduler, SchedulerConfig
-from pagellm.executor.executor import StepFailed, create_executor
+from pagellm.executor.executor import StepFailed
+from pagellm.executor.factory import create_executor
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import (
     MAX_CACHE_SALT_CHARS,

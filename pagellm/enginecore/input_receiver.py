@@ -27,7 +27,6 @@ import zmq
 from pagellm.enginecore.core import EngineCore, RequestRejected
 from pagellm.enginecore.output_sender import AttachedClient, OutputSender
 from pagellm.enginecore.request import Request
-from pagellm.enginecore.transport import SocketFactory
 from pagellm.protocol.codec import MsgpackDecoder
 from pagellm.protocol.messages import (
     PROTOCOL_VERSION,
@@ -39,6 +38,7 @@ from pagellm.protocol.messages import (
     UtilityOutput,
     UtilityRequest,
 )
+from pagellm.transport.sockets import SocketFactory
 
 logger = logging.getLogger("pagellm")
 T = TypeVar("T")

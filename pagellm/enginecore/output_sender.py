@@ -30,10 +30,10 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pagellm.enginecore.transport import SocketFactory, data_endpoint
-from pagellm.enginecore.transport import monitor as monitor_socket
 from pagellm.protocol.codec import MsgpackEncoder
 from pagellm.protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from pagellm.transport.sockets import SocketFactory, data_endpoint
+from pagellm.transport.sockets import monitor as monitor_socket
 
 logger = logging.getLogger("pagellm")
 

@@ -48,7 +48,6 @@ from pagellm.enginecore.input_receiver import (
     Utility,
 )
 from pagellm.enginecore.output_sender import OutputSender, last_word
-from pagellm.enginecore.transport import SocketFactory
 from pagellm.lifeline import wait_for_eof
 from pagellm.logger import freeze_startup_heap
 from pagellm.protocol.engine_args import EngineArgs
@@ -58,6 +57,7 @@ from pagellm.protocol.messages import (
     UtilityOutput,
     UtilityRequest,
 )
+from pagellm.transport.sockets import SocketFactory
 
 logger = logging.getLogger("pagellm")
 

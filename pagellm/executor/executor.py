@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any
 
-from pagellm.executor.config import ModelConfig, resolve_device, resolve_model_config
-from pagellm.executor.parallel import check_divisible
-from pagellm.executor.worker import (
+from pagellm.executor.model.config import ModelConfig, resolve_device, resolve_model_config
+from pagellm.executor.model.parallel import check_divisible
+from pagellm.executor.worker.worker import (
     StepFailed,
     Worker,
     cuda_kv_cache_budget,
@@ -29,8 +28,8 @@ from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 from pagellm.protocol.utility import WeightUpdate
 
-__all__ = ["Executor", "StepFailed", "UniProcExecutor", "create_executor",
-           "cuda_kv_cache_budget", "is_device_fault"]
+__all__ = ["Executor", "StepFailed", "UniProcExecutor", "cuda_kv_cache_budget",
+           "is_device_fault"]
 
 logger = logging.getLogger("pagellm")
 
@@ -115,7 +114,7 @@ class UniProcExecutor(Executor):
     worker: Worker
 
     def _start_workers(self, args: EngineArgs) -> None:
-        from pagellm.executor.extension import worker_class
+        from pagellm.executor.worker.extension import worker_class
 
         self.worker = worker_class(args.worker_extension_cls)(args)
 
@@ -125,14 +124,3 @@ class UniProcExecutor(Executor):
 
     def _run(self, method: str, *args: Any) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
-
-
-def create_executor(args: EngineArgs, on_failure: Callable[[str], None] | None = None
-                    ) -> Executor:
-    """The executor for `args`: in this process for one rank, else one process per rank
-    (`on_failure` hears, from a watcher thread, when a worker dies between calls)."""
-    if args.tensor_parallel_size == 1:
-        return UniProcExecutor(args)
-    from pagellm.executor.multiproc import MultiprocExecutor
-
-    return MultiprocExecutor(args, on_failure)

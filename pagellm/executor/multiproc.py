@@ -10,7 +10,7 @@
 
 The engine core is not a rank: it sends each step's `SchedulerOutput` once, encoded
 once (msgspec, no pickle), and takes rank 0's `ModelRunnerOutput`. The ranks exchange
-activations among themselves (executor/parallel.py). Workers on this node are children
+activations among themselves (executor/model/parallel.py). Workers on this node are children
 of the engine core, each holding a lifeline pipe whose end of file (our exit, however
 abrupt) makes it exit. Workers on other nodes (`--nnodes`, launched by `python -m
 pagellm.enginecore --headless` there) find the engine core through the store at
@@ -44,7 +44,7 @@ import psutil
 import zmq
 
 from pagellm.executor.executor import Executor
-from pagellm.executor.worker import StepFailed
+from pagellm.executor.worker.worker import StepFailed
 from pagellm.protocol.engine_args import EngineArgs, usable_cpus
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 from pagellm.protocol.utility import WeightUpdate
@@ -341,36 +341,3 @@ def spawn_worker(args: EngineArgs, rank: int, local_rank: int, host: str, port: 
     if threading.current_thread() is threading.main_thread():  # see die_with_parent
         cmd.append("--die-with-parent")
     return subprocess.Popen(cmd, pass_fds=(lifeline,), env=env)
-
-
-# -- a node of a multi-node run that runs only workers ----------------------------------
-
-def run_headless(args: EngineArgs) -> int:
-    """`python -m pagellm.enginecore --headless` on node `node_rank` > 0: start this
-    node's workers, which join the engine core of node 0 through --master-addr and
-    --master-port, and wait for them; SIGTERM stops them."""
-    if args.nnodes < 2 or args.node_rank == 0:
-        raise ValueError("--headless runs the workers of nodes 1.. of a multi-node run: "
-                         "it needs --nnodes > 1 and --node-rank > 0")
-    per_node = args.tensor_parallel_size // args.nnodes
-    procs, lifelines = [], []
-    for local_rank in range(per_node):
-        read, write = os.pipe()
-        procs.append(spawn_worker(args, args.node_rank * per_node + local_rank, local_rank,
-                                  args.master_addr, args.master_port, per_node, read))
-        os.close(read)
-        lifelines.append(write)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    logger.info("headless node %d: tensor-parallel ranks %d..%d started", args.node_rank,
-                args.node_rank * per_node, (args.node_rank + 1) * per_node - 1)
-    while not stop.wait(0.2) and all(p.poll() is None for p in procs):
-        pass
-    for fd in lifelines:
-        os.close(fd)
-    stop_processes(procs, SHUTDOWN_WAIT_S)
-    codes = [p.returncode for p in procs]
-    logger.info("headless node %d: workers exited with %s", args.node_rank, codes)
-    return 0 if stop.is_set() or all(c == 0 for c in codes) else 1
-

@@ -28,7 +28,7 @@ from pagellm.executor.multiproc import (
     STARTUP_TIMEOUT_S,
     Reply,
 )
-from pagellm.executor.worker import StepFailed, is_device_fault
+from pagellm.executor.worker.worker import StepFailed, is_device_fault
 from pagellm.lifeline import die_with_parent, wait_for_eof
 from pagellm.logger import freeze_startup_heap
 from pagellm.protocol.engine_args import EngineArgs
@@ -50,7 +50,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     from pagellm.logger import configure_logging
 
     configure_logging()
-    from pagellm.executor.memory import tune_engine_process
+    from pagellm.executor.worker.memory import tune_engine_process
 
     tune_engine_process()
     if ns.lifeline_fd is not None:
@@ -66,7 +66,7 @@ def _serve(args: EngineArgs, rank: int, local_rank: int, host: str, port: int) -
     import torch
     import torch.distributed as dist
 
-    from pagellm.executor.extension import worker_class
+    from pagellm.executor.worker.extension import worker_class
 
     timeout = datetime.timedelta(seconds=STARTUP_TIMEOUT_S)
     store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
@@ -82,7 +82,7 @@ def _serve(args: EngineArgs, rank: int, local_rank: int, host: str, port: int) -
     world, per_node = args.tensor_parallel_size, args.tensor_parallel_size // args.nnodes
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        from pagellm.executor.worker import device_for
+        from pagellm.executor.worker.worker import device_for
 
         device = device_for(args, local_rank)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",

@@ -27,19 +27,17 @@ from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from pagellm.executor.demo_model import resolve_model
-from pagellm.frontend.async_mp_client import in_loop
-from pagellm.frontend.core_client import (
+from pagellm.demo.model import resolve_model
+from pagellm.frontend.engine_client.async_mp_client import in_loop
+from pagellm.frontend.engine_client.core_client import (
     UTILITY_TIMEOUT_S,
     AsyncEngineCoreClient,
     EngineDeadError,
-    make_client,
 )
-from pagellm.frontend.curve import CurveClientKeys
+from pagellm.frontend.engine_client.factory import make_client
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.outputs import RequestOutput
-from pagellm.frontend.rl import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update
 from pagellm.frontend.tokenizer import generation_eos_token_ids, tokenizer_for
 from pagellm.logger import configure_logging
 from pagellm.protocol.engine_args import EngineArgs
@@ -47,6 +45,8 @@ from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.sampling_params import SamplingParams
 from pagellm.protocol.stats import EngineStats
 from pagellm.protocol.validation import check_float
+from pagellm.transport.curve import CurveClientKeys
+from pagellm.weights.sender import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update
 
 logger = logging.getLogger("pagellm")
 T = TypeVar("T")
@@ -241,7 +241,7 @@ class AsyncLLM:
                              args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
                              ) -> list[Any]:
         """See `LLM.collective_rpc`."""
-        from pagellm.executor.tensor_codec import decode_value, encode_value
+        from pagellm.weights.tensor_codec import decode_value, encode_value
 
         if timeout is not None:
             check_float("timeout", timeout, minimum=0.0, min_exclusive=True)

@@ -69,7 +69,7 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _add_make_model(sub: argparse._SubParsersAction) -> None:
-    from pagellm.executor.demo_model import ARCHS, DTYPES
+    from pagellm.demo.model import ARCHS, DTYPES
 
     p = sub.add_parser("make-model", help="write a random-weight model and tokenizer",
                        description="Write a random-weight Hugging Face model directory with "
@@ -97,7 +97,7 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _make_model(ns: argparse.Namespace) -> int:
-    from pagellm.executor.demo_model import ModelSpec, make_model
+    from pagellm.demo.model import ModelSpec, make_model
 
     fields = {k: v for k, v in vars(ns).items() if k not in ("command", "func", "out")}
     path = make_model(ns.out, ModelSpec(**fields))
@@ -169,10 +169,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def _serve(ns: argparse.Namespace) -> int:
     if ns.headless:
-        from pagellm.frontend.curve import CurveClientKeys
-        from pagellm.frontend.headless import run_headless
+        from pagellm.frontend.engine_client.dp_node import run_dp_node
+        from pagellm.transport.curve import CurveClientKeys
 
-        return run_headless(EngineArgs.from_cli_args(ns), CurveClientKeys.from_paths(
+        return run_dp_node(EngineArgs.from_cli_args(ns), CurveClientKeys.from_paths(
             ns.curve_secret_key, ns.curve_server_public_key))
     try:
         import fastapi  # noqa: F401

@@ -9,18 +9,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pagellm.executor.demo_model import resolve_model
-from pagellm.frontend.core_client import (
-    EngineDeadError,
-    InprocClient,
-    SyncEngineCoreClient,
-    make_client,
-)
-from pagellm.frontend.curve import CurveClientKeys
+from pagellm.demo.model import resolve_model
+from pagellm.frontend.engine_client.core_client import EngineDeadError, SyncEngineCoreClient
+from pagellm.frontend.engine_client.factory import make_client
+from pagellm.frontend.engine_client.inproc_client import InprocClient
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.outputs import RequestOutput
-from pagellm.frontend.rl import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update
 from pagellm.frontend.tokenizer import generation_eos_token_ids, tokenizer_for
 from pagellm.logger import configure_logging
 from pagellm.protocol.engine_args import EngineArgs
@@ -28,6 +23,8 @@ from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.protocol.stats import EngineStats
 from pagellm.protocol.validation import check_float
+from pagellm.transport.curve import CurveClientKeys
+from pagellm.weights.sender import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update
 
 ChatMessages = list[dict[str, Any]]
 
@@ -41,7 +38,7 @@ class LLM:
     `engine_address`, is one already running elsewhere (CURVE key files if it requires
     them); the model directory then only provides the tokenizer. With
     `data_parallel_size=N`, N engine cores serve behind one client
-    (frontend/dp_client.py); the CURVE keys then secure those of other nodes.
+    (frontend/engine_client/dp_client.py); the CURVE keys then secure those of other nodes.
     """
 
     def __init__(self, model: str, *, engine_address: str | None = None,
@@ -211,7 +208,7 @@ class LLM:
         dtype before copying (a bad update leaves the old weights serving) and forgets
         cached prefixes. Needs weight_transfer_config={"backend": "ipc"}. Returns the
         number of tensors loaded. A trainer process on the same host may instead write
-        the shared memory itself (`pagellm.executor.weight_transfer.shared_weights`) and
+        the shared memory itself (`pagellm.weights.shm.shared_weights`) and
         pass the `WeightUpdate` it yields."""
         client = self._client()
         receivers = cuda_ipc_receivers(self.info, isinstance(client, InprocClient))
@@ -221,7 +218,7 @@ class LLM:
     def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:
         """vLLM's phase 0: {"init_info": {"master_address", "master_port", "rank_offset",
         "world_size"}} joins the trainer's group (backend "nccl"; call it while the
-        trainer calls `pagellm.executor.weight_transfer.trainer_init`)."""
+        trainer calls `pagellm.weights.nccl.trainer_init`)."""
         self._client().call_utility(UtilityMethod.INIT_WEIGHT_TRANSFER_ENGINE,
                                     init_info_of(request), timeout=None)
 
@@ -240,7 +237,7 @@ class LLM:
         Arguments and results are msgpack values and tensors. `timeout` bounds the
         caller's wait (TimeoutError), not the method, which runs on in the engine; an
         in-process engine (multiprocess=False) runs it in this thread, so it has none."""
-        from pagellm.executor.tensor_codec import decode_value, encode_value
+        from pagellm.weights.tensor_codec import decode_value, encode_value
 
         if timeout is not None:
             check_float("timeout", timeout, minimum=0.0, min_exclusive=True)

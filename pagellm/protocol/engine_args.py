@@ -42,7 +42,7 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # "ipc": shared memory on the same host; "nccl": a torch.distributed group with the
-# trainer (gloo: host tensors; see executor/weight_transfer.py).
+# trainer (gloo: host tensors; see weights/shm.py).
 WEIGHT_TRANSFER_BACKENDS = ("ipc", "nccl")
 # How long init_weight_transfer_engine waits for the trainer's group ("nccl"), unless
 # weight_transfer_config says otherwise: the trainer calls its side at the same time.

@@ -139,7 +139,7 @@ def _check_model_config(config: Any) -> None:
     fraction would otherwise surface as a ZeroDivisionError or a shape error deep in
     config or model construction, and a size beyond int32 (or layers beyond
     `MAX_NUM_LAYERS`) as an allocator error. The RoPE fields are checked too. Whether
-    the weights fit in memory is the loader's check (executor/loader.py)."""
+    the weights fit in memory is the loader's check (executor/model/loader.py)."""
     if not isinstance(config, dict):
         raise ValueError("config.json must hold a JSON object")
     sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.frontend.async_llm import AsyncLLM
-from pagellm.frontend.core_client import EngineDeadError
+from pagellm.frontend.engine_client.core_client import EngineDeadError
 from pagellm.frontend.output_processor import EngineUnavailableError
 from pagellm.frontend.server.api_models import (
     ChatCompletionRequest,

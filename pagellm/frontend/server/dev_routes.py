@@ -29,7 +29,7 @@ import msgspec
 from fastapi import FastAPI, Query, Request
 
 from pagellm.frontend.async_llm import AsyncLLM
-from pagellm.frontend.core_client import EngineDeadError
+from pagellm.frontend.engine_client.core_client import EngineDeadError
 from pagellm.frontend.server.edge import APIError, bad_request
 
 T = TypeVar("T")

@@ -14,7 +14,6 @@ import signal
 from typing import Any
 
 from pagellm.frontend.async_llm import AsyncLLM
-from pagellm.frontend.curve import CurveClientKeys
 from pagellm.frontend.server.app import build_app
 from pagellm.frontend.server.connections import (
     ConnectionLimits,
@@ -25,6 +24,7 @@ from pagellm.frontend.server.options import ServerOptions
 from pagellm.frontend.server.template_sandbox import ChatTemplateSandbox
 from pagellm.logger import freeze_startup_heap, rate_limit
 from pagellm.protocol.engine_args import EngineArgs
+from pagellm.transport.curve import CurveClientKeys
 
 logger = logging.getLogger("pagellm")
 

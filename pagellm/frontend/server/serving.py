@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from pagellm.frontend.async_llm import AsyncLLM
-from pagellm.frontend.core_client import EngineDeadError
+from pagellm.frontend.engine_client.core_client import EngineDeadError
 from pagellm.frontend.input_processor import ProcessedRequest, child_request_id
 from pagellm.frontend.output_processor import EngineUnavailableError
 from pagellm.frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput

@@ -1,0 +1,67 @@
+"""Resolve the options that depend on the model and the machine, once, at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagellm.executor.model.decoder import DecoderSpec
+from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.validation import load_model_config
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, eq=False)
+class ModelConfig:
+    model: str
+    hf_config: Any  # transformers.PretrainedConfig
+    spec: DecoderSpec
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str
+    seed: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device={device!r} was asked for, but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_model_config(args: EngineArgs) -> ModelConfig:
+    """Read config.json and settle dtype and max_model_len; errors name the problem."""
+    path = Path(args.model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {args.model}")
+    hf_config = load_model_config(path)
+    spec = DecoderSpec.from_hf_config(hf_config)
+
+    if args.dtype == "auto":
+        config_dtype = getattr(hf_config, "dtype", None) or torch.float32
+        if isinstance(config_dtype, str):
+            config_dtype = _DTYPES.get(config_dtype.removeprefix("torch."), torch.float32)
+        dtype = config_dtype
+    else:
+        dtype = _DTYPES[args.dtype]
+
+    derived = spec.max_position
+    if args.max_model_len is None:
+        max_model_len = derived
+    elif args.max_model_len > derived:
+        raise ValueError(f"max_model_len={args.max_model_len} is larger than the model's "
+                         f"max_position_embeddings={derived}")
+    else:
+        max_model_len = args.max_model_len
+    return ModelConfig(model=str(path), hf_config=hf_config, spec=spec, dtype=dtype,
+                       max_model_len=max_model_len, load_format=args.load_format,
+                       seed=args.seed)

@@ -1,0 +1,191 @@
+"""Build the model and fill its weights: safetensors (single or sharded) or dummy.
+
+The model is built on the meta device first, where it costs no memory, and its bytes
+(this rank's share, in the target dtype, with the RoPE tables) are checked against the
+memory free on the device before anything is allocated: a config.json claiming a huge
+vocabulary or thousands of layers is refused naming its fields, instead of exhausting
+memory (check_model_config bounds each field; this bounds their product). Loading
+adds little to those bytes: dummy weights are drawn 16 MiB at a time, safetensors are
+copied one tensor at a time from a memory map. On a CPU whose bf16 GEMMs run on
+packed weights (cpu_linear.packs_weights), those copies are made here, before the
+engine measures what memory is left for the KV cache, if weights and copies fit in half
+of this worker's share of the memory available.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagellm.executor.model.config import ModelConfig
+from pagellm.executor.model.decoder import DecoderForCausalLM
+from pagellm.executor.model.linear import PACKED_WEIGHTS, packs_weights
+from pagellm.executor.model.parallel import TensorParallel
+
+logger = logging.getLogger("pagellm")
+
+DUMMY_CHUNK = 1 << 22  # elements drawn at once for dummy weights: 16 MiB of fp32
+# Packed weight copies are made only while weights and copies take at most this share of
+# the memory available before loading: the rest is for the KV cache and activations.
+PACKED_MAX_SHARE = 0.5
+
+# The config.json fields the weights' size follows, named when they do not fit.
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's files: those the index names, else every *.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names missing shard(s): {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} "
+                                "(use load_format='dummy' for random weights)")
+    return files
+
+
+def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each file's tensors in turn. A file the library cannot read (truncated by an
+    interrupted download, not safetensors at all) is named: its own message says why
+    ("incomplete metadata") but not which of a checkpoint's shards it means."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"cannot read the safetensors file {file}: {e}") from e
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free to hold the model on `device`: CUDA's free memory, else the host's
+    available memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _config_sizes(config: ModelConfig) -> str:
+    hf = config.hf_config
+    fields = [f"{name}={getattr(hf, name)}" for name in SIZE_FIELDS
+              if getattr(hf, name, None) is not None]
+    return "config.json's " + ", ".join(fields)
+
+
+def _meta_model(config: ModelConfig, tp: TensorParallel | None) -> DecoderForCausalLM:
+    """The model in `config.dtype` on the meta device: shapes and dtypes, no memory."""
+    try:
+        with torch.device("meta"):
+            model = DecoderForCausalLM(config.spec, tp, config.max_model_len)
+        # Cast on meta, then materialize: never a whole fp32 copy of a bf16 model.
+        return model.to(config.dtype)
+    except (RuntimeError, OverflowError) as e:  # sizes beyond any tensor's
+        raise ValueError(f"{_config_sizes(config)}: the model cannot be built: {e}") from e
+
+
+def _bytes_of(model: DecoderForCausalLM) -> int:
+    """Parameters in their dtype; buffers (the RoPE tables) in float32, as
+    `reset_cache` makes them whatever the model's dtype."""
+    return (sum(p.numel() * p.element_size() for p in model.parameters())
+            + sum(b.numel() * 4 for b in model.buffers()))
+
+
+def weight_bytes(config: ModelConfig, tp: TensorParallel | None = None) -> int:
+    """Bytes of this rank's parameters in `config.dtype`, plus the RoPE tables."""
+    return _bytes_of(_meta_model(config, tp))
+
+
+def _check_memory(config: ModelConfig, needed: int, device: torch.device,
+                  tp: TensorParallel | None) -> None:
+    """Raise ValueError naming the config's sizes when the weights cannot fit."""
+    free = available_memory(device)
+    if needed > free:
+        dtype = str(config.dtype).removeprefix("torch.")
+        raise ValueError(
+            f"the model's weights need {needed} bytes ({needed / 2**30:.1f} GiB) in {dtype}"
+            f"{' on this rank' if tp is not None and tp.size > 1 else ''} "
+            f"({_config_sizes(config)}; RoPE tables for max_model_len={config.max_model_len})"
+            f", more than the {free} bytes ({free / 2**30:.1f} GiB) available on {device}")
+
+
+def _packed_bytes(model: DecoderForCausalLM, config: ModelConfig, device: torch.device,
+                  host_ranks: int) -> int:
+    """Bytes of the packed weight copies to make (cpu_linear): where GEMMs take them,
+    if weights and copies together take at most PACKED_MAX_SHARE of this rank's share
+    of the memory available (split among the `host_ranks` workers of every engine core
+    on this host, which load at once); else 0 (the GEMMs run on the plain weights)."""
+    if not packs_weights(config.dtype, device):
+        return 0
+    copies = sum(w.numel() * w.element_size() for w in model.linear_weights())
+    share = available_memory(device) / host_ranks
+    if _bytes_of(model) + copies > PACKED_MAX_SHARE * share:
+        logger.warning("bf16 GEMMs on plain weights: packed copies of them (%.2f GiB) would "
+                       "not fit in half of this rank's %.2f GiB of the memory available",
+                       copies / 2**30, share / 2**30)
+        return 0
+    return copies
+
+
+def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | None = None,
+               host_ranks: int = 1) -> DecoderForCausalLM:
+    """The model (this rank's slice of it, under tensor parallelism) on `device` in
+    `config.dtype`, weights loaded, in eval mode; `host_ranks` workers share this host's
+    memory (packed copies are made only if they fit in this one's share). Every rank
+    reads the checkpoint and keeps its slice. Its size is checked first, before anything
+    is allocated (module docstring)."""
+    model = _meta_model(config, tp)
+    _check_memory(config, _bytes_of(model), device, tp)
+    copies = _packed_bytes(model, config, device, host_ranks)
+    model = model.to_empty(device=device)
+    model.model.rotary_emb.reset_cache()  # computed, not loaded: fill it on the device
+    if config.load_format == "dummy":
+        _init_dummy(model, config.seed)
+    else:
+        loaded = model.load_weights(iterate_safetensors(safetensors_files(Path(config.model))))
+        missing = sorted(model.checkpoint_keys() - loaded)
+        if missing:
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:8]}"
+                             f"{'...' if len(missing) > 8 else ''}")
+    if copies:
+        start = time.perf_counter()
+        PACKED_WEIGHTS.pack(model.linear_weights())
+        logger.info("bf16 GEMMs on packed weights (AMX): %.2f GiB of copies made in %.1f s",
+                    copies / 2**30, time.perf_counter() - start)
+    return model.eval()
+
+
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights of the right shapes: enough for benchmarks and for RL setups that
+    push real weights in later. Norms start at one so activations stay in range."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:  # drawn on the CPU in fp32 (the same values on every device and
+                # dtype), a chunk at a time: a whole fp32 copy of a large embedding
+                # would add half again to the weights' peak
+                flat = param.view(-1)
+                for start in range(0, flat.numel(), DUMMY_CHUNK):
+                    chunk = flat[start:start + DUMMY_CHUNK]
+                    chunk.copy_(torch.empty(chunk.numel(), dtype=torch.float32).normal_(
+                        0.0, 0.02, generator=generator))

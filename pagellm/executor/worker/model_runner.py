@@ -1,0 +1,423 @@
+"""The model runner: turns a `SchedulerOutput` into one forward pass and sampled ids.
+
+Per-request state persists between steps in an `InputBatch` (vLLM's persistent
+batch): token ids, block table and progress arrive once, then only changes; tokens it
+samples are appended to its own copy, so a decode step needs no token ids from the
+scheduler. Each step builds one flat, unpadded batch (requests in the order cached,
+then new) with vectorized numpy:
+
+    input_ids     [T]            the tokens computed this step
+    positions     [T]            their positions in their requests
+    slot_mapping  [T]            block_id * block_size + offset of each token's KV
+    block_tables  [R, max_blk]   each request's blocks (rows zero-padded)
+    query_start_loc [R + 1]      request i owns rows query_start_loc[i]:[i+1]
+    seq_lens      [R]            context length after this step
+    logits_indices [S]           last row of each request that samples this step
+
+They are staged through `StepBuffers` (pinned host memory, non-blocking copies into
+device buffers allocated once), so the step's one wait on the device is for its
+sampled ids. Steps where every request computes one token replay a CUDA graph
+(`DecodeGraphs`) on those same buffers, padded to the next captured batch size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagellm.executor.model.attention import (
+    AttentionMetadata,
+    get_attention_backend,
+    num_kv_segments,
+)
+from pagellm.executor.model.config import ModelConfig
+from pagellm.executor.model.loader import load_model
+from pagellm.executor.model.parallel import TensorParallel
+from pagellm.executor.worker.cpu_threads import ThreadTuner, tunable_threads
+from pagellm.executor.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from pagellm.executor.worker.input_batch import InputBatch
+from pagellm.executor.worker.sampler import LogprobsTensors, Sampler, gather_logprobs
+from pagellm.executor.worker.sampling_inputs import sampling_metadata, to_device
+from pagellm.executor.worker.step_buffers import StepBuffers
+from pagellm.protocol.messages import TokenLogprobs
+from pagellm.protocol.sampling_params import SamplingParams
+from pagellm.protocol.scheduling import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    PromptLogprobsChunk,
+    SchedulerOutput,
+)
+
+# Prompt positions whose logprobs are computed at once (bounds the [positions, vocab]
+# logits a long prompt chunk would otherwise materialize).
+PROMPT_LOGPROBS_SLICE = 256
+
+
+@dataclass
+class _StepInputs:
+    req_ids: list[str]
+    rows: np.ndarray  # [R] InputBatch row of each request
+    starts: np.ndarray  # [R] computed tokens before this step
+    counts: np.ndarray  # [R] tokens computed this step
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling: np.ndarray  # indices into req_ids of the requests that sample
+    sampling_rows: np.ndarray  # their InputBatch rows
+    graph_size: int | None  # the CUDA graph's batch size, or None: run eagerly
+    attention_plan_s: float  # time in the attention backend's prepare
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, device: torch.device, block_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, seed: int,
+                 attention_backend: str = "auto", logprobs_mode: str = "raw_logprobs",
+                 tp: TensorParallel | None = None, host_ranks: int = 1) -> None:
+        """`host_ranks`: the workers sharing this host's memory (the loader's share)."""
+        self.model_config = model_config
+        # This rank's slice of the model (all of it without tensor parallelism).
+        self.tp = tp or TensorParallel.layout(model_config.spec)
+        self.num_kv_heads = self.tp.num_kv_heads
+        self.processed_logprobs = logprobs_mode == "processed_logprobs"
+        self.device = device
+        self.block_size = block_size
+        self.attention = get_attention_backend(attention_backend, device, block_size)
+        if self.attention.name == "triton":
+            from pagellm.kernels.triton_attention import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_SIZES
+
+            if block_size not in SUPPORTED_BLOCK_SIZES:
+                raise ValueError(f"block_size={block_size} is not supported by the Triton "
+                                 f"attention kernels (supported: {SUPPORTED_BLOCK_SIZES})")
+            if model_config.spec.head_dim not in SUPPORTED_HEAD_SIZES:
+                raise ValueError(f"head_dim={model_config.spec.head_dim} is not supported by "
+                                 f"the Triton attention kernels ({SUPPORTED_HEAD_SIZES}); use "
+                                 "attention_backend='torch'")
+        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                        if device.type == "cuda" else 0)
+        self.model = load_model(model_config, device, self.tp, host_ranks)
+        self.sampler = Sampler(device, seed)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.batch = InputBatch(max_num_seqs, model_config.max_model_len, block_size,
+                                model_config.vocab_size)
+        tokens = max(max_num_batched_tokens, max_num_seqs)
+        max_blocks = self.batch.block_table.shape[1]
+        self.buffers = StepBuffers(device, {
+            "input_ids": ((tokens,), torch.int64), "positions": ((tokens,), torch.int64),
+            "slot_mapping": ((tokens,), torch.int64),
+            "block_tables": ((max_num_seqs, max_blocks), torch.int32),
+            "query_start_loc": ((max_num_seqs + 1,), torch.int32),
+            "seq_lens": ((max_num_seqs,), torch.int32),
+            "logits_indices": ((max_num_seqs,), torch.int64),
+            "temperature": ((max_num_seqs,), torch.float32),
+            "top_k": ((max_num_seqs,), torch.int64), "top_p": ((max_num_seqs,), torch.float32),
+            "min_p": ((max_num_seqs,), torch.float32)})
+        self.graphs: DecodeGraphs | None = None
+        # The last step's batch rows, valid while the batch's rows stay as they were.
+        self._rows_generation = -1
+        self._rows_req_ids: list[str] = []
+        self._rows = np.zeros(0, np.int64)  # [R]
+        # Read-only views of these serve every decode step's counts and offsets.
+        self._arange = np.arange(max_num_seqs + 1)  # [max_num_seqs + 1] int64
+        self._ones = np.ones(max_num_seqs, np.int64)
+        self._arange.flags.writeable = self._ones.flags.writeable = False
+        self.kv_caches: list[torch.Tensor] = []
+        # On the CPU, each step size's thread count is measured (cpu_threads.py).
+        self.thread_tuner = (ThreadTuner(torch.get_num_threads())
+                             if device.type == "cpu" and tunable_threads() else None)
+
+    # -- KV cache ------------------------------------------------------------------
+
+    def kv_cache_bytes_per_block(self) -> int:
+        spec = self.model_config.spec
+        element = torch.empty((), dtype=self.model_config.dtype).element_size()
+        return (spec.num_layers * 2 * self.block_size * self.num_kv_heads * spec.head_dim
+                * element)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        spec = self.model_config.spec
+        # [layers, K|V, blocks, block_size, kv_heads, head_dim]. Not zeroed (on the CPU
+        # pages are committed as blocks get used): no kernel reads a slot its request has
+        # not written.
+        cache = torch.empty(spec.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads,
+                            spec.head_dim, dtype=self.model_config.dtype, device=self.device)
+        self.kv_caches = list(cache.unbind(0))
+
+    # -- start-up: profiling and CUDA graphs ---------------------------------------
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Run the largest step the scheduler can make (max_num_batched_tokens prompt
+        tokens over up to max_num_seqs requests, every one sampling with top-k and
+        top-p and returning raw logprobs) through the real step path, on a scratch KV
+        cache just big enough. Returns its peak activation memory in bytes on CUDA (0 on
+        the CPU, where `sampler.step_peak_bytes` stands in for the logits), which the
+        executor leaves free when it sizes the KV cache."""
+        max_len, bs = self.model_config.max_model_len, self.block_size
+        # The scheduler never runs more than max_num_seqs full-length requests at once.
+        tokens = min(self.max_num_batched_tokens, self.max_num_seqs * max_len)
+        reqs = max(min(self.max_num_seqs, tokens), -(-tokens // max_len))
+        lengths = [tokens // reqs + (i < tokens % reqs) for i in range(reqs)]
+        first_block = np.cumsum([0] + [-(-n // bs) for n in lengths]).tolist()
+        saved_caches = self.kv_caches
+        self.initialize_kv_cache(first_block[-1])
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1, logprobs=1)
+        vocab = self.model_config.vocab_size
+        new = [NewRequestData(f"profile-{i}", [(i + j) % vocab for j in range(n)], [], params,
+                              None, list(range(first_block[i], first_block[i + 1])), 0)
+               for i, n in enumerate(lengths)]
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            baseline = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.execute_model(SchedulerOutput(
+            new, CachedRequestData.empty(), {r.req_id: len(r.prompt_token_ids) for r in new},
+            tokens, [], []))
+        peak = torch.cuda.max_memory_allocated(self.device) - baseline if cuda else 0
+        for request in new:
+            self.batch.remove(request.req_id)
+        self.kv_caches = saved_caches
+        if cuda:
+            torch.cuda.empty_cache()
+        return peak
+
+    def capture_cuda_graphs(self) -> tuple[int, float]:
+        """Capture the decode forward pass at every size of the ladder (after the KV
+        cache exists: the graphs hold its address). Returns (graphs, seconds)."""
+        assert self.device.type == "cuda" and self.kv_caches, "needs CUDA and a KV cache"
+        assert self.attention.name == "triton", "graphs need the Triton attention backend"
+        sizes = capture_sizes(self.max_num_seqs)
+        self.stage_padding(sizes[-1])
+        self.graphs = DecodeGraphs(sizes)
+        with torch.inference_mode():
+            seconds = self.graphs.capture(self._decode_forward)
+        return len(sizes), seconds
+
+    def stage_padding(self, size: int) -> None:
+        """Fill the first `size` rows of the step buffers with padding requests, the
+        inputs graphs are captured on: no KV writes (slot -1), no keys read (length 0)."""
+        put = self.buffers.put
+        self.buffers.begin_step()
+        for name, fill in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1),
+                           ("block_tables", 0), ("seq_lens", 0)):
+            put(name, np.zeros(0, np.int64), fill, size)
+        put("query_start_loc", np.arange(size + 1))
+        self.buffers.end_step()
+
+    def _decode_forward(self, size: int) -> torch.Tensor:
+        """The forward pass a decode graph records: `size` one-token requests read from
+        the step buffers -> hidden [size, H] (logits come after the graph)."""
+        buf = self.buffers.device_buffers
+        meta = AttentionMetadata(
+            slot_mapping=buf["slot_mapping"][:size], block_tables=buf["block_tables"][:size],
+            query_start_loc=buf["query_start_loc"][:size + 1], seq_lens=buf["seq_lens"][:size],
+            query_start_loc_cpu=np.zeros(1, np.int64), seq_lens_cpu=np.zeros(0, np.int64),
+            max_query_len=1, backend=self.attention,
+            # Fixed at capture, for the longest context the graph may meet.
+            num_segments=num_kv_segments(size, self.num_kv_heads, 1,
+                                         self.model_config.max_model_len, self.num_sms))
+        return self.model(buf["input_ids"][:size], buf["positions"][:size], meta,
+                          self.kv_caches)
+
+    # -- one step ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        tuner = self.thread_tuner
+        if tuner is None or scheduler_output.is_empty:
+            return self._execute(scheduler_output)
+        threads = tuner.threads_for(scheduler_output.total_num_scheduled_tokens)
+        before = torch.get_num_threads()  # an in-process engine leaves its host's as found
+        if threads != before:
+            torch.set_num_threads(threads)
+        try:
+            output = self._execute(scheduler_output)
+        finally:
+            if threads != before:
+                torch.set_num_threads(before)
+        tuner.record(output.forward_s + output.sample_s)
+        return output
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput([], [])
+        inputs = self._prepare_inputs(scheduler_output)
+        t1 = time.perf_counter()
+        if inputs.graph_size is not None and self.graphs is not None:
+            hidden = self.graphs.replay(inputs.graph_size)  # [padded size, H]
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
+        t2 = time.perf_counter()
+        sampled_token_ids: list[int]  # per request; -1: samples nothing this step
+        logprobs: dict[str, TokenLogprobs] = {}
+        if len(inputs.sampling):
+            meta = sampling_metadata(self.batch, inputs.sampling_rows, self.buffers,
+                                     self.processed_logprobs)
+            out = self.sampler(logits, meta)
+            # The step's one host sync; it also means every input copy is done.
+            sampled_np = out.sampled.cpu().numpy()
+            self.batch.append_tokens(inputs.sampling_rows, sampled_np)
+            if len(inputs.sampling) == len(inputs.req_ids):  # every request samples
+                sampled_token_ids = sampled_np.tolist()
+            else:
+                sampled_token_ids = [-1] * len(inputs.req_ids)
+                for i, token_id in zip(inputs.sampling.tolist(), sampled_np.tolist(),
+                                       strict=True):
+                    sampled_token_ids[i] = token_id
+            if out.logprobs is not None and meta.logprob_rows is not None:
+                logprobs = self._logprobs_by_request(inputs, meta.logprob_rows, out.logprobs)
+        else:  # nothing to wait for: the next step must check its copies are done
+            sampled_token_ids = [-1] * len(inputs.req_ids)
+            self.buffers.end_step()
+        prompt_logprobs = self._prompt_logprobs(hidden, inputs) \
+            if self.batch.num_prompt_logprobs else {}
+        t3 = time.perf_counter()
+        collective_s, self.tp.collective_s = self.tp.collective_s, 0.0
+        return ModelRunnerOutput(inputs.req_ids, sampled_token_ids, logprobs, prompt_logprobs,
+                                 prepare_inputs_s=t1 - t0, forward_s=t2 - t1,
+                                 sample_s=t3 - t2, collective_s=collective_s,
+                                 attention_plan_s=inputs.attention_plan_s)
+
+    def retain(self, req_ids: set[str]) -> None:
+        """Drop the state of every request not in `req_ids`."""
+        for req_id in [r for r in self.batch.rows if r not in req_ids]:
+            self.batch.remove(req_id)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.batch
+        for req_id in so.finished_req_ids:
+            batch.remove(req_id)
+        for req_id in so.preempted_req_ids:
+            batch.remove(req_id)
+        for new in so.scheduled_new_reqs:
+            batch.add(new)
+        rows = batch.rows
+        for req_id, block_ids in so.scheduled_cached_reqs.new_block_ids.items():
+            batch.append_blocks(rows[req_id], block_ids)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
+        """The step's flat batch. Every numpy call here costs microseconds more than its
+        work (a forward pass has just pushed numpy's own state out of the caches), so a
+        decode step, the common case, takes fewer: its counts, offsets and request index
+        are views of one arange."""
+        batch, bs = self.batch, self.block_size
+        cached, new = so.scheduled_cached_reqs, so.scheduled_new_reqs
+        req_ids = cached.req_ids + [n.req_id for n in new] if new else cached.req_ids
+        num_reqs = len(req_ids)
+        # Most steps run the same requests, in the same rows, as the last one.
+        if batch.generation != self._rows_generation or req_ids != self._rows_req_ids:
+            self._rows_generation, self._rows_req_ids = batch.generation, req_ids
+            self._rows = np.fromiter(map(batch.rows.__getitem__, req_ids), np.int64, num_reqs)
+        rows = self._rows
+        # The scheduler's count is the one truth (the batch keeps no copy to drift).
+        starts = np.array(cached.num_computed_tokens + [n.num_computed_tokens for n in new]
+                          if new else cached.num_computed_tokens, np.int64)
+        num_tokens = so.total_num_scheduled_tokens
+        decode = num_tokens == num_reqs  # one token each (counts are >= 1): a decode step
+        if decode:
+            arange = self._arange
+            counts, cu = self._ones[:num_reqs], arange[1:num_reqs + 1]
+            query_start_loc, req_index = arange[:num_reqs + 1], arange[:num_reqs]
+            positions, ends = starts, starts + 1  # [T] = [R]
+            input_ids = batch.token_ids[rows, starts]
+        else:
+            counts = np.fromiter(map(so.num_scheduled_tokens.__getitem__, req_ids), np.int64,
+                                 num_reqs)
+            cu = np.cumsum(counts)
+            query_start_loc = np.concatenate(([0], cu))
+            req_index = np.repeat(np.arange(num_reqs), counts)  # [T] request of each token
+            positions = starts[req_index] + np.arange(num_tokens) - (cu - counts)[req_index]
+            ends = starts + counts
+            input_ids = batch.token_ids[rows[req_index], positions]
+        # The slots from the gathered rows, not the whole table again (a forward pass has
+        # just pushed it out of the cache: one miss per request each time).
+        block_tables = batch.block_table[rows, :batch.num_blocks[rows].max()]
+        block_index, offset = np.divmod(positions, bs)
+        slot_mapping = (block_tables[req_index, block_index] * np.int64(bs)
+                        + offset)  # int64: no overflow
+        sampling = np.flatnonzero(ends == batch.num_tokens[rows])  # caught up: sample
+        all_sample = len(sampling) == num_reqs
+        max_query_len = 1 if decode else int(counts.max())
+        # Every request computes one token: a CUDA graph's step, padded to its size.
+        graph_size = self.graphs.padded_size(num_reqs) \
+            if self.graphs is not None and decode else None
+        put = self.buffers.put
+        self.buffers.begin_step()
+        meta = AttentionMetadata(
+            slot_mapping=put("slot_mapping", slot_mapping, -1, graph_size),
+            block_tables=put("block_tables", block_tables, 0, graph_size),
+            # Graph padding rows continue the one-token-per-request pattern.
+            query_start_loc=put("query_start_loc", self._arange[:graph_size + 1]
+                                if graph_size else query_start_loc),
+            seq_lens=put("seq_lens", ends, 0, graph_size),
+            query_start_loc_cpu=query_start_loc, seq_lens_cpu=ends,
+            max_query_len=max_query_len, backend=self.attention,
+            num_segments=num_kv_segments(num_reqs, self.num_kv_heads, max_query_len,
+                                         int(ends.max()), self.num_sms)
+            if self.num_sms else 1)
+        t_plan = time.perf_counter()
+        self.attention.prepare(meta)
+        attention_plan_s = time.perf_counter() - t_plan
+        return _StepInputs(req_ids, rows, starts, counts,
+                           put("input_ids", input_ids, 0, graph_size),
+                           put("positions", positions, 0, graph_size), meta,
+                           put("logits_indices", req_index if all_sample and decode
+                               else cu[sampling] - 1),
+                           sampling, rows if all_sample else rows[sampling], graph_size,
+                           attention_plan_s)
+
+    def _logprobs_by_request(self, inputs: _StepInputs, logprob_rows: torch.Tensor,
+                             tensors: LogprobsTensors) -> dict[str, TokenLogprobs]:
+        ids, lps = tensors.token_ids.tolist(), tensors.logprobs.tolist()
+        ranks = tensors.sampled_ranks.tolist()
+        result = {}
+        for j, i in enumerate(logprob_rows.tolist()):
+            k = self.batch.num_logprobs[int(inputs.sampling_rows[i])]
+            req_id = inputs.req_ids[int(inputs.sampling[i])]
+            result[req_id] = TokenLogprobs(ids[j][:k + 1], lps[j][:k + 1],
+                                           [ranks[j], *range(1, k + 1)])
+        return result
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: _StepInputs
+                         ) -> dict[str, PromptLogprobsChunk]:
+        """Logprobs of the prompt's own next tokens at the prompt positions computed
+        this step (from the raw logits), for the requests that asked."""
+        batch = self.batch
+        result = {}
+        offsets = np.cumsum(inputs.counts) - inputs.counts
+        for i, row in enumerate(inputs.rows.tolist()):
+            k = batch.num_prompt_logprobs.get(row)
+            if k is None:
+                continue
+            start = int(inputs.starts[i])
+            end = min(start + int(inputs.counts[i]), int(batch.num_prompt_tokens[row]) - 1)
+            if end <= start:
+                continue
+            ids: list[list[int]] = []
+            lps: list[list[float]] = []
+            ranks: list[int] = []
+            # A slice of positions at a time: [positions, vocab] fp32 logits for a whole
+            # prompt chunk could take gigabytes (8192 positions x 152k vocabulary).
+            for lo in range(start, end, PROMPT_LOGPROBS_SLICE):
+                hi = min(lo + PROMPT_LOGPROBS_SLICE, end)
+                flat = torch.arange(hi - lo, device=hidden.device) + int(offsets[i]) + lo - start
+                logprobs = self.model.compute_logits(hidden[flat]).float().log_softmax(dim=-1)
+                targets = to_device(batch.token_ids[row, lo + 1:hi + 1].astype(np.int64),
+                              self.device)
+                t = gather_logprobs(logprobs, targets, k)
+                ids += t.token_ids.tolist()
+                lps += t.logprobs.tolist()
+                ranks += t.sampled_ranks.tolist()
+            result[inputs.req_ids[i]] = PromptLogprobsChunk(start, [
+                TokenLogprobs(ids[j], lps[j], [ranks[j], *range(1, k + 1)])
+                for j in range(end - start)])
+        return result
