@@ -74,7 +74,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the background checks of the selected tests (tests/background.py)."""
+    """Start the background checks of the selected tests (tests/support/background.py)."""
     background.start_jobs_of({getattr(item, "originalname", item.name)
                               for item in session.items})
 
@@ -189,7 +189,7 @@ def make_llm() -> Iterator[Callable[..., Any]]:
 @pytest.fixture(scope="session")
 def rl_server(model_dirs: dict[str, Path]) -> Iterator[Any]:
     """`pagellm serve` started for RL, with short limits so that they can be reached in
-    a test (tests/test_server_guards.py, and the dev routes' fuzzer): dev endpoints
+    a test (tests/frontend/server/test_server_guards.py, and the dev routes' fuzzer): dev endpoints
     behind the key "k", sleep mode, the "nccl" weight transfer with a 2 s join timeout,
     the test extension (rl_extension.Probe), processed logprobs, a 1 s stall timeout
     and 5000 response entries. Tests leave it awake and unpaused."""
@@ -201,7 +201,7 @@ def rl_server(model_dirs: dict[str, Path]) -> Iterator[Any]:
                     "--worker-extension-cls", "rl_extension.Probe",
                     "--logprobs-mode", "processed_logprobs", "--engine-stall-timeout", "1",
                     "--max-response-entries", "5000",
-                    env={"PYTHONPATH": str(Path(__file__).parent)})
+                    env={"PYTHONPATH": str(Path(__file__).parent / "support")})
     yield server
     assert server.stop() == 0
 

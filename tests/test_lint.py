@@ -28,7 +28,7 @@ def _mypy(_: Path) -> list[str] | None:
     return None if mypy is None else [mypy]
 
 
-MYPY = Job("test_mypy_is_clean", _mypy, cwd=ROOT)  # started early: tests/background.py
+MYPY = Job("test_mypy_is_clean", _mypy, cwd=ROOT)  # started early: tests/support/background.py
 
 
 def test_mypy_is_clean():

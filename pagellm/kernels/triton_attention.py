@@ -315,7 +315,7 @@ def tile_keys(block_size: int, head_dim: int, dtype: torch.dtype, num_segments: 
     """Keys per iteration of the attention loop: a K tile of up to 16 KB (64 keys of a
     bf16 head of 128, counted in fp32 where the kernel computes in it), 32 KB under
     split-KV (num_segments > 1) in 16-bit dtypes, at least one KV block, at most 128
-    keys (registers). fp32 keeps 16 KB: at 32 KB it spills (tests/compile_kernels.py).
+    keys (registers). fp32 keeps 16 KB: at 32 KB it spills (tests/support/compile_kernels.py).
 
     Measured on an H200 (bf16, head 128, kernel_bench.py --tile, 2026-11-27): with one
     segment per request 64 keys beat 128 (106% against 88% of copy bandwidth at

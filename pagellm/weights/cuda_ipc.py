@@ -5,7 +5,7 @@ sender packs the tensors into one device buffer (a copy at device speed, no trip
 through host memory) and shares it through torch's CUDA IPC, once per receiving
 worker. Each worker maps it, checks every spec against it exactly as for a
 shared-memory file, copies, and lets go of it before answering; the sender frees the
-buffer when the call returns. These paths run only on a GPU (tests/test_gpu_rl.py).
+buffer when the call returns. These paths run only on a GPU (tests/e2e/test_gpu_rl.py).
 
 Everything but the handles (layout, packing, the checks on each spec) is the
 shared-memory path's, in shm.py.

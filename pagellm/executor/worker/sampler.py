@@ -30,7 +30,7 @@ _MASK = float("-inf")
 # and output counts (5), and the working copies of every stage on at once (temperature,
 # the top-k/top-p sort's values and int64 order, softmax, the noise, raw logprobs):
 # 25 bytes measured with torch's profiler with top-k/top-p alone, 31 with every stage
-# (tests/test_sampler.py checks the bound). On the CPU nothing profiles the step at
+# (tests/executor/test_sampler.py checks the bound). On the CPU nothing profiles the step at
 # start-up, so the engine sizes its memory with this (`step_peak_bytes`).
 STEP_BYTES_PER_LOGIT = 44
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_no_leaks
+from helpers import SUPPORT
 
 from pagellm import LLM, SamplingParams
 from pagellm.executor.model.loader import iterate_safetensors, safetensors_files
@@ -196,7 +197,7 @@ def test_a_sender_truncating_its_buffer_mid_update_never_kills_the_engine(big_co
     such update now either lands whole or is refused whole (the weights' sum, read by
     the test extension, is the new one or the old one, never a mix), and the engine
     serves after every one."""
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # rl_extension
+    monkeypatch.setenv("PYTHONPATH", str(SUPPORT))  # rl_extension
     with LLM(str(big_config), load_format="dummy", skip_tokenizer_init=True,
              weight_transfer_config={"backend": "ipc"}, kv_cache_memory_bytes=8 * 2**20,
              max_model_len=256, worker_extension_cls="rl_extension.Probe") as llm:

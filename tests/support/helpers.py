@@ -19,7 +19,8 @@ from typing import Any
 import msgspec
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+SUPPORT = Path(__file__).resolve().parent  # tests/support: what engine processes import
 NAME = "test-model"
 KV = str(8 * 2**20)
 

@@ -72,7 +72,7 @@ def test_the_api_key_guards_every_route_but_health_ping_metrics_and_version(guar
         assert guarded.get(path)[0] == 200, path
     status, body = post(guarded, "/tokenize", {"prompt": "x"})
     assert status == 200 and body["count"] >= 1
-    # The RL dev routes exist only with --enable-dev-endpoints (tests/test_rl.py).
+    # The RL dev routes exist only with --enable-dev-endpoints (tests/weights/test_rl.py).
     for path in ("/sleep?level=1", "/collective_rpc", "/update_weights"):
         assert post(guarded, path, {})[0] == 404, path
 

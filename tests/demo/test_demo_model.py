@@ -33,7 +33,7 @@ from pagellm.demo.model import (
     train_tokenizer,
 )
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 QWEN3_HEAD_DIM = 32  # != hidden_size // num_heads (64 // 4 = 16), as in real Qwen3 models
 
 SPECS: dict[str, ModelSpec] = {

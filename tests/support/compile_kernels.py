@@ -9,7 +9,7 @@ shared-memory use from the cubin.
 The launchers run for real on meta tensors with their kernels swapped for recorders, so
 the constexprs and arguments compiled are exactly the ones a launch would use.
 
-    python tests/compile_kernels.py     # JSON lines: one per specialization
+    python tests/support/compile_kernels.py     # JSON lines: one per specialization
 
 Run without TRITON_INTERPRET (the test that calls it starts a clean process).
 """
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import triton

@@ -3,7 +3,7 @@ Ampere (sm_80) with Triton's bundled ptxas, without spilling registers.
 
 The interpreter tests prove the kernels' arithmetic; this proves real compilation,
 which the interpreter never does (it accepts a `tl.dot` under 16x16, for one), on a
-machine with no GPU. See tests/compile_kernels.py."""
+machine with no GPU. See tests/support/compile_kernels.py."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import triton
 from background import Job
+from helpers import SUPPORT
 
 from pagellm.kernels.triton_attention import SUPPORTED_HEAD_SIZES
 
-SCRIPT = Path(__file__).with_name("compile_kernels.py")
+SCRIPT = SUPPORT / "compile_kernels.py"
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
@@ -28,7 +29,7 @@ def _env(tmp: Path) -> dict[str, str]:
     return env
 
 
-# Started when collection ends, niced (tests/background.py): 30 s of one core.
+# Started when collection ends, niced (tests/support/background.py): 30 s of one core.
 COMPILE = Job("test_kernels_compile_for_hopper_and_ampere_without_spills",
               lambda _: [sys.executable, str(SCRIPT)] if PTXAS.exists() else None, env=_env)
 

@@ -14,7 +14,7 @@ import pytest
 from background import Job
 from conftest import runs_triton_kernels
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # benchmarks/ is scripts, not a package
 
 import bad_words  # noqa: E402
@@ -187,7 +187,7 @@ def test_gpu_suite_deadline_cuts_a_part_and_skips_the_rest(tmp_path, monkeypatch
 
 
 def background_json(script: str, *argv: str) -> Callable[[Path], list[str]]:
-    """A benchmark script's command line for a background job (tests/background.py)
+    """A benchmark script's command line for a background job (tests/support/background.py)
     writing its JSON into the job's directory."""
     return lambda job_dir: [sys.executable, str(BENCHMARKS / script), *argv,
                             "--output-json", str(job_dir / "out.json")]
@@ -201,10 +201,10 @@ def job_json(job: Job) -> dict[str, Any]:
 
 GPU_SUITE_PARTS = ["tests", "kernel", "fused", "decode-qwen2.5-0.5b",
                    "decode-qwen2.5-0.5b-eager", "throughput-qwen2.5-0.5b"]
-# tests/test_gpu.py's cases, counted by hand: 3 models x (graphs, eager), graphs against
+# tests/e2e/test_gpu.py's cases, counted by hand: 3 models x (graphs, eager), graphs against
 # eager, bf16 logprobs of 2 models, host syncs, profiled KV-cache size.
 NUM_TEST_GPU_CASES = 3 * 2 + 1 + 2 + 1 + 1
-# 30 s of work: started when collection ends, niced (tests/background.py).
+# 30 s of work: started when collection ends, niced (tests/support/background.py).
 GPU_SUITE = Job("test_gpu_suite_smoke_runs_each_kind_of_part_in_a_subprocess",
                 background_json("gpu_suite.py", "--smoke", "--parts", *GPU_SUITE_PARTS))
 
@@ -236,7 +236,7 @@ def test_gpu_suite_smoke_runs_each_kind_of_part_in_a_subprocess():
         assert entry["status"] == "ok", entry.get("output_tail")
         r = entry["result"]
         if name == "tests":  # on the CPU, test_gpu.py's cases all skip
-            assert r["benchmark"] == "tests" and r["files"] == ["tests/test_gpu.py"]
+            assert r["benchmark"] == "tests" and r["files"] == ["tests/e2e/test_gpu.py"]
             assert (r["passed"], r["failed"], r["errors"], r["failures"]) == (0, 0, 0, [])
             assert r["skipped"] == NUM_TEST_GPU_CASES and r["returncode"] == 0
         elif name == "kernel":

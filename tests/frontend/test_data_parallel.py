@@ -26,14 +26,13 @@ from typing import Any
 import psutil
 import pytest
 from conftest import PROMPTS
-from helpers import NAME, ROOT, Server, free_port
+from helpers import NAME, ROOT, SUPPORT, Server, free_port
 
 from pagellm import LLM, AsyncLLM, EngineDeadError, SamplingParams
 from pagellm.frontend.engine_client.dp_client import DPSyncClient
 from pagellm.frontend.engine_client.dp_routing import Router, merge_results
 from pagellm.protocol.messages import UtilityMethod
 
-TESTS = Path(__file__).resolve().parent
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 LONG = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
 KV = 8 * 2**20
@@ -57,9 +56,9 @@ def gone(pid: int) -> bool:
 
 
 def with_tests_on_path() -> str:
-    """PYTHONPATH for engine processes that import tests/rl_extension.py (keeping what
+    """PYTHONPATH for engine processes that import tests/support/rl_extension.py (keeping what
     is there: it may point at the checkout under test)."""
-    return os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    return os.pathsep.join(p for p in (str(SUPPORT), os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +185,7 @@ def test_a_trainer_broadcasts_weights_to_every_core(model_dirs, monkeypatch):
     core d's worker r joins the trainer's group as rank_offset + d x tp + r, so each
     broadcast reaches both cores and both serve the new weights. A group too small for
     every worker is refused, naming the size it needs, before any worker joins."""
-    from test_rl import NcclTrainer, hf_greedy, hf_model, perturbed
+    from rl_helpers import NcclTrainer, hf_greedy, hf_model, perturbed
 
     monkeypatch.setenv("PYTHONPATH", with_tests_on_path())
     model_dir = model_dirs["llama"]

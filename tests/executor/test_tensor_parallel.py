@@ -245,7 +245,7 @@ def test_the_server_serves_a_tensor_parallel_engine(model_dirs, hf_reference):
 def test_a_trainer_broadcasts_weights_to_every_rank(model_dirs):
     """The "nccl" backend (gloo here) with two ranks: each joins the trainer's group as
     rank_offset + rank, receives every full tensor and keeps its slice."""
-    from test_rl import NcclTrainer, hf_greedy, hf_model, perturbed
+    from rl_helpers import NcclTrainer, hf_greedy, hf_model, perturbed
 
     model_dir = model_dirs["llama"]
     init_info = {"master_address": "127.0.0.1", "master_port": free_port(),

@@ -6,19 +6,17 @@ start-up heap in every rank's process."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
+from helpers import SUPPORT
 
 from pagellm import LLM
-
-TESTS = Path(__file__).resolve().parent
 
 
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_a_launched_cpu_engine_uses_every_core_and_flushes_subnormals_everywhere(
         model_dirs, monkeypatch, tensor_parallel_size):
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))  # the engine imports rl_extension
+    monkeypatch.setenv("PYTHONPATH", str(SUPPORT))  # the engine imports rl_extension
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     with LLM(str(model_dirs["llama"]), worker_extension_cls="rl_extension.Probe",
              kv_cache_memory_bytes=8 * 2**20,

@@ -359,7 +359,7 @@ def test_frontend_exit_leaves_no_orphan(model_dirs, exit_how):
             os.kill(os.getpid(), signal.SIGKILL)
     """)
     frontend = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                              timeout=120, cwd=Path(__file__).parents[1])
+                              timeout=120, cwd=Path(__file__).parents[2])
     pid = int(frontend.stdout.split()[0])
     assert wait_until(lambda: not _alive(pid), timeout=15), f"engine core {pid} orphaned"
 

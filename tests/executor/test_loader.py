@@ -525,7 +525,7 @@ def _forward_paged(model: DecoderForCausalLM, prompt: list[int],
     """Run `prompt` through the model in `steps` ([start, end) slices: chunks of a prompt,
     then decodes) on a paged cache with a shuffled block table; return the logits of
     every position [len(prompt), vocab]. The cache is zeroed, as the model runner does
-    (tests/test_kernels_reference.py checks that unwritten slots are never read)."""
+    (tests/kernels/test_kernels_reference.py checks that unwritten slots are never read)."""
     spec = model.spec
     num_blocks = math.ceil(len(prompt) / BLOCK_SIZE) + 3
     gen = torch.Generator().manual_seed(0)

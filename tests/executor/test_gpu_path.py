@@ -1,7 +1,7 @@
 """The GPU path's logic, proved on the CPU: staging buffers, the CUDA-graph batch
 ladder and padding, the profiling run and the KV-cache budget.
 
-CUDA graphs themselves need a GPU (tests/test_gpu.py); here a stand-in replays the
+CUDA graphs themselves need a GPU (tests/e2e/test_gpu.py); here a stand-in replays the
 decode forward pass eagerly on the same persistent buffers, padded to the same sizes,
 so everything a graph reads and everything the step does around it is exercised."""
 

@@ -5,11 +5,9 @@ tokens before sleeping, and the engine process's RSS measured from outside."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -17,70 +15,27 @@ import time
 from pathlib import Path
 
 import msgspec
-import psutil
 import pytest
 import torch
 from conftest import assert_no_leaks
-from helpers import free_port
+from helpers import ROOT, SUPPORT, free_port
+from rl_helpers import (
+    GREEDY,
+    PROMPTS,
+    NcclTrainer,
+    checkpoint,
+    greedy,
+    hf_greedy,
+    hf_model,
+    leftover_buffers,
+    parameter_count,
+    perturbed,
+    rss,
+)
 
 from pagellm import LLM, AsyncLLM, SamplingParams
-from pagellm.executor.model.loader import iterate_safetensors, safetensors_files
+from pagellm.executor.model.loader import safetensors_files
 from pagellm.weights.shm import buffer_dirs, shared_weights, shm_dir
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
-PROMPTS = ["Hello", "The quick brown fox", "def fibonacci(n):", "a b c d e f"]
-TESTS = Path(__file__).parent
-
-
-def greedy(llm: LLM, prompts: list = PROMPTS, params: SamplingParams = GREEDY
-           ) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
-    return dict(iterate_safetensors(safetensors_files(model_dir)))
-
-
-def perturbed(model_dir: Path, seed: int = 0, scale: float = 0.05) -> dict[str, torch.Tensor]:
-    """The model's checkpoint with noise added to every tensor: weights no engine had."""
-    generator = torch.Generator().manual_seed(seed)
-    return {name: t + scale * torch.randn(t.shape, generator=generator)
-            for name, t in checkpoint(model_dir).items()}
-
-
-def hf_model(model_dir: Path, weights: dict[str, torch.Tensor] | None = None):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if weights is not None:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
-        model.tie_weights()
-    return model
-
-
-def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=n,
-                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
-    return out[0, len(prompt_ids):].tolist()
-
-
-def rss(llm: LLM) -> int:
-    return psutil.Process(llm.engine_core.engine_process.pid).memory_info().rss
-
-
-def leftover_buffers() -> list[Path]:
-    return sorted(p for d in buffer_dirs() for p in d.glob("pagellm-weights-*"))
-
-
-def parameter_count(model_dir: Path) -> int:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    return sum(p.numel() for p in model.parameters())
-
 
 # --- weight updates ---------------------------------------------------------------------
 
@@ -338,7 +293,7 @@ def test_a_device_buffer_holds_every_tensor_aligned_and_reads_back_exactly():
 
 def test_cuda_ipc_handles_sent_to_a_cpu_engine_fail_alone(model_dirs):
     """A CPU engine cannot open them: a clear error, and the old weights keep serving.
-    (The CUDA path itself is tests/test_gpu.py's.)"""
+    (The CUDA path itself is tests/e2e/test_gpu.py's.)"""
     from pagellm.protocol.utility import WeightSpec, WeightUpdate
 
     model_dir = model_dirs["llama"]
@@ -383,7 +338,7 @@ import sys
 from pathlib import Path
 
 import msgspec
-from test_rl import perturbed
+from rl_helpers import perturbed
 
 from pagellm.weights.shm import shared_weights
 
@@ -403,7 +358,7 @@ def test_a_trainer_in_another_process_pushes_weights_through_shared_memory(model
 
     model_dir = model_dirs["llama"]
     reference = hf_model(model_dir, perturbed(model_dir, seed=7))
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(model_dir)], cwd=TESTS,
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(model_dir)], cwd=SUPPORT,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         with LLM(str(model_dir), weight_transfer_config={"backend": "ipc"},
@@ -421,94 +376,6 @@ def test_a_trainer_in_another_process_pushes_weights_through_shared_memory(model
             trainer.kill()
             trainer.wait()
     assert not leftover_buffers()
-
-
-NCCL_TRAINER = """
-import json
-import sys
-from pathlib import Path
-
-from test_rl import perturbed
-
-from pagellm.weights.nccl import trainer_init, trainer_send_weights, update_info_for
-
-model_dir, init_info, bad = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3] == "bad"
-device = sys.argv[4] if len(sys.argv) > 4 else None  # default: trainer_init's choice
-group = trainer_init(init_info, device)  # waits for the engine to join
-weights = perturbed(model_dir, seed=7)
-if bad:  # one tensor a row short: the engine must refuse it and still drain the rest
-    name = "model.layers.1.mlp.down_proj.weight"
-    weights[name] = weights[name][:-1]
-weights = {name: tensor.to(group.device) for name, tensor in weights.items()}
-print(json.dumps({"backend": group.backend, "update_info": update_info_for(weights.items())}),
-      flush=True)
-sys.stdin.readline()
-trainer_send_weights(weights.items(), group)
-print("sent", flush=True)
-"""
-
-
-class NcclTrainer:
-    """NCCL_TRAINER in a process of its own, owned by a `with` block.
-
-    The engine waits up to TRANSFER_TIMEOUT_S (300 s) for the trainer to join its
-    group; a trainer that dies first (a failed import, a crash) would make the test
-    wait that long. Once `guard(engine_pid)` is called, such a death kills the engine
-    too, so the test fails at once (and the trainer's traceback is in its stderr)."""
-
-    def __init__(self, model_dir: Path, init_info: dict, mode: str = "good",
-                 device: str | None = None) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", NCCL_TRAINER, str(model_dir), json.dumps(init_info), mode,
-             *([device] if device else [])],
-            cwd=TESTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._finished = threading.Event()
-
-    def guard(self, engine_pid: int) -> None:
-        def watch() -> None:
-            if self.process.wait() != 0 and not self._finished.is_set():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(engine_pid, signal.SIGKILL)
-
-        threading.Thread(target=watch, daemon=True).start()
-
-    def joined(self) -> dict:
-        """What the trainer printed once in the group: its backend and update_info."""
-        return json.loads(self.process.stdout.readline())
-
-    def send(self) -> None:
-        self.process.stdin.write("go\n")
-        self.process.stdin.flush()
-
-    def sent(self) -> bool:
-        return self.process.stdout.readline().strip() == "sent"
-
-    def finish(self) -> int:
-        self._finished.set()
-        return self.process.wait(30)
-
-    def push(self, llm: LLM, init_info: dict) -> None:
-        """vLLM's four phases, the engine's side (`llm`) against this trainer: join,
-        start, receive every tensor the trainer broadcasts, finish."""
-        llm.init_weight_transfer_engine({"init_info": init_info})
-        update_info = self.joined()["update_info"]
-        llm.start_weight_update()
-        self.send()
-        assert llm.update_weights({"update_info": update_info}) == len(update_info["names"])
-        llm.finish_weight_update()
-        assert self.sent()
-
-    def __enter__(self) -> NcclTrainer:
-        return self
-
-    def stop(self) -> None:
-        self._finished.set()
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def test_packed_bf16_weights_follow_extension_writes_sleep_and_updates(model_dirs, tmp_path,
@@ -529,7 +396,7 @@ def test_packed_bf16_weights_follow_extension_writes_sleep_and_updates(model_dir
         pytest.skip("this torch has no oneDNN packed weights")
     monkeypatch.setattr(cpu_linear, "THIS_CPU",
                         cpu_linear.Cpu(cpu_linear.THIS_CPU.intel_mkl, amx_bf16=True))
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    monkeypatch.setenv("PYTHONPATH", str(SUPPORT))
     model_dir = model_dirs["llama"]
     old, new = checkpoint(model_dir), perturbed(model_dir, seed=5)
     new_dir = tmp_path / "new"
@@ -1109,7 +976,7 @@ def test_sleep_in_keep_mode_continues_the_requests_after_waking(model_dirs):
 @pytest.mark.parametrize("multiprocess", [False, True])
 def test_collective_rpc_calls_extension_methods_by_name(model_dirs, monkeypatch,
                                                         multiprocess):
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))  # the engine process imports rl_extension
+    monkeypatch.setenv("PYTHONPATH", str(SUPPORT))  # the engine process imports rl_extension
     model_dir = model_dirs["llama"]
     weights = checkpoint(model_dir)
     with LLM(str(model_dir), worker_extension_cls="rl_extension.Probe",
@@ -1143,7 +1010,7 @@ def test_an_extension_loads_weights_one_tensor_at_a_time_as_with_vllm(model_dirs
     vLLM's models allow: every tensor pushed that way, the engine gives transformers'
     tokens on the new weights (q/k/v and gate/up land in their merged parameters). A name
     the model lacks fails the call, naming it."""
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    monkeypatch.setenv("PYTHONPATH", str(SUPPORT))
     model_dir = model_dirs["qwen2"]
     weights = perturbed(model_dir, seed=11)
     with LLM(str(model_dir), worker_extension_cls="rl_extension.Probe",
@@ -1222,9 +1089,9 @@ def test_get_world_size_counts_every_worker_as_vllm_does():
 def test_dev_routes_drive_sleep_pause_rpc_and_nccl_updates_over_http(model_dirs, monkeypatch):
     from helpers import NAME, Server
 
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    monkeypatch.setenv("PYTHONPATH", str(SUPPORT))
     model_dir = model_dirs["llama"]
-    # Off unless asked for: tests/test_hardening_http.py checks the 404s.
+    # Off unless asked for: tests/frontend/server/test_hardening_http.py checks the 404s.
     server = Server(model_dir, "--enable-dev-endpoints", "--enable-sleep-mode",
                     "--weight-transfer-config", '{"backend": "nccl"}',
                     "--worker-extension-cls", "rl_extension.Probe", "--api-key", "k")
@@ -1302,7 +1169,7 @@ def test_the_rl_rollout_example_raises_the_reward_with_matching_logprobs():
     """examples/rl_rollout.py end to end: generate, sleep, train (another process),
     push over the nccl backend, wake; the reward rises and the engine's logprobs of the
     sampled tokens equal the trainer's within 1e-4 (fp32)."""
-    result = subprocess.run([sys.executable, str(TESTS.parent / "examples/rl_rollout.py"),
+    result = subprocess.run([sys.executable, str(ROOT / "examples/rl_rollout.py"),
                              "--iterations", "6"], capture_output=True, text=True,
                             timeout=600, check=True)
     summary = json.loads(result.stdout.strip().splitlines()[-1])
@@ -1313,7 +1180,6 @@ def test_the_rl_rollout_example_raises_the_reward_with_matching_logprobs():
 def test_a_small_dev_shm_falls_back_to_the_temp_dir_or_names_the_shortage(monkeypatch):
     """Containers often give /dev/shm 64 MiB: a bigger update goes through the temp
     directory instead, and when nothing has room the error says what to enlarge."""
-    import os
 
     from pagellm.weights import shm as weight_transfer
 
