@@ -71,7 +71,7 @@ def per_call_seconds(fn: Callable[[], object], device: torch.device, iters: int)
 def ops(rows: int, ns: argparse.Namespace, device: torch.device
         ) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
     """name -> (torch version, fused kernel) on fresh inputs of this many rows."""
-    from pagellm.executor.model.decoder import RMSNorm
+    from pagellm.executor.model.layers import RMSNorm
     from pagellm.executor.model.rope import RopeSpec, RotaryEmbedding, rotate
     from pagellm.kernels import triton_fused
 

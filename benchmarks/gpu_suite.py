@@ -33,8 +33,8 @@ throughput 179 s (Qwen2.5-0.5B, mostly transformers). The whole
 suite is over 10 minutes, more than one device command may take and most of a session's
 15 minutes of device time, so `--deadline` bounds the command: each part is cut at what
 is left of it, and parts with under MIN_PART_S left are skipped (and say so), so the
-command always ends in time with the JSON of what finished. BENCHMARKS.md has the
-session's plan (which parts, in which order).
+command always ends in time with the JSON of what finished. docs/benchmarks-log.md,
+"The next GPU session", has the session's plan (which parts, in which order).
 
 --smoke runs every part in its CPU form (kernel_bench and decode_roofline --smoke; the
 throughput parts on the demo model with a handful of tiny requests): numbers are
@@ -79,9 +79,9 @@ MODELS = {"qwen2.5-0.5b": HERE / "configs" / "qwen2.5-0.5b",
 KINDS = ("tests", "kernel", "fused", "decode", "throughput")
 # The correctness checks a GPU session runs first: CUDA against transformers, the
 # compiled kernels against their torch references, the CUDA step path, RL on CUDA.
-TEST_FILES = ["tests/e2e/test_gpu.py", "tests/kernels/test_kernels_triton.py", "tests/executor/test_gpu_path.py",
-              "tests/e2e/test_gpu_rl.py", "tests/kernels/test_kernels_reference.py",
-              "tests/kernels/test_kernels_fused.py"]
+TEST_FILES = ["tests/e2e/test_gpu.py", "tests/kernels/test_kernels_triton.py",
+              "tests/executor/test_gpu_path.py", "tests/e2e/test_gpu_rl.py",
+              "tests/kernels/test_kernels_reference.py", "tests/kernels/test_kernels_fused.py"]
 SMOKE_TEST_FILES = ["tests/e2e/test_gpu.py"]  # on the CPU: every case skips, the wiring runs
 TEST_TIMEOUT_S = 120.0  # per test case (the slowest starts three engines)
 MIN_PART_S = 30.0  # under this much of --deadline left, a part is skipped, not started

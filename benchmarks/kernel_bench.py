@@ -255,10 +255,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
     parser.add_argument("--num-segments", type=int, default=None,
-                        help="force split-KV slices (default: executor.attention's choice)")
+                        help="force split-KV slices (default: model.attention's choice)")
     parser.add_argument("--max-segments", type=int, default=None,
                         help="cap of the default split-KV choice (default: "
-                             "executor.attention.MAX_KV_SEGMENTS)")
+                             "executor.model.attention.MAX_KV_SEGMENTS)")
     parser.add_argument("--tile", type=int, default=None,
                         help="keys per kernel loop iteration (default: tile_keys())")
     parser.add_argument("--max-kv-gib", type=float, default=40.0,

@@ -44,7 +44,7 @@ def trainer(model_dir: str, init_info: dict[str, Any], conn: Connection, lr: flo
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pagellm.executor.weight_transfer import trainer_init, trainer_send_weights, update_info_for
+    from pagellm.weights.nccl import trainer_init, trainer_send_weights, update_info_for
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -81,7 +81,7 @@ def main() -> dict[str, Any]:
     ns = parser.parse_args()
 
     from pagellm import LLM, SamplingParams
-    from pagellm.executor.demo_model import demo_model_dir
+    from pagellm.demo.model import demo_model_dir
 
     model_dir = str(demo_model_dir())
     with socket.socket() as s:  # a free port for the group's rendezvous

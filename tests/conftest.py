@@ -1,5 +1,10 @@
-"""Shared fixtures: small random-weight models, transformers references, and a KV-block
-leak check around every engine a test creates."""
+"""Shared fixtures: small random-weight models, transformers references, a KV-block
+leak check around every engine a test creates, and the engine cores and servers that
+tests in several files share (each started with the limits its tests reach).
+
+Fixtures shared by one folder's files live here too: a conftest.py in a test folder
+would take the module name `conftest` from this one (no test folder is a package), and
+`from conftest import PROMPTS` in the files after it would fail."""
 
 from __future__ import annotations
 
@@ -14,17 +19,22 @@ if not torch.cuda.is_available():
 os.environ.setdefault("PAGELLM_LOG_LEVEL", "WARNING")
 
 import subprocess
+import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import background
 import psutil
 import pytest
-from helpers import free_port, start_engine, stop
+from helpers import KV, ROOT, Server, free_port, start_engine, stop
 
 from pagellm.demo.model import ModelSpec, make_model
 from pagellm.kernels.triton_attention import interpreter_fault, interpreting
+
+if TYPE_CHECKING:
+    from pagellm import LLM
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -162,6 +172,57 @@ def engine_at(model_dirs):
         stop(engine)
 
 
+# An engine core with small limits, so that the limits can be reached in a test
+# (tests/enginecore/test_input_receiver.py and test_output_sender.py).
+TIGHT_ENGINE = textwrap.dedent("""
+    import sys
+    import pagellm.enginecore.output_sender as output_sender
+    import pagellm.enginecore.input_receiver as input_receiver
+    import pagellm.transport.sockets as transport
+    output_sender.CONNECT_GRACE_S = 1.0
+    output_sender.OUTPUT_HWM = 20
+    input_receiver.MAX_CLIENTS = 8
+    transport.MAX_MESSAGE_BYTES = 2**20  # the frontends' socket is bound there
+    from pagellm.enginecore.__main__ import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.fixture(scope="module")
+def tight_engine(model_dirs):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    engine = subprocess.Popen([sys.executable, "-c", TIGHT_ENGINE, "--model",
+                               str(model_dirs["llama"]), "--kv-cache-memory-bytes", KV,
+                               "--address", address], cwd=ROOT)
+    yield engine, address
+    stop(engine)
+
+
+@pytest.fixture(scope="module")
+def attached(tight_engine, model_dirs):
+    """A well-behaved frontend on the tight engine, and its greedy tokens for PROMPTS."""
+    from pagellm import LLM
+
+    _, address = tight_engine
+    llm = LLM(str(model_dirs["llama"]), engine_address=address)
+    reference = greedy_ids(llm)
+    yield llm, reference
+    llm.shutdown()
+
+
+def greedy_ids(llm: LLM, prompts: list[str] = PROMPTS[:4]) -> list[list[int]]:
+    """Greedy tokens (12 at most) of `prompts`: what `attached` compares."""
+    from pagellm import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+
+def still_serves(attached) -> None:
+    llm, reference = attached
+    assert greedy_ids(llm) == reference
+
+
 @pytest.fixture
 def make_llm() -> Iterator[Callable[..., Any]]:
     """Create LLMs (in-process engine core unless multiprocess=True is passed); on
@@ -204,6 +265,30 @@ def rl_server(model_dirs: dict[str, Path]) -> Iterator[Any]:
                     env={"PYTHONPATH": str(Path(__file__).parent / "support")})
     yield server
     assert server.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def guarded(model_dirs, tmp_path_factory) -> Iterator[Server]:
+    """`pagellm serve` behind the API key "sesame", trusting chat templates sent in
+    requests, with --max-connections 64; its stderr in a log file. Its tests
+    (tests/frontend/server/: test_edge, test_serving, test_template_sandbox,
+    test_api_models, test_connections) share their requests (tests/support/
+    guarded_server.py) and one server."""
+    log = tmp_path_factory.mktemp("server") / "stderr.log"
+    s = Server(model_dirs["llama"], "--api-key", "sesame", "--trust-request-chat-template",
+               "--max-connections", "64", log=log)
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def dev_server(model_dirs) -> Iterator[Server]:
+    """`pagellm serve` with the RL dev routes and sleep mode, no API key
+    (tests/frontend/server/test_serving.py and test_dev_routes.py). Tests leave it
+    awake."""
+    s = Server(model_dirs["llama"], "--enable-dev-endpoints", "--enable-sleep-mode")
+    yield s
+    assert s.stop() == 0
 
 
 @pytest.fixture(scope="session")

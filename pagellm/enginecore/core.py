@@ -1,9 +1,9 @@
-"""`EngineCore`: the step loop. No sockets here, so tests and `InprocClient` drive it
-directly; `EngineCoreProc` (the process wrapper) adds the I/O threads."""
+"""`EngineCore`: the step loop and the utility calls' handlers. No sockets here, so
+tests and `InprocClient` drive it directly; `EngineCoreProc` (the process wrapper) adds
+the I/O threads. Whether it serves (pause, sleep, missing weights) is `ServingState`'s."""
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections import deque
@@ -13,6 +13,7 @@ from typing import Any
 from pagellm.enginecore.kv_cache_manager import KVCacheManager
 from pagellm.enginecore.request import Request
 from pagellm.enginecore.scheduler import Scheduler, SchedulerConfig
+from pagellm.enginecore.serving_state import ServingState
 from pagellm.executor.executor import StepFailed
 from pagellm.executor.factory import create_executor
 from pagellm.protocol.engine_args import EngineArgs
@@ -29,9 +30,13 @@ from pagellm.protocol.messages import (
 )
 from pagellm.protocol.sampling_params import ALL_LOGPROBS, MAX_STRINGS, check_token_ids
 from pagellm.protocol.stats import STEP_WINDOW, EngineStats, StepTimings
-from pagellm.protocol.utility import WeightUpdate, convert_args
-
-logger = logging.getLogger("pagellm")
+from pagellm.protocol.utility import (
+    SIGNATURES,
+    PauseMode,
+    WeightsEffect,
+    WeightUpdate,
+    convert_args,
+)
 
 
 class EngineCore:
@@ -60,16 +65,8 @@ class EngineCore:
             world_size=args.tensor_parallel_size, scheduling_policy=args.scheduling_policy)
         # Outputs made outside a step (refused or aborted requests), sent with the next.
         self._outbox: dict[int, EngineCoreOutputs] = {}
-        # Pausing: None while scheduling, else the PauseMode. Requests that arrive while
-        # paused in mode "keep" join the scheduler's waiting queue, which is not
-        # scheduled until resume; in the other modes they fail.
-        self.paused: str | None = None
-        self._sleep_level = 0
-        self._updating = False  # between start_weight_update and finish_weight_update
-        # (checkpoint tensors not loaded since a wake from sleep level 2, of how many):
-        # while any is missing, requests are refused and none is scheduled.
-        self.unloaded_weights = (0, 0)
-        self.weight_version: str | None = None
+        self.state = ServingState()
+        self._handlers = self._utility_handlers()
         self.recent_steps: deque[StepTimings] = deque(maxlen=STEP_WINDOW)
         self.num_steps = 0
 
@@ -91,9 +88,9 @@ class EngineCore:
         return Request.from_engine_core_request(request, self._hash_block_size, client_index)
 
     def add_preprocessed(self, request: Request) -> None:
-        if (self.paused is not None and self.paused != "keep") or self.unloaded_weights[0]:
-            self._reject(request.client_index, request.request_id, self._refusal(),
-                         unavailable=True)
+        if self.state.refuses_requests():
+            self._reject(request.client_index, request.request_id,
+                         self.state.refusal(self.executor.sleeping), unavailable=True)
             return
         try:
             self.scheduler.add_request(request)
@@ -115,101 +112,8 @@ class EngineCore:
 
     def has_work(self) -> bool:
         scheduler = self.scheduler
-        return bool(self._outbox) or (
-            self.paused != "keep" and not self.unloaded_weights[0] and (
-                scheduler.has_unfinished_requests() or scheduler.has_finished_requests()))
-
-    # -- pause and sleep (vLLM's semantics; the RL rollout loop) ---------------------
-
-    def pause(self, mode: str) -> bool:
-        """Stop scheduling. "abort": in-flight requests finish now with reason abort;
-        "wait": they run to the end first (`pause_settled()` says when); "keep": they
-        stay where they are until `resume()`. New requests fail, except in "keep" mode,
-        where they wait for the resume. Returns `pause_settled()`."""
-        if mode == "abort":
-            for request in self.scheduler.requests.values():
-                message_for(self._outbox, request.client_index).outputs.append(
-                    EngineCoreOutput(request.request_id, [], FinishReason.ABORT))
-            self.scheduler.finish_requests(list(self.scheduler.requests), FinishReason.ABORT)
-        self.paused = mode
-        return self.pause_settled()
-
-    def pause_settled(self) -> bool:
-        """True once nothing runs that a pause in mode "wait" waits for."""
-        return self.paused != "wait" or not self.scheduler.has_unfinished_requests()
-
-    def resume(self) -> None:
-        if self.executor.sleeping:
-            raise RuntimeError(f"cannot resume: {self._state()}; call wake_up() first")
-        self.paused, self._sleep_level = None, 0
-
-    def sleep(self, level: int, mode: str) -> None:
-        """Pause in `mode`, then (level >= 1, once the pause has settled: call again
-        from the loop until `pause_settled()`) free memory and the prefix cache."""
-        self.pause(mode)
-        self._sleep_level = max(self._sleep_level, level)
-
-    def finish_sleep(self, level: int) -> None:
-        """The memory half of `sleep`, once `pause_settled()`."""
-        self._check_still_paused()
-        if level == 0:
-            return
-        self.scheduler.preempt_all()  # mode "keep": they recompute after waking
-        self.scheduler.kv_cache_manager.forget_cached()
-        self.executor.sleep(level)
-
-    def _check_still_paused(self) -> None:
-        """A pause (or sleep) in mode "wait" answers once its requests are done; if
-        something resumed the engine before that, its caller must not hear "paused"."""
-        if self.paused is None:
-            raise RuntimeError("the engine was resumed (wake_up or resume_generation) "
-                               "before the pause settled: it is not paused, nothing was "
-                               "freed")
-
-    def wake_up(self, tags: list[str] | None = None) -> bool:
-        """Allocate the named memory again (None: everything, and scheduling); the
-        scheduler resumes once nothing is asleep. True when fully awake."""
-        memory_tags = ["weights", "kv_cache"] if tags is None else \
-            [t for t in tags if t != "scheduling"]
-        self.executor.wake_up(memory_tags)
-        if self.paused is not None and not self.executor.sleeping and (
-                tags is None or "scheduling" in tags or self._sleep_level > 0):
-            self.resume()
-        return self.paused is None
-
-    def is_sleeping(self) -> bool:
-        """vLLM's meaning: paused (any level, level 0 included) or memory asleep."""
-        return self.paused is not None or bool(self.executor.sleeping)
-
-    def _state(self) -> str:
-        asleep = ", ".join(sorted(self.executor.sleeping))
-        if asleep:
-            return f"the engine is sleeping (level {self._sleep_level}: {asleep} freed)"
-        return f"the engine is paused (mode {self.paused!r})"
-
-    def _refusal(self) -> str:
-        missing, total = self.unloaded_weights
-        if missing and self.paused is None:
-            return (f"request refused: the weights were discarded by sleep(level=2) and "
-                    f"{missing} of {total} checkpoint tensors have not been loaded since; "
-                    f"requests are served again once update_weights (or a worker "
-                    f"extension's load_weights) has loaded them all")
-        action = "wake_up()" if self._sleep_level or self.executor.sleeping \
-            else "resume_generation()"
-        return f"request refused: {self._state()}; requests are served again after {action}"
-
-    def _recount_weights(self) -> None:
-        """After a call that may have loaded weights, or woken them empty: how many are
-        still missing, logged when that changes."""
-        before = self.unloaded_weights[0]
-        self.unloaded_weights = self.executor.unloaded_weights()
-        missing, total = self.unloaded_weights
-        if missing and not before:
-            logger.warning("woke from sleep level 2 with no weights: requests are refused "
-                           "until all %d checkpoint tensors are loaded (update_weights, or "
-                           "an extension's load_weights)", total)
-        elif before and not missing:
-            logger.info("every weight loaded since the level-2 wake: serving again")
+        return bool(self._outbox) or (self.state.schedules() and (
+            scheduler.has_unfinished_requests() or scheduler.has_finished_requests()))
 
     def step(self) -> dict[int, EngineCoreOutputs]:
         """Schedule, execute, update: one continuous-batching iteration. Outputs are
@@ -249,64 +153,102 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
             step_timings=mean_timings(self.recent_steps))
 
+    # -- utility calls: one handler per row of protocol/utility.py's SIGNATURES -------
+
     def call_utility(self, method: UtilityMethod, args: list[Any]) -> Any:
         """Run one utility call (arguments converted and checked against the method's
-        signature). A call that completes later (a sleep or pause in mode "wait", an
-        init_weight_transfer_engine joining the trainer) returns a `Deferred`: the
-        caller keeps stepping the engine until its `ready()`, then calls its `finish()`
-        for the result."""
+        signature; what else applies, its row says). A call that completes later (a
+        sleep or pause in mode "wait", an init_weight_transfer_engine joining the
+        trainer) returns a `Deferred`: the caller keeps stepping the engine until its
+        `ready()`, then calls its `finish()` for the result."""
         a = convert_args(method, args)
-        if method in _MAY_LOAD_WEIGHTS and (method == UtilityMethod.WAKE_UP
-                                             or self.unloaded_weights[0]):
+        row = SIGNATURES[method]
+        if row.refused_asleep and self.executor.sleeping:
+            raise RuntimeError(f"cannot {method.name.lower()}: "
+                               f"{self.state.describe(self.executor.sleeping)}; "
+                               f"call wake_up() first")
+        handler = self._handlers[method]
+        if row.weights is WeightsEffect.MAY_EMPTY or (
+                row.weights is WeightsEffect.MAY_LOAD and self.state.unloaded_weights[0]):
             try:
-                return self._call(method, a)
+                return handler(*a)
             finally:
-                self._recount_weights()
-        return self._call(method, a)
+                self.state.count_unloaded(self.executor.unloaded_weights())
+        return handler(*a)
 
-    def _call(self, method: UtilityMethod, a: tuple[Any, ...]) -> Any:
-        if method == UtilityMethod.GET_STATS:
-            return self.get_stats()
-        if method == UtilityMethod.RESET_PREFIX_CACHE:
-            return self.reset_prefix_cache()
-        if method == UtilityMethod.SLEEP:
-            level = a[0]
-            if level > 0 and not self.executor.enable_sleep_mode:
-                raise RuntimeError("sleep levels 1 and 2 need the engine started with "
-                                   "enable_sleep_mode=True")
-            self.sleep(level, a[1])
-            return Deferred(lambda: self.finish_sleep(level), self.pause_settled)
-        if method == UtilityMethod.WAKE_UP:
-            return self.wake_up(a[0])
-        if method == UtilityMethod.IS_SLEEPING:
-            return self.is_sleeping()
-        if method == UtilityMethod.PAUSE:
-            self.pause(a[0])
-            return Deferred(self._check_still_paused, self.pause_settled)
-        if method == UtilityMethod.RESUME:
-            return self.resume()
-        if method == UtilityMethod.IS_PAUSED:
-            return self.paused is not None
-        if method == UtilityMethod.COLLECTIVE_RPC:
-            return self.executor.collective_rpc(*a)
-        if method == UtilityMethod.UPDATE_WEIGHTS:
-            return self.update_weights(a[0])
-        if method == UtilityMethod.INIT_WEIGHT_TRANSFER_ENGINE:
-            # The join waits for the trainer off the loop: steps go on meanwhile.
-            self.executor.init_weight_transfer_engine(a[0])
-            return Deferred(lambda: None, self.executor.weight_transfer_joined)
-        if method == UtilityMethod.START_WEIGHT_UPDATE:
-            if self._updating:
-                raise RuntimeError("a weight update is already in progress")
-            self._updating = True
-            return None
-        if method == UtilityMethod.FINISH_WEIGHT_UPDATE:
-            if not self._updating:
-                raise RuntimeError("no weight update in progress: start_weight_update first")
-            self._updating, self.weight_version = False, a[0]
-            self.scheduler.kv_cache_manager.forget_cached()
-            return None
-        raise ValueError(f"unknown utility method {method!r}")
+    def _utility_handlers(self) -> dict[UtilityMethod, Callable[..., Any]]:
+        """Each call's handler, called with its converted arguments. Built once; the
+        closed `UtilityMethod` set is what a client can name."""
+        m = UtilityMethod
+        return {
+            m.GET_STATS: self.get_stats, m.RESET_PREFIX_CACHE: self.reset_prefix_cache,
+            m.SLEEP: self.sleep, m.WAKE_UP: self.wake_up, m.IS_SLEEPING: self.is_sleeping,
+            m.PAUSE: self.pause, m.RESUME: self.resume, m.IS_PAUSED: self.state.is_paused,
+            m.COLLECTIVE_RPC: self.executor.collective_rpc,
+            m.UPDATE_WEIGHTS: self.update_weights,
+            m.INIT_WEIGHT_TRANSFER_ENGINE: self.init_weight_transfer_engine,
+            m.START_WEIGHT_UPDATE: self.state.start_weight_update,
+            m.FINISH_WEIGHT_UPDATE: self.finish_weight_update,
+        }
+
+    # Pause and sleep: vLLM's semantics (the RL rollout loop).
+
+    def pause(self, mode: PauseMode) -> Deferred:
+        """Stop scheduling. "abort": in-flight requests finish now with reason abort;
+        "wait": they run to the end first (answered once `pause_settled()`); "keep":
+        they stay where they are until `resume()`. New requests fail, except in "keep"
+        mode, where they wait for the resume."""
+        if mode == "abort":
+            for request in self.scheduler.requests.values():
+                message_for(self._outbox, request.client_index).outputs.append(
+                    EngineCoreOutput(request.request_id, [], FinishReason.ABORT))
+            self.scheduler.finish_requests(list(self.scheduler.requests), FinishReason.ABORT)
+        self.state.pause(mode)
+        return Deferred(self.state.check_still_paused, self.pause_settled)
+
+    def pause_settled(self) -> bool:
+        """True once nothing runs that a pause in mode "wait" waits for."""
+        return self.state.paused != "wait" or not self.scheduler.has_unfinished_requests()
+
+    def resume(self) -> None:
+        """Schedule again (`call_utility` refuses it while memory sleeps: its row)."""
+        self.state.resume()
+
+    def sleep(self, level: int, mode: PauseMode) -> Deferred:
+        """Pause in `mode`, then (level >= 1, once the pause has settled) free memory
+        and the prefix cache."""
+        if level > 0 and not self.executor.enable_sleep_mode:
+            raise RuntimeError("sleep levels 1 and 2 need the engine started with "
+                               "enable_sleep_mode=True")
+        self.pause(mode)
+        self.state.sleep_level = max(self.state.sleep_level, level)
+        return Deferred(lambda: self._finish_sleep(level), self.pause_settled)
+
+    def _finish_sleep(self, level: int) -> None:
+        """The memory half of `sleep`, once `pause_settled()`."""
+        self.state.check_still_paused()
+        if level == 0:
+            return
+        self.scheduler.preempt_all()  # mode "keep": they recompute after waking
+        self.scheduler.kv_cache_manager.forget_cached()
+        self.executor.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Allocate the named memory again (None: everything, and scheduling); the
+        scheduler resumes once nothing is asleep. True when fully awake."""
+        memory_tags = ["weights", "kv_cache"] if tags is None else \
+            [t for t in tags if t != "scheduling"]
+        self.executor.wake_up(memory_tags)
+        if self.state.paused is not None and not self.executor.sleeping and (
+                tags is None or "scheduling" in tags or self.state.sleep_level > 0):
+            self.resume()
+        return self.state.paused is None
+
+    def is_sleeping(self) -> bool:
+        """vLLM's meaning: paused (any level, level 0 included) or memory asleep."""
+        return self.state.paused is not None or bool(self.executor.sleeping)
+
+    # Weights and the prefix cache.
 
     def update_weights(self, update: WeightUpdate) -> int:
         """Load new weights (all checked before the first copy); cached prefixes are
@@ -314,6 +256,15 @@ class EngineCore:
         loaded = self.executor.update_weights(update)
         self.scheduler.kv_cache_manager.forget_cached()
         return loaded
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> Deferred:
+        """The join waits for the trainer off the loop: steps go on meanwhile."""
+        self.executor.init_weight_transfer_engine(init_info)
+        return Deferred(lambda: None, self.executor.weight_transfer_joined)
+
+    def finish_weight_update(self, weight_version: str | None) -> None:
+        self.state.finish_weight_update(weight_version)
+        self.scheduler.kv_cache_manager.forget_cached()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (e.g. after new weights); False while any request
@@ -376,11 +327,6 @@ class EngineCore:
             return (f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds "
                     f"max_model_len ({self.info.max_model_len})")
         return None
-
-
-# Calls after which checkpoint tensors may have been loaded (or, waking, emptied).
-_MAY_LOAD_WEIGHTS = frozenset({UtilityMethod.WAKE_UP, UtilityMethod.UPDATE_WEIGHTS,
-                               UtilityMethod.COLLECTIVE_RPC})
 
 
 class Deferred:

@@ -119,23 +119,43 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        threshold = self.config.long_prefill_token_threshold
-        kv_cache_manager = self.kv_cache_manager
+        """This step's work: running requests first (`_schedule_running`), then waiting
+        ones while budget and seats remain (`_schedule_waiting`)."""
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData.empty()
+        new: list[NewRequestData] = []
+        budget, preempted_now = self._schedule_running(
+            self.config.max_num_batched_tokens, cached, num_scheduled)
+        if not preempted_now:  # admitting now would only preempt again
+            budget = self._schedule_waiting(budget, new, num_scheduled)
+        output = SchedulerOutput(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=self._preempted_req_ids,
+        )
+        self._finished_req_ids = []
+        self._preempted_req_ids = []
+        return output
+
+    def _schedule_running(self, budget: int, cached: CachedRequestData,
+                          num_scheduled: dict[str, int]) -> tuple[int, bool]:
+        """Schedule running requests, in order, into `cached` and `num_scheduled`,
+        preempting from the tail when the KV cache is full; returns (the budget left,
+        whether any request was preempted).
+
+        This loop runs for every running request every step, so it is kept lean:
+        `_num_new_tokens` inlined, and a request's num_computed_tokens advanced as soon as
+        it is scheduled (preemption only takes requests not yet scheduled this step: the
+        tail, or the request itself; popping the tail ends the iteration early)."""
+        threshold = self.config.long_prefill_token_threshold
         cached_ids, cached_computed, new_block_ids = (
             cached.req_ids, cached.num_computed_tokens, cached.new_block_ids)
-        new: list[NewRequestData] = []
         preempted_now = False
-
-        # 1. Running requests, in order. This loop runs for every running request every
-        #    step, so it is kept lean: `_num_new_tokens` inlined, and a request's
-        #    num_computed_tokens advanced as soon as it is scheduled (preemption only
-        #    takes requests not yet scheduled this step: the tail, or the request itself;
-        #    popping the tail ends the iteration early).
         running = self.running
-        allocate_slots = kv_cache_manager.allocate_slots
+        allocate_slots = self.kv_cache_manager.allocate_slots
         for request in running:
             if budget <= 0:
                 break
@@ -165,11 +185,14 @@ class Scheduler:
             num_scheduled[request_id] = num_new
             request.num_computed_tokens += num_new
             budget -= num_new
+        return budget, preempted_now
 
-        # 2. Waiting requests, unless this step had to preempt (admitting now would
-        #    only preempt again).
-        while (self.waiting and budget > 0 and not preempted_now
-               and len(self.running) < self.config.max_num_seqs):
+    def _schedule_waiting(self, budget: int, new: list[NewRequestData],
+                          num_scheduled: dict[str, int]) -> int:
+        """Admit waiting requests in queue order, each from its longest prefix-cache hit,
+        while budget, seats (max_num_seqs) and KV blocks last; returns the budget left."""
+        kv_cache_manager = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             hits = kv_cache_manager.get_computed_blocks(request)
             num_hit_tokens = len(hits) * kv_cache_manager.block_size
@@ -193,18 +216,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             request.num_computed_tokens += num_new
             budget -= num_new
-
-        output = SchedulerOutput(
-            scheduled_new_reqs=new,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
-            finished_req_ids=self._finished_req_ids,
-            preempted_req_ids=self._preempted_req_ids,
-        )
-        self._finished_req_ids = []
-        self._preempted_req_ids = []
-        return output
+        return budget
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:

@@ -44,6 +44,7 @@ from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.sampling_params import SamplingParams
 from pagellm.protocol.stats import EngineStats
+from pagellm.protocol.utility import SIGNATURES
 from pagellm.protocol.validation import check_float
 from pagellm.transport.curve import CurveClientKeys
 from pagellm.weights.sender import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update
@@ -197,11 +198,11 @@ class AsyncLLM:
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """See `LLM.sleep`."""
-        await self._utility(UtilityMethod.SLEEP, level, mode, timeout=None)
+        await self._utility(UtilityMethod.SLEEP, level, mode)
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         """See `LLM.wake_up`."""
-        return await self._utility(UtilityMethod.WAKE_UP, tags, timeout=None)
+        return await self._utility(UtilityMethod.WAKE_UP, tags)
 
     async def is_sleeping(self) -> bool:
         return await self._utility(UtilityMethod.IS_SLEEPING)
@@ -210,7 +211,7 @@ class AsyncLLM:
         """Stop scheduling: "abort" in-flight requests (their streams end with
         finish_reason "abort"), "wait" until they finish (new ones fail meanwhile), or
         "keep" them, and new ones, for `resume_generation()`."""
-        await self._utility(UtilityMethod.PAUSE, mode, timeout=None)
+        await self._utility(UtilityMethod.PAUSE, mode)
 
     async def resume_generation(self) -> None:
         await self._utility(UtilityMethod.RESUME)
@@ -224,12 +225,11 @@ class AsyncLLM:
             receivers = cuda_ipc_receivers(self.info, in_process=False)  # always a process
             update = await asyncio.to_thread(stack.enter_context,
                                              weight_update(weights, receivers))
-            return await self._utility(UtilityMethod.UPDATE_WEIGHTS, update, timeout=None)
+            return await self._utility(UtilityMethod.UPDATE_WEIGHTS, update)
 
     async def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:
         """See `LLM.init_weight_transfer_engine`."""
-        await self._utility(UtilityMethod.INIT_WEIGHT_TRANSFER_ENGINE, init_info_of(request),
-                            timeout=None)
+        await self._utility(UtilityMethod.INIT_WEIGHT_TRANSFER_ENGINE, init_info_of(request))
 
     async def start_weight_update(self) -> None:
         await self._utility(UtilityMethod.START_WEIGHT_UPDATE)
@@ -245,12 +245,14 @@ class AsyncLLM:
 
         if timeout is not None:
             check_float("timeout", timeout, minimum=0.0, min_exclusive=True)
-        return decode_value(await self._utility(
+        self._ensure_output_handler()
+        return decode_value(await self._client().call_utility_async(
             UtilityMethod.COLLECTIVE_RPC, method, encode_value(list(args)),
             encode_value(kwargs or {}), timeout=timeout))
 
-    async def _utility(self, method: UtilityMethod, *args: Any,
-                       timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
+    async def _utility(self, method: UtilityMethod, *args: Any) -> Any:
+        """A utility call, waited for as long as its row says (`no_timeout`)."""
+        timeout = None if SIGNATURES[method].no_timeout else UTILITY_TIMEOUT_S
         self._ensure_output_handler()
         return await self._client().call_utility_async(method, *args, timeout=timeout)
 

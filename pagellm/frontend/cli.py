@@ -17,7 +17,8 @@ from pagellm.frontend.server.options import (
     ServerOptions,
 )
 from pagellm.logger import configure_logging
-from pagellm.protocol.engine_args import EngineArgs, parse_bytes
+from pagellm.protocol.cli_args import parse_bytes
+from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.validation import (
     INT64_MAX,
     MAX_SHUTDOWN_TIMEOUT_S,

@@ -10,7 +10,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagellm.demo.model import resolve_model
-from pagellm.frontend.engine_client.core_client import EngineDeadError, SyncEngineCoreClient
+from pagellm.frontend.engine_client.core_client import (
+    UTILITY_TIMEOUT_S,
+    EngineDeadError,
+    SyncEngineCoreClient,
+)
 from pagellm.frontend.engine_client.factory import make_client
 from pagellm.frontend.engine_client.inproc_client import InprocClient
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
@@ -22,6 +26,7 @@ from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.protocol.stats import EngineStats
+from pagellm.protocol.utility import SIGNATURES
 from pagellm.protocol.validation import check_float
 from pagellm.transport.curve import CurveClientKeys
 from pagellm.weights.sender import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update
@@ -177,28 +182,26 @@ class LLM:
         "keep" them for later) and, at level 1, free the KV cache and move the weights
         to host memory; at level 2, discard both. Needs enable_sleep_mode=True for
         levels 1 and 2. Requests sent while asleep fail, except in mode "keep"."""
-        self._client().call_utility(UtilityMethod.SLEEP, level, mode, timeout=None)
+        self._utility(UtilityMethod.SLEEP, level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Allocate again what `tags` name ("weights", "kv_cache", "scheduling"; None:
         all). Scheduling resumes once nothing is asleep; True when fully awake."""
-        # No timeout, as for sleep: waking copies the weights back and captures every
-        # CUDA graph again (tens of seconds for a large model; a dead engine still fails).
-        return self._client().call_utility(UtilityMethod.WAKE_UP, tags, timeout=None)
+        return self._utility(UtilityMethod.WAKE_UP, tags)
 
     def is_sleeping(self) -> bool:
         """True while paused or while any memory is asleep (vLLM's meaning)."""
-        return self._client().call_utility(UtilityMethod.IS_SLEEPING)
+        return self._utility(UtilityMethod.IS_SLEEPING)
 
     def pause_generation(self, mode: str = "abort") -> None:
         """Stop scheduling without freeing memory; `mode` as for `sleep`."""
-        self._client().call_utility(UtilityMethod.PAUSE, mode, timeout=None)
+        self._utility(UtilityMethod.PAUSE, mode)
 
     def resume_generation(self) -> None:
-        self._client().call_utility(UtilityMethod.RESUME)
+        self._utility(UtilityMethod.RESUME)
 
     def is_paused(self) -> bool:
-        return self._client().call_utility(UtilityMethod.IS_PAUSED)
+        return self._utility(UtilityMethod.IS_PAUSED)
 
     def update_weights(self, weights: WeightsArg) -> int:
         """Load new weights into the running engine: `(checkpoint name, tensor)` pairs
@@ -213,21 +216,20 @@ class LLM:
         client = self._client()
         receivers = cuda_ipc_receivers(self.info, isinstance(client, InprocClient))
         with weight_update(weights, receivers) as update:
-            return client.call_utility(UtilityMethod.UPDATE_WEIGHTS, update, timeout=None)
+            return self._utility(UtilityMethod.UPDATE_WEIGHTS, update)
 
     def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:
         """vLLM's phase 0: {"init_info": {"master_address", "master_port", "rank_offset",
         "world_size"}} joins the trainer's group (backend "nccl"; call it while the
         trainer calls `pagellm.weights.nccl.trainer_init`)."""
-        self._client().call_utility(UtilityMethod.INIT_WEIGHT_TRANSFER_ENGINE,
-                                    init_info_of(request), timeout=None)
+        self._utility(UtilityMethod.INIT_WEIGHT_TRANSFER_ENGINE, init_info_of(request))
 
     def start_weight_update(self) -> None:
-        self._client().call_utility(UtilityMethod.START_WEIGHT_UPDATE)
+        self._utility(UtilityMethod.START_WEIGHT_UPDATE)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Ends the round: cached prefixes are forgotten."""
-        self._client().call_utility(UtilityMethod.FINISH_WEIGHT_UPDATE, weight_version)
+        self._utility(UtilityMethod.FINISH_WEIGHT_UPDATE, weight_version)
 
     def collective_rpc(self, method: str, timeout: float | None = None,
                        args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -279,6 +281,11 @@ class LLM:
         if self.engine_core is None:
             raise RuntimeError("this LLM has been shut down")
         return self.engine_core
+
+    def _utility(self, method: UtilityMethod, *args: Any) -> Any:
+        """A utility call, waited for as long as its row says (`no_timeout`)."""
+        timeout = None if SIGNATURES[method].no_timeout else UTILITY_TIMEOUT_S
+        return self._client().call_utility(method, *args, timeout=timeout)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine_core = self._client()

@@ -8,7 +8,7 @@ about 32 kernels: each RMSNorm is 9 (add, cast, pow, mean, add, rsqrt, mul, cast
 the rotary embedding 4, SiLU-and-mul 2. At batch 1 each is a few microseconds of a
 nearly idle GPU, about 900 a step. These kernels make those 26 launches 5.
 
-Each keeps the torch version's arithmetic (decoder.RMSNorm, rope.apply_rotary): the
+Each keeps the torch version's arithmetic (layers.RMSNorm, rope.apply_rotary): the
 same dtype roundings in the same order, fp32 inside, so outputs match it to the last
 bit where the torch version does nothing but round exact products and sums (the rotary
 embedding and the residual add) and to fp32 reduction order elsewhere (the RMSNorm's
@@ -55,7 +55,7 @@ def _rms_norm_kernel(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * norm(x + residual), x + residual) as decoder.RMSNorm computes them.
+    """(weight * norm(x + residual), x + residual) as layers.RMSNorm computes them.
 
     x, residual: [T, N], last dimension contiguous; weight: [N]
     returns      [T, N] in weight and x's promoted dtype, and the sum ([T, N], x's

@@ -2,9 +2,10 @@
 
 `LLM(...)` and `AsyncLLM(...)` keyword arguments, the `pagellm` CLI flags
 (`--max-model-len` style) and the standalone engine core's flags are all derived from
-the one dataclass below, so each entry point accepts the same options under vLLM's
-names. Unknown options raise TypeError naming them: RL frameworks pass whole config
-dicts through, and a silently ignored typo would be worse than a crash.
+the one dataclass below (the flags by cli_args.py), so each entry point accepts the
+same options under vLLM's names. Unknown options raise TypeError naming them: RL
+frameworks pass whole config dicts through, and a silently ignored typo would be worse
+than a crash.
 
 The dataclass only checks values that need no model (ranges, spellings). Options that
 depend on the model (max_model_len against the config, the KV cache size against
@@ -15,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
-import types
-import typing
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
+from pagellm.protocol import cli_args
 from pagellm.protocol.validation import (
     INT32_MAX,
     INT64_MAX,
@@ -281,67 +279,24 @@ class EngineArgs:
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
 
+    # -- as command-line flags (cli_args.py) -------------------------------------------
+
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, model_positional: bool = False
                      ) -> argparse.ArgumentParser:
         """Add one `--flag-name` per field (`model` as a positional when asked)."""
-        hints = typing.get_type_hints(cls)
-        group = parser.add_argument_group("engine options")
-        for f in dataclasses.fields(cls):
-            kind, optional = _base_type(hints[f.name])
-            help_text = f.metadata.get("help", "")
-            if f.name == "model":
-                if model_positional:
-                    group.add_argument("model", help=help_text)
-                else:
-                    group.add_argument("--model", required=True, help=help_text)
-                continue
-            flags = ["--" + f.name.replace("_", "-"), *(
-                [f.metadata["alias"]] if "alias" in f.metadata else [])]
-            if kind is bool:
-                group.add_argument(*flags, action=argparse.BooleanOptionalAction,
-                                   default=f.default, help=help_text)
-                continue
-            convert: Any = parse_bytes if f.name.endswith("_bytes") else \
-                parse_json if kind is dict else kind
-            if optional:
-                convert = _optional(convert)
-            group.add_argument(*flags, type=convert, default=f.default,
-                               choices=f.metadata.get("choices"),
-                               help=f"{help_text} (default: {f.default})")
-        return parser
+        return cli_args.add_cli_args(cls, parser, model_positional=model_positional)
 
     def to_cli_args(self) -> list[str]:
         """The flags that rebuild these args (non-defaults only): how a frontend starts
         its engine-core process."""
-        argv = ["--model", self.model]
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "model" or value == f.default:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            if isinstance(value, bool):
-                argv.append(flag if value else "--no-" + flag[2:])
-            elif isinstance(value, dict):
-                argv += [flag, json.dumps(value)]
-            else:
-                argv += [flag, str(value)]
-        return argv
+        return cli_args.to_cli_args(self)
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
         """The args the parsed flags give; a value refused names its flag
         ("--max-num-seqs: max_num_seqs must be <= ...")."""
-        values = vars(namespace)
-        try:
-            return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)
-                          if f.name in values})
-        except (ValueError, TypeError) as e:
-            name = next((f.name for f in dataclasses.fields(cls)
-                         if re.match(rf"{f.name}\b", str(e))), None)
-            if name is None:
-                raise
-            raise type(e)(f"--{name.replace('_', '-')}: {e}") from None
+        return cli_args.from_cli_args(cls, namespace)
 
 
 # The vLLM options above that take only some of vLLM's values: name -> (the values
@@ -359,59 +314,3 @@ _SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 # Flags whose default is None (unset) rather than a bool.
 _OPTIONAL_FLAGS = frozenset({"enable_chunked_prefill"})
 
-
-def _base_type(hint: Any) -> tuple[type, bool]:
-    """(int, True) for `int | None`; (str, False) for `str`; (dict, True) for
-    `dict[str, Any] | None`."""
-    optional = False
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-        optional = True
-    return typing.get_origin(hint) or hint, optional
-
-
-def parse_json(text: str) -> dict[str, Any]:
-    """A JSON object from the command line (`--weight-transfer-config '{...}'`)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {_clip(text)} ({e})") from None
-    except RecursionError:
-        raise argparse.ArgumentTypeError(f"JSON nested too deeply: {_clip(text)}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {_clip(text)}")
-    return value
-
-
-def _clip(text: str) -> str:
-    """A command-line value for a message: a megabyte of it is not worth echoing."""
-    return repr(text) if len(text) <= 80 else f"{text[:60]!r}...({len(text)} characters)"
-
-
-def _optional(convert: Any) -> Any:
-    def parse(text: str) -> Any:
-        return None if text.lower() == "none" else convert(text)
-    parse.__name__ = getattr(convert, "__name__", "value")
-    return parse
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """'4GiB' -> 4294967296; plain integers pass through. Exact (no float rounding or
-    overflow), and at most INT64_MAX bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {_clip(text)} "
-                                         "(try 4GiB or 512MiB)")
-    whole = m.group(1).lstrip("0").partition(".")[0]
-    if len(whole) > 25:  # far beyond INT64_MAX in any unit: not worth the arithmetic
-        value = INT64_MAX + 1
-    else:
-        value = int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value > INT64_MAX:
-        raise argparse.ArgumentTypeError(f"{_clip(text)} is too large (at most {INT64_MAX} "
-                                         "bytes)")
-    return value

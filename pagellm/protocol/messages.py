@@ -104,7 +104,7 @@ class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """The answer to one UtilityRequest: msgpack bytes of the method's result type
-    (see `pagellm.protocol.utility.RESULT_TYPES`), or a failure message."""
+    (see `pagellm.protocol.utility.SIGNATURES`), or a failure message."""
 
     call_id: int
     result: bytes | None = None

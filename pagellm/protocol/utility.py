@@ -1,13 +1,20 @@
-"""Typed utility calls: what each allowed method takes and returns.
+"""Typed utility calls: one row per allowed method (`SIGNATURES`), saying what it takes
+and returns and how every side treats it.
 
 A `UtilityRequest` carries its arguments as a plain msgpack list; the engine core
 converts it to the method's argument tuple below (msgspec checks arity, types and the
 Literal spellings), so a bad call fails alone with a message naming the method. Results
 are msgpack bytes of the method's result type.
+
+Adding a call: a `UtilityMethod` member (the closed set a client may name), its row
+here, its handler in `EngineCore._utility_handlers`, and its public method (`LLM`,
+`AsyncLLM`, a dev route). How data-parallel results merge, when the engine refuses it
+and how long the frontend waits for it are the row's.
 """
 
 from __future__ import annotations
 
+import enum
 import re
 from typing import Annotated, Any, Literal, NamedTuple
 
@@ -96,26 +103,66 @@ class WeightUpdate(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
                              "IPC handles, not both")
 
 
+class Merge(enum.Enum):
+    """How one call's results from every data-parallel engine core (in rank order)
+    combine into one (`frontend/engine_client/dp_routing.merge_results`)."""
+
+    NOTHING = enum.auto()  # no result: None
+    STATS = enum.auto()  # `merge_stats`: counts summed, KV usage over all blocks, timings averaged
+    ALL = enum.auto()  # True only if every core's is (reset everywhere, awake everywhere)
+    ANY = enum.auto()  # True if any core's is (not all serving)
+    CONCAT = enum.auto()  # the cores' lists joined: one result per worker, rank order
+    MIN = enum.auto()  # the least (tensors every core loaded)
+
+
+class WeightsEffect(enum.Enum):
+    """Whether a call may change which checkpoint tensors are loaded: after one that
+    may, the engine core counts the missing ones again (requests are refused while any
+    is missing, after a wake from sleep level 2)."""
+
+    NONE = enum.auto()
+    MAY_LOAD = enum.auto()  # it may load some: counted again while any is missing
+    MAY_EMPTY = enum.auto()  # waking from level 2 allocates them empty: always counted
+
+
 class Signature(NamedTuple):
+    """One utility call's row: all of it but its handler and its public methods."""
+
     args: Any  # a tuple type: msgspec.convert(request.args, args) checks a call
     result: Any
+    merge: Merge = Merge.NOTHING  # data parallelism: how the cores' results combine
+    weights: WeightsEffect = WeightsEffect.NONE
+    # Refused while any memory sleeps ("cannot <call>: the engine is sleeping ...; call
+    # wake_up() first"): resuming then would schedule into freed memory.
+    refused_asleep: bool = False
+    # The frontend waits for the answer with no timeout: the call lasts as long as what
+    # it waits for (the requests a pause in mode "wait" lets finish, weights copied in or
+    # back and CUDA graphs captured again, a trainer joining: bounded by the engine).
+    no_timeout: bool = False
 
 
 SIGNATURES: dict[UtilityMethod, Signature] = {
-    UtilityMethod.GET_STATS: Signature(tuple[()], EngineStats),
-    UtilityMethod.RESET_PREFIX_CACHE: Signature(tuple[()], bool),  # False while blocks held
-    UtilityMethod.SLEEP: Signature(tuple[SleepLevel, PauseMode], None),
-    UtilityMethod.WAKE_UP: Signature(tuple[list[WakeTag] | None], bool),  # True: all awake
-    UtilityMethod.IS_SLEEPING: Signature(tuple[()], bool),
-    UtilityMethod.PAUSE: Signature(tuple[PauseMode], None),
-    UtilityMethod.RESUME: Signature(tuple[()], None),
-    UtilityMethod.IS_PAUSED: Signature(tuple[()], bool),
-    # (method name, positional args, keyword args) -> one result per worker
-    UtilityMethod.COLLECTIVE_RPC: Signature(tuple[str, list[Any], dict[str, Any]], list[Any]),
-    UtilityMethod.UPDATE_WEIGHTS: Signature(tuple[WeightUpdate], int),  # tensors loaded
+    UtilityMethod.GET_STATS: Signature(tuple[()], EngineStats, Merge.STATS),
+    # False while blocks are held
+    UtilityMethod.RESET_PREFIX_CACHE: Signature(tuple[()], bool, Merge.ALL),
+    UtilityMethod.SLEEP: Signature(tuple[SleepLevel, PauseMode], None, no_timeout=True),
+    UtilityMethod.WAKE_UP: Signature(  # True: all awake
+        tuple[list[WakeTag] | None], bool, Merge.ALL, WeightsEffect.MAY_EMPTY,
+        no_timeout=True),
+    UtilityMethod.IS_SLEEPING: Signature(tuple[()], bool, Merge.ANY),
+    UtilityMethod.PAUSE: Signature(tuple[PauseMode], None, no_timeout=True),
+    UtilityMethod.RESUME: Signature(tuple[()], None, refused_asleep=True),
+    UtilityMethod.IS_PAUSED: Signature(tuple[()], bool, Merge.ANY),
+    # (method name, positional args, keyword args) -> one result per worker; the
+    # caller gives the timeout
+    UtilityMethod.COLLECTIVE_RPC: Signature(tuple[str, list[Any], dict[str, Any]], list[Any],
+                                            Merge.CONCAT, WeightsEffect.MAY_LOAD),
+    UtilityMethod.UPDATE_WEIGHTS: Signature(  # tensors loaded
+        tuple[WeightUpdate], int, Merge.MIN, WeightsEffect.MAY_LOAD, no_timeout=True),
     # vLLM's phases: init once (backend "nccl": joins the trainer's group; the init_info
     # dict is checked by the backend), then per round start, update(s), finish.
-    UtilityMethod.INIT_WEIGHT_TRANSFER_ENGINE: Signature(tuple[dict[str, Any]], None),
+    UtilityMethod.INIT_WEIGHT_TRANSFER_ENGINE: Signature(tuple[dict[str, Any]], None,
+                                                         no_timeout=True),
     UtilityMethod.START_WEIGHT_UPDATE: Signature(tuple[()], None),
     UtilityMethod.FINISH_WEIGHT_UPDATE: Signature(tuple[str | None], None),  # weight_version
 }

@@ -3,7 +3,8 @@ from CUDA tensors by CUDA IPC (the sender's buffer freed after), the "nccl" back
 choice between NCCL and gloo with a CUDA engine, and sleep giving device and pinned host
 memory back. References: transformers on the pushed weights, the engine's own tokens
 before sleeping, `torch.cuda.mem_get_info` and the process's RSS. Skipped cleanly
-without a GPU; the CPU halves are tests/weights/test_rl.py's."""
+without a GPU; the CPU halves are in tests/weights/ (test_shm_updates.py, test_cuda_ipc.py,
+test_nccl_updates.py) and tests/executor/test_sleep.py."""
 
 from __future__ import annotations
 
@@ -144,5 +145,5 @@ def test_sleep_gives_device_and_pinned_memory_back_and_wakes_with_graphs(big_con
         assert free_level2 - free_awake > 0.9 * (kv_bytes + weights)
         assert worker._weight_backup is None
         assert 0.8 * weights < rss_level1 - rss_level2 < 1.2 * weights  # the host copy
-        assert llm.wake_up() is True  # weights undefined until pushed (tests/weights/test_rl.py)
+        assert llm.wake_up() is True  # weights undefined until pushed (executor/test_sleep.py)
         assert abs(torch.cuda.mem_get_info()[0] - free_awake) < 0.1 * (kv_bytes + weights)

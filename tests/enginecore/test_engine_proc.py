@@ -1,4 +1,8 @@
-"""The engine core in its own process: three clients, streaming, faults, shutdown."""
+"""The engine core in its own process (enginecore/proc.py, __main__.py): three clients,
+streaming, faults, shutdown (a SIGTERM drains what runs for at most --shutdown-timeout,
+then the engine exits 0), nothing left behind (no orphaned engine core, no socket
+directory or file, no ZeroMQ context that hangs at exit), and `pagellm engine-core
+--model demo`."""
 
 from __future__ import annotations
 
@@ -16,10 +20,11 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import PROMPTS
+from helpers import ROOT, RawEngineClient, request, stop
 
 from pagellm import LLM, AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
 from pagellm.frontend.output_processor import ProcessedRequest
-from pagellm.protocol.messages import EngineCoreRequest
+from pagellm.protocol.messages import EngineCoreRequest, FinishReason, RequestType
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 KV = 8 * 2**20
@@ -464,3 +469,121 @@ def test_a_stream_left_after_its_request_finished_spares_a_new_request_with_its_
 
 def engine_stats(engine: AsyncLLM):
     return asyncio.run(engine.get_stats())
+
+
+def test_sigterm_drains_for_at_most_the_shutdown_timeout(model_dirs, engine_at):
+    """Finding 9: SIGTERM waited for every stream with no bound. The engine core now
+    finishes what runs for up to --shutdown-timeout seconds, then aborts and exits 0."""
+    # 0.3 s: well inside the ~1.5 s the 1900-token request runs on 2 CPU cores.
+    engine, address = engine_at("llama", None, "--shutdown-timeout", "0.3")
+    llm = LLM(str(model_dirs["llama"]), engine_address=address)
+    try:
+        processed = llm.input_processor.process_inputs(
+            "endless", "x", SamplingParams(max_tokens=1900, ignore_eos=True, temperature=0))
+        llm.output_processor.add_request(processed)
+        llm.engine_core.add_request(processed.engine_requests[0])
+        deadline = time.monotonic() + 30
+        while llm.get_stats().num_running_reqs == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        signalled = time.monotonic()
+        engine.send_signal(signal.SIGTERM)
+        assert engine.wait(15) == 0
+        assert time.monotonic() - signalled < 6
+        with pytest.raises(EngineDeadError, match="shut down"):
+            llm._run(["endless"], use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_sigterm_lets_a_short_request_finish(model_dirs, engine_at, hf_reference):
+    engine, address = engine_at("llama", None, "--shutdown-timeout", "30")
+    llm = LLM(str(model_dirs["llama"]), engine_address=address)
+    try:
+        # Short against the 30 s drain, long enough (~1 s) to be still running when
+        # the signal lands: 40 tokens could finish before the first look at the stats.
+        params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
+        processed = llm.input_processor.process_inputs("short", PROMPTS[1], params)
+        llm.output_processor.add_request(processed)
+        llm.engine_core.add_request(processed.engine_requests[0])
+        deadline = time.monotonic() + 30
+        while llm.get_stats().num_running_reqs == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        engine.send_signal(signal.SIGTERM)
+        (out,) = llm._run(["short"], use_tqdm=False)
+        tokens = out.outputs[0].token_ids
+        reference = hf_reference("llama", llm.tokenizer.encode(PROMPTS[1]), 400)
+        # transformers stops at EOS; the request ignores it and runs to its length.
+        assert len(tokens) == 400 and tokens[:len(reference)] == reference
+        assert out.outputs[0].finish_reason == "length"
+        assert engine.wait(15) == 0
+        with pytest.raises((EngineDeadError, RuntimeError)):  # then it is gone
+            llm.generate("more", GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_no_socket_directory_is_left_behind(model_dirs, tmp_path):
+    """Finding 9: /tmp/pagellm-* stayed behind after a SIGKILL."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from pagellm import LLM
+        llm = LLM({str(model_dirs["llama"])!r}, kv_cache_memory_bytes={KV})
+        print(llm.engine_core.engine_process.pid, flush=True)
+        print(len(os.listdir({str(tmp_path)!r})), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT, env=env)
+    pid, entries_while_running = map(int, result.stdout.split()[:2])
+    assert entries_while_running == 0  # removed as soon as the sockets connected
+    deadline = time.monotonic() + 15
+    while _alive(pid):
+        assert time.monotonic() < deadline, "engine core orphaned"
+        time.sleep(0.05)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_process_that_exits_with_a_context_open_exits(tmp_path):
+    """An engine core whose frontend died hung at interpreter exit for good (an orphan):
+    the context it still held started a thread to terminate it, which never runs then."""
+    script = textwrap.dedent(f"""
+        import zmq
+        from pagellm.transport.sockets import Context
+        context = Context()
+        server = context.socket(zmq.PULL)
+        server.bind("ipc://{tmp_path}/socket")
+        client = context.socket(zmq.PUSH)
+        client.connect("ipc://{tmp_path}/socket")
+        client.send(b"x")
+        assert server.recv() == b"x"
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+
+
+def test_engine_core_accepts_the_demo_model(tmp_path):
+    """Finding 9: `pagellm engine-core --model demo` was refused."""
+    address = f"ipc://{tmp_path}/demo-engine"
+    env = {**os.environ, "PAGELLM_CACHE_DIR": str(tmp_path / "cache")}
+    engine = subprocess.Popen([sys.executable, "-m", "pagellm", "engine-core", "--model",
+                               "demo", "--kv-cache-memory-bytes", "32MiB", "--address",
+                               address], cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "demo-engine").exists():
+            assert engine.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        # Bound before it builds and loads the demo model: HELLO waits for both.
+        client = RawEngineClient(address, hello_timeout_s=120)
+        assert client.reply.info.model.endswith(tmp_path.joinpath("cache").name) or \
+            "cache" in client.reply.info.model
+        client.send(RequestType.ADD, request("d", [5, 6, 7]))
+        assert client.finished("d").finish_reason == FinishReason.LENGTH
+        client.close()
+    finally:
+        assert stop(engine) == 0
+    assert not list(tmp_path.glob("demo-engine*"))  # socket files removed on exit

@@ -3,7 +3,7 @@
 `FakeModelRunner` stands in for the executor: like `executor.model_runner.ModelRunner`
 it rebuilds each request's tokens and progress from the `SchedulerOutput`s alone, and a
 request samples one token exactly when this step's tokens bring its computed count level
-with its token count (`_prepare_inputs`); a partial prompt chunk samples nothing. Sampled
+with its token count (`InputPreparer.prepare`); a partial prompt chunk samples nothing. Sampled
 tokens are `next_token(last token)` unless a test scripts them (to force EOS or a stop
 token), so every expected value below is computed by hand.
 """

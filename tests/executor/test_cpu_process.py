@@ -1,7 +1,7 @@
 """The CPU engine process's settings, read from inside it (a worker extension): every
-usable core, subnormal floats flushed in every thread of its pool (a thread that
-keeps them computes a hundred times slower on them: BENCHMARKS.md), and a frozen
-start-up heap in every rank's process."""
+usable core, subnormal floats flushed in every thread of its pool (with one thread
+that kept them the engine decoded 3.6 tokens/s instead of 14.6: BENCHMARKS.md), and a
+frozen start-up heap in every rank's process."""
 
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ from transformers import AutoConfig, LlamaConfig, Qwen2Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from pagellm.executor.model.decoder import DecoderSpec
 from pagellm.executor.model.rope import RopeSpec, RotaryEmbedding, apply_rotary, compute_inv_freq
+from pagellm.executor.model.spec import DecoderSpec
 
 NUM_HEADS = 4
 
@@ -342,7 +342,8 @@ def test_rotary_tables_have_max_model_len_rows_with_unchanged_scaling(case: str)
 
 
 def test_decoder_sizes_rope_tables_by_max_model_len() -> None:
-    from pagellm.executor.model.decoder import DecoderForCausalLM, DecoderSpec
+    from pagellm.executor.model.decoder import DecoderForCausalLM
+    from pagellm.executor.model.spec import DecoderSpec
 
     spec = DecoderSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                        num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,

@@ -671,19 +671,21 @@ def test_the_registration_socket_drops_oversized_messages_and_refuses_bad_addres
     malformed addresses, out-of-range ports, overlong hosts, dead ports and a rank given
     twice are refused with a reply saying why (echoing a bounded prefix at most), and
     the rank stays open for the genuine node, whose registration ends the wait."""
-    from pagellm.frontend.engine_client.dp_registration import max_registration_bytes
+    from pagellm.frontend.engine_client.dp_registration import (
+        RegistrationListener,
+        max_registration_bytes,
+    )
     from pagellm.protocol.engine_args import EngineArgs
 
     port = free_port()
-    client = DPSyncClient.__new__(DPSyncClient)  # only the registration part
-    client.args = EngineArgs(model="demo", data_parallel_size=2, data_parallel_size_local=1,
-                             data_parallel_address="127.0.0.1", data_parallel_rpc_port=port)
-    client.curve, client._context, client._registration, client._auth = None, None, None, None
+    listener = RegistrationListener(EngineArgs(
+        model="demo", data_parallel_size=2, data_parallel_size_local=1,
+        data_parallel_address="127.0.0.1", data_parallel_rpc_port=port), None)
     result: dict[str, Any] = {}
 
     def wait() -> None:
         try:
-            result["found"] = client._await_registrations([1], {})
+            result["found"] = listener.wait([1], {})
         except BaseException as e:  # reported below
             result["error"] = e
 
@@ -720,8 +722,7 @@ def test_the_registration_socket_drops_oversized_messages_and_refuses_bad_addres
             with contextlib.suppress(Exception):
                 _register(port, [1], [address], timeout_ms=1000)
             waiter.join(10)
-        if client._context is not None:
-            client._context.destroy(linger=0)
+        listener.close()
         genuine.close()
         other.close()
 

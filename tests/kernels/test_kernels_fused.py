@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from conftest import runs_triton_kernels
 
-from pagellm.executor.model.decoder import RMSNorm
+from pagellm.executor.model.layers import RMSNorm
 from pagellm.executor.model.rope import RopeSpec, RotaryEmbedding, rotate
 from pagellm.kernels import fused_for
 from pagellm.kernels import triton_attention as ta

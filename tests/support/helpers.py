@@ -1,5 +1,6 @@
 """Live processes for tests: a `pagellm serve` server and standalone engine cores, each
-stopped by its owner (a fixture or a `finally`)."""
+stopped by its owner (a fixture or a `finally`); and a client of the engine core
+written from the protocol alone (`RawEngineClient`, `request` for what it sends)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import psutil
+
+if TYPE_CHECKING:
+    from pagellm.protocol.messages import EngineCoreRequest
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 SUPPORT = Path(__file__).resolve().parent  # tests/support: what engine processes import
@@ -134,7 +138,10 @@ class RawEngineClient:
     """A client of the engine core written from the protocol alone, as a foreign
     client would be: a DEALER to the engine's address and a PULL for its outputs."""
 
-    def __init__(self, address: str, connect_output: bool = True, rcvhwm: int = 0) -> None:
+    def __init__(self, address: str, connect_output: bool = True, rcvhwm: int = 0,
+                 hello_timeout_s: float = 10.0) -> None:
+        """`hello_timeout_s`: how long the engine may take to answer HELLO (it binds
+        before it loads the model, and answers once loaded)."""
         import zmq
 
         from pagellm.transport.sockets import Context
@@ -145,7 +152,7 @@ class RawEngineClient:
         self.dealer.connect(address)
         self.address = address
         self.output = None
-        self.reply = self.hello()
+        self.reply = raw_hello(self.dealer, hello_timeout_s)
         if connect_output and self.reply.error is None:
             self.output = self.context.socket(zmq.PULL)
             self.output.setsockopt(zmq.LINGER, 0)
@@ -198,7 +205,7 @@ class RawEngineClient:
         self.context.destroy(linger=0)
 
 
-def raw_hello(dealer: Any) -> Any:
+def raw_hello(dealer: Any, timeout_s: float = 10.0) -> Any:
     """Send HELLO on a DEALER connected to an engine core; its HandshakeReply."""
     from pagellm.protocol.messages import (
         PROTOCOL_VERSION,
@@ -209,5 +216,16 @@ def raw_hello(dealer: Any) -> Any:
 
     dealer.send_multipart([RequestType.HELLO.value,
                            msgspec.msgpack.encode(HandshakeRequest(PROTOCOL_VERSION))])
-    assert dealer.poll(10_000), "no answer to HELLO"
+    assert dealer.poll(int(timeout_s * 1000)), "no answer to HELLO"
     return msgspec.msgpack.decode(dealer.recv(), type=HandshakeReply)
+
+
+def request(request_id: str, prompt: list[int], **params: Any) -> EngineCoreRequest:
+    """An engine-core request as a foreign client sends it: greedy and 4 tokens unless
+    `params` say otherwise (`eos_token_id` among them is the request's own)."""
+    from pagellm import SamplingParams
+    from pagellm.protocol.messages import EngineCoreRequest
+
+    fields = {"max_tokens": 4, "temperature": 0.0, **params}
+    eos = fields.pop("eos_token_id", None)
+    return EngineCoreRequest(request_id, prompt, SamplingParams(**fields), eos, time.time())

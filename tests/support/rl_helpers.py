@@ -1,8 +1,10 @@
-"""What the RL tests share (tests/weights/test_rl*.py, the tensor- and data-parallel
-tests, the GPU RL tests): greedy decoding on the engine and on transformers, perturbed
-checkpoints (weights no engine had), and a trainer in a process of its own that
-broadcasts weights over the "nccl" backend. Trainer scripts run with this directory as
-their working directory, so they import `rl_helpers` too."""
+"""What the RL tests share (tests/weights/: test_shm_updates.py, test_cuda_ipc.py,
+test_nccl_updates.py; tests/executor/: test_sleep.py, test_collective_rpc.py;
+tests/enginecore/test_pause.py; tests/frontend/server/test_dev_routes.py; the tensor-
+and data-parallel tests; the GPU RL tests): greedy decoding on the engine and on
+transformers, perturbed checkpoints (weights no engine had), and a trainer in a process
+of its own that broadcasts weights over the "nccl" backend. Trainer scripts run with
+this directory as their working directory, so they import `rl_helpers` too."""
 
 from __future__ import annotations
 

@@ -125,7 +125,8 @@ def get_attention_backend(name: str, device: torch.device, block_size: int
 
 # 16 left batch 1 at a 32k context with 32 programs on the H200's 132 SMs (11% of copy
 # bandwidth); 64 gave 26%, and 51% instead of 40% at batch 4, nothing lost elsewhere
-# (kernel_bench.py --max-segments, BENCHMARKS.md).
+# (kernel_bench.py --max-segments; docs/benchmarks-log.md, "Decode attention: several KV
+# blocks per loop iteration").
 MAX_KV_SEGMENTS = 64
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from pagellm.executor.model.decoder import DecoderSpec
+from pagellm.executor.model.spec import DecoderSpec
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.validation import load_model_config
 

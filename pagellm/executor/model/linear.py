@@ -10,7 +10,8 @@
 
 Which one is fastest depends on the CPU's vendor, because MKL runs its own fast
 kernels only on Intel CPUs and a generic AVX2 path elsewhere (benchmarks/small_gemm.py
-measures them all; BENCHMARKS.md, "CPU GEMMs", has the tables):
+measures them all; docs/benchmarks-log.md, "CPU GEMMs on Intel" and "Small-batch GEMMs
+by width", has the tables):
 - AMD (EPYC with AVX-512, 2026-11-24), fp32: with 1-4 rows MKL reads W at a third to a
   half of the memory bandwidth and W_XT near it, except from 2048 input features up,
   where ONEDNN streams W faster; with more rows ONEDNN's GEMM reaches 450 GFLOP/s where

@@ -3,27 +3,17 @@
 Per-request state persists between steps in an `InputBatch` (vLLM's persistent
 batch): token ids, block table and progress arrive once, then only changes; tokens it
 samples are appended to its own copy, so a decode step needs no token ids from the
-scheduler. Each step builds one flat, unpadded batch (requests in the order cached,
-then new) with vectorized numpy:
-
-    input_ids     [T]            the tokens computed this step
-    positions     [T]            their positions in their requests
-    slot_mapping  [T]            block_id * block_size + offset of each token's KV
-    block_tables  [R, max_blk]   each request's blocks (rows zero-padded)
-    query_start_loc [R + 1]      request i owns rows query_start_loc[i]:[i+1]
-    seq_lens      [R]            context length after this step
-    logits_indices [S]           last row of each request that samples this step
-
-They are staged through `StepBuffers` (pinned host memory, non-blocking copies into
-device buffers allocated once), so the step's one wait on the device is for its
-sampled ids. Steps where every request computes one token replay a CUDA graph
-(`DecodeGraphs`) on those same buffers, padded to the next captured batch size.
+scheduler. Each step's flat, unpadded batch (input ids, positions, slot mapping, block
+tables, ...) is built by `InputPreparer` (step_inputs.py) and staged through
+`StepBuffers` (pinned host memory, non-blocking copies into device buffers allocated
+once), so the step's one wait on the device is for its sampled ids. Steps where every
+request computes one token replay a CUDA graph (`DecodeGraphs`) on those same buffers,
+padded to the next captured batch size.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -42,6 +32,7 @@ from pagellm.executor.worker.input_batch import InputBatch
 from pagellm.executor.worker.sampler import LogprobsTensors, Sampler, gather_logprobs
 from pagellm.executor.worker.sampling_inputs import sampling_metadata, to_device
 from pagellm.executor.worker.step_buffers import StepBuffers
+from pagellm.executor.worker.step_inputs import InputPreparer, StepInputs
 from pagellm.protocol.messages import TokenLogprobs
 from pagellm.protocol.sampling_params import SamplingParams
 from pagellm.protocol.scheduling import (
@@ -55,22 +46,6 @@ from pagellm.protocol.scheduling import (
 # Prompt positions whose logprobs are computed at once (bounds the [positions, vocab]
 # logits a long prompt chunk would otherwise materialize).
 PROMPT_LOGPROBS_SLICE = 256
-
-
-@dataclass
-class _StepInputs:
-    req_ids: list[str]
-    rows: np.ndarray  # [R] InputBatch row of each request
-    starts: np.ndarray  # [R] computed tokens before this step
-    counts: np.ndarray  # [R] tokens computed this step
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor
-    sampling: np.ndarray  # indices into req_ids of the requests that sample
-    sampling_rows: np.ndarray  # their InputBatch rows
-    graph_size: int | None  # the CUDA graph's batch size, or None: run eagerly
-    attention_plan_s: float  # time in the attention backend's prepare
 
 
 class ModelRunner:
@@ -118,14 +93,8 @@ class ModelRunner:
             "top_k": ((max_num_seqs,), torch.int64), "top_p": ((max_num_seqs,), torch.float32),
             "min_p": ((max_num_seqs,), torch.float32)})
         self.graphs: DecodeGraphs | None = None
-        # The last step's batch rows, valid while the batch's rows stay as they were.
-        self._rows_generation = -1
-        self._rows_req_ids: list[str] = []
-        self._rows = np.zeros(0, np.int64)  # [R]
-        # Read-only views of these serve every decode step's counts and offsets.
-        self._arange = np.arange(max_num_seqs + 1)  # [max_num_seqs + 1] int64
-        self._ones = np.ones(max_num_seqs, np.int64)
-        self._arange.flags.writeable = self._ones.flags.writeable = False
+        self.inputs = InputPreparer(self.batch, self.buffers, self.attention, block_size,
+                                    max_num_seqs, self.num_kv_heads, self.num_sms)
         self.kv_caches: list[torch.Tensor] = []
         # On the CPU, each step size's thread count is measured (cpu_threads.py).
         self.thread_tuner = (ThreadTuner(torch.get_num_threads())
@@ -249,7 +218,7 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput([], [])
-        inputs = self._prepare_inputs(scheduler_output)
+        inputs = self.inputs.prepare(scheduler_output, self.graphs)
         t1 = time.perf_counter()
         if inputs.graph_size is not None and self.graphs is not None:
             hidden = self.graphs.replay(inputs.graph_size)  # [padded size, H]
@@ -304,78 +273,7 @@ class ModelRunner:
         for req_id, block_ids in so.scheduled_cached_reqs.new_block_ids.items():
             batch.append_blocks(rows[req_id], block_ids)
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
-        """The step's flat batch. Every numpy call here costs microseconds more than its
-        work (a forward pass has just pushed numpy's own state out of the caches), so a
-        decode step, the common case, takes fewer: its counts, offsets and request index
-        are views of one arange."""
-        batch, bs = self.batch, self.block_size
-        cached, new = so.scheduled_cached_reqs, so.scheduled_new_reqs
-        req_ids = cached.req_ids + [n.req_id for n in new] if new else cached.req_ids
-        num_reqs = len(req_ids)
-        # Most steps run the same requests, in the same rows, as the last one.
-        if batch.generation != self._rows_generation or req_ids != self._rows_req_ids:
-            self._rows_generation, self._rows_req_ids = batch.generation, req_ids
-            self._rows = np.fromiter(map(batch.rows.__getitem__, req_ids), np.int64, num_reqs)
-        rows = self._rows
-        # The scheduler's count is the one truth (the batch keeps no copy to drift).
-        starts = np.array(cached.num_computed_tokens + [n.num_computed_tokens for n in new]
-                          if new else cached.num_computed_tokens, np.int64)
-        num_tokens = so.total_num_scheduled_tokens
-        decode = num_tokens == num_reqs  # one token each (counts are >= 1): a decode step
-        if decode:
-            arange = self._arange
-            counts, cu = self._ones[:num_reqs], arange[1:num_reqs + 1]
-            query_start_loc, req_index = arange[:num_reqs + 1], arange[:num_reqs]
-            positions, ends = starts, starts + 1  # [T] = [R]
-            input_ids = batch.token_ids[rows, starts]
-        else:
-            counts = np.fromiter(map(so.num_scheduled_tokens.__getitem__, req_ids), np.int64,
-                                 num_reqs)
-            cu = np.cumsum(counts)
-            query_start_loc = np.concatenate(([0], cu))
-            req_index = np.repeat(np.arange(num_reqs), counts)  # [T] request of each token
-            positions = starts[req_index] + np.arange(num_tokens) - (cu - counts)[req_index]
-            ends = starts + counts
-            input_ids = batch.token_ids[rows[req_index], positions]
-        # The slots from the gathered rows, not the whole table again (a forward pass has
-        # just pushed it out of the cache: one miss per request each time).
-        block_tables = batch.block_table[rows, :batch.num_blocks[rows].max()]
-        block_index, offset = np.divmod(positions, bs)
-        slot_mapping = (block_tables[req_index, block_index] * np.int64(bs)
-                        + offset)  # int64: no overflow
-        sampling = np.flatnonzero(ends == batch.num_tokens[rows])  # caught up: sample
-        all_sample = len(sampling) == num_reqs
-        max_query_len = 1 if decode else int(counts.max())
-        # Every request computes one token: a CUDA graph's step, padded to its size.
-        graph_size = self.graphs.padded_size(num_reqs) \
-            if self.graphs is not None and decode else None
-        put = self.buffers.put
-        self.buffers.begin_step()
-        meta = AttentionMetadata(
-            slot_mapping=put("slot_mapping", slot_mapping, -1, graph_size),
-            block_tables=put("block_tables", block_tables, 0, graph_size),
-            # Graph padding rows continue the one-token-per-request pattern.
-            query_start_loc=put("query_start_loc", self._arange[:graph_size + 1]
-                                if graph_size else query_start_loc),
-            seq_lens=put("seq_lens", ends, 0, graph_size),
-            query_start_loc_cpu=query_start_loc, seq_lens_cpu=ends,
-            max_query_len=max_query_len, backend=self.attention,
-            num_segments=num_kv_segments(num_reqs, self.num_kv_heads, max_query_len,
-                                         int(ends.max()), self.num_sms)
-            if self.num_sms else 1)
-        t_plan = time.perf_counter()
-        self.attention.prepare(meta)
-        attention_plan_s = time.perf_counter() - t_plan
-        return _StepInputs(req_ids, rows, starts, counts,
-                           put("input_ids", input_ids, 0, graph_size),
-                           put("positions", positions, 0, graph_size), meta,
-                           put("logits_indices", req_index if all_sample and decode
-                               else cu[sampling] - 1),
-                           sampling, rows if all_sample else rows[sampling], graph_size,
-                           attention_plan_s)
-
-    def _logprobs_by_request(self, inputs: _StepInputs, logprob_rows: torch.Tensor,
+    def _logprobs_by_request(self, inputs: StepInputs, logprob_rows: torch.Tensor,
                              tensors: LogprobsTensors) -> dict[str, TokenLogprobs]:
         ids, lps = tensors.token_ids.tolist(), tensors.logprobs.tolist()
         ranks = tensors.sampled_ranks.tolist()
@@ -387,7 +285,7 @@ class ModelRunner:
                                            [ranks[j], *range(1, k + 1)])
         return result
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: _StepInputs
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs
                          ) -> dict[str, PromptLogprobsChunk]:
         """Logprobs of the prompt's own next tokens at the prompt positions computed
         this step (from the raw logits), for the requests that asked."""

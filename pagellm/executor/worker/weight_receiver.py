@@ -13,7 +13,8 @@ from typing import Any
 import msgspec
 import torch
 
-from pagellm.executor.model.decoder import DecoderForCausalLM, Destination
+from pagellm.executor.model.decoder import DecoderForCausalLM
+from pagellm.executor.model.weight_map import Destination
 from pagellm.executor.worker import memory
 from pagellm.protocol.engine_args import DEFAULT_INIT_TIMEOUT_S
 from pagellm.protocol.utility import WeightSpec, WeightUpdate

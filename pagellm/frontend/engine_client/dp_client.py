@@ -12,7 +12,8 @@ one `MPClient` per core; `DPSyncClient` (for `LLM`) and `DPAsyncClient` (for
   core that holds the longest prefix of the prompt (dp_routing.py's `Router`).
 - An abort goes to the core that holds the request (request id -> core, forgotten
   once the request finishes); utility calls go to every core at once and their
-  results are merged (dp_routing.py's `merge_results`, the one place that says how).
+  results are merged (dp_routing.py's `merge_results`, as the method's row in
+  protocol/utility.py says).
 - The death of any core is every waiter's `EngineDeadError`, naming the core's rank,
   and stops all the others (nothing is left running).
 - Cores of other nodes (data_parallel_size_local < data_parallel_size) are started by

@@ -81,19 +81,7 @@ def run_dp_node(args: EngineArgs, curve: CurveClientKeys | None = None) -> int:
     """Serve this node's engine cores until they or the frontend stop: 0 when the
     frontend left or a signal came, 1 when a core failed or the frontend refused us.
     `curve`: this node's key pair and the frontend's public key."""
-    if args.data_parallel_size_local is None:
-        raise ValueError("--headless needs --data-parallel-size-local (the engine cores "
-                         "on this node)")
-    ranks = local_ranks(args)
-    if not ranks:
-        raise ValueError("--headless with --data-parallel-size-local 0 has nothing to run")
-    frontend = registration_address(args)
-    host = host_towards(args.data_parallel_address)
-    if curve is None and not is_loopback(_tcp(host, 1)):
-        raise ValueError(
-            f"data-parallel engine cores on {host} would be reachable from the network: "
-            "give ZeroMQ CURVE keys (--curve-secret-key: this node's key pair; "
-            "--curve-server-public-key: the frontend's public key)")
+    ranks, frontend, host = _node_plan(args, curve)
     stop: list[str] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -116,45 +104,12 @@ def run_dp_node(args: EngineArgs, curve: CurveClientKeys | None = None) -> int:
             processes[rank] = EngineProcess(args.replace(data_parallel_rank=rank), address,
                                             num_local=len(ranks), extra_args=extra)
         _wait_ready(processes)
-        sock = context.socket(zmq.DEALER)
-        if curve is not None:
-            curve.configure(sock)
-        refused = monitor_socket(sock, zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                 | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        sock.connect(frontend)
-        sock.send(msgspec.msgpack.encode(DPRegister(
-            PROTOCOL_VERSION, list(processes), [p.address for p in processes.values()])))
-        logger.info("data-parallel rank(s) %s ready; registering with the frontend at %s",
-                    list(ranks), frontend)
-        while not sock.poll(_POLL_MS):
-            if (failed := _failed(processes)) is not None:
-                logger.error("%s", failed)
-                return 1
-            if refused.poll(0):
-                logger.error("CURVE authentication with the frontend at %s failed: it does "
-                             "not admit this node's key, or its public key given here is "
-                             "wrong", frontend)
-                return 1
-        reply = msgspec.msgpack.decode(sock.recv(), type=DPRegisterReply)
-        sock.disable_monitor()  # one monitor per socket: the next watches departures
-        refused.close(linger=0)
-        if reply.error is not None:
-            logger.error("the frontend at %s refused this node: %s", frontend, reply.error)
+        sock = _register(context, curve, frontend, processes)
+        if sock is None:
             return 1
         logger.info("data-parallel rank(s) %s attached to the frontend at %s", list(ranks),
                     frontend)
-        monitor = monitor_socket(sock, zmq.EVENT_DISCONNECTED)
-        while True:
-            if monitor.poll(_POLL_MS) and recv_monitor_message(monitor):
-                logger.info("the frontend at %s is gone: stopping this node's engine cores",
-                            frontend)
-                return 0
-            if (failed := _failed(processes)) is not None:
-                logger.error("%s: stopping this node's engine cores", failed)
-                return 1
+        return _serve_until_gone(sock, frontend, processes)
     except _Stop:
         logger.info("%s: stopping this node's engine cores", stop[0])
         return 0
@@ -166,6 +121,76 @@ def run_dp_node(args: EngineArgs, curve: CurveClientKeys | None = None) -> int:
         context.destroy(linger=0)
         if keys_dir is not None:
             shutil.rmtree(keys_dir, ignore_errors=True)
+
+
+def _node_plan(args: EngineArgs, curve: CurveClientKeys | None
+               ) -> tuple[range, str, str]:
+    """(this node's data-parallel ranks, the frontend's registration address, this host's
+    address towards it), after the checks a headless node needs."""
+    if args.data_parallel_size_local is None:
+        raise ValueError("--headless needs --data-parallel-size-local (the engine cores "
+                         "on this node)")
+    ranks = local_ranks(args)
+    if not ranks:
+        raise ValueError("--headless with --data-parallel-size-local 0 has nothing to run")
+    frontend = registration_address(args)
+    host = host_towards(args.data_parallel_address)
+    if curve is None and not is_loopback(_tcp(host, 1)):
+        raise ValueError(
+            f"data-parallel engine cores on {host} would be reachable from the network: "
+            "give ZeroMQ CURVE keys (--curve-secret-key: this node's key pair; "
+            "--curve-server-public-key: the frontend's public key)")
+    return ranks, frontend, host
+
+
+def _register(context: Context, curve: CurveClientKeys | None, frontend: str,
+              processes: dict[int, EngineProcess]) -> zmq.Socket | None:
+    """Register the ready cores' addresses with the frontend: the DEALER socket, whose
+    connection (heartbeats on) then tells the frontend's departure; None (logged) when a
+    core failed meanwhile, the CURVE handshake was refused, or the frontend refused us."""
+    sock = context.socket(zmq.DEALER)
+    if curve is not None:
+        curve.configure(sock)
+    refused = monitor_socket(sock, zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.connect(frontend)
+    sock.send(msgspec.msgpack.encode(DPRegister(
+        PROTOCOL_VERSION, list(processes), [p.address for p in processes.values()])))
+    logger.info("data-parallel rank(s) %s ready; registering with the frontend at %s",
+                list(processes), frontend)
+    while not sock.poll(_POLL_MS):
+        if (failed := _failed(processes)) is not None:
+            logger.error("%s", failed)
+            return None
+        if refused.poll(0):
+            logger.error("CURVE authentication with the frontend at %s failed: it does "
+                         "not admit this node's key, or its public key given here is "
+                         "wrong", frontend)
+            return None
+    reply = msgspec.msgpack.decode(sock.recv(), type=DPRegisterReply)
+    sock.disable_monitor()  # one monitor per socket: the next watches departures
+    refused.close(linger=0)
+    if reply.error is not None:
+        logger.error("the frontend at %s refused this node: %s", frontend, reply.error)
+        return None
+    return sock
+
+
+def _serve_until_gone(sock: zmq.Socket, frontend: str,
+                      processes: dict[int, EngineProcess]) -> int:
+    """Until the frontend's connection drops (0) or a core exits (1)."""
+    monitor = monitor_socket(sock, zmq.EVENT_DISCONNECTED)
+    while True:
+        if monitor.poll(_POLL_MS) and recv_monitor_message(monitor):
+            logger.info("the frontend at %s is gone: stopping this node's engine cores",
+                        frontend)
+            return 0
+        if (failed := _failed(processes)) is not None:
+            logger.error("%s: stopping this node's engine cores", failed)
+            return 1
 
 
 def _failed(processes: dict[int, EngineProcess]) -> str | None:

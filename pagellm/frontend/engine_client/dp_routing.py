@@ -13,7 +13,7 @@ No sockets here: dp_client.py asks these questions and does the talking.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -21,6 +21,7 @@ import msgspec
 from pagellm.enginecore.block_hash import BlockHash, extend_block_hashes
 from pagellm.protocol.messages import EngineCoreRequest, EngineInfo, UtilityMethod
 from pagellm.protocol.stats import EngineStats, StepTimings
+from pagellm.protocol.utility import SIGNATURES, Merge
 
 # Loads this close to the least loaded count as equal, and the cached prefix decides:
 # a request more or 10% (of the least load) buys a cache hit.
@@ -109,19 +110,19 @@ def merge_stats(stats: Sequence[EngineStats]) -> EngineStats:
 
 
 def merge_results(method: UtilityMethod, results: list[Any]) -> Any:
-    """One utility call's results from every engine core (rank order) as one: the one
-    place that says how each method's results combine."""
-    if method == UtilityMethod.GET_STATS:
-        return merge_stats(results)
-    if method in (UtilityMethod.RESET_PREFIX_CACHE, UtilityMethod.WAKE_UP):
-        return all(results)  # reset everywhere / awake everywhere
-    if method in (UtilityMethod.IS_SLEEPING, UtilityMethod.IS_PAUSED):
-        return any(results)  # not all serving
-    if method == UtilityMethod.COLLECTIVE_RPC:
-        return [r for per_core in results for r in per_core]  # every worker, rank order
-    if method == UtilityMethod.UPDATE_WEIGHTS:
-        return min(results)  # tensors every core loaded
-    return None  # sleep, pause, resume, weight-update phases: nothing to return
+    """One utility call's results from every engine core (rank order) as one, as the
+    method's row says (protocol/utility.py `SIGNATURES`: `Signature.merge`)."""
+    return MERGERS[SIGNATURES[method].merge](results)
+
+
+MERGERS: dict[Merge, Callable[[list[Any]], Any]] = {
+    Merge.NOTHING: lambda results: None,
+    Merge.STATS: merge_stats,
+    Merge.ALL: all,
+    Merge.ANY: any,
+    Merge.CONCAT: lambda results: [r for per_core in results for r in per_core],
+    Merge.MIN: min,
+}
 
 
 def merge_infos(infos: Sequence[EngineInfo]) -> EngineInfo:

@@ -15,12 +15,13 @@ and once the engine core is dead. A client that goes away aborts its requests.
 
 What a client sends is bounded where it enters (edge.py: the API key, body size,
 decoding; connections.py: connections and the body's arrival time); the handlers
-(serving.py) run tokenization and chat templates off the event loop, and templates sent
-by clients only with `trust_request_chat_template`, in a killable sandbox process
-(template_sandbox.py); unknown body fields are accepted and named once in a rate-limited
-log (extra_fields.py). /health answers 503 while the engine core is dead or its loop is
-stuck in one call (--engine-stall-timeout); a response is bounded in token entries
-(--max-response-entries).
+(serving.py, shared; serving_completions.py; serving_chat.py) run tokenization and chat
+templates off the event loop, and templates sent by clients only with
+`trust_request_chat_template`, in a killable sandbox process (template_sandbox.py);
+unknown body fields are accepted and named once in a rate-limited log (extra_fields.py).
+/health answers 503 while the engine core is dead or its loop is stuck in one call
+(--engine-stall-timeout); a response is bounded in token entries (--max-response-entries).
+`build_app` registers each group of routes through a helper of its own.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -57,6 +59,8 @@ from pagellm.frontend.server.extra_fields import IgnoredFieldsLog, unknown_field
 from pagellm.frontend.server.metrics import ServerMetrics
 from pagellm.frontend.server.options import ServerOptions
 from pagellm.frontend.server.serving import OpenAIServing
+from pagellm.frontend.server.serving_chat import OpenAIServingChat
+from pagellm.frontend.server.serving_completions import OpenAIServingCompletion
 from pagellm.frontend.server.template_sandbox import ChatTemplateSandbox
 from pagellm.version import __version__
 
@@ -69,6 +73,10 @@ METRICS_STATS_WAIT_S = 5.0
 _ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError"}
 
 
+# Reads a route's body: bounded, decoded into the given type, unknown fields logged.
+BodyReader = Callable[[Request, type[Any]], Awaitable[Any]]
+
+
 def build_app(engine: AsyncLLM, options: ServerOptions,
               sandbox: ChatTemplateSandbox | None = None) -> FastAPI:
     """The routes. `sandbox` renders request-supplied chat templates (required, and
@@ -77,9 +85,22 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     metrics = ServerMetrics(options.served_model_name, engine.info.max_model_len,
                             data_parallel=engine.engine_args.data_parallel_size > 1)
     server = OpenAIServing(engine, options, metrics, sandbox)
-    ignored = IgnoredFieldsLog()
     if options.api_key is not None:
         app.add_middleware(APIKeyGuard, api_key=options.api_key)
+    body_of = _body_reader(options)
+    _add_error_handlers(app)
+    _add_health_routes(app, engine, options)
+    _add_info_routes(app, engine, options, metrics, server)
+    _add_token_routes(app, engine, server, body_of)
+    _add_generation_routes(app, OpenAIServingCompletion(engine, options, metrics, sandbox),
+                           OpenAIServingChat(engine, options, metrics, sandbox), body_of)
+    if options.enable_dev_endpoints:
+        add_dev_routes(app, engine, body_of)
+    return app
+
+
+def _body_reader(options: ServerOptions) -> BodyReader:
+    ignored = IgnoredFieldsLog()
 
     async def body_of(request: Request, kind: type[Any]) -> Any:
         data = await read_body(request, options.max_body_bytes)
@@ -88,6 +109,13 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
         if extra:
             ignored.note(extra)
         return body
+
+    return body_of
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: ours, routing's, a dead or unavailable engine, and
+    anything else as a 500."""
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -118,6 +146,10 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
         return error_response(500, f"internal error: {type(e).__name__}: {e}",
                               "InternalServerError")
 
+
+def _add_health_routes(app: FastAPI, engine: AsyncLLM, options: ServerOptions) -> None:
+    """/health, and /ping under SageMaker's name for it."""
+
     def unhealthy() -> str | None:
         """Why the server cannot serve now: its engine core died, or its loop has been
         inside one step or control call for longer than the stall timeout (it still
@@ -145,6 +177,12 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     async def ping() -> Response:
         """SageMaker's health check (vLLM serves it too): /health under another name."""
         return health_response()
+
+
+def _add_info_routes(app: FastAPI, engine: AsyncLLM, options: ServerOptions,
+                     metrics: ServerMetrics, server: OpenAIServing) -> None:
+    """What the server serves: the tokenizer's configuration, the version, the model,
+    the Prometheus metrics."""
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
@@ -174,6 +212,11 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
                 stats = await asyncio.wait_for(engine.get_stats(), METRICS_STATS_WAIT_S)
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4")
 
+
+def _add_token_routes(app: FastAPI, engine: AsyncLLM, server: OpenAIServing,
+                      body_of: BodyReader) -> None:
+    """/tokenize and /detokenize."""
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await body_of(request, TokenizeRequest)
@@ -195,19 +238,21 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
         text = await engine.run_in_tokenizer_thread(server.tokenizer().decode, body.tokens)
         return {"prompt": text}
 
+
+def _add_generation_routes(app: FastAPI, completion: OpenAIServingCompletion,
+                           chat: OpenAIServingChat, body_of: BodyReader) -> None:
+    """/v1/completions and /v1/chat/completions: a client that leaves aborts its
+    requests (`_respond`)."""
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await body_of(request, CompletionRequest)
-        return await _respond(request, body.stream, server.completions(body))
+        return await _respond(request, body.stream, completion.completions(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await body_of(request, ChatCompletionRequest)
-        return await _respond(request, body.stream, server.chat(body))
-
-    if options.enable_dev_endpoints:
-        add_dev_routes(app, engine, body_of)
-    return app
+        return await _respond(request, body.stream, chat.chat(body))
 
 
 async def _respond(request: Request, stream: bool, work: Any) -> Response:

@@ -23,7 +23,7 @@ timeout a 504.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import msgspec
 from fastapi import FastAPI, Query, Request
@@ -31,8 +31,10 @@ from fastapi import FastAPI, Query, Request
 from pagellm.frontend.async_llm import AsyncLLM
 from pagellm.frontend.engine_client.core_client import EngineDeadError
 from pagellm.frontend.server.edge import APIError, bad_request
+from pagellm.protocol.utility import SleepLevel
 
 T = TypeVar("T")
+BodyOf = Callable[[Request, type[Any]], Awaitable[Any]]
 
 
 class CollectiveRpcRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -54,52 +56,70 @@ class FinishRequest(msgspec.Struct, forbid_unknown_fields=True):
     weight_version: str | None = None
 
 
-def add_dev_routes(app: FastAPI, engine: AsyncLLM,
-                   body_of: Callable[[Request, type[Any]], Awaitable[Any]]) -> None:
-    async def control(call: Awaitable[T]) -> T:
-        try:
-            return await call
-        except EngineDeadError:
-            raise
-        except TimeoutError as e:
-            raise APIError(504, str(e), "TimeoutError") from None
-        except (RuntimeError, ValueError) as e:
-            raise bad_request(str(e)) from None
+# The routes that take nothing: (HTTP method, path, the engine's call, its answer).
+PLAIN_ROUTES: tuple[tuple[str, str, Callable[[AsyncLLM], Awaitable[Any]],
+                          Callable[[Any], dict[str, Any]]], ...] = (
+    ("GET", "/is_sleeping", AsyncLLM.is_sleeping, lambda asleep: {"is_sleeping": asleep}),
+    ("POST", "/resume", AsyncLLM.resume_generation, lambda _: {"status": "resumed"}),
+    ("GET", "/is_paused", AsyncLLM.is_paused, lambda paused: {"is_paused": paused}),
+    ("POST", "/reset_prefix_cache", AsyncLLM.reset_prefix_cache,
+     lambda reset: {"reset": reset}),
+    ("POST", "/start_weight_update", AsyncLLM.start_weight_update,
+     lambda _: {"message": "Weight update started"}),
+)
+SLEEP_LEVELS = [str(level) for level in get_args(SleepLevel)]  # as the query spells them
 
+
+def add_dev_routes(app: FastAPI, engine: AsyncLLM, body_of: BodyOf) -> None:
+    """`body_of(request, type)`: the server's bounded, typed reading of a JSON body."""
+    for method, path, call, answer in PLAIN_ROUTES:
+        app.add_api_route(path, _plain_route(engine, call, answer), methods=[method],
+                          name=path.removeprefix("/"))
+    _add_sleep_routes(app, engine)
+    _add_weight_routes(app, engine, body_of)
+
+
+async def _control(call: Awaitable[T]) -> T:
+    """An engine call, its refusal (a bad value, the wrong state) a 400, a timeout a 504."""
+    try:
+        return await call
+    except EngineDeadError:
+        raise
+    except TimeoutError as e:
+        raise APIError(504, str(e), "TimeoutError") from None
+    except (RuntimeError, ValueError) as e:
+        raise bad_request(str(e)) from None
+
+
+def _plain_route(engine: AsyncLLM, call: Callable[[AsyncLLM], Awaitable[Any]],
+                 answer: Callable[[Any], dict[str, Any]]
+                 ) -> Callable[[], Awaitable[dict[str, Any]]]:
+    async def route() -> dict[str, Any]:
+        return answer(await _control(call(engine)))
+    return route
+
+
+def _add_sleep_routes(app: FastAPI, engine: AsyncLLM) -> None:
     @app.post("/sleep")
     async def sleep(level: str = "1", mode: str = "abort") -> dict[str, Any]:
-        if level not in ("0", "1", "2"):
-            raise bad_request(f"level must be 0, 1 or 2, got {level[:20]!r}")
-        await control(engine.sleep(int(level), mode))
+        if level not in SLEEP_LEVELS:  # before int(): "99999999999999999999999", "٣"
+            raise bad_request(f"level must be {', '.join(SLEEP_LEVELS[:-1])} or "
+                              f"{SLEEP_LEVELS[-1]}, got {level[:20]!r}")
+        await _control(engine.sleep(int(level), mode))
         return {"status": "sleeping", "level": int(level)}
 
     @app.post("/wake_up")
     async def wake_up(tags: list[str] | None = Query(None)) -> dict[str, Any]:  # noqa: B008
-        awake = await control(engine.wake_up(tags))
+        awake = await _control(engine.wake_up(tags))
         return {"status": "awake" if awake else "sleeping", "tags": tags}
-
-    @app.get("/is_sleeping")
-    async def is_sleeping() -> dict[str, bool]:
-        return {"is_sleeping": await control(engine.is_sleeping())}
 
     @app.post("/pause")
     async def pause(mode: str = "abort") -> dict[str, str]:
-        await control(engine.pause_generation(mode))
+        await _control(engine.pause_generation(mode))
         return {"status": "paused"}
 
-    @app.post("/resume")
-    async def resume() -> dict[str, str]:
-        await control(engine.resume_generation())
-        return {"status": "resumed"}
 
-    @app.get("/is_paused")
-    async def is_paused() -> dict[str, bool]:
-        return {"is_paused": await control(engine.is_paused())}
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict[str, bool]:
-        return {"reset": await control(engine.reset_prefix_cache())}
-
+def _add_weight_routes(app: FastAPI, engine: AsyncLLM, body_of: BodyOf) -> None:
     @app.get("/get_world_size")
     async def get_world_size(include_dp: bool = True) -> dict[str, int]:
         """vLLM's figure: every worker process (tensor-parallel ranks times engine
@@ -111,32 +131,27 @@ def add_dev_routes(app: FastAPI, engine: AsyncLLM,
     @app.post("/collective_rpc")
     async def collective_rpc(request: Request) -> dict[str, Any]:
         body = await body_of(request, CollectiveRpcRequest)
-        results = await control(engine.collective_rpc(body.method, body.timeout,
-                                                      tuple(body.args), body.kwargs))
+        results = await _control(engine.collective_rpc(body.method, body.timeout,
+                                                       tuple(body.args), body.kwargs))
         return {"results": [_jsonable(r) for r in results]}
 
     @app.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(request: Request) -> dict[str, str]:
         body = await body_of(request, InitRequest)
-        await control(engine.init_weight_transfer_engine({"init_info": body.init_info}))
+        await _control(engine.init_weight_transfer_engine({"init_info": body.init_info}))
         return {"message": "Weight transfer initialized"}
-
-    @app.post("/start_weight_update")
-    async def start_weight_update() -> dict[str, str]:
-        await control(engine.start_weight_update())
-        return {"message": "Weight update started"}
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> dict[str, str]:
         body = await body_of(request, UpdateRequest)
-        await control(engine.update_weights({"update_info": body.update_info}))
+        await _control(engine.update_weights({"update_info": body.update_info}))
         return {"message": "Weights updated"}
 
     @app.post("/finish_weight_update")
     async def finish_weight_update(request: Request) -> dict[str, str]:
         body = await body_of(request, FinishRequest) \
             if int(request.headers.get("content-length") or 0) else FinishRequest()
-        await control(engine.finish_weight_update(body.weight_version))
+        await _control(engine.finish_weight_update(body.weight_version))
         return {"message": "Weight update finished"}
 
 

@@ -1,10 +1,12 @@
-"""`OpenAIServing`: the OpenAI completions and chat handlers over `AsyncLLM`.
+"""`OpenAIServing`: what the OpenAI handlers share, over `AsyncLLM`.
 
-Each handler takes a decoded body (edge.py bounded it), checks what only the server can
-check (the model's name, prompt sizes against max_model_len, chat templates), hands the
-prompts to the input processor and shapes the engine's outputs as OpenAI's responses or
-server-sent events. Tokenizing and chat templates run on the tokenizer thread, never on
-the event loop; templates sent by clients render in a killable sandbox process.
+The completions (serving_completions.py) and chat (serving_chat.py) handlers differ in
+how they read a body and shape a response; everything between is here, once: checks
+only the server can make (the model's name, prompt sizes against max_model_len, the
+response's size), chat prompts (templates on the tokenizer thread, never on the event
+loop; templates sent by clients in a killable sandbox process), handing prompts to the
+input processor, merging the prompts' output streams, and server-sent events. The
+/tokenize and /tokenizer_info routes use it directly.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -23,22 +23,14 @@ from pagellm.frontend.async_llm import AsyncLLM
 from pagellm.frontend.engine_client.core_client import EngineDeadError
 from pagellm.frontend.input_processor import ProcessedRequest, child_request_id
 from pagellm.frontend.output_processor import EngineUnavailableError
-from pagellm.frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagellm.frontend.outputs import CompletionOutput, RequestOutput
 from pagellm.frontend.server.api_models import (
     ChatCompletionRequest,
     CompletionRequest,
     TokenizeRequest,
 )
 from pagellm.frontend.server.edge import APIError, bad_request
-from pagellm.frontend.server.formatting import (
-    chat_logprobs,
-    completion_logprobs,
-    echo_pieces,
-    prompt_logprobs_json,
-    token_pieces,
-    tokenizer_config,
-    usage,
-)
+from pagellm.frontend.server.formatting import tokenizer_config, usage
 from pagellm.frontend.server.metrics import ServerMetrics
 from pagellm.frontend.server.options import ServerOptions
 from pagellm.frontend.server.template_sandbox import ChatTemplateSandbox, TemplateTimeout
@@ -52,7 +44,8 @@ MAX_MESSAGES = 2**16
 
 
 class OpenAIServing:
-    """Request handling shared by the routes."""
+    """Request handling shared by the routes; the completions and chat handlers are its
+    subclasses."""
 
     def __init__(self, engine: AsyncLLM, options: ServerOptions, metrics: ServerMetrics,
                  sandbox: ChatTemplateSandbox | None) -> None:
@@ -253,105 +246,7 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
 
-    # -- /v1/completions ---------------------------------------------------------------
-
-    async def completions(self, body: CompletionRequest) -> Any:
-        self.check_model(body.model)
-        try:
-            body.check_supported()
-            prompts = body.prompts()
-            prompt_logprobs = body.prompt_logprobs
-            if prompt_logprobs is None and body.echo:
-                prompt_logprobs = body.logprobs  # echoed tokens carry their logprobs
-            params = body.sampling_params(1 if body.score_only else body.max_tokens,
-                                          body.logprobs, prompt_logprobs)
-        except (ValueError, TypeError) as e:
-            raise bad_request(str(e)) from None
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        processed = await self._process(prompts, params, request_id, body.priority,
-                                        body.cache_salt, body.add_special_tokens)
-        created = int(time.time())
-        header = {"id": request_id, "object": "text_completion", "created": created,
-                  "model": self.name}
-        if body.stream:
-            return self._stream_completions(processed, header, body)
-        finals: dict[int, RequestOutput] = {}
-        async for i, output in self._run_all(processed):
-            finals[i] = output
-        choices = []
-        for i in range(len(processed)):
-            out = finals[i]
-            if texts[i] is not None and out.prompt is None:
-                out.prompt = texts[i]  # tokenized here (add_special_tokens=false)
-            choices += await self.engine.run_in_tokenizer_thread(
-                self._completion_choices, out, i, body)
-        completion = 0 if body.score_only else \
-            sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
-        return {**header, "choices": choices, "usage": usage(processed, completion)}
-
-    def _completion_choices(self, out: RequestOutput, i: int, body: CompletionRequest
-                            ) -> list[dict[str, Any]]:
-        """The choices of prompt `i` (on the tokenizer thread: echoed prompts and
-        logprob texts are detokenized here)."""
-        tokenizer = self.engine.tokenizer
-        echo_text = ""
-        echo_tokens: list[tuple[int, PositionLogprobs | None, str]] = []
-        if body.echo:
-            echo_text, pieces = echo_pieces(tokenizer, out.prompt_token_ids, out.prompt)
-            echo_tokens = list(zip(out.prompt_token_ids, out.prompt_logprobs or
-                                   [None] * len(pieces), pieces, strict=True))
-        choices = []
-        for c in out.outputs:
-            logprobs = None
-            if body.logprobs is not None:
-                generated: list[tuple[int, PositionLogprobs | None, str]] = \
-                    [] if body.score_only else list(zip(
-                    c.token_ids, c.logprobs or [], token_pieces(
-                        tokenizer, c.token_ids, out.prompt_token_ids,
-                        body.skip_special_tokens), strict=False))
-                logprobs = completion_logprobs(echo_tokens + generated,
-                                               body.return_tokens_as_token_ids)
-            choices.append({
-                "index": i * body.n + c.index,
-                "text": echo_text + ("" if body.score_only else c.text),
-                "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": None if body.score_only else c.stop_reason,
-                "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)
-                if body.prompt_logprobs is not None else None,
-                **self._token_ids(body, out.prompt_token_ids,
-                                  [] if body.score_only else c.token_ids)})
-        return choices
-
-    @staticmethod
-    def _token_ids(body: Any, prompt_ids: list[int] | None, ids: list[int]
-                   ) -> dict[str, list[int] | None]:
-        """vLLM's return_token_ids fields (None when not asked for, as vLLM sends)."""
-        if not body.return_token_ids:
-            return {"prompt_token_ids": None, "token_ids": None}
-        return {"prompt_token_ids": prompt_ids, "token_ids": list(ids)}
-
-    def _stream_completions(self, processed: list[ProcessedRequest], header: dict[str, Any],
-                            body: CompletionRequest) -> AsyncIterator[str]:
-        started: set[tuple[int, int]] = set()
-
-        def chunks(i: int, out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = completion_logprobs(
-                    [(t, e, e[t].decoded_token or "") for t, e in
-                     zip(c.token_ids, c.logprobs or [], strict=False)],
-                    body.return_tokens_as_token_ids)
-            first = (i, c.index) not in started
-            started.add((i, c.index))
-            choice = {"index": i * body.n + c.index, "text": c.text, "logprobs": logprobs,
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                      **self._token_ids(body, out.prompt_token_ids, c.token_ids)}
-            if body.return_token_ids and not first:
-                choice["prompt_token_ids"] = None  # the first chunk carries them
-            return [{"choices": [choice]}]
-
-        return self._events(processed, header, body, chunks)
+    # -- server-sent events -------------------------------------------------------------
 
     async def _events(self, processed: list[ProcessedRequest], header: dict[str, Any],
                       body: CompletionRequest | ChatCompletionRequest,
@@ -383,78 +278,6 @@ class OpenAIServing:
             yield _sse({"error": {"message": f"{type(e).__name__}: {e}",
                                   "type": "InternalServerError", "code": 500}})
         yield "data: [DONE]\n\n"
-
-    # -- /v1/chat/completions ------------------------------------------------------------
-
-    async def chat(self, body: ChatCompletionRequest) -> Any:
-        self.check_model(body.model)
-        try:
-            body.check_supported()
-            top = (body.top_logprobs or 0) if body.logprobs else None
-            params = body.sampling_params(body.completion_limit, top, body.prompt_logprobs)
-        except (ValueError, TypeError) as e:
-            raise bad_request(str(e)) from None
-        prompt_ids = await self._chat_prompt(
-            body.messages, body.add_generation_prompt, body.chat_template_kwargs,
-            body.chat_template, body.continue_final_message, body.add_special_tokens)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        processed = await self._process([{"prompt_token_ids": prompt_ids}], params,
-                                        request_id, body.priority, body.cache_salt)
-        header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                  "model": self.name}
-        if body.stream:
-            return self._stream_chat(processed, header, body)
-        final = None
-        async for _, out in self._run_all(processed):
-            final = out
-        assert final is not None
-        # Off the event loop: up to --max-response-entries logprob entries to build.
-        choices = await asyncio.to_thread(self._chat_choices, final, body)
-        completion = sum(len(c.token_ids) for c in final.outputs)
-        # vLLM puts the prompt's fields on the response: a chat has one prompt.
-        return {**header, "choices": choices, "usage": usage(processed, completion),
-                "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs),
-                "prompt_token_ids": final.prompt_token_ids if body.return_token_ids
-                else None}
-
-    @staticmethod
-    def _chat_choices(final: RequestOutput, body: ChatCompletionRequest
-                      ) -> list[dict[str, Any]]:
-        return [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                 "logprobs": chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0,
-                                           body.return_tokens_as_token_ids)
-                 if body.logprobs else None,
-                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                 "token_ids": list(c.token_ids) if body.return_token_ids else None}
-                for c in final.outputs]
-
-    def _stream_chat(self, processed: list[ProcessedRequest], header: dict[str, Any],
-                     body: ChatCompletionRequest) -> AsyncIterator[str]:
-        started: set[int] = set()
-
-        def chunks(_: int, out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
-            payloads = []
-            if c.index not in started:  # the role first, as OpenAI does
-                started.add(c.index)
-                first: dict[str, Any] = {"choices": [{
-                    "index": c.index, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}]}
-                if body.return_token_ids:
-                    first["prompt_token_ids"] = out.prompt_token_ids
-                payloads.append(first)
-            choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
-                      "logprobs": chat_logprobs(c.token_ids, c.logprobs,
-                                                body.top_logprobs or 0,
-                                                body.return_tokens_as_token_ids)
-                      if body.logprobs else None,
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            if body.return_token_ids:
-                choice["token_ids"] = list(c.token_ids)
-            payloads.append({"choices": [choice]})
-            return payloads
-
-        return self._events(processed, {**header, "object": "chat.completion.chunk"},
-                            body, chunks)
 
 
 def response_entries(request: ProcessedRequest) -> int:

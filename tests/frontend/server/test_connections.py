@@ -1,6 +1,12 @@
-"""No HTTP request or connection can stop the server for anyone else (issue 12):
-API key on every route, body limits, chat templates from requests, tokenization off
-the event loop, Slowloris, bounded shutdown."""
+"""frontend/server/connections.py: GuardedH11Protocol against slow and idle
+connections (Slowloris; issue 12, red-team finding 4, issue 37 item 8). Half-open
+connections and slow headers never crowd out a request; a client that never reads is
+closed after the write-stall bound, freeing its slot and aborting its requests, while
+one that reads slowly keeps its stream; a dripping body is answered 408 and closed at
+the body deadline; one client gets only its share of the connections. Most tests run
+the protocol alone in an in-process uvicorn with short bounds (`_guarded_server`,
+`_StallProbe`); two run the real server (the `guarded` one of tests/conftest.py, and
+serve.py with a short stall bound). The references are what raw sockets see, and when."""
 
 from __future__ import annotations
 
@@ -15,161 +21,14 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, NamedTuple
 
-import msgspec
 import pytest
-from helpers import NAME, Server, free_port
+from guarded_server import completion_text, timed_health
+from helpers import NAME, free_port
 
 if TYPE_CHECKING:
     from pagellm.frontend.server.connections import ConnectionLimits
-
-MESSAGES = [{"role": "user", "content": "Tell me about blocks."}]
-
-
-@pytest.fixture(scope="module")
-def guarded(model_dirs, tmp_path_factory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("server") / "stderr.log"
-    s = Server(model_dirs["llama"], "--api-key", "sesame", "--trust-request-chat-template",
-               "--max-connections", "64", log=log)
-    yield s
-    assert s.stop() == 0
-
-
-KEY = {"authorization": "Bearer sesame"}
-
-
-def post(server: Server, path: str, body: object, headers: dict[str, str] | None = None
-         ) -> tuple[int, dict]:
-    status, data = server.request("POST", path, body, headers={**KEY, **(headers or {})})
-    return status, json.loads(data) if data else {}
-
-
-def completion_text(server: Server, **body: object) -> str:
-    status, response = post(server, "/v1/completions", {"model": NAME, "max_tokens": 8,
-                                                         "temperature": 0, **body})
-    assert status == 200, response
-    return response["choices"][0]["text"]
-
-
-def timed_health(server: Server) -> float:
-    start = time.monotonic()
-    assert server.get("/health")[0] == 200
-    return time.monotonic() - start
-
-
-def test_the_api_key_guards_every_route_but_health_ping_metrics_and_version(guarded):
-    """Finding 6: /tokenize, /detokenize, /docs and /openapi.json were open."""
-    for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/docs"),
-                         ("GET", "/openapi.json"), ("GET", "/redoc"), ("GET", "/v1/models"),
-                         ("POST", "/v1/completions"), ("GET", "/no/such/route"),
-                         ("GET", "/tokenizer_info")):
-        status, data = guarded.request(method, path, {"prompt": "x"})
-        assert status == 401, (path, data)
-        assert json.loads(data)["error"]["type"] == "AuthenticationError"
-    for path in ("/health", "/ping", "/metrics", "/version"):
-        assert guarded.get(path)[0] == 200, path
-    status, body = post(guarded, "/tokenize", {"prompt": "x"})
-    assert status == 200 and body["count"] >= 1
-    # The RL dev routes exist only with --enable-dev-endpoints (tests/weights/test_rl.py).
-    for path in ("/sleep?level=1", "/collective_rpc", "/update_weights"):
-        assert post(guarded, path, {})[0] == 404, path
-
-
-def test_bodies_over_the_limit_are_refused_before_they_are_read(guarded):
-    # A declared length over the limit: answered without sending a byte of the body.
-    with socket.create_connection(("127.0.0.1", guarded.port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nauthorization: Bearer "
-                  b"sesame\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                  % (17 * 2**20))
-        answer = _response(s)
-    assert answer.startswith(b"HTTP/1.1 413") and b"larger than 16777216 bytes" in answer
-    # Without a Content-Length (chunked), the limit holds while reading.
-    connection = http.client.HTTPConnection("127.0.0.1", guarded.port, timeout=30)
-    connection.putrequest("POST", "/tokenize")
-    connection.putheader("authorization", KEY["authorization"])
-    connection.putheader("transfer-encoding", "chunked")
-    connection.endheaders()
-    chunk = b"x" * 2**20
-    try:
-        for _ in range(20):
-            connection.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-    except OSError:
-        pass  # the server may close once it has answered
-    response = connection.getresponse()
-    assert response.status == 413
-    connection.close()
-    assert completion_text(guarded, prompt="still serving")
-
-
-def test_a_huge_prompt_is_refused_before_tokenization_and_health_stays_fast(guarded):
-    """Finding 6: a 10 MB /tokenize (tokenized on the event loop) blocked the server."""
-    prompt = "a b " * 2_500_000  # 10 MB
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(post, guarded, path, body) for path, body in (
-            ("/tokenize", {"prompt": prompt}),
-            ("/v1/completions", {"model": NAME, "prompt": prompt}),
-            ("/v1/chat/completions", {"model": NAME, "messages": [
-                {"role": "user", "content": prompt}]}))]
-        health = [timed_health(guarded) for _ in range(5)]
-        results = [f.result() for f in futures]
-    for status, body in results:
-        assert status == 400 and "characters: more than max_model_len" in \
-            body["error"]["message"], body
-    assert max(health) < 2.0, health
-
-
-def test_chat_templates_from_requests_run_sandboxed_with_a_time_limit(guarded, tokenizer,
-                                                                       hf_reference):
-    """Finding 3: a nested-loop template froze /health and even SIGTERM (the class of
-    vLLM's CVE-2025-61620). Requests' templates now render in a killable process."""
-    loop = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
-            "{% endfor %}")
-    bomb = "{{ 'x' * 10000000000 }}"
-    with ThreadPoolExecutor(2) as pool:
-        slow = pool.submit(post, guarded, "/v1/chat/completions", {
-            "model": NAME, "messages": MESSAGES, "chat_template": loop})
-        time.sleep(0.5)
-        health = [timed_health(guarded) for _ in range(5)]  # while the template spins
-        status, body = slow.result()
-    assert status == 400 and "did not finish within 5 s" in body["error"]["message"], body
-    assert max(health) < 2.0, health
-    status, body = post(guarded, "/v1/chat/completions", {
-        "model": NAME, "messages": MESSAGES, "chat_template_kwargs": {"chat_template": bomb}})
-    assert status == 400 and "chat template failed" in body["error"]["message"], body
-    # A harmless custom template works, and its tokens are the rendered text's.
-    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-    status, body = post(guarded, "/v1/chat/completions", {
-        "model": NAME, "messages": MESSAGES, "chat_template": template, "max_tokens": 6,
-        "temperature": 0})
-    assert status == 200, body
-    ids = tokenizer.encode("<user>Tell me about blocks.\n", add_special_tokens=False)
-    assert body["usage"]["prompt_tokens"] == len(ids)
-    expected = tokenizer.decode(hf_reference("llama", ids, 6), skip_special_tokens=True)
-    assert body["choices"][0]["message"]["content"] == expected
-    status, body = post(guarded, "/v1/chat/completions", {
-        "model": NAME, "messages": MESSAGES, "chat_template_kwargs": {"return_tensors": "pt"}})
-    assert status == 400 and "return_tensors" in body["error"]["message"]
-
-
-def test_lists_are_counted_before_they_are_walked(guarded):
-    """Review 2: a 14 MB /detokenize list (an 84 MB answer), 1.2M chat messages and 1.3M
-    logit_bias keys were each walked on the event loop before being refused (2 s of a
-    frozen /health apiece)."""
-    limit = post(guarded, "/tokenize", {"prompt": "x"})[1]["max_model_len"]
-    status, body = post(guarded, "/detokenize", {"tokens": [1] * (limit + 1)})
-    assert status == 400 and f"more than max_model_len={limit}" in body["error"]["message"]
-    assert post(guarded, "/detokenize", {"tokens": [1] * 8})[0] == 200
-    status, body = post(guarded, "/v1/chat/completions", {
-        "model": NAME, "messages": [{"role": "user", "content": "x"}] * (2**16 + 1)})
-    assert status == 400 and "65537 messages, more than 65536" in body["error"]["message"]
-    from pagellm.frontend.server.api_models import CompletionRequest
-
-    request = msgspec.convert({"prompt": "x", "logit_bias": {str(i): 1 for i in range(
-        2**20 + 1)}}, CompletionRequest)
-    with pytest.raises(ValueError, match="logit_bias has 1048577 entries"):
-        request.sampling_params(4, None)
 
 
 def test_half_open_connections_never_crowd_out_a_request(guarded):
@@ -224,27 +83,6 @@ def test_the_connection_guard_closes_slow_headers_and_refuses_only_when_all_are_
                 s.close()
 
 
-def _response(s: socket.socket) -> bytes:
-    """One whole HTTP response (headers and a Content-Length body) from a raw socket."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += _recv(s, data)
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:")))
-    while len(body) < length:
-        body += _recv(s, body)
-    return head + b"\r\n\r\n" + body
-
-
-def _recv(s: socket.socket, so_far: bytes) -> bytes:
-    """The next bytes; a connection the server closed early is a failure (recv would
-    return b"" at once, forever)."""
-    chunk = s.recv(4096)
-    assert chunk, f"the server closed the connection after {so_far[:200]!r}"
-    return chunk
-
-
 def _half_open(port: int, data: bytes = b"GET / HTTP/1.1\r\nHost: x\r\n") -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port))
     s.sendall(data)
@@ -266,32 +104,6 @@ def _get(port: int, path: str) -> int:
         return connection.getresponse().status
     finally:
         connection.close()
-
-
-def test_sigterm_stops_the_server_within_its_shutdown_timeout(model_dirs):
-    """Finding 9: SIGTERM waited for every stream (17 s seen) with no bound."""
-    server = Server(model_dirs["llama"], "--shutdown-timeout", "1")
-    try:
-        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-        connection.request("POST", "/v1/completions", json.dumps({
-            "model": NAME, "prompt": "never finish", "max_tokens": 1900, "ignore_eos": True,
-            "stream": True}), {"content-type": "application/json"})
-        response = connection.getresponse()
-        response.fp.readline()  # streaming
-        signalled = time.monotonic()
-        server.proc.send_signal(signal.SIGTERM)
-        assert server.proc.wait(30) == 0
-        assert time.monotonic() - signalled < 8
-        connection.close()
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dirs):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dirs["llama"])
 
 
 # -- Write stalls: clients that stop reading their responses (red-team finding 4) ------
@@ -558,73 +370,6 @@ def _metric(port: int, name: str) -> float:
         connection.close()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{"))
-
-
-# --- a second red-team round: sizes and errors (each a finding it reproduced) -----------
-
-
-def test_chat_roles_and_template_variables_count_toward_the_prompt_size(guarded):
-    """Only message contents were counted: a 15 MB `role` was tokenized on the one
-    tokenizer thread every request shares (17 s for everyone). Every string the
-    template may render is counted before rendering, and the rendered text again
-    before tokenizing (a trusted template may repeat what it is given)."""
-    huge = "x" * 200_000  # more characters than max_model_len tokens can hold
-    repeat = "{% for i in range(100000) %}{{ messages[0]['content'] }}{% endfor %}"
-    for body, refused in (
-            ({"messages": [{"role": huge, "content": "hi"}]}, "messages is 2000"),
-            ({"messages": MESSAGES, "chat_template_kwargs": {"note": huge}}, "messages is"),
-            ({"messages": MESSAGES, "chat_template": repeat}, "the rendered chat is")):
-        status, response = post(guarded, "/v1/chat/completions",
-                                 {"model": NAME, "max_tokens": 2, **body})
-        assert status == 400, response
-        message = response["error"]["message"]
-        assert refused in message and "characters" in message, message
-    assert completion_text(guarded, prompt="still serving")
-
-
-@pytest.mark.parametrize("key", ["²", "１２", "--5", "1e3", ""])
-def test_logit_bias_keys_are_ascii_token_ids(guarded, key):
-    """str.isdigit() took "²" (then int() failed, naming nothing) and fullwidth digits
-    (silently token 12)."""
-    status, response = post(guarded, "/v1/completions", {
-        "model": NAME, "prompt": "x", "max_tokens": 1, "logit_bias": {key: 1.0}})
-    assert status == 400 and "logit_bias keys must be token ids" in \
-        response["error"]["message"], response
-
-
-@pytest.fixture(scope="module")
-def dev_server(model_dirs) -> Iterator[Server]:
-    s = Server(model_dirs["llama"], "--enable-dev-endpoints", "--enable-sleep-mode")
-    yield s
-    assert s.stop() == 0
-
-
-def test_a_stream_the_engine_refuses_ends_with_an_error_event(dev_server):
-    """The 200 and its headers are out before the engine answers: a refusal (here: the
-    engine sleeps) must arrive as an error event and [DONE], not a dropped connection."""
-    assert dev_server.request("POST", "/sleep?level=1")[0] == 200
-    try:
-        status, data = dev_server.request("POST", "/v1/completions", {
-            "model": NAME, "prompt": "hi", "max_tokens": 4, "stream": True})
-        assert status == 200
-        events = [line.removeprefix(b"data: ") for line in data.split(b"\n\n") if line]
-        assert events[-1] == b"[DONE]"
-        error = json.loads(events[-2])["error"]
-        assert error["code"] == 503 and "sleeping" in error["message"], error
-    finally:
-        assert dev_server.request("POST", "/wake_up")[0] == 200
-
-
-def test_dev_routes_refuse_values_out_of_range(dev_server):
-    """A level past any integer the wire takes was a 500; a timeout that had passed
-    before the call began was a 504 while the call still ran in the engine."""
-    for path in ("/sleep?level=99999999999999999999999", "/sleep?level=%D9%A3"):
-        status, data = dev_server.request("POST", path)
-        assert status == 400 and b"level must be 0, 1 or 2" in data, (path, data)
-    status, data = dev_server.request("POST", "/collective_rpc",
-                                      {"method": "describe", "timeout": -1})
-    assert status == 400 and b"timeout" in data, data
-    assert not json.loads(dev_server.get("/is_sleeping")[1])["is_sleeping"]
 
 
 # --- slow bodies and one client's share of the connections (issue 37, item 8) ----------

@@ -1,0 +1,90 @@
+"""The layers the decoder is built from, with nothing of one family in them.
+
+`Linear` (every GEMM through `linear`, the CPU's choice of kernel), `RMSNorm` (fp32,
+fused with the residual add; one Triton kernel on CUDA), and the two tensor-parallel
+layers that end in an all-reduce: `RowParallelLinear` and `VocabParallelEmbedding`
+(executor/model/parallel.py has the layout). A new model family builds its attention
+block and MLP from these.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.executor.model.linear import linear
+from pagellm.executor.model.parallel import TensorParallel
+from pagellm.kernels import fused_for
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, optionally fused with the residual add before it."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual); x: [..., size]. On CUDA a [T, size]
+        x takes one fused kernel (kernels/triton_fused.py) instead of nine."""
+        fused = fused_for(x) if x.dim() == 2 else None
+        if fused is not None:
+            return fused.rms_norm(x, self.weight, self.eps, residual)
+        return self.reference(x, residual)
+
+    def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` in torch ops: the CPU path and the fused kernel's reference."""
+        if residual is not None:
+            x = x + residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype), x
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T (+ b) where each rank holds W's columns for its slice of x: the partial
+    products are summed by one all-reduce, then the (replicated) bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 tp: TensorParallel) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in_features] (this rank's slice) -> [T, out_features] (the full sum)."""
+        if self.tp.size == 1:
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds `tp.vocab_size` rows from `tp.vocab_start`; ids outside them look
+    up zeros, and one all-reduce assembles every token's row."""
+
+    def __init__(self, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(tp.vocab_size, hidden_size))
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> [T, hidden_size]."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.tp.vocab_start
+        outside = (local < 0) | (local >= self.tp.vocab_size)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))

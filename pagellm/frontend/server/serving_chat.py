@@ -1,0 +1,96 @@
+"""`OpenAIServingChat`: POST /v1/chat/completions over the shared `OpenAIServing`.
+
+What is the chat API's own: the conversation rendered to one prompt (by the shared
+`_chat_prompt`, which /tokenize uses too), the assistant's message as each choice, the
+prompt's fields on the response (a chat has one prompt), and in a stream the role sent
+first per choice, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagellm.frontend.input_processor import ProcessedRequest
+from pagellm.frontend.outputs import CompletionOutput, RequestOutput
+from pagellm.frontend.server.api_models import ChatCompletionRequest
+from pagellm.frontend.server.edge import bad_request
+from pagellm.frontend.server.formatting import chat_logprobs, prompt_logprobs_json, usage
+from pagellm.frontend.server.serving import OpenAIServing
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The /v1/chat/completions handler."""
+
+    async def chat(self, body: ChatCompletionRequest) -> Any:
+        self.check_model(body.model)
+        try:
+            body.check_supported()
+            top = (body.top_logprobs or 0) if body.logprobs else None
+            params = body.sampling_params(body.completion_limit, top, body.prompt_logprobs)
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from None
+        prompt_ids = await self._chat_prompt(
+            body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+            body.chat_template, body.continue_final_message, body.add_special_tokens)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        processed = await self._process([{"prompt_token_ids": prompt_ids}], params,
+                                        request_id, body.priority, body.cache_salt)
+        header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                  "model": self.name}
+        if body.stream:
+            return self._stream_chat(processed, header, body)
+        final = None
+        async for _, out in self._run_all(processed):
+            final = out
+        assert final is not None
+        # Off the event loop: up to --max-response-entries logprob entries to build.
+        choices = await asyncio.to_thread(self._chat_choices, final, body)
+        completion = sum(len(c.token_ids) for c in final.outputs)
+        # vLLM puts the prompt's fields on the response: a chat has one prompt.
+        return {**header, "choices": choices, "usage": usage(processed, completion),
+                "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs),
+                "prompt_token_ids": final.prompt_token_ids if body.return_token_ids
+                else None}
+
+    @staticmethod
+    def _chat_choices(final: RequestOutput, body: ChatCompletionRequest
+                      ) -> list[dict[str, Any]]:
+        return [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                 "logprobs": chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0,
+                                           body.return_tokens_as_token_ids)
+                 if body.logprobs else None,
+                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                 "token_ids": list(c.token_ids) if body.return_token_ids else None}
+                for c in final.outputs]
+
+    def _stream_chat(self, processed: list[ProcessedRequest], header: dict[str, Any],
+                     body: ChatCompletionRequest) -> AsyncIterator[str]:
+        started: set[int] = set()
+
+        def chunks(_: int, out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
+            payloads = []
+            if c.index not in started:  # the role first, as OpenAI does
+                started.add(c.index)
+                first: dict[str, Any] = {"choices": [{
+                    "index": c.index, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]}
+                if body.return_token_ids:
+                    first["prompt_token_ids"] = out.prompt_token_ids
+                payloads.append(first)
+            choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                      "logprobs": chat_logprobs(c.token_ids, c.logprobs,
+                                                body.top_logprobs or 0,
+                                                body.return_tokens_as_token_ids)
+                      if body.logprobs else None,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if body.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            payloads.append({"choices": [choice]})
+            return payloads
+
+        return self._events(processed, {**header, "object": "chat.completion.chunk"},
+                            body, chunks)
