@@ -4,10 +4,15 @@
 
 The design's five parts are subpackages, imported one way (frontend -> enginecore ->
 executor -> kernels, each may import protocol): `pagellm.frontend` (LLM, AsyncLLM,
-tokenization, the OpenAI server, the CLI), `pagellm.enginecore` (the step loop, the
-scheduler, the KV-cache manager, the engine-core process), `pagellm.executor` (the
-model runner, models, weights, sampling), `pagellm.kernels` (Triton kernels and their
-torch references) and `pagellm.protocol` (the messages both processes speak).
+tokenization, the engine-core clients, the OpenAI server, the CLI),
+`pagellm.enginecore` (the step loop, the scheduler, the KV-cache manager, the
+engine-core process), `pagellm.executor` (the process layer, one rank's worker, the
+model), `pagellm.kernels` (Triton kernels and their torch references) and
+`pagellm.protocol` (the messages both processes speak); beside them `pagellm.transport`
+(ZeroMQ sockets, CURVE), `pagellm.weights` (weight updates: the sender, the trainer's
+side) and `pagellm.demo` (the demo model). `pagellm.inputs` and
+`pagellm.sampling_params` are vLLM's import paths for the prompt forms and
+SamplingParams.
 
 The names below are imported on first use (PEP 562), so `import pagellm.protocol` in
 the engine-core process does not load the frontend.
@@ -34,9 +39,11 @@ _PUBLIC = {
     "SamplingParams": "pagellm.protocol.sampling_params",
     "RequestOutputKind": "pagellm.protocol.sampling_params",
     "EngineArgs": "pagellm.protocol.engine_args",
+    "AsyncEngineArgs": "pagellm.protocol.engine_args",
 }
 
-__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineArgs", "EngineDeadError", "Logprob",
+__all__ = ["LLM", "AsyncEngineArgs", "AsyncLLM", "CompletionOutput", "EngineArgs",
+           "EngineDeadError", "Logprob",
            "PromptType", "RequestOutput", "RequestOutputKind", "SamplingParams", "TextPrompt",
            "TokensPrompt", "__version__"]
 
@@ -46,7 +53,7 @@ if TYPE_CHECKING:
     from pagellm.frontend.input_processor import PromptType, TextPrompt, TokensPrompt
     from pagellm.frontend.llm import LLM
     from pagellm.frontend.outputs import CompletionOutput, Logprob, RequestOutput
-    from pagellm.protocol.engine_args import EngineArgs
+    from pagellm.protocol.engine_args import AsyncEngineArgs, EngineArgs
     from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 

@@ -173,7 +173,8 @@ def test_imports_point_one_way():
 
 
 @pytest.mark.parametrize("module", ["pagellm", "pagellm.protocol", "pagellm.enginecore.scheduler",
-                                    "pagellm.enginecore.kv_cache_manager"])
+                                    "pagellm.enginecore.kv_cache_manager",
+                                    "pagellm.inputs", "pagellm.sampling_params"])
 def test_pure_python_modules_import_without_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -35,6 +35,7 @@ from pagellm.frontend.engine_client.core_client import (
     EngineDeadError,
 )
 from pagellm.frontend.engine_client.factory import make_client
+from pagellm.frontend.generation_config import default_sampling_fields
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.outputs import RequestOutput
@@ -81,11 +82,16 @@ class AsyncLLM:
         configure_logging()
         self.engine_args = args = resolve_model(args)
         self.tokenizer = tokenizer_for(args)
+        # The model's sampling defaults (generation_config): the server applies them to
+        # every field a request leaves unset.
+        self.default_sampling_fields = default_sampling_fields(args.model,
+                                                               args.generation_config)
         self.engine_core = make_client(args, asyncio_mode=True, engine_address=engine_address,
                                        curve=curve)
         self.info = self.engine_core.info
-        self.input_processor = InputProcessor(self.tokenizer, self.info,
-                                              generation_eos_token_ids(args.model))
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.info, generation_eos_token_ids(args.model),
+            self.default_sampling_fields.get("max_tokens"))
         self.output_processor = OutputProcessor(self.tokenizer)
         # How long after the engine produced them outputs are processed here (mean of
         # recent batches; engine and frontend share time.monotonic() on one host).

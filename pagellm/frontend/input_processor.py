@@ -46,9 +46,12 @@ class TextPrompt(_Text, total=False):
 
 
 class TokensPrompt(_Tokens, total=False):
-    """vLLM's token-id prompt form: {"prompt_token_ids": [...]} (and a cache_salt)."""
+    """vLLM's token-id prompt form: {"prompt_token_ids": [...]} (and a cache_salt); the
+    text the ids came from may ride along as "prompt" (vLLM's field: outputs report it,
+    the ids are what is computed)."""
 
     cache_salt: str
+    prompt: str
 
 
 # A prompt: text, or one of the two dict forms.
@@ -84,11 +87,14 @@ def max_token_chars(tokenizer: Any) -> int:
 
 class InputProcessor:
     def __init__(self, tokenizer: Any | None, info: EngineInfo,
-                 generation_eos_ids: list[int] | None = None) -> None:
+                 generation_eos_ids: list[int] | None = None,
+                 default_max_tokens: int | None = None) -> None:
         """tokenizer None (skip_tokenizer_init): token-id prompts only, and EOS comes from
-        generation_config.json alone."""
+        generation_config.json alone. `default_max_tokens` (the model's max_new_tokens)
+        caps a request that leaves max_tokens unset (else it runs to max_model_len)."""
         self.tokenizer = tokenizer
         self.info = info
+        self.default_max_tokens = default_max_tokens
         eos_ids = list(generation_eos_ids or ())
         self.eos_token_id: int | None = (tokenizer.eos_token_id if tokenizer is not None
                                          else (eos_ids[0] if eos_ids else None))
@@ -176,11 +182,10 @@ class InputProcessor:
         cache_salt = None
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
-            sources = {"prompt", "prompt_token_ids"} & set(prompt)
-            if unknown or len(sources) != 1:
-                raise ValueError("a prompt dict takes exactly one of 'prompt' or "
-                                 "'prompt_token_ids' (and optionally 'cache_salt'), got keys "
-                                 f"{sorted(prompt)}")
+            if unknown or not {"prompt", "prompt_token_ids"} & set(prompt):
+                raise ValueError("a prompt dict takes 'prompt' or 'prompt_token_ids' (a "
+                                 "token prompt may carry its 'prompt' text too; and "
+                                 f"optionally 'cache_salt'), got keys {sorted(prompt)}")
             cache_salt = prompt.get("cache_salt")
             if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
                                            or len(cache_salt) > MAX_CACHE_SALT_CHARS):
@@ -188,7 +193,12 @@ class InputProcessor:
                                  f"{MAX_CACHE_SALT_CHARS} characters, got "
                                  f"{str(cache_salt)[:40]!r}")
             if "prompt_token_ids" in prompt:
-                return None, self._check_token_ids(prompt["prompt_token_ids"]), cache_salt
+                text = prompt.get("prompt")
+                if text is not None and not (isinstance(text, str)
+                                             and len(text) <= self.max_prompt_chars):
+                    raise ValueError(f"a token prompt's 'prompt' must be its text, at most "
+                                     f"{self.max_prompt_chars} characters")
+                return text, self._check_token_ids(prompt["prompt_token_ids"]), cache_salt
             prompt = prompt["prompt"]
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a string or a dict with 'prompt' or "
@@ -238,6 +248,8 @@ class InputProcessor:
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = max_len - prompt_len
+            if self.default_max_tokens is not None:
+                max_tokens = min(max_tokens, self.default_max_tokens)
         elif prompt_len + max_tokens > max_len:
             raise ValueError(f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) "
                              f"exceeds max_model_len ({max_len})")

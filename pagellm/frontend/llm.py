@@ -17,6 +17,7 @@ from pagellm.frontend.engine_client.core_client import (
 )
 from pagellm.frontend.engine_client.factory import make_client
 from pagellm.frontend.engine_client.inproc_client import InprocClient
+from pagellm.frontend.generation_config import default_sampling_fields
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.outputs import RequestOutput
@@ -54,12 +55,15 @@ class LLM:
         args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.engine_args = args = resolve_model(args)
         self.tokenizer = tokenizer_for(args)
+        self.default_sampling_fields = default_sampling_fields(args.model,
+                                                               args.generation_config)
         self.engine_core = make_client(
             args, asyncio_mode=False, multiprocess=multiprocess, engine_address=engine_address,
             curve=CurveClientKeys.from_paths(curve_secret_key, curve_server_public_key))
         self.info = self.engine_core.info
-        self.input_processor = InputProcessor(self.tokenizer, self.info,
-                                              generation_eos_token_ids(args.model))
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.info, generation_eos_token_ids(args.model),
+            self.default_sampling_fields.get("max_tokens"))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 
@@ -81,13 +85,13 @@ class LLM:
         prompts: a string, {"prompt": ...} or {"prompt_token_ids": [...]} (either may add
             "cache_salt"), or a list of those.
         sampling_params: one for all prompts or a list with one per prompt; n > 1 gives
-            n completions per prompt.
+            n completions per prompt. None: `get_default_sampling_params()`.
         priority: one per prompt, for scheduling_policy="priority" (lower first).
         """
         engine_core = self._client()
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         elif not isinstance(sampling_params, (list, tuple)):
@@ -148,10 +152,20 @@ class LLM:
                     isinstance(m, dict) and "role" in m for m in conversation):
                 raise TypeError("messages must be a list of {'role': ..., 'content': ...} "
                                 "dicts, or a list of such lists")
-            ids = self.tokenizer.apply_chat_template(conversation, tokenize=True,
-                                                     return_dict=False, **template_args)
-            prompts.append({"prompt_token_ids": list(ids)})
+            # Rendered, then encoded without the tokenizer's own specials (the template
+            # has them): the ids transformers' tokenize=True gives, and the text the
+            # outputs report as their prompt (vLLM's).
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                      **template_args)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt_token_ids": list(ids), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no params (vLLM's): the model's
+        generation_config.json defaults (`generation_config` option), else
+        SamplingParams()'s."""
+        return SamplingParams(**self.default_sampling_fields)
 
     def get_tokenizer(self) -> Any:
         """The tokenizer prompts are encoded with (vLLM's method). ValueError with

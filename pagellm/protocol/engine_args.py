@@ -51,6 +51,7 @@ MAX_PARALLEL = 256
 # Most requests running at once: per-request rows of the input batch are preallocated,
 # so a count beyond any real use would be an allocation failure, not a setting.
 MAX_NUM_SEQS = 2**20
+MAX_PATH_CHARS = 4096  # PATH_MAX: generation_config names a directory
 
 
 def check_weight_transfer_config(config: Any) -> None:
@@ -165,6 +166,19 @@ class EngineArgs:
     max_seq_len_to_capture: int = _opt(
         8192, "Accepted for vLLM compatibility (>= 1): pagellm's decode CUDA graphs serve "
         "every sequence length, so there is no length past which steps run eagerly.")
+    generation_config: str = _opt(
+        "auto", "Where the default sampling parameters come from (vLLM's): 'auto' the "
+        "model directory's generation_config.json (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens), 'vllm' none of it, or a directory holding "
+        "one. A request's own values win; max_new_tokens caps max_tokens.")
+    model_impl: str = _opt(
+        "auto", "Only 'auto' or 'vllm': pagellm's own decoder serves the model (no "
+        "transformers fallback).")
+    enable_lora: bool = _opt(
+        False, "Only false: LoRA adapters are not served yet (issue 42).")
+    async_scheduling: bool = _opt(
+        False, "Only false: each step's scheduling waits for the previous step's outputs "
+        "(issue 45).")
     # -- past one device (vLLM's ParallelConfig names) --------------------------------
     tensor_parallel_size: int = field(default=1, metadata={
         "alias": "-tp", "help": "Worker processes that each hold 1/N of the model (attention "
@@ -248,6 +262,10 @@ class EngineArgs:
             raise ValueError("worker_extension_cls must be 'package.module.Class', got "
                              f"{self.worker_extension_cls!r}")
         check_float("swap_space", self.swap_space, minimum=0.0)
+        if not (isinstance(self.generation_config, str)
+                and 0 < len(self.generation_config) <= MAX_PATH_CHARS):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got "
+                             f"{str(self.generation_config)[:80]!r}")
         check_int("max_seq_len_to_capture", self.max_seq_len_to_capture, minimum=1,
                   maximum=INT32_MAX)
         for name, (supported, why) in _SUPPORTED.items():
@@ -299,6 +317,11 @@ class EngineArgs:
         return cli_args.from_cli_args(cls, namespace)
 
 
+
+# vLLM's name for the options an AsyncLLM takes (`AsyncLLM.from_engine_args`): the same
+# options here (vLLM's adds request logging, which pagellm does not do).
+AsyncEngineArgs = EngineArgs
+
 # The vLLM options above that take only some of vLLM's values: name -> (the values
 # accepted, why the others are not).
 _SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -310,6 +333,9 @@ _SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "tokenizer_revision": ((None,), "the tokenizer is a local directory, which has no Hub "
                            "revision"),
     "tokenizer_mode": (("auto",), "the tokenizer is the one AutoTokenizer loads"),
+    "model_impl": (("auto", "vllm"), "pagellm's own decoder serves the model"),
+    "enable_lora": ((False,), "LoRA adapters are not served yet"),
+    "async_scheduling": ((False,), "scheduling waits for each step's outputs"),
 }
 # Flags whose default is None (unset) rather than a bool.
 _OPTIONAL_FLAGS = frozenset({"enable_chunked_prefill"})

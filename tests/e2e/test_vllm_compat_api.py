@@ -24,6 +24,26 @@ KV = 8 * 2**20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
+def test_vllms_import_paths_name_the_same_objects(model_dirs, make_llm):
+    """Issue 39: a script ported by replacing `vllm` with `pagellm` imports the prompt
+    forms from .inputs and SamplingParams from .sampling_params, and they work there."""
+    import pagellm
+    from pagellm.inputs import PromptType, TextPrompt, TokensPrompt
+    from pagellm.sampling_params import RequestOutputKind as Kind
+    from pagellm.sampling_params import SamplingParams as Params
+
+    assert (Params, Kind) == (SamplingParams, RequestOutputKind)
+    assert (TextPrompt, TokensPrompt, PromptType) == (
+        pagellm.TextPrompt, pagellm.TokensPrompt, pagellm.PromptType)
+    llm = make_llm(model_dirs["llama"])
+    ids = llm.tokenizer.encode("Hello there")
+    by_text, by_ids = llm.generate([TextPrompt(prompt="Hello there"),
+                                    TokensPrompt(prompt_token_ids=ids)],
+                                   Params(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert by_text.prompt_token_ids == by_ids.prompt_token_ids == ids
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+
+
 @pytest.fixture(scope="module")
 def hf_model(model_dirs):
     from transformers import AutoModelForCausalLM

@@ -277,6 +277,9 @@ def test_chat_applies_the_template_with_a_generation_prompt(llama):
     template = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
     expected_ids = llama.tokenizer.encode(template + "<|im_start|>assistant\n")
     assert out.prompt_token_ids == expected_ids
+    assert out.prompt_token_ids == llama.tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=False, add_generation_prompt=True)
+    assert out.prompt == template + "<|im_start|>assistant\n"  # issue 39: was None
     direct = llama.generate({"prompt_token_ids": expected_ids}, GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == direct.outputs[0].token_ids
     two = llama.chat([messages, messages[1:]], GREEDY, use_tqdm=False)
@@ -295,6 +298,7 @@ BAD_INPUTS = [
     ({"prompt_token_ids": [1, "2"]}, GREEDY, TypeError, "prompt_token_ids"),
     ({"prompt_token_ids": [1, 2.0]}, GREEDY, TypeError, "prompt_token_ids"),
     ({"prompt_token_ids": "1 2 3"}, GREEDY, TypeError, "prompt_token_ids"),
+    ({"prompt_token_ids": [1, 2], "prompt": 5}, GREEDY, ValueError, "'prompt' must be its"),
     ({"prompt_ids": [1]}, GREEDY, ValueError, "prompt_token_ids"),
     (42, GREEDY, TypeError, "prompt"),
     ("bad \ud800 surrogate", GREEDY, ValueError, "prompt"),

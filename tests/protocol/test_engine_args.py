@@ -31,3 +31,30 @@ def test_cli_takes_the_rl_options_as_vllm_spells_them():
         with pytest.raises(ValueError, match="init_timeout_s"):
             EngineArgs(model="m", weight_transfer_config={"backend": "nccl",
                                                           "init_timeout_s": bad})
+
+
+def test_the_options_trl_passes_are_accepted_and_what_is_not_served_is_named():
+    """Issue 39: TRL's vLLM engine passes model_impl, generation_config,
+    enable_lora=False and async_scheduling=False; they raised TypeError. Values this
+    engine would not honour are refused naming the option, never dropped."""
+    import argparse
+
+    from pagellm import AsyncEngineArgs
+    from pagellm.protocol.engine_args import EngineArgs
+
+    args = EngineArgs.from_kwargs(model="m", model_impl="vllm", generation_config="vllm",
+                                  enable_lora=False, async_scheduling=False)
+    assert (args.model_impl, args.generation_config) == ("vllm", "vllm")
+    assert AsyncEngineArgs is EngineArgs  # vLLM's name for AsyncLLM.from_engine_args
+    for name, bad in (("enable_lora", True), ("async_scheduling", True),
+                      ("model_impl", "transformers")):
+        with pytest.raises(ValueError, match=f"{name}=.* is not supported"):
+            EngineArgs(model="m", **{name: bad})
+    for bad in (5, "", "x" * 5000):
+        with pytest.raises(ValueError, match="generation_config must be"):
+            EngineArgs(model="m", generation_config=bad)
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    parsed = EngineArgs.from_cli_args(parser.parse_args(
+        ["--model", "m", "--generation-config", "/models/gen", "--model-impl", "vllm"]))
+    assert parsed.generation_config == "/models/gen" and parsed.model_impl == "vllm"
+    assert EngineArgs.from_cli_args(parser.parse_args(parsed.to_cli_args())) == parsed

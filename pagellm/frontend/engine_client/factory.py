@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # the vLLM options that change nothing anywhere (vLLM scripts pass them to every engine).
 FRONTEND_OPTIONS = frozenset({"model", "tokenizer", "skip_tokenizer_init",
                               "trust_remote_code", "disable_log_stats", "swap_space",
-                              "max_seq_len_to_capture"})
+                              "max_seq_len_to_capture", "generation_config", "model_impl"})
 
 
 @overload

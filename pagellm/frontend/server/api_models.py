@@ -6,15 +6,18 @@ are accepted and named once in the log (extra_fields.py), as vLLM does, so clien
 written for other servers work unchanged. Fields of OpenAI's API that change nothing
 here (user, service_tier, store, metadata) are accepted and ignored. Features we do not
 serve, where ignoring them would silently change the results a client asked for, are
-refused by name: tools, functions, response_format other than text, suffix, best_of
-other than n, beam search, guided decoding (guided_*, structured_outputs), logits
-processors, and chat's echo and documents. vLLM's extra sampling and output fields are
+refused by name, on every route: tool calls (tools are rendered into the chat prompt
+with tool_choice "none" only), functions, response_format other than text, suffix,
+best_of other than n, beam search, guided decoding (guided_*, structured_outputs),
+logits processors, and chat's echo and documents. A chat history's names, tool calls
+and tool results reach the chat template as vLLM passes them. vLLM's extra sampling and output fields are
 served (prompt_logprobs, return_token_ids, return_tokens_as_token_ids,
 add_special_tokens, continue_final_message, continuous_usage_stats).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -99,22 +102,28 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             raise ValueError("prompt_logprobs is not available with stream=true")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """Defaults follow OpenAI's (temperature 1, top_p 1), not greedy."""
+                        prompt_logprobs: int | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the model's (generation_config), for the sampling fields this
+        request leaves unset; beyond them OpenAI's (temperature 1, top_p 1), not
+        greedy. (The model's max_new_tokens caps an unset max_tokens in the
+        InputProcessor, which knows the room the prompt leaves.)"""
         bias = None
         if self.logit_bias is not None:
             if len(self.logit_bias) > MAX_TOKEN_IDS:  # before the loop: it runs on the
                 raise ValueError(f"logit_bias has {len(self.logit_bias)} entries, "  # loop
                                  f"more than {MAX_TOKEN_IDS}")
             bias = {}
-            for key, value in self.logit_bias.items():
+            for key, bias_value in self.logit_bias.items():
                 if not _TOKEN_ID_KEY.fullmatch(key):  # ASCII: str.isdigit takes "²"
                     raise ValueError(f"logit_bias keys must be token ids (decimal "
                                      f"integers), got {key[:24]!r}")
-                bias[int(key)] = value
+                bias[int(key)] = bias_value
         extra: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            value = getattr(self, name)
+            value: Any = getattr(self, name)
+            if value is None and defaults is not None:
+                value = defaults.get(name)
             if value is not None:
                 extra[name] = value
         return SamplingParams(
@@ -152,6 +161,11 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. on text prompts
+    # Fields that constrain the output: named here so they never take the unknown-field
+    # path (a 200 with free text would be silently wrong); refused in check_supported.
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def prompts(self) -> list[str | dict[str, Any]]:
         """Each prompt as the InputProcessor takes it (text, or token ids)."""
@@ -177,6 +191,11 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
     def check_supported(self) -> None:
         self.check_served()
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError("response_format: structured outputs are not supported by "
+                             "this server")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError("tools: tool calling is not supported on /v1/completions")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must be absent or equal n)")
         if self.echo and self.stream:
@@ -187,6 +206,21 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it (vLLM's): role and text, plus name,
+        tool_call_id and tool_calls when given, each call's JSON `arguments` parsed
+        (templates render them with tojson)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            message["tool_calls"] = [_template_call(call) for call in self.tool_calls]
+        return message
 
     def text(self) -> str:
         """The message's text; content parts must all be text."""
@@ -201,6 +235,21 @@ class ChatMessage(msgspec.Struct):
                                  f"{part.get('type')!r}")
             texts.append(part["text"])
         return "".join(texts)
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call with its arguments parsed when they are a JSON object (as OpenAI
+    sends them: a string), else as given."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -231,8 +280,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both "
                              "be true (set add_generation_prompt to false)")
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise ValueError("tools are not supported")
+        if self.tool_choice not in (None, "none") or (self.tools and self.tool_choice is None):
+            raise ValueError("tools: tool calling is not supported yet (tool_choice 'none' "
+                             "renders the tools into the prompt without calls)")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ValueError("response_format other than text is not supported")
         if self.top_logprobs is not None and not self.logprobs:

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -196,10 +197,20 @@ def _add_info_routes(app: FastAPI, engine: AsyncLLM, options: ServerOptions,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        """vLLM's model card: OpenAI's fields, plus root, parent (no adapters: null),
+        max_model_len and one permission entry (clients that parse OpenAI's older
+        schema require it)."""
+        created = int(time.time())
+        permission = {
+            "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+            "created": created, "allow_create_engine": False, "allow_sampling": True,
+            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+            "allow_fine_tuning": False, "organization": "*", "group": None,
+            "is_blocking": False}
         return {"object": "list", "data": [{
-            "id": options.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "pagellm", "root": engine.engine_args.model,
-            "max_model_len": engine.info.max_model_len}]}
+            "id": options.served_model_name, "object": "model", "created": created,
+            "owned_by": "pagellm", "root": engine.engine_args.model, "parent": None,
+            "max_model_len": engine.info.max_model_len, "permission": [permission]}]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -43,6 +43,17 @@ logger = logging.getLogger("pagellm")
 MAX_MESSAGES = 2**16
 
 
+
+def _json_chars(value: Any) -> int:
+    """Characters (not UTF-8 bytes: the limit is in characters) of `value` as JSON."""
+    return 0 if value is None else len(msgspec.json.encode(value).decode())
+
+
+def _template_chars(message: dict[str, Any]) -> int:
+    """The characters of one template message a template may render."""
+    return (len(message["role"]) + len(message["content"]) + len(message.get("name") or "")
+            + len(message.get("tool_call_id") or "") + _json_chars(message.get("tool_calls")))
+
 class OpenAIServing:
     """Request handling shared by the routes; the completions and chat handlers are its
     subclasses."""
@@ -105,7 +116,8 @@ class OpenAIServing:
     async def _chat_prompt(self, messages: list[Any], add_generation_prompt: bool,
                            kwargs: dict[str, Any] | None, template: str | None,
                            continue_final_message: bool = False,
-                           add_special_tokens: bool = False) -> list[int]:
+                           add_special_tokens: bool = False,
+                           tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The conversation's prompt ids: the model's chat template on the tokenizer
         thread, or a template from the request in the sandbox (if trusted), rendered to
         text and then tokenized (with the tokenizer's special tokens only if asked: the
@@ -116,15 +128,16 @@ class OpenAIServing:
         if len(messages) > MAX_MESSAGES:  # before the loop below, which runs on the loop
             raise bad_request(f"messages: {len(messages)} messages, more than {MAX_MESSAGES}")
         try:
-            conversation = [{"role": m.role, "content": m.text()} for m in messages]
+            conversation = [m.template_message() for m in messages]
         except ValueError as e:
             raise bad_request(str(e)) from None
-        # Bounded before rendering (every string the template may render) and again
-        # before tokenizing (what the template made of them): tokenizing runs on the one
-        # tokenizer thread that every request shares.
-        self.check_prompt_chars("messages", sum(len(m["role"]) + len(m["content"])
-                                                for m in conversation)
-                                + len(msgspec.json.encode(kwargs or {})))
+        # Bounded before rendering (every string the template may render: roles, texts,
+        # names, tool calls, tools, variables) and again before tokenizing (what the
+        # template made of them): tokenizing runs on the one tokenizer thread that
+        # every request shares.
+        self.check_prompt_chars("messages", sum(map(_template_chars, conversation))
+                                + len(msgspec.json.encode(kwargs or {}))
+                                + _json_chars(tools))
         kwargs = dict(kwargs or {})
         if "chat_template" in kwargs:
             template = kwargs.pop("chat_template")
@@ -132,6 +145,8 @@ class OpenAIServing:
         if reserved:
             raise bad_request(f"chat_template_kwargs may only set template variables, not "
                               f"{', '.join(reserved)}")
+        if tools is not None:  # the request's own field (kwargs may not set it)
+            kwargs["tools"] = tools
         if template is not None and not self.options.trust_request_chat_template:
             raise bad_request("chat templates from requests are refused (start the server "
                               "with --trust-request-chat-template to allow them)")

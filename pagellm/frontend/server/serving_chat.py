@@ -30,12 +30,14 @@ class OpenAIServingChat(OpenAIServing):
         try:
             body.check_supported()
             top = (body.top_logprobs or 0) if body.logprobs else None
-            params = body.sampling_params(body.completion_limit, top, body.prompt_logprobs)
+            params = body.sampling_params(body.completion_limit, top, body.prompt_logprobs,
+                                          self.engine.default_sampling_fields)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
         prompt_ids = await self._chat_prompt(
             body.messages, body.add_generation_prompt, body.chat_template_kwargs,
-            body.chat_template, body.continue_final_message, body.add_special_tokens)
+            body.chat_template, body.continue_final_message, body.add_special_tokens,
+            body.tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         processed = await self._process([{"prompt_token_ids": prompt_ids}], params,
                                         request_id, body.priority, body.cache_salt)

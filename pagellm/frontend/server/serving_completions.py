@@ -39,7 +39,8 @@ class OpenAIServingCompletion(OpenAIServing):
             if prompt_logprobs is None and body.echo:
                 prompt_logprobs = body.logprobs  # echoed tokens carry their logprobs
             params = body.sampling_params(1 if body.score_only else body.max_tokens,
-                                          body.logprobs, prompt_logprobs)
+                                          body.logprobs, prompt_logprobs,
+                                          self.engine.default_sampling_fields)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
         texts = [p if isinstance(p, str) else None for p in prompts]

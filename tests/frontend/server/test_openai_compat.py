@@ -142,6 +142,12 @@ UNSERVED = [
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True},
      "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    # Issue 39: these took the unknown-field path on /v1/completions (a 200, free text).
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}},
+     "response_format"),
+    ("/v1/completions", {"prompt": "x", "tools": [{"type": "function", "function": {
+        "name": "f"}}]}, "tools"),
+    ("/v1/completions", {"prompt": "x", "tool_choice": "required"}, "tools"),
     ("/v1/chat/completions", {"messages": USER, "echo": True}, "echo"),
     ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"messages": USER, "documents": [{"text": "d"}]}, "documents"),
@@ -157,7 +163,8 @@ def test_fields_that_would_silently_change_results_are_400s_naming_them(server):
         assert name in response["error"]["message"], (body, response)
     status, response = server.post("/v1/completions", {
         "model": NAME, "prompt": "x", "max_tokens": 2, "use_beam_search": False,
-        "best_of": 1, "guided_json": None})
+        "best_of": 1, "guided_json": None, "response_format": {"type": "text"},
+        "tool_choice": "none"})
     assert status == 200, response  # defaults are fine
 
 
@@ -195,6 +202,19 @@ def test_tokenizer_info_describes_the_tokenizer(server, tokenizer):
     _, models = server.get("/v1/models")
     assert info["model_max_length"] <= json.loads(models)["data"][0]["max_model_len"]
     assert not any(key.endswith("_file") for key in info)
+
+
+def test_the_model_card_has_vllms_fields(server):
+    """Issue 39: vLLM's /v1/models has parent and a permission entry; clients that
+    parse OpenAI's older schema need them."""
+    status, data = server.get("/v1/models")
+    card = json.loads(data)["data"][0]
+    assert status == 200 and card["id"] == NAME and card["parent"] is None
+    [permission] = card["permission"]
+    assert permission["object"] == "model_permission"
+    assert permission["id"].startswith("modelperm-")
+    assert permission["allow_sampling"] is True and permission["allow_logprobs"] is True
+    assert permission["organization"] == "*" and permission["group"] is None
 
 
 # --- echo and prompt logprobs ---------------------------------------------------------

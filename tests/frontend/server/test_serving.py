@@ -87,3 +87,49 @@ def test_a_stream_the_engine_refuses_ends_with_an_error_event(dev_server):
         assert error["code"] == 503 and "sleeping" in error["message"], error
     finally:
         assert dev_server.request("POST", "/wake_up")[0] == 200
+
+
+# A template that shows every field a tool conversation carries (the demo model's own
+# ChatML template renders role and content alone).
+TOOL_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}{% if m.name %}:{{ m.name }}{% endif %}"
+    "{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}]{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}<call {{ c['function']['name'] }} "
+    "{{ c['function']['arguments'] | tojson }}>{% endfor %}{% endfor %}"
+    "{% for t in tools or [] %}<tool {{ t['function']['name'] }}>{% endfor %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}}}}
+TOOL_HISTORY = [
+    {"role": "user", "name": "ana", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+
+
+def test_a_tool_conversation_reaches_the_template_whole(guarded, model_dirs):
+    """Issue 39: name, an assistant's tool_calls and a tool message's tool_call_id were
+    dropped before the chat template (role and content alone reached it), and tools
+    with tool_choice "none" were a 400. Reference: transformers' apply_chat_template on
+    the conversation as vLLM hands it over (each call's JSON arguments parsed)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs["llama"])  # the server's model
+    status, response = post(guarded, "/v1/chat/completions", {
+        "model": NAME, "messages": TOOL_HISTORY, "tools": [WEATHER], "tool_choice": "none",
+        "chat_template": TOOL_TEMPLATE, "max_tokens": 1, "return_token_ids": True})
+    assert status == 200, response
+    conversation = json.loads(json.dumps(TOOL_HISTORY))
+    conversation[1]["content"] = ""
+    conversation[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    text = tokenizer.apply_chat_template(conversation, chat_template=TOOL_TEMPLATE,
+                                         tools=[WEATHER], tokenize=False)
+    assert "[tool#call_1]" in text and '<call get_weather {"city": "Paris"}>' in text
+    assert "[user:ana]" in text and text.endswith("<tool get_weather>")
+    assert response["prompt_token_ids"] == tokenizer.encode(text, add_special_tokens=False)
+    for body, named in (({"tools": [WEATHER]}, "tools"),  # "auto": calls need a parser
+                        ({"tools": [WEATHER], "tool_choice": "required"}, "tools")):
+        status, response = post(guarded, "/v1/chat/completions", {
+            "model": NAME, "messages": MESSAGES, "max_tokens": 1, **body})
+        assert status == 400 and named in response["error"]["message"], response

@@ -1,0 +1,6 @@
+"""vLLM's `vllm.sampling_params`, where scripts written for vLLM import from
+(`from pagellm.sampling_params import SamplingParams`)."""
+
+from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["RequestOutputKind", "SamplingParams"]
