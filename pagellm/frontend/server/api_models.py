@@ -10,9 +10,10 @@ refused by name, on every route: tool calls (tools are rendered into the chat pr
 with tool_choice "none" only), functions, response_format other than text, suffix,
 best_of other than n, beam search, guided decoding (guided_*, structured_outputs),
 logits processors, and chat's echo and documents. A chat history's names, tool calls
-and tool results reach the chat template as vLLM passes them. vLLM's extra sampling and output fields are
-served (prompt_logprobs, return_token_ids, return_tokens_as_token_ids,
-add_special_tokens, continue_final_message, continuous_usage_stats).
+and tool results reach the chat template as vLLM passes them. vLLM's extra sampling
+and output fields are served (prompt_logprobs, return_token_ids,
+return_tokens_as_token_ids, add_special_tokens, continue_final_message,
+continuous_usage_stats).
 """
 
 from __future__ import annotations
