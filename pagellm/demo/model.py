@@ -3,7 +3,7 @@
 pagellm has no network access in tests or CI, yet it has to be compared token for token
 against transformers on real model directories. This module makes such directories from
 nothing: a byte-level BPE tokenizer trained on text shipped with Python itself
-(demo_tokenizer.py), and a llama / qwen2 / qwen3 model with random (but deterministic)
+(demo/tokenizer.py), and a llama / qwen2 / qwen3 model with random (but deterministic)
 weights, saved exactly the way a checkpoint from the Hub is (config.json, safetensors,
 generation_config.json, tokenizer files and a ChatML chat template).
 

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 from conftest import PROMPTS, assert_no_leaks
-from helpers import ROOT, Server, free_port, stop
+from helpers import ROOT, SUPPORT, Server, free_port, stop
 
 from pagellm import LLM, EngineDeadError, SamplingParams
 from pagellm.executor.model.config import resolve_model_config
@@ -142,7 +142,7 @@ def test_sleep_wake_and_a_weight_update_reach_every_rank(model_dirs, monkeypatch
     from pagellm.executor.model.loader import iterate_safetensors, safetensors_files
 
     qwen3 = dict(iterate_safetensors(safetensors_files(model_dirs["qwen3"])))
-    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))  # workers import rl_extension
+    monkeypatch.setenv("PYTHONPATH", str(SUPPORT))  # workers import rl_extension
     with LLM(str(model_dirs["qwen3"]), tensor_parallel_size=2, kv_cache_memory_bytes=KV,
              enable_sleep_mode=True, weight_transfer_config={"backend": "ipc"},
              worker_extension_cls="rl_extension.Probe", multiprocess=False) as llm:
