@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagellm.demo.model import resolve_model
+from pagellm.frontend.chat_utils import template_messages
 from pagellm.frontend.engine_client.core_client import (
     UTILITY_TIMEOUT_S,
     EngineDeadError,
@@ -155,8 +156,8 @@ class LLM:
             # Rendered, then encoded without the tokenizer's own specials (the template
             # has them): the ids transformers' tokenize=True gives, and the text the
             # outputs report as their prompt (vLLM's).
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                      **template_args)
+            text = self.tokenizer.apply_chat_template(template_messages(conversation),
+                                                      tokenize=False, **template_args)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt_token_ids": list(ids), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -18,12 +18,12 @@ continuous_usage_stats).
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 import msgspec
 
+from pagellm.frontend.chat_utils import template_tool_call
 from pagellm.protocol.sampling_params import MAX_TOKEN_IDS, RequestOutputKind, SamplingParams
 
 
@@ -220,7 +220,7 @@ class ChatMessage(msgspec.Struct):
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls is not None:
-            message["tool_calls"] = [_template_call(call) for call in self.tool_calls]
+            message["tool_calls"] = [template_tool_call(call) for call in self.tool_calls]
         return message
 
     def text(self) -> str:
@@ -236,21 +236,6 @@ class ChatMessage(msgspec.Struct):
                                  f"{part.get('type')!r}")
             texts.append(part["text"])
         return "".join(texts)
-
-
-def _template_call(call: dict[str, Any]) -> dict[str, Any]:
-    """A tool call with its arguments parsed when they are a JSON object (as OpenAI
-    sends them: a string), else as given."""
-    function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
-        return call
-    if not isinstance(arguments, dict):
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
