@@ -30,22 +30,24 @@ from typing import Any, TypeVar
 from pagellm.demo.model import resolve_model
 from pagellm.frontend.engine_client.async_mp_client import in_loop
 from pagellm.frontend.engine_client.core_client import (
-    UTILITY_TIMEOUT_S,
     AsyncEngineCoreClient,
     EngineDeadError,
+    utility_timeout,
 )
 from pagellm.frontend.engine_client.factory import make_client
-from pagellm.frontend.generation_config import default_sampling_fields
+from pagellm.frontend.generation_config import (
+    default_sampling_fields,
+    generation_eos_token_ids,
+)
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.outputs import RequestOutput
-from pagellm.frontend.tokenizer import generation_eos_token_ids, tokenizer_for
+from pagellm.frontend.tokenizer import tokenizer_for
 from pagellm.logger import configure_logging
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.sampling_params import SamplingParams
 from pagellm.protocol.stats import EngineStats
-from pagellm.protocol.utility import SIGNATURES
 from pagellm.protocol.validation import check_float
 from pagellm.transport.curve import CurveClientKeys
 from pagellm.weights.sender import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update
@@ -258,9 +260,9 @@ class AsyncLLM:
 
     async def _utility(self, method: UtilityMethod, *args: Any) -> Any:
         """A utility call, waited for as long as its row says (`no_timeout`)."""
-        timeout = None if SIGNATURES[method].no_timeout else UTILITY_TIMEOUT_S
         self._ensure_output_handler()
-        return await self._client().call_utility_async(method, *args, timeout=timeout)
+        return await self._client().call_utility_async(method, *args,
+                                                       timeout=utility_timeout(method))
 
     @property
     def is_dead(self) -> bool:

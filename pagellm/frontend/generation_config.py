@@ -1,5 +1,6 @@
-"""The model's default sampling parameters (vLLM's `generation_config` option): what a
-request that leaves a field unset samples with.
+"""What a model's generation_config.json says, read in one place: its extra EOS ids, and
+its default sampling parameters (vLLM's `generation_config` option): what a request
+that leaves a field unset samples with.
 
 Chat models ship their recommended sampling in generation_config.json (Qwen2.5's
 temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05); vLLM applies the
@@ -22,17 +23,12 @@ FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min
 MAX_FILE_BYTES = 1 << 20  # Hugging Face's are under 1 KB
 
 
-def default_sampling_fields(model_dir: str, setting: str) -> dict[str, Any]:
-    """SamplingParams field -> default value, from `setting`: "auto" (the model
-    directory's generation_config.json, if it has one), "vllm" (none) or a directory
-    that must hold one. A value SamplingParams refuses is a ValueError naming the file."""
-    if setting == "vllm":
-        return {}
-    path = Path(model_dir if setting == "auto" else setting) / "generation_config.json"
+def read_generation_config(directory: str | Path) -> dict[str, Any] | None:
+    """The directory's generation_config.json as a dict, None if it has none; a file
+    that is too large, not JSON or not an object is a ValueError naming it."""
+    path = Path(directory) / "generation_config.json"
     if not path.is_file():
-        if setting == "auto":
-            return {}
-        raise ValueError(f"generation_config={setting!r}: no generation_config.json there")
+        return None
     if path.stat().st_size > MAX_FILE_BYTES:
         raise ValueError(f"{path} is larger than {MAX_FILE_BYTES} bytes")
     try:
@@ -41,10 +37,35 @@ def default_sampling_fields(model_dir: str, setting: str) -> dict[str, Any]:
         raise ValueError(f"{path} is not JSON: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} must hold a JSON object")
+    return config
+
+
+def generation_eos_token_ids(model_dir: str) -> list[int]:
+    """EOS ids from the model's generation_config.json (whatever `generation_config`
+    says: it chooses sampling defaults only); vLLM treats those beyond the tokenizer's
+    EOS as extra stop tokens (chat models list <|im_end|> there)."""
+    eos = (read_generation_config(model_dir) or {}).get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else [int(t) for t in eos]
+
+
+def default_sampling_fields(model_dir: str, setting: str) -> dict[str, Any]:
+    """SamplingParams field -> default value, from `setting`: "auto" (the model
+    directory's generation_config.json, if it has one), "vllm" (none) or a directory
+    that must hold one. A value SamplingParams refuses is a ValueError naming the file."""
+    if setting == "vllm":
+        return {}
+    directory = model_dir if setting == "auto" else setting
+    config = read_generation_config(directory)
+    if config is None:
+        if setting == "auto":
+            return {}
+        raise ValueError(f"generation_config={setting!r}: no generation_config.json there")
     fields = {ours: config[theirs] for theirs, ours in FIELDS.items()
               if config.get(theirs) is not None}
     try:
         SamplingParams(**fields)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise ValueError(f"{Path(directory) / 'generation_config.json'}: {e}") from None
     return fields

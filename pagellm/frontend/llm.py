@@ -12,23 +12,25 @@ from typing import Any
 from pagellm.demo.model import resolve_model
 from pagellm.frontend.chat_utils import template_messages
 from pagellm.frontend.engine_client.core_client import (
-    UTILITY_TIMEOUT_S,
     EngineDeadError,
     SyncEngineCoreClient,
+    utility_timeout,
 )
 from pagellm.frontend.engine_client.factory import make_client
 from pagellm.frontend.engine_client.inproc_client import InprocClient
-from pagellm.frontend.generation_config import default_sampling_fields
+from pagellm.frontend.generation_config import (
+    default_sampling_fields,
+    generation_eos_token_ids,
+)
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.outputs import RequestOutput
-from pagellm.frontend.tokenizer import generation_eos_token_ids, tokenizer_for
+from pagellm.frontend.tokenizer import tokenizer_for
 from pagellm.logger import configure_logging
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.protocol.stats import EngineStats
-from pagellm.protocol.utility import SIGNATURES
 from pagellm.protocol.validation import check_float
 from pagellm.transport.curve import CurveClientKeys
 from pagellm.weights.sender import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update
@@ -299,8 +301,7 @@ class LLM:
 
     def _utility(self, method: UtilityMethod, *args: Any) -> Any:
         """A utility call, waited for as long as its row says (`no_timeout`)."""
-        timeout = None if SIGNATURES[method].no_timeout else UTILITY_TIMEOUT_S
-        return self._client().call_utility(method, *args, timeout=timeout)
+        return self._client().call_utility(method, *args, timeout=utility_timeout(method))
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine_core = self._client()

@@ -1,8 +1,8 @@
-"""Tokenizer loading, and the generation defaults that travel with a model."""
+"""Tokenizer loading (the generation defaults that travel with a model are
+generation_config.py's)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +29,3 @@ def tokenizer_for(args: EngineArgs) -> Any:
     """The frontend's tokenizer (`tokenizer`, else the model's), None with
     skip_tokenizer_init."""
     return None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or args.model)
-
-
-def generation_eos_token_ids(model_dir: str) -> list[int]:
-    """EOS ids from generation_config.json; vLLM treats those beyond the tokenizer's EOS
-    as extra stop tokens (chat models list <|im_end|> there)."""
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return []
-    config: dict[str, Any] = json.loads(path.read_text())
-    eos = config.get("eos_token_id")
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else [int(t) for t in eos]

@@ -20,10 +20,18 @@ from pagellm.protocol.messages import (
     UtilityMethod,
 )
 from pagellm.protocol.stats import EngineStats
+from pagellm.protocol.utility import SIGNATURES
 
 # How long a utility call may take by default (None: a pause or sleep in mode "wait",
 # which lasts as long as the requests it waits for).
 UTILITY_TIMEOUT_S = 60.0
+
+
+def utility_timeout(method: UtilityMethod) -> float | None:
+    """How long `LLM` and `AsyncLLM` wait for `method`: no limit where its row says the
+    call lasts as long as what it waits for (`Signature.no_timeout`), else
+    UTILITY_TIMEOUT_S."""
+    return None if SIGNATURES[method].no_timeout else UTILITY_TIMEOUT_S
 
 
 class EngineDeadError(RuntimeError):
