@@ -38,14 +38,15 @@ _PUBLIC = {
     "TokensPrompt": "pagellm.frontend.input_processor",
     "SamplingParams": "pagellm.protocol.sampling_params",
     "RequestOutputKind": "pagellm.protocol.sampling_params",
+    "StructuredOutputsParams": "pagellm.protocol.sampling_params",
     "EngineArgs": "pagellm.protocol.engine_args",
     "AsyncEngineArgs": "pagellm.protocol.engine_args",
 }
 
 __all__ = ["LLM", "AsyncEngineArgs", "AsyncLLM", "CompletionOutput", "EngineArgs",
            "EngineDeadError", "Logprob",
-           "PromptType", "RequestOutput", "RequestOutputKind", "SamplingParams", "TextPrompt",
-           "TokensPrompt", "__version__"]
+           "PromptType", "RequestOutput", "RequestOutputKind", "SamplingParams",
+           "StructuredOutputsParams", "TextPrompt", "TokensPrompt", "__version__"]
 
 if TYPE_CHECKING:
     from pagellm.frontend.async_llm import AsyncLLM
@@ -54,7 +55,11 @@ if TYPE_CHECKING:
     from pagellm.frontend.llm import LLM
     from pagellm.frontend.outputs import CompletionOutput, Logprob, RequestOutput
     from pagellm.protocol.engine_args import AsyncEngineArgs, EngineArgs
-    from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
+    from pagellm.protocol.sampling_params import (
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,10 @@
 """vLLM's `vllm.sampling_params`, where scripts written for vLLM import from
 (`from pagellm.sampling_params import SamplingParams`)."""
 
-from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.protocol.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
-__all__ = ["RequestOutputKind", "SamplingParams"]
+__all__ = ["RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]

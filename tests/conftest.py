@@ -281,6 +281,56 @@ def guarded(model_dirs, tmp_path_factory) -> Iterator[Server]:
     assert s.stop() == 0
 
 
+AGENT_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+# ChatML, plus Qwen3's switch: enable_thinking=False closes an empty reasoning block.
+AGENT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') "
+    "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and not "
+    "enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def agent_model_dir(model_dirs, tmp_path_factory) -> Path:
+    """The llama test model with a tokenizer that has Qwen's agent tags as single added
+    tokens (not special: they stay in the text, as Qwen's do), within the model's
+    vocabulary (trained to 4 tokens less, then the tags added), and a chat template
+    with Qwen3's enable_thinking switch."""
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    from pagellm.demo.model import SPECIAL_TOKENS, train_tokenizer
+
+    out = tmp_path_factory.mktemp("agent-model")
+    shutil.copytree(model_dirs["llama"], out, dirs_exist_ok=True)
+    vocab = MODEL_SPECS["llama"].vocab_size
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(vocab - len(AGENT_TAGS)),
+        eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0], bos_token=None,
+        chat_template=AGENT_TEMPLATE)
+    tokenizer.add_tokens(list(AGENT_TAGS))
+    assert len(tokenizer) == vocab
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def agent_server(agent_model_dir, tmp_path_factory) -> Iterator[Server]:
+    """`pagellm serve` as agents use it: tool calls ("auto" through the hermes parser),
+    reasoning split off by the qwen3 parser (structured outputs apply after it, so
+    constrained chat requests send enable_thinking=False), compact JSON from
+    structured outputs (a random model would otherwise emit whitespace until
+    max_tokens). Shared by tests/frontend/server/test_structured_outputs.py and
+    test_responses.py; its stderr in a log file."""
+    log = tmp_path_factory.mktemp("agent-server") / "stderr.log"
+    s = Server(agent_model_dir, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+               "--reasoning-parser", "qwen3",
+               "--structured-outputs-config.disable_any_whitespace", "true", log=log)
+    yield s
+    assert s.stop() == 0
+
+
 @pytest.fixture(scope="session")
 def dev_server(model_dirs) -> Iterator[Server]:
     """`pagellm serve` with the RL dev routes and sleep mode, no API key

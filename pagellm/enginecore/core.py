@@ -11,9 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 from pagellm.enginecore.kv_cache_manager import KVCacheManager
-from pagellm.enginecore.request import Request
+from pagellm.enginecore.request import Request, RequestStatus
 from pagellm.enginecore.scheduler import Scheduler, SchedulerConfig
 from pagellm.enginecore.serving_state import ServingState
+from pagellm.enginecore.structured_output.manager import StructuredOutputManager
 from pagellm.executor.executor import StepFailed
 from pagellm.executor.factory import create_executor
 from pagellm.protocol.engine_args import EngineArgs
@@ -29,6 +30,7 @@ from pagellm.protocol.messages import (
     message_for,
 )
 from pagellm.protocol.sampling_params import ALL_LOGPROBS, MAX_STRINGS, check_token_ids
+from pagellm.protocol.scheduling import SchedulerOutput
 from pagellm.protocol.stats import STEP_WINDOW, EngineStats, StepTimings
 from pagellm.protocol.utility import (
     SIGNATURES,
@@ -63,6 +65,12 @@ class EngineCore:
             device=str(self.executor.device), dtype=str(model_config.dtype).removeprefix("torch."),
             max_logprobs=args.max_logprobs, max_num_seqs=args.max_num_seqs,
             world_size=args.tensor_parallel_size, scheduling_policy=args.scheduling_policy)
+        self.structured = StructuredOutputManager(
+            None if args.skip_tokenizer_init else (args.tokenizer or args.model),
+            model_config.vocab_size, args.structured_outputs("backend", "auto"),
+            not args.structured_outputs("disable_any_whitespace", False),
+            args.structured_outputs("reasoning_parser", None),
+            args.structured_outputs("enable_in_reasoning", False))
         # Outputs made outside a step (refused or aborted requests), sent with the next.
         self._outbox: dict[int, EngineCoreOutputs] = {}
         self.state = ServingState()
@@ -92,37 +100,76 @@ class EngineCore:
             self._reject(request.client_index, request.request_id,
                          self.state.refusal(self.executor.sleeping), unavailable=True)
             return
-        try:
-            self.scheduler.add_request(request)
-        except ValueError as e:  # the id is in use (two frontends, or a foreign client)
-            self._reject(request.client_index, request.request_id, str(e))
+        if request.request_id in self.scheduler.requests or any(
+                r.request_id == request.request_id for r in self.structured.pending_requests()):
+            self._reject(request.client_index, request.request_id,  # two frontends, or
+                         f"request id {request.request_id!r} is already in use")  # a foreign
+            return  # client
+        if request.status == RequestStatus.WAITING_FOR_FSM:  # its grammar compiles first
+            try:
+                self.structured.submit(request)
+            except ValueError as e:
+                self._reject(request.client_index, request.request_id, str(e))
+            return
+        self.scheduler.add_request(request)
+
+    def _admit_compiled(self) -> None:
+        """Constrained requests whose grammar is ready join the scheduler's queue; those
+        whose grammar failed (or timed out) finish with its error."""
+        for request, error in self.structured.take_ready():
+            if error is not None:
+                self._reject(request.client_index, request.request_id, error)
+            else:
+                request.status = RequestStatus.WAITING
+                self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str], client_index: int | None = None) -> None:
         """Abort requests; with a client_index, only those that client sent."""
         if client_index is not None:
-            requests = self.scheduler.requests
+            requests = self.scheduler.requests | {
+                r.request_id: r for r in self.structured.pending_requests()}
             request_ids = [r for r in request_ids
                            if r in requests and requests[r].client_index == client_index]
+        self.structured.cancel(request_ids)
         self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
 
     def abort_client(self, client_index: int) -> None:
         """A frontend left: abort everything it left running."""
+        self.structured.cancel([r.request_id for r in self.structured.pending_requests()
+                                if r.client_index == client_index])
         self.scheduler.finish_requests(self.scheduler.request_ids_of(client_index),
                                        FinishReason.ABORT)
 
     def has_work(self) -> bool:
         scheduler = self.scheduler
-        return bool(self._outbox) or (self.state.schedules() and (
-            scheduler.has_unfinished_requests() or scheduler.has_finished_requests()))
+        return bool(self._outbox) or self.structured.has_ready() or (
+            self.state.schedules() and (scheduler.has_unfinished_requests()
+                                        or scheduler.has_finished_requests()))
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running yet: queued, or waiting for their grammar."""
+        return self.scheduler.num_waiting + self.structured.num_pending
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """With nothing else to do but grammars compiling: wait for one (an in-process
+        engine's caller would otherwise spin)."""
+        if self.structured.num_pending and not self.has_work():
+            self.structured.wait(timeout)
 
     def step(self) -> dict[int, EngineCoreOutputs]:
         """Schedule, execute, update: one continuous-batching iteration. Outputs are
         grouped by client (0 for an in-process engine)."""
+        if self.structured.has_ready():
+            self._admit_compiled()
         outputs, self._outbox = self._outbox, {}
         # A step with nothing to run still tells the runner which requests to forget.
         if self.has_work():
             t0 = time.perf_counter()
             scheduler_output = self.scheduler.schedule()
+            if self.structured.active:  # the constrained requests that sample now
+                scheduler_output.grammar = self.structured.bitmask(self._sampling(
+                    scheduler_output))
             t1 = time.perf_counter()
             try:
                 runner_output = self.executor.execute_model(scheduler_output)
@@ -142,11 +189,18 @@ class EngineCore:
             self.num_steps += 1
         return _stamped(outputs)
 
+    def _sampling(self, scheduler_output: SchedulerOutput) -> list[Request]:
+        """The step's constrained requests that sample a token in it (not a prompt
+        chunk short of the end)."""
+        requests = self.scheduler.requests
+        return [r for r in map(requests.__getitem__, scheduler_output.num_scheduled_tokens)
+                if r.grammar is not None and r.num_computed_tokens >= r.num_tokens]
+
     def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
         return EngineStats(
             num_running_reqs=self.scheduler.num_running,
-            num_waiting_reqs=self.scheduler.num_waiting,
+            num_waiting_reqs=self.num_waiting,
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
             kv_cache_usage=kv.usage(), prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
@@ -199,7 +253,9 @@ class EngineCore:
         they stay where they are until `resume()`. New requests fail, except in "keep"
         mode, where they wait for the resume."""
         if mode == "abort":
-            for request in self.scheduler.requests.values():
+            pending = self.structured.cancel([r.request_id
+                                              for r in self.structured.pending_requests()])
+            for request in [*self.scheduler.requests.values(), *pending]:
                 message_for(self._outbox, request.client_index).outputs.append(
                     EngineCoreOutput(request.request_id, [], FinishReason.ABORT))
             self.scheduler.finish_requests(list(self.scheduler.requests), FinishReason.ABORT)
@@ -208,7 +264,8 @@ class EngineCore:
 
     def pause_settled(self) -> bool:
         """True once nothing runs that a pause in mode "wait" waits for."""
-        return self.state.paused != "wait" or not self.scheduler.has_unfinished_requests()
+        return self.state.paused != "wait" or not (
+            self.scheduler.has_unfinished_requests() or self.structured.num_pending)
 
     def resume(self) -> None:
         """Schedule again (`call_utility` refuses it while memory sleeps: its row)."""
@@ -272,6 +329,7 @@ class EngineCore:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
 
     def _reject(self, client_index: int, request_id: str, error: str,

@@ -62,6 +62,7 @@ from pagellm.transport.sockets import SocketFactory
 logger = logging.getLogger("pagellm")
 
 _SIGNAL_CHECK_S = 0.2  # how often an idle busy loop lets signal handlers run
+GRAMMAR_READY = object()  # a queue item that only wakes the loop
 _DEFERRED_POLL_S = 0.02  # ... and looks at a call that waits off the loop (a join)
 SHUTDOWN_GRACE_S = 15.0  # after this long in the final shutdown the process exits anyway
 
@@ -87,6 +88,8 @@ class EngineCoreProc:
         self.input_queue: queue.Queue[Any] = queue.Queue()
         # A tensor-parallel worker that dies between steps stops the busy loop too.
         self.core = EngineCore(args, on_failure=lambda m: self.input_queue.put(ThreadDied(m)))
+        # A grammar compiled: wake the loop if it waits for input (the item does nothing).
+        self.core.structured.on_ready = lambda: self.input_queue.put(GRAMMAR_READY)
         self._stop_requested: float | None = None  # when the first SIGTERM/SIGINT came
         # Utility calls answered once a pause in mode "wait" settles.
         self._deferred: list[tuple[int, UtilityRequest, Deferred]] = []
@@ -147,7 +150,7 @@ class EngineCoreProc:
         out: stamped with the load before the step, a request's last output said it was
         still running, and a data-parallel frontend counted it until the core's next
         message."""
-        self.load = (self.core.scheduler.num_waiting, self.core.scheduler.num_running,
+        self.load = (self.core.num_waiting, self.core.scheduler.num_running,
                      self._adds_handled.copy())
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 import functools
+from typing import TYPE_CHECKING
 
 from pagellm.enginecore.block_hash import BlockHash, extend_block_hashes
 from pagellm.protocol.messages import EngineCoreRequest, FinishReason
 from pagellm.protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagellm.enginecore.structured_output.request_grammar import RequestGrammar
 
 
 @functools.lru_cache(maxsize=256)
@@ -23,6 +27,7 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
+    WAITING_FOR_FSM = 4  # its grammar compiles; not in the scheduler yet (vLLM's name)
 
 
 class Request:
@@ -37,7 +42,8 @@ class Request:
 
     __slots__ = ("arrival_time", "bad_words_token_ids", "block_hashes",
                  "block_size", "cache_salt", "client_index", "eos_token_id",
-                 "finish_reason", "kv_fits", "max_tokens", "min_tokens", "num_cached_tokens",
+                 "finish_reason", "grammar", "kv_fits", "max_tokens", "min_tokens",
+                 "num_cached_tokens",
                  "num_computed_tokens", "num_prompt_logprobs_sent", "num_tokens",
                  "output_token_ids", "priority", "prompt_token_ids", "request_id",
                  "sampling_params", "status", "stop_reason", "stop_token_ids",
@@ -85,6 +91,11 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.num_prompt_logprobs_sent = 0  # prompt positions whose logprobs went out
+        # Structured outputs: its matcher (a RequestGrammar, set once compiled), which
+        # the scheduler advances with each sampled token. None: unconstrained.
+        self.grammar: RequestGrammar | None = None
+        if sampling_params.structured_outputs is not None:
+            self.status = RequestStatus.WAITING_FOR_FSM
         self.block_size = block_size
         self.cache_salt = cache_salt
         self.block_hashes: list[BlockHash] = []

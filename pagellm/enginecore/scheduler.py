@@ -248,10 +248,25 @@ class Scheduler:
                     message_for(outputs, request.client_index).outputs.append(EngineCoreOutput(
                         request_id, [], new_prompt_logprobs=prompt_logprobs))
                 continue
+            grammar = request.grammar
+            if grammar is not None:  # structured outputs: the grammar takes the token
+                error = grammar.advance(token_id)
+                if error is None and grammar.terminated and \
+                        len(request.output_token_ids) + 1 < request.min_tokens:
+                    error = (f"the grammar is complete after {len(request.output_token_ids) + 1}"
+                             f" tokens, short of min_tokens={request.min_tokens}")
+                if error is not None:  # this request fails, alone
+                    request.finish(FinishReason.ERROR)
+                    self._free(request)
+                    any_finished = True
+                    message_for(outputs, request.client_index).outputs.append(
+                        EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error))
+                    continue
             request.append_output_token_id(token_id)
             # Most tokens end nothing: one set lookup and one compare say so.
             if ((token_id in request.stopping_ids
-                 or len(request.output_token_ids) >= request.max_tokens)
+                 or len(request.output_token_ids) >= request.max_tokens
+                 or (grammar is not None and grammar.terminated))
                     and check_stop(request)):
                 any_finished = True
                 self._free(request)
@@ -313,7 +328,8 @@ class Scheduler:
         return min(num_new, budget)
 
     def _check_stop(self, request: Request) -> bool:
-        """vLLM's stop rules; EOS and stop tokens count only from min_tokens on."""
+        """vLLM's stop rules; EOS and stop tokens count only from min_tokens on. A
+        request whose grammar is complete (it accepted a stop token) stops too."""
         params = request.sampling_params
         outputs = request.output_token_ids
         num_outputs = len(outputs)
@@ -325,6 +341,11 @@ class Scheduler:
             if request.stop_token_ids and last in request.stop_token_ids:
                 request.finish(FinishReason.STOP, stop_reason=last)
                 return True
+        if request.grammar is not None and request.grammar.terminated:  # complete
+            last = outputs[-1]
+            request.finish(FinishReason.STOP,
+                           stop_reason=last if last in request.stop_token_ids else None)
+            return True
         # prompt + max_tokens <= max_model_len was checked when the request arrived.
         if num_outputs >= request.max_tokens:
             request.finish(FinishReason.LENGTH)

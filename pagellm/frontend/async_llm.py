@@ -93,7 +93,8 @@ class AsyncLLM:
         self.info = self.engine_core.info
         self.input_processor = InputProcessor(
             self.tokenizer, self.info, generation_eos_token_ids(args.model),
-            self.default_sampling_fields.get("max_tokens"))
+            self.default_sampling_fields.get("max_tokens"),
+            args.structured_outputs("backend", "auto"))
         self.output_processor = OutputProcessor(self.tokenizer)
         # How long after the engine produced them outputs are processed here (mean of
         # recent batches; engine and frontend share time.monotonic() on one host).

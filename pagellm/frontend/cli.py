@@ -16,6 +16,7 @@ from pagellm.frontend.server.options import (
     MAX_RESPONSE_ENTRIES,
     ServerOptions,
 )
+from pagellm.frontend.tool_parsers import TOOL_PARSERS
 from pagellm.logger import configure_logging
 from pagellm.protocol.cli_args import parse_bytes
 from pagellm.protocol.engine_args import EngineArgs
@@ -154,6 +155,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--chat-template", default=None,
                    help="the chat template for every chat request instead of the "
                         "tokenizer's: a file path, or the Jinja template itself")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto", the '
+                        "default when a request has tools); needs --tool-call-parser")
+    s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are found in the model's text: hermes (Qwen2.5, "
+                        "Qwen3, Hermes), llama3_json (Llama 3.x), pythonic")
     s.add_argument("--disable-log-requests", action="store_true",
                    help="accepted for vLLM compatibility: pagellm never logs requests' "
                         "contents, either way")
@@ -189,13 +196,17 @@ def _serve(ns: argparse.Namespace) -> int:
     chat_template = None if ns.chat_template is None else load_chat_template(ns.chat_template)
     if chat_template is not None and args.skip_tokenizer_init:
         raise ValueError("--chat-template needs a tokenizer (not --skip-tokenizer-init)")
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     options = ServerOptions(served_model_name=ns.served_model_name or args.model,
                             chat_template=chat_template,
                             api_key=ns.api_key, max_body_bytes=ns.max_body_size,
                             trust_request_chat_template=ns.trust_request_chat_template,
                             enable_dev_endpoints=ns.enable_dev_endpoints,
                             max_response_entries=ns.max_response_entries,
-                            engine_stall_timeout_s=ns.engine_stall_timeout)
+                            engine_stall_timeout_s=ns.engine_stall_timeout,
+                            enable_auto_tool_choice=ns.enable_auto_tool_choice,
+                            tool_call_parser=ns.tool_call_parser)
     return run_server(args, options, ns.host, ns.port, ns.engine_address,
                       ns.curve_secret_key, ns.curve_server_public_key, ns.shutdown_timeout,
                       ns.max_connections, ns.max_connections_per_client)

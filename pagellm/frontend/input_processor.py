@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+from pagellm.enginecore.structured_output.spec import choose_backend
 from pagellm.protocol.messages import (
     MAX_CACHE_SALT_CHARS,
     MAX_REQUEST_ID_CHARS,
@@ -88,13 +89,15 @@ def max_token_chars(tokenizer: Any) -> int:
 class InputProcessor:
     def __init__(self, tokenizer: Any | None, info: EngineInfo,
                  generation_eos_ids: list[int] | None = None,
-                 default_max_tokens: int | None = None) -> None:
+                 default_max_tokens: int | None = None,
+                 structured_outputs_backend: str = "auto") -> None:
         """tokenizer None (skip_tokenizer_init): token-id prompts only, and EOS comes from
         generation_config.json alone. `default_max_tokens` (the model's max_new_tokens)
         caps a request that leaves max_tokens unset (else it runs to max_model_len)."""
         self.tokenizer = tokenizer
         self.info = info
         self.default_max_tokens = default_max_tokens
+        self.structured_outputs_backend = structured_outputs_backend
         eos_ids = list(generation_eos_ids or ())
         self.eos_token_id: int | None = (tokenizer.eos_token_id if tokenizer is not None
                                          else (eos_ids[0] if eos_ids else None))
@@ -175,6 +178,13 @@ class InputProcessor:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True); "
                              "use stop_token_ids")
         params.check_against_model(self.info.vocab_size, self.info.max_logprobs)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer "
+                                 "(skip_tokenizer_init=True)")
+            # The engine core decides again (it serves other clients too); here a
+            # grammar no backend takes is refused before it is sent.
+            choose_backend(params.structured_outputs, self.structured_outputs_backend)
 
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int], str | None]:
         """(prompt text or None, token ids, cache_salt); `prompt` is what a caller

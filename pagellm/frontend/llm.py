@@ -66,7 +66,8 @@ class LLM:
         self.info = self.engine_core.info
         self.input_processor = InputProcessor(
             self.tokenizer, self.info, generation_eos_token_ids(args.model),
-            self.default_sampling_fields.get("max_tokens"))
+            self.default_sampling_fields.get("max_tokens"),
+            args.structured_outputs("backend", "auto"))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 

@@ -45,6 +45,10 @@ def add_cli_args(cls: type[Any], parser: argparse.ArgumentParser, *,
             group.add_argument(*flags, action=argparse.BooleanOptionalAction,
                                default=f.default, help=help_text)
             continue
+        for key, key_kind in f.metadata.get("keys", {}).items():  # --config.key value
+            group.add_argument(f"{flags[0]}.{key}", dest=f"{f.name}.{key}",
+                               type=_parse_bool if key_kind is bool else key_kind,
+                               default=None, help=f"{f.name}'s {key!r} alone")
         convert: Any = parse_bytes if f.name.endswith("_bytes") else \
             parse_json if kind is dict else kind
         if optional:
@@ -75,8 +79,13 @@ def to_cli_args(args: Any) -> list[str]:
 def from_cli_args(cls: type[T], namespace: argparse.Namespace) -> T:
     """The `cls` the parsed flags give; a value refused names its flag
     ("--max-num-seqs: max_num_seqs must be <= ...")."""
-    values = vars(namespace)
+    values = dict(vars(namespace))
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    for f in fields:  # `--config.key value` flags go into their dict
+        for key in f.metadata.get("keys", {}):
+            value = values.pop(f"{f.name}.{key}", None)
+            if value is not None:
+                values[f.name] = {**(values.get(f.name) or {}), key: value}
     try:
         return cls(**{f.name: values[f.name] for f in fields if f.name in values})
     except (ValueError, TypeError) as e:
@@ -107,6 +116,12 @@ def parse_json(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {_clip(text)}")
     return value
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {_clip(text)}")
+    return text.lower() == "true"
 
 
 def _clip(text: str) -> str:

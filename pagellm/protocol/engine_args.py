@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.protocol import cli_args
+from pagellm.protocol.reasoning import REASONING_TAGS, check_reasoning_parser
 from pagellm.protocol.validation import (
     INT32_MAX,
     INT64_MAX,
@@ -69,6 +70,35 @@ def check_weight_transfer_config(config: Any) -> None:
     if "init_timeout_s" in config:
         check_float("weight_transfer_config.init_timeout_s", config["init_timeout_s"],
                     minimum=0.0, maximum=MAX_INIT_TIMEOUT_S, min_exclusive=True)
+
+
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
+_STRUCTURED_OUTPUTS_KEYS = {"backend": str, "disable_any_whitespace": bool,
+                            "enable_in_reasoning": bool, "reasoning_parser": str}
+
+
+def check_structured_outputs_config(config: Any) -> None:
+    """vLLM's StructuredOutputsConfig fields served here: backend ("auto": xgrammar,
+    llguidance for what it lacks), disable_any_whitespace (compact JSON for every
+    request), enable_in_reasoning (apply grammars during reasoning too) and
+    reasoning_parser (the same as the reasoning_parser option)."""
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise TypeError(f"structured_outputs_config must be a dict, got {config!r}")
+    for key, value in config.items():
+        kind = _STRUCTURED_OUTPUTS_KEYS.get(key)
+        if kind is None:
+            raise ValueError(f"structured_outputs_config: unknown key {key!r} (known: "
+                             f"{', '.join(_STRUCTURED_OUTPUTS_KEYS)})")
+        if type(value) is not kind:
+            raise TypeError(f"structured_outputs_config.{key} must be a {kind.__name__}, "
+                            f"got {value!r}")
+    backend = config.get("backend", "auto")
+    if backend not in STRUCTURED_OUTPUT_BACKENDS:
+        raise ValueError(f"structured_outputs_config.backend must be one of "
+                         f"{', '.join(STRUCTURED_OUTPUT_BACKENDS)}, got {backend!r}")
+    check_reasoning_parser(config.get("reasoning_parser"))
 
 
 def usable_cpus() -> int:
@@ -131,6 +161,14 @@ class EngineArgs:
     weight_transfer_config: dict[str, Any] | None = field(default=None, metadata={
         "help": 'Enable weight updates: JSON such as {"backend": "ipc"} (backends: ipc, nccl; '
                 '"init_timeout_s": how long an nccl init waits for the trainer, default 60).'})
+    structured_outputs_config: dict[str, Any] | None = field(default=None, metadata={
+        "help": 'Structured outputs: JSON such as {"backend": "guidance"} (backends: auto, '
+                'xgrammar, guidance; also "disable_any_whitespace", "enable_in_reasoning"); '
+                'one key alone as --structured-outputs-config.backend guidance.',
+        "keys": {"backend": str, "disable_any_whitespace": bool, "enable_in_reasoning": bool}})
+    reasoning_parser: str | None = _opt(
+        None, "Split <think> reasoning into reasoning_content (server), and apply "
+        "structured outputs after it ends.", (None, *REASONING_TAGS))
     worker_extension_cls: str | None = _opt(
         None, "'package.module.Class' whose public methods collective_rpc may call.")
     # -- vLLM options with one meaning here -------------------------------------------
@@ -255,6 +293,7 @@ class EngineArgs:
         for name in ("data_parallel_address", "master_addr"):
             check_host(name, getattr(self, name))
         check_weight_transfer_config(self.weight_transfer_config)
+        check_structured_outputs_config(self.structured_outputs_config)
         if self.worker_extension_cls is not None and not (
                 isinstance(self.worker_extension_cls, str)
                 and re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+",
@@ -296,6 +335,13 @@ class EngineArgs:
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
+
+    def structured_outputs(self, key: str, default: Any) -> Any:
+        """One setting of structured_outputs_config (reasoning_parser: either option)."""
+        config = self.structured_outputs_config or {}
+        if key == "reasoning_parser":
+            return self.reasoning_parser or config.get(key)
+        return config.get(key, default)
 
     # -- as command-line flags (cli_args.py) -------------------------------------------
 

@@ -246,7 +246,7 @@ class DPRegisterReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     error: str | None = None
 
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 # The largest message an engine core takes from a client; ZeroMQ drops the connection
 # of a client that sends a larger one, so clients refuse to send one (`MPClient._send`).
 MAX_MESSAGE_BYTES = 64 * 2**20

@@ -43,6 +43,123 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # a single output when the request finishes
 
 
+# Structured outputs: a grammar's text (JSON schema, regex, EBNF/Lark, structural tag,
+# all choices together) and a schema's nesting are bounded where they enter. Compile
+# time and memory grow with them, and a request could otherwise make the engine's
+# compile threads (shared by every request) work for minutes: 64k characters is far
+# beyond the schemas and tool lists real clients send (a few KB).
+MAX_GRAMMAR_CHARS = 2**16
+MAX_SCHEMA_DEPTH = 64  # nested objects and arrays of a JSON schema (or a choice list)
+MAX_CHOICES = MAX_STRINGS
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One constraint on a request's output (vLLM's names): a JSON schema (`json`, as a
+    dict or its text), a `regex`, one of `choice`, a `grammar` (EBNF, or Lark), any JSON
+    object (`json_object=True`) or an xgrammar `structural_tag` (JSON text). Exactly
+    one must be set. `disable_any_whitespace` makes a JSON schema's output compact
+    (no free whitespace between tokens: a small or random model may otherwise emit
+    whitespace until max_tokens). The backend that compiles it is the engine's
+    (`structured_outputs_config`)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs takes exactly one constraint of {list(_CONSTRAINTS)}, "
+                f"got {len(given)}" + (f": {given}" if given else ""))
+        for name in ("disable_any_whitespace", "disable_additional_properties",
+                     "disable_fallback"):
+            check_bool(f"structured_outputs.{name}", getattr(self, name))
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported "
+                             "(use disable_any_whitespace)")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError("structured_outputs.json_object must be true when given")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value:
+                raise TypeError(f"structured_outputs.{name} must be a non-empty string")
+            _check_grammar_chars(name, len(value))
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice or not all(
+                    isinstance(c, str) for c in self.choice):
+                raise TypeError("structured_outputs.choice must be a non-empty list of "
+                                "strings")
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice has {len(self.choice)} "
+                                 f"entries, more than {MAX_CHOICES}")
+            _check_grammar_chars("choice", sum(len(c) for c in self.choice))
+        if self.json is not None:
+            self.json = _checked_schema(self.json)
+
+    @property
+    def kind(self) -> str:
+        """The constraint given: one of "json", "regex", "choice", "grammar",
+        "json_object", "structural_tag"."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) is not None)
+
+
+def _check_grammar_chars(name: str, chars: int) -> None:
+    if chars > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"structured_outputs.{name} is {chars} characters, more than "
+                         f"{MAX_GRAMMAR_CHARS}")
+
+
+def _checked_schema(schema: Any) -> str | dict[str, Any]:
+    """A JSON schema as given (dict, or its text), bounded in size and nesting: the
+    text is parsed once here (a schema that is not JSON is named now, not by a compile
+    thread later)."""
+    if isinstance(schema, str):
+        _check_grammar_chars("json", len(schema))
+        try:
+            parsed = msgspec.json.decode(schema)
+        except msgspec.DecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        except RecursionError:  # the decoder recurses: thousands of levels
+            raise ValueError(f"structured_outputs.json nests deeper than "
+                             f"{MAX_SCHEMA_DEPTH} levels") from None
+    elif isinstance(schema, dict):
+        parsed = schema
+    else:
+        raise TypeError(f"structured_outputs.json must be a JSON schema (an object or its "
+                        f"text), got {type(schema).__name__}")
+    if not isinstance(parsed, (dict, bool)):
+        raise ValueError("structured_outputs.json must be a JSON schema: an object")
+    depth = 0
+    stack: list[tuple[Any, int]] = [(parsed, 1)]
+    while stack:  # iterative: a deep schema must not exhaust Python's stack here
+        node, level = stack.pop()
+        depth = max(depth, level)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"structured_outputs.json nests deeper than "
+                             f"{MAX_SCHEMA_DEPTH} levels")
+        children = node.values() if isinstance(node, dict) else \
+            node if isinstance(node, list) else ()
+        stack.extend((child, level + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    if isinstance(schema, dict):  # its size, once its depth is known to be sane
+        try:
+            _check_grammar_chars("json", len(msgspec.json.encode(schema)))
+        except (TypeError, OverflowError) as e:
+            raise TypeError(f"structured_outputs.json must hold JSON values: {e}") from None
+    return schema
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to sample one request's completion (vLLM's names, defaults and semantics).
 
@@ -55,6 +172,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     (vLLM's spelling) means the whole vocabulary, allowed when max_logprobs is -1 or at
     least the vocabulary size. extra_args: anything a caller wants carried with the
     request (vLLM's hook for custom logits processors); the engine ignores it.
+    structured_outputs: a grammar the output must match (`StructuredOutputsParams`);
+    the engine masks every token the grammar does not allow before sampling.
     """
 
     n: int = 1
@@ -83,6 +202,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Every bound is the width of where the value goes (protocol/validation.py):
@@ -144,6 +264,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             for token, bias in self.logit_bias.items():
                 check_int("logit_bias token id", token, minimum=0, maximum=INT32_MAX)
                 check_float(f"logit_bias[{token}]", bias, minimum=-100.0, maximum=100.0)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(f"structured_outputs must be a StructuredOutputsParams, got "
+                            f"{type(self.structured_outputs).__name__}")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (use stop_token_ids)")
 

@@ -43,6 +43,16 @@ class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
         return cls([], [], {})
 
 
+class GrammarOutput(msgspec.Struct, array_like=True, gc=False):
+    """The token bitmask of a step's constrained requests that sample in it: row i is
+    `req_ids[i]`'s, ceil(vocab_size / 32) int32 words (native byte order), bit j set
+    where token j is allowed. Built by the engine core's StructuredOutputManager,
+    applied to the logits by the worker before sampling."""
+
+    req_ids: list[str]
+    bitmask: bytes  # [len(req_ids), ceil(V / 32)] int32
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     """One step's work. Requests run in the order cached, then new."""
 
@@ -52,6 +62,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]  # finished or aborted since the last step: forget them
     preempted_req_ids: list[str]  # preempted since the last step: forget them too
+    grammar: GrammarOutput | None = None  # set by the engine core after scheduling
 
     @property
     def is_empty(self) -> bool:

@@ -28,6 +28,7 @@ from pagellm.executor.model.loader import load_model
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.worker.cpu_threads import ThreadTuner, tunable_threads
 from pagellm.executor.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from pagellm.executor.worker.grammar_mask import apply_grammar_bitmask
 from pagellm.executor.worker.input_batch import InputBatch
 from pagellm.executor.worker.sampler import LogprobsTensors, Sampler, gather_logprobs
 from pagellm.executor.worker.sampling_inputs import sampling_metadata, to_device
@@ -225,6 +226,9 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
+        if scheduler_output.grammar is not None:  # structured outputs: mask first
+            apply_grammar_bitmask(logits, scheduler_output.grammar, {
+                inputs.req_ids[i]: row for row, i in enumerate(inputs.sampling.tolist())})
         t2 = time.perf_counter()
         sampled_token_ids: list[int]  # per request; -1: samples nothing this step
         logprobs: dict[str, TokenLogprobs] = {}

@@ -30,6 +30,7 @@ class InprocClient(SyncEngineCoreClient):
     def get_output(self) -> EngineCoreOutputs:
         if self._stepped:  # outputs of steps run while a call waited for a pause
             return self._stepped.pop(0)
+        self.core.wait_for_grammars(0.05)  # only while nothing but a compile is left
         outputs = self.core.step()
         return outputs.get(0) or EngineCoreOutputs(timestamp=time.monotonic())
 

@@ -6,10 +6,11 @@ are accepted and named once in the log (extra_fields.py), as vLLM does, so clien
 written for other servers work unchanged. Fields of OpenAI's API that change nothing
 here (user, service_tier, store, metadata) are accepted and ignored. Features we do not
 serve, where ignoring them would silently change the results a client asked for, are
-refused by name, on every route: tool calls (tools are rendered into the chat prompt
-with tool_choice "none" only), functions, response_format other than text, suffix,
-best_of other than n, beam search, guided decoding (guided_*, structured_outputs),
-logits processors, and chat's echo and documents. A chat history's names, tool calls
+refused by name, on every route: tools on /v1/completions, functions, suffix,
+best_of other than n, beam search, logits processors, and chat's echo and documents.
+Every field that constrains the output (structured_outputs, response_format, the
+deprecated guided_* fields, tools and tool_choice) is read: none can take the
+unknown-field path. A chat history's names, tool calls
 and tool results reach the chat template as vLLM passes them. vLLM's extra sampling
 and output fields are served (prompt_logprobs, return_token_ids,
 return_tokens_as_token_ids, add_special_tokens, continue_final_message,
@@ -18,13 +19,54 @@ continuous_usage_stats).
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
 import msgspec
 
 from pagellm.frontend.chat_utils import template_tool_call
-from pagellm.protocol.sampling_params import MAX_TOKEN_IDS, RequestOutputKind, SamplingParams
+from pagellm.protocol.sampling_params import (
+    MAX_TOKEN_IDS,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+
+logger = logging.getLogger("pagellm")
+
+
+def _params_from(field: str, values: dict[str, Any]) -> StructuredOutputsParams:
+    """StructuredOutputsParams from a request's dict, an unknown key named."""
+    unknown = sorted(set(values) - set(StructuredOutputsParams.__struct_fields__))
+    if unknown:
+        raise ValueError(f"{field}: unknown field(s) {', '.join(map(str, unknown))[:200]}")
+    try:
+        return msgspec.convert(values, StructuredOutputsParams, strict=True)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"{field}: {e}") from None
+
+
+def _response_format_params(response_format: dict[str, Any] | None
+                            ) -> StructuredOutputsParams | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema
+    (`{"json_schema": {"name": ..., "schema": {...}, "strict": ...}}`)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format.json_schema.schema must be a JSON schema "
+                             "(an object)")
+        return StructuredOutputsParams(json=schema)
+    raise ValueError(f"response_format.type must be 'text', 'json_object' or "
+                     f"'json_schema', got {kind!r}")
 
 
 class StreamOptions(msgspec.Struct):
@@ -39,9 +81,7 @@ class StreamOptions(msgspec.Struct):
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")
 
 UNSERVED_FIELDS = {
-    "use_beam_search": "beam search", "guided_json": "guided decoding",
-    "guided_regex": "guided decoding", "guided_choice": "guided decoding",
-    "guided_grammar": "guided decoding", "structured_outputs": "structured outputs",
+    "use_beam_search": "beam search",
     "logits_processors": "logits processors", "suffix": "suffix",
     "functions": "function calling", "function_call": "function calling",
     "documents": "documents in chat templates"}
@@ -85,13 +125,16 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None
     return_token_ids: bool = False  # prompt_token_ids and token_ids on the choice
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
-    # Refused unless default (UNSERVED_FIELDS).
-    use_beam_search: bool = False
+    # Structured outputs (vLLM's field, OpenAI's response_format, and vLLM's removed
+    # guided_* fields, translated with a warning: never dropped).
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
+    # Refused unless default (UNSERVED_FIELDS).
+    use_beam_search: bool = False
     logits_processors: list[Any] | None = None
 
     def check_served(self) -> None:
@@ -102,9 +145,36 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         if self.stream and self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not available with stream=true")
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's one output constraint, from whichever field gave it:
+        `structured_outputs`, `response_format` (json_object, json_schema) or the
+        deprecated guided_* fields. Two of them at once is a 400."""
+        given: list[tuple[str, StructuredOutputsParams]] = []
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", _params_from(
+                "structured_outputs", self.structured_outputs)))
+        guided = {name: getattr(self, f"guided_{name}")
+                  for name in ("json", "regex", "choice", "grammar")
+                  if getattr(self, f"guided_{name}") is not None}
+        if guided:
+            fields = ", ".join(f"guided_{name}" for name in guided)
+            # The names in the template: rate-limited per combination (15 at most).
+            logger.warning(f"{fields}: deprecated (removed from vLLM in 0.12); served as "
+                           "structured_outputs")
+            given.append((fields, _params_from("guided_*", guided)))
+        response_format = _response_format_params(self.response_format)
+        if response_format is not None:
+            given.append(("response_format", response_format))
+        if len(given) > 1:
+            raise ValueError(f"give one output constraint, not {len(given)}: "
+                             f"{', '.join(name for name, _ in given)}")
+        return given[0][1] if given else None
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None,
-                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+                        defaults: dict[str, Any] | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         """`defaults`: the model's (generation_config), for the sampling fields this
         request leaves unset; beyond them OpenAI's (temperature 1, top_p 1), not
         greedy. (The model's max_new_tokens caps an unset max_tokens in the
@@ -137,7 +207,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             include_stop_str_in_output=self.include_stop_str_in_output,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs,
             output_kind=RequestOutputKind.DELTA if self.stream
             else RequestOutputKind.FINAL_ONLY, **extra)
 
@@ -162,9 +232,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. on text prompts
-    # Fields that constrain the output: named here so they never take the unknown-field
-    # path (a 200 with free text would be silently wrong); refused in check_supported.
-    response_format: dict[str, Any] | None = None
+    # Named here so they never take the unknown-field path (a 200 with free text would
+    # be silently wrong); refused in check_supported.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -192,9 +261,6 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
     def check_supported(self) -> None:
         self.check_served()
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("response_format: structured outputs are not supported by "
-                             "this server")
         if self.tools or self.tool_choice not in (None, "none"):
             raise ValueError("tools: tool calling is not supported on /v1/completions")
         if self.best_of is not None and self.best_of != self.n:
@@ -255,7 +321,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def check_supported(self) -> None:
         self.check_served()
@@ -266,11 +332,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both "
                              "be true (set add_generation_prompt to false)")
-        if self.tool_choice not in (None, "none") or (self.tools and self.tool_choice is None):
-            raise ValueError("tools: tool calling is not supported yet (tool_choice 'none' "
-                             "renders the tools into the prompt without calls)")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("response_format other than text is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
 

@@ -1,6 +1,9 @@
 """The OpenAI-compatible routes over `AsyncLLM`.
 
     POST /v1/completions, /v1/chat/completions   (stream=true: server-sent events)
+    POST /v1/responses   (OpenAI's Responses API, stateless, over the chat path: see
+         serving_responses.py; GET /v1/responses/{id} and the like answer 404: nothing
+         is stored)
     GET  /v1/models, /health, /version, /metrics, /tokenizer_info
     GET and POST /ping (SageMaker's health check, as vLLM serves it)
     POST /tokenize, /detokenize
@@ -15,9 +18,10 @@ and once the engine core is dead. A client that goes away aborts its requests.
 
 What a client sends is bounded where it enters (edge.py: the API key, body size,
 decoding; connections.py: connections and the body's arrival time); the handlers
-(serving.py, shared; serving_completions.py; serving_chat.py) run tokenization and chat
-templates off the event loop, and templates sent by clients only with
-`trust_request_chat_template`, in a killable sandbox process (template_sandbox.py);
+(serving.py, shared; serving_completions.py; serving_chat.py; serving_responses.py,
+over the chat handler) run tokenization and chat templates off the event loop, and
+templates sent by clients only with `trust_request_chat_template`, in a killable
+sandbox process (template_sandbox.py);
 unknown body fields are accepted and named once in a rate-limited log (extra_fields.py).
 /health answers 503 while the engine core is dead or its loop is stuck in one call
 (--engine-stall-timeout); a response is bounded in token entries (--max-response-entries).
@@ -62,6 +66,7 @@ from pagellm.frontend.server.options import ServerOptions
 from pagellm.frontend.server.serving import OpenAIServing
 from pagellm.frontend.server.serving_chat import OpenAIServingChat
 from pagellm.frontend.server.serving_completions import OpenAIServingCompletion
+from pagellm.frontend.server.serving_responses import OpenAIServingResponses, ResponsesRequest
 from pagellm.frontend.server.template_sandbox import ChatTemplateSandbox
 from pagellm.version import __version__
 
@@ -93,8 +98,9 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     _add_health_routes(app, engine, options)
     _add_info_routes(app, engine, options, metrics, server)
     _add_token_routes(app, engine, server, body_of)
+    chat = OpenAIServingChat(engine, options, metrics, sandbox)
     _add_generation_routes(app, OpenAIServingCompletion(engine, options, metrics, sandbox),
-                           OpenAIServingChat(engine, options, metrics, sandbox), body_of)
+                           chat, OpenAIServingResponses(chat), body_of)
     if options.enable_dev_endpoints:
         add_dev_routes(app, engine, body_of)
     return app
@@ -251,9 +257,10 @@ def _add_token_routes(app: FastAPI, engine: AsyncLLM, server: OpenAIServing,
 
 
 def _add_generation_routes(app: FastAPI, completion: OpenAIServingCompletion,
-                           chat: OpenAIServingChat, body_of: BodyReader) -> None:
-    """/v1/completions and /v1/chat/completions: a client that leaves aborts its
-    requests (`_respond`)."""
+                           chat: OpenAIServingChat, responses: OpenAIServingResponses,
+                           body_of: BodyReader) -> None:
+    """/v1/completions, /v1/chat/completions and /v1/responses: a client that leaves
+    aborts its requests (`_respond`)."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -264,6 +271,18 @@ def _add_generation_routes(app: FastAPI, completion: OpenAIServingCompletion,
     async def chat_completions(request: Request) -> Response:
         body = await body_of(request, ChatCompletionRequest)
         return await _respond(request, body.stream, chat.chat(body))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        body = await body_of(request, ResponsesRequest)
+        return await _respond(request, bool(body.stream), responses.responses(body))
+
+    @app.api_route("/v1/responses/{response_id:path}", methods=["GET", "POST", "DELETE"])
+    async def stored_response(response_id: str) -> Response:
+        """Retrieving, cancelling or deleting a response: nothing is stored here."""
+        raise APIError(404, f"response {response_id[:100]!r} not found: this server is "
+                            f"stateless and stores no responses (store is ignored)",
+                       "NotFoundError", "response_id")
 
 
 async def _respond(request: Request, stream: bool, work: Any) -> Response:

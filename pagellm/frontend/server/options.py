@@ -28,3 +28,5 @@ class ServerOptions:
     chat_template: str | None = None  # replaces the tokenizer's own (--chat-template)
     engine_stall_timeout_s: float = ENGINE_STALL_TIMEOUT_S  # /health: 503 past this
     max_response_entries: int = MAX_RESPONSE_ENTRIES  # a larger request is a 400
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
+    tool_call_parser: str | None = None  # finds "auto" calls in the text (tool_parsers/)

@@ -17,6 +17,14 @@ from typing import Any
 from pagellm.frontend.input_processor import ProcessedRequest
 from pagellm.frontend.outputs import CompletionOutput, RequestOutput
 from pagellm.frontend.server.api_models import ChatCompletionRequest
+from pagellm.frontend.server.chat_tools import (
+    ChoiceStream,
+    ToolMode,
+    ToolSetup,
+    chat_message,
+    resolve_tool_mode,
+    tool_constraint,
+)
 from pagellm.frontend.server.edge import bad_request
 from pagellm.frontend.server.formatting import chat_logprobs, prompt_logprobs_json, usage
 from pagellm.frontend.server.serving import OpenAIServing
@@ -30,10 +38,19 @@ class OpenAIServingChat(OpenAIServing):
         try:
             body.check_supported()
             top = (body.top_logprobs or 0) if body.logprobs else None
+            mode = resolve_tool_mode(body.tools, body.tool_choice, self.tool_setup)
+            constraint = body.structured_outputs_params()
+            implied = tool_constraint(body.tools, mode, body.parallel_tool_calls)
+            if implied is not None and constraint is not None:
+                raise ValueError(f'tool_choice "{mode.mode}" constrains the output to tool '
+                                 f"calls: it cannot be combined with response_format or "
+                                 f"structured_outputs")
             params = body.sampling_params(body.completion_limit, top, body.prompt_logprobs,
-                                          self.engine.default_sampling_fields)
+                                          self.engine.default_sampling_fields,
+                                          implied or constraint)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
+        thinking = bool((body.chat_template_kwargs or {}).get("enable_thinking", True))
         prompt_ids = await self._chat_prompt(
             body.messages, body.add_generation_prompt, body.chat_template_kwargs,
             body.chat_template, body.continue_final_message, body.add_special_tokens,
@@ -44,13 +61,13 @@ class OpenAIServingChat(OpenAIServing):
         header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                   "model": self.name}
         if body.stream:
-            return self._stream_chat(processed, header, body)
+            return self._stream_chat(processed, header, body, mode, thinking)
         final = None
         async for _, out in self._run_all(processed):
             final = out
         assert final is not None
         # Off the event loop: up to --max-response-entries logprob entries to build.
-        choices = await asyncio.to_thread(self._chat_choices, final, body)
+        choices = await asyncio.to_thread(self._chat_choices, final, body, mode, thinking)
         completion = sum(len(c.token_ids) for c in final.outputs)
         # vLLM puts the prompt's fields on the response: a chat has one prompt.
         return {**header, "choices": choices, "usage": usage(processed, completion),
@@ -58,20 +75,32 @@ class OpenAIServingChat(OpenAIServing):
                 "prompt_token_ids": final.prompt_token_ids if body.return_token_ids
                 else None}
 
-    @staticmethod
-    def _chat_choices(final: RequestOutput, body: ChatCompletionRequest
-                      ) -> list[dict[str, Any]]:
-        return [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                 "logprobs": chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0,
-                                           body.return_tokens_as_token_ids)
-                 if body.logprobs else None,
-                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                 "token_ids": list(c.token_ids) if body.return_token_ids else None}
-                for c in final.outputs]
+    @property
+    def tool_setup(self) -> ToolSetup:
+        return ToolSetup(self.options.enable_auto_tool_choice, self.options.tool_call_parser,
+                         self.engine.engine_args.structured_outputs("reasoning_parser", None))
+
+    def _chat_choices(self, final: RequestOutput, body: ChatCompletionRequest,
+                      mode: ToolMode, thinking: bool) -> list[dict[str, Any]]:
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = chat_message(c.text, c.finish_reason, mode,
+                                                  self.tool_setup, thinking)
+            choices.append({
+                "index": c.index, "message": message,
+                "logprobs": chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0,
+                                          body.return_tokens_as_token_ids)
+                if body.logprobs else None,
+                "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+                "token_ids": list(c.token_ids) if body.return_token_ids else None})
+        return choices
 
     def _stream_chat(self, processed: list[ProcessedRequest], header: dict[str, Any],
-                     body: ChatCompletionRequest) -> AsyncIterator[str]:
+                     body: ChatCompletionRequest, mode: ToolMode, thinking: bool
+                     ) -> AsyncIterator[str]:
         started: set[int] = set()
+        streams: dict[int, ChoiceStream] = {}
+        setup = self.tool_setup
 
         def chunks(_: int, out: RequestOutput, c: CompletionOutput) -> list[dict[str, Any]]:
             payloads = []
@@ -83,12 +112,25 @@ class OpenAIServingChat(OpenAIServing):
                 if body.return_token_ids:
                     first["prompt_token_ids"] = out.prompt_token_ids
                 payloads.append(first)
-            choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+            stream = streams.get(c.index)
+            if stream is None:
+                stream = streams[c.index] = ChoiceStream(mode, setup, thinking)
+            deltas = stream.feed(c.text)
+            if c.finish_reason is not None:
+                deltas += stream.finish()
+            # One chunk per delta; the last carries this update's logprobs, token ids
+            # and finish reason (a delta-less update still sends one chunk).
+            deltas = deltas or [{}]
+            for delta in deltas[:-1]:
+                payloads.append({"choices": [{"index": c.index, "delta": delta,
+                                              "logprobs": None, "finish_reason": None}]})
+            choice = {"index": c.index, "delta": deltas[-1],
                       "logprobs": chat_logprobs(c.token_ids, c.logprobs,
                                                 body.top_logprobs or 0,
                                                 body.return_tokens_as_token_ids)
                       if body.logprobs else None,
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                      "finish_reason": stream.finish_reason(c.finish_reason),
+                      "stop_reason": c.stop_reason}
             if body.return_token_ids:
                 choice["token_ids"] = list(c.token_ids)
             payloads.append({"choices": [choice]})

@@ -40,7 +40,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_logprobs = body.logprobs  # echoed tokens carry their logprobs
             params = body.sampling_params(1 if body.score_only else body.max_tokens,
                                           body.logprobs, prompt_logprobs,
-                                          self.engine.default_sampling_fields)
+                                          self.engine.default_sampling_fields,
+                                          body.structured_outputs_params())
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
         texts = [p if isinstance(p, str) else None for p in prompts]

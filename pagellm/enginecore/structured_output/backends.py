@@ -1,0 +1,170 @@
+"""The two grammar backends behind one small interface: compile a `GrammarSpec` for
+the engine's tokenizer, then one matcher per request that accepts sampled tokens and
+fills that request's row of the step's token bitmask (int32 words, bit j of a row set
+where token j is allowed: the layout both libraries and xgrammar's apply kernel use).
+
+xgrammar compiles ahead (its compiler caches compiled grammars by key, bounded in
+bytes); llguidance compiles lazily as the matcher runs. Both fill masks in native code.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol
+
+import torch
+
+from pagellm.enginecore.structured_output.spec import GrammarSpec, guidance_grammar
+
+# xgrammar's compiled-grammar cache (bytes; vLLM's default is 512 MiB). A distinct
+# schema per request cannot grow memory past it.
+XGRAMMAR_CACHE_BYTES = 256 * 2**20
+
+
+class Matcher(Protocol):
+    """One request's position in its grammar."""
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar does not allow it."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and a stop token was accepted."""
+        ...
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """bitmask [rows, ceil(V/32)] int32 (CPU): row `row` := the allowed next tokens."""
+        ...
+
+
+class Backend(Protocol):
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar (slow part; runs in a compile thread)."""
+        ...
+
+    def matcher(self, compiled: Any, stop_token_ids: list[int]) -> Matcher:
+        ...
+
+
+class XgrammarMatcher:
+    __slots__ = ("_matcher",)
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(token_id))
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class XgrammarBackend:
+    def __init__(self, tokenizer: Any, vocab_size: int, threads: int) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=True,
+                                            cache_limit_bytes=XGRAMMAR_CACHE_BYTES)
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        c = self.compiler
+        if spec.kind == "json":
+            return c.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace)
+        if spec.kind == "regex":
+            return c.compile_regex(spec.text)
+        if spec.kind == "ebnf":
+            return c.compile_grammar(spec.text)
+        if spec.kind == "lark":
+            return c.compile_lark(spec.text)
+        return c.compile_structural_tag(spec.text)
+
+    def matcher(self, compiled: Any, stop_token_ids: list[int]) -> Matcher:
+        return XgrammarMatcher(self._xgr.GrammarMatcher(
+            compiled, override_stop_tokens=stop_token_ids or None))
+
+
+class GuidanceMatcher:
+    __slots__ = ("_fill", "_matcher")
+
+    def __init__(self, matcher: Any) -> None:
+        import llguidance.torch
+
+        self._matcher = matcher
+        self._fill = llguidance.torch.fill_next_token_bitmask
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self._matcher.consume_token(token_id)) and not self._matcher.is_error()
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_stopped())
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._fill(self._matcher, bitmask, row)
+
+
+class GuidanceBackend:
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        import llguidance.hf
+
+        self._llg_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        return guidance_grammar(spec)  # llguidance builds its parser lazily, per matcher
+
+    def matcher(self, compiled: Any, stop_token_ids: list[int]) -> Matcher:
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._llg_tokenizer, compiled, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"guidance: {matcher.get_error()}")
+        return GuidanceMatcher(matcher)
+
+
+class Backends:
+    """Each backend built on first use (a tokenizer's vocabulary is scanned once: about
+    a second for a 150k vocabulary), from any compile thread."""
+
+    def __init__(self, tokenizer_path: str, vocab_size: int, threads: int) -> None:
+        self._path = tokenizer_path
+        self._vocab_size = vocab_size
+        self._threads = threads
+        self._lock = threading.Lock()
+        self._tokenizer: Any = None
+        self._built: dict[str, Backend] = {}
+
+    def get(self, name: str) -> Backend:
+        with self._lock:
+            backend = self._built.get(name)
+            if backend is None:
+                if self._tokenizer is None:
+                    self._tokenizer = _load_tokenizer(self._path)
+                backend = XgrammarBackend(self._tokenizer, self._vocab_size, self._threads) \
+                    if name == "xgrammar" else GuidanceBackend(self._tokenizer, self._vocab_size)
+                self._built[name] = backend
+            return backend
+
+    def token_id(self, text: str) -> int:
+        """The id of a special token (a reasoning tag), which must be one token."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = _load_tokenizer(self._path)
+            ids = self._tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"the reasoning tag {text!r} is not one token of this "
+                             f"model's tokenizer ({len(ids)} tokens)")
+        return int(ids[0])
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"structured outputs need the model's tokenizer; could not load "
+                         f"it from {path}: {e}") from e

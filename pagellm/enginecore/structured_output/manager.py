@@ -1,0 +1,214 @@
+"""`StructuredOutputManager`: grammars for the engine core's constrained requests.
+
+A request with `structured_outputs` does not enter the scheduler until its grammar is
+compiled (vLLM's WAITING_FOR_FSM): compiling runs in a small thread pool, so a slow
+schema holds up only its own request, never the busy loop. Each step the engine core
+asks for the token bitmask of the constrained requests that sample in it (one row
+each, filled by their matchers in native code); the worker applies it to the logits
+before sampling. The scheduler advances each request's `RequestGrammar` with the token
+it sampled: a token the grammar refuses (possible only where the request's own bans
+left nothing the grammar allows) fails that request alone, and a completed grammar
+finishes it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagellm.enginecore.structured_output.backends import Backends
+from pagellm.enginecore.structured_output.request_grammar import RequestGrammar
+from pagellm.enginecore.structured_output.spec import choose_backend
+from pagellm.protocol.reasoning import REASONING_TAGS
+from pagellm.protocol.scheduling import GrammarOutput
+
+if TYPE_CHECKING:
+    from pagellm.enginecore.request import Request
+
+# A grammar that has not compiled in this long fails its request (the thread finishes
+# in the background; input bounds keep that rare and short).
+COMPILE_TIMEOUT_S = 30.0
+# Requests waiting for a grammar at once; more are refused (a flood of distinct
+# schemas queues no unbounded work).
+MAX_PENDING = 1024
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer_path: str | None, vocab_size: int, backend: str = "auto",
+                 any_whitespace: bool = True, reasoning_parser: str | None = None,
+                 enable_in_reasoning: bool = False) -> None:
+        """`tokenizer_path` None: the engine has no tokenizer (skip_tokenizer_init), and
+        constrained requests are refused."""
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self.backend = backend
+        self.any_whitespace = any_whitespace
+        self.reasoning_tags = None if reasoning_parser is None or enable_in_reasoning \
+            else REASONING_TAGS[reasoning_parser]
+        threads = max(1, min(4, (os.cpu_count() or 2) // 2))
+        self._backends = Backends(tokenizer_path or "", vocab_size, threads)
+        self._threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[str, tuple[Request, Future[RequestGrammar], float]] = {}
+        self._done = threading.Event()
+        self.on_ready: Callable[[], None] | None = None  # a compile finished (any thread)
+        self._bitmask: torch.Tensor | None = None
+        self.active = False  # a constrained request was ever admitted
+
+    # -- compiling ------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        """Start compiling the request's grammar; `take_ready` hands it back."""
+        if self.tokenizer_path is None:
+            raise ValueError("structured outputs need a tokenizer: this engine was started "
+                             "with skip_tokenizer_init")
+        if len(self._pending) >= MAX_PENDING:
+            raise ValueError(f"too many requests waiting for a grammar to compile "
+                             f"({MAX_PENDING}); try again later")
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="grammar")
+        future = self._pool.submit(self._compile, request)
+        self._pending[request.request_id] = (request, future,
+                                             time.monotonic() + COMPILE_TIMEOUT_S)
+        future.add_done_callback(self._on_done)
+
+    def _on_done(self, _: Future[RequestGrammar]) -> None:
+        self._done.set()
+        if self.on_ready is not None:
+            self.on_ready()
+
+    def _compile(self, request: Request) -> RequestGrammar:
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        name, spec = choose_backend(params, self.backend, self.any_whitespace)
+        backend = self._backends.get(name)
+        compiled = backend.compile(spec)
+        eos = request.eos_token_id
+        stop = sorted({eos, *(request.sampling_params.stop_token_ids or ())}) \
+            if eos is not None else []
+        matcher = backend.matcher(compiled, stop)
+        if self.reasoning_tags is None:
+            return RequestGrammar(matcher)
+        start, end = (self._backends.token_id(tag) for tag in self.reasoning_tags)
+        return RequestGrammar(matcher, end, not _reasoning_done(request.prompt_token_ids,
+                                                                start, end))
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def has_ready(self) -> bool:
+        """A compile finished or timed out (`take_ready` has something)."""
+        if not self._pending:
+            return False
+        now = time.monotonic()
+        return any(f.done() or now > deadline for _, f, deadline in self._pending.values())
+
+    def take_ready(self) -> list[tuple[Request, str | None]]:
+        """The requests whose grammar is ready (with `request.grammar` set), or failed or
+        timed out (with the error message)."""
+        ready: list[tuple[Request, str | None]] = []
+        now = time.monotonic()
+        self._done.clear()
+        for request_id, (request, future, deadline) in list(self._pending.items()):
+            if future.done():
+                del self._pending[request_id]
+                try:
+                    request.grammar = future.result()
+                    self.active = True
+                    ready.append((request, None))
+                except Exception as e:  # the request's grammar, not the engine
+                    ready.append((request, _compile_error(e)))
+            elif now > deadline:
+                del self._pending[request_id]
+                future.cancel()
+                ready.append((request, f"structured outputs: the grammar did not compile "
+                                       f"within {COMPILE_TIMEOUT_S:.0f} s"))
+        return ready
+
+    def wait(self, timeout: float) -> None:
+        """Block until a compile finishes (an in-process engine with nothing else to do)."""
+        self._done.wait(timeout)
+
+    def cancel(self, request_ids: Iterable[str]) -> list[Request]:
+        """Forget pending requests (aborted); returns those that were pending."""
+        dropped = []
+        for request_id in request_ids:
+            entry = self._pending.pop(request_id, None)
+            if entry is not None:
+                entry[1].cancel()
+                dropped.append(entry[0])
+        return dropped
+
+    def pending_requests(self) -> list[Request]:
+        return [entry[0] for entry in self._pending.values()]
+
+    # -- each step --------------------------------------------------------------------
+
+    def bitmask(self, requests: list[Request]) -> GrammarOutput | None:
+        """The step's bitmask rows for `requests` (constrained ones that sample in it)
+        whose grammar applies now; stop tokens are cleared for a request short of its
+        min_tokens (the sampler bans them). A row that allows nothing (an unsatisfiable
+        grammar, or one that could only stop) is opened fully, and the request fails when
+        its token comes back."""
+        rows = [r for r in requests if r.grammar is not None and r.grammar.needs_mask]
+        if not rows:
+            return None
+        words = -(-self.vocab_size // 32)
+        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
+            self._bitmask = torch.empty(max(len(rows), 64), words, dtype=torch.int32)
+        bitmask = self._bitmask[:len(rows)]
+        for i, request in enumerate(rows):
+            assert request.grammar is not None
+            request.grammar.matcher.fill_bitmask(bitmask, i)
+            if len(request.output_token_ids) < request.min_tokens:
+                _clear_bits(bitmask, i, request.stopping_ids)  # the sampler bans them too
+        empty = (bitmask == 0).all(dim=1)
+        if bool(empty.any()):
+            for i in empty.nonzero().flatten().tolist():
+                grammar = rows[i].grammar
+                assert grammar is not None
+                grammar.dead_end = True
+                bitmask[i] = -1
+        return GrammarOutput([r.request_id for r in rows], bitmask.numpy().tobytes())
+
+    def shutdown(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None and not sys.is_finalizing():  # at exit, threads stop anyway
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _clear_bits(bitmask: torch.Tensor, row: int, token_ids: Iterable[int]) -> None:
+    """Disallow `token_ids` in one bitmask row (int32 words: bit 31 is the sign)."""
+    for token_id in token_ids:
+        word = int(bitmask[row, token_id >> 5]) & ~(1 << (token_id & 31)) & 0xFFFFFFFF
+        bitmask[row, token_id >> 5] = word - (1 << 32) if word >= 1 << 31 else word
+
+
+def _reasoning_done(prompt: list[int], start: int, end: int) -> bool:
+    """The prompt closes a reasoning block it opened (a template that turned thinking
+    off writes an empty one): the answer, and so the grammar, starts at once."""
+    last_start = _last_index(prompt, start)
+    return last_start >= 0 and _last_index(prompt, end) > last_start
+
+
+def _last_index(ids: list[int], token: int) -> int:
+    for i in range(len(ids) - 1, -1, -1):
+        if ids[i] == token:
+            return i
+    return -1
+
+
+def _compile_error(e: BaseException) -> str:
+    text = str(e)
+    return text if text.startswith("structured_outputs") else \
+        f"structured_outputs: {text}" if isinstance(e, ValueError) else \
+        f"structured_outputs: the grammar could not be compiled: {type(e).__name__}: {text}"
+

@@ -1,0 +1,49 @@
+"""`RequestGrammar`: one request's place in its grammar, as the scheduler sees it (plain
+Python, no torch: the scheduler advances it with every sampled token)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagellm.enginecore.structured_output.backends import Matcher
+
+
+class RequestGrammar:
+    """A request's matcher, and whether its reasoning (if the engine has a reasoning
+    parser) has ended: until then the grammar neither masks nor advances. Plain
+    Python: the scheduler calls `advance` for every sampled token."""
+
+    __slots__ = ("dead_end", "in_reasoning", "matcher", "num_accepted", "reasoning_end",
+                 "terminated")
+
+    def __init__(self, matcher: Matcher, reasoning_end: int | None = None,
+                 in_reasoning: bool = False) -> None:
+        self.matcher = matcher
+        self.reasoning_end = reasoning_end
+        self.in_reasoning = in_reasoning
+        self.terminated = False
+        self.dead_end = False  # the last mask allowed nothing
+        self.num_accepted = 0
+
+    @property
+    def needs_mask(self) -> bool:
+        return not self.in_reasoning and not self.terminated
+
+    def advance(self, token_id: int) -> str | None:
+        """Take the sampled token; an error message if the grammar refuses it."""
+        if self.in_reasoning:
+            self.in_reasoning = token_id != self.reasoning_end
+            return None
+        if self.terminated:
+            return None
+        if self.dead_end:
+            return (f"the grammar admits no token after {self.num_accepted} constrained "
+                    f"tokens (an unsatisfiable constraint)")
+        if not self.matcher.accept(token_id):
+            return (f"token {token_id} is not allowed by the grammar after "
+                    f"{self.num_accepted} constrained tokens (the request's own bans, "
+                    f"e.g. min_tokens or bad_words, left it no allowed token)")
+        self.num_accepted += 1
+        self.terminated = self.matcher.is_terminated()
+        return None

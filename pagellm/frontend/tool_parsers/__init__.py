@@ -1,0 +1,30 @@
+"""Tool-call parsers by the name a server is started with (`--tool-call-parser`, as
+vLLM's): each turns a model's raw output into OpenAI `tool_calls` and the content
+around them, whole or streamed, in one model family's format."""
+
+from __future__ import annotations
+
+from pagellm.frontend.tool_parsers.base import ExtractedToolCalls, ToolCall, ToolParser
+from pagellm.frontend.tool_parsers.hermes import HermesToolParser
+from pagellm.frontend.tool_parsers.llama3_json import Llama3JsonToolParser
+from pagellm.frontend.tool_parsers.pythonic import PythonicToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "pythonic": PythonicToolParser,
+}
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    """The parser class a name selects (one instance per choice); ValueError naming the
+    choices, so a typo in a server flag fails at startup rather than per request."""
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, "
+                         f"got {name!r}") from None
+
+
+__all__ = ["TOOL_PARSERS", "ExtractedToolCalls", "HermesToolParser", "Llama3JsonToolParser",
+           "PythonicToolParser", "ToolCall", "ToolParser", "get_tool_parser"]

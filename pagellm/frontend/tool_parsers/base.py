@@ -1,0 +1,322 @@
+"""What every tool-call parser shares: the call it finds, the result of parsing a whole
+output, the interface the server drives per choice, and the small pieces of streaming
+bookkeeping each format needs (held-back text, whitespace between calls, incremental
+searches that never rescan what they have already looked at).
+
+A parser reads model output, which may be anything up to max_model_len tokens long: it
+never raises on it (text that is no valid call is content), and its streaming side does
+work proportional to the text fed, not to the text fed so far on every delta."""
+
+from __future__ import annotations
+
+import abc
+import json
+import re
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def make_tool_call_id() -> str:
+    """A fresh id in the shape OpenAI's clients expect (vLLM's `chatcmpl-tool-` prefix),
+    random so that two calls in one conversation never collide."""
+    return "chatcmpl-tool-" + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class ToolCall:
+    """One function call the model made: `arguments` is the JSON text of an object, as
+    OpenAI's API carries it (clients parse it themselves)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=make_tool_call_id)
+
+    def to_openai(self) -> dict[str, Any]:
+        """The call as a chat completion message's `tool_calls` entry."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ExtractedToolCalls:
+    """A whole output split into its calls and the text around them. `content` is None
+    when that text is empty or only whitespace, so a pure call answers with
+    `content: null` as OpenAI's does."""
+
+    tools_called: bool
+    tool_calls: list[ToolCall]
+    content: str | None
+
+
+class ToolParser(abc.ABC):
+    """Finds a model's tool calls in its output. One instance per generated choice: the
+    streaming methods keep state between deltas.
+
+    Streaming contract: `feed(delta_text)` returns zero or more OpenAI chat-chunk
+    `delta` dicts, `{"content": ...}` or `{"tool_calls": [{"index", "id", "type",
+    "function": {"name", "arguments"}}]}` (each call whole, once it is complete, with
+    indices 0, 1, ... per choice); `finish()` returns the rest at the end of the stream.
+    Text that could still turn into a call is held back, never sent as content; the
+    content sent, joined, is `extract_tool_calls(full_text).content` (or "" for None),
+    and the calls sent are the calls extracted (ids apart)."""
+
+    name: str = ""
+
+    def __init__(self) -> None:
+        self._next_index = 0
+
+    @abc.abstractmethod
+    def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
+        """The calls and the content of a whole output; touches no streaming state, so
+        it is safe to call on a parser that is also streaming."""
+
+    @abc.abstractmethod
+    def feed(self, delta_text: str) -> list[dict[str, Any]]:
+        """The deltas that the next piece of output makes certain."""
+
+    @abc.abstractmethod
+    def finish(self) -> list[dict[str, Any]]:
+        """The deltas still held back when the output has ended."""
+
+    def _call_delta(self, call: ToolCall) -> dict[str, Any]:
+        """A streamed call's delta, numbered in the order the choice made its calls."""
+        index = self._next_index
+        self._next_index += 1
+        return {"tool_calls": [{"index": index, **call.to_openai()}]}
+
+
+def parse_call_object(text: str, argument_keys: Iterable[str]) -> ToolCall | None:
+    """A JSON object `{"name": str, <argument key>: {...}}` as a call, else None.
+    The first of `argument_keys` present names the arguments, which must be an object:
+    anything else (an array, a double-encoded string, NaN/Infinity that JSON does not
+    allow) is no call, so the server never sends arguments a client cannot parse."""
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+        if not isinstance(obj, dict):
+            return None
+        name = obj.get("name")
+        if not isinstance(name, str) or not name:
+            return None
+        for key in argument_keys:
+            if key in obj:
+                arguments = obj[key]
+                break
+        else:
+            return None
+        if not isinstance(arguments, dict):
+            return None
+        return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
+        return None
+
+
+def _reject_constant(constant: str) -> Any:
+    """json's hook for NaN/Infinity/-Infinity: Python accepts them, JSON does not."""
+    raise ValueError(f"{constant} is not JSON")
+
+
+def content_or_none(text: str) -> str | None:
+    """Content as ExtractedToolCalls carries it: None when nothing but whitespace."""
+    return text if text.strip() else None
+
+
+def partial_tag_length(text: str, tag: str) -> int:
+    """How many trailing characters of `text` are a proper prefix of `tag`: the text
+    to hold back because the next delta may complete the tag. At most len(tag) - 1
+    comparisons of at most len(tag) characters, whatever the length of `text`."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:length]):
+            return length
+    return 0
+
+
+class DeltaList:
+    """The deltas of one feed/finish, in order, with adjacent content joined so a client
+    gets one content delta per step rather than a fragment per internal stage."""
+
+    def __init__(self) -> None:
+        self.deltas: list[dict[str, Any]] = []
+
+    def content(self, text: str) -> None:
+        """Appends content (nothing for empty text)."""
+        if not text:
+            return
+        if self.deltas and "content" in self.deltas[-1]:
+            self.deltas[-1]["content"] += text
+        else:
+            self.deltas.append({"content": text})
+
+    def add(self, delta: dict[str, Any]) -> None:
+        """Appends a tool-call delta."""
+        self.deltas.append(delta)
+
+
+class GapContent:
+    """Streaming side of "text between calls that is only whitespace is no content":
+    whitespace is held until the gap shows a visible character (then all of it is sent,
+    verbatim) or a call closes the gap (then it is dropped). A gap is the text before
+    the first call, between two calls, or after the last."""
+
+    def __init__(self) -> None:
+        self._pending: list[str] = []
+        self._visible = False
+
+    def add(self, text: str, out: DeltaList) -> None:
+        """More text of the current gap."""
+        if not text:
+            return
+        if self._visible:
+            out.content(text)
+        elif text.isspace():
+            self._pending.append(text)
+        else:
+            self._pending.append(text)
+            out.content("".join(self._pending))
+            self._pending.clear()
+            self._visible = True
+
+    def close(self) -> None:
+        """A call (or the end of the output) ends the gap; whitespace still held is
+        dropped."""
+        self._pending.clear()
+        self._visible = False
+
+
+def join_gaps(gaps: Iterable[str]) -> str | None:
+    """Non-streaming side of GapContent: the gaps with a visible character, joined."""
+    return content_or_none("".join(gap for gap in gaps if gap.strip()))
+
+
+class TagSearch:
+    """Accumulates text until `tag` appears in it, looking at each character a bounded
+    number of times however the text is split into deltas (the held text itself is kept
+    as a list of pieces and joined once, when the tag is found or the stream ends)."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self._pieces: list[str] = []
+        self._tail = ""  # the last len(tag) - 1 characters, where a split tag starts
+
+    def feed(self, text: str) -> tuple[str, str] | None:
+        """Adds text; once the tag has appeared, (text before it, text after it) with
+        the search reset, else None."""
+        window = self._tail + text
+        found = window.find(self.tag)
+        if found < 0:
+            self._pieces.append(text)
+            self._tail = window[-(len(self.tag) - 1):] if len(self.tag) > 1 else ""
+            return None
+        before_in_text = found - len(self._tail)  # may be negative: tag began earlier
+        held = "".join(self._pieces)
+        self.reset()
+        if before_in_text >= 0:
+            return held + text[:before_in_text], text[before_in_text + len(self.tag):]
+        return held[:len(held) + before_in_text], text[before_in_text + len(self.tag):]
+
+    def take(self) -> str:
+        """Everything held (the stream ended without the tag), resetting the search."""
+        held = "".join(self._pieces)
+        self.reset()
+        return held
+
+    def reset(self) -> None:
+        """Forgets the held text."""
+        self._pieces.clear()
+        self._tail = ""
+
+
+class LeadMatcher:
+    """Decides, one character at a time, whether an output opens with a structure:
+    optional whitespace, an optional marker token (`<|python_tag|>`), optional
+    whitespace, then `opener` ("{" or "["). Streaming needs this to know when leading
+    text is plain content without rescanning what it has held."""
+
+    UNDECIDED = -1
+    CONTENT = -2
+
+    def __init__(self, marker: str, opener: str) -> None:
+        self._marker = marker
+        self._opener = opener
+        self._stage = 0  # 0: leading space, 1: inside the marker, 2: space after it
+        self._matched = 0
+
+    def feed(self, text: str) -> int:
+        """UNDECIDED, CONTENT, or the index in `text` of the opener."""
+        for i, char in enumerate(text):
+            if self._stage == 1:
+                if char != self._marker[self._matched]:
+                    return self.CONTENT
+                self._matched += 1
+                if self._matched == len(self._marker):
+                    self._stage = 2
+            elif char.isspace():
+                continue
+            elif char == self._opener:
+                return i
+            elif self._stage == 0 and char == self._marker[0]:
+                self._stage, self._matched = 1, 1
+            else:
+                return self.CONTENT
+        return self.UNDECIDED
+
+
+def strip_lead(text: str, marker: str) -> str:
+    """Non-streaming side of LeadMatcher: `text` without leading whitespace, one leading
+    marker and the whitespace after it."""
+    text = text.lstrip()
+    if text.startswith(marker):
+        text = text[len(marker):].lstrip()
+    return text
+
+
+_JSON_OUTSIDE = re.compile(r'[{}"]')
+_JSON_INSIDE = re.compile(r'["\\]')
+
+
+class JsonObjectEnd:
+    """Finds where a JSON object that starts with "{" ends, fed in pieces: braces are
+    counted outside strings (escapes honoured), jumping between the characters that
+    matter with a regex, so each character is looked at once. It only delimits the
+    object; json.loads judges it."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._in_string = False
+        self._escape = False
+
+    def feed(self, text: str, start: int = 0) -> int | None:
+        """The index in `text` just past the object's closing brace, or None if the
+        object goes on; `text[start:]` is the next piece (an offset rather than a slice,
+        so a whole output holding many objects is never copied once per object)."""
+        pos = start
+        while pos < len(text):
+            if self._escape:
+                self._escape = False
+                pos += 1
+                continue
+            if self._in_string:
+                match = _JSON_INSIDE.search(text, pos)
+                if match is None:
+                    return None
+                pos = match.end()
+                if match.group() == "\\":
+                    self._escape = True
+                else:
+                    self._in_string = False
+                continue
+            match = _JSON_OUTSIDE.search(text, pos)
+            if match is None:
+                return None
+            pos = match.end()
+            char = match.group()
+            if char == '"':
+                self._in_string = True
+            elif char == "{":
+                self._depth += 1
+            else:
+                self._depth -= 1
+                if self._depth <= 0:
+                    return pos
+        return None

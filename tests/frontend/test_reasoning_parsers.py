@@ -1,0 +1,162 @@
+"""frontend/reasoning: qwen3 and deepseek_r1 split `<think>` reasoning from the answer.
+The reference is the expected results written by hand below (vLLM's rules: the text
+before `</think>` is reasoning, a missing start tag is fine, a missing end tag makes the
+output all reasoning, qwen3 with thinking disabled all content); streaming is checked
+against the whole-output result for random splits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagellm.frontend.reasoning import (
+    REASONING_PARSERS,
+    DeepSeekR1ReasoningParser,
+    Qwen3ReasoningParser,
+    ReasoningParser,
+    ThinkTagReasoningParser,
+    get_reasoning_parser,
+)
+from pagellm.protocol.reasoning import REASONING_TAGS
+
+# (text, reasoning_content, content): the same for both parsers with thinking enabled
+THINK_CASES: list[tuple[str, str | None, str | None]] = [
+    ("<think>\nI should add.\n</think>\n\nThe answer is 4.", "\nI should add.\n",
+     "\n\nThe answer is 4."),
+    # the start tag in the prompt: only the end tag is generated
+    ("I should add.</think>4", "I should add.", "4"),
+    # no end tag: cut off mid-thought, all reasoning
+    ("still thinking", "still thinking", None),
+    ("<think>abc", "abc", None),
+    ("abc</thi", "abc</thi", None),
+    ("<thi", "<thi", None),
+    ("<think></think>answer", None, "answer"),
+    ("reason</think>", "reason", None),
+    ("</think>", None, None),
+    ("", None, None),
+    # only the first start tag before the end tag is removed; text before it is kept
+    ("pre<think>mid</think>post", "premid", "post"),
+    ("<think>a<think>b</think>c", "a<think>b", "c"),
+    # tags in the answer stay in the answer
+    ("a</think>b<think>c</think>d", "a", "b<think>c</think>d"),
+    ("</think></think>", None, "</think>"),
+    ("<</think>>", "<", ">"),
+    ("</<think>think>x", "</think>x", None),
+    ("思考 🤔</think>答え", "思考 🤔", "答え"),
+]
+
+PARSERS = sorted(REASONING_PARSERS)
+
+
+@pytest.mark.parametrize("name", PARSERS)
+@pytest.mark.parametrize(("text", "reasoning", "content"), THINK_CASES)
+def test_extract_reasoning(name: str, text: str, reasoning: str | None,
+                           content: str | None) -> None:
+    assert get_reasoning_parser(name)().extract_reasoning(text) == (reasoning, content)
+
+
+def test_qwen3_with_thinking_disabled_is_all_content() -> None:
+    parser = Qwen3ReasoningParser(thinking_enabled=False)
+    assert parser.reasoning_ended
+    assert parser.extract_reasoning("The answer is 4.") == (None, "The answer is 4.")
+    assert parser.extract_reasoning("x</think>y") == (None, "x</think>y")
+    assert parser.extract_reasoning("") == (None, None)
+    assert parser.feed("x</thi") == {"content": "x</thi"}
+    assert parser.feed("") is None
+    assert parser.finish() is None
+
+
+def test_deepseek_r1_always_thinks_first() -> None:
+    parser = DeepSeekR1ReasoningParser(thinking_enabled=False)  # no switch in R1
+    assert parser.extract_reasoning("no end tag") == ("no end tag", None)
+    assert not parser.reasoning_ended
+
+
+def _stream(parser: ReasoningParser, pieces: list[str]) -> tuple[str, str, bool]:
+    """The reasoning and the content joined, and reasoning_ended at the end, checking
+    every delta's shape."""
+    deltas = [parser.feed(piece) for piece in pieces]
+    deltas.append(parser.finish())
+    reasoning = content = ""
+    for delta in deltas:
+        if delta is None:
+            continue
+        assert delta and set(delta) <= {"reasoning_content", "content"}, delta
+        assert all(isinstance(v, str) and v for v in delta.values()), delta
+        reasoning += delta.get("reasoning_content", "")
+        content += delta.get("content", "")
+    return reasoning, content, parser.reasoning_ended
+
+
+def _random_pieces(text: str, rng: random.Random) -> list[str]:
+    pieces = []
+    pos = 0
+    while pos < len(text):
+        size = rng.choice([0, 1, 1, 2, 3, 5, 8])
+        pieces.append(text[pos:pos + size])
+        pos += size
+    return pieces
+
+
+@pytest.mark.parametrize("thinking_enabled", [True, False])
+@pytest.mark.parametrize("name", PARSERS)
+def test_streaming_equals_extract_for_random_splits(name: str, thinking_enabled: bool) -> None:
+    rng = random.Random(0)
+    parser_class = get_reasoning_parser(name)
+    for text, _, _ in THINK_CASES:
+        expected = parser_class(thinking_enabled=thinking_enabled).extract_reasoning(text)
+        splits = [[text], list(text)] + [_random_pieces(text, rng) for _ in range(30)]
+        for pieces in splits:
+            parser = parser_class(thinking_enabled=thinking_enabled)
+            reasoning, content, ended = _stream(parser, pieces)
+            assert (reasoning or None, content or None) == expected, (text, pieces)
+            thinks = thinking_enabled or name == "deepseek_r1"
+            assert ended == (not thinks or "</think>" in text), (text, pieces)
+
+
+def test_streaming_holds_back_only_a_possible_tag() -> None:
+    parser = Qwen3ReasoningParser()
+    assert parser.feed("<think>") is None
+    assert parser.feed("Let me think <") == {"reasoning_content": "Let me think "}
+    assert parser.feed("b> about it </thi") == {"reasoning_content": "<b> about it "}
+    assert not parser.reasoning_ended
+    assert parser.feed("nk>\n\nFour") == {"content": "\n\nFour"}
+    assert parser.reasoning_ended
+    assert parser.feed(".") == {"content": "."}
+    assert parser.finish() is None
+
+    parser = DeepSeekR1ReasoningParser()
+    assert parser.feed("Thinking</think") == {"reasoning_content": "Thinking"}
+    assert parser.finish() == {"reasoning_content": "</think"}
+    assert not parser.reasoning_ended
+
+    parser = DeepSeekR1ReasoningParser()
+    assert parser.feed("a</think>b") == {"reasoning_content": "a", "content": "b"}
+    assert parser.reasoning_ended
+
+
+def test_registry_matches_the_protocol_tag_table() -> None:
+    assert set(REASONING_PARSERS) == set(REASONING_TAGS)
+    for name, parser_class in REASONING_PARSERS.items():
+        assert get_reasoning_parser(name) is parser_class
+        parser = parser_class()
+        assert isinstance(parser, ThinkTagReasoningParser)
+        assert (parser.start_tag, parser.end_tag) == REASONING_TAGS[name]
+    with pytest.raises(ValueError, match=r"deepseek_r1.*qwen3"):
+        get_reasoning_parser("granite")
+
+
+@pytest.mark.parametrize("thinking_enabled", [True, False])
+@pytest.mark.parametrize("name", PARSERS)
+def test_streaming_equals_extract_for_generated_texts(name: str, thinking_enabled: bool) -> None:
+    """Texts glued from whole and partial tags (fixed seed), streamed in random pieces."""
+    fragments = ["<think>", "</think>", "<", "/", "think", ">", "</thi", "<th", "a", " ", "\n"]
+    rng = random.Random(0)
+    parser_class = get_reasoning_parser(name)
+    for _ in range(2000):
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 10)))
+        expected = parser_class(thinking_enabled=thinking_enabled).extract_reasoning(text)
+        reasoning, content, _ = _stream(parser_class(thinking_enabled=thinking_enabled),
+                                        _random_pieces(text, rng))
+        assert (reasoning or None, content or None) == expected, text
