@@ -600,3 +600,50 @@ def test_logprobs_see_the_grammars_mask(engines, backend):
                 assert min(lp.rank for lp in masked) > max(lp.rank for lp in finite.values())
                 assert math.isclose(sum(math.exp(lp.logprob) for lp in finite.values()), 1,
                                     rel_tol=1e-4)
+
+
+def test_chunked_prefill_and_a_cached_prefix_leave_the_output_unchanged(engines, auto):
+    """A long prompt computed in 8-token chunks (no bitmask row until the request
+    samples), and again from the prefix cache, samples what one whole prefill does."""
+    prompt = PROMPTS[6]
+    params = constrained(S(json=RECORD, disable_any_whitespace=True), seed=9,
+                         max_tokens=60)
+    whole = generate(auto, [prompt], [params])[0]
+    chunked_llm = engines(long_prefill_token_threshold=8, max_num_batched_tokens=16)
+    chunked = generate(chunked_llm, [prompt], [params])[0]
+    cached = generate(chunked_llm, [prompt], [params])[0]
+    assert chunked_llm.get_stats().prefix_cache_hits > 0
+    assert whole.token_ids == chunked.token_ids == cached.token_ids
+    jsonschema.validate(json.loads(whole.text), RECORD)
+
+
+def test_a_grammar_that_does_not_compile_in_time_fails_its_request_alone(cores,
+                                                                         monkeypatch):
+    """The compile deadline: a request whose grammar is still compiling past it fails
+    with a message; a plain request beside it completes. (The deadline is set to 0 and
+    the compile held up, so the timeout is what ends it.)"""
+    import threading
+
+    from pagellm.enginecore.structured_output import manager
+    from pagellm.enginecore.structured_output.backends import Backends
+
+    core = cores("auto")
+    release = threading.Event()
+    original = Backends.get
+
+    def held_up(self: Backends, name: str) -> Any:
+        release.wait(10)
+        return original(self, name)
+
+    monkeypatch.setattr(manager, "COMPILE_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(Backends, "get", held_up)
+    try:
+        tokens, final = run_core(core, [
+            request("slow", [5, 6, 7], max_tokens=4,
+                    structured_outputs=S(regex="[a-z]+"), eos_token_id=EOS),
+            request("plain", [5, 6, 7], max_tokens=4, eos_token_id=EOS)])
+    finally:
+        release.set()
+    assert final["slow"].finish_reason == FinishReason.ERROR
+    assert "did not compile within" in (final["slow"].error or "")
+    assert final["plain"].finish_reason == FinishReason.LENGTH and len(tokens["plain"]) == 4

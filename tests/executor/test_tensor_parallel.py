@@ -6,6 +6,7 @@ logprobs, and the checkpoint itself (the ranks' slices put back together)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import torch
 from conftest import PROMPTS, assert_no_leaks
 from helpers import ROOT, SUPPORT, Server, free_port, stop
 
-from pagellm import LLM, EngineDeadError, SamplingParams
+from pagellm import LLM, EngineDeadError, SamplingParams, StructuredOutputsParams
 from pagellm.executor.model.config import resolve_model_config
 from pagellm.executor.model.loader import load_model
 from pagellm.executor.model.parallel import TensorParallel, check_divisible
@@ -121,16 +122,22 @@ def test_two_ranks_match_transformers_and_one_rank(name, model_dirs, hf_referenc
 @pytest.mark.slow
 def test_prefix_cache_n_and_seeded_sampling_work_under_tensor_parallel(model_dirs,
                                                                         make_llm):
-    """A cached prefix, n > 1 and seeded sampling give what one rank gives."""
+    """A cached prefix, n > 1, seeded sampling and structured outputs (the step's
+    bitmask travels to every rank in the SchedulerOutput) give what one rank gives."""
     shared = PROMPTS[4]
     prompts = [shared + " first", shared + " second"]
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, n=3, seed=11)
+    regex = r"[a-f]{2}-[0-9]{1,3}"
+    constrained = SamplingParams(max_tokens=12, n=2, seed=5,
+                                 structured_outputs=StructuredOutputsParams(regex=regex))
     results = []
     for tp in (1, 2):
         llm = make_llm(model_dirs["llama"], tensor_parallel_size=tp)
         llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # fills the prefix cache
         out = llm.generate(prompts, params, use_tqdm=False)
         assert llm.get_stats().prefix_cache_hits > 0
+        out += llm.generate(prompts, constrained, use_tqdm=False)
+        assert all(re.fullmatch(regex, c.text) for o in out[-2:] for c in o.outputs)
         results.append([[c.token_ids for c in o.outputs] for o in out])
     assert results[0] == results[1]
 
