@@ -121,8 +121,9 @@ class InputReceiver:
             frames = self.frontends.recv_multipart()
             try:
                 self._on_message(frames, decoders)
-            except (msgspec.DecodeError, ValueError) as e:
-                logger.warning("engine core: dropped a malformed message: %s", e)
+            except (msgspec.DecodeError, ValueError, RecursionError) as e:
+                logger.warning("engine core: dropped a malformed message: %s",
+                               "nested too deeply" if isinstance(e, RecursionError) else e)
             except Exception as e:  # no message may stop this thread
                 logger.exception("engine core: could not handle a message: %s", e)
 
@@ -164,11 +165,12 @@ class InputReceiver:
         """Queue the request for the busy loop; False if it was refused here."""
         try:
             request = decoder.decode(payload)
-        except msgspec.ValidationError as e:  # e.g. a sampling value out of range
-            request_id = _first_field(payload, str)
+        except (msgspec.ValidationError, RecursionError) as e:  # a value out of range,
+            request_id = _first_field(payload, str)  # or nested past the decoder's stack
             if not request_id:
                 raise
-            self.outputs.fail_request(client, request_id, f"invalid request: {e}")
+            reason = "nested too deeply" if isinstance(e, RecursionError) else e
+            self.outputs.fail_request(client, request_id, f"invalid request: {reason}")
             return False
         if not self.accepting.is_set():
             self.outputs.fail_request(client, request.request_id,
@@ -231,10 +233,35 @@ class InputReceiver:
 def _first_field(payload: bytes, kind: type[T]) -> T | None:
     """The first field of a message that failed validation (an ADD's request id, a
     utility call's id), to tell its sender why."""
+    # Read by hand, the rest left unread: it may be what failed (nested past the
+    # decoder's stack, which skipping it would recurse through too).
+    header = {0xdc: 3, 0xdd: 5}.get(payload[0], 1) if payload else 0
+    if not payload or not (0x90 <= payload[0] <= 0x9f or payload[0] in (0xdc, 0xdd)):
+        return None
+    size = _msgpack_scalar_size(payload[header:header + 5])
+    if size is None:
+        return None
     try:
-        fields = msgspec.msgpack.decode(payload)
+        first = msgspec.msgpack.decode(payload[header:header + size])
     except msgspec.DecodeError:
         return None
-    if isinstance(fields, list) and fields and type(fields[0]) is kind:
-        return fields[0]
+    return first if type(first) is kind else None
+
+
+def _msgpack_scalar_size(head: bytes) -> int | None:
+    """Bytes of the msgpack string or integer starting `head`, None for anything else."""
+    if not head:
+        return None
+    marker = head[0]
+    if marker <= 0x7f or marker >= 0xe0:  # positive / negative fixint
+        return 1
+    if 0xa0 <= marker <= 0xbf:  # fixstr
+        return 1 + (marker & 0x1f)
+    if marker in (0xcc, 0xcd, 0xce, 0xcf, 0xd0, 0xd1, 0xd2, 0xd3):  # (u)int 8..64
+        return 1 + (1 << (marker & 0x03))
+    if marker in (0xd9, 0xda, 0xdb):  # str 8, 16, 32
+        width = 1 << (marker - 0xd9)
+        if len(head) < 1 + width:
+            return None
+        return 1 + width + int.from_bytes(head[1:1 + width], "big")
     return None

@@ -21,7 +21,7 @@ from conftest import PROMPTS, greedy_ids, still_serves
 from helpers import KV, ROOT, RawEngineClient, free_port, raw_hello, request, stop
 from zmq.utils.monitor import recv_monitor_message
 
-from pagellm import LLM, EngineDeadError, SamplingParams
+from pagellm import LLM, EngineDeadError, SamplingParams, StructuredOutputsParams
 from pagellm.protocol.messages import (
     EngineCoreOutputs,
     FinishReason,
@@ -56,13 +56,24 @@ def test_foreign_requests_the_engine_cannot_serve_fail_alone(tight_engine, attac
         bad["nan"].arrival_time = float("nan")
         bad["salt"] = request("salt", [5])
         bad["salt"].cache_salt = "s" * 1025
+        # Structured outputs (issue 39): a grammar no backend compiles, and constraints
+        # that are no single constraint.
+        bad["grammar"] = request("grammar", [5], structured_outputs=StructuredOutputsParams(
+            regex="("))
+        bad["two"] = request("two", [5], structured_outputs=StructuredOutputsParams(
+            regex="a"))
+        bad["two"].sampling_params.structured_outputs.choice = ["a"]  # type: ignore[union-attr]
         for r in bad.values():
             client.send(RequestType.ADD, r)
         # Out of range for SamplingParams: refused while decoding, still answered by id.
         client.send(RequestType.ADD, msgspec.msgpack.encode(
             ["top-k", [5], {"top_k": 2**63}, None, 0.0]))
+        # A schema nested past the decoder's stack (msgpack maps 5000 deep): answered too.
+        deep = msgspec.Raw(b"\x81\xa5items" * 5000 + b"\x80")
+        client.send(RequestType.ADD, msgspec.msgpack.encode(
+            ["deep", [5], {"structured_outputs": {"json": deep}}, None, 0.0]))
         errors = {}
-        for _ in range(len(bad) + 1):
+        for _ in range(len(bad) + 2):
             out = client.outputs_until(lambda o: o.finish_reason is not None)[-1]
             assert out.finish_reason == FinishReason.ERROR, out
             errors[out.request_id] = out.error
@@ -76,6 +87,8 @@ def test_foreign_requests_the_engine_cannot_serve_fail_alone(tight_engine, attac
         assert "outside the vocabulary" in errors["bad-words"]
         assert "must not be empty" in errors["bad-words-empty"]
         assert "cache_salt is longer than 1024" in errors["salt"]
+        assert "regex" in errors["grammar"] and "exactly one" in errors["two"]
+        assert "nested too deeply" in errors["deep"]
         client.send(RequestType.ADD, request("good", [5, 6, 7]))
         assert client.finished("good").finish_reason == FinishReason.LENGTH
     finally:
