@@ -321,7 +321,7 @@ def agent_server(agent_model_dir, tmp_path_factory) -> Iterator[Server]:
     reasoning split off by the qwen3 parser (structured outputs apply after it, so
     constrained chat requests send enable_thinking=False), compact JSON from
     structured outputs (a random model would otherwise emit whitespace until
-    max_tokens). Shared by tests/frontend/server/test_structured_outputs.py and
+    max_tokens). Shared by tests/frontend/server/test_agent_requests.py and
     test_responses.py; its stderr in a log file."""
     log = tmp_path_factory.mktemp("agent-server") / "stderr.log"
     s = Server(agent_model_dir, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",

@@ -193,3 +193,29 @@ def test_step_peak_bytes_bounds_what_one_step_of_sampling_holds(every_stage):
     assert peak <= step_peak_bytes(rows, vocab)
     if every_stage:
         assert peak >= 0.8 * step_peak_bytes(rows, vocab)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 2, 5], [3]])
+def test_the_cpu_grammar_mask_equals_xgrammars_kernel(dtype, rows):
+    """Structured outputs' CPU apply (grammar_mask.apply_bitmask_cpu) against xgrammar's
+    own apply kernel on random bitmasks: rows given and not, a vocabulary that is not a
+    multiple of 32, bit 31 (the sign) included."""
+    import xgrammar as xgr
+
+    from pagellm.executor.worker.grammar_mask import apply_bitmask_cpu
+
+    generator = torch.Generator().manual_seed(len(rows))
+    vocab = 1000
+    logits = torch.randn(10, vocab, generator=generator).to(dtype)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), -(-vocab // 32)),
+                            dtype=torch.int32, generator=generator)
+    ours = logits.clone()
+    apply_bitmask_cpu(ours, bitmask, rows)
+    full = torch.full((10, bitmask.shape[1]), -1, dtype=torch.int32)
+    full[rows] = bitmask
+    reference = logits.clone()
+    xgr.apply_token_bitmask_inplace(reference, full, indices=rows, vocab_size=vocab)
+    assert torch.equal(ours, reference)
+    assert bool(torch.isinf(ours[rows]).any()) and not bool(torch.isinf(
+        ours[[r for r in range(10) if r not in rows]]).any())

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -165,9 +165,14 @@ class StructuredOutputManager:
         if self._bitmask is None or self._bitmask.shape[0] < len(rows):
             self._bitmask = torch.empty(max(len(rows), 64), words, dtype=torch.int32)
         bitmask = self._bitmask[:len(rows)]
+        by_kind: dict[Any, list[tuple[Any, int]]] = {}
         for i, request in enumerate(rows):
             assert request.grammar is not None
-            request.grammar.matcher.fill_bitmask(bitmask, i)
+            matcher = request.grammar.matcher
+            by_kind.setdefault(type(matcher), []).append((matcher, i))
+        for kind, pairs in by_kind.items():  # one call per backend (llguidance: parallel)
+            kind.fill_rows(pairs, bitmask)
+        for i, request in enumerate(rows):
             if len(request.output_token_ids) < request.min_tokens:
                 _clear_bits(bitmask, i, request.stopping_ids)  # the sampler bans them too
         empty = (bitmask == 0).all(dim=1)

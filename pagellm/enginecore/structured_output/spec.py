@@ -158,6 +158,7 @@ def _check_guidance(spec: GrammarSpec) -> None:
         raise UnsupportedGrammar("; ".join(messages)[:500] or "invalid grammar")
 
 
+@functools.lru_cache(maxsize=512)
 def guidance_grammar(spec: GrammarSpec) -> str:
     """The llguidance grammar for `spec` (its JSON form, which LLMatcher takes)."""
     from llguidance import LLMatcher

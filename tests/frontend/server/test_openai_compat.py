@@ -139,7 +139,7 @@ UNSERVED = [
      "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     # Issue 39: these took the unknown-field path on /v1/completions (a 200, free text);
-    # response_format is served now (tests/frontend/server/test_structured_outputs.py).
+    # response_format is served now (tests/frontend/server/test_agent_requests.py).
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}},
      "response_format"),
     ("/v1/completions", {"prompt": "x", "tools": [{"type": "function", "function": {
