@@ -125,3 +125,38 @@ def test_kv_cache_is_sized_by_profiling(model_dirs, make_llm):
     assert 0.5 * share * total < kv_bytes < share * total
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 32 for o in outputs)
+
+
+def test_structured_outputs_on_the_gpu_with_and_without_graphs(model_dirs, make_llm):
+    """Issue 39 on CUDA: the bitmask reaches the GPU and xgrammar's CUDA apply kernel
+    masks the logits after the decode graph: every constrained output matches its
+    grammar, graphs and eager give the same tokens, and a free request beside them is
+    what it is alone."""
+    import json
+    import re
+
+    import jsonschema
+
+    from pagellm import StructuredOutputsParams
+
+    schema = {"type": "object", "required": ["n", "e"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                             "e": {"enum": ["red", "green"]}}}
+    constrained = [
+        SamplingParams(max_tokens=48, seed=i, structured_outputs=StructuredOutputsParams(
+            json=schema, disable_any_whitespace=True)) for i in range(3)] + [
+        SamplingParams(max_tokens=16, seed=7, structured_outputs=StructuredOutputsParams(
+            regex=r"[a-f]{3}-[0-9]{2}"))]
+    results = []
+    for enforce_eager in (False, True):
+        llm = make_llm(model_dirs["llama"], device="cuda", dtype="float32",
+                       kv_cache_memory_bytes=64 * 2**20, enforce_eager=enforce_eager)
+        alone = llm.generate(PROMPTS[4:5], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        outs = llm.generate(PROMPTS[:5], [*constrained, GREEDY], use_tqdm=False)
+        texts = [o.outputs[0].text for o in outs]
+        for text in texts[:3]:
+            jsonschema.validate(json.loads(text), schema)
+        assert re.fullmatch(r"[a-f]{3}-[0-9]{2}", texts[3])
+        assert outs[4].outputs[0].token_ids == alone
+        results.append([o.outputs[0].token_ids for o in outs])
+    assert results[0] == results[1]
