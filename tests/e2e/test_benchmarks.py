@@ -25,6 +25,7 @@ import kernel_bench  # noqa: E402
 import parallel  # noqa: E402
 import profile_decode  # noqa: E402
 import small_gemm  # noqa: E402
+import structured_outputs  # noqa: E402
 
 CASE_TIMINGS = ("kernel_us", "kernel_gbps", "kernel_pct_of_copy", "sdpa_us", "sdpa_gbps",
                 "sdpa_pct_of_copy", "speedup_vs_sdpa")
@@ -313,3 +314,17 @@ def test_bad_words_smoke_runs_both_ways_and_reports_a_per_step_cost(tmp_path):
     assert results["benchmark"] == "bad_words"
     assert len(results["runs_s"]["plain"]) == len(results["runs_s"]["bad_words"]) == 1
     assert isinstance(results["extra_ms_per_step"], float)
+
+
+def test_structured_outputs_smoke_times_both_arms_and_the_grammars_share(tmp_path,
+                                                                         model_dirs):
+    """Tiny sizes on the llama test model: both arms run to the same length (the script
+    checks it), and the summary holds the ratios and the grammar's share of a step."""
+    results = run_json(structured_outputs.main, [
+        "--model", str(model_dirs["llama"]), "--batch1-tokens", "4", "--batch1-repeats", "1",
+        "--concurrent", "4", "--concurrent-tokens", "4", "--rounds", "1", "--walk-steps", "5",
+        "--no-direct"], tmp_path / "structured_outputs.json")
+    assert results["benchmark"] == "structured_outputs"
+    summary = results["summary"]["records"]
+    assert summary["tpot_ratio"] > 0 and summary["throughput_ratio"] > 0
+    assert 0 < summary["grammar_share_b1_c"] < 1 and 0 < summary["grammar_share_cc_c"] < 1
