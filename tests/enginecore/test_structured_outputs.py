@@ -647,3 +647,57 @@ def test_a_grammar_that_does_not_compile_in_time_fails_its_request_alone(cores,
     assert final["slow"].finish_reason == FinishReason.ERROR
     assert "did not compile within" in (final["slow"].error or "")
     assert final["plain"].finish_reason == FinishReason.LENGTH and len(tokens["plain"]) == 4
+
+
+def test_sleep_and_wake_mid_request_and_priorities_keep_constrained_outputs(engines):
+    """Constrained requests put to sleep mid-generation (level 1, mode "keep": their KV
+    is freed and recomputed on waking; their matchers stay) and scheduled by priority
+    sample exactly what an uninterrupted run does (seeded: tokens depend on nothing
+    else), and match their grammar."""
+    from pagellm.enginecore.core import Deferred
+    from pagellm.protocol.messages import UtilityMethod
+
+    core = engines(enable_sleep_mode=True, scheduling_policy="priority").engine_core.core
+    regex = r"[a-f]{3}-[0-9]{2,6}"
+
+    def requests(tag: str) -> list[EngineCoreRequest]:
+        made = [request(f"{tag}{i}", [5 + i, 6, 7], max_tokens=12, temperature=1.0, seed=i,
+                        structured_outputs=S(regex=regex), eos_token_id=EOS)
+                for i in range(3)]
+        for i, r in enumerate(made):
+            r.priority = 2 - i  # the last added runs first
+        return made
+
+    reference, _ = run_core(core, requests("a"))
+    tokens: dict[str, list[int]] = {f"b{i}": [] for i in range(3)}
+    finished: set[str] = set()
+
+    def step() -> None:
+        core.wait_for_grammars(0.05)
+        for message in core.step().values():
+            for o in message.all_outputs():
+                tokens[o.request_id] += o.new_token_ids
+                if o.finish_reason is not None:
+                    assert o.finish_reason != FinishReason.ERROR, o.error
+                    finished.add(o.request_id)
+
+    for r in requests("b"):
+        core.add_request(r)
+    while sum(map(len, tokens.values())) < 4:  # all three admitted and a few tokens in
+        step()
+    assert not finished
+    sleeping = core.call_utility(UtilityMethod.SLEEP, [1, "keep"])
+    assert isinstance(sleeping, Deferred)
+    while not sleeping.ready():
+        step()
+    sleeping.finish()
+    assert core.call_utility(UtilityMethod.WAKE_UP, [None]) is True
+    for _ in range(200):
+        if len(finished) == 3:
+            break
+        step()
+    assert [tokens[f"b{i}"] for i in range(3)] == [reference[f"a{i}"] for i in range(3)]
+    tokenizer = engines(enable_sleep_mode=True, scheduling_policy="priority").tokenizer
+    for ids in tokens.values():
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        assert re.fullmatch(regex, text), text  # at most 11 tokens with EOS: complete

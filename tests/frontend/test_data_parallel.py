@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -28,7 +29,7 @@ import pytest
 from conftest import PROMPTS
 from helpers import NAME, ROOT, SUPPORT, Server, free_port
 
-from pagellm import LLM, AsyncLLM, EngineDeadError, SamplingParams
+from pagellm import LLM, AsyncLLM, EngineDeadError, SamplingParams, StructuredOutputsParams
 from pagellm.frontend.engine_client.dp_client import DPSyncClient
 from pagellm.frontend.engine_client.dp_routing import Router, merge_results
 from pagellm.protocol.messages import UtilityMethod
@@ -108,13 +109,18 @@ def test_greedy_tokens_equal_transformers_and_both_cores_serve(dp_llm, hf_refere
 
 
 def test_dp1_and_dp2_give_the_same_tokens_for_n_and_seeded_sampling(dp_llm, model_dirs):
+    """...and for structured outputs: each engine core compiles its own grammars."""
+    regex = r"[a-f]{2}-[0-9]{1,3}"
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=12, n=2) for i in range(6)]
-    prompts = PROMPTS[:6]
+    params += [SamplingParams(seed=i, max_tokens=12, n=2, structured_outputs=
+                              StructuredOutputsParams(regex=regex)) for i in range(2)]
+    prompts = PROMPTS[:8]
     dp2 = dp_llm.generate(prompts, params, use_tqdm=False)
     with LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=KV) as llm:
         dp1 = llm.generate(prompts, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in dp2] == \
         [[c.token_ids for c in o.outputs] for o in dp1]
+    assert all(re.fullmatch(regex, c.text) for o in dp2[6:] for c in o.outputs)
     assert_all_free(dp_llm)
 
 
