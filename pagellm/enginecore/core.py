@@ -100,8 +100,8 @@ class EngineCore:
             self._reject(request.client_index, request.request_id,
                          self.state.refusal(self.executor.sleeping), unavailable=True)
             return
-        if request.request_id in self.scheduler.requests or any(
-                r.request_id == request.request_id for r in self.structured.pending_requests()):
+        if request.request_id in self.scheduler.requests or \
+                self.structured.pending(request.request_id) is not None:
             self._reject(request.client_index, request.request_id,  # two frontends, or
                          f"request id {request.request_id!r} is already in use")  # a foreign
             return  # client
@@ -126,10 +126,10 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str], client_index: int | None = None) -> None:
         """Abort requests; with a client_index, only those that client sent."""
         if client_index is not None:
-            requests = self.scheduler.requests | {
-                r.request_id: r for r in self.structured.pending_requests()}
-            request_ids = [r for r in request_ids
-                           if r in requests and requests[r].client_index == client_index]
+            requests = self.scheduler.requests
+            owned = [requests.get(r) or self.structured.pending(r) for r in request_ids]
+            request_ids = [r.request_id for r in owned
+                           if r is not None and r.client_index == client_index]
         self.structured.cancel(request_ids)
         self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
 

@@ -147,6 +147,11 @@ class StructuredOutputManager:
                 dropped.append(entry[0])
         return dropped
 
+    def pending(self, request_id: str) -> Request | None:
+        """The request if its grammar is still compiling."""
+        entry = self._pending.get(request_id)
+        return None if entry is None else entry[0]
+
     def pending_requests(self) -> list[Request]:
         return [entry[0] for entry in self._pending.values()]
 

@@ -88,8 +88,9 @@ class Llama3JsonToolParser(ToolParser):
             if self._phase == _CONTENT:
                 out.content(text)
                 break
-            if self._phase == _LEAD:
-                opener = self._lead.feed(text)
+            if self._phase != _OBJECT:  # before the first call, or between calls
+                opener = self._lead.feed(text) if self._phase == _LEAD \
+                    else self._separator(text)
                 if opener == LeadMatcher.UNDECIDED:
                     self._held.append(text)
                     break
@@ -99,7 +100,7 @@ class Llama3JsonToolParser(ToolParser):
                 self._held.append(text[:opener])
                 text = text[opener:]
                 self._start_object()
-            elif self._phase == _OBJECT:
+            else:
                 end = self._object.feed(text)
                 if end is None:
                     self._held.append(text)
@@ -115,17 +116,6 @@ class Llama3JsonToolParser(ToolParser):
                 self._phase = _SEPARATING
                 self._after_semicolon = False
                 text = text[end:]
-            else:
-                opener = self._separator(text)
-                if opener == LeadMatcher.UNDECIDED:
-                    self._held.append(text)
-                    break
-                if opener == LeadMatcher.CONTENT:
-                    self._to_content(text, out)
-                    break
-                self._held.append(text[:opener])
-                text = text[opener:]
-                self._start_object()
         return out.deltas
 
     def finish(self) -> list[dict[str, Any]]:
