@@ -10,9 +10,10 @@ engine-core process), `pagellm.executor` (the process layer, one rank's worker, 
 model), `pagellm.kernels` (Triton kernels and their torch references) and
 `pagellm.protocol` (the messages both processes speak); beside them `pagellm.transport`
 (ZeroMQ sockets, CURVE), `pagellm.weights` (weight updates: the sender, the trainer's
-side) and `pagellm.demo` (the demo model). `pagellm.inputs` and
-`pagellm.sampling_params` are vLLM's import paths for the prompt forms and
-SamplingParams.
+side), `pagellm.demo` (the demo model) and `pagellm.vllm` (vLLM's import tree,
+which `pagellm.install_as_vllm()` makes `import vllm` resolve to, for RL frameworks).
+`pagellm.inputs` and `pagellm.sampling_params` are vLLM's import paths for the prompt
+forms and SamplingParams.
 
 The names below are imported on first use (PEP 562), so `import pagellm.protocol` in
 the engine-core process does not load the frontend.
@@ -41,12 +42,14 @@ _PUBLIC = {
     "StructuredOutputsParams": "pagellm.protocol.sampling_params",
     "EngineArgs": "pagellm.protocol.engine_args",
     "AsyncEngineArgs": "pagellm.protocol.engine_args",
+    "install_as_vllm": "pagellm.vllm_alias",
 }
 
 __all__ = ["LLM", "AsyncEngineArgs", "AsyncLLM", "CompletionOutput", "EngineArgs",
            "EngineDeadError", "Logprob",
            "PromptType", "RequestOutput", "RequestOutputKind", "SamplingParams",
-           "StructuredOutputsParams", "TextPrompt", "TokensPrompt", "__version__"]
+           "StructuredOutputsParams", "TextPrompt", "TokensPrompt", "__version__",
+           "install_as_vllm"]
 
 if TYPE_CHECKING:
     from pagellm.frontend.async_llm import AsyncLLM
@@ -60,6 +63,7 @@ if TYPE_CHECKING:
         SamplingParams,
         StructuredOutputsParams,
     )
+    from pagellm.vllm_alias import install_as_vllm
 
 
 def __getattr__(name: str) -> Any:

@@ -23,6 +23,7 @@ from pagellm.logger import configure_logging
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import READY, StartupFailure
 from pagellm.protocol.validation import MAX_SHUTDOWN_TIMEOUT_S, check_float
+from pagellm.vllm_alias import install_from_environment
 
 logger = logging.getLogger("pagellm")
 
@@ -66,6 +67,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m pagellm.engin
     if (ns.address is None) != ns.headless:
         parser.error("--address is required (and --headless takes none)")
     configure_logging()
+    install_from_environment()  # worker extensions may import vllm.*
     if ns.headless:
         from pagellm.executor.worker.memory import tune_engine_process
         from pagellm.executor.worker_node import run_worker_node

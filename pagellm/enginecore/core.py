@@ -4,6 +4,7 @@ the I/O threads. Whether it serves (pause, sleep, missing weights) is `ServingSt
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -39,6 +40,8 @@ from pagellm.protocol.utility import (
     WeightUpdate,
     convert_args,
 )
+
+logger = logging.getLogger("pagellm")
 
 
 class EngineCore:
@@ -247,11 +250,13 @@ class EngineCore:
 
     # Pause and sleep: vLLM's semantics (the RL rollout loop).
 
-    def pause(self, mode: PauseMode) -> Deferred:
+    def pause(self, mode: PauseMode, clear_cache: bool = False) -> Deferred:
         """Stop scheduling. "abort": in-flight requests finish now with reason abort;
         "wait": they run to the end first (answered once `pause_settled()`); "keep":
         they stay where they are until `resume()`. New requests fail, except in "keep"
-        mode, where they wait for the resume."""
+        mode, where they wait for the resume. `clear_cache` (vLLM's): once settled, the
+        prefix cache is reset as `reset_prefix_cache(reset_running_requests=True)` does,
+        so a weight update that follows finds no KV of the old weights to reuse."""
         if mode == "abort":
             pending = self.structured.cancel([r.request_id
                                               for r in self.structured.pending_requests()])
@@ -260,7 +265,12 @@ class EngineCore:
                     EngineCoreOutput(request.request_id, [], FinishReason.ABORT))
             self.scheduler.finish_requests(list(self.scheduler.requests), FinishReason.ABORT)
         self.state.pause(mode)
-        return Deferred(self.state.check_still_paused, self.pause_settled)
+        return Deferred(lambda: self._settle_pause(clear_cache), self.pause_settled)
+
+    def _settle_pause(self, clear_cache: bool) -> None:
+        self.state.check_still_paused()
+        if clear_cache:
+            self.reset_prefix_cache(reset_running_requests=True)
 
     def pause_settled(self) -> bool:
         """True once nothing runs that a pause in mode "wait" waits for."""
@@ -323,10 +333,25 @@ class EngineCore:
         self.state.finish_weight_update(weight_version)
         self.scheduler.kv_cache_manager.forget_cached()
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (e.g. after new weights); False while any request
-        holds blocks."""
-        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        """Forget every cached prefix (e.g. after new weights); vLLM's semantics. False,
+        changing nothing, while any request holds blocks, unless
+        `reset_running_requests` first preempts every running request (it keeps its
+        tokens and recomputes its KV when next scheduled). pagellm has no KV connector:
+        `reset_connector=True` resets the local cache all the same and answers False
+        with a warning, as vLLM does without one."""
+        if reset_running_requests:
+            self.scheduler.preempt_all()
+        reset = self.scheduler.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not reset:  # nothing else holds blocks: a bug
+            raise RuntimeError("the prefix cache could not be reset although every "
+                               "running request was preempted")
+        if reset_connector:
+            logger.warning("reset_prefix_cache(reset_connector=True): no KV connector is "
+                           "configured; answering False")
+            return False
+        return reset
 
     def shutdown(self) -> None:
         self.structured.shutdown()

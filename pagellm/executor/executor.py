@@ -109,18 +109,55 @@ class Executor(ABC):
 
 
 class UniProcExecutor(Executor):
-    """One worker, in the engine core's process: no process group, no wire."""
+    """One worker, in the engine core's process (`distributed_executor_backend` "uni",
+    "external_launcher", or the default at tensor_parallel_size=1): no wire.
+
+    The worker still gets a default torch.distributed group of one (vLLM's workers
+    always have one: worker extensions such as OpenRLHF's call
+    `torch.distributed.get_rank()`), unless the process already has one, e.g. the
+    trainer's under an external launcher, which is then the engine's, as in vLLM."""
 
     worker: Worker
+    _own_group = False  # whether the default group is ours to destroy at shutdown
 
     def _start_workers(self, args: EngineArgs) -> None:
-        from pagellm.executor.worker.extension import worker_class
+        from pagellm.executor.worker.extension import make_worker
 
-        self.worker = worker_class(args.worker_extension_cls)(args)
+        self._own_group = _default_group_of_one(self.device)
+        self.worker = make_worker(args)
 
     @property
     def runner(self) -> Any:
         return self.worker.model_runner
 
+    @property
+    def driver_worker(self) -> Worker:
+        """vLLM's name for the one worker (`llm.llm_engine.model_executor.driver_worker
+        .model_runner.model.load_weights(...)`, TRL's weight sync in colocate mode)."""
+        return self.worker
+
     def _run(self, method: str, *args: Any) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            if self._own_group:
+                import torch.distributed as dist
+
+                self._own_group = False
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+
+
+def _default_group_of_one(device: Any) -> bool:
+    """Make this process's default torch.distributed group, of one rank, if it has
+    none (an in-memory store: nothing listens on a port). True if made here."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return False
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            store=dist.HashStore(), rank=0, world_size=1)
+    return True

@@ -124,9 +124,8 @@ class MultiprocExecutor(Executor):
         import torch.distributed as dist
 
         self.world_size = args.tensor_parallel_size
-        multinode = args.nnodes > 1
-        host = args.master_addr if multinode else "127.0.0.1"
-        self._store = dist.TCPStore(host, args.master_port if multinode else 0,
+        host, multinode = self._rendezvous_host(args)
+        self._store = dist.TCPStore(host, args.master_port if args.nnodes > 1 else 0,
                                     is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
         self._calls = self._ctx.socket(zmq.XPUB)
@@ -144,15 +143,27 @@ class MultiprocExecutor(Executor):
         self._store.set("pagellm/calls", endpoints[0])
         self._store.set("pagellm/replies", endpoints[1])
         self._disconnects = self._replies.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        per_node = self.world_size // args.nnodes
-        for local_rank in range(per_node):  # this is node 0: ranks 0..per_node-1
-            self._spawn(args, local_rank, host, self._store.port, per_node)
+        started = self._launch(args, host, self._store.port)
         self._wait_ready()
         self._remove_socket_dir()
         self._watcher = threading.Thread(target=self._watch, name="tp-watcher", daemon=True)
         self._watcher.start()
-        logger.info("tensor parallel: %d workers ready (%d on this node)", self.world_size,
-                    per_node)
+        logger.info("tensor parallel: %d workers ready (%s)", self.world_size, started)
+
+    def _rendezvous_host(self, args: EngineArgs) -> tuple[str, bool]:
+        """Where the store and the call sockets listen, and whether workers may be on
+        other hosts (then TCP on that address, else ipc:// sockets)."""
+        if args.nnodes > 1:
+            return args.master_addr, True
+        return "127.0.0.1", False
+
+    def _launch(self, args: EngineArgs, host: str, port: int) -> str:
+        """Start this node's workers (node 0: ranks 0..per_node-1; the other nodes'
+        are started there, `--headless`); what was started, for the log."""
+        per_node = self.world_size // args.nnodes
+        for local_rank in range(per_node):
+            self._spawn(args, local_rank, host, port, per_node)
+        return f"{per_node} on this node"
 
     def _remove_socket_dir(self) -> None:
         """Once every local worker is connected, the ipc socket files are not needed

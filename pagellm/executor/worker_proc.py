@@ -48,8 +48,10 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     if ns.die_with_parent:  # started by its parent's main thread
         die_with_parent()  # (a parent that died before this: the lifeline's EOF)
     from pagellm.logger import configure_logging
+    from pagellm.vllm_alias import install_from_environment
 
     configure_logging()
+    install_from_environment()  # worker extensions may import vllm.*
     from pagellm.executor.worker.memory import tune_engine_process
 
     tune_engine_process()
@@ -66,7 +68,7 @@ def _serve(args: EngineArgs, rank: int, local_rank: int, host: str, port: int) -
     import torch
     import torch.distributed as dist
 
-    from pagellm.executor.worker.extension import worker_class
+    from pagellm.executor.worker.extension import make_worker
 
     timeout = datetime.timedelta(seconds=STARTUP_TIMEOUT_S)
     store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
@@ -79,7 +81,7 @@ def _serve(args: EngineArgs, rank: int, local_rank: int, host: str, port: int) -
     calls.setsockopt(zmq.RCVHWM, 0)
     gone = calls.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     calls.connect(store.get("pagellm/calls").decode())
-    world, per_node = args.tensor_parallel_size, args.tensor_parallel_size // args.nnodes
+    world = args.tensor_parallel_size
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         from pagellm.executor.worker.worker import device_for
@@ -89,8 +91,7 @@ def _serve(args: EngineArgs, rank: int, local_rank: int, host: str, port: int) -
                                 store=dist.PrefixStore("pagellm/tp", store), rank=rank,
                                 world_size=world,
                                 timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-        worker = worker_class(args.worker_extension_cls)(args, rank, local_rank, world,
-                                                         per_node)
+        worker = make_worker(args, rank, local_rank)
     except Exception as e:
         logger.exception("tensor-parallel rank %d failed to start", rank)
         replies.send(msgspec.msgpack.encode(Reply(0, rank, type(e).__name__, str(e))))

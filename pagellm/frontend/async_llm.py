@@ -48,12 +48,14 @@ from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.sampling_params import SamplingParams
 from pagellm.protocol.stats import EngineStats
+from pagellm.protocol.utility import PauseArgs
 from pagellm.protocol.validation import check_float
 from pagellm.transport.curve import CurveClientKeys
 from pagellm.weights.sender import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update
 
 logger = logging.getLogger("pagellm")
 T = TypeVar("T")
+DRAIN_POLL_S = 0.05  # wait_for_requests_to_drain (vLLM polls each second)
 
 
 class AsyncLLM:
@@ -198,10 +200,11 @@ class AsyncLLM:
         self._ensure_output_handler()
         return await self._client().get_stats_async()
 
-    async def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; False while requests hold KV blocks."""
-        self._ensure_output_handler()
-        return await self._client().reset_prefix_cache_async()
+    async def reset_prefix_cache(self, reset_running_requests: bool = False,
+                                 reset_connector: bool = False) -> bool:
+        """See `LLM.reset_prefix_cache`."""
+        return await self._utility(UtilityMethod.RESET_PREFIX_CACHE, reset_running_requests,
+                                   reset_connector)
 
     # -- RL rollouts (as `LLM`'s methods, awaitable) ---------------------------------
 
@@ -216,11 +219,19 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return await self._utility(UtilityMethod.IS_SLEEPING)
 
-    async def pause_generation(self, mode: str = "abort") -> None:
-        """Stop scheduling: "abort" in-flight requests (their streams end with
-        finish_reason "abort"), "wait" until they finish (new ones fail meanwhile), or
-        "keep" them, and new ones, for `resume_generation()`."""
-        await self._utility(UtilityMethod.PAUSE, mode)
+    async def pause_generation(self, mode: str = "abort", *,
+                               wait_for_inflight_requests: bool | None = None,
+                               clear_cache: bool = True) -> None:
+        """Stop scheduling (vLLM's keywords): "abort" in-flight requests (their streams
+        end with finish_reason "abort"), "wait" until they finish (new ones fail
+        meanwhile), or "keep" them, and new ones, for `resume_generation()`.
+        `wait_for_inflight_requests=True` is vLLM's deprecated spelling of mode="wait".
+        `clear_cache` (default True, as in vLLM): once the pause has settled, reset the
+        prefix cache, preempting kept requests so that none holds a block (they
+        recompute after the resume, with the same tokens). `mode` may also be given by
+        position (pagellm's older signature; vLLM's is keyword-only)."""
+        await self._utility(UtilityMethod.PAUSE, *PauseArgs.from_vllm(
+            mode, wait_for_inflight_requests, clear_cache))
 
     async def resume_generation(self) -> None:
         await self._utility(UtilityMethod.RESUME)
@@ -258,6 +269,27 @@ class AsyncLLM:
         return decode_value(await self._client().call_utility_async(
             UtilityMethod.COLLECTIVE_RPC, method, encode_value(list(args)),
             encode_value(kwargs or {}), timeout=timeout))
+
+    async def wait_for_requests_to_drain(self, drain_timeout: float = 300) -> None:
+        """vLLM's: return once no request is in flight, here (outputs not yet delivered)
+        or in the engine core (running or waiting, from any client: a request kept by a
+        pause in mode "keep" counts); TimeoutError after `drain_timeout` seconds. Polls
+        the engine's stats every DRAIN_POLL_S while this frontend has nothing pending."""
+        check_float("drain_timeout", drain_timeout, minimum=0.0)
+        deadline = time.monotonic() + drain_timeout
+        in_engine = "not asked"
+        while True:
+            if not self.output_processor.has_unfinished_requests():
+                stats = await self.get_stats()
+                if stats.num_running_reqs + stats.num_waiting_reqs == 0:
+                    return
+                in_engine = f"{stats.num_running_reqs} running, {stats.num_waiting_reqs} waiting"
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"requests did not drain within {drain_timeout} s (this frontend: "
+                    f"{self.output_processor.get_num_unfinished_requests()} unfinished; "
+                    f"the engine core: {in_engine})")
+            await asyncio.sleep(DRAIN_POLL_S)
 
     async def _utility(self, method: UtilityMethod, *args: Any) -> Any:
         """A utility call, waited for as long as its row says (`no_timeout`)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from pagellm.frontend.generation_config import (
     generation_eos_token_ids,
 )
 from pagellm.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagellm.frontend.llm_engine import LLMEngine, PendingWeights
 from pagellm.frontend.output_processor import OutputProcessor
 from pagellm.frontend.outputs import RequestOutput
 from pagellm.frontend.tokenizer import tokenizer_for
@@ -31,6 +33,7 @@ from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.protocol.stats import EngineStats
+from pagellm.protocol.utility import PauseArgs
 from pagellm.protocol.validation import check_float
 from pagellm.transport.curve import CurveClientKeys
 from pagellm.weights.sender import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update
@@ -43,25 +46,36 @@ class LLM:
 
     Keyword arguments are `EngineArgs` fields (`max_model_len`, `dtype`, ...); unknown
     ones raise TypeError naming them. The engine core runs in a child process
-    (`multiprocess=False` keeps it in this one, for debugging), or, with
+    (`multiprocess=False` keeps it in this one, for debugging; unset, vLLM's
+    VLLM_ENABLE_V1_MULTIPROCESSING and external launcher decide: `engine_in_own_process`),
+    or, with
     `engine_address`, is one already running elsewhere (CURVE key files if it requires
     them); the model directory then only provides the tokenizer. With
     `data_parallel_size=N`, N engine cores serve behind one client
     (frontend/engine_client/dp_client.py); the CURVE keys then secure those of other nodes.
     """
 
+    # What llm_engine's proxy queued for the engine (class-level default: the object
+    # exists before __init__ runs, e.g. for tests that build one without it).
+    _pending_weights: PendingWeights | None = None
+
     def __init__(self, model: str, *, engine_address: str | None = None,
-                 multiprocess: bool = True, curve_secret_key: str | None = None,
+                 multiprocess: bool | None = None, curve_secret_key: str | None = None,
                  curve_server_public_key: str | None = None, **kwargs: Any) -> None:
         self.engine_core: SyncEngineCoreClient | None = None
         configure_logging()
         args = EngineArgs.from_kwargs(model=model, **kwargs)
+        if engine_address is None and args.weight_transfer_config is None:
+            # This script owns the engine it starts, so it may load weights into it (as
+            # vLLM's LLM may, through llm_engine); a shared engine opts in where it runs.
+            args = args.replace(weight_transfer_config={"backend": "ipc"})
         self.engine_args = args = resolve_model(args)
         self.tokenizer = tokenizer_for(args)
         self.default_sampling_fields = default_sampling_fields(args.model,
                                                                args.generation_config)
         self.engine_core = make_client(
-            args, asyncio_mode=False, multiprocess=multiprocess, engine_address=engine_address,
+            args, asyncio_mode=False, multiprocess=engine_in_own_process(args, multiprocess),
+            engine_address=engine_address,
             curve=CurveClientKeys.from_paths(curve_secret_key, curve_server_public_key))
         self.info = self.engine_core.info
         self.input_processor = InputProcessor(
@@ -70,6 +84,24 @@ class LLM:
             args.structured_outputs("backend", "auto"))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's `llm.llm_engine`, for the path RL trainers load weights through:
+        `llm_engine.model_executor.driver_worker.model_runner.model.load_weights(...)`
+        (frontend/llm_engine.py): the real model with the engine core in this process,
+        else a proxy that sends the tensors batched."""
+        client = self.engine_core  # not _client(): that would send the queue per tensor
+        if client is None:
+            raise RuntimeError("this LLM has been shut down")
+        if isinstance(client, InprocClient):
+            return LLMEngine(self.info, client.core.executor)
+        if self._pending_weights is None:
+            self._pending_weights = PendingWeights(self._send_pending)
+        return LLMEngine.remote(self.info, self._pending_weights)
+
+    def _send_pending(self, pairs: list[tuple[str, Any]]) -> int:
+        return self.update_weights(pairs)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLM:
@@ -188,10 +220,16 @@ class LLM:
     def get_stats(self) -> EngineStats:
         return self._client().get_stats()
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (e.g. after pushing new weights). False, changing
-        nothing, while requests hold KV blocks."""
-        return self._client().reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        """Forget every cached prefix (e.g. after pushing new weights); vLLM's
+        signature. False, changing nothing, while requests hold KV blocks, unless
+        `reset_running_requests` first preempts the running ones (they keep their tokens
+        and recompute their KV when next scheduled). There is no KV connector here:
+        `reset_connector=True` resets the local cache all the same and answers False
+        (with a warning), as vLLM does when none is configured."""
+        return self._utility(UtilityMethod.RESET_PREFIX_CACHE, reset_running_requests,
+                             reset_connector)
 
     # -- RL rollouts: sleep, pause, weight updates, collective_rpc (vLLM's names) -----
 
@@ -211,9 +249,16 @@ class LLM:
         """True while paused or while any memory is asleep (vLLM's meaning)."""
         return self._utility(UtilityMethod.IS_SLEEPING)
 
-    def pause_generation(self, mode: str = "abort") -> None:
-        """Stop scheduling without freeing memory; `mode` as for `sleep`."""
-        self._utility(UtilityMethod.PAUSE, mode)
+    def pause_generation(self, mode: str = "abort", *,
+                         wait_for_inflight_requests: bool | None = None,
+                         clear_cache: bool = True) -> None:
+        """Stop scheduling without freeing memory; `mode` as for `sleep` (vLLM's
+        keywords: `wait_for_inflight_requests=True` is its deprecated spelling of
+        mode="wait"). `clear_cache` (default True, as in vLLM): once the pause has
+        settled, reset the prefix cache, preempting kept requests so that none holds a
+        block. `mode` may also be given by position (vLLM's is keyword-only)."""
+        self._utility(UtilityMethod.PAUSE, *PauseArgs.from_vllm(
+            mode, wait_for_inflight_requests, clear_cache))
 
     def resume_generation(self) -> None:
         self._utility(UtilityMethod.RESUME)
@@ -296,8 +341,12 @@ class LLM:
             output_kind=RequestOutputKind.FINAL_ONLY)
 
     def _client(self) -> SyncEngineCoreClient:
+        """The engine core's client, once what `llm_engine` queued is sent (every call
+        reaches the engine through here, so none sees the weights before the queue)."""
         if self.engine_core is None:
             raise RuntimeError("this LLM has been shut down")
+        if self._pending_weights:
+            self._pending_weights.flush()
         return self.engine_core
 
     def _utility(self, method: UtilityMethod, *args: Any) -> Any:
@@ -338,6 +387,25 @@ class LLM:
         unfinished = self.output_processor.abort_requests(request_ids)
         if unfinished and engine_core.dead_error is None:
             engine_core.abort_requests(unfinished)
+
+
+# vLLM's switch for the engine core's process (its default "1": a process of its own).
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def engine_in_own_process(args: EngineArgs, multiprocess: bool | None) -> bool:
+    """Where `LLM` runs its engine core: as `multiprocess` says; unset, as
+    VLLM_ENABLE_V1_MULTIPROCESSING says ("0": in this process); unset too, in this
+    process under an external launcher (the trainer's process holds the model, as in
+    vLLM), else in a process of its own."""
+    if multiprocess is not None:
+        return multiprocess
+    env = os.environ.get(MULTIPROCESSING_ENV)
+    if env is not None:
+        if env not in ("0", "1"):
+            raise ValueError(f"{MULTIPROCESSING_ENV} must be 0 or 1, got {env[:40]!r}")
+        return env == "1"
+    return args.distributed_executor_backend != "external_launcher"
 
 
 def _engine_signature() -> inspect.Signature:

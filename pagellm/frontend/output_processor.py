@@ -11,8 +11,9 @@ it in the engine core at once.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from pagellm.frontend.detokenizer import IncrementalDetokenizer, TokenTexts, byte_pieces
@@ -315,6 +316,17 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        """vLLM's name (OpenRLHF polls it): user requests not yet finished here, each
+        counted once whatever its `n`."""
+        return len(self.requests)
+
+    @property
+    def request_states(self) -> Mapping[str, RequestState]:
+        """vLLM's name for the unfinished requests by id (verl lists its keys before a
+        pause); read-only: tracking goes through add_request / abort_requests."""
+        return MappingProxyType(self.requests)
 
     def process_outputs(self, message: EngineCoreOutputs) -> ProcessedOutputs:
         """One engine step's outputs (for many requests: this runs for every stream every

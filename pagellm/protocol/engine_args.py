@@ -40,6 +40,11 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+# The executor backends that run the one worker in the engine core's own process.
+SINGLE_WORKER_BACKENDS = ("uni", "external_launcher")
+# The Ray placement group a frontend was started in (hex id), for its engine-core
+# process, which is no Ray worker and cannot ask Ray itself (executor/ray_executor.py).
+RAY_PLACEMENT_GROUP_ENV = "PAGELLM_RAY_PLACEMENT_GROUP"
 # "ipc": shared memory on the same host; "nccl": a torch.distributed group with the
 # trainer (gloo: host tensors; see weights/shm.py).
 WEIGHT_TRANSFER_BACKENDS = ("ipc", "nccl")
@@ -186,8 +191,12 @@ class EngineArgs:
         None, "pagellm always chunks long prefills within the step budget: only True (or "
         "unset) is accepted.")
     distributed_executor_backend: str | None = _opt(
-        None, "Only 'mp' (or unset): tensor-parallel workers are processes of this host "
-        "(or of --nnodes hosts); there is no Ray backend.")
+        None, "'mp' (or unset): tensor-parallel workers are processes of this host (or of "
+        "--nnodes hosts). 'uni': the one worker (tensor_parallel_size=1) in the engine "
+        "core's process. 'external_launcher': the launcher (torchrun, accelerate) owns the "
+        "processes; each runs its own engine, in-process, on cuda:$LOCAL_RANK "
+        "(tensor_parallel_size=1). 'ray': the workers are Ray actors in a placement group "
+        "(RAY_ADDRESS's cluster; pip install 'pagellm[ray]').")
     quantization: str | None = _opt(
         None, "Only unset: pagellm runs unquantized weights (see --dtype).")
     kv_cache_dtype: str = _opt("auto", "Only 'auto': the KV cache has the model's dtype.")
@@ -300,6 +309,11 @@ class EngineArgs:
                                  self.worker_extension_cls)):
             raise ValueError("worker_extension_cls must be 'package.module.Class', got "
                              f"{self.worker_extension_cls!r}")
+        if self.distributed_executor_backend in SINGLE_WORKER_BACKENDS and (
+                self.tensor_parallel_size > 1):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} "
+                             "runs one worker: tensor_parallel_size must be 1, got "
+                             f"{self.tensor_parallel_size} (use 'mp')")
         check_float("swap_space", self.swap_space, minimum=0.0)
         if not (isinstance(self.generation_config, str)
                 and 0 < len(self.generation_config) <= MAX_PATH_CHARS):
@@ -372,7 +386,8 @@ AsyncEngineArgs = EngineArgs
 # accepted, why the others are not).
 _SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "enable_chunked_prefill": ((None, True), "pagellm always chunks long prefills"),
-    "distributed_executor_backend": ((None, "mp"), "workers are local processes (no Ray)"),
+    "distributed_executor_backend": ((None, "mp", "uni", "external_launcher", "ray"),
+                                     "these are the executors pagellm has"),
     "quantization": ((None,), "pagellm runs unquantized weights"),
     "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype"),
     "revision": ((None,), "the model is a local directory, which has no Hub revision"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import re
+import warnings
 from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
@@ -32,6 +33,10 @@ CUDA_IPC_HANDLE_SIZE = 64  # cudaIpcEventHandle_t; a memory handle may carry mor
 MAX_IPC_HANDLE_BYTES = 4096
 REF_COUNTER_NAME = re.compile(rb"/torch_\d{1,10}_\d{1,20}_\d{1,20}")  # at::NewProcessWideShmHandle
 REF_COUNTER_SLOTS = 10000  # torch::CUDA_IPC_REF_COUNTER_FILE_SIZE: slots per counter file
+# vLLM's packed broadcasts (weights/packed.py): a chunk is received into a buffer of
+# about this size, so a client's value is bounded where it enters (vLLM's default: 1 GiB).
+MAX_PACKED_BUFFER_BYTES = 16 * 2**30
+MAX_PACKED_NUM_BUFFERS = 16
 
 
 # A tensor dimension or byte offset: bounded where it enters (a value past 2**64 could
@@ -83,6 +88,25 @@ class CudaIpcBuffer(msgspec.Struct, array_like=True, gc=False):
             raise ValueError(f"cuda_ipc event_handle must be {CUDA_IPC_HANDLE_SIZE} bytes")
 
 
+class PackingFields(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """vLLM's packing fields as an update_info names them (vLLM < 0.28 read them there;
+    newer vLLM, and pagellm, from init_info): each one named overrides the init_info's
+    for this update; None, not named. Bounded here: a foreign client reaches the engine
+    core with these without passing the frontend."""
+
+    packed: bool | None = None
+    packed_buffer_size_bytes: int | None = None
+    packed_num_buffers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.packed is not None and not isinstance(self.packed, bool):
+            raise TypeError(f"packed must be a boolean, got {self.packed!r}")
+        check_int("packed_buffer_size_bytes", self.packed_buffer_size_bytes, minimum=1,
+                  maximum=MAX_PACKED_BUFFER_BYTES, allow_none=True)
+        check_int("packed_num_buffers", self.packed_num_buffers, minimum=1,
+                  maximum=MAX_PACKED_NUM_BUFFERS, allow_none=True)
+
+
 class WeightUpdate(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One chunk of new weights, `buffer_bytes` long, each spec's tensor at its offset.
     Where those bytes are (no pickle either way):
@@ -90,17 +114,66 @@ class WeightUpdate(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     - `cuda_ipc`: a device buffer of the sender's, one share per receiving worker
       (backend "ipc" with CUDA tensors, to a CUDA engine in another process);
     - neither: they arrive by broadcast from the trainer's rank 0, in `specs` order
-      (backend "nccl", after init_weight_transfer_engine)."""
+      (backend "nccl", after init_weight_transfer_engine), one tensor per broadcast or
+      packed as the group's init_info said, unless `packing` (old vLLM's update_info
+      fields) says otherwise for this update."""
 
     specs: list[WeightSpec]
     buffer: str | None = None
     buffer_bytes: int = 0
     cuda_ipc: list[CudaIpcBuffer] | None = None
+    packing: PackingFields | None = None
 
     def __post_init__(self) -> None:
         if self.buffer is not None and self.cuda_ipc is not None:
             raise ValueError("a weight update's bytes are in a buffer file or behind CUDA "
                              "IPC handles, not both")
+        if self.packing is not None and (self.buffer is not None
+                                         or self.cuda_ipc is not None):
+            raise ValueError("packing fields describe a broadcast update (backend "
+                             "'nccl'), not one in a buffer")
+
+
+class PauseArgs(NamedTuple):
+    """PAUSE's arguments. `clear_cache` (vLLM's `pause_generation(clear_cache=...)`):
+    once the pause has settled, reset the prefix cache, preempting what a pause in mode
+    "keep" froze so that no block is held (they recompute after the resume). It defaults
+    to False on the wire, so a client that sends the mode alone keeps the cache as
+    before; `LLM` and `AsyncLLM` default to vLLM's True."""
+
+    mode: PauseMode
+    clear_cache: bool = False
+
+    @classmethod
+    def from_vllm(cls, mode: str, wait_for_inflight_requests: bool | None,
+                  clear_cache: bool) -> PauseArgs:
+        """vLLM's `pause_generation` keywords, checked by name: its deprecated
+        `wait_for_inflight_requests=True` is mode "wait" (with a DeprecationWarning, as
+        vLLM gives), and refused beside a mode other than "abort" (vLLM's default) or
+        "wait", which vLLM would silently override. The mode itself is checked by the
+        engine core (its Literal)."""
+        if not isinstance(clear_cache, bool):
+            raise TypeError(f"clear_cache must be a bool, got {type(clear_cache).__name__}")
+        if wait_for_inflight_requests is not None and not isinstance(
+                wait_for_inflight_requests, bool):
+            raise TypeError(f"wait_for_inflight_requests must be a bool or None, got "
+                            f"{type(wait_for_inflight_requests).__name__}")
+        if wait_for_inflight_requests:
+            if mode not in ("abort", "wait"):
+                raise ValueError(f"wait_for_inflight_requests=True (the old spelling of "
+                                 f"mode='wait') contradicts mode={mode!r}; pass mode alone")
+            warnings.warn("pause_generation(wait_for_inflight_requests=...) is deprecated "
+                          "(as in vLLM); pass mode='wait' instead", DeprecationWarning,
+                          stacklevel=3)
+            mode = "wait"
+        return cls(mode, clear_cache)  # type: ignore[arg-type]  # the core checks the Literal
+
+
+class ResetPrefixCacheArgs(NamedTuple):
+    """RESET_PREFIX_CACHE's arguments, vLLM's (both False when a client sends none)."""
+
+    reset_running_requests: bool = False  # preempt running requests so no block is held
+    reset_connector: bool = False  # there is no KV connector: the result is then False
 
 
 class Merge(enum.Enum):
@@ -128,7 +201,8 @@ class WeightsEffect(enum.Enum):
 class Signature(NamedTuple):
     """One utility call's row: all of it but its handler and its public methods."""
 
-    args: Any  # a tuple type: msgspec.convert(request.args, args) checks a call
+    args: Any  # a tuple or NamedTuple type (one with defaults: trailing arguments may
+    # be left out): msgspec.convert(request.args, args) checks a call
     result: Any
     merge: Merge = Merge.NOTHING  # data parallelism: how the cores' results combine
     weights: WeightsEffect = WeightsEffect.NONE
@@ -143,14 +217,14 @@ class Signature(NamedTuple):
 
 SIGNATURES: dict[UtilityMethod, Signature] = {
     UtilityMethod.GET_STATS: Signature(tuple[()], EngineStats, Merge.STATS),
-    # False while blocks are held
-    UtilityMethod.RESET_PREFIX_CACHE: Signature(tuple[()], bool, Merge.ALL),
+    # False while blocks are held (and with reset_connector=True: no connector to reset)
+    UtilityMethod.RESET_PREFIX_CACHE: Signature(ResetPrefixCacheArgs, bool, Merge.ALL),
     UtilityMethod.SLEEP: Signature(tuple[SleepLevel, PauseMode], None, no_timeout=True),
     UtilityMethod.WAKE_UP: Signature(  # True: all awake
         tuple[list[WakeTag] | None], bool, Merge.ALL, WeightsEffect.MAY_EMPTY,
         no_timeout=True),
     UtilityMethod.IS_SLEEPING: Signature(tuple[()], bool, Merge.ANY),
-    UtilityMethod.PAUSE: Signature(tuple[PauseMode], None, no_timeout=True),
+    UtilityMethod.PAUSE: Signature(PauseArgs, None, no_timeout=True),
     UtilityMethod.RESUME: Signature(tuple[()], None, refused_asleep=True),
     UtilityMethod.IS_PAUSED: Signature(tuple[()], bool, Merge.ANY),
     # (method name, positional args, keyword args) -> one result per worker; the

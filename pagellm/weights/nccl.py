@@ -11,6 +11,13 @@ any, is untouched). Its backend is agreed through that store: NCCL when every me
 holds a GPU of its own (device to device, no host copy), otherwise gloo over host
 tensors (on the CPU, or staged through host memory; also when the trainer and a
 worker share a GPU, which NCCL refuses: the "ipc" backend is the fast path there).
+
+An update travels one tensor per broadcast, or packed (vLLM's `packed`: many tensors
+per broadcast, weights/packed.py) when the init_info said so, as TRL does for vLLM >=
+0.28; vLLM < 0.28 said so in each update_info instead, which is honoured too
+(`Packing.override`). Each side's group keeps the init_info's choice
+(`WeightGroup.packing`): `trainer_send_weights` sends with it and the engine receives
+with it, so the two sides read it from one message.
 """
 
 from __future__ import annotations
@@ -18,30 +25,64 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import torch
 
-from pagellm.protocol.utility import WeightSpec
+from pagellm.protocol.utility import PackingFields, WeightSpec, WeightUpdate
 from pagellm.protocol.validation import check_host, check_int
+from pagellm.weights.packed import (
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    DEFAULT_PACKED_NUM_BUFFERS,
+    check_packing,
+    packed_nccl_broadcast_producer,
+)
 
 TRANSFER_TIMEOUT_S = 300.0  # each broadcast (and the trainer's wait for the engine)
 
 
 class TransferInit(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """vLLM's `NCCLWeightTransferInitInfo`."""
+    """vLLM's `NCCLWeightTransferInitInfo`, its packing fields and defaults included."""
 
     master_address: str
     master_port: int
     rank_offset: int = 1
     world_size: int
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
 
     def __post_init__(self) -> None:
         check_host("master_address", self.master_address)
         check_int("master_port", self.master_port, minimum=1, maximum=65535)
         check_int("world_size", self.world_size, minimum=2, maximum=1024)
         check_int("rank_offset", self.rank_offset, minimum=1, maximum=self.world_size - 1)
+        check_packing(self.packed_buffer_size_bytes, self.packed_num_buffers)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How an update's tensors travel: one per broadcast, or packed into chunks of
+    `buffer_size_bytes` (vLLM's rule, weights/packed.py)."""
+
+    packed: bool = False
+    buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+
+    def override(self, fields: PackingFields | None) -> Packing:
+        """This (the init_info's) with the fields an update_info named in its place:
+        vLLM < 0.28 named them per update, newer vLLM at init; a client of either is
+        understood, and a field named in both is the update's, the later word."""
+        if fields is None:
+            return self
+        return Packing(
+            self.packed if fields.packed is None else fields.packed,
+            self.buffer_size_bytes if fields.packed_buffer_size_bytes is None
+            else fields.packed_buffer_size_bytes,
+            self.num_buffers if fields.packed_num_buffers is None
+            else fields.packed_num_buffers)
 
 
 def choose_backend(members: list[str]) -> str:
@@ -71,6 +112,8 @@ class WeightGroup:
 
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank = rank
+        self.packing = Packing(init.packed, init.packed_buffer_size_bytes,
+                               init.packed_num_buffers)  # both sides', from init_info
         store = dist.TCPStore(init.master_address, init.master_port, init.world_size,
                               is_master=rank == 0, timeout=datetime.timedelta(
                                   seconds=timeout_s if join_timeout_s is None
@@ -99,8 +142,13 @@ class WeightGroup:
         self._live: list[Any] = [group, groups, store]
         self._finalizer = weakref.finalize(self, _release, self._live)
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        """In place: rank 0's tensor overwrites everyone else's (on `self.device`)."""
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """In place: rank 0's tensor overwrites everyone else's (on `self.device`).
+        `src` is for vLLM-style callers (`group.broadcast(t, src=0)`): the trainer is
+        rank 0, the only sender there is."""
+        if src != 0:
+            raise ValueError(f"broadcast src={src!r}: the trainer, rank 0, is the only "
+                             "sender of the weight-transfer group")
         if not self._live:
             raise RuntimeError("the weight-transfer group is closed")
         self._live[0].broadcast([tensor], self._options).wait()
@@ -118,9 +166,10 @@ def _release(live: list[Any]) -> None:
 def trainer_init(init_info: dict[str, Any], device: torch.device | str | None = None
                  ) -> WeightGroup:
     """The trainer's side of `init_weight_transfer_engine` (run both at once: each
-    waits for the other): rank 0 of the group. `device`: the trainer's GPU, if it has
-    one (default: the current CUDA device when CUDA is available); the group uses NCCL
-    when the engine's workers are on GPUs too."""
+    waits for the other): rank 0 of the group, which keeps the init_info's packing
+    (`group.packing`) for `trainer_send_weights`. `device`: the trainer's GPU, if it
+    has one (default: the current CUDA device when CUDA is available); the group uses
+    NCCL when the engine's workers are on GPUs too."""
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     return WeightGroup(msgspec.convert(init_info, TransferInit), rank=0,
@@ -128,43 +177,76 @@ def trainer_init(init_info: dict[str, Any], device: torch.device | str | None = 
 
 
 def trainer_send_weights(weights: Iterable[tuple[str, torch.Tensor]],
-                         group: WeightGroup) -> dict[str, Any]:
+                         group: WeightGroup, packed: bool | None = None) -> dict[str, Any]:
     """Broadcast `(checkpoint name, tensor)` pairs to the engine, which must be inside
-    `update_weights(update_info)` with the returned `update_info` meanwhile. Returns
+    `update_weights(update_info)` with the returned `update_info` meanwhile: packed or
+    not as the group's init_info said, unless `packed` says otherwise (then the
+    update_info names it, as vLLM < 0.28's did, and the engine follows it). Returns
     that update_info (names, dtype_names, shapes: vLLM's fields); see
-    `update_info_for` to make it before sending."""
-    pairs = [(name, tensor.detach().to(group.device).contiguous())
-             for name, tensor in weights]
-    info = update_info_for(pairs)
-    for _, tensor in pairs:
-        group.broadcast(tensor)
+    `update_info_for` to make it before sending. Tensors move to the group's device
+    one at a time (packed: one chunk at a time), never the whole model at once."""
+    pairs = [(name, tensor.detach()) for name, tensor in weights]
+    packing = group.packing.override(PackingFields(packed=packed))
+    info = update_info_for(pairs, packed=None if packing == group.packing else packed)
+    if packing.packed:
+        packed_nccl_broadcast_producer(iter(pairs), group, 0, lambda item: item[1],
+                                       packing.buffer_size_bytes, packing.num_buffers)
+    else:
+        for _, tensor in pairs:
+            group.broadcast(tensor.to(group.device).contiguous())
     return info
 
 
-def update_info_for(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    """vLLM's update_info for these tensors: {"names", "dtype_names", "shapes"}."""
+def update_info_for(weights: Iterable[tuple[str, torch.Tensor]], packed: bool | None = None
+                    ) -> dict[str, Any]:
+    """vLLM's update_info for these tensors: {"names", "dtype_names", "shapes"}, and
+    "packed" when given (for an update sent otherwise than the group's init_info said)."""
     pairs = list(weights)
-    return {"names": [name for name, _ in pairs],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in pairs],
-            "shapes": [list(t.shape) for _, t in pairs]}
+    info: dict[str, Any] = {
+        "names": [name for name, _ in pairs],
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in pairs],
+        "shapes": [list(t.shape) for _, t in pairs]}
+    if packed is not None:
+        info["packed"] = packed
+    return info
 
 
-# vLLM's update_info fields beyond the three lists: packing is not spoken here (each
-# tensor is its own broadcast), so only an unpacked update is accepted.
-_PACKING_FIELDS = frozenset({"packed", "packed_buffer_size_bytes", "packed_num_buffers"})
+# vLLM < 0.28's update_info fields beyond the three lists.
+_PACKING_FIELDS = frozenset(PackingFields.__struct_fields__)
+
+
+def update_from_update_info(info: dict[str, Any]) -> WeightUpdate:
+    """vLLM's update_info as the update the engine receives: three lists of equal
+    length as our specs, and the packing fields it names (old vLLM), which the engine
+    applies over its init_info's. Any other field is refused, naming it."""
+    packing = {k: v for k, v in info.items() if k in _PACKING_FIELDS}
+    try:
+        fields = PackingFields(**packing) if packing else None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"update_info: {e}") from None
+    return WeightUpdate(_specs(info), packing=fields)
 
 
 def specs_from_update_info(info: dict[str, Any]) -> list[WeightSpec]:
-    """vLLM's update_info (three lists of equal length) as our specs. A field this
-    engine would not honour is refused, naming it: received as if unpacked, a packed
-    update would load garbage or hang the trainer."""
+    """The specs of an update_info that names no packing field: the caller builds a
+    `WeightUpdate` of the specs alone, which would drop them (received one way while
+    the trainer sends another: garbage loaded, or a trainer hung), so one that does is
+    refused; `update_from_update_info` carries them."""
+    update = update_from_update_info(info)
+    if update.packing is not None:
+        raise ValueError("update_info names packing fields ("
+                         + ", ".join(sorted(_PACKING_FIELDS & set(info)))
+                         + "): build the update with pagellm.weights.nccl."
+                         "update_from_update_info, which carries them")
+    return update.specs
+
+
+def _specs(info: dict[str, Any]) -> list[WeightSpec]:
+    """The three lists of an update_info as specs; ValueError naming a bad field."""
     unknown = sorted(str(k)[:64] for k in set(info) - {"names", "dtype_names", "shapes"}
                      - _PACKING_FIELDS)
     if unknown:
         raise ValueError(f"update_info: unknown field(s) {', '.join(unknown[:8])}")
-    if info.get("packed", False) is not False:
-        raise ValueError("update_info: packed broadcasts are not supported; send each "
-                         "tensor on its own (packed=False, as trainer_send_weights does)")
     names, dtypes, shapes = (info.get(k) for k in ("names", "dtype_names", "shapes"))
     if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
             and len(names) == len(dtypes) == len(shapes)):

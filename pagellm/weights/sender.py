@@ -37,14 +37,14 @@ def weight_update(weights: WeightsArg, cuda_receivers: int = 0) -> Iterator[Weig
         yield weights
         return
     from pagellm.weights.cuda_ipc import cuda_ipc_usable, cuda_ipc_weights
-    from pagellm.weights.nccl import specs_from_update_info
+    from pagellm.weights.nccl import update_from_update_info
     from pagellm.weights.shm import check_weights, shared_weights
 
     if isinstance(weights, dict):
         if set(weights) != {"update_info"} or not isinstance(weights["update_info"], dict):
             raise ValueError('update_weights takes (name, tensor) pairs or '
                              '{"update_info": {"names", "dtype_names", "shapes"}}')
-        yield WeightUpdate(specs_from_update_info(weights["update_info"]))
+        yield update_from_update_info(weights["update_info"])
         return
 
     pairs = list(weights)

@@ -147,3 +147,48 @@ def test_sleep_gives_device_and_pinned_memory_back_and_wakes_with_graphs(big_con
         assert 0.8 * weights < rss_level1 - rss_level2 < 1.2 * weights  # the host copy
         assert llm.wake_up() is True  # weights undefined until pushed (executor/test_sleep.py)
         assert abs(torch.cuda.mem_get_info()[0] - free_awake) < 0.1 * (kv_bytes + weights)
+
+
+def test_openrlhf_worker_wrap_unchanged_syncs_weights_on_cuda(model_dirs, monkeypatch):
+    """OpenRLHF 0.11's own `WorkerWrap` (its `update_weight` allocates on "cuda") as
+    worker_extension_cls, its default weight sync (vLLM's StatelessProcessGroup and
+    PyNcclCommunicator on both sides; gloo, as trainer and engine share the GPU), the
+    dtype and shape sent as torch objects. Needs `pip install --no-deps openrlhf`
+    (its own dependencies pin flash-attn), so CI's CPU leg runs the same calls through
+    tests/support/openrlhf_shaped.py instead."""
+    import threading
+
+    pytest.importorskip("openrlhf")
+    from helpers import SUPPORT, free_port
+
+    from pagellm.vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from pagellm.vllm.distributed.utils import StatelessProcessGroup
+
+    monkeypatch.setenv("PAGELLM_AS_VLLM", "1")
+    monkeypatch.setenv("PYTHONPATH", str(SUPPORT))
+    model_dir = model_dirs["llama"]
+    new = {name: t.cuda() for name, t in perturbed(model_dir, seed=5).items()}
+    port = free_port()
+    with LLM(str(model_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=KV,
+             worker_extension_cls="openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap") as llm:
+        def rpc(method: str, *args: object) -> threading.Thread:
+            thread = threading.Thread(target=llm.collective_rpc, args=(method,),
+                                      kwargs={"args": args}, daemon=True)
+            thread.start()
+            return thread
+
+        joining = rpc("init_process_group", "127.0.0.1", port, 1, 2, "openrlhf", "nccl",
+                      False)
+        trainer = PyNcclCommunicator(StatelessProcessGroup.create(
+            host="127.0.0.1", port=port, rank=0, world_size=2), device=0)
+        joining.join(120)
+        for name, tensor in new.items():
+            receiving = rpc("update_weight", name, tensor.dtype, tensor.shape, False)
+            trainer.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
+            receiving.join(120)
+            assert not receiving.is_alive()
+        trainer.close()
+        llm.reset_prefix_cache()
+        reference = hf_model(model_dir, {n: t.cpu() for n, t in new.items()})
+        tokenizer = llm.get_tokenizer()
+        assert greedy(llm) == [hf_greedy(reference, tokenizer.encode(p), 10) for p in PROMPTS]

@@ -90,8 +90,9 @@ def test_vllm_option_with_a_value_we_honour_is_accepted(options):
     ({"quantization": "awq"}, r"quantization='awq' is not supported: .*unquantized"),
     ({"kv_cache_dtype": "fp8"}, r"kv_cache_dtype='fp8' is not supported.*supported: 'auto'"),
     ({"enable_chunked_prefill": False}, r"enable_chunked_prefill=False .*always chunks"),
-    ({"distributed_executor_backend": "ray"},
-     r"distributed_executor_backend='ray' .*supported: None, 'mp'"),
+    ({"distributed_executor_backend": dict},  # verl passes its own executor class
+     r"distributed_executor_backend=<class 'dict'> .*supported: None, 'mp', 'uni', "
+     r"'external_launcher', 'ray'"),
     ({"revision": "main"}, r"revision='main' .*local directory"),
     ({"tokenizer_revision": "v1"}, r"tokenizer_revision='v1' .*local directory"),
     ({"tokenizer_mode": "slow"}, r"tokenizer_mode='slow' .*supported: 'auto'"),

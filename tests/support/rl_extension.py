@@ -68,3 +68,14 @@ class Probe:
 
     def _private(self) -> None:  # not callable through collective_rpc
         raise AssertionError("unreachable")
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def ray_placement_group(self) -> str | None:
+        """The placement group this worker's Ray actor was placed in (hex id)."""
+        import ray
+
+        return ray.get_runtime_context().get_placement_group_id()

@@ -238,16 +238,22 @@ def test_phases_out_of_order_and_bad_init_info_are_errors(model_dirs):
                 "master_address": "127.0.0.1", "master_port": 1, "world_size": 1}})
         with pytest.raises(ValueError, match="init_info"):
             llm.init_weight_transfer_engine({"master_port": 1})
-        # vLLM's packed broadcasts (many tensors per buffer) are not spoken here:
-        # received one tensor at a time they would load garbage, so they are refused.
+        # vLLM's packed broadcasts are spoken (test_packed_broadcast.py): an update_info
+        # naming packing fields (vLLM < 0.28) is an update like any other, and its
+        # fields and init_info's are bounded where they enter.
+        from pagellm.weights.nccl import update_from_update_info
+
         empty = {"names": [], "dtype_names": [], "shapes": []}
-        with pytest.raises(ValueError, match="packed broadcasts are not supported"):
-            llm.update_weights({"update_info": {**empty, "packed": True}})
+        with pytest.raises(RuntimeError, match="init_weight_transfer_engine first"):
+            llm.update_weights(update_from_update_info({**empty, "packed": True}))
         with pytest.raises(ValueError, match=r"unknown field.*is_checkpoint_format"):
             llm.update_weights({"update_info": {**empty, "is_checkpoint_format": True}})
-        with pytest.raises(RuntimeError, match="init_weight_transfer_engine first"):
-            llm.update_weights({"update_info": {**empty, "packed": False,
-                                                "packed_num_buffers": 2}})
+        with pytest.raises(ValueError, match=r"packed_buffer_size_bytes must be <= "):
+            update_from_update_info({**empty, "packed_buffer_size_bytes": 2**40})
+        with pytest.raises(RuntimeError, match=r"packed_buffer_size_bytes must be >= 1"):
+            llm.init_weight_transfer_engine({"init_info": {
+                "master_address": "127.0.0.1", "master_port": 1, "world_size": 2,
+                "packed": True, "packed_buffer_size_bytes": 0}})
 
 
 def test_an_init_that_no_trainer_joins_fails_alone_naming_where_it_looked(model_dirs):

@@ -115,10 +115,24 @@ def test_a_bad_update_is_refused_whole_and_the_old_weights_keep_serving(model_di
 
 
 def test_updates_need_weight_transfer_config_and_buffers_come_only_from_shm(model_dirs):
+    """An engine takes updates only when started with weight_transfer_config (what
+    AsyncLLM and the server pass through); an LLM that starts its own engine defaults
+    it to "ipc" (the script owns that engine, as vLLM's LLM may load weights)."""
+    from pagellm.frontend.engine_client.inproc_client import InprocClient
+    from pagellm.protocol.engine_args import EngineArgs
+    from pagellm.protocol.messages import UtilityMethod
+
     model_dir = model_dirs["llama"]
-    with LLM(str(model_dir), kv_cache_memory_bytes=8 * 2**20, multiprocess=False) as llm, \
-            pytest.raises(RuntimeError, match="weight_transfer_config"):
-        llm.update_weights(checkpoint(model_dir).items())
+    client = InprocClient(EngineArgs(model=str(model_dir), kv_cache_memory_bytes=8 * 2**20))
+    try:
+        with shared_weights(checkpoint(model_dir).items()) as update, \
+                pytest.raises(RuntimeError, match="weight_transfer_config"):
+            client.call_utility(UtilityMethod.UPDATE_WEIGHTS, update)
+    finally:
+        client.shutdown()
+    with LLM(str(model_dir), kv_cache_memory_bytes=8 * 2**20, multiprocess=False) as llm:
+        assert llm.engine_args.weight_transfer_config == {"backend": "ipc"}
+        assert llm.update_weights(checkpoint(model_dir).items()) > 0
     with LLM(str(model_dir), weight_transfer_config={"backend": "ipc"},
              kv_cache_memory_bytes=8 * 2**20) as llm:
         before = greedy(llm)

@@ -1,7 +1,8 @@
 """One worker's weight updates: the checks every update passes before the first byte of
 it is copied or received, and the three ways one arrives (CUDA IPC handles, a
-shared-memory buffer, a broadcast over the weight-transfer group). A bad update changes
-nothing: every name, shape and dtype is checked first, and the old weights keep serving.
+shared-memory buffer, a broadcast over the weight-transfer group: one tensor per
+broadcast, or vLLM's packed chunks). A bad update changes nothing: every name, shape and
+dtype is checked first, and the old weights keep serving.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pagellm.protocol.engine_args import DEFAULT_INIT_TIMEOUT_S
 from pagellm.protocol.utility import WeightSpec, WeightUpdate
 from pagellm.weights.cuda_ipc import open_cuda_ipc
 from pagellm.weights.nccl import TransferInit, WeightGroup
+from pagellm.weights.packed import chunk_bounds, unpack_tensor
 from pagellm.weights.shm import buffer_limit, open_update
 from pagellm.weights.tensor_codec import DTYPES, UpdateTooLarge, check_specs, spec_bytes
 
@@ -133,19 +135,22 @@ class WeightUpdates:
                                + (" (it is still waiting for the trainer to join)"
                                   if self._join is not None else ""))
         # Every name and shape is checked before the first broadcast arrives, so the
-        # tensors can load as they come (one in memory at a time); a refused update is
-        # still received, into scratch, so the trainer never hangs; but not one larger
-        # than the model allows, nor one with a spec that is no weight (`receive`
-        # refuses it before the first broadcast): nothing of those is received.
+        # tensors can load as they come (one tensor, or one packed chunk, in memory at a
+        # time); a refused update is still received, into scratch, so the trainer never
+        # hangs; but not one larger than the model allows, nor one with a spec that is
+        # no weight (`receive` refuses it before the first broadcast): nothing of those
+        # is received.
+        packing = self.group.packing.override(update.packing)
+        chunk_bytes = packing.buffer_size_bytes if packing.packed else None
         try:
             self._check(update, weights_asleep)
             dests = self._destinations([(spec.name, spec.shape) for spec in update.specs])
         except UpdateTooLarge:
             raise
         except (RuntimeError, ValueError):
-            receive(self.group, update.specs, None)
+            receive(self.group, update.specs, None, chunk_bytes)
             raise
-        loaded = receive(self.group, update.specs, dests)
+        loaded = receive(self.group, update.specs, dests, chunk_bytes)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.model.unloaded.difference_update(spec.name for spec in update.specs)
@@ -245,14 +250,15 @@ class PendingJoin:
                 self._group = None
 
 
-def receive(group: WeightGroup, specs: list[WeightSpec], dests: list[Destination] | None
-            ) -> int:
+def receive(group: WeightGroup, specs: list[WeightSpec], dests: list[Destination] | None,
+            packed_buffer_size_bytes: int | None = None) -> int:
     """Receive every spec's tensor in order, loading each into `dests[i]` (where it
     goes in the model: the caller has checked names and shapes) as it arrives; with
     `dests` None (an update refused before anything arrived) receive them all the same,
     into scratch, so the trainer's broadcasts never hang. The caller has passed the
     specs through `check_specs` (never receive, not even into scratch, an update larger
-    than the model allows). Returns the number of tensors received.
+    than the model allows). Returns the number of tensors received. One broadcast per
+    tensor, or with `packed_buffer_size_bytes` vLLM's packed chunks (`_receive_packed`).
 
     A tensor this rank keeps whole, in the parameter's dtype, lands in the parameter
     itself. Any other lands in one scratch buffer the size of the largest such, reused,
@@ -264,6 +270,8 @@ def receive(group: WeightGroup, specs: list[WeightSpec], dests: list[Destination
     if dests is not None:
         direct = [dest.receiver(DTYPES[spec.dtype], group.device)
                   for spec, dest in zip(specs, dests, strict=True)]
+    if packed_buffer_size_bytes is not None:
+        return _receive_packed(group, specs, sizes, dests, direct, packed_buffer_size_bytes)
     scratch = torch.empty(  # [bytes of the largest tensor received indirectly]
         max((size for size, d in zip(sizes, direct, strict=True) if d is None), default=0),
         dtype=torch.uint8, device=group.device)
@@ -279,4 +287,43 @@ def receive(group: WeightGroup, specs: list[WeightSpec], dests: list[Destination
                                f"failed{mixed}: {e}") from e
         if dests is not None and into is None:
             dests[index].load(tensor)  # blocking: the next broadcast overwrites scratch
+    return len(specs)
+
+
+def _receive_packed(group: WeightGroup, specs: list[WeightSpec], sizes: list[int],
+                    dests: list[Destination] | None, direct: list[torch.Tensor | None],
+                    buffer_size_bytes: int) -> int:
+    """`receive` for vLLM's packed broadcasts: the chunks are planned from the specs
+    alone (weights/packed.py's rule, the trainer's), each arrives into one scratch
+    buffer the size of the largest chunk, reused, and its tensors load from there
+    before the next. So the scratch never exceeds the update's own bytes, whatever
+    buffer size the client named. A chunk of a single tensor this rank keeps whole, in
+    the parameter's dtype (a tensor larger than the buffer, as an embedding often is),
+    lands in the parameter itself, as in `receive`."""
+    chunks = chunk_bounds(sizes, buffer_size_bytes)
+    into = [direct[c[0]] if len(c) == 1 else None for c in chunks]
+    scratch = torch.empty(  # [bytes of the largest chunk received into scratch]
+        max((sum(sizes[i] for i in c) for c, d in zip(chunks, into, strict=True)
+             if d is None), default=0), dtype=torch.uint8, device=group.device)
+    for index, (chunk, param) in enumerate(zip(chunks, into, strict=True)):
+        nbytes = sum(sizes[i] for i in chunk)
+        # [chunk bytes] uint8: the parameter's own bytes, or the scratch's first ones
+        buffer = scratch[:nbytes] if param is None else param.view(-1).view(torch.uint8)
+        try:
+            group.broadcast(buffer)
+        except RuntimeError as e:  # the trainer died or timed out midway
+            mixed = (" (the model now mixes old and new weights: push the update again)"
+                     if dests is not None and (index or param is not None) else "")
+            first = specs[chunk[0]].name
+            raise RuntimeError(
+                f"packed weight broadcast {index + 1} of {len(chunks)} ({len(chunk)} "
+                f"tensor(s) from {first}) failed{mixed}: {e}") from e
+        if dests is None or param is not None:
+            continue
+        tensors = unpack_tensor(buffer, [specs[i].name for i in chunk],
+                                [specs[i].shape for i in chunk],
+                                [DTYPES[specs[i].dtype] for i in chunk],
+                                [sizes[i] for i in chunk])
+        for i, (_, tensor) in zip(chunk, tensors, strict=True):
+            dests[i].load(tensor)  # blocking: the next chunk overwrites scratch
     return len(specs)

@@ -11,6 +11,7 @@ see as `self`: `worker_extension_cls` is mixed into this class (vLLM's attribute
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -42,6 +43,11 @@ def device_for(args: EngineArgs, local_rank: int) -> torch.device:
     device = resolve_device(args.device)
     if device.type != "cuda":
         return device
+    if args.distributed_executor_backend == "external_launcher" and device.index is None:
+        # The launcher started one process per GPU, each with its own engine (vLLM's).
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if args.distributed_executor_backend == "ray":
+        return torch.device("cuda", 0)  # a Ray actor sees only the GPU Ray gave it
     per_node = args.tensor_parallel_size // args.nnodes
     index = ((device.index or 0) + (args.data_parallel_rank - args.data_parallel_start_rank)
              * per_node + local_rank)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from pagellm.protocol.engine_args import EngineArgs, usable_cpus
+from pagellm.protocol.engine_args import RAY_PLACEMENT_GROUP_ENV, EngineArgs, usable_cpus
 from pagellm.protocol.messages import READY, StartupFailure
 
 # Start-up failures re-raised in the frontend with their own type (a bad option is a
@@ -66,6 +66,8 @@ class EngineProcess:
         # OMP_NUM_THREADS (even empty: torch's own default) wins.
         env.setdefault("OMP_NUM_THREADS",
                        str(max(1, usable_cpus() // max(1, num_local))))
+        if args.distributed_executor_backend == "ray":
+            env.update(ray_context())
         # No drain on SIGTERM: we only stop it once we no longer want its outputs.
         cmd = [sys.executable, "-m", "pagellm.enginecore", *args.to_cli_args(),
                "--address", self.address, "--shutdown-timeout", "0",
@@ -177,3 +179,19 @@ class EngineProcess:
                         os.close(fd)
             self._status_read = self._lifeline_write = None
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def ray_context() -> dict[str, str]:
+    """What an engine core with Ray workers needs from this process, if it runs inside
+    Ray (an OpenRLHF or verl actor): the cluster's address and the placement group it
+    was started in, which the engine-core process, no Ray worker itself, cannot see.
+    Ray is only looked at when this process already imported and initialized it."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return {}
+    context = {"RAY_ADDRESS": os.environ.get("RAY_ADDRESS")
+               or ray.get_runtime_context().gcs_address}
+    group = ray.util.get_current_placement_group()
+    if group is not None:
+        context[RAY_PLACEMENT_GROUP_ENV] = group.id.hex()
+    return context

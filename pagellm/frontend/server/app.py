@@ -7,8 +7,8 @@
     GET  /v1/models, /health, /version, /metrics, /tokenizer_info
     GET and POST /ping (SageMaker's health check, as vLLM serves it)
     POST /tokenize, /detokenize
-    RL controls (sleep, wake_up, pause, weight updates, ...) with enable_dev_endpoints:
-    see dev_routes.py
+    RL controls (sleep, wake_up, pause, weight updates, /server_info, ...) with
+    enable_dev_endpoints (or VLLM_SERVER_DEV_MODE=1): see dev_routes.py
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, on every
 route (unknown routes and wrong methods too): 400 for a bad parameter (the message names
@@ -102,7 +102,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     _add_generation_routes(app, OpenAIServingCompletion(engine, options, metrics, sandbox),
                            chat, OpenAIServingResponses(chat), body_of)
     if options.enable_dev_endpoints:
-        add_dev_routes(app, engine, body_of)
+        add_dev_routes(app, engine, body_of, options.served_model_name)
     return app
 
 

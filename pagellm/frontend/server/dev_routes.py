@@ -13,6 +13,8 @@
     POST /start_weight_update
     POST /update_weights                {"update_info": {"names", "dtype_names", "shapes"}}
     POST /finish_weight_update          {"weight_version": str} (optional)
+    GET  /server_info?config_format=text|json  {"vllm_config": str | {...}}: the resolved
+         configuration under vLLM's names (server_info.py), which trainers read first
 
 They drive the whole engine, so they exist only when asked for (vLLM hides them behind
 a dev mode too) and sit behind the API key like every other route. A call the engine
@@ -31,6 +33,7 @@ from fastapi import FastAPI, Query, Request
 from pagellm.frontend.async_llm import AsyncLLM
 from pagellm.frontend.engine_client.core_client import EngineDeadError
 from pagellm.frontend.server.edge import APIError, bad_request
+from pagellm.frontend.server.server_info import CONFIG_FORMATS, vllm_config, vllm_config_text
 from pagellm.protocol.utility import SleepLevel
 
 T = TypeVar("T")
@@ -70,13 +73,16 @@ PLAIN_ROUTES: tuple[tuple[str, str, Callable[[AsyncLLM], Awaitable[Any]],
 SLEEP_LEVELS = [str(level) for level in get_args(SleepLevel)]  # as the query spells them
 
 
-def add_dev_routes(app: FastAPI, engine: AsyncLLM, body_of: BodyOf) -> None:
-    """`body_of(request, type)`: the server's bounded, typed reading of a JSON body."""
+def add_dev_routes(app: FastAPI, engine: AsyncLLM, body_of: BodyOf,
+                   served_model_name: str | None = None) -> None:
+    """`body_of(request, type)`: the server's bounded, typed reading of a JSON body;
+    `served_model_name`: the name /server_info reports (default: the model's)."""
     for method, path, call, answer in PLAIN_ROUTES:
         app.add_api_route(path, _plain_route(engine, call, answer), methods=[method],
                           name=path.removeprefix("/"))
     _add_sleep_routes(app, engine)
     _add_weight_routes(app, engine, body_of)
+    _add_server_info_route(app, engine, served_model_name)
 
 
 async def _control(call: Awaitable[T]) -> T:
@@ -153,6 +159,20 @@ def _add_weight_routes(app: FastAPI, engine: AsyncLLM, body_of: BodyOf) -> None:
             if int(request.headers.get("content-length") or 0) else FinishRequest()
         await _control(engine.finish_weight_update(body.weight_version))
         return {"message": "Weight update finished"}
+
+
+def _add_server_info_route(app: FastAPI, engine: AsyncLLM,
+                           served_model_name: str | None) -> None:
+    @app.get("/server_info")
+    async def server_info(config_format: str = "text") -> dict[str, Any]:
+        """vLLM's default is "text" (its one-line summary); trainers ask for "json"."""
+        if config_format not in CONFIG_FORMATS:
+            raise bad_request(f"config_format must be {' or '.join(CONFIG_FORMATS)}, got "
+                              f"{config_format[:20]!r}")
+        config = vllm_config(engine.engine_args, engine.info,
+                             served_model_name or engine.info.model)
+        return {"vllm_config": config if config_format == "json"
+                else vllm_config_text(config)}
 
 
 def _jsonable(value: Any) -> Any:

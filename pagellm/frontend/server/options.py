@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -14,6 +16,9 @@ ENGINE_STALL_TIMEOUT_S = 60.0
 # response is built (~80 bytes of JSON): 2**21 entries is about a gigabyte, where the
 # defaults let one request ask for 10-42 million.
 MAX_RESPONSE_ENTRIES = 2**21
+# vLLM's switch for its dev endpoints; here it turns on --enable-dev-endpoints, so that
+# launch lines written for vLLM (TRL's `VLLM_SERVER_DEV_MODE=1 vllm serve ...`) work.
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 
 @dataclass(frozen=True)
@@ -30,3 +35,18 @@ class ServerOptions:
     max_response_entries: int = MAX_RESPONSE_ENTRIES  # a larger request is a 400
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: str | None = None  # finds "auto" calls in the text (tool_parsers/)
+
+
+def dev_mode_from_env(environ: Mapping[str, str]) -> bool:
+    """VLLM_SERVER_DEV_MODE as vLLM reads it (`bool(int(value))`: an integer, on unless
+    zero; unset is off). Where vLLM would crash on a value that is no integer ("true",
+    ""), this names the variable instead."""
+    value = environ.get(DEV_MODE_ENV)
+    if value is None:
+        return False
+    digits = re.fullmatch(r"\s*[+-]?([0-9]+)\s*", value, re.ASCII)
+    if digits is None:
+        raise ValueError(f"{DEV_MODE_ENV} must be an integer, as vLLM reads it (1: serve "
+                         f"the dev endpoints, like --enable-dev-endpoints; 0: not), got "
+                         f"{value[:40]!r}")
+    return digits.group(1).strip("0") != ""  # no int(): 5000 digits are still a number

@@ -8,8 +8,10 @@ stops the engine core and exits 0.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import os
 import signal
 from typing import Any
 
@@ -20,7 +22,7 @@ from pagellm.frontend.server.connections import (
     GuardedH11Protocol,
     connection_limit,
 )
-from pagellm.frontend.server.options import ServerOptions
+from pagellm.frontend.server.options import DEV_MODE_ENV, ServerOptions, dev_mode_from_env
 from pagellm.frontend.server.template_sandbox import ChatTemplateSandbox
 from pagellm.logger import freeze_startup_heap, rate_limit
 from pagellm.protocol.engine_args import EngineArgs
@@ -36,6 +38,7 @@ def run_server(args: EngineArgs, options: ServerOptions, host: str, port: int,
                max_connections_per_client: int | None = None) -> int:
     import uvicorn
 
+    options = with_env_dev_mode(options)  # a bad value fails before the engine starts
     engine = AsyncLLM.from_engine_args(
         args, engine_address=engine_address,
         curve=CurveClientKeys.from_paths(curve_secret_key, curve_server_public_key))
@@ -75,3 +78,18 @@ def run_server(args: EngineArgs, options: ServerOptions, host: str, port: int,
             signal.signal(sig, handler)
     logger.info("server stopped")
     return 0
+
+
+def with_env_dev_mode(options: ServerOptions) -> ServerOptions:
+    """VLLM_SERVER_DEV_MODE=1 turns on --enable-dev-endpoints, as it turns on vLLM's
+    dev endpoints (TRL's launch line sets it); the flag alone needs no variable, and 0
+    does not turn the flag off. A warning says so: these routes drive the whole engine
+    (weights, sleep, collective_rpc), and an inherited variable should not open them
+    unseen."""
+    if dev_mode_from_env(os.environ) and not options.enable_dev_endpoints:
+        logger.warning("%s=%s turned on --enable-dev-endpoints: the RL control routes and "
+                       "/server_info are served%s", DEV_MODE_ENV,
+                       os.environ[DEV_MODE_ENV].strip(),
+                       "" if options.api_key is not None else " (no --api-key guards them)")
+        return dataclasses.replace(options, enable_dev_endpoints=True)
+    return options

@@ -1,0 +1,1 @@
+"""vLLM's `vllm.distributed`: the weight-transfer helpers trainers import."""

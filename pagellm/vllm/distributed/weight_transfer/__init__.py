@@ -1,0 +1,1 @@
+"""vLLM's `vllm.distributed.weight_transfer`."""
