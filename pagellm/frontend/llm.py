@@ -97,11 +97,8 @@ class LLM:
         if isinstance(client, InprocClient):
             return LLMEngine(self.info, client.core.executor)
         if self._pending_weights is None:
-            self._pending_weights = PendingWeights(self._send_pending)
+            self._pending_weights = PendingWeights(self.update_weights)
         return LLMEngine.remote(self.info, self._pending_weights)
-
-    def _send_pending(self, pairs: list[tuple[str, Any]]) -> int:
-        return self.update_weights(pairs)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLM:

@@ -22,6 +22,19 @@ from helpers import SUPPORT
 pytest.importorskip("trl", reason="TRL is a test dependency (pip install -e '.[test]')")
 
 
+def assert_serves_new_weights(llm, model_dir, new, before) -> None:
+    """The engine's greedy tokens changed from `before` and equal transformers' on the
+    new weights."""
+    from rl_helpers import GREEDY, PROMPTS, greedy, hf_greedy, hf_model
+
+    after = greedy(llm)
+    assert after != before
+    reference = hf_model(model_dir, new)
+    tokenizer = llm.get_tokenizer()
+    assert after == [hf_greedy(reference, tokenizer.encode(p), GREEDY.max_tokens)
+                     for p in PROMPTS]
+
+
 @pytest.mark.parametrize("engine_process", ["in-process", "own-process"])
 def test_trl_grpo_colocate_trains_and_every_weight_sync_lands(model_dirs, tmp_path,
                                                               engine_process):
@@ -56,7 +69,7 @@ def test_openrlhf_weight_sync_through_its_vllm_imports(model_dirs, monkeypatch):
 
     import torch
     from helpers import free_port
-    from rl_helpers import GREEDY, PROMPTS, greedy, hf_greedy, hf_model, perturbed
+    from rl_helpers import greedy, perturbed
 
     from pagellm import LLM
     from pagellm.vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
@@ -93,12 +106,7 @@ def test_openrlhf_weight_sync_through_its_vllm_imports(model_dirs, monkeypatch):
             llm.collective_rpc("update_weight", args=("lm_head.weight", torch.bfloat16,
                                                       torch.Size([2, 2]), False))
         llm.reset_prefix_cache()
-        after = greedy(llm)
-        assert after != before
-        reference = hf_model(model_dir, new)
-        tokenizer = llm.get_tokenizer()
-        assert after == [hf_greedy(reference, tokenizer.encode(p), GREEDY.max_tokens)
-                         for p in PROMPTS]
+        assert_serves_new_weights(llm, model_dir, new, before)
 
 
 def test_trl_server_mode_weight_sync_calls_on_the_cpu(model_dirs):
@@ -112,7 +120,7 @@ def test_trl_server_mode_weight_sync_calls_on_the_cpu(model_dirs):
     import threading
 
     from helpers import free_port
-    from rl_helpers import GREEDY, PROMPTS, greedy, hf_greedy, hf_model, perturbed
+    from rl_helpers import greedy, perturbed
 
     from pagellm import LLM
     from pagellm.vllm.distributed.weight_transfer.nccl_common import trainer_init
@@ -148,9 +156,4 @@ def test_trl_server_mode_weight_sync_calls_on_the_cpu(model_dirs):
         communicator.group.store = None  # TRL's close_communicator
         communicator.group.socket = None
         communicator.close()
-        after = greedy(llm)
-        assert after != before
-        reference = hf_model(model_dir, new)
-        tokenizer = llm.get_tokenizer()
-        assert after == [hf_greedy(reference, tokenizer.encode(p), GREEDY.max_tokens)
-                         for p in PROMPTS]
+        assert_serves_new_weights(llm, model_dir, new, before)

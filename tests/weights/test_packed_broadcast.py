@@ -150,11 +150,11 @@ def test_bad_packing_values_are_refused_naming_the_field():
     assert update_from_update_info(empty).packing is None
 
 
-def test_the_group_broadcasts_only_from_rank_0():
-    from pagellm.weights.nccl import TransferInit, WeightGroup
+def join_pair(init: Any) -> dict[int, Any]:
+    """Ranks 0 and 1 of a gloo weight group in this process (each join waits for the
+    other, so each runs on a thread of its own)."""
+    from pagellm.weights.nccl import WeightGroup
 
-    init = TransferInit(master_address="127.0.0.1", master_port=free_port(), world_size=2,
-                        packed=True, packed_buffer_size_bytes=64)
     groups: dict[int, WeightGroup] = {}
     joins = [threading.Thread(target=lambda r=r: groups.__setitem__(r, WeightGroup(init, r)))
              for r in (0, 1)]
@@ -162,6 +162,15 @@ def test_the_group_broadcasts_only_from_rank_0():
         thread.start()
     for thread in joins:
         thread.join(60)
+    return groups
+
+
+def test_the_group_broadcasts_only_from_rank_0():
+    from pagellm.weights.nccl import TransferInit
+
+    init = TransferInit(master_address="127.0.0.1", master_port=free_port(), world_size=2,
+                        packed=True, packed_buffer_size_bytes=64)
+    groups = join_pair(init)
     try:
         assert groups[0].packing == groups[1].packing  # both sides' from init_info
         assert (groups[0].packing.packed, groups[0].packing.buffer_size_bytes) == (True, 64)
@@ -181,19 +190,12 @@ def test_the_receive_scratch_is_one_chunk_never_the_named_buffer(monkeypatch):
     from pagellm.executor.worker import weight_receiver
     from pagellm.weights.nccl import (
         TransferInit,
-        WeightGroup,
         specs_from_update_info,
         update_info_for,
     )
 
     init = TransferInit(master_address="127.0.0.1", master_port=free_port(), world_size=2)
-    groups: dict[int, WeightGroup] = {}
-    joins = [threading.Thread(target=lambda r=r: groups.__setitem__(r, WeightGroup(init, r)))
-             for r in (0, 1)]
-    for thread in joins:
-        thread.start()
-    for thread in joins:
-        thread.join(60)
+    groups = join_pair(init)
     generator = torch.Generator().manual_seed(0)
     sent = [("big", torch.randn(64, 40, generator=generator)),  # 10240 B > buffer: alone
             ("a", torch.randn(10, generator=generator)),
