@@ -30,7 +30,7 @@ from pagellm.executor.worker.cpu_threads import ThreadTuner, tunable_threads
 from pagellm.executor.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from pagellm.executor.worker.grammar_mask import apply_grammar_bitmask
 from pagellm.executor.worker.input_batch import InputBatch
-from pagellm.executor.worker.sampler import LogprobsTensors, Sampler, gather_logprobs
+from pagellm.executor.worker.sampler import LogprobsTensors, Sampler, gather_logprobs, log_probs
 from pagellm.executor.worker.sampling_inputs import sampling_metadata, to_device
 from pagellm.executor.worker.step_buffers import StepBuffers
 from pagellm.executor.worker.step_inputs import InputPreparer, StepInputs
@@ -312,7 +312,7 @@ class ModelRunner:
             for lo in range(start, end, PROMPT_LOGPROBS_SLICE):
                 hi = min(lo + PROMPT_LOGPROBS_SLICE, end)
                 flat = torch.arange(hi - lo, device=hidden.device) + int(offsets[i]) + lo - start
-                logprobs = self.model.compute_logits(hidden[flat]).float().log_softmax(dim=-1)
+                logprobs = log_probs(self.model.compute_logits(hidden[flat]).float())
                 targets = to_device(batch.token_ids[row, lo + 1:hi + 1].astype(np.int64),
                               self.device)
                 t = gather_logprobs(logprobs, targets, k)

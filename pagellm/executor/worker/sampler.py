@@ -99,7 +99,7 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = None
         if meta.logprob_rows is not None and not meta.processed_logprobs:
-            raw_logprobs = logits[meta.logprob_rows].log_softmax(dim=-1)
+            raw_logprobs = log_probs(logits[meta.logprob_rows])
         logits = apply_token_masks(logits, meta)
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
@@ -121,7 +121,7 @@ class Sampler:
         logprobs = None
         if meta.logprob_rows is not None:
             source = raw_logprobs if raw_logprobs is not None \
-                else logits[meta.logprob_rows].log_softmax(dim=-1)
+                else log_probs(logits[meta.logprob_rows])
             logprobs = gather_logprobs(source, sampled[meta.logprob_rows], meta.num_logprobs)
         return SamplerOutput(sampled, logprobs)
 
@@ -199,6 +199,30 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Zero tokens less likely than min_p times the row's most likely token."""
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(-1)
     return probs.masked_fill(probs < threshold, 0.0)
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """logits [L, V] fp32 -> log-probabilities whose normalizer is summed in fp64, not
+    by `log_softmax`.
+
+    Why: torch's CPU `log_softmax` sums a row's exponentials in a few vector lanes, each
+    adding thousands of terms one after another in fp32; once a lane holds a large term,
+    the many small ones after it round away, so the normalizer comes out low and every
+    log-probability high, by the same amount. Over a 49k vocabulary with a trained
+    model's peaked rows that is +1e-6 to +2e-5 per token: a trainer that normalizes
+    accurately (TRL's chunked LM head, its `selective_log_softmax`) then sees
+    exp(sum(logp_trainer - logp_engine)) below 1 in every sample. Summing the fp32
+    exponentials in fp64 leaves no bias (3e-10; a cascaded fp32 `sum` still leaves 7e-8)
+    for about twice `log_softmax`'s time, spent only on the rows that asked for
+    logprobs. The max is subtracted first and the log-sum last, as `log_softmax` does:
+    `logits - logsumexp` would round the normalizer at the logits' magnitude (+-2e-6
+    at 30).
+
+    A masked entry (-inf) stays -inf; a row with nothing finite is NaN, as before. One
+    [L, V] temporary beside the result (the exponentials) while the sum runs."""
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    log_sum = shifted.exp().sum(dim=-1, keepdim=True, dtype=torch.float64).log_()
+    return shifted.sub_(log_sum.to(shifted.dtype))
 
 
 def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobsTensors:

@@ -6,7 +6,8 @@
     POST /pause?mode=abort              {"status": "paused"}
     POST /resume                        {"status": "resumed"}
     GET  /is_paused                     {"is_paused": bool}
-    POST /reset_prefix_cache            {"reset": bool}
+    POST /reset_prefix_cache?reset_running_requests=false&reset_external=false
+                                        {"success": bool} (vLLM >= 0.26's answer)
     GET  /get_world_size?include_dp=true {"world_size": tp x dp} (workers; tp without dp)
     POST /collective_rpc                {"method", "args", "kwargs", "timeout"} -> {"results"}
     POST /init_weight_transfer_engine   {"init_info": {...}}
@@ -65,12 +66,15 @@ PLAIN_ROUTES: tuple[tuple[str, str, Callable[[AsyncLLM], Awaitable[Any]],
     ("GET", "/is_sleeping", AsyncLLM.is_sleeping, lambda asleep: {"is_sleeping": asleep}),
     ("POST", "/resume", AsyncLLM.resume_generation, lambda _: {"status": "resumed"}),
     ("GET", "/is_paused", AsyncLLM.is_paused, lambda paused: {"is_paused": paused}),
-    ("POST", "/reset_prefix_cache", AsyncLLM.reset_prefix_cache,
-     lambda reset: {"reset": reset}),
     ("POST", "/start_weight_update", AsyncLLM.start_weight_update,
      lambda _: {"message": "Weight update started"}),
 )
 SLEEP_LEVELS = [str(level) for level in get_args(SleepLevel)]  # as the query spells them
+# A query flag as vLLM's FastAPI/pydantic `bool` reads it (any case), so a client written
+# for vLLM (requests sends Python's "True") is read alike; anything else is a 400 here
+# rather than pydantic's 422 in FastAPI's shape, which OpenAI-shaped clients cannot parse.
+FLAG_SPELLINGS = {**dict.fromkeys(("true", "1", "yes", "on", "t", "y"), True),
+                  **dict.fromkeys(("false", "0", "no", "off", "f", "n"), False)}
 
 
 def add_dev_routes(app: FastAPI, engine: AsyncLLM, body_of: BodyOf,
@@ -81,6 +85,7 @@ def add_dev_routes(app: FastAPI, engine: AsyncLLM, body_of: BodyOf,
         app.add_api_route(path, _plain_route(engine, call, answer), methods=[method],
                           name=path.removeprefix("/"))
     _add_sleep_routes(app, engine)
+    _add_cache_routes(app, engine)
     _add_weight_routes(app, engine, body_of)
     _add_server_info_route(app, engine, served_model_name)
 
@@ -123,6 +128,31 @@ def _add_sleep_routes(app: FastAPI, engine: AsyncLLM) -> None:
     async def pause(mode: str = "abort") -> dict[str, str]:
         await _control(engine.pause_generation(mode))
         return {"status": "paused"}
+
+
+def _flag(name: str, value: str) -> bool:
+    """A boolean query parameter, read as vLLM reads it; a bad value is a 400 naming
+    the parameter (a typo'd "ture" must not silently mean false)."""
+    parsed = FLAG_SPELLINGS.get(value.lower()) if len(value) <= 5 else None
+    if parsed is None:
+        raise APIError(400, f"{name} must be true or false, got {value[:20]!r}",
+                       "BadRequestError", name)
+    return parsed
+
+
+def _add_cache_routes(app: FastAPI, engine: AsyncLLM) -> None:
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: str = "false",
+                                 reset_external: str = "false") -> dict[str, bool]:
+        """vLLM's route: `reset_external` is its name for the KV connector's cache
+        (`reset_connector` in the engine API). The answer is vLLM's {"success": bool}
+        (TRL's client reads the status; a refusal while requests hold KV blocks is a
+        200 with false, as in vLLM, not an error)."""
+        running = _flag("reset_running_requests", reset_running_requests)
+        external = _flag("reset_external", reset_external)
+        success = await _control(engine.reset_prefix_cache(
+            reset_running_requests=running, reset_connector=external))
+        return {"success": success}
 
 
 def _add_weight_routes(app: FastAPI, engine: AsyncLLM, body_of: BodyOf) -> None:

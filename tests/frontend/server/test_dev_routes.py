@@ -8,12 +8,14 @@ weights. (Without the flag the routes do not exist: test_edge.py.)"""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from helpers import SUPPORT, free_port
+import pytest
+from helpers import SUPPORT, Server, free_port
 from rl_helpers import PROMPTS, NcclTrainer, hf_greedy, hf_model, perturbed
 
 
-def test_get_world_size_counts_every_worker_as_vllm_does():
+def test_get_world_size_counts_every_worker_as_vllm_does() -> None:
     """Tensor-parallel ranks times engine cores (without the cores: include_dp=false):
     what a trainer sizes its weight-transfer group by. The engine's own figures come
     from its EngineInfo (checked in test_tensor_parallel and test_data_parallel)."""
@@ -34,8 +36,58 @@ def test_get_world_size_counts_every_worker_as_vllm_does():
         assert client.get("/get_world_size?include_dp=false").json() == {"world_size": 4}
 
 
-def test_dev_routes_drive_sleep_pause_rpc_and_nccl_updates_over_http(model_dirs, monkeypatch):
-    from helpers import NAME, Server
+def test_reset_prefix_cache_takes_vllms_query_flags_and_answers_its_shape() -> None:
+    """vLLM's route: `reset_running_requests` and `reset_external` (the engine API's
+    `reset_connector`) as query flags read as vLLM's pydantic reads them, the answer
+    {"success": bool} (false is a 200, as in vLLM: a refusal, not an error). A value that
+    is no boolean was silently ignored (the route took no parameters); now it is a 400
+    naming the parameter, in OpenAI's error shape rather than FastAPI's 422."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from pagellm.frontend.server.app import _add_error_handlers
+    from pagellm.frontend.server.dev_routes import add_dev_routes
+
+    calls: list[dict[str, bool]] = []
+
+    async def reset_prefix_cache(**kwargs: bool) -> bool:
+        calls.append(kwargs)
+        return not kwargs["reset_connector"]  # no connector here: False, as pagellm's
+
+    app = FastAPI()
+    _add_error_handlers(app)
+    engine: Any = SimpleNamespace(reset_prefix_cache=reset_prefix_cache)
+    add_dev_routes(app, engine, None)  # type: ignore[arg-type]  # no route reads a body
+    with TestClient(app) as client:
+        for query, running, external in (
+                ("", False, False), ("?reset_running_requests=true", True, False),
+                ("?reset_external=True", False, True),
+                ("?reset_running_requests=1&reset_external=off", True, False),
+                ("?reset_running_requests=FALSE&reset_external=yes", False, True)):
+            calls.clear()
+            response = client.post("/reset_prefix_cache" + query)
+            assert (response.status_code, response.json()) == (
+                200, {"success": not external}), query
+            assert calls == [{"reset_running_requests": running,
+                              "reset_connector": external}], query
+        calls.clear()
+        for query, name in (("?reset_running_requests=ture", "reset_running_requests"),
+                            ("?reset_external=", "reset_external"),
+                            ("?reset_external=truee", "reset_external"),
+                            ("?reset_running_requests=%C2%B9", "reset_running_requests")):
+            response = client.post("/reset_prefix_cache" + query)
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == name, (query, error)
+            assert error["message"].startswith(f"{name} must be true or false"), error
+        assert calls == []  # a refused value reaches no engine
+
+
+def test_dev_routes_drive_sleep_pause_rpc_and_nccl_updates_over_http(
+        model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from helpers import NAME
 
     monkeypatch.setenv("PYTHONPATH", str(SUPPORT))
     model_dir = model_dirs["llama"]
@@ -76,7 +128,12 @@ def test_dev_routes_drive_sleep_pause_rpc_and_nccl_updates_over_http(model_dirs,
             assert status == 400 and body["error"]["message"], path
         assert call("GET", "/get_world_size") == (200, {"world_size": 1})
         assert call("GET", "/get_world_size?include_dp=false") == (200, {"world_size": 1})
-        assert call("POST", "/reset_prefix_cache") == (200, {"reset": True})
+        assert call("POST", "/reset_prefix_cache") == (200, {"success": True})
+        assert call("POST", "/reset_prefix_cache?reset_running_requests=true") == (
+            200, {"success": True})
+        # No KV connector: the local cache is reset and the answer is false, as vLLM's.
+        assert call("POST", "/reset_prefix_cache?reset_external=true") == (
+            200, {"success": False})
         status, body = call("POST", "/collective_rpc", {"method": "describe", "args": ["p"],
                                                         "kwargs": {"scale": 3.0}})
         assert (status, body) == (200, {"results": [{"prefix": "p", "scale": 3.0,
@@ -112,7 +169,7 @@ def test_dev_routes_drive_sleep_pause_rpc_and_nccl_updates_over_http(model_dirs,
         assert server.stop() == 0
 
 
-def test_dev_routes_refuse_values_out_of_range(dev_server):
+def test_dev_routes_refuse_values_out_of_range(dev_server: Server) -> None:
     """A level past any integer the wire takes was a 500; a timeout that had passed
     before the call began was a 504 while the call still ran in the engine."""
     for path in ("/sleep?level=99999999999999999999999", "/sleep?level=%D9%A3"):
