@@ -54,7 +54,8 @@ __all__ = [
     "train_tokenizer",
 ]
 
-ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral",
+                          "olmoe", "gemma2", "gemma3_text", "phi3")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 
@@ -92,6 +93,9 @@ class ModelSpec:
     dtype: str = "float32"
     # e.g. "100KB": forces several model-0000x-of-0000y.safetensors plus an index json.
     max_shard_size: str | None = None
+    # The family's own config fields on top (experts, sliding_window, layer_types, ...),
+    # as its config.json spells them.
+    config_extra: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         """Reject specs transformers would choke on later, or silently get wrong."""
@@ -209,16 +213,22 @@ def _build_config(spec: ModelSpec) -> PretrainedConfig:
         "use_cache": True,
         "dtype": spec.dtype,
     }
+    extra = dict(spec.config_extra or {})
     if spec.arch == "llama":
-        return LlamaConfig(**common, head_dim=spec.effective_head_dim)
+        return LlamaConfig(**common, head_dim=spec.effective_head_dim, **extra)
     if spec.arch == "qwen2":
         # Qwen2 always has q/k/v biases and no head_dim field.
-        return Qwen2Config(**common, max_window_layers=spec.num_layers)
-    # qwen3: q_norm / k_norm are built in; head_dim is explicit (it often differs from
-    # hidden_size // num_heads in real Qwen3 checkpoints).
-    return Qwen3Config(
-        **common, head_dim=spec.effective_head_dim, max_window_layers=spec.num_layers
-    )
+        return Qwen2Config(**common, **{"max_window_layers": spec.num_layers, **extra})
+    if spec.arch == "qwen3":
+        # q_norm / k_norm are built in; head_dim is explicit (it often differs from
+        # hidden_size // num_heads in real Qwen3 checkpoints).
+        return Qwen3Config(**common, head_dim=spec.effective_head_dim,
+                           **{"max_window_layers": spec.num_layers, **extra})
+    from transformers import AutoConfig
+
+    if spec.arch not in ("qwen2", "olmoe", "phi3"):  # these derive head_dim themselves
+        extra.setdefault("head_dim", spec.effective_head_dim)
+    return AutoConfig.for_model(spec.arch, **common, **extra)
 
 
 def _reinit_weights(model: torch.nn.Module, spec: ModelSpec) -> None:
@@ -249,6 +259,8 @@ def _reinit_weights(model: torch.nn.Module, spec: ModelSpec) -> None:
                     values = torch.randn(param.shape, generator=gen) * spec.init_std
                 elif param_name == "weight" and kind.endswith("RMSNorm"):
                     values = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
+                elif kind.endswith(("Experts", "Router")):  # stacked experts, MoE router
+                    values = torch.randn(param.shape, generator=gen) * spec.init_std
                 else:
                     raise RuntimeError(
                         f"don't know how to initialise {module_name}.{param_name} ({kind})"

@@ -57,7 +57,8 @@ class EngineCore:
                             long_prefill_token_threshold=args.long_prefill_token_threshold,
                             policy=args.scheduling_policy),
             KVCacheManager(self.executor.num_kv_blocks, args.block_size,
-                           args.enable_prefix_caching))
+                           args.enable_prefix_caching,
+                           sliding_window=getattr(model_config.spec, "kv_window", None)))
         # Requests hash their blocks only when the prefix cache can use the hashes.
         self._hash_block_size = args.block_size if args.enable_prefix_caching else None
         self.info = EngineInfo(

@@ -13,6 +13,26 @@ A step's batch is flat and unpadded: request i owns query rows
 `query_start_loc[i]:query_start_loc[i+1]` (a prompt, a chunk of one, or one decode
 token) and attends to the first `seq_lens[i]` tokens of its context, the query rows
 being the last ones of that context.
+
+Two per-layer options (Mistral, Gemma 2/3, gpt-oss):
+
+- `sliding_window` W: a query at position p attends the keys at positions j with
+  p - W < j <= p (W keys, itself included; transformers' `sliding_window_overlay`).
+  A context of L tokens then needs only its blocks from the one holding its first
+  query's first key on, and only those are gathered: the KV cache manager may free the
+  blocks wholly before every window while the request runs, and their table entries
+  then name blocks that others reuse (any values, NaN included), so they are never
+  read.
+
+      block table   b0    b1    b2    b3    b4      a decode at p = 72, W = 20, blocks of 16
+      keys          0..   16..  32..  48..  64..79
+      window                           53 ...... 72
+      gathered                        [ b3 ][ b4 ]  from the block of 53: 53 // 16 = 3
+      bias          -inf at 48..52, 0 at 53..72, -inf at 73..79
+
+- `softcap` c: Gemma 2's logit soft-capping, s = c * tanh(q.k * scale / c) before the
+  mask and the softmax (transformers' eager attention). SDPA cannot apply it: those
+  layers compute their scores explicitly, in fp32.
 """
 
 from __future__ import annotations
@@ -60,8 +80,10 @@ class Prefill:
     start: int
     end: int
     seq_len: int
-    blocks: torch.Tensor  # [ceil(seq_len / block_size)] int64
+    blocks: torch.Tensor  # [ceil(seq_len / block_size) - key_start / block_size] int64
     fresh: bool  # the whole context is this step's own keys and values (a new prompt)
+    key_start: int = 0  # the first gathered key's position (a block boundary): > 0 only
+    # where a sliding window leaves the blocks before it out
 
 
 @dataclass
@@ -71,7 +93,10 @@ class DecodeGroup:
     its first block (its own, finite data); in a copy of its last block, positions past
     the context may hold anything (a reused block keeps its previous owner's values,
     NaN included, and 0 * NaN is NaN): those `stale` rows are zeroed after the gather.
-    Every position past the context is masked out of the softmax by `bias`."""
+    Every position past the context is masked out of the softmax by `bias`. Under a
+    sliding window a request's "own blocks" start at the one holding its window's first
+    key (the earlier ones are never gathered), and `bias` masks that block's keys
+    before the window too (the request's own, finite keys: nothing to zero)."""
 
     rows: torch.Tensor | None  # [Bg] int64 query rows; None: all of the step's, in order
     blocks: torch.Tensor  # [Bg * nb] int64
@@ -109,18 +134,24 @@ class AttentionPlan:
     decodes: list[DecodeGroup]
     prefills: list[Prefill]
     scratch: GatherScratch
+    sliding_window: int | None = None  # the window the plan was built for (None: causal)
 
 
 def plan_attention(block_tables: torch.Tensor, query_start_loc: Sequence[int] | np.ndarray,
                    seq_lens: Sequence[int] | np.ndarray, block_size: int,
-                   scratch: GatherScratch | None = None) -> AttentionPlan:
+                   scratch: GatherScratch | None = None, sliding_window: int | None = None
+                   ) -> AttentionPlan:
     """block_tables: [num_reqs(+), max_blocks] int32; query_start_loc [num_reqs + 1],
     seq_lens [num_reqs]: host ints as in `paged_attention` (int64 arrays pass
     uncopied). The index work runs in numpy on the host (a few small arrays per step:
-    torch's per-op overhead would cost more than the work)."""
+    torch's per-op overhead would cost more than the work). With a `sliding_window`
+    each request's gathers start at the block holding its first query's first key (see
+    the module docstring): a long context costs window-sized work."""
     num_reqs = len(seq_lens)
     assert len(query_start_loc) == num_reqs + 1
     assert block_tables.dim() == 2 and block_tables.shape[0] >= num_reqs
+    assert sliding_window is None or sliding_window >= 1, sliding_window
+    window = sliding_window
     device = block_tables.device
     table = block_tables.cpu().numpy()  # free on the CPU, the CPU path's case
     starts = np.asarray(query_start_loc, dtype=np.int64)
@@ -128,10 +159,14 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: Sequence[int] | 
     if int(starts[-1]) > num_reqs:  # some query is longer than a token (each has one)
         q_lens = starts[1:] - starts[:-1]
         long = q_lens > 1
-        prefills = [Prefill(int(starts[i]), int(starts[i + 1]), int(lens[i]),
-                            block_tables[i, :-(-int(lens[i]) // block_size)].long(),
-                            fresh=bool(q_lens[i] == lens[i]))
-                    for i in np.flatnonzero(long).tolist()]
+        prefills: list[Prefill] = []
+        for i in np.flatnonzero(long).tolist():
+            seq_len, q_len = int(lens[i]), int(q_lens[i])
+            # The block of the first query's first key (position seq_len - q_len).
+            skip = 0 if window is None else max(0, seq_len - q_len - window + 1) // block_size
+            prefills.append(Prefill(int(starts[i]), int(starts[i + 1]), seq_len,
+                                    block_tables[i, skip:-(-seq_len // block_size)].long(),
+                                    fresh=q_len == seq_len, key_start=skip * block_size))
         decodes: np.ndarray | None = np.flatnonzero(~long)  # [D] their requests
         decode_lens = lens[decodes]
     else:  # a decode-only step, the common case: every request, in order
@@ -140,45 +175,66 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: Sequence[int] | 
         lambda array: torch.from_numpy(array).to(device))
     owned = (decode_lens + (block_size - 1)) // block_size  # [D] blocks of their own
     if not len(owned):
-        return AttentionPlan([], prefills, scratch or GatherScratch())
+        return AttentionPlan([], prefills, scratch or GatherScratch(), window)
+    first: np.ndarray | None = None
+    lo: np.ndarray | None = None
+    if window is not None:  # from the block of each window's first key: lengths, blocks,
+        # and where the window starts, all counted from there
+        lo = np.maximum(decode_lens - window, 0)  # [D] the first key's position
+        first = lo // block_size
+        decode_lens, owned, lo = (decode_lens - first * block_size, owned - first,
+                                  lo - first * block_size)
     nb = int(owned.max())
     if nb * len(owned) <= DECODE_PADDING_SLACK * owned.sum():  # one group pads little:
         # no sort, and in a decode-only step no query rows to pick (most steps; this
         # runs cold after a forward pass, where each numpy call costs ~10 us)
         return AttentionPlan([_decode_group(table, starts, decode_lens, owned, nb,
-                                            block_size, decodes, to)],
-                             prefills, scratch or GatherScratch())
+                                            block_size, decodes, to, first, lo)],
+                             prefills, scratch or GatherScratch(), window)
     # Longest first; a group's first sets its length and it ends where its padded
     # blocks would first exceed the slack (vectorized: a Python loop over hundreds of
     # decodes cost ~40 us a step).
     order = np.argsort(-owned, kind="stable")
     index = order if decodes is None else decodes[order]
     decode_lens, owned = decode_lens[order], owned[order]
+    if first is not None and lo is not None:
+        first, lo = first[order], lo[order]
     groups = []
-    first = 0
-    while first < len(owned):
-        rest = owned[first:]
+    begin = 0
+    while begin < len(owned):
+        rest = owned[begin:]
         over = rest[0] * np.arange(1, len(rest) + 1) > DECODE_PADDING_SLACK * rest.cumsum()
         over[0] = False
-        end = first + (int(over.argmax()) or len(rest))
-        groups.append(_decode_group(table, starts, decode_lens[first:end], owned[first:end],
-                                    int(rest[0]), block_size, index[first:end], to))
-        first = end
-    return AttentionPlan(groups, prefills, scratch or GatherScratch())
+        end = begin + (int(over.argmax()) or len(rest))
+        part = slice(begin, end)
+        groups.append(_decode_group(table, starts, decode_lens[part], owned[part],
+                                    int(rest[0]), block_size, index[part], to,
+                                    None if first is None else first[part],
+                                    None if lo is None else lo[part]))
+        begin = end
+    return AttentionPlan(groups, prefills, scratch or GatherScratch(), window)
 
 
 def _decode_group(table: np.ndarray, starts: np.ndarray, group_lens: np.ndarray,
                   owned: np.ndarray, nb: int, block_size: int, index: np.ndarray | None,
-                  to: Callable[[np.ndarray], torch.Tensor]) -> DecodeGroup:
+                  to: Callable[[np.ndarray], torch.Tensor], first: np.ndarray | None = None,
+                  lo: np.ndarray | None = None) -> DecodeGroup:
     """The decode group of requests `index` (None: every request of the step, in
     order), of context lengths `group_lens` and `owned` blocks each, `nb` the most:
     see `DecodeGroup`. A few numpy calls for the whole group, none per request: this
-    runs every step."""
+    runs every step. Under a sliding window, `first` [Bg] is each request's first
+    block-table column gathered and `lo` [Bg] its window's first key; lengths, blocks
+    and `lo` count from that column."""
     bs, batch = block_size, len(group_lens)
     length = nb * bs
-    rows = table[:batch, :nb] if index is None else table[index, :nb]  # [Bg, nb]
-    if nb > 1:  # rows past a request's own blocks repeat its first
-        rows = np.where(np.arange(nb) < owned[:, None], rows, rows[:, :1])
+    if first is None:
+        rows = table[:batch, :nb] if index is None else table[index, :nb]  # [Bg, nb]
+        if nb > 1:  # rows past a request's own blocks repeat its first
+            rows = np.where(np.arange(nb) < owned[:, None], rows, rows[:, :1])
+    else:  # columns first .. first + owned - 1, then its first again (never past its own)
+        columns = np.arange(nb)
+        columns = first[:, None] + np.where(columns < owned[:, None], columns, 0)
+        rows = table[np.arange(batch)[:, None] if index is None else index[:, None], columns]
     # Stale rows of the gathered [Bg * length]: row r's sequence starts at r * length;
     # its positions [len_r, owned_r * bs) are the tail of its last block.
     row_start = np.arange(0, batch * length, length)
@@ -189,7 +245,12 @@ def _decode_group(table: np.ndarray, starts: np.ndarray, group_lens: np.ndarray,
         firsts = np.concatenate((firsts, (firsts[single, None] + copies).ravel()))
         counts = np.concatenate((counts, np.repeat(counts[single], nb - 1)))
     stale_rows = _ranges(firsts, counts)
-    bias = _bias_rows(length)[length - group_lens]  # [Bg, length]
+    if lo is None:
+        bias = _bias_rows(length)[length - group_lens]  # [Bg, length]
+    else:  # [lo, len) of each row: a compare over window-sized rows
+        position = np.arange(length)
+        bias = np.where((position >= lo[:, None]) & (position < group_lens[:, None]),
+                        np.float32(0.0), np.float32(-np.inf))
     return DecodeGroup(None if index is None else to(starts[index]),
                        to(rows.astype(np.int64).ravel()),
                        to(stale_rows) if len(stale_rows) else None,
@@ -216,7 +277,8 @@ def _ranges(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                    query_start_loc: list[int], seq_lens: list[int], scale: float
+                    query_start_loc: list[int], seq_lens: list[int], scale: float,
+                    sliding_window: int | None = None, softcap: float | None = None
                     ) -> torch.Tensor:
     """Causal attention of each request's query rows over its paged context.
 
@@ -225,6 +287,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     block_tables:    [num_reqs, max_blocks_per_req] int32 (rows padded with any block id)
     query_start_loc: num_reqs + 1 offsets into the query rows (host ints)
     seq_lens:        num_reqs context lengths, this step's tokens included (host ints)
+    sliding_window:  W: a query at position p sees keys p - W < j <= p; None: all j <= p
+    softcap:         c: scores become c * tanh(score / c) before the mask; None: off
     returns          [num_tokens, num_heads, head_dim], query's dtype
 
     Single-token queries (decodes) are computed together in one padded batch; longer
@@ -232,33 +296,44 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     multiply V in bf16, as in the Triton kernel).
     """
     assert query_start_loc[-1] == query.shape[0]
-    plan = plan_attention(block_tables, query_start_loc, seq_lens, kv_cache.shape[2])
-    return planned_attention(query, kv_cache, plan, scale)
+    plan = plan_attention(block_tables, query_start_loc, seq_lens, kv_cache.shape[2],
+                          sliding_window=sliding_window)
+    return planned_attention(query, kv_cache, plan, scale, softcap=softcap)
 
 
 def planned_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan,
                       scale: float, key: torch.Tensor | None = None,
-                      value: torch.Tensor | None = None) -> torch.Tensor:
-    """`paged_attention` with the index work done (`plan_attention`). key, value:
-    [num_tokens, num_kv_heads, head_dim], this step's own (already in the cache); a
-    fresh prompt attends to them directly instead of gathering them back."""
+                      value: torch.Tensor | None = None, softcap: float | None = None
+                      ) -> torch.Tensor:
+    """`paged_attention` with the index work done (`plan_attention`, which fixed the
+    sliding window). key, value: [num_tokens, num_kv_heads, head_dim], this step's own
+    (already in the cache); a fresh prompt attends to them directly instead of
+    gathering them back."""
     _, num_heads, head_dim = query.shape
     num_kv_heads, kv_head_dim = kv_cache.shape[3:]
     assert kv_head_dim == head_dim and num_heads % num_kv_heads == 0
+    assert softcap is None or softcap > 0, softcap
     if len(plan.decodes) == 1 and plan.decodes[0].rows is None:  # a decode-only step
-        return _decode_attention(query, kv_cache, plan.decodes[0], plan.scratch, scale)
+        return _decode_attention(query, kv_cache, plan.decodes[0], plan.scratch, scale,
+                                 softcap)
     out = torch.empty_like(query)
     for group in plan.decodes:
         assert group.rows is not None
         out.index_copy_(0, group.rows, _decode_attention(
-            query.index_select(0, group.rows), kv_cache, group, plan.scratch, scale))
+            query.index_select(0, group.rows), kv_cache, group, plan.scratch, scale,
+            softcap))
+    window = plan.sliding_window
     for p in plan.prefills:
         if p.fresh and key is not None and value is not None:
             k, v = key[p.start:p.end], value[p.start:p.end]
         else:
-            k, v = (t.view(-1, num_kv_heads, head_dim)[:p.seq_len]
+            k, v = (t.view(-1, num_kv_heads, head_dim)[:p.seq_len - p.key_start]
                     for t in _gather(kv_cache, p.blocks, plan.scratch))
-        out[p.start:p.end] = _prefill_attention(query[p.start:p.end], k, v, scale)
+        if window is None and softcap is None:
+            out[p.start:p.end] = _prefill_attention(query[p.start:p.end], k, v, scale)
+        else:
+            out[p.start:p.end] = _tiled_prefill_attention(query[p.start:p.end], k, v, scale,
+                                                          p.key_start, window, softcap)
     return out
 
 
@@ -319,12 +394,14 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
-                      scratch: GatherScratch, scale: float) -> torch.Tensor:
+                      scratch: GatherScratch, scale: float, softcap: float | None = None
+                      ) -> torch.Tensor:
     """q: [Bg, H, D], one query per request at its last position -> [Bg, H, D].
 
     Grouped-query attention without repeating K/V: the G = H / H_kv query heads that
     share a KV head become G query rows of that head's attention ([Bg, H_kv, G, D]
-    against [Bg, H_kv, L, D]); one mask row serves them all."""
+    against [Bg, H_kv, L, D]); one mask row serves them all. Soft-capped scores are
+    computed explicitly (`_softcapped_attention`)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     length = group.bias.shape[-1]
@@ -337,6 +414,89 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGrou
     # q may be a view into the step's fused q/k rows: SDPA is ~20% slower on it strided.
     groups = _sdpa_input(q).contiguous().view(batch, num_kv_heads, num_heads // num_kv_heads,
                                         head_dim)
+    if softcap is not None:
+        o = _softcapped_attention(groups, k, v, group.bias, scale, softcap)
+        return o.reshape(batch, num_heads, head_dim).to(q.dtype)
     group.bias = _mask_like(group.bias, groups)  # once per step: the plan serves every layer
     o = F.scaled_dot_product_attention(groups, k, v, attn_mask=group.bias, scale=scale)
     return o.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+# Query rows per tile of a windowed prompt (at least the window): each tile sees only the
+# keys its rows' windows hold, so a prompt of Q tokens scores about Q * (rows + W) pairs
+# instead of Q * L, in few enough SDPA calls that their overhead stays small.
+PREFILL_TILE_ROWS = 256
+# fp32 scores per soft-capped tile (64 MiB): explicit scores of a long prompt's every row
+# at once would take H * Q * L of them (a 4k-token prompt with 16 heads: 1 GiB).
+SOFTCAP_SCORES = 1 << 24
+
+
+def _tiled_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             scale: float, key_start: int, window: int | None,
+                             softcap: float | None) -> torch.Tensor:
+    """Windowed or soft-capped attention of a prompt or chunk, a tile of query rows at
+    a time. q: [Q, H, D], the last Q positions of the context; k, v: [L - key_start,
+    H_kv, D], its keys from position key_start on -> [Q, H, D].
+
+    A query at p sees keys j <= p and, under a window W, j > p - W: each tile takes only
+    the keys from its first row's first one to its last row, so long prompts with small
+    windows cost window-sized work; soft-capped tiles are also kept under
+    SOFTCAP_SCORES scores."""
+    q_len, num_heads = q.shape[0], q.shape[1]
+    seq_len = key_start + k.shape[0]
+    rows = q_len if window is None else max(window, PREFILL_TILE_ROWS)
+    if softcap is not None:
+        span = seq_len if window is None else rows + window  # keys a tile sees, at most
+        rows = max(1, min(rows, SOFTCAP_SCORES // (num_heads * span)))
+    out = torch.empty_like(q)
+    for r0 in range(0, q_len, rows):
+        r1 = min(q_len, r0 + rows)
+        p0, p1 = seq_len - q_len + r0, seq_len - q_len + r1  # the tile's query positions
+        j0 = key_start if window is None else max(key_start, p0 - window + 1)
+        pos_q = torch.arange(p0, p1, device=q.device)[:, None]
+        pos_k = torch.arange(j0, p1, device=q.device)[None, :]
+        hidden = pos_k > pos_q  # [rows, keys]
+        if window is not None:
+            hidden |= pos_k <= pos_q - window
+        keys = slice(j0 - key_start, p1 - key_start)
+        out[r0:r1] = _masked_prefill_attention(q[r0:r1], k[keys], v[keys], hidden, scale,
+                                               softcap)
+    return out
+
+
+def _masked_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              hidden: torch.Tensor, scale: float, softcap: float | None
+                              ) -> torch.Tensor:
+    """q: [Q, H, D]; k, v: [K, H_kv, D]; hidden: [Q, K] bool, the pairs masked out ->
+    [Q, H, D]. SDPA with an additive mask, or explicit scores when soft-capped (the G
+    query heads of a KV head as [H_kv, G, Q, D] against [H_kv, 1, K, D]: no repeated
+    K/V)."""
+    q_len, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if softcap is None:
+        qt, kt, vt = (_sdpa_input(t.transpose(0, 1)).unsqueeze(0) for t in (q, k, v))
+        bias = torch.zeros(hidden.shape, dtype=qt.dtype, device=q.device).masked_fill_(
+            hidden, -math.inf)  # in the query's dtype: see `_mask_like`
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, scale=scale,
+                                           enable_gqa=True)
+        return o[0].transpose(0, 1).to(q.dtype)
+    groups = q.transpose(0, 1).reshape(num_kv_heads, num_heads // num_kv_heads, q_len,
+                                       head_dim)  # [H_kv, G, Q, D]
+    kt, vt = (t.transpose(0, 1).unsqueeze(1) for t in (k, v))  # [H_kv, 1, K, D]
+    bias = torch.zeros(hidden.shape, dtype=torch.float32, device=q.device).masked_fill_(
+        hidden, -math.inf)
+    o = _softcapped_attention(groups, kt, vt, bias, scale, softcap)  # [H_kv, G, Q, D]
+    return o.reshape(num_heads, q_len, head_dim).transpose(0, 1).to(q.dtype)
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          bias: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """Gemma 2's soft-capped attention as transformers' eager path computes it, in fp32:
+    s = q k^T * scale; s = softcap * tanh(s / softcap); s += bias; softmax; @ v. SDPA
+    has no hook between the scores and the mask, so the scores are materialized.
+    q: [..., M, D]; k, v: [..., L, D] (broadcast); bias: additive 0 / -inf,
+    broadcastable to [..., M, L] -> [..., M, D] fp32. Every row sees at least one key
+    (its own), so no row is all -inf."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale / softcap)
+    scores = scores.tanh_().mul_(softcap).add_(bias)
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float())

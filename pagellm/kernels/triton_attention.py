@@ -137,7 +137,8 @@ def _computes_in_fp32(dtype: torch.dtype) -> bool:
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     max_query_len: int, num_segments: int = 1,
-                    out: torch.Tensor | None = None, tile: int | None = None
+                    out: torch.Tensor | None = None, tile: int | None = None,
+                    sliding_window: int | None = None, softcap: float | None = None
                     ) -> torch.Tensor:
     """Causal paged attention for a mixed batch in one launch (see module docstring).
 
@@ -149,6 +150,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     max_query_len:   the longest query (host int); num_segments > 1 (split-KV) needs 1
     tile:            keys per loop iteration (a multiple of the block size; None:
                      `tile_keys`), for benchmarks
+    sliding_window:  W: a query at position p sees keys p - W < j <= p (None: j <= p);
+                     blocks wholly before a program's windows are never read (the KV
+                     cache manager may have freed them: their table entries name any
+                     block)
+    softcap:         c: scores s become c * tanh(s / c) before the mask (None: off)
     returns          [num_tokens, num_heads, head_dim], query's dtype
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -167,6 +173,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     assert seq_lens.dtype == torch.int32
     assert num_segments == 1 or max_query_len == 1, "split-KV is for decode-only batches"
     assert triton.next_power_of_2(num_segments) == num_segments
+    assert sliding_window is None or (isinstance(sliding_window, int)
+                                      and 1 <= sliding_window < 2**31), sliding_window
+    assert softcap is None or softcap > 0, softcap
     if out is None:
         out = torch.empty_like(query)
     assert out.shape == query.shape and out.stride(-1) == 1
@@ -192,11 +201,15 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         segm_out, segm_max, segm_sum, scale, num_reqs,
+        # The flags below say whether these are read: unused values are never looked at.
+        0 if sliding_window is None else sliding_window,
+        1.0 if softcap is None else float(softcap),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, TILE=tile, NUM_SEGMENTS=num_segments, CAST_FP32=cast_fp32,
-        PRECISION="ieee" if cast_fp32 else None)
+        PRECISION="ieee" if cast_fp32 else None,
+        USE_SLIDING_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None)
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
             out, segm_out, segm_max, segm_sum, num_heads, out.stride(0), out.stride(1),

@@ -15,10 +15,24 @@ KV block at a time with an online softmax, and accumulates in fp32:
 
     program (q_block, kv_head[, segment])
       rows r = 0..BLOCK_M-1: token q_block*BLOCK_Q + r // GROUP, head kv_head*GROUP + r % GROUP
-      for each tile j of TILE keys (TILE / block_size KV blocks) up to the causal limit:
-          S = Q K_j^T * scale   (masked: causal, past seq_len)
+      for each tile j of TILE keys (TILE / block_size KV blocks) up to the causal limit,
+      from the one holding the first row's first key (a sliding window skips the rest):
+          S = Q K_j^T * scale   (soft-capped: S = c * tanh(S / c))
+          S masked: causal, past seq_len, outside the row's sliding window
           m, l, acc  <- online softmax update with P = exp(S - m)
       out = acc / l
+
+Under a sliding window W (USE_SLIDING_WINDOW) a row at position p sees keys
+p - W < j <= p. The program's first row's first key, p0 - W + 1, bounds what it reads:
+the loop starts at the tile holding it, and keys of that tile before it are not loaded
+at all (masked loads, K and V read as 0), not merely masked in the softmax: the KV cache
+manager frees blocks wholly outside the windows while a request runs, so their table
+entries may name blocks another request now fills (NaN and inf included; 0 * NaN would
+reach the output through P @ V).
+
+    keys      0   16  32  48  64  80  96  112 128     TILE 64 (4 blocks of 16), a
+    tiles     |--- tile 0 ----|--- tile 1 ----|       row's first key 72: tile 0 is
+    loaded                    ..xxxxxxxxxxxxxx        skipped, keys 64..71 not loaded
 
 A tile spans several KV blocks (each key's block looked up in the table) so that each
 iteration keeps enough loads in flight: one 16-key block per iteration (4 KB of K and of
@@ -97,6 +111,15 @@ def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr)
     return lo - 1
 
 
+@triton.jit
+def _tanh(x):
+    """tanh from exp (the interpreter has no libdevice): sign(x) (1 - e) / (1 + e) with
+    e = exp(-2|x|) <= 1, which cannot overflow at any |x| (exp(2x) would, to inf / inf)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
 # One function by nature (a Triton kernel is one program; splitting it would not shorten it).
 @triton.jit
 def _paged_attention_kernel(
@@ -112,6 +135,8 @@ def _paged_attention_kernel(
     segm_sum_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] fp32 (split-KV only)
     scale,
     num_reqs,
+    sliding_window,  # W: keys p - W < j <= p (read only under USE_SLIDING_WINDOW)
+    softcap,  # c: s -> c * tanh(s / c) (read only under USE_SOFTCAP)
     stride_q_tok, stride_q_head,
     stride_o_tok, stride_o_head,
     stride_cache_block, stride_cache_slot, stride_cache_head,
@@ -126,6 +151,8 @@ def _paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,  # 1: write the output; > 1: write partials (split-KV)
     CAST_FP32: tl.constexpr,  # compute everything in fp32 (fp32 inputs, or interpreting)
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs (no TF32)
+    USE_SLIDING_WINDOW: tl.constexpr,  # a query sees only the last sliding_window keys
+    USE_SOFTCAP: tl.constexpr,  # Gemma 2's logit soft-capping
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -151,11 +178,18 @@ def _paged_attention_kernel(
     if CAST_FP32:
         q = q.to(tl.float32)
 
-    # Keys up to the last query row's position are visible (causal).
+    # Keys up to the last query row's position are visible (causal), from the first
+    # row's window's first key on (the tiles before it are skipped, see above).
     last_query = tl.minimum((local_block + 1) * BLOCK_Q, q_len) - 1
     num_tiles = tl.cdiv(context_len + last_query + 1, TILE)
-    per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-    first_tile = segment * per_segment
+    if USE_SLIDING_WINDOW:
+        first_key = tl.maximum(context_len + local_block * BLOCK_Q - sliding_window + 1, 0)
+        start_tile = first_key // TILE
+    else:
+        first_key = 0
+        start_tile = 0
+    per_segment = tl.cdiv(num_tiles - start_tile, NUM_SEGMENTS)
+    first_tile = start_tile + segment * per_segment
     end_tile = tl.minimum(first_tile + per_segment, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -166,6 +200,8 @@ def _paged_attention_kernel(
     for j in range(first_tile, end_tile):
         key_pos = j * TILE + keys  # [TILE]
         in_seq = key_pos < seq_len  # a key in the sequence has its block in the table
+        if USE_SLIDING_WINDOW:  # and is held while some row's window holds it
+            in_seq = in_seq & (key_pos >= first_key)
         block = tl.load(block_tables_ptr + req * stride_bt_req + key_pos // BLOCK_SIZE,
                         mask=in_seq, other=0).to(tl.int64)  # [TILE]
         kv_mask = dim_mask[:, None] & in_seq[None, :]
@@ -176,7 +212,11 @@ def _paged_attention_kernel(
         if CAST_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=PRECISION) * scale  # [BLOCK_M, TILE]
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
         visible = (key_pos[None, :] <= visible_until[:, None]) & in_seq[None, :]
+        if USE_SLIDING_WINDOW:
+            visible = visible & (key_pos[None, :] > (visible_until - sliding_window)[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row so far

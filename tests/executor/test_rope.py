@@ -24,8 +24,8 @@ from transformers import AutoConfig, LlamaConfig, Qwen2Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from pagellm.executor.model.registry import read_spec
 from pagellm.executor.model.rope import RopeSpec, RotaryEmbedding, apply_rotary, compute_inv_freq
-from pagellm.executor.model.spec import DecoderSpec
 
 NUM_HEADS = 4
 
@@ -208,7 +208,7 @@ def test_decoder_spec_reads_a_legacy_config_json(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(raw))
     loaded = AutoConfig.from_pretrained(tmp_path)
 
-    spec = DecoderSpec.from_hf_config(loaded).rope
+    spec = read_spec(loaded).rope
 
     assert (spec.rope_type, spec.theta) == ("yarn", 1000000.0)
     inv_freq, scaling = compute_inv_freq(spec, 64, 131072)
@@ -217,7 +217,7 @@ def test_decoder_spec_reads_a_legacy_config_json(tmp_path: Path) -> None:
     assert scaling == hf_scaling != 1.0
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "proportional"])
 @pytest.mark.parametrize("where", ["rope_parameters", "rope_scaling-type"])
 def test_from_hf_rejects_unsupported_types(rope_type: str, where: str) -> None:
     params = {"factor": 2.0, "original_max_position_embeddings": 4096}
@@ -347,8 +347,118 @@ def test_decoder_sizes_rope_tables_by_max_model_len() -> None:
 
     spec = DecoderSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                        num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                       qkv_bias=False, o_bias=False, qk_norm=False, tie_word_embeddings=True,
+                       qkv_bias=False, o_bias=False, qk_norm=None, tie_word_embeddings=True,
                        max_position=30_000_000, rope=RopeSpec("default", 10000.0))
     with torch.device("meta"):
         model = DecoderForCausalLM(spec, max_model_len=512)
     assert model.model.rotary_emb.cos_cache.shape == (512, 16)
+
+
+# --------------------------------------------------------------------------- Phi-3: LongRoPE
+# and partial rotary
+
+# head_dim 16 at partial_rotary_factor 0.75: 12 rotated dimensions, 6 frequencies.
+PHI_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0]}
+PHI_ORIGINAL = 48
+
+
+def _phi3_config(rope_parameters: dict[str, Any], partial: float = 0.75,
+                 max_position: int = 2048) -> Any:
+    from transformers import Phi3Config
+
+    return Phi3Config(hidden_size=NUM_HEADS * 16, num_attention_heads=NUM_HEADS,
+                      num_key_value_heads=2, intermediate_size=64, num_hidden_layers=1,
+                      vocab_size=300, max_position_embeddings=max_position,
+                      original_max_position_embeddings=PHI_ORIGINAL,
+                      partial_rotary_factor=partial,
+                      rope_parameters=copy.deepcopy(rope_parameters))
+
+
+def _phi3_ours(config: Any) -> RopeSpec:
+    return RopeSpec.from_hf(copy.deepcopy(config.rope_parameters), None, None,
+                            partial_rotary=True)
+
+
+@pytest.mark.parametrize("extra", [{}, {"factor": 8.0}, {"attention_factor": 1.25}],
+                         ids=["ratio", "factor", "attention-factor"])
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_longrope_short_and_long_inv_freq_equal_transformers(
+        extra: dict[str, Any], partial: float) -> None:
+    """transformers computes the short factors by default and the long ones for a
+    sequence past original_max_position_embeddings; we pick by max_model_len (the
+    engine's longest sequence): within the original context short, beyond it long. The
+    attention scaling is the same in both."""
+    params = {**PHI_LONGROPE, **extra}
+    if partial == 1.0:  # 16 rotated dimensions: 8 frequencies
+        params = {**params, "short_factor": params["short_factor"] + [3.0, 3.5],
+                  "long_factor": params["long_factor"] + [16.0, 20.0]}
+    config = _phi3_config(params, partial)
+    hf_short, hf_short_scaling = ROPE_INIT_FUNCTIONS["longrope"](config)
+    hf_long, hf_long_scaling = ROPE_INIT_FUNCTIONS["longrope"](config,
+                                                               seq_len=PHI_ORIGINAL + 1)
+    spec = _phi3_ours(config)
+
+    short, short_scaling = compute_inv_freq(spec, 16, 2048, max_model_len=PHI_ORIGINAL)
+    long, long_scaling = compute_inv_freq(spec, 16, 2048, max_model_len=PHI_ORIGINAL + 1)
+
+    assert short.shape == (int(16 * partial) // 2,)
+    assert torch.equal(short, hf_short) and torch.equal(long, hf_long)
+    assert short_scaling == hf_short_scaling and long_scaling == hf_long_scaling != 1.0
+    assert not torch.equal(short, long)
+    # max_model_len defaults to max_position_embeddings (2048 > 48): long
+    assert torch.equal(compute_inv_freq(spec, 16, 2048)[0], hf_long)
+
+
+@pytest.mark.parametrize("regime", ["short", "long"])
+def test_partial_rotary_longrope_rotation_equals_transformers_phi3(regime: str) -> None:
+    """The rotation of Phi-4-mini's shape: the first 12 of 16 dimensions of each head
+    rotate, the last 4 pass. transformers' Phi3RotaryEmbedding picks its factors from the
+    positions it is given (long past the original context); our tables from the rows
+    the engine can reach."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    from transformers.models.phi3.modeling_phi3 import (
+        apply_rotary_pos_emb as phi3_apply_rotary_pos_emb,
+    )
+
+    config = _phi3_config(PHI_LONGROPE)
+    rows = PHI_ORIGINAL if regime == "short" else 512
+    gen = torch.Generator().manual_seed(7)
+    positions = torch.cat([torch.tensor([0, rows - 1]),
+                           torch.randint(0, rows, (30,), generator=gen)])
+    q = torch.randn(len(positions), NUM_HEADS, 16, generator=gen)
+    k = torch.randn(len(positions), 2, 16, generator=gen)
+    hf_rotary = Phi3RotaryEmbedding(config)
+    cos_hf, sin_hf = hf_rotary(q, positions[None])  # [1, T, 12]
+    q_hf, k_hf = phi3_apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           cos_hf, sin_hf)
+
+    rotary = RotaryEmbedding(_phi3_ours(config), 16, 2048, rows)
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+
+    assert cos.shape == (len(positions), 1, 12)
+    assert torch.equal(cos[:, 0], cos_hf[0])
+    assert torch.equal(apply_rotary(q, cos, sin), q_hf[0].transpose(0, 1))
+    assert torch.equal(apply_rotary(k, cos, sin), k_hf[0].transpose(0, 1))
+    assert torch.equal(apply_rotary(q, cos, sin)[..., 12:], q[..., 12:])
+
+
+def test_phi3_config_reads_partial_rotary_longrope_and_the_fused_checkpoint() -> None:
+    spec = read_spec(_phi3_config(PHI_LONGROPE))
+    assert spec.rope.rope_type == "longrope" and spec.rope.partial_rotary_factor == 0.75
+    assert spec.rope.rotary_dim(spec.head_dim) == 12
+    assert spec.rope.params["original_max_position_embeddings"] == PHI_ORIGINAL
+    assert spec.fused_checkpoint
+
+
+def test_rope_spec_refuses_what_cannot_rotate_the_heads_naming_the_field() -> None:
+    spec = RopeSpec.from_hf(dict(PHI_LONGROPE), None, None)
+    with pytest.raises(ValueError, match="short_factor has 6 entries, rotary_dim // 2 = 8"):
+        spec.validate(16)
+    odd = RopeSpec.from_hf({"rope_type": "default", "partial_rotary_factor": 0.5625}, None,
+                           None, partial_rotary=True)
+    with pytest.raises(ValueError, match="rotary_dim=9 for head_dim=16"):
+        odd.validate(16)
+    with pytest.raises(ValueError, match="long_factor"):
+        RopeSpec.from_hf({"rope_type": "longrope", "short_factor": [1.0]}, None, None)

@@ -48,10 +48,37 @@ def test_kernels_compile_for_hopper_and_ampere_without_spills():
                 for kernel in ("_paged_attention_kernel", "_write_kv_cache_kernel"):
                     assert (kernel, arch, head_dim, dtype) in compiled
         assert ("_merge_segments_kernel", arch, "128", "torch.bfloat16") in compiled
+        flags = {(r["constexprs"].get("USE_SLIDING_WINDOW"), r["constexprs"].get("USE_SOFTCAP"))
+                 for r in rows if r["kernel"] == "_paged_attention_kernel" and r["arch"] == arch}
+        assert {("True", "False"), ("False", "True"), ("True", "True")} <= flags, flags
         kernels = {(r["kernel"], r["arch"], r["case"]["dtype"]) for r in rows}
         for kernel in ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel"):
             for dtype in ("torch.float32", "torch.bfloat16"):
                 assert (kernel, arch, dtype) in kernels
+    # Fused MoE (Qwen3-30B-A3B's and Mixtral's shapes): both GEMMs at every row-tile
+    # size `moe_tiles` picks, in both 16-bit dtypes (32 rows: bf16) and fp32 at its
+    # largest; the align kernels for both id dtypes. Identical specializations compile
+    # once (the align kernels do not depend on x's dtype), so some cases add no rows.
+    moe_rows = [r for r in rows if r["kernel"].startswith("_moe")]
+    moe = {(r["kernel"], r["arch"], r["case"]["dtype"], r["constexprs"].get("BLOCK_M"))
+           for r in moe_rows}
+    moe_models = {(r["kernel"], r["arch"], r["case"]["model"]) for r in moe_rows}
+    for arch in (90, 80):
+        for kernel in ("_moe_gate_up_kernel", "_moe_down_kernel"):
+            for dtype in ("torch.float16", "torch.bfloat16"):
+                for block_m in ("16", "64"):
+                    assert (kernel, arch, dtype, block_m) in moe
+            assert (kernel, arch, "torch.bfloat16", "32") in moe
+            assert (kernel, arch, "torch.float32", "32") in moe
+        for model in ("qwen3-30b-a3b", "mixtral-8x7b"):
+            assert ("_moe_gate_up_kernel", arch, model) in moe_models
+            assert ("_moe_align_count_kernel", arch, model) in moe_models
+        ids = {r["case"].get("ids") for r in rows
+               if r["kernel"] == "_moe_align_count_kernel" and r["arch"] == arch}
+        assert ids == {None, "torch.int64"}, ids  # None: int32, the default
+    # Spilled registers go to the stack frame (ptxas -v: "8 bytes stack frame, 8 bytes
+    # spill stores"), which the LOCAL figure below leaves out: the MoE kernels have none.
+    assert not [r for r in moe_rows if r["stack"] > 0], [r for r in moe_rows if r["stack"]]
     # The rotary embedding rounds each product before the sum, as torch does; a fused
     # multiply-add skips that rounding (kernels/triton_fused.py). Ampere has no bf16
     # multiply or add: there each is an fma with -0 or 1 (exact), so it is left out.

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from pagellm.executor.model.attention import AttentionMetadata, TorchAttention
+from pagellm.kernels import reference
 from pagellm.kernels.reference import (
     DECODE_PADDING_SLACK,
     paged_attention,
@@ -163,11 +165,14 @@ def _make_batch(num_heads: int, head_dim: int, block_size: int, dtype: torch.dty
                   keys, values)
 
 
-def _naive_attention(batch: _Batch, scale: float) -> torch.Tensor:
+def _naive_attention(batch: _Batch, scale: float, sliding_window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) v in float64, one request and head at a time.
 
     Query row i of a request with q_len rows and context seq_len sits at position
-    seq_len - q_len + i and sees positions 0..that position.
+    p = seq_len - q_len + i and sees positions 0..p, or under a sliding window W only
+    p - W < j <= p (transformers' sliding_window_overlay). Soft-capping as transformers'
+    eager attention: scores s -> softcap * tanh(s / softcap), then the mask.
     """
     num_tokens, num_heads, head_dim = batch.query.shape
     group = num_heads // batch.keys[0].shape[1]
@@ -178,10 +183,15 @@ def _naive_attention(batch: _Batch, scale: float) -> torch.Tensor:
         q = batch.query[start:end].cpu().double()  # the test on CUDA moves the query
         k, v = batch.keys[r].double(), batch.values[r].double()
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        masked = torch.arange(seq_len)[None, :] > q_pos  # [q_len, seq_len]
+        k_pos = torch.arange(seq_len)[None, :]
+        masked = k_pos > q_pos  # [q_len, seq_len]
+        if sliding_window is not None:
+            masked |= k_pos <= q_pos - sliding_window
         for h in range(num_heads):
             kv_head = h // group
             scores = q[:, h] @ k[:, kv_head].T * scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
             scores = scores.masked_fill(masked, float("-inf"))
             out[start:end, h] = scores.softmax(dim=-1) @ v[:, kv_head]
     return out
@@ -191,15 +201,18 @@ TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3),
               torch.bfloat16: (1.6e-2, 2e-2)}  # (rtol, atol): fp16/bf16 output rounding
 
 
-def _check_against_naive(batch: _Batch, block_size: int, dtype: torch.dtype) -> None:
+def _check_against_naive(batch: _Batch, block_size: int, dtype: torch.dtype,
+                         sliding_window: int | None = None, softcap: float | None = None
+                         ) -> None:
     scale = batch.query.shape[-1] ** -0.5
 
     out = paged_attention(batch.query, batch.kv_cache, batch.block_tables,
-                          batch.query_start_loc, batch.seq_lens, scale).cpu()
+                          batch.query_start_loc, batch.seq_lens, scale,
+                          sliding_window=sliding_window, softcap=softcap).cpu()
 
     assert out.dtype == dtype
     assert out.shape == batch.query.shape
-    expected = _naive_attention(batch, scale)
+    expected = _naive_attention(batch, scale, sliding_window, softcap)
     rtol, atol = TOLERANCES[dtype]
     for r in range(len(batch.seq_lens)):  # per request, so a failure names the case
         start, end = batch.query_start_loc[r], batch.query_start_loc[r + 1]
@@ -401,3 +414,146 @@ def test_decode_groups_follow_the_greedy_padding_rule(seed: int) -> None:
         owned = sorted((-(-int(s) // block_size) for s in seq_lens), reverse=True)
         assert [n if g.rows is None else len(g.rows) for g in plan.decodes] == \
             _greedy_groups(owned, DECODE_PADDING_SLACK)
+
+
+# --------------------------------------------------------------------------- sliding window
+# and soft-capping. The mixed batch of `_request_shapes` (block 16: contexts up to 49)
+# against windows inside one block, across several, and longer than any context.
+
+
+@pytest.mark.parametrize(("sliding_window", "softcap", "dtype"), [
+    (1, None, torch.float32),  # only itself
+    (5, None, torch.float32),  # smaller than a block
+    (37, None, torch.float32),  # spanning several blocks
+    (1000, None, torch.float32),  # longer than every context: causal
+    (None, 1.5, torch.float32),  # soft-capped causal (scores ~ N(0, 1): the cap bites)
+    (5, 1.5, torch.float32),
+    (37, 1.5, torch.bfloat16),
+    (20, None, torch.float16),
+], ids=str)
+def test_sliding_window_and_softcap_match_a_naive_masked_softmax(
+        sliding_window: int | None, softcap: float | None, dtype: torch.dtype) -> None:
+    """Fresh prompts, chunks continuing a context and decodes of varied lengths in one
+    step, every slot no request owns NaN, against per-request dense attention with the
+    mask written from the formula."""
+    batch = _make_batch(2 * NUM_KV_HEADS, 32, 16, dtype, seed=(sliding_window or 0) + 17)
+    _check_against_naive(batch, 16, dtype, sliding_window, softcap)
+
+
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(3, None), (1, 2.0), (20, 2.0),
+                                                         (None, 2.0)], ids=str)
+def test_long_prompts_attend_tile_by_tile_exactly(monkeypatch: pytest.MonkeyPatch,
+                                                  sliding_window: int | None,
+                                                  softcap: float | None) -> None:
+    """Windowed and soft-capped prompts run a tile of query rows at a time, each against
+    only the keys its rows see: tiles of a few rows (and few soft-capped scores) must
+    give the same attention as one tile."""
+    monkeypatch.setattr(reference, "PREFILL_TILE_ROWS", 2)
+    monkeypatch.setattr(reference, "SOFTCAP_SCORES", 300)
+    batch = _make_batch(2 * NUM_KV_HEADS, 32, 16, torch.float32, seed=3)
+    _check_against_naive(batch, 16, torch.float32, sliding_window, softcap)
+
+
+def _first_window_block(q_len: int, seq_len: int, window: int, block_size: int) -> int:
+    """The block holding the first key that the request's first query (at position
+    seq_len - q_len) sees: the blocks before it are wholly outside every window."""
+    return max(0, seq_len - q_len - window + 1) // block_size
+
+
+@pytest.mark.parametrize("stale", [float("nan"), float("inf")])
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(5, None), (20, 2.0)], ids=str)
+def test_blocks_wholly_outside_the_window_are_never_read(
+        stale: float, sliding_window: int, softcap: float | None) -> None:
+    """The KV cache manager frees the blocks wholly outside a request's windows while it
+    runs; their table entries then name blocks other requests reuse. Filled with NaN or
+    inf, they must not change the output (no 0 * NaN)."""
+    block_size = 16
+    batch = _make_batch(2 * NUM_KV_HEADS, 32, block_size, torch.float32, seed=23)
+    poisoned = 0
+    for r, (q_len, seq_len) in enumerate(_request_shapes(block_size)):
+        skip = _first_window_block(q_len, seq_len, sliding_window, block_size)
+        batch.kv_cache[:, batch.block_tables[r, :skip].long()] = stale
+        poisoned += skip
+    assert poisoned > 0  # (window 5: two decodes and a chunk, 4 blocks; 20: 1)
+    _check_against_naive(batch, block_size, torch.float32, sliding_window, softcap)
+
+
+def test_windowed_plans_gather_only_the_blocks_in_the_window() -> None:
+    """A long context with a small window costs window-sized work: decodes gather the
+    window's blocks (at most ceil(W / block) + 1 of them), a chunk its first query's
+    window's blocks on. The table entries before them name block ids that do not exist:
+    gathering one would raise."""
+    block_size, window, head_dim = 16, 20, 32
+    gen = torch.Generator().manual_seed(9)
+    shapes = [(1, 40 * block_size + 7), (1, 25 * block_size), (8, 30 * block_size + 3),
+              (1, 3)]  # (q_len, seq_len)
+    num_blocks = 8 * len(shapes)
+    kv_cache = torch.full((2, num_blocks, block_size, NUM_KV_HEADS, head_dim), float("nan"))
+    max_blocks = max(-(-s // block_size) for _, s in shapes)
+    block_tables = torch.full((len(shapes), max_blocks), 10**6, dtype=torch.int32)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    keys, values, queries, qsl = [], [], [], [0]
+    for r, (q_len, seq_len) in enumerate(shapes):
+        skip = _first_window_block(q_len, seq_len, window, block_size)
+        owned = -(-seq_len // block_size)
+        own, free = free[:owned - skip], free[owned - skip:]
+        block_tables[r, skip:owned] = torch.tensor(own, dtype=torch.int32)
+        k = torch.randn(seq_len, NUM_KV_HEADS, head_dim, generator=gen)
+        v = torch.randn(seq_len, NUM_KV_HEADS, head_dim, generator=gen)
+        pos = torch.arange(skip * block_size, seq_len)  # only the held blocks hold keys
+        blocks = block_tables[r, pos // block_size].long()
+        kv_cache[0, blocks, pos % block_size] = k[pos]
+        kv_cache[1, blocks, pos % block_size] = v[pos]
+        keys.append(k)
+        values.append(v)
+        queries.append(torch.randn(q_len, 4, head_dim, generator=gen))
+        qsl.append(qsl[-1] + q_len)
+    seq_lens = [s for _, s in shapes]
+    batch = _Batch(torch.cat(queries), kv_cache, block_tables, qsl, seq_lens, keys, values)
+
+    plan = plan_attention(block_tables, qsl, seq_lens, block_size, sliding_window=window)
+    out = planned_attention(batch.query, kv_cache, plan, 0.2, softcap=None)
+
+    window_blocks = -(-window // block_size) + 1
+    assert all(g.bias.shape[-1] <= window_blocks * block_size for g in plan.decodes)
+    assert [p.blocks.numel() for p in plan.prefills] == [3]  # keys 456..482: 3 blocks
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out.double(), _naive_attention(batch, 0.2, window),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_torch_backend_plans_each_window_once_a_step() -> None:
+    """Layers alternate between a sliding window and full attention (Gemma 2/3): the
+    backend plans a window the first time a step meets it, later layers reuse that plan,
+    a window no shorter than every context is the step's causal plan, and the next
+    step's prepare starts over."""
+    block_size = 16
+    batch = _make_batch(2 * NUM_KV_HEADS, 32, block_size, torch.float32, seed=31)
+    qsl, seq_lens = batch.query_start_loc, batch.seq_lens
+    # The step's own keys and values (already in the cache: slots -1 write nothing).
+    shapes = _request_shapes(block_size)
+    key = torch.cat([k[s - q:] for k, (q, s) in zip(batch.keys, shapes, strict=True)])
+    value = torch.cat([v[s - q:] for v, (q, s) in zip(batch.values, shapes, strict=True)])
+    backend = TorchAttention(block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((qsl[-1],), -1), block_tables=batch.block_tables,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc_cpu=np.array(qsl), seq_lens_cpu=np.array(seq_lens),
+        max_query_len=max(q for q, _ in shapes), backend=backend)
+    backend.prepare(meta)
+    scale = 32 ** -0.5
+    for layer, (window, softcap) in enumerate([(5, None), (None, 2.0), (5, 2.0),
+                                               (1000, None), (37, None)]):
+        out = backend(batch.query, key, value, batch.kv_cache, meta, scale, window, softcap)
+        torch.testing.assert_close(out.double(), _naive_attention(batch, scale, window,
+                                                                  softcap),
+                                   rtol=1e-5, atol=1e-5, msg=lambda m, i=layer: f"{i}: {m}")
+        if layer == 0:
+            five = backend.window_plans[5]
+    assert backend.window_plans[5] is five  # planned once, reused by layer 2
+    assert backend.window_plans[5].sliding_window == 5
+    assert backend.window_plans[1000] is meta.plan  # 1000 >= every context
+    assert set(backend.window_plans) == {5, 1000, 37}
+    backend.prepare(meta)
+    assert backend.window_plans == {}

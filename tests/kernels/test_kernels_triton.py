@@ -50,14 +50,19 @@ def make_batch(requests: list[tuple[int, int]], num_heads: int, head_dim: int,
             tables.to(torch.int32).to(DEVICE), qsl, [seq for _, seq in requests])
 
 
-def run_both(query, cache, tables, qsl, seq_lens, num_segments=1):
+def run_both(query, cache, tables, qsl, seq_lens, num_segments=1, tile=None,
+             sliding_window=None, softcap=None, reference_cache=None):
+    """(Triton's output, the reference's), the reference on `reference_cache` if given."""
     scale = query.shape[-1] ** -0.5
-    expected = reference.paged_attention(query, cache, tables, qsl, seq_lens, scale)
+    expected = reference.paged_attention(
+        query, cache if reference_cache is None else reference_cache, tables, qsl, seq_lens,
+        scale, sliding_window=sliding_window, softcap=softcap)
     got = tk.paged_attention(
         query, cache, tables, torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
         torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale,
         max_query_len=max(b - a for a, b in itertools.pairwise(qsl)),
-        num_segments=num_segments)
+        num_segments=num_segments, tile=tile, sliding_window=sliding_window,
+        softcap=softcap)
     return got, expected
 
 
@@ -114,6 +119,88 @@ def test_split_kv_decode_matches_reference(group, num_segments):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
+# Sliding windows (a query at p sees keys p - W < j <= p) and Gemma 2's soft-capping.
+# MIXED's contexts reach 70 keys; tiles of 64 keys (fp32, head 64) over blocks of 16.
+DECODES = [(1, 100), (1, 33), (1, 16), (1, 130)]
+
+
+@runs_triton_kernels
+@pytest.mark.parametrize(("sliding_window", "softcap", "dtype"), [
+    (5, None, torch.float32),  # inside one block
+    (37, None, torch.float32),  # across several blocks and tiles
+    (1000, None, torch.float32),  # longer than every context
+    (None, 1.5, torch.float32),
+    (20, 1.5, torch.bfloat16),
+], ids=str)
+def test_sliding_window_and_softcap_match_reference(sliding_window, softcap, dtype):
+    batch = make_batch(MIXED, NUM_KV_HEADS * 2, 64, 16, dtype, seed=4)
+    got, expected = run_both(*batch, sliding_window=sliding_window, softcap=softcap)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=TOLERANCE[dtype])
+
+
+@runs_triton_kernels
+@pytest.mark.parametrize(("sliding_window", "softcap", "tile"), [(40, None, 16), (40, 1.5, 32),
+                                                                 (7, None, 64)], ids=str)
+def test_split_kv_decode_with_a_window_matches_reference(sliding_window, softcap, tile):
+    """Split-KV slices the window's tiles, not the whole context: with 4 segments some
+    are empty (the short decodes), the merge must still weigh the rest right."""
+    batch = make_batch(DECODES, NUM_KV_HEADS * 2, 64, 16, torch.float32, seed=6)
+    got, expected = run_both(*batch, num_segments=4, tile=tile,
+                             sliding_window=sliding_window, softcap=softcap)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+@runs_triton_kernels
+@pytest.mark.parametrize("stale", [float("nan"), float("inf")])
+@pytest.mark.parametrize(("requests", "num_segments", "softcap"), [(MIXED, 1, None),
+                                                                   (DECODES, 2, 1.5)],
+                         ids=["mixed", "split-kv"])
+def test_blocks_wholly_outside_the_window_are_never_read(requests, num_segments, softcap,
+                                                         stale):
+    """The KV cache manager frees blocks wholly outside a request's windows while it
+    runs; their table entries may then name blocks another request fills with anything.
+    Window 20 over 64-key tiles of 16-key blocks: a tile holds blocks before the window
+    beside ones in it (so they must not even be loaded: P = 0 times a NaN V is NaN), and
+    whole tiles lie before it."""
+    block_size, window = 16, 20
+    query, cache, tables, qsl, seq_lens = make_batch(requests, NUM_KV_HEADS * 2, 64,
+                                                     block_size, torch.float32, seed=8)
+    clean = cache.clone()
+    for r, (q_len, seq_len) in enumerate(requests):
+        skip = max(0, seq_len - q_len - window + 1) // block_size  # blocks before it
+        cache[:, tables[r, :skip].long()] = stale
+    assert not torch.isfinite(cache).all()
+    got, expected = run_both(query, cache, tables, qsl, seq_lens, num_segments, tile=64,
+                             sliding_window=window, softcap=softcap, reference_cache=clean)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_triton_backend_passes_each_layers_window_and_cap_to_the_kernel(monkeypatch):
+    """The step's split-KV count is sized for its longest context; a windowed layer's
+    contexts are the window long, so it gets fewer slices (each still >= 256 keys)."""
+    from types import SimpleNamespace
+
+    from pagellm.executor.model.attention import AttentionMetadata, TritonAttention
+
+    calls = []
+    backend = TritonAttention()
+    monkeypatch.setattr(backend, "kernels", SimpleNamespace(
+        write_kv_cache=lambda *args: None,
+        paged_attention=lambda *args, **kwargs: calls.append((args[7], kwargs))))
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(1), block_tables=torch.zeros(1, 1), query_start_loc=None,
+        seq_lens=None, query_start_loc_cpu=None, seq_lens_cpu=None, max_query_len=1,
+        backend=backend, num_segments=16)
+    for window, softcap in [(None, None), (4096, 50.0), (1024, None), (128, None)]:
+        backend(None, None, None, None, meta, 0.1, window, softcap)
+    assert calls == [(16, dict(sliding_window=None, softcap=None)),
+                     (16, dict(sliding_window=4096, softcap=50.0)),
+                     (4, dict(sliding_window=1024, softcap=None)),
+                     (1, dict(sliding_window=128, softcap=None))]
+
+
 @pytest.mark.parametrize(("num_kv_heads", "head_dim", "dtype"),
                          [(2, 64, torch.float32), (3, 80, torch.float16),
                           (1, 32, torch.bfloat16)])
@@ -149,6 +236,10 @@ def test_launchers_reject_what_the_kernels_cannot_take():
         tk.paged_attention(torch.zeros(3, 2, 48, device=DEVICE), odd, tables, *args)
     with pytest.raises(AssertionError):  # int32 slot mapping
         tk.write_kv_cache(query[:, :2], query[:, :2], cache, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(AssertionError):  # an empty window
+        tk.paged_attention(query, cache, tables, *args, sliding_window=0)
+    with pytest.raises(AssertionError):  # a cap at 0 divides by it
+        tk.paged_attention(query, cache, tables, *args, softcap=0.0)
 
 
 def _version(text: str) -> tuple[int, int]:

@@ -33,6 +33,7 @@ from triton.compiler import ASTSource
 
 from pagellm.kernels import triton_attention as ta
 from pagellm.kernels import triton_fused as tf
+from pagellm.kernels import triton_moe as tm
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
           torch.int32: "i32", torch.int64: "i64"}
@@ -56,7 +57,8 @@ class _Recorder:
 def _source(kernel: Any, args: tuple[Any, ...], constexprs: dict[str, Any]) -> ASTSource:
     """The ASTSource a launch with these arguments compiles: pointer types from the
     tensors' dtypes, 16-divisibility where a real launch would detect it (every
-    tensor allocation is 16-byte aligned)."""
+    tensor allocation is 16-byte aligned; integers the kernel does not specialize on,
+    `do_not_specialize`, never)."""
     names = kernel.arg_names
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
@@ -68,7 +70,7 @@ def _source(kernel: Any, args: tuple[Any, ...], constexprs: dict[str, Any]) -> A
             signature[name] = "i1"
         elif isinstance(value, int):
             signature[name] = "i32" if abs(value) < 2**31 else "i64"
-            if value % 16 == 0:
+            if value % 16 == 0 and not kernel.params[i].do_not_specialize:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32"
@@ -105,6 +107,17 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
         for head_dim in (64, 128):
             cases.append(("attention", dict(dtype=dtype, head_dim=head_dim, group=7,
                                             block_size=16, segments=8)))
+    # Sliding windows and Gemma 2's soft-capping (USE_SLIDING_WINDOW / USE_SOFTCAP):
+    # Gemma's head of 256, and split-KV with both.
+    for window, softcap in ((4096, None), (None, 50.0), (4096, 50.0)):
+        cases.append(("attention", dict(dtype=torch.bfloat16, head_dim=256, group=2,
+                                        block_size=16, segments=1, sliding_window=window,
+                                        softcap=softcap)))
+    cases.append(("attention", dict(dtype=torch.float32, head_dim=256, group=2, block_size=16,
+                                    segments=1, sliding_window=4096, softcap=50.0)))
+    cases.append(("attention", dict(dtype=torch.bfloat16, head_dim=128, group=7,
+                                    block_size=16, segments=8, sliding_window=4096,
+                                    softcap=50.0)))
     # The fused decoder kernels: Qwen2.5-1.5B's sizes and the largest hidden size met
     # (8192, Llama 70B), head sizes with and without a power-of-two half.
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -114,7 +127,23 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
         cases.append(("silu_and_mul", dict(dtype=dtype, width=8960)))
         for head_dim in (64, 80, 128, 256):
             cases.append(("rotary", dict(dtype=dtype, heads=14, head_dim=head_dim)))
+    # Fused MoE: Qwen3-30B-A3B (128 experts of I = 768, top-8) and Mixtral 8x7B (8 of
+    # I = 14336, top-2) at a decode and a batch of 256 tokens; with them every row-tile
+    # size of `moe_tiles` (16 rows for both decodes and Qwen3's 256, 64 for Mixtral's
+    # 256; 32 for Qwen3 at 512 tokens, bf16 only), fp32's largest tile (32 rows), and
+    # int64 expert ids once (the align kernels' other specialization).
+    for dtype in (torch.float16, torch.bfloat16):
+        for model in (QWEN3_MOE, MIXTRAL_MOE):
+            for tokens in (1, 256):
+                cases.append(("moe", dict(model, dtype=dtype, tokens=tokens)))
+    cases.append(("moe", dict(QWEN3_MOE, dtype=torch.bfloat16, tokens=512)))
+    cases.append(("moe", dict(MIXTRAL_MOE, dtype=torch.float32, tokens=256)))
+    cases.append(("moe", dict(QWEN3_MOE, dtype=torch.bfloat16, tokens=7, ids=torch.int64)))
     return cases
+
+
+QWEN3_MOE = dict(model="qwen3-30b-a3b", hidden=2048, inter=768, experts=128, top_k=8)
+MIXTRAL_MOE = dict(model="mixtral-8x7b", hidden=4096, inter=14336, experts=8, top_k=2)
 
 
 def _launch(kind: str, p: dict[str, Any]) -> None:
@@ -126,6 +155,15 @@ def _launch(kind: str, p: dict[str, Any]) -> None:
         return
     if kind == "silu_and_mul":
         tf.silu_and_mul(torch.empty(7, 2 * p["width"], dtype=p["dtype"], device=meta))
+        return
+    if kind == "moe":
+        x = torch.empty(p["tokens"], p["hidden"], dtype=p["dtype"], device=meta)
+        w13 = torch.empty(p["experts"], 2 * p["inter"], p["hidden"], dtype=p["dtype"],
+                          device=meta)
+        w2 = torch.empty(p["experts"], p["hidden"], p["inter"], dtype=p["dtype"], device=meta)
+        routing = torch.empty(p["tokens"], p["top_k"], device=meta)
+        tm.fused_moe(x, w13, w2, routing,
+                     torch.empty_like(routing, dtype=p.get("ids", torch.int32)))
         return
     if kind == "rotary":
         x = torch.empty(7, p["heads"] + 4, p["head_dim"], dtype=p["dtype"], device=meta)
@@ -145,7 +183,8 @@ def _launch(kind: str, p: dict[str, Any]) -> None:
     ta.paged_attention(query, kv_cache, torch.empty(num_reqs, 4, dtype=torch.int32, device=meta),
                        torch.empty(num_reqs + 1, dtype=torch.int32, device=meta),
                        torch.empty(num_reqs, dtype=torch.int32, device=meta), 0.125,
-                       max_query_len=1 if p["segments"] > 1 else 5, num_segments=p["segments"])
+                       max_query_len=1 if p["segments"] > 1 else 5, num_segments=p["segments"],
+                       sliding_window=p.get("sliding_window"), softcap=p.get("softcap"))
 
 
 def main() -> None:
@@ -153,7 +192,9 @@ def main() -> None:
     recorders = {(module, name): _Recorder(getattr(module, name)) for module, name in (
         (ta, "_write_kv_cache_kernel"), (ta, "_paged_attention_kernel"),
         (ta, "_merge_segments_kernel"), (tf, "_rms_norm_kernel"),
-        (tf, "_silu_and_mul_kernel"), (tf, "_rotary_kernel"))}
+        (tf, "_silu_and_mul_kernel"), (tf, "_rotary_kernel"),
+        (tm, "_moe_align_count_kernel"), (tm, "_moe_align_place_kernel"),
+        (tm, "_moe_gate_up_kernel"), (tm, "_moe_down_kernel"))}
     for (module, name), recorder in recorders.items():
         setattr(module, name, recorder)
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"compile_kernels_{os.getpid()}"

@@ -5,6 +5,10 @@ attends over each request's context through the block tables, with the backend t
 model runner chose: "torch" (kernels/reference.py, the CPU path) or "triton"
 (kernels/triton_attention.py; on the CPU through Triton's interpreter, for tests).
 The backend travels in the metadata, so the model code never branches on it.
+
+Each layer carries its own `sliding_window` (Mistral; Gemma 2/3 alternate local and
+global layers) and `softcap` (Gemma 2's attention logit soft-capping) and hands them to
+the backend with every call: one step's metadata serves layers of either kind.
 """
 
 from __future__ import annotations
@@ -31,8 +35,13 @@ class AttentionBackend(Protocol):
         """Free what is kept from step to step (sleep frees the KV cache)."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-                 ) -> torch.Tensor: ...
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                 sliding_window: int | None = None, softcap: float | None = None
+                 ) -> torch.Tensor:
+        """Write k, v into kv_cache and attend: q [T, H, D]; k, v [T, H_kv, D] ->
+        [T, H, D]. A query at position p sees keys p - sliding_window < j <= p (None:
+        j <= p); softcap c turns scores s into c * tanh(s / c) before the mask."""
+        ...
 
 
 @dataclass
@@ -52,26 +61,56 @@ class AttentionMetadata:
 
 
 class TorchAttention:
+    """The CPU path (kernels/reference.py). `prepare` plans full causal attention, which
+    every model has; a sliding window's plan differs (it gathers only the blocks in the
+    window), so the first layer with a given window plans it and the step's later ones
+    reuse it (`window_plans`, emptied by the next `prepare`)."""
+
     name = "torch"
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.scratch = reference.GatherScratch()
+        self.window_plans: dict[int, reference.AttentionPlan] = {}  # this step's, by window
+        self._step_plan: reference.AttentionPlan | None = None  # the plan they go with
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.plan = reference.plan_attention(meta.block_tables, meta.query_start_loc_cpu,
                                              meta.seq_lens_cpu, self.block_size,
                                              self.scratch)
+        self.window_plans.clear()
+        self._step_plan = meta.plan
 
     def release(self) -> None:
         self.scratch = reference.GatherScratch()
+        self.window_plans.clear()
+        self._step_plan = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                 sliding_window: int | None = None, softcap: float | None = None
                  ) -> torch.Tensor:
         assert meta.plan is not None, "prepare(meta) runs before the first layer"
         reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        return reference.planned_attention(q, kv_cache, meta.plan, scale, k, v)
+        plan = meta.plan if sliding_window is None else self._window_plan(meta, sliding_window)
+        return reference.planned_attention(q, kv_cache, plan, scale, k, v, softcap)
+
+    def _window_plan(self, meta: AttentionMetadata, window: int) -> reference.AttentionPlan:
+        """The step's plan under `window`, built once per step. A window that holds every
+        context whole is full causal attention: the step's plan serves it."""
+        full = meta.plan
+        assert full is not None and full is self._step_plan, \
+            "prepare(meta) runs before each step's layers"
+        plan = self.window_plans.get(window)
+        if plan is None:
+            if window >= int(meta.seq_lens_cpu.max()):
+                plan = full
+            else:
+                plan = reference.plan_attention(
+                    meta.block_tables, meta.query_start_loc_cpu, meta.seq_lens_cpu,
+                    self.block_size, self.scratch, sliding_window=window)
+            self.window_plans[window] = plan
+        return plan
 
 
 class TritonAttention:
@@ -89,12 +128,19 @@ class TritonAttention:
         pass  # nothing kept
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                 sliding_window: int | None = None, softcap: float | None = None
                  ) -> torch.Tensor:
         self.kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        segments = meta.num_segments
+        if sliding_window is not None:  # a window is every context's length here: its
+            # slices at least 256 keys long, as `num_kv_segments` makes them
+            while segments > 1 and sliding_window // segments < 256:
+                segments //= 2
         return self.kernels.paged_attention(q, kv_cache, meta.block_tables,
                                             meta.query_start_loc, meta.seq_lens, scale,
-                                            meta.max_query_len, meta.num_segments)
+                                            meta.max_query_len, segments,
+                                            sliding_window=sliding_window, softcap=softcap)
 
 
 def get_attention_backend(name: str, device: torch.device, block_size: int
@@ -145,13 +191,26 @@ def num_kv_segments(num_reqs: int, num_kv_heads: int, max_query_len: int, max_se
 
 
 class Attention(nn.Module):
-    def __init__(self, layer_idx: int, scale: float) -> None:
+    """One layer's paged attention. sliding_window W: a query at position p attends keys
+    p - W < j <= p (transformers' `sliding_window_overlay`; None: full causal).
+    softcap c: Gemma 2's logit soft-capping, scores s -> c * tanh(s / c) before the mask
+    and the softmax (None: off)."""
+
+    def __init__(self, layer_idx: int, scale: float, sliding_window: int | None = None,
+                 softcap: float | None = None) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be > 0 or None, got {softcap}")
         self.layer_idx = layer_idx
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.softcap = softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, H_kv, D] -> [T, H, D]."""
         kv_cache = kv_caches[self.layer_idx]  # [2, num_blocks, block_size, H_kv, D]
-        return meta.backend(q, k, v, kv_cache, meta, self.scale)
+        return meta.backend(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
+                            self.softcap)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from pagellm.executor.model.registry import read_spec
 from pagellm.executor.model.spec import DecoderSpec
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.validation import load_model_config
@@ -44,7 +45,7 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
     if not path.is_dir():
         raise FileNotFoundError(f"model directory not found: {args.model}")
     hf_config = load_model_config(path)
-    spec = DecoderSpec.from_hf_config(hf_config)
+    spec = read_spec(hf_config)
 
     if args.dtype == "auto":
         config_dtype = getattr(hf_config, "dtype", None) or torch.float32

@@ -1,13 +1,19 @@
-"""One decoder for the Llama, Qwen2/Qwen2.5 and Qwen3 families.
+"""One decoder for the Llama, Mistral, Qwen2/Qwen2.5, Qwen3, Qwen3-MoE, Mixtral and OLMoE
+families.
 
 The families differ only in data, carried by `DecoderSpec` (spec.py): qkv bias (Qwen2),
-per-head q/k RMSNorm and a head_dim independent of hidden_size (Qwen3), tied embeddings,
-and the RoPE variant. q/k/v and gate/up projections are stored merged (one GEMM each);
-`load_weights` maps the checkpoint's separate tensors into them.
+q/k RMSNorm per head (Qwen3) or over all heads (OLMoE), q/k/v clipping (OLMoE), a
+head_dim independent of hidden_size, tied embeddings, the RoPE variant (partial rotary and
+LongRoPE: Phi-3), per-layer sliding windows (Mistral), the MLP's activation, and a sparse
+mixture-of-experts MLP in the layers the spec marks (moe.py). q/k/v and gate/up
+projections are stored merged (one GEMM each); `load_weights` maps the checkpoint's
+separate tensors (or Phi-3's fused ones) into them.
 
 This module is the family's own part: its attention block, MLP, layer and model, built
 from the shared layers (layers.py: linear, norm, tensor-parallel layers) and loaded
-through the shared weight map (weight_map.py). Under tensor parallelism
+through the shared weight map (weight_map.py). A family whose computation differs
+(gemma.py) subclasses these, choosing its norm, layer and model classes through the
+`norm_cls` / `layer_cls` / `model_cls` class attributes. Under tensor parallelism
 (executor/model/parallel.py) each rank builds the same modules with its slice's sizes:
 `destination` says which slice of which checkpoint tensor loads into which parameter,
 and the two row-parallel projections and the embedding all-reduce.
@@ -19,6 +25,7 @@ The forward pass takes the step's flat, unpadded token batch:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +37,11 @@ from pagellm.executor.model.layers import (
     Linear,
     RMSNorm,
     RowParallelLinear,
+    ShardedRMSNorm,
     VocabParallelEmbedding,
 )
 from pagellm.executor.model.linear import linear
+from pagellm.executor.model.moe import SparseMoeBlock
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.rope import RotaryEmbedding, apply_rotary
 from pagellm.executor.model.spec import DecoderSpec
@@ -41,6 +50,8 @@ from pagellm.kernels import fused_for
 
 
 class DecoderAttention(nn.Module):
+    norm_cls: ClassVar[type[RMSNorm]] = RMSNorm  # of the per-head q/k norms
+
     def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (tp.num_heads, tp.num_kv_heads,
@@ -50,9 +61,21 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=spec.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, spec.hidden_size, spec.o_bias, tp)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.attn = Attention(layer_idx, spec.head_dim ** -0.5)
+        self.q_norm: RMSNorm | ShardedRMSNorm | None = None
+        self.k_norm: RMSNorm | ShardedRMSNorm | None = None
+        if spec.qk_norm == "head":
+            self.q_norm = self.norm_cls(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = self.norm_cls(spec.head_dim, spec.rms_norm_eps)
+        elif spec.qk_norm == "full":  # over this rank's heads, the statistic over all
+            replicas = max(1, tp.size // spec.num_kv_heads)  # ranks sharing a KV head
+            self.q_norm = ShardedRMSNorm(self.q_size, spec.num_heads * spec.head_dim,
+                                         spec.rms_norm_eps, tp, 1)
+            self.k_norm = ShardedRMSNorm(self.kv_size, spec.num_kv_heads * spec.head_dim,
+                                         spec.rms_norm_eps, tp, replicas)
+        self.clip_qkv = spec.clip_qkv
+        scale = spec.head_dim ** -0.5 if spec.attn_scale is None else spec.attn_scale
+        self.attn = Attention(layer_idx, scale, sliding_window=spec.window(layer_idx),
+                              softcap=spec.attn_softcap)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -60,7 +83,14 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (H + 2 * H_kv) * D]
         v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
         cos, sin = rope
-        if self.q_norm is not None and self.k_norm is not None:
+        if isinstance(self.q_norm, ShardedRMSNorm) and isinstance(self.k_norm, ShardedRMSNorm):
+            q = self.q_norm(qkv[:, :self.q_size])
+            k = self.k_norm(qkv[:, self.q_size:qk_size])
+            if self.clip_qkv is not None:  # OLMoE clips after its norms
+                q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+            q = apply_rotary(q.view(tokens, heads, self.head_dim), cos, sin)
+            k = apply_rotary(k.view(tokens, -1, self.head_dim), cos, sin)
+        elif self.q_norm is not None and self.k_norm is not None:
             q, _ = self.q_norm(qkv[:, :self.q_size].view(tokens, heads, self.head_dim))
             k, _ = self.k_norm(qkv[:, self.q_size:qk_size].view(tokens, -1, self.head_dim))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -72,14 +102,21 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
+    """The gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or GELU with the tanh
+    approximation (GeGLU: Gemma's gelu_pytorch_tanh, torch's own op as transformers')."""
+
     def __init__(self, spec: DecoderSpec, tp: TensorParallel) -> None:
         super().__init__()
         self.intermediate_size = tp.intermediate_size
+        self.act = spec.hidden_act
         self.gate_up_proj = Linear(spec.hidden_size, 2 * tp.intermediate_size, bias=False)
         self.down_proj = RowParallelLinear(tp.intermediate_size, spec.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if self.act == "gelu_pytorch_tanh":
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         fused = fused_for(gate_up)
         if fused is not None:  # one kernel instead of two (kernels/triton_fused.py)
             return self.down_proj(fused.silu_and_mul(gate_up))
@@ -91,7 +128,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(spec, layer_idx, tp)
-        self.mlp = DecoderMLP(spec, tp)
+        sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
+        self.mlp: nn.Module = SparseMoeBlock(spec, tp) if sparse else DecoderMLP(spec, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -105,16 +143,24 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    layer_cls: ClassVar[type[nn.Module]] = DecoderLayer
+    norm_cls: ClassVar[type[RMSNorm]] = RMSNorm  # of the final norm
+
     def __init__(self, spec: DecoderSpec, tp: TensorParallel,
                  max_model_len: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, tp) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_cls(spec, i, tp)
+                                    for i in range(spec.num_layers))
+        self.norm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps)
         # Tables for the positions that can occur (max_model_len); the config's
         # max_position_embeddings still drives the RoPE scaling math.
-        self.rotary_emb = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position,
-                                          max_model_len)
+        self.rotary_emb = self.make_rotary(spec, max_model_len)
+
+    def make_rotary(self, spec: DecoderSpec, max_model_len: int | None) -> RotaryEmbedding:
+        """The RoPE tables (the loader calls their `reset_cache()` once the model is on
+        its device)."""
+        return RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position, max_model_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -128,6 +174,8 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
+    model_cls: ClassVar[type[DecoderModel]] = DecoderModel
+
     def __init__(self, spec: DecoderSpec, tp: TensorParallel | None = None,
                  max_model_len: int | None = None) -> None:
         """`max_model_len`: the longest sequence served, which sizes the RoPE tables
@@ -135,7 +183,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.tp = tp = tp or TensorParallel.layout(spec)
-        self.model = DecoderModel(spec, tp, max_model_len)
+        self.model = self.model_cls(spec, tp, max_model_len)
         self.lm_head = (None if spec.tie_word_embeddings
                         else VocabParallelEmbedding(spec.hidden_size, tp))
         # Checkpoint names whose parameters hold no values yet: allocated empty by a wake
@@ -149,9 +197,16 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] -> logits [N, vocab_size] (gathered from every rank's
-        vocabulary slice, so each rank has them all)."""
+        vocabulary slice, so each rank has them all), soft-capped where the family caps
+        them (Gemma 2), here, so that sampling and logprobs both see the capped logits as
+        transformers' do (its ops, in the logits' dtype)."""
         logits = self.tp.all_gather_last(linear(hidden, self.head_weight))
-        return logits if self.tp.size == 1 else logits[:, :self.spec.vocab_size]
+        if self.tp.size > 1:
+            logits = logits[:, :self.spec.vocab_size]
+        cap = self.spec.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @property
     def head_weight(self) -> nn.Parameter:
@@ -166,10 +221,11 @@ class DecoderForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors in, any subset of them, as vLLM's models do (RL
-        worker extensions push one tensor at a time this way); the checkpoint names
-        loaded. A name the model does not have, or a wrong shape, raises naming it
-        (the tensors before it are loaded). The loader checks a whole checkpoint's
-        completeness against `checkpoint_keys`."""
+        worker extensions push one tensor at a time this way); returns the checkpoint
+        names loaded (the family's own: weight_map.canonical_keys). A name the model
+        does not have, or a wrong shape, raises naming it (the tensors before it are
+        loaded). The loader checks a whole checkpoint's completeness against
+        `checkpoint_keys`."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         unexpected: list[str] = []
@@ -182,7 +238,7 @@ class DecoderForCausalLM(nn.Module):
                 dest.load(tensor)
             except ValueError as e:
                 raise ValueError(f"shape mismatch for {name}: checkpoint {e}") from None
-            loaded.add(name)
+            loaded.update(weight_map.canonical_keys(name, self.spec))
         self.unloaded -= loaded
         if unexpected:
             raise ValueError(f"no such weight in the model: {unexpected[:8]}"
@@ -190,8 +246,16 @@ class DecoderForCausalLM(nn.Module):
         return loaded
 
     def checkpoint_keys(self) -> set[str]:
-        """The checkpoint names our parameters load from (merged ones split back)."""
-        return weight_map.checkpoint_keys(name for name, _ in self.named_parameters())
+        """The checkpoint names our parameters load from (merged ones split back, unless
+        the family's checkpoints store them fused)."""
+        return weight_map.checkpoint_keys((name for name, _ in self.named_parameters()),
+                                          self.spec)
+
+    def mark_loaded(self, names: Iterable[str]) -> None:
+        """Checkpoint tensors `names` now hold values (a wake from level 2 left them
+        empty): their family keys leave `unloaded`."""
+        for name in names:
+            self.unloaded.difference_update(weight_map.canonical_keys(name, self.spec))
 
     def destination(self, name: str, params: dict[str, nn.Parameter] | None = None
                     ) -> Destination | None:

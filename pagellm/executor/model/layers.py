@@ -52,6 +52,28 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype), x
 
 
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a vector of which this rank holds a slice (OLMoE's q/k norms span all
+    heads): the mean square is summed over the ranks (`replicas`: how many ranks hold
+    the same slice, whose sums count once). One rank computes transformers' own mean."""
+
+    def __init__(self, size: int, full_size: int, eps: float, tp: TensorParallel,
+                 replicas: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps, self.full_size, self.tp, self.replicas = eps, full_size, tp, replicas
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, size] -> [T, size]."""
+        h = x.float()
+        if self.tp.size == 1:
+            mean_square = h.pow(2).mean(-1, keepdim=True)
+        else:
+            total = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
+            mean_square = total / (self.replicas * self.full_size)
+        return self.weight * (h * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
+
+
 class RowParallelLinear(nn.Module):
     """y = x W^T (+ b) where each rank holds W's columns for its slice of x: the partial
     products are summed by one all-reduce, then the (replicated) bias is added once."""

@@ -27,6 +27,7 @@ from pagellm.executor.model.config import ModelConfig
 from pagellm.executor.model.decoder import DecoderForCausalLM
 from pagellm.executor.model.linear import PACKED_WEIGHTS, packs_weights
 from pagellm.executor.model.parallel import TensorParallel
+from pagellm.executor.model.registry import model_class
 
 logger = logging.getLogger("pagellm")
 
@@ -93,7 +94,7 @@ def _meta_model(config: ModelConfig, tp: TensorParallel | None) -> DecoderForCau
     """The model in `config.dtype` on the meta device: shapes and dtypes, no memory."""
     try:
         with torch.device("meta"):
-            model = DecoderForCausalLM(config.spec, tp, config.max_model_len)
+            model = model_class(config.spec)(config.spec, tp, config.max_model_len)
         # Cast on meta, then materialize: never a whole fp32 copy of a bf16 model.
         return model.to(config.dtype)
     except (RuntimeError, OverflowError) as e:  # sizes beyond any tensor's

@@ -7,7 +7,8 @@ Megatron's layout, as vLLM uses it. Each of N ranks holds
 - its KV heads: 1/N of them, or, when there are fewer KV heads than ranks, one KV head
   replicated on N / num_kv_heads ranks (those whose query heads read it);
 - 1/N of the MLP's intermediate columns (gate/up column parallel, down row parallel,
-  one all-reduce);
+  one all-reduce); in a mixture-of-experts layer, 1/N of every expert's columns (the
+  router whole), the experts' partial sums reduced by the same one all-reduce;
 - 1/N of the vocabulary, rounded up (embedding rows: masked lookup, one all-reduce;
   LM head rows: logits all-gathered, so every rank samples from the same full logits);
 - every norm and the RoPE table whole.
@@ -34,6 +35,7 @@ class TensorParallel:
     num_kv_heads: int  # KV heads on this rank (1 when replicated)
     kv_head_start: int  # the first of them among the model's KV heads
     intermediate_size: int  # MLP columns on this rank
+    moe_intermediate_size: int  # each expert's columns on this rank (0: no experts)
     vocab_start: int  # first vocabulary row on this rank
     vocab_size: int  # rows per rank (ceil(V / N)); the last rank's tail is padding
     group: Any = None  # torch.distributed ProcessGroup (None: the default group)
@@ -54,9 +56,11 @@ class TensorParallel:
         else:  # replicated: ranks r*k .. r*k+k-1 (k = size / kv_heads) share KV head r
             local_kv, kv_start = 1, rank // (size // kv_heads)
         per_rank_vocab = -(-spec.vocab_size // size)
+        moe = getattr(spec, "moe", None)
         return cls(rank, size, heads // size, local_kv, kv_start,
-                   spec.intermediate_size // size, rank * per_rank_vocab, per_rank_vocab,
-                   group)
+                   spec.intermediate_size // size,
+                   moe.intermediate_size // size if moe is not None else 0,
+                   rank * per_rank_vocab, per_rank_vocab, group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks (in place); the identity on one rank."""
@@ -93,6 +97,10 @@ def check_divisible(spec: Any, size: int) -> None:
         problems.append(f"num_key_value_heads={kv} neither divides it nor is divisible by it")
     if spec.intermediate_size % size:
         problems.append(f"intermediate_size={spec.intermediate_size} is not divisible by it")
+    moe = getattr(spec, "moe", None)
+    if moe is not None and moe.intermediate_size % size:
+        problems.append(f"moe_intermediate_size={moe.intermediate_size} is not divisible "
+                        "by it")
     if problems:
         raise ValueError(f"tensor_parallel_size={size} cannot split this model: "
                          + "; ".join(problems))

@@ -1,11 +1,15 @@
-"""`DecoderSpec`: what a model's config.json says, as the data the decoder is built from.
+"""`DecoderSpec`: what a model's config.json says, as the data a model is built from.
 
-The Llama, Mistral, Qwen2/Qwen2.5 and Qwen3 families differ only in data: qkv bias
-(Qwen2), per-head q/k RMSNorm and a head_dim independent of hidden_size (Qwen3), tied
-embeddings, and the RoPE variant. `from_hf_config` reads them from a transformers config
-and refuses, naming it, what the decoder cannot serve (another architecture, another
-activation, sliding-window attention). Apart from the modules because more than the
-model reads it: the model config, the tensor-parallel layout and the weight map.
+Most families differ only in data: qkv bias (Qwen2), q/k RMSNorm per head (Qwen3) or over
+all heads (OLMoE), a head_dim independent of hidden_size, tied embeddings, the RoPE
+variant (a second one for sliding layers: Gemma 3), sliding-window attention per layer,
+the MLP's activation, the attention scale and logit soft-capping (Gemma 2), checkpoints
+storing q/k/v and gate/up fused (Phi-3), and a mixture-of-experts MLP (`MoeSpec`).
+Each family's reader (executor/model/registry.py's table) fills these from a transformers
+config and refuses, naming the field, what the engine cannot serve. Apart from the
+modules because more than the model reads it: the model config, the tensor-parallel
+layout, the weight map and the engine core (`kv_window`: the KV cache manager frees
+blocks no layer can see again).
 """
 
 from __future__ import annotations
@@ -15,9 +19,27 @@ from typing import Any
 
 from pagellm.executor.model.rope import RopeSpec
 
-# model_type -> architecture, for configs that do not list "architectures".
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# The gated MLP's activations: SwiGLU (silu) and GeGLU with the tanh approximation
+# (Gemma's gelu_pytorch_tanh). The MoE experts compute SwiGLU only.
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A sparse mixture-of-experts MLP: a router picks `top_k` of `num_experts` SwiGLU
+    experts per token (softmax over all experts, then top-k), their outputs summed with
+    the routing weights."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k weights divided by their sum (Mixtral; norm_topk_prob)
+    # Per layer: a MoE block (True) or the dense MLP (Qwen3-MoE's mlp_only_layers and
+    # decoder_sparse_step).
+    sparse_layers: tuple[bool, ...]
+    # Routing weights rounded to the model's dtype before they scale the experts' outputs
+    # (Qwen3-MoE, OLMoE); Mixtral keeps them in float32.
+    weights_in_model_dtype: bool = True
 
 
 @dataclass(frozen=True)
@@ -32,46 +54,106 @@ class DecoderSpec:
     rms_norm_eps: float
     qkv_bias: bool
     o_bias: bool
-    qk_norm: bool
+    qk_norm: str | None  # "head": RMSNorm over each head (Qwen3); "full": over all (OLMoE)
     tie_word_embeddings: bool
     max_position: int
     rope: RopeSpec
+    architecture: str = "LlamaForCausalLM"
+    # Per layer, the sliding window (keys p - W < j <= p are visible to position p) or
+    # None (full causal attention); empty when no layer slides.
+    layer_windows: tuple[int | None, ...] = ()
+    clip_qkv: float | None = None  # q, k and v clamped to [-clip, clip] (OLMoE)
+    moe: MoeSpec | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation (SUPPORTED_ACTIVATIONS)
+    attn_scale: float | None = None  # scores' scale; None: head_dim ** -0.5
+    # Soft-capping c * tanh(x / c) of the attention scores (Gemma 2) and of the final
+    # logits (Gemma 2, Gemma 3 if set); None: off.
+    attn_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # The RoPE of the sliding-window layers where it differs from `rope` (Gemma 3's
+    # rope_local_base_freq); None: every layer rotates with `rope`.
+    sliding_rope: RopeSpec | None = None
+    # The checkpoint stores self_attn.qkv_proj and mlp.gate_up_proj fused, as this model
+    # holds them (Phi-3), not q/k/v_proj and gate/up_proj apart (weight_map.py).
+    fused_checkpoint: bool = False
 
-    @classmethod
-    def from_hf_config(cls, config: Any) -> DecoderSpec:
-        archs = list(getattr(config, "architectures", None) or [])
-        model_type = getattr(config, "model_type", "")
-        arch = archs[0] if archs else SUPPORTED_ARCHITECTURES.get(model_type, model_type)
-        if arch not in SUPPORTED_ARCHITECTURES.values():
-            raise ValueError(f"unsupported architecture {arch!r} "
-                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES.values())})")
-        # Qwen2 always has q/k/v biases and never an o_proj bias; Llama, Mistral and
-        # Qwen3 put `attention_bias` on all four projections.
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} (supported: silu)")
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window",
-                                                               arch == "MistralForCausalLM"):
-            raise ValueError("sliding-window attention is not supported")
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            qkv_bias=is_qwen2 or attention_bias,
-            o_bias=not is_qwen2 and attention_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            max_position=config.max_position_embeddings,
-            rope=RopeSpec.from_hf(getattr(config, "rope_parameters", None),
-                                  getattr(config, "rope_theta", None),
-                                  getattr(config, "rope_scaling", None)),
-        )
+    def window(self, layer_idx: int) -> int | None:
+        """Layer `layer_idx`'s sliding window, or None for full attention."""
+        return self.layer_windows[layer_idx] if self.layer_windows else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window when every layer slides (the engine core then frees KV blocks older
+        than it), else None: one full-attention layer reads every block."""
+        windows = self.layer_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
+
+
+def read_layer_windows(config: Any) -> tuple[int | None, ...]:
+    """transformers 5's per-layer windows: `sliding_window` with `layer_types` (Qwen2/3
+    set it to None unless `use_sliding_window`; Gemma alternates), or every layer when a
+    config has a window and no layer types (Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
+    layer_types = getattr(config, "layer_types", None)
+    num_layers = config.num_hidden_layers
+    if not layer_types:
+        return (window,) * num_layers
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for "
+                         f"num_hidden_layers={num_layers}")
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"unsupported layer_types {unknown} (supported: "
+                         "sliding_attention, full_attention)")
+    windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return windows if any(w is not None for w in windows) else ()
+
+
+def read_decoder_spec(config: Any, architecture: str, **fields: Any) -> DecoderSpec:
+    """The fields every family reads the same way from `config`, with `fields` (the
+    family's own) on top (a family passing `rope` reads its own RoPE settings, and
+    `hidden_act` its own activation field); refuses an activation the MLP does not
+    compute and RoPE settings that do not fit the heads."""
+    act = fields.get("hidden_act", getattr(config, "hidden_act", "silu"))
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {act!r} (supported: "
+                         f"{', '.join(SUPPORTED_ACTIVATIONS)})")
+    if act != "silu" and fields.get("moe") is not None:
+        raise ValueError(f"unsupported hidden_act {act!r} for mixture-of-experts layers "
+                         "(supported: silu)")
+    num_heads = config.num_attention_heads
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    common: dict[str, Any] = dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        rms_norm_eps=config.rms_norm_eps,
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        qk_norm=None,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        max_position=config.max_position_embeddings,
+        architecture=architecture,
+        layer_windows=read_layer_windows(config),
+        hidden_act=act,
+    )
+    if "rope" not in fields:
+        common["rope"] = RopeSpec.from_hf(getattr(config, "rope_parameters", None),
+                                          getattr(config, "rope_theta", None),
+                                          getattr(config, "rope_scaling", None))
+    common.update(fields)
+    spec = DecoderSpec(**common)
+    for rope in (spec.rope, spec.sliding_rope):
+        if rope is not None:
+            rope.validate(spec.head_dim)
+    return spec

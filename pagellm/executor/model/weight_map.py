@@ -12,16 +12,37 @@ that goes there:
     o_proj / down_proj          -> columns (row parallel: the input dimension)
     embed_tokens / lm_head      -> this rank's vocabulary rows (the tail rank's padding
                                    rows load nothing)
+    qkv_proj / gate_up_proj     -> (Phi-3's fused checkpoint tensors) the same rows
+      (fused_checkpoint)           of ours: whole on one rank; under tensor parallelism
+                                   gate_up as [2, I, H] narrowed on I, qkv in three
+                                   parts (`Destination.parts`): this rank's q, k and v
+                                   heads' rows each, as if the tensor came split
+    experts.{e}.gate/up/down    -> expert e's slice of the stacked experts (moe.py),
+                                   as `experts.gate_up_proj` [E, 2I, H] and
+                                   `experts.down_proj` [E, H, I] (transformers 5's
+                                   in-memory names, which RL trainers send) load whole
     everything else             -> the whole parameter (norms, the row-parallel
-                                   layers' biases)
+                                   layers' biases, the MoE router)
+
+A mixture-of-experts checkpoint names its experts one way per family (`moe_names`):
+Qwen3-MoE and OLMoE `mlp.experts.{e}.gate_proj`, Mixtral `block_sparse_moe.experts.{e}.w1`
+(w1 gate, w3 up, w2 down). Either spelling and the stacked names load; what counts as
+loaded (`canonical_keys`, for the loader's completeness check and the weights a sleep
+dropped) is always the family's own per-expert names.
+
+Phi-3 checkpoints (`DecoderSpec.fused_checkpoint`) store q/k/v and gate/up fused, under
+our own parameter names; theirs are the only names such a model loads (and the ones its
+loader checks a checkpoint for).
 
 Loading (the loader, `load_weights`, the weight-update paths of worker/weight_receiver.py)
-goes through these, so every path checks shapes alike. Apart from the model's modules:
+goes through these, so every path checks shapes alike, and a fused tensor loads by its
+one name at any tensor-parallel size. Apart from the model's modules:
 any family with Llama's tensor names reuses it whole.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -42,13 +63,21 @@ class Destination:
     """Where checkpoint tensor `name` loads: `tensor`, a view of a parameter, takes the
     checkpoint tensor's `length` entries from `start` along `dim` (the whole tensor when
     `dim` is None). `shape` is the checkpoint tensor's full shape. `tensor` is None
-    for tensors loaded into nothing (computed, or tied)."""
+    for tensors loaded into nothing (computed, or tied). `as_shape`: the checkpoint
+    tensor is viewed as this shape first, and `dim` counts in it (the stacked experts'
+    gate and up halves: [E, 2I, H] as [E, 2, I, H], narrowed on I). `parts`: when one
+    narrow cannot say it (a fused qkv checkpoint tensor under tensor parallelism: the
+    rank's q, k and v rows lie apart in it, and GQA sizes them unequally), the
+    destinations, each over the same checkpoint tensor, whose union this is; `tensor`
+    is then the whole parameter."""
 
     tensor: torch.Tensor | None
     shape: tuple[int, ...] = ()
     dim: int | None = None
     start: int = 0
     length: int = 0
+    as_shape: tuple[int, ...] | None = None
+    parts: tuple[Destination, ...] = ()
 
     def load(self, checkpoint: torch.Tensor, non_blocking: bool = False) -> None:
         """Copy this rank's part of the full `checkpoint` tensor in (shape checked)."""
@@ -56,6 +85,12 @@ class Destination:
             return
         if tuple(checkpoint.shape) != self.shape:
             raise ValueError(f"shape {tuple(checkpoint.shape)}, the model's is {self.shape}")
+        if self.parts:
+            for piece in self.parts:
+                piece.load(checkpoint, non_blocking)
+            return
+        if self.as_shape is not None:
+            checkpoint = checkpoint.view(self.as_shape)
         part = checkpoint if self.dim is None else checkpoint.narrow(self.dim, self.start,
                                                                      self.length)
         with torch.no_grad():
@@ -66,7 +101,9 @@ class Destination:
         `device` can be written straight into it (this rank keeps all of it, same dtype
         and device, contiguous): a broadcast lands there with no copy. Else None."""
         t = self.tensor
-        whole = self.dim is None or (self.start == 0 and self.length == self.shape[self.dim])
+        full = self.as_shape or self.shape
+        whole = not self.parts and (self.dim is None or (self.start == 0 and
+                                                         self.length == full[self.dim]))
         if t is None or not whole or t.dtype != dtype or t.device != device \
                 or not t.is_contiguous():
             return None
@@ -77,15 +114,126 @@ class Destination:
 SKIP = Destination(None)
 
 
-def checkpoint_keys(param_names: Iterable[str]) -> set[str]:
+# The experts' checkpoint names: (layer, module, expert, projection) and the stacked ones.
+_EXPERT = re.compile(r"(.+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_STACKED_EXPERTS = re.compile(r"(.+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_ROUTER = re.compile(r"(.+)\.block_sparse_moe\.gate\.weight")
+# Per-expert projection name -> 0 (gate), 1 (up) or "down", in either spelling.
+_EXPERT_PART: dict[str, int | str] = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1,
+                                      "down_proj": "down", "w2": "down"}
+
+
+def moe_names(spec: DecoderSpec) -> tuple[str, tuple[str, str, str]]:
+    """The family's checkpoint spelling of its MoE block: (module, (gate, up, down))."""
+    if spec.architecture == "MixtralForCausalLM":
+        return "block_sparse_moe", ("w1", "w3", "w2")
+    return "mlp", ("gate_proj", "up_proj", "down_proj")
+
+
+def canonical_keys(name: str, spec: DecoderSpec) -> list[str]:
+    """The checkpoint keys (the family's own names) that checkpoint tensor `name`
+    fills: itself, except for the experts' other spellings and the stacked tensors."""
+    if spec.moe is None:
+        return [name]
+    module, (gate, up, down) = moe_names(spec)
+    if m := _EXPERT.fullmatch(name):
+        part = _EXPERT_PART.get(m[4])
+        if part is None:
+            return [name]
+        proj = down if part == "down" else (gate, up)[int(part)]
+        return [f"{m[1]}.{module}.experts.{m[3]}.{proj}.weight"]
+    if m := _STACKED_EXPERTS.fullmatch(name):
+        projs = (gate, up) if m[2] == "gate_up_proj" else (down,)
+        return [f"{m[1]}.{module}.experts.{e}.{proj}.weight"
+                for e in range(spec.moe.num_experts) for proj in projs]
+    if m := _ROUTER.fullmatch(name) or re.fullmatch(r"(.+)\.mlp\.gate\.weight", name):
+        return [f"{m[1]}.{module}.gate.weight"]
+    return [name]
+
+
+def checkpoint_keys(param_names: Iterable[str], spec: DecoderSpec) -> set[str]:
     """The checkpoint names parameters named `param_names` load from (merged ones split
-    back)."""
-    keys = set()
+    back unless the checkpoint stores them fused, stacked experts as the family's
+    per-expert names)."""
+    keys: set[str] = set()
     for name in param_names:
         parts = [name.replace(merged, ckpt) for ckpt, merged, _ in _STACKED
-                 if f".{merged}." in name]
-        keys.update(parts or [name])
+                 if f".{merged}." in name and ".experts." not in name
+                 and not spec.fused_checkpoint]
+        for part in parts or [name]:
+            keys.update(canonical_keys(part, spec))
     return keys
+
+
+def _full_norm_destination(target: str, param: nn.Parameter, spec: DecoderSpec,
+                           tp: TensorParallel) -> Destination:
+    """OLMoE's q/k norms span all heads: this rank's heads' part of the weight."""
+    d = spec.head_dim
+    if target.endswith("q_norm.weight"):
+        return Destination(param, (spec.num_heads * d,), 0, tp.rank * param.shape[0],
+                           param.shape[0])
+    return Destination(param, (spec.num_kv_heads * d,), 0, tp.kv_head_start * d,
+                       param.shape[0])
+
+
+def _expert_destination(name: str, params: Mapping[str, nn.Parameter], spec: DecoderSpec,
+                        tp: TensorParallel) -> Destination | None:
+    """Where an expert's or the router's checkpoint tensor loads; None for other names
+    (and for a MoE name the model does not have, e.g. an expert index out of range)."""
+    assert spec.moe is not None
+    size, full, experts = tp.moe_intermediate_size, spec.moe.intermediate_size, \
+        spec.moe.num_experts
+    if (m := _ROUTER.fullmatch(name)) is not None:
+        param = params.get(f"{m[1]}.mlp.gate.weight")
+        return None if param is None else Destination(param, tuple(param.shape))
+    if (m := _STACKED_EXPERTS.fullmatch(name)) is not None:
+        param = params.get(f"{m[1]}.mlp.experts.{m[2]}")
+        if param is None:
+            return None
+        hidden = spec.hidden_size
+        if m[2] == "gate_up_proj":  # [E, 2I, H] viewed [E, 2, I, H]: this rank's I-slice
+            return Destination(param.view(experts, 2, size, hidden), (experts, 2 * full, hidden),
+                               2, tp.rank * size, size, as_shape=(experts, 2, full, hidden))
+        return Destination(param, (experts, hidden, full), 2, tp.rank * size, size)
+    m = _EXPERT.fullmatch(name)
+    if m is None or m[4] not in _EXPERT_PART or int(m[3]) >= experts:
+        return None
+    part, expert = _EXPERT_PART[m[4]], int(m[3])
+    if part == "down":
+        param = params.get(f"{m[1]}.mlp.experts.down_proj")
+        return None if param is None else Destination(
+            param[expert], (spec.hidden_size, full), 1, tp.rank * size, size)
+    param = params.get(f"{m[1]}.mlp.experts.gate_up_proj")
+    if param is None:
+        return None
+    half = int(part)
+    return Destination(param[expert, half * size:(half + 1) * size],
+                       (full, spec.hidden_size), 0, tp.rank * size, size)
+
+
+def _fused_destination(name: str, param: nn.Parameter, spec: DecoderSpec,
+                       tp: TensorParallel) -> Destination:
+    """Phi-3's fused checkpoint tensors: qkv_proj [(H + 2 H_kv) D, hidden] (q's rows,
+    then k's, then v's) and gate_up_proj [2I, hidden] (gate's rows, then up's), laid out
+    as ours; this rank keeps its heads' and its MLP columns' rows of each part."""
+    hidden = param.shape[1]
+    if name.endswith("gate_up_proj.weight"):
+        full, size = spec.intermediate_size, tp.intermediate_size
+        return Destination(param.view(2, size, hidden), (2 * full, hidden), 1,
+                           tp.rank * size, size, as_shape=(2, full, hidden))
+    d = spec.head_dim
+    full_shape = ((spec.num_heads + 2 * spec.num_kv_heads) * d, hidden)
+    if tp.size == 1:
+        return Destination(param, full_shape)
+    q_size, kv_size = tp.num_heads * d, tp.num_kv_heads * d
+    q_full, kv_full = spec.num_heads * d, spec.num_kv_heads * d
+    kv_start = tp.kv_head_start * d
+    parts = (Destination(param[:q_size], full_shape, 0, tp.rank * q_size, q_size),
+             Destination(param[q_size:q_size + kv_size], full_shape, 0,
+                         q_full + kv_start, kv_size),
+             Destination(param[q_size + kv_size:], full_shape, 0,
+                         q_full + kv_full + kv_start, kv_size))
+    return Destination(param, full_shape, parts=parts)
 
 
 def destination(name: str, params: Mapping[str, nn.Parameter], spec: DecoderSpec,
@@ -98,20 +246,28 @@ def destination(name: str, params: Mapping[str, nn.Parameter], spec: DecoderSpec
         return SKIP  # older checkpoints store the RoPE table; we compute it
     if name == "lm_head.weight" and tied:
         return SKIP  # some tied checkpoints still carry a copy
+    if spec.moe is not None and (".experts." in name or ".block_sparse_moe." in name):
+        return _expert_destination(name, params, spec, tp)
     target, shard = name, None
     for ckpt, merged, shard_id in _STACKED:
         if f".{ckpt}." in name:
+            if spec.fused_checkpoint:  # its names are ours: the split ones are not its
+                return None
             target, shard = name.replace(ckpt, merged), shard_id
             break
     param = params.get(target)
     if param is None:
         return None
+    if spec.fused_checkpoint and target.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
+        return _fused_destination(target, param, spec, tp)
     d = spec.head_dim
     if shard is None:
         if target.endswith(("embed_tokens.weight", "lm_head.weight")):
             rows = max(0, min(tp.vocab_size, spec.vocab_size - tp.vocab_start))
             return Destination(param[:rows], (spec.vocab_size, param.shape[1]), 0,
                                tp.vocab_start, rows)
+        if spec.qk_norm == "full" and target.endswith(("q_norm.weight", "k_norm.weight")):
+            return _full_norm_destination(target, param, spec, tp)
         if target.endswith(("o_proj.weight", "down_proj.weight")):  # row parallel
             full = spec.num_heads * d if "o_proj" in target else spec.intermediate_size
             width = param.shape[1]

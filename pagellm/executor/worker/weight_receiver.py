@@ -153,7 +153,7 @@ class WeightUpdates:
         loaded = receive(self.group, update.specs, dests, chunk_bytes)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.model.unloaded.difference_update(spec.name for spec in update.specs)
+        self.model.mark_loaded(spec.name for spec in update.specs)
         return loaded
 
     def _check(self, update: WeightUpdate, weights_asleep: bool) -> None:
@@ -200,7 +200,7 @@ class WeightUpdates:
             dest.load(tensor, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the sources may go away on return
-        self.model.unloaded.difference_update(name for name, _ in tensors)
+        self.model.mark_loaded(name for name, _ in tensors)
 
 
 class PendingJoin:

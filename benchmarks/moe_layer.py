@@ -1,0 +1,75 @@
+"""One mixture-of-experts layer on the CPU: time per forward against the expert count at
+a fixed top-k, to show that experts no token picks cost nothing (the time follows the
+experts chosen, T·k at most, not E).
+
+    python benchmarks/moe_layer.py                  # Qwen3-30B-A3B's layer: H 2048, I 768, top-8
+    python benchmarks/moe_layer.py --experts 8 32 128 --tokens 1 4 16 --top-k 8
+
+Each row: tokens T, experts E, the distinct experts the random router chose, the median
+time of --repeats forwards, and that time per chosen expert. fp32, random weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import torch
+
+from pagellm.executor.model.moe import SparseMoeBlock
+from pagellm.executor.model.parallel import TensorParallel
+from pagellm.executor.model.rope import RopeSpec
+from pagellm.executor.model.spec import DecoderSpec, MoeSpec
+
+
+def block(experts: int, top_k: int, hidden: int, inter: int) -> SparseMoeBlock:
+    moe = MoeSpec(num_experts=experts, top_k=top_k, intermediate_size=inter,
+                  renormalize=True, sparse_layers=(True,))
+    spec = DecoderSpec(vocab_size=1024, hidden_size=hidden, intermediate_size=inter,
+                       num_layers=1, num_heads=16, num_kv_heads=4, head_dim=128,
+                       rms_norm_eps=1e-6, qkv_bias=False, o_bias=False, qk_norm=None,
+                       tie_word_embeddings=False, max_position=4096,
+                       rope=RopeSpec("default", 10000.0), moe=moe)
+    layer = SparseMoeBlock(spec, TensorParallel.layout(spec))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+    return layer.eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--inter", type=int, default=768)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    print(f"{torch.get_num_threads()} threads, H={args.hidden}, I={args.inter}, "
+          f"top-{args.top_k}, fp32")
+    print(f"{'T':>4} {'E':>5} {'chosen':>7} {'ms':>8} {'ms/chosen':>10}")
+    for experts in args.experts:
+        layer = block(experts, min(args.top_k, experts), args.hidden, args.inter)
+        for tokens in args.tokens:
+            x = torch.randn(tokens, args.hidden, generator=torch.Generator().manual_seed(1))
+            with torch.inference_mode():
+                chosen = int(layer.route(x)[1].unique().numel())
+                layer(x)  # warm-up
+                times = []
+                for _ in range(args.repeats):
+                    start = time.perf_counter()
+                    layer(x)
+                    times.append(time.perf_counter() - start)
+            ms = 1e3 * statistics.median(times)
+            print(f"{tokens:>4} {experts:>5} {chosen:>7} {ms:>8.2f} {ms / chosen:>10.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The architectures served: for each, how its config reads into a `DecoderSpec` and
+which model class it builds.
+
+Families that differ from Llama only in data are a reader here and the shared decoder
+(decoder.py, whose MLP is the sparse MoE block of moe.py where the spec has experts); a
+family whose computation differs brings its own module with a reader and a model class
+(gemma.py). Adding a family is that module and one row of `FAMILIES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pagellm.executor.model.rope import RopeSpec
+from pagellm.executor.model.spec import DecoderSpec, MoeSpec, read_decoder_spec
+
+if TYPE_CHECKING:  # the model modules import torch's layers: only when a model is built
+    from pagellm.executor.model.decoder import DecoderForCausalLM
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # config.json's, for configs that do not list "architectures"
+    read: Callable[[Any, str], DecoderSpec]  # (transformers config, architecture)
+    model: Callable[[], type[DecoderForCausalLM]]  # imported when a model is built
+
+
+def _decoder() -> type[DecoderForCausalLM]:
+    from pagellm.executor.model.decoder import DecoderForCausalLM
+
+    return DecoderForCausalLM
+
+
+def _gemma() -> type[DecoderForCausalLM]:
+    from pagellm.executor.model.gemma import GemmaForCausalLM
+
+    return GemmaForCausalLM
+
+
+def _sparse_layers(config: Any) -> tuple[bool, ...]:
+    """Qwen3-MoE's rule: layer i is sparse unless listed in `mlp_only_layers`, every
+    `decoder_sparse_step`-th layer (1: all of them)."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    return tuple(i not in dense and (i + 1) % step == 0
+                 for i in range(config.num_hidden_layers))
+
+
+def _moe(config: Any, num_experts: int, renormalize: bool,
+         weights_in_model_dtype: bool = True) -> MoeSpec:
+    return MoeSpec(num_experts=num_experts, top_k=config.num_experts_per_tok,
+                   intermediate_size=getattr(config, "moe_intermediate_size", None)
+                   or config.intermediate_size,
+                   renormalize=renormalize, sparse_layers=_sparse_layers(config),
+                   weights_in_model_dtype=weights_in_model_dtype)
+
+
+def _llama(config: Any, arch: str) -> DecoderSpec:
+    return read_decoder_spec(config, arch)
+
+
+def _qwen2(config: Any, arch: str) -> DecoderSpec:
+    # Qwen2 always has q/k/v biases and never an o_proj bias.
+    return read_decoder_spec(config, arch, qkv_bias=True, o_bias=False)
+
+
+def _qwen3(config: Any, arch: str) -> DecoderSpec:
+    return read_decoder_spec(config, arch, qk_norm="head")
+
+
+def _qwen3_moe(config: Any, arch: str) -> DecoderSpec:
+    return read_decoder_spec(config, arch, qk_norm="head",
+                             moe=_moe(config, config.num_experts,
+                                      bool(config.norm_topk_prob)))
+
+
+def _mixtral(config: Any, arch: str) -> DecoderSpec:
+    return read_decoder_spec(config, arch, moe=_moe(config, config.num_local_experts,
+                                                    renormalize=True,
+                                                    weights_in_model_dtype=False))
+
+
+def _olmoe(config: Any, arch: str) -> DecoderSpec:
+    return read_decoder_spec(config, arch, qk_norm="full",
+                             clip_qkv=getattr(config, "clip_qkv", None),
+                             moe=_moe(config, config.num_experts,
+                                      bool(config.norm_topk_prob)))
+
+
+def _gemma_common(config: Any, arch: str, **fields: Any) -> DecoderSpec:
+    """What Gemma 2 and 3 read alike: GeGLU from `hidden_activation` (their MLP's field;
+    configs also carry a `hidden_act` transformers ignores), the attention scale from
+    query_pre_attn_scalar, the final logit soft-capping; causal attention only."""
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention=True is not supported (causal "
+                         "attention only)")
+    act = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
+    return read_decoder_spec(config, arch, hidden_act=act,
+                             attn_scale=config.query_pre_attn_scalar ** -0.5,
+                             final_logit_softcap=_softcap(config, "final_logit_softcapping"),
+                             **fields)
+
+
+def _softcap(config: Any, field: str) -> float | None:
+    value = getattr(config, field, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{field} must be a positive number or null, got {value!r}")
+    return float(value)
+
+
+def _gemma2(config: Any, arch: str) -> DecoderSpec:
+    return _gemma_common(config, arch,
+                         attn_softcap=_softcap(config, "attn_logit_softcapping"))
+
+
+def _gemma3(config: Any, arch: str) -> DecoderSpec:
+    """Gemma 3 text: q/k norms per head; rope_parameters per layer type (transformers 5
+    nests them: "full_attention" with rope_theta and scaling, "sliding_attention" with
+    rope_local_base_freq). transformers' Gemma 3 attention does not pass
+    attn_logit_softcapping on (its configs leave it null): neither do we."""
+    params = getattr(config, "rope_parameters", None) or {}
+    full = params.get("full_attention")
+    sliding = params.get("sliding_attention")
+    if full is None or sliding is None:
+        raise ValueError("gemma3_text rope_parameters must have 'full_attention' and "
+                         f"'sliding_attention' entries, got {sorted(params)}")
+    return _gemma_common(config, arch, qk_norm="head",
+                         rope=RopeSpec.from_hf(full, None, None),
+                         sliding_rope=RopeSpec.from_hf(sliding, None, None))
+
+
+def _phi3(config: Any, arch: str) -> DecoderSpec:
+    """Phi-3 / Phi-4: Llama's computation from fused qkv/gate_up checkpoint tensors, with
+    a partial rotary factor (Phi-4-mini) and LongRoPE (rope.py) read from
+    rope_parameters."""
+    rope = RopeSpec.from_hf(getattr(config, "rope_parameters", None),
+                            getattr(config, "rope_theta", None),
+                            getattr(config, "rope_scaling", None), partial_rotary=True)
+    return read_decoder_spec(config, arch, rope=rope, fused_checkpoint=True)
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family("llama", _llama, _decoder),
+    "MistralForCausalLM": Family("mistral", _llama, _decoder),
+    "Qwen2ForCausalLM": Family("qwen2", _qwen2, _decoder),
+    "Qwen3ForCausalLM": Family("qwen3", _qwen3, _decoder),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", _qwen3_moe, _decoder),
+    "MixtralForCausalLM": Family("mixtral", _mixtral, _decoder),
+    "OlmoeForCausalLM": Family("olmoe", _olmoe, _decoder),
+    "Gemma2ForCausalLM": Family("gemma2", _gemma2, _gemma),
+    "Gemma3ForCausalLM": Family("gemma3_text", _gemma3, _gemma),
+    "Phi3ForCausalLM": Family("phi3", _phi3, _decoder),
+}
+
+
+def architecture_of(config: Any) -> str:
+    """The architecture `config` names (its first `architectures` entry, else its
+    model_type's); ValueError naming the supported ones when we do not serve it."""
+    archs = list(getattr(config, "architectures", None) or [])
+    model_type = getattr(config, "model_type", "")
+    by_type = {family.model_type: arch for arch, family in FAMILIES.items()}
+    arch = archs[0] if archs else by_type.get(model_type, model_type)
+    if arch not in FAMILIES:
+        raise ValueError(f"unsupported architecture {arch!r} "
+                         f"(supported: {', '.join(FAMILIES)})")
+    return arch
+
+
+def read_spec(config: Any) -> DecoderSpec:
+    """The spec of the model `config` describes (errors name the field refused)."""
+    arch = architecture_of(config)
+    return FAMILIES[arch].read(config, arch)
+
+
+def model_class(spec: DecoderSpec) -> type[DecoderForCausalLM]:
+    return FAMILIES[spec.architecture].model()

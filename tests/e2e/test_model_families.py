@@ -1,0 +1,293 @@
+"""The model families beyond Llama/Qwen: each architecture, in two shapes, against
+transformers on the same random weights (checkpoints written by transformers' own model
+classes).
+
+Greedy tokens equal transformers' in fp32 with chunked prefill and prefix caching on;
+bf16 logprobs within transformers' own bf16 error; mixture-of-experts with top-k 1, 2
+and 8 and experts no token picks; two tensor-parallel ranks equal one; and a trainer's
+weights pushed by transformers 5's in-memory names (stacked experts) land."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import PROMPTS
+
+from pagellm import SamplingParams
+from pagellm.demo.model import ModelSpec, make_model
+from pagellm.executor.model.config import resolve_model_config
+from pagellm.executor.model.loader import load_model
+from pagellm.executor.model.parallel import TensorParallel
+from pagellm.protocol.engine_args import EngineArgs
+
+MAX_TOKENS = 32
+# Prompts of many lengths; two share a 40-token prefix, so the second run of the batch
+# hits the prefix cache mid-prompt.
+FAMILY_PROMPTS = [*PROMPTS[1:6], PROMPTS[4] + "tail"]
+
+_SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, vocab_size=1024,
+              tie_word_embeddings=False)
+FAMILY_SPECS: dict[str, ModelSpec] = {
+    # top-2 of 8, renormalised; layer 1 dense (mlp_only_layers); one KV head replicated
+    # under tensor parallelism; head_dim apart from hidden_size / heads
+    "qwen3_moe": ModelSpec(arch="qwen3_moe", **_SMALL, num_kv_heads=1, head_dim=32,
+                           intermediate_size=96, init_std=0.3, seed=11, config_extra=dict(
+                               num_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=32, norm_topk_prob=True,
+                               mlp_only_layers=[1])),
+    # top-1 of 16, not renormalised: most experts see no token of a short batch
+    "qwen3_moe_top1": ModelSpec(arch="qwen3_moe", **_SMALL, num_kv_heads=2,
+                                intermediate_size=64, init_std=0.3, seed=12,
+                                config_extra=dict(num_experts=16, num_experts_per_tok=1,
+                                                  moe_intermediate_size=16,
+                                                  norm_topk_prob=False)),
+    "mixtral": ModelSpec(arch="mixtral", **_SMALL, num_kv_heads=2, intermediate_size=48,
+                         init_std=0.2, seed=13,
+                         config_extra=dict(num_local_experts=4, num_experts_per_tok=2)),
+    # top-8 of 8: every expert for every token
+    "mixtral_top8": ModelSpec(arch="mixtral", **_SMALL, num_kv_heads=4,
+                              intermediate_size=32, init_std=0.2, seed=14,
+                              config_extra=dict(num_local_experts=8, num_experts_per_tok=8)),
+    # q/k norms over all heads, q/k/v clipped, top-8 of 16 not renormalised
+    "olmoe": ModelSpec(arch="olmoe", **_SMALL, num_kv_heads=4, intermediate_size=32,
+                       init_std=0.3, seed=15,
+                       config_extra=dict(num_experts=16, num_experts_per_tok=8,
+                                         norm_topk_prob=False, clip_qkv=3.0)),
+    # sliding window on every layer, shorter than most prompts and crossing blocks of
+    # 16 (the KV cache manager frees the blocks behind it as the requests run)
+    "mistral": ModelSpec(arch="mistral", **_SMALL, num_kv_heads=2, intermediate_size=128,
+                         init_std=0.2, seed=17, config_extra=dict(sliding_window=20)),
+    # Qwen2's layers from max_window_layers on slide: layer 0 full, layer 1 a window
+    "qwen2_window": ModelSpec(arch="qwen2", **_SMALL, num_kv_heads=2, intermediate_size=96,
+                              init_std=0.2, seed=18,
+                              config_extra=dict(use_sliding_window=True, sliding_window=12,
+                                                max_window_layers=1)),
+    "olmoe_top2": ModelSpec(arch="olmoe", **_SMALL, num_kv_heads=2, intermediate_size=32,
+                            init_std=0.3, seed=16,
+                            config_extra=dict(num_experts=4, num_experts_per_tok=2,
+                                              norm_topk_prob=True)),
+}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {name: make_model(root / name, spec) for name, spec in FAMILY_SPECS.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_models(family_dirs: dict[str, Path]) -> Callable[[str], Any]:
+    from transformers import AutoModelForCausalLM
+
+    models: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in models:
+            models[name] = AutoModelForCausalLM.from_pretrained(
+                family_dirs[name], dtype=torch.float32).eval()
+        return models[name]
+
+    return get
+
+
+def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int = MAX_TOKENS
+              ) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), do_sample=False,
+                             max_new_tokens=max_new_tokens,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def _tokens(outputs: list[Any]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("name", list(FAMILY_SPECS))
+def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_caching(
+        name, family_dirs, hf_models, make_llm):
+    """A step budget of 32 tokens splits the long prompts across steps; the batch runs
+    twice, the second time from the prefix cache."""
+    llm = make_llm(family_dirs[name], max_num_batched_tokens=32, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    first = llm.generate(FAMILY_PROMPTS, params, use_tqdm=False)
+    hits_before = llm.engine_core.core.scheduler.kv_cache_manager.prefix_cache_hits
+    second = llm.generate(FAMILY_PROMPTS, params, use_tqdm=False)
+    assert llm.engine_core.core.scheduler.kv_cache_manager.prefix_cache_hits > hits_before
+    expected = [hf_greedy(hf_models(name), o.prompt_token_ids) for o in first]
+    assert _tokens(first) == expected
+    assert _tokens(second) == expected
+    # The comparison means something only if the model's paths are varied.
+    assert sum(len(set(r)) for r in expected) > 4 * len(expected)
+
+
+def _chosen_experts(model: Any, prompt_ids: list[list[int]]) -> list[set[int]]:
+    """Per MoE layer, the experts transformers' router chose for any token of the
+    prompts (its router's third output: the top-k ids)."""
+    chosen: dict[str, set[int]] = {}
+    hooks = []
+    for module_name, module in model.named_modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            def record(_m: Any, _i: Any, out: Any, key: str = module_name) -> None:
+                chosen.setdefault(key, set()).update(out[2].flatten().tolist())
+            hooks.append(module.register_forward_hook(record))
+    try:
+        with torch.no_grad():
+            for ids in prompt_ids:
+                model(torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return list(chosen.values())
+
+
+def test_experts_no_token_picks_are_skipped_and_the_output_still_matches(
+        family_dirs, hf_models, make_llm):
+    """Top-1 of 16 experts over two short prompts: some experts see no token (checked
+    on transformers' router), and the tokens still equal transformers'."""
+    name = "qwen3_moe_top1"
+    llm = make_llm(family_dirs[name])
+    prompts = [[5, 17, 300, 41], [900, 3]]
+    chosen = _chosen_experts(hf_models(name), prompts)
+    assert chosen and all(len(c) < 16 for c in chosen), chosen
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert _tokens(outputs) == [hf_greedy(hf_models(name), p, 8) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_bf16_logprobs_track_transformers(name, family_dirs, make_llm):
+    """bf16: every prompt and sampled token's logprob within 1.5x transformers' own bf16
+    error against fp32 on the same bf16-rounded weights (as tests/e2e/test_correctness.py
+    checks the dense families). Mixtral keeps its routing weights in fp32, Qwen3-MoE
+    rounds them to bf16: both as transformers does."""
+    from transformers import AutoModelForCausalLM
+
+    llm = make_llm(family_dirs[name], dtype="bfloat16")
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0, prompt_logprobs=0)
+    outputs = llm.generate(FAMILY_PROMPTS[:4], params, use_tqdm=False)
+    exact_model = AutoModelForCausalLM.from_pretrained(family_dirs[name],
+                                                       dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in exact_model.parameters():
+            p.copy_(p.bfloat16().float())
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(family_dirs[name],
+                                                   dtype=torch.bfloat16).eval()
+
+    def logprobs(model: Any, tokens: list[int]) -> torch.Tensor:  # [len - 1] float64
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0, :-1].double()
+        return logits.log_softmax(-1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+
+    ours_err, hf_err = [], []
+    for out in outputs:
+        tokens = out.prompt_token_ids + out.outputs[0].token_ids
+        ours = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]]
+        ours += [pos[t].logprob for pos, t in zip(out.outputs[0].logprobs,
+                                                   out.outputs[0].token_ids, strict=True)]
+        exact = logprobs(exact_model, tokens)
+        ours_err.append((torch.tensor(ours, dtype=torch.float64) - exact).abs())
+        hf_err.append((logprobs(hf_bf16, tokens) - exact).abs())
+    ours_max, hf_max = float(torch.cat(ours_err).max()), float(torch.cat(hf_err).max())
+    ours_mean, hf_mean = float(torch.cat(ours_err).mean()), float(torch.cat(hf_err).mean())
+    assert ours_max <= 1.5 * hf_max and ours_mean <= 1.5 * hf_mean, \
+        (ours_max, hf_max, ours_mean, hf_mean)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe"])
+def test_each_ranks_experts_are_its_slice_of_the_checkpoint(name, family_dirs, hf_models):
+    """Two ranks' stacked experts, router and (OLMoE) all-head q/k norms, loaded from the
+    per-expert checkpoint, put back together equal transformers' stacked parameters."""
+    config = resolve_model_config(EngineArgs(model=str(family_dirs[name])))
+    ranks = [dict(load_model(config, torch.device("cpu"),
+                             TensorParallel.layout(config.spec, rank, 2)).named_parameters())
+             for rank in range(2)]
+    hf = dict(hf_models(name).named_parameters())
+    size = config.spec.moe.intermediate_size // 2
+    for layer in range(config.spec.num_layers):
+        prefix = f"model.layers.{layer}"
+        if f"{prefix}.mlp.experts.gate_up_proj" not in ranks[0]:
+            continue  # a dense layer
+        whole = hf[f"{prefix}.mlp.experts.gate_up_proj"]  # [E, 2I, H]
+        gate = torch.cat([r[f"{prefix}.mlp.experts.gate_up_proj"][:, :size] for r in ranks], 1)
+        up = torch.cat([r[f"{prefix}.mlp.experts.gate_up_proj"][:, size:] for r in ranks], 1)
+        assert torch.equal(torch.cat([gate, up], 1), whole)
+        down = torch.cat([r[f"{prefix}.mlp.experts.down_proj"] for r in ranks], 2)
+        assert torch.equal(down, hf[f"{prefix}.mlp.experts.down_proj"])
+        for r in ranks:
+            assert torch.equal(r[f"{prefix}.mlp.gate.weight"], hf[f"{prefix}.mlp.gate.weight"])
+        if name == "olmoe":
+            for norm in ("q_norm", "k_norm"):
+                key = f"{prefix}.self_attn.{norm}.weight"
+                assert torch.equal(torch.cat([r[key] for r in ranks]), hf[key])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe"])
+def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make_llm):
+    """Each rank holds half of every expert (and, for OLMoE, half of the all-head q/k
+    norms, their statistic summed over the ranks): greedy tokens equal transformers',
+    logprobs the one-rank engine's within 1e-4."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+    prompts = FAMILY_PROMPTS[:4]
+    one = make_llm(family_dirs[name]).generate(prompts, params, use_tqdm=False)
+    two = make_llm(family_dirs[name], tensor_parallel_size=2).generate(prompts, params,
+                                                                      use_tqdm=False)
+    for a, b in zip(one, two, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids \
+            == hf_greedy(hf_models(name), a.prompt_token_ids, 24)
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            assert all(abs(lp.logprob - lb[t].logprob) < 1e-4 for t, lp in la.items())
+
+
+def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
+        family_dirs, make_llm):
+    """RL trainers on transformers 5 send `model.named_parameters()`: the experts as
+    `mlp.experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]. After a training
+    step (here: a perturbation), those names load into the engine, which then generates
+    the trained model's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    name = "mixtral"  # its checkpoint spells experts w1/w2/w3 under block_sparse_moe
+    llm = make_llm(family_dirs[name])
+    trained = AutoModelForCausalLM.from_pretrained(family_dirs[name],
+                                                   dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for pname, p in trained.named_parameters():
+            if ".experts." in pname or pname.endswith("mlp.gate.weight"):
+                p.add_(0.2 * torch.randn(p.shape, generator=generator))
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    loaded = model.load_weights(trained.named_parameters())
+    assert loaded == model.checkpoint_keys()  # the family's names, all of them
+    prompts = FAMILY_PROMPTS[:3]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16),
+                           use_tqdm=False)
+    expected = [hf_greedy(trained, o.prompt_token_ids, 16) for o in outputs]
+    assert _tokens(outputs) == expected
+    original = AutoModelForCausalLM.from_pretrained(family_dirs[name],
+                                                    dtype=torch.float32).eval()
+    assert expected != [hf_greedy(original, o.prompt_token_ids, 16) for o in outputs]
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
+    (dict(sliding_window=-4), "sliding_window must be a positive integer, got -4"),
+    (dict(architectures=["GptOssForCausalLM"], model_type="mixtral"),
+     "unsupported architecture 'GptOssForCausalLM'"),
+])
+def test_a_config_the_engine_cannot_serve_is_refused_naming_the_field(tmp_path, extra, match):
+    import json
+
+    spec = FAMILY_SPECS["mixtral"]
+    directory = make_model(tmp_path / "m", spec)
+    raw = json.loads((directory / "config.json").read_text())
+    raw.update(extra)
+    (directory / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=match):
+        resolve_model_config(EngineArgs(model=str(directory)))
