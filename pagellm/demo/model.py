@@ -226,6 +226,13 @@ def _build_config(spec: ModelSpec) -> PretrainedConfig:
                            **{"max_window_layers": spec.num_layers, **extra})
     from transformers import AutoConfig
 
+    if spec.arch == "gemma3_text":
+        # Gemma 3 has a RoPE per layer type: `spec`'s for the global layers, Gemma 3's
+        # default (10k, unscaled) for the sliding ones. transformers 5.0 needs this
+        # nested form (a flat dict is a KeyError there); later releases read it too.
+        common["rope_parameters"] = {
+            "full_attention": common["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     if spec.arch not in ("qwen2", "olmoe", "phi3"):  # these derive head_dim themselves
         extra.setdefault("head_dim", spec.effective_head_dim)
     return AutoConfig.for_model(spec.arch, **common, **extra)

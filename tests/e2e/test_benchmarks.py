@@ -14,6 +14,9 @@ import pytest
 from background import Job
 from conftest import runs_triton_kernels
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # benchmarks/ is scripts, not a package
 

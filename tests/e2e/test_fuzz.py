@@ -20,6 +20,9 @@ from hypothesis import strategies as st
 from pagellm import LLM, SamplingParams
 from pagellm.protocol.messages import EngineCoreRequest, RequestType
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow,
                                        HealthCheck.function_scoped_fixture])

@@ -10,6 +10,9 @@ from pagellm.enginecore.kv_cache_manager import KVCacheManager
 from pagellm.enginecore.request import Request
 from pagellm.protocol.sampling_params import SamplingParams
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 
 def make_blocks(n: int) -> list[KVCacheBlock]:
     return [KVCacheBlock(i) for i in range(n)]

@@ -26,6 +26,9 @@ from pagellm import LLM, AsyncLLM, EngineDeadError, RequestOutputKind, SamplingP
 from pagellm.frontend.output_processor import ProcessedRequest
 from pagellm.protocol.messages import EngineCoreRequest, FinishReason, RequestType
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 KV = 8 * 2**20
 

@@ -14,6 +14,9 @@ from rl_helpers import PROMPTS
 
 from pagellm import AsyncLLM, SamplingParams
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 
 async def _collect(engine: AsyncLLM, prompt, params, request_id, started=None):
     final = None

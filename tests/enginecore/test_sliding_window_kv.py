@@ -30,6 +30,9 @@ from pagellm.protocol.messages import FinishReason
 from pagellm.protocol.sampling_params import SamplingParams
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 BS = 4
 W = 8
 

@@ -12,6 +12,9 @@ from helpers import SUPPORT
 
 from pagellm import LLM
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_a_launched_cpu_engine_uses_every_core_and_flushes_subnormals_everywhere(

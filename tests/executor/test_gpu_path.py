@@ -22,6 +22,9 @@ from pagellm.executor.worker.step_buffers import StepBuffers
 from pagellm.kernels import reference
 from pagellm.kernels import triton_attention as tk
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -20,6 +20,9 @@ from pagellm.executor.worker.sampler import (
     step_peak_bytes,
 )
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 CPU = torch.device("cpu")
 
 

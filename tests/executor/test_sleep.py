@@ -32,6 +32,9 @@ from rl_helpers import (
 from pagellm import LLM, SamplingParams
 from pagellm.executor.model.loader import safetensors_files
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 
 def test_level_1_wakes_to_the_same_tokens_and_level_2_to_the_pushed_weights(model_dirs):
     model_dir = model_dirs["qwen2"]

@@ -24,6 +24,9 @@ from pagellm.executor.model.loader import load_model
 from pagellm.executor.model.parallel import TensorParallel, check_divisible
 from pagellm.protocol.engine_args import EngineArgs
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 KV = 8 * 2**20

@@ -10,6 +10,7 @@ tests/support/vllm_style_extensions.py."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -18,6 +19,9 @@ from helpers import SUPPORT
 from rl_helpers import greedy
 
 from pagellm import LLM
+
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
 
 KV = 8 * 2**20
 MAX_MODEL_LEN = 192
@@ -34,8 +38,10 @@ def test_a_verl_style_extension_is_built_with_vllms_keywords(model_dirs, monkeyp
     the same tokens as one without the extension."""
     monkeypatch.setenv("PYTHONPATH", str(SUPPORT))  # the engine's processes import it
     model_dir = model_dirs["qwen3"]
+    # The reference's engine core runs in this process (no process of its own to start):
+    # where the core runs changes none of its tokens.
     with LLM(str(model_dir), kv_cache_memory_bytes=KV, max_model_len=MAX_MODEL_LEN,
-             dtype="float32", tensor_parallel_size=tp, multiprocess=multiprocess) as plain:
+             dtype="float32", tensor_parallel_size=tp, multiprocess=False) as plain:
         reference = greedy(plain)
     with LLM(str(model_dir), worker_extension_cls="vllm_style_extensions.VerlStyle",
              kv_cache_memory_bytes=KV, max_model_len=MAX_MODEL_LEN, dtype="float32",
@@ -91,16 +97,30 @@ def test_an_openrlhf_style_update_weight_gets_a_dtype_and_a_size(model_dirs, mon
         assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize(("name", "why"), [
-    ("ForgetsSuper", r"its __init__ did not start the worker \(call super\(\)\.__init__"),
-    ("ReturnsSomethingElse", r"its __new__ returned 'object', not the worker"),
-])
+REFUSED = {
+    "ForgetsSuper": r"its __init__ did not start the worker \(call super\(\)\.__init__",
+    "ReturnsSomethingElse": r"its __new__ returned 'object', not the worker",
+}
+
+
 def test_an_extension_whose_construction_ends_in_no_worker_is_refused_by_name(
-        model_dirs, monkeypatch, name, why):
+        model_dirs, monkeypatch):
+    """Each refused in its engine core's process, the error carried to the frontend.
+    The engines start together (each in a process of its own: most of a start is that
+    process importing torch, and the cores are shared)."""
     monkeypatch.setenv("PYTHONPATH", str(SUPPORT))
-    with pytest.raises(ValueError, match=rf"'vllm_style_extensions\.{name}': {why}"):
-        LLM(str(model_dirs["llama"]), worker_extension_cls=f"vllm_style_extensions.{name}",
-            kv_cache_memory_bytes=KV)
+
+    def construct(name: str) -> None:
+        llm = LLM(str(model_dirs["llama"]),
+                  worker_extension_cls=f"vllm_style_extensions.{name}",
+                  kv_cache_memory_bytes=KV)
+        llm.shutdown()  # it was not refused: pytest.raises below fails
+
+    with ThreadPoolExecutor(len(REFUSED)) as pool:
+        attempts = {name: pool.submit(construct, name) for name in REFUSED}
+    for name, why in REFUSED.items():
+        with pytest.raises(ValueError, match=rf"'vllm_style_extensions\.{name}': {why}"):
+            attempts[name].result()
 
 
 def test_an_init_that_cannot_take_vllms_keywords_is_refused_before_any_worker_starts():

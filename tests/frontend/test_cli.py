@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pagellm", *args], capture_output=True,

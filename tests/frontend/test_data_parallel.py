@@ -34,6 +34,9 @@ from pagellm.frontend.engine_client.dp_client import DPSyncClient
 from pagellm.frontend.engine_client.dp_routing import Router, merge_results
 from pagellm.protocol.messages import UtilityMethod
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 LONG = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
 KV = 8 * 2**20

@@ -18,6 +18,9 @@ from helpers import ROOT, free_port, stop
 
 from pagellm import LLM, EngineDeadError, SamplingParams
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
 

@@ -6,17 +6,27 @@ vLLM's keywords and meaning (vllm/v1/engine/async_llm.py): verl's
 .get_num_unfinished_requests()` / `.request_states`. Engines run in their own process.
 References: whether a prompt run before finds its blocks in the prefix cache
 (`num_cached_tokens`, whole blocks of the prompt, or 0), and the engine's own tokens
-for the same request never paused."""
+for the same request never paused.
+
+The `AsyncLLM` tests share one engine (`shared`: started once per module, on an event
+loop kept for the module): each test leaves it as it found it, unpaused with nothing in
+flight and every KV block free, which `run` checks after each test (and restores, so
+that one failure does not cascade). What the prefix cache holds is no test's
+precondition: a test that needs a hit fills it first, one that needs a miss resets it."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
+import psutil
 import pytest
 from conftest import PROMPTS
 
 from pagellm import LLM, AsyncLLM, SamplingParams
+
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
 
 KV = 8 * 2**20
 CACHED_PROMPT = PROMPTS[4]  # several 16-token blocks
@@ -49,18 +59,83 @@ async def _cached_tokens(engine: AsyncLLM, request_id: str) -> int:
     return out.num_cached_tokens
 
 
+async def _leave_as_found(engine: AsyncLLM) -> None:
+    """The state every test finds the shared engine in: unpaused, no request in flight
+    here or in the engine core, every KV block free (make_llm's leak check). A test that
+    left it otherwise fails, after the engine is put back for the tests after it."""
+    paused = await engine.is_paused()
+    left = sorted(engine.output_processor.request_states)
+    if paused:
+        await engine.resume_generation()
+    if left:
+        await engine.abort(left)
+    await engine.wait_for_requests_to_drain(60)
+    stats = await engine.get_stats()
+    assert not paused, "the test left the engine paused"
+    assert not left, f"the test left requests in flight: {left}"
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0, stats
+    assert stats.num_free_blocks == stats.num_total_blocks, stats
+
+
+def _close(loop: asyncio.AbstractEventLoop) -> None:
+    """What asyncio.run does once its coroutine is done: cancel what is left, then
+    close the loop."""
+    try:
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(loop.shutdown_default_executor())
+    finally:
+        loop.close()
+
+
+@pytest.fixture(scope="module")
+def shared(model_dirs) -> Iterator[tuple[asyncio.AbstractEventLoop, AsyncLLM]]:
+    """One AsyncLLM (its engine core in a process) for the module's tests, with the
+    event loop it runs in. At the end, the leak check (nothing in flight, every block
+    free), and, once it is shut down, no process it started is left (as
+    `no_leftover_processes` checks after a test)."""
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    started: list[psutil.Process] = []
+    loop = asyncio.new_event_loop()
+
+    async def start() -> AsyncLLM:
+        return AsyncLLM(str(model_dirs["llama"]), kv_cache_memory_bytes=KV)
+
+    async def shutdown(engine: AsyncLLM) -> None:
+        engine.shutdown()
+
+    try:
+        engine = loop.run_until_complete(start())
+        started = [p for p in me.children(recursive=True) if p.pid not in before]
+        try:
+            yield loop, engine
+            loop.run_until_complete(_leave_as_found(engine))
+        finally:
+            loop.run_until_complete(shutdown(engine))
+    finally:
+        _close(loop)
+        _, alive = psutil.wait_procs(started, timeout=15)
+        for p in alive:
+            p.kill()
+        assert not alive, f"processes left behind: {[p.pid for p in alive]}"
+
+
 @pytest.fixture
-def run(model_dirs) -> Callable[[Callable[[AsyncLLM], Awaitable[None]]], None]:
-    """Run a test's coroutine with a fresh AsyncLLM (its engine core in a process)."""
+def run(shared) -> Iterator[Callable[[Callable[[AsyncLLM], Awaitable[None]]], None]]:
+    """Run a test's coroutine with the module's AsyncLLM (its engine core in a process);
+    after the test, check that it left the engine as it found it."""
+    loop, engine = shared
+
     def run(main: Callable[[AsyncLLM], Awaitable[None]]) -> None:
-        async def with_engine() -> None:
-            engine = AsyncLLM(str(model_dirs["llama"]), kv_cache_memory_bytes=KV)
-            try:
-                await main(engine)
-            finally:
-                engine.shutdown()
-        asyncio.run(with_engine())
-    return run
+        loop.run_until_complete(main(engine))
+
+    yield run
+    loop.run_until_complete(_leave_as_found(engine))
 
 
 # --- pause_generation -----------------------------------------------------------------
@@ -80,6 +155,7 @@ def test_verls_pause_aborts_and_the_deprecated_spelling_waits(run):
         waited = await asyncio.wait_for(task, 30)
         assert waited.outputs[0].finish_reason == "length"
         assert len(waited.outputs[0].token_ids) == 1500
+        await engine.resume_generation()  # as the next test expects it
     run(main)
 
 

@@ -25,6 +25,9 @@ from pagellm.kernels.reference import (
     write_kv_cache,
 )
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 NUM_KV_HEADS = 2
 SENTINEL = -7.25  # exactly representable in every dtype tested
 

@@ -18,6 +18,9 @@ from rl_helpers import leftover_buffers, perturbed, rss
 
 from pagellm import LLM, SamplingParams
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 CYCLES = 100
 # A rollout: a few prompts of random lengths (new step sizes for the prefill GEMMs);
 # two tokens each, so the cycles stay cheap.

@@ -35,6 +35,9 @@ from rl_helpers import (
 from pagellm import LLM, SamplingParams
 from pagellm.weights.shm import buffer_dirs, shared_weights, shm_dir
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 
 def test_update_weights_gives_transformers_tokens_and_logprobs_on_the_new_weights(model_dirs):
     model_dir = model_dirs["llama"]

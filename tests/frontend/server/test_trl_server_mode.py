@@ -12,12 +12,14 @@ of the server's answers, run in a child process that installs the `vllm` alias).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,21 +44,39 @@ TRL_FLAGS = ("--weight-transfer-config", '{"backend": "nccl"}', "--logprobs-mode
 
 
 @pytest.fixture(scope="module")
-def trl_served(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-               ) -> Iterator[tuple[Server, Path]]:
+def trl_launched(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory,
+                 request: pytest.FixtureRequest
+                 ) -> Iterator[tuple[Server, Path, TRLClientRun | None]]:
     """`pagellm serve` as TRL starts vLLM: dev mode from the environment alone (no
-    --enable-dev-endpoints), no API key (TRL's client sends none)."""
-    log = tmp_path_factory.mktemp("trl-server") / "stderr.log"
-    server = Server(model_dirs["llama"], *TRL_FLAGS, "--block-size", str(BLOCK_SIZE),
-                    "--max-num-seqs", str(MAX_NUM_SEQS), log=log,
-                    env={"VLLM_SERVER_DEV_MODE": "1"})
-    yield server, log
-    assert server.stop() == 0
+    --enable-dev-endpoints), no API key (TRL's client sends none). TRL's client (`trl`),
+    when its tests run, starts first: it imports TRL while the server starts, and calls
+    the server as soon as it is up, while the tests before its own go on."""
+    directory = tmp_path_factory.mktemp("trl-server")
+    log = directory / "stderr.log"
+    client = TRLClientRun(directory) if trl_tests_selected(request) else None
+    server = None
+    try:
+        server = Server(model_dirs["llama"], *TRL_FLAGS, "--block-size", str(BLOCK_SIZE),
+                        "--max-num-seqs", str(MAX_NUM_SEQS), log=log,
+                        env={"VLLM_SERVER_DEV_MODE": "1"})
+        if client is not None:
+            client.send(server.url)
+        yield server, log, client
+    finally:
+        if client is not None:
+            client.stop()
+        if server is not None:
+            assert server.stop() == 0
 
 
 @pytest.fixture(scope="module")
-def trl_server(trl_served: tuple[Server, Path]) -> Server:
-    return trl_served[0]
+def trl_served(trl_launched: tuple[Server, Path, TRLClientRun | None]) -> tuple[Server, Path]:
+    return trl_launched[:2]
+
+
+@pytest.fixture(scope="module")
+def trl_server(trl_launched: tuple[Server, Path, TRLClientRun | None]) -> Server:
+    return trl_launched[0]
 
 
 def server_info(server: Server, query: str = "?config_format=json",
@@ -226,19 +246,24 @@ def test_server_info_shows_no_address_or_path_but_the_models():
 
 # --- TRL's own client -------------------------------------------------------------------
 
+TRL_USABLE = importlib.util.find_spec("trl") is not None and hasattr(pagellm, "install_as_vllm")
 needs_trl = pytest.mark.skipif(
-    importlib.util.find_spec("trl") is None or not hasattr(pagellm, "install_as_vllm"),
+    not TRL_USABLE,
     reason="needs trl (pip install --no-deps trl==1.16.0) and pagellm.install_as_vllm")
 
 # Runs in a child process: install_as_vllm() maps `vllm` onto pagellm for the whole
 # process (a meta-path finder, sys.modules entries), which must not leak into the tests.
+# It imports TRL first, then reads the server's URL on stdin (`TRLClientRun.send`).
 TRL_CLIENT = textwrap.dedent("""
     import json, sys
     import pagellm
     pagellm.install_as_vllm()
     from trl.generation.vllm_client import VLLMClient
 
-    base_url, prompts, token_prompt, chat, tool, regex = sys.argv[1], *json.loads(sys.argv[2])
+    prompts, token_prompt, chat, tool, regex = json.loads(sys.argv[1])
+    base_url = sys.stdin.readline().strip()
+    if not base_url:
+        sys.exit("no server URL on stdin")
     client = VLLMClient(base_url=base_url, connection_timeout=30)
     out = {"model": client.model, "world_size": client.get_world_size(),
            "server_info": client.get_server_info()}
@@ -271,18 +296,76 @@ TOOL = {"type": "function", "function": {
 REGEX = "[0-9]{4}"
 
 
+CLIENT_TIMEOUT_S = 300  # from the server's URL on: then it is killed
+
+
+def trl_tests_selected(request: pytest.FixtureRequest) -> bool:
+    """Whether TRL's client is to run: trl installed, and a test of this module that
+    uses `trl` selected."""
+    return TRL_USABLE and any(
+        getattr(item, "module", None) is request.module
+        and "trl" in getattr(item, "fixturenames", ()) for item in request.session.items)
+
+
+class TRLClientRun:
+    """TRL_CLIENT in a child process, its output in `directory`: started (`__init__`),
+    given the server's URL (`send`), then what it returned (`result`, which waits for
+    it CLIENT_TIMEOUT_S after `send` at most and kills it past that, as subprocess.run's
+    timeout did). `stop` kills it if it still runs."""
+
+    def __init__(self, directory: Path) -> None:
+        self.stdout, self.stderr = directory / "client-stdout", directory / "client-stderr"
+        self.deadline = float("inf")
+        with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", TRL_CLIENT,
+                 json.dumps([TRL_PROMPTS, TOKEN_PROMPT, CHAT, TOOL, REGEX])],
+                cwd=ROOT, stdin=subprocess.PIPE, stdout=out, stderr=err,
+                env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def send(self, base_url: str) -> None:
+        assert self.proc.stdin is not None
+        self.deadline = time.monotonic() + CLIENT_TIMEOUT_S
+        with contextlib.suppress(BrokenPipeError):  # it failed: result() shows why
+            self.proc.stdin.write(f"{base_url}\n".encode())
+            self.proc.stdin.close()
+
+    def result(self) -> dict[str, Any]:
+        try:
+            returncode = self.proc.wait(max(0.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        stdout = self.stdout.read_text()
+        stderr = self.stderr.read_text()
+        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        assert returncode == 0 and lines, stderr[-3000:]
+        return json.loads(lines[-1].removeprefix("RESULT "))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        if self.proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()
+
+
 @pytest.fixture(scope="module")
-def trl(trl_server: Server) -> dict[str, Any]:
-    """What TRL's VLLMClient returned for each call, from a child process (killed on
-    timeout by subprocess.run)."""
-    done = subprocess.run(
-        [sys.executable, "-c", TRL_CLIENT, trl_server.url,
-         json.dumps([TRL_PROMPTS, TOKEN_PROMPT, CHAT, TOOL, REGEX])],
-        cwd=ROOT, capture_output=True, timeout=300, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+def trl(trl_launched: tuple[Server, Path, TRLClientRun | None],
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """What TRL's VLLMClient returned for each call, from a child process (started with
+    the server, `trl_launched`; here, if that did not foresee this test)."""
+    server, _, client = trl_launched
+    if client is not None:
+        yield client.result()
+        return
+    client = TRLClientRun(tmp_path_factory.mktemp("trl-client"))
+    try:
+        client.send(server.url)
+        yield client.result()
+    finally:
+        client.stop()
 
 
 @pytest.fixture(scope="module")
