@@ -43,10 +43,11 @@ _PUBLIC = {
     "EngineArgs": "pagellm.protocol.engine_args",
     "AsyncEngineArgs": "pagellm.protocol.engine_args",
     "install_as_vllm": "pagellm.vllm_alias",
+    "LoRARequest": "pagellm.protocol.lora",
 }
 
 __all__ = ["LLM", "AsyncEngineArgs", "AsyncLLM", "CompletionOutput", "EngineArgs",
-           "EngineDeadError", "Logprob",
+           "EngineDeadError", "LoRARequest", "Logprob",
            "PromptType", "RequestOutput", "RequestOutputKind", "SamplingParams",
            "StructuredOutputsParams", "TextPrompt", "TokensPrompt", "__version__",
            "install_as_vllm"]
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from pagellm.frontend.llm import LLM
     from pagellm.frontend.outputs import CompletionOutput, Logprob, RequestOutput
     from pagellm.protocol.engine_args import AsyncEngineArgs, EngineArgs
+    from pagellm.protocol.lora import LoRARequest
     from pagellm.protocol.sampling_params import (
         RequestOutputKind,
         SamplingParams,

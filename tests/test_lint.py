@@ -69,7 +69,7 @@ def _layer(module: str) -> str:
     "executor.worker", "executor" (the process layer); pagellm's shared modules by their
     own name ("logger")."""
     names = module.split(".")[1:] or ["pagellm"]
-    if names[0] == "executor" and len(names) > 1 and names[1] in ("model", "worker"):
+    if names[0] == "executor" and len(names) > 1 and names[1] in ("model", "worker", "lora"):
         return f"executor.{names[1]}"
     return names[0]
 
@@ -150,8 +150,8 @@ def test_shared_homes_import_only_the_protocol():
     """transport (sockets, CURVE), weights (the sender and both sides' formats) and demo
     (the demo model) are used from both sides of the socket: they import no side."""
     for part in ("transport", "weights", "demo"):
-        assert not _imports(part) & (set(PARTS) - {"protocol"} | {"executor.worker",
-                                                                  "executor.model"}), part
+        assert not _imports(part) & (set(PARTS) - {"protocol"} | {
+            "executor.worker", "executor.lora", "executor.model"}), part
 
 
 def test_scheduler_and_block_manager_are_free_of_torch():
@@ -162,14 +162,18 @@ def test_scheduler_and_block_manager_are_free_of_torch():
 
 
 def test_imports_point_one_way():
-    """frontend -> enginecore -> executor (process layer -> worker -> model) -> kernels."""
+    """frontend -> enginecore -> executor (process layer -> worker -> lora -> model) ->
+    kernels."""
+    layers = {"executor.worker", "executor.lora", "executor.model"}
     assert "frontend" not in _imports("enginecore") | _imports("executor") | _imports("kernels")
-    assert not _imports("frontend") & {"executor", "executor.worker", "executor.model"}
+    assert not _imports("frontend") & {"executor", *layers}
     assert not _imports("executor") & {"enginecore", "frontend", "transport"}
     assert not _imports("executor.worker") & {"executor", "enginecore", "frontend"}
-    assert not _imports("executor.model") & {"executor", "executor.worker", "enginecore",
-                                             "frontend", "weights"}
-    assert not _imports("kernels") & {*PARTS, "executor.worker", "executor.model"} - {"kernels"}
+    assert not _imports("executor.lora") & {"executor", "executor.worker", "enginecore",
+                                            "frontend", "weights"}
+    assert not _imports("executor.model") & {"executor", "executor.worker", "executor.lora",
+                                             "enginecore", "frontend", "weights"}
+    assert not _imports("kernels") & {*PARTS, *layers} - {"kernels"}
 
 
 @pytest.mark.parametrize("module", ["pagellm", "pagellm.protocol", "pagellm.enginecore.scheduler",

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagellm.enginecore.kv_cache_manager import KVCacheManager
+from pagellm.enginecore.lora_registry import LoRARegistry
 from pagellm.enginecore.request import Request, RequestStatus
 from pagellm.enginecore.scheduler import Scheduler, SchedulerConfig
 from pagellm.enginecore.serving_state import ServingState
@@ -19,6 +20,7 @@ from pagellm.enginecore.structured_output.manager import StructuredOutputManager
 from pagellm.executor.executor import StepFailed
 from pagellm.executor.factory import create_executor
 from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.lora import LoRARequest
 from pagellm.protocol.messages import (
     MAX_CACHE_SALT_CHARS,
     MAX_REQUEST_ID_CHARS,
@@ -55,7 +57,8 @@ class EngineCore:
             SchedulerConfig(max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=self.executor.max_num_batched_tokens,
                             long_prefill_token_threshold=args.long_prefill_token_threshold,
-                            policy=args.scheduling_policy),
+                            policy=args.scheduling_policy,
+                            max_loras=args.max_loras if args.enable_lora else 0),
             KVCacheManager(self.executor.num_kv_blocks, args.block_size,
                            args.enable_prefix_caching,
                            sliding_window=getattr(model_config.spec, "kv_window", None)))
@@ -78,6 +81,8 @@ class EngineCore:
         # Outputs made outside a step (refused or aborted requests), sent with the next.
         self._outbox: dict[int, EngineCoreOutputs] = {}
         self.state = ServingState()
+        self.loras = LoRARegistry(args.enable_lora, self.executor.add_lora,
+                                  self.executor.remove_lora)
         self._handlers = self._utility_handlers()
         self.recent_steps: deque[StepTimings] = deque(maxlen=STEP_WINDOW)
         self.num_steps = 0
@@ -97,7 +102,8 @@ class EngineCore:
         error = self._validate(request)
         if error is not None:
             raise RequestRejected(error)
-        return Request.from_engine_core_request(request, self._hash_block_size, client_index)
+        return Request.from_engine_core_request(request, self._hash_block_size, client_index,
+                                                self.loras.key(request.lora_request))
 
     def add_preprocessed(self, request: Request) -> None:
         if self.state.refuses_requests():
@@ -109,6 +115,15 @@ class EngineCore:
             self._reject(request.client_index, request.request_id,  # two frontends, or
                          f"request id {request.request_id!r} is already in use")  # a foreign
             return  # client
+        if request.lora_request is not None:  # its adapter, added to the workers now
+            try:
+                key = self.loras.ensure(request.lora_request)
+            except ValueError as e:
+                self._reject(request.client_index, request.request_id,
+                             f"LoRA adapter {request.lora_request.lora_name!r}: {e}")
+                return
+            if key != request.lora_key:  # replaced since it was hashed
+                request.rehash(key)
         if request.status == RequestStatus.WAITING_FOR_FSM:  # its grammar compiles first
             try:
                 self.structured.submit(request)
@@ -247,7 +262,32 @@ class EngineCore:
             m.INIT_WEIGHT_TRANSFER_ENGINE: self.init_weight_transfer_engine,
             m.START_WEIGHT_UPDATE: self.state.start_weight_update,
             m.FINISH_WEIGHT_UPDATE: self.finish_weight_update,
+            m.ADD_LORA: self.add_lora, m.REMOVE_LORA: self.remove_lora,
+            m.LIST_LORAS: self.loras.ids,
         }
+
+    # LoRA adapters (vLLM's add_lora / remove_lora / list_loras).
+
+    def add_lora(self, lora: LoRARequest, peft_config: dict[str, Any] | None = None,
+                 tensors: WeightUpdate | None = None) -> bool:
+        """Add (or with load_inplace replace) an adapter before any request names it:
+        from its directory, or from `tensors` with its `peft_config`; raises ValueError
+        naming what is wrong with it."""
+        if tensors is None:
+            self.loras.ensure(lora)
+        else:
+            self.loras.add_tensors(lora, peft_config, tensors)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False if unknown. Requests using it must have finished
+        (a running one would name an adapter its workers no longer hold)."""
+        users = [r.request_id for r in self.scheduler.requests.values()
+                 if r.lora_int_id == lora_int_id]
+        if users:
+            raise ValueError(f"LoRA adapter {lora_int_id} is in use by {len(users)} "
+                             f"request(s), e.g. {users[0]!r}")
+        return self.loras.remove(lora_int_id)
 
     # Pause and sleep: vLLM's semantics (the RL rollout loop).
 

@@ -7,6 +7,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from pagellm.enginecore.block_hash import BlockHash, extend_block_hashes
+from pagellm.protocol.lora import LoRARequest
 from pagellm.protocol.messages import EngineCoreRequest, FinishReason
 from pagellm.protocol.sampling_params import SamplingParams
 
@@ -42,7 +43,8 @@ class Request:
 
     __slots__ = ("arrival_time", "bad_words_token_ids", "block_hashes",
                  "block_size", "cache_salt", "client_index", "eos_token_id",
-                 "finish_reason", "grammar", "kv_fits", "max_tokens", "min_tokens",
+                 "finish_reason", "grammar", "kv_fits", "lora_key", "lora_request", "max_tokens",
+                 "min_tokens",
                  "num_cached_tokens",
                  "num_computed_tokens", "num_prompt_logprobs_sent", "num_tokens",
                  "output_token_ids", "priority", "prompt_token_ids", "request_id",
@@ -53,12 +55,13 @@ class Request:
                  sampling_params: SamplingParams, eos_token_id: int | None,
                  arrival_time: float = 0.0, priority: int = 0,
                  block_size: int | None = None, cache_salt: str | None = None,
-                 client_index: int = 0, bad_words_token_ids: list[list[int]] | None = None
-                 ) -> None:
+                 client_index: int = 0, bad_words_token_ids: list[list[int]] | None = None,
+                 lora_key: tuple[int, int] | None = None) -> None:
         """With a block_size, the hashes of its full blocks are kept up to date (prefix
         caching): the prompt's here, once, and each output block as it fills.
         `client_index` is the frontend it came from, as the engine core's socket knows
-        it (never a field the client writes): its outputs go there."""
+        it (never a field the client writes): its outputs go there. `lora_key`: its
+        adapter's (lora_int_id, generation), None for the base model (`rehash`)."""
         if sampling_params.max_tokens is None:
             raise ValueError("max_tokens must be resolved before the engine core")
         self.request_id = request_id
@@ -98,16 +101,34 @@ class Request:
             self.status = RequestStatus.WAITING_FOR_FSM
         self.block_size = block_size
         self.cache_salt = cache_salt
+        self.lora_key = lora_key
+        self.lora_request: LoRARequest | None = None  # as the client sent it
         self.block_hashes: list[BlockHash] = []
-        if block_size is not None:
-            extend_block_hashes(self.block_hashes, prompt_token_ids, block_size, cache_salt)
+        self.rehash(lora_key)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter (0: the base model)."""
+        return 0 if self.lora_key is None else self.lora_key[0]
+
+    def rehash(self, lora_key: tuple[int, int] | None) -> None:
+        """Hash the prompt's blocks for this adapter generation (before scheduling: an
+        adapter replaced since the request was hashed has a new one)."""
+        self.lora_key = lora_key
+        self.block_hashes = []
+        if self.block_size is not None:
+            extend_block_hashes(self.block_hashes, self.prompt_token_ids, self.block_size,
+                                self.cache_salt, lora_key=lora_key)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, block_size: int | None = None,
-                                 client_index: int = 0) -> Request:
-        return cls(req.request_id, req.prompt_token_ids, req.sampling_params,
-                   req.eos_token_id, req.arrival_time, req.priority, block_size,
-                   req.cache_salt, client_index, req.bad_words_token_ids)
+                                 client_index: int = 0,
+                                 lora_key: tuple[int, int] | None = None) -> Request:
+        request = cls(req.request_id, req.prompt_token_ids, req.sampling_params,
+                      req.eos_token_id, req.arrival_time, req.priority, block_size,
+                      req.cache_salt, client_index, req.bad_words_token_ids, lora_key)
+        request.lora_request = req.lora_request
+        return request
 
     @property
     def is_finished(self) -> bool:
@@ -123,7 +144,7 @@ class Request:
             block = output[-bs:] if len(output) >= bs else \
                 self.prompt_token_ids[len(output) - bs:] + output
             extend_block_hashes(self.block_hashes, block, bs, self.cache_salt,
-                                offset=self.num_tokens - bs)
+                                offset=self.num_tokens - bs, lora_key=self.lora_key)
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.status = RequestStatus.FINISHED

@@ -53,6 +53,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole budget
     policy: str = "fcfs"
+    max_loras: int = 0  # LoRA: the most distinct adapters running at once (0: none served)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -190,10 +191,21 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, new: list[NewRequestData],
                           num_scheduled: dict[str, int]) -> int:
         """Admit waiting requests in queue order, each from its longest prefix-cache hit,
-        while budget, seats (max_num_seqs) and KV blocks last; returns the budget left."""
+        while budget, seats (max_num_seqs) and KV blocks last; returns the budget left.
+        A request whose LoRA adapter would be one more than the device's max_loras
+        slots can hold in a step waits (its place in the queue kept) while those after
+        it are admitted."""
         kv_cache_manager = self.kv_cache_manager
+        max_loras = self.config.max_loras
+        adapters = {r.lora_int_id for r in self.running if r.lora_int_id} if max_loras \
+            else set()
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            lora_id = request.lora_int_id
+            if lora_id and lora_id not in adapters and len(adapters) >= max_loras:
+                skipped.append(self.waiting.pop())
+                continue
             hits = kv_cache_manager.get_computed_blocks(request)
             num_hit_tokens = len(hits) * kv_cache_manager.block_size
             num_new = self._num_new_tokens(request, budget, num_hit_tokens)
@@ -212,10 +224,15 @@ class Scheduler:
                 request.request_id, request.prompt_token_ids, list(request.output_token_ids),
                 request.sampling_params, request.eos_token_id,
                 kv_cache_manager.get_block_ids(request.request_id),
-                request.num_computed_tokens, request.bad_words_token_ids))
+                request.num_computed_tokens, request.bad_words_token_ids,
+                request.lora_int_id))
             num_scheduled[request.request_id] = num_new
             request.num_computed_tokens += num_new
             budget -= num_new
+            if lora_id:
+                adapters.add(lora_id)
+        for request in reversed(skipped):  # back at the head, in their order
+            self.waiting.readd(request)
         return budget
 
     def update_from_output(self, scheduler_output: SchedulerOutput,

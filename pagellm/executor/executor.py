@@ -25,6 +25,7 @@ from pagellm.executor.worker.worker import (
     num_kv_blocks,
 )
 from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.lora import LoRARequest
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 from pagellm.protocol.utility import WeightUpdate
 
@@ -100,6 +101,18 @@ class Executor(ABC):
                        ) -> list[Any]:
         """One result per worker, in rank order."""
         return self._run("collective_rpc", method, args, kwargs)
+
+    def add_lora(self, lora: LoRARequest, peft_config: dict[str, Any] | None = None,
+                 tensors: WeightUpdate | None = None) -> None:
+        """Every rank reads and places its slice of the adapter (from its directory, or
+        from `tensors`); raises ValueError naming what is wrong with it."""
+        self._run("add_lora", lora, peft_config, tensors)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return bool(self._run("remove_lora", lora_int_id)[0])
+
+    def list_loras(self) -> list[int]:
+        return list(self._run("list_loras")[0])
 
     def retain_requests(self, request_ids: set[str]) -> None:
         self._run("retain_requests", sorted(request_ids))

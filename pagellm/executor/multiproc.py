@@ -46,6 +46,7 @@ import zmq
 from pagellm.executor.executor import Executor
 from pagellm.executor.worker.worker import StepFailed
 from pagellm.protocol.engine_args import EngineArgs, usable_cpus
+from pagellm.protocol.lora import LoRARequest
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 from pagellm.protocol.utility import WeightUpdate
 
@@ -71,6 +72,9 @@ CALL_TYPES: dict[str, Any] = {
     "abandon_weight_transfer": tuple[()],
     "collective_rpc": tuple[str, list[Any], dict[str, Any]],
     "retain_requests": tuple[list[str]],
+    "add_lora": tuple[LoRARequest, dict[str, Any] | None, WeightUpdate | None],
+    "remove_lora": tuple[int],
+    "list_loras": tuple[()],
     "shutdown": tuple[()],
 }
 _RESULT_DECODERS = {m: msgspec.msgpack.Decoder(t) for m, t in (

@@ -45,6 +45,7 @@ from pagellm.frontend.outputs import RequestOutput
 from pagellm.frontend.tokenizer import tokenizer_for
 from pagellm.logger import configure_logging
 from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.lora import LoRARequest, peft_config_dict, plain
 from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.sampling_params import SamplingParams
 from pagellm.protocol.stats import EngineStats
@@ -65,7 +66,12 @@ class AsyncLLM:
     def __init__(self, model: str, *, engine_address: str | None = None,
                  curve_secret_key: str | None = None,
                  curve_server_public_key: str | None = None, **kwargs: Any) -> None:
-        self._start(EngineArgs.from_kwargs(model=model, **kwargs), engine_address,
+        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        if engine_address is None and args.weight_transfer_config is None:
+            # As `LLM`: the service that starts its engine owns it, so `update_weights`
+            # works on a first try (a server's shared engine opts in: from_engine_args).
+            args = args.replace(weight_transfer_config={"backend": "ipc"})
+        self._start(args, engine_address,
                     CurveClientKeys.from_paths(curve_secret_key, curve_server_public_key))
 
     @classmethod
@@ -103,12 +109,14 @@ class AsyncLLM:
         self.output_lag_s = 0.0
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
-                       request_id: str, priority: int = 0
+                       request_id: str, priority: int = 0,
+                       lora_request: LoRARequest | None = None
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's outputs as `sampling_params.output_kind` asks (with
-        n > 1, each output carries the completions that changed, by index)."""
+        n > 1, each output carries the completions that changed, by index);
+        `lora_request`: its adapter (needs enable_lora)."""
         processed = await self.run_in_tokenizer_thread(
-            self.process, prompt, sampling_params, request_id, priority)
+            self.process, prompt, sampling_params, request_id, priority, lora_request)
         async for output in self.stream(processed):
             yield output
 
@@ -121,7 +129,8 @@ class AsyncLLM:
                                           functools.partial(fn, *args, **kwargs))
 
     def process(self, prompt: PromptType, sampling_params: SamplingParams | None,
-                request_id: str, priority: int = 0) -> ProcessedRequest:
+                request_id: str, priority: int = 0,
+                lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Validate and tokenize without starting anything (the server validates every
         prompt of a request before it starts any). Blocking: from the event loop, call it
         through `run_in_tokenizer_thread`."""
@@ -129,7 +138,8 @@ class AsyncLLM:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         return self.input_processor.process_inputs(
-            request_id, prompt, sampling_params or SamplingParams(), priority=priority)
+            request_id, prompt, sampling_params or SamplingParams(), priority=priority,
+            lora_request=lora_request)
 
     async def stream(self, processed: ProcessedRequest) -> AsyncGenerator[RequestOutput, None]:
         """Run a processed request and stream its outputs."""
@@ -205,6 +215,32 @@ class AsyncLLM:
         """See `LLM.reset_prefix_cache`."""
         return await self._utility(UtilityMethod.RESET_PREFIX_CACHE, reset_running_requests,
                                    reset_connector)
+
+    # -- LoRA adapters (as `LLM`'s methods, awaitable) -------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """See `LLM.add_lora`."""
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got "
+                            f"{type(lora_request).__name__}")
+        tensors = getattr(lora_request, "lora_tensors", None)
+        if tensors is None:
+            return bool(await self._utility(UtilityMethod.ADD_LORA, plain(lora_request)))
+        config = peft_config_dict(getattr(lora_request, "peft_config", None))
+        with contextlib.ExitStack() as stack:
+            receivers = cuda_ipc_receivers(self.info, in_process=False)  # always a process
+            update = await asyncio.to_thread(stack.enter_context,
+                                             weight_update(tensors.items(), receivers))
+            return bool(await self._utility(UtilityMethod.ADD_LORA, plain(lora_request),
+                                            config, update))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """See `LLM.remove_lora`."""
+        return bool(await self._utility(UtilityMethod.REMOVE_LORA, lora_id))
+
+    async def list_loras(self) -> set[int]:
+        """See `LLM.list_loras`."""
+        return set(await self._utility(UtilityMethod.LIST_LORAS))
 
     # -- RL rollouts (as `LLM`'s methods, awaitable) ---------------------------------
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from pagellm.frontend.server.lora_modules import parse_lora_modules, runtime_updates_from_env
 from pagellm.frontend.server.options import (
     ENGINE_STALL_TIMEOUT_S,
     MAX_BODY_BYTES,
@@ -169,6 +171,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "--data-parallel-start-rank, --data-parallel-size-local of them) "
                         "and attach them to the frontend at --data-parallel-address:"
                         "--data-parallel-rpc-port; no API server")
+    s.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters served by name (needs --enable-lora): name=path, or "
+                        'JSON {"name": ..., "path": ..., "base_model_name": ...}; a '
+                        "request's model field picks one")
     s.add_argument("--enable-dev-endpoints", action="store_true",
                    help="add the RL control routes: /sleep, /wake_up, /pause, /resume, "
                         "/collective_rpc, the weight-update phases, ... (behind --api-key)")
@@ -198,7 +204,12 @@ def _serve(ns: argparse.Namespace) -> int:
         raise ValueError("--chat-template needs a tokenizer (not --skip-tokenizer-init)")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    lora_modules = tuple(parse_lora_modules(ns.lora_modules))
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     options = ServerOptions(served_model_name=ns.served_model_name or args.model,
+                            lora_modules=lora_modules,
+                            allow_runtime_lora_updating=runtime_updates_from_env(os.environ),
                             chat_template=chat_template,
                             api_key=ns.api_key, max_body_bytes=ns.max_body_size,
                             trust_request_chat_template=ns.trust_request_chat_template,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from pagellm.enginecore.structured_output.spec import choose_backend
+from pagellm.protocol.lora import LoRARequest, plain
 from pagellm.protocol.messages import (
     MAX_CACHE_SALT_CHARS,
     MAX_REQUEST_ID_CHARS,
@@ -119,14 +120,21 @@ class InputProcessor:
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: float | None = None, priority: int = 0,
-                       output_kind: RequestOutputKind | None = None) -> ProcessedRequest:
+                       output_kind: RequestOutputKind | None = None,
+                       lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Validate and tokenize; a request with n > 1 becomes n engine requests that
         share the prompt (and, through the prefix cache, its KV blocks). With a seed,
         completion i samples with seed + i: distinct and reproducible streams.
-        `output_kind` overrides the params' (LLM only needs final outputs)."""
+        `output_kind` overrides the params' (LLM only needs final outputs).
+        `lora_request`: the adapter it runs with (None: the base model)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got "
                             f"{type(params).__name__}")
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise TypeError(f"lora_request must be a LoRARequest, got "
+                                f"{type(lora_request).__name__}")
+            lora_request = plain(lora_request)
         longest = MAX_REQUEST_ID_CHARS - REQUEST_ID_SUFFIX_CHARS
         if not isinstance(request_id, str) or not 0 < len(request_id) <= longest:
             raise ValueError(f"request_id must be a non-empty string of at most {longest} "
@@ -165,7 +173,7 @@ class InputProcessor:
         engine_requests = [EngineCoreRequest(
             request_id=child_id, prompt_token_ids=prompt_ids, sampling_params=child_params,
             eos_token_id=self.eos_token_id, arrival_time=arrival, priority=priority,
-            cache_salt=cache_salt, bad_words_token_ids=bad_words)
+            cache_salt=cache_salt, bad_words_token_ids=bad_words, lora_request=lora_request)
             for child_id, child_params in children]
         return ProcessedRequest(request_id, prompt_text, prompt_ids, params, engine_requests)
 

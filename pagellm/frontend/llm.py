@@ -30,6 +30,7 @@ from pagellm.frontend.outputs import RequestOutput
 from pagellm.frontend.tokenizer import tokenizer_for
 from pagellm.logger import configure_logging
 from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.lora import LoRARequest, peft_config_dict, plain
 from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.protocol.stats import EngineStats
@@ -111,7 +112,8 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order.
 
@@ -120,6 +122,8 @@ class LLM:
         sampling_params: one for all prompts or a list with one per prompt; n > 1 gives
             n completions per prompt. None: `get_default_sampling_params()`.
         priority: one per prompt, for scheduling_policy="priority" (lower first).
+        lora_request: the LoRA adapter for all prompts, or a list with one (or None: the
+            base model) per prompt (needs enable_lora).
         """
         engine_core = self._client()
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
@@ -138,9 +142,19 @@ class LLM:
         priorities = [0] * len(prompt_list) if priority is None else list(priority)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(prompt_list)
+        elif not isinstance(lora_request, (list, tuple)):
+            raise TypeError(f"lora_request must be a LoRARequest or a list of them, got "
+                            f"{type(lora_request).__name__}")
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(prompt_list)} "
+                                 "prompts; pass one, or one per prompt")
         # Validate everything before sending anything: a bad prompt leaves no trace.
-        requests = [self._process(p, sp, prio) for p, sp, prio in zip(
-            prompt_list, params_list, priorities, strict=True)]
+        requests = [self._process(p, sp, prio, lora) for p, sp, prio, lora in zip(
+            prompt_list, params_list, priorities, loras, strict=True)]
         request_ids = [r.request_id for r in requests]
         try:
             for processed in requests:
@@ -227,6 +241,37 @@ class LLM:
         (with a warning), as vLLM does when none is configured."""
         return self._utility(UtilityMethod.RESET_PREFIX_CACHE, reset_running_requests,
                              reset_connector)
+
+    # -- LoRA adapters (vLLM's names) -------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter into the workers before any request names it (a request
+        naming a new one adds it too): from its directory, or, for a TensorLoRARequest
+        (verl's shape: `peft_config` and `lora_tensors`), from tensors in memory sent
+        through shared memory, no file written (an id added before is then replaced).
+        With `lora_request.load_inplace`, replace the
+        weights of the adapter under its id. Raises RuntimeError naming what is wrong
+        with it (as the engine's workers found it)."""
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got "
+                            f"{type(lora_request).__name__}")
+        tensors = getattr(lora_request, "lora_tensors", None)
+        if tensors is None:
+            return bool(self._utility(UtilityMethod.ADD_LORA, plain(lora_request)))
+        config = peft_config_dict(getattr(lora_request, "peft_config", None))
+        client = self._client()
+        receivers = cuda_ipc_receivers(self.info, isinstance(client, InprocClient))
+        with weight_update(tensors.items(), receivers) as update:
+            return bool(self._utility(UtilityMethod.ADD_LORA, plain(lora_request), config,
+                                      update))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (False: not added); no request may be using it."""
+        return bool(self._utility(UtilityMethod.REMOVE_LORA, lora_id))
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters added."""
+        return set(self._utility(UtilityMethod.LIST_LORAS))
 
     # -- RL rollouts: sleep, pause, weight updates, collective_rpc (vLLM's names) -----
 
@@ -327,15 +372,15 @@ class LLM:
 
     # -- internals -----------------------------------------------------------------
 
-    def _process(self, prompt: PromptType, params: SamplingParams, priority: int
-                 ) -> ProcessedRequest:
+    def _process(self, prompt: PromptType, params: SamplingParams, priority: int,
+                 lora_request: LoRARequest | None = None) -> ProcessedRequest:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got "
                             f"{type(params).__name__}")
         # Only finished outputs are needed here: skip building per-step outputs.
         return self.input_processor.process_inputs(
             str(next(self._request_counter)), prompt, params, priority=priority,
-            output_kind=RequestOutputKind.FINAL_ONLY)
+            output_kind=RequestOutputKind.FINAL_ONLY, lora_request=lora_request)
 
     def _client(self) -> SyncEngineCoreClient:
         """The engine core's client, once what `llm_engine` queued is sent (every call

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.protocol import cli_args
+from pagellm.protocol.lora import LORA_RANKS, MAX_CPU_LORAS, MAX_LORAS
 from pagellm.protocol.reasoning import REASONING_TAGS, check_reasoning_parser
 from pagellm.protocol.validation import (
     INT32_MAX,
@@ -221,8 +222,17 @@ class EngineArgs:
     model_impl: str = _opt(
         "auto", "Only 'auto' or 'vllm': pagellm's own decoder serves the model (no "
         "transformers fallback).")
+    # -- LoRA adapters (vLLM's LoRAConfig names) ---------------------------------------
     enable_lora: bool = _opt(
-        False, "Only false: LoRA adapters are not served yet (issue 42).")
+        False, "Serve LoRA adapters: a request's lora_request picks one (PEFT directories, "
+        "or tensors added with add_lora).")
+    max_loras: int = _opt(1, "Adapter slots on the device: the most distinct adapters in "
+                          "one step.")
+    max_lora_rank: int = _opt(16, "Largest adapter rank served (the slots' size).",
+                              LORA_RANKS)
+    max_cpu_loras: int | None = _opt(
+        None, "Adapters kept loaded in host memory, least recently used dropped first "
+        "(default: max_loras; at least max_loras).")
     async_scheduling: bool = _opt(
         False, "Only false: each step's scheduling waits for the previous step's outputs "
         "(issue 45).")
@@ -314,6 +324,9 @@ class EngineArgs:
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} "
                              "runs one worker: tensor_parallel_size must be 1, got "
                              f"{self.tensor_parallel_size} (use 'mp')")
+        check_int("max_loras", self.max_loras, minimum=1, maximum=MAX_LORAS)
+        check_int("max_cpu_loras", self.max_cpu_loras, minimum=self.max_loras,
+                  maximum=MAX_CPU_LORAS, allow_none=True)
         check_float("swap_space", self.swap_space, minimum=0.0)
         if not (isinstance(self.generation_config, str)
                 and 0 < len(self.generation_config) <= MAX_PATH_CHARS):
@@ -395,7 +408,6 @@ _SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
                            "revision"),
     "tokenizer_mode": (("auto",), "the tokenizer is the one AutoTokenizer loads"),
     "model_impl": (("auto", "vllm"), "pagellm's own decoder serves the model"),
-    "enable_lora": ((False,), "LoRA adapters are not served yet"),
     "async_scheduling": ((False,), "scheduling waits for each step's outputs"),
 }
 # Flags whose default is None (unset) rather than a bool.

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from pagellm.protocol.lora import LoRARequest
 from pagellm.protocol.sampling_params import SamplingParams
 
 
@@ -42,6 +43,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     cache_salt: str | None = None
     # sampling_params.bad_words as token ids, each word alone and after a space.
     bad_words_token_ids: list[list[int]] | None = None
+    # The adapter it runs with (None: the base model). Needs enable_lora.
+    lora_request: LoRARequest | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -93,6 +96,9 @@ class UtilityMethod(enum.IntEnum):
     INIT_WEIGHT_TRANSFER_ENGINE = 10
     START_WEIGHT_UPDATE = 11
     FINISH_WEIGHT_UPDATE = 12
+    ADD_LORA = 13
+    REMOVE_LORA = 14
+    LIST_LORAS = 15
     # Arguments and result types: pagellm.protocol.utility.SIGNATURES.
 
 

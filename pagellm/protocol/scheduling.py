@@ -26,6 +26,7 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     block_ids: list[int]  # the request's whole block table
     num_computed_tokens: int  # tokens whose KV is already in the cache
     bad_words_token_ids: list[list[int]] | None = None
+    lora_int_id: int = 0  # its adapter (added to the workers before), 0: the base model
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
+from pagellm.protocol.lora import LoRARequest
 from pagellm.protocol.messages import UtilityMethod
 from pagellm.protocol.stats import EngineStats
 from pagellm.protocol.validation import check_int
@@ -169,6 +170,16 @@ class PauseArgs(NamedTuple):
         return cls(mode, clear_cache)  # type: ignore[arg-type]  # the core checks the Literal
 
 
+class AddLoRAArgs(NamedTuple):
+    """ADD_LORA's arguments: the adapter, and for one from tensors in memory (RL adapter
+    sync, no file written) its PEFT config and the tensors as a weight update (through
+    the "ipc" path: shared memory or CUDA IPC, never the socket)."""
+
+    lora: LoRARequest
+    peft_config: dict[str, Any] | None = None
+    tensors: WeightUpdate | None = None
+
+
 class ResetPrefixCacheArgs(NamedTuple):
     """RESET_PREFIX_CACHE's arguments, vLLM's (both False when a client sends none)."""
 
@@ -239,6 +250,11 @@ SIGNATURES: dict[UtilityMethod, Signature] = {
                                                          no_timeout=True),
     UtilityMethod.START_WEIGHT_UPDATE: Signature(tuple[()], None),
     UtilityMethod.FINISH_WEIGHT_UPDATE: Signature(tuple[str | None], None),  # weight_version
+    # LoRA adapters: True once added (every worker read it) / removed (False: unknown);
+    # the ids added, each core's (data parallelism: joined, as every core adds each).
+    UtilityMethod.ADD_LORA: Signature(AddLoRAArgs, bool, Merge.ALL, no_timeout=True),
+    UtilityMethod.REMOVE_LORA: Signature(tuple[int], bool, Merge.ALL),
+    UtilityMethod.LIST_LORAS: Signature(tuple[()], list[int], Merge.CONCAT),
 }
 
 

@@ -30,6 +30,9 @@ from pagellm.protocol.messages import (
 from pagellm.protocol.sampling_params import SamplingParams
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 
+# Our code and torch alone: the floors leg skips it (.ci/run).
+pytestmark = pytest.mark.own_code
+
 EOS = 1000  # outside next_token's range [0, 1000): only scripted tokens are EOS
 
 
@@ -804,3 +807,33 @@ def test_scheduler_and_block_manager_modules_do_not_import_torch(module):
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module.split(".")[0])
     assert not imported & {"torch", "executor", "kernels", "triton"}
+
+
+def test_a_step_runs_at_most_max_loras_adapters_and_the_others_keep_their_place():
+    """Issue 42: max_loras=2 device slots. Requests of adapters 1, 2, 3, 1 and one of the
+    base model arrive in that order: the first step admits adapters 1 and 2, the base
+    request and the second request of adapter 1 (already running), and holds adapter
+    3's back (the slots are taken) without losing its place; it runs once an adapter's
+    requests finish. Every step's adapters fit the slots, and every request completes
+    with its tokens."""
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64,
+                                          max_loras=2), KVCacheManager(64, 4))
+    runner = FakeModelRunner(4)
+    requests = create_requests(5, 4, max_tokens=[3, 6, 3, 3, 3])
+    for request, lora_id in zip(requests, [1, 2, 3, 1, 0], strict=True):
+        if lora_id:
+            request.rehash((lora_id, 0))
+    add(scheduler, requests)
+    first, _ = step(scheduler, runner)
+    assert [n.req_id for n in first.scheduled_new_reqs] == ["r0", "r1", "r3", "r4"]
+    assert [n.lora_int_id for n in first.scheduled_new_reqs] == [1, 2, 1, 0]
+    assert [r.request_id for r in scheduler.waiting] == ["r2"]
+    steps = [first, *run_to_completion(scheduler, runner)]
+    lora_of = dict(zip([r.request_id for r in requests], [1, 2, 3, 1, 0], strict=True))
+    for so in steps:
+        assert len({lora_of[r] for r in so.num_scheduled_tokens} - {0}) <= 2
+    admitted = next(i for i, so in enumerate(steps)
+                    if any(n.req_id == "r2" for n in so.scheduled_new_reqs))
+    assert admitted > 1
+    assert all(r.output_token_ids == expected_outputs(r.prompt_token_ids, r.max_tokens)
+               for r in requests)

@@ -46,10 +46,17 @@ def test_the_options_trl_passes_are_accepted_and_what_is_not_served_is_named():
                                   enable_lora=False, async_scheduling=False)
     assert (args.model_impl, args.generation_config) == ("vllm", "vllm")
     assert AsyncEngineArgs is EngineArgs  # vLLM's name for AsyncLLM.from_engine_args
-    for name, bad in (("enable_lora", True), ("async_scheduling", True),
-                      ("model_impl", "transformers")):
+    for name, bad in (("async_scheduling", True), ("model_impl", "transformers")):
         with pytest.raises(ValueError, match=f"{name}=.* is not supported"):
             EngineArgs(model="m", **{name: bad})
+    # LoRA (issue 42): served, its sizes bounded where they enter.
+    lora = EngineArgs(model="m", enable_lora=True, max_loras=4, max_lora_rank=64)
+    assert (lora.enable_lora, lora.max_loras, lora.max_lora_rank) == (True, 4, 64)
+    for field, bad, why in (("max_lora_rank", 12, "max_lora_rank must be one of"),
+                            ("max_loras", 0, "max_loras"), ("max_loras", 10**6, "max_loras"),
+                            ("max_cpu_loras", 2, "max_cpu_loras")):
+        with pytest.raises(ValueError, match=why):
+            EngineArgs(model="m", enable_lora=True, **{"max_loras": 4, field: bad})
     for bad in (5, "", "x" * 5000):
         with pytest.raises(ValueError, match="generation_config must be"):
             EngineArgs(model="m", generation_config=bad)

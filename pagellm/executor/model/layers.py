@@ -9,6 +9,8 @@ block and MLP from these.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,12 +19,21 @@ from pagellm.executor.model.linear import linear
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.kernels import fused_for
 
+if TYPE_CHECKING:
+    from pagellm.executor.model.lora_slots import LoRASlots
+
 
 class Linear(nn.Linear):
-    """nn.Linear through `linear`."""
+    """nn.Linear through `linear`, plus the step's LoRA updates where the engine serves
+    adapters (`lora`, set by the worker's LoRAManager: lora_slots.py)."""
+
+    lora: LoRASlots | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.add_to(x, y)
+        return y
 
 
 class RMSNorm(nn.Module):
@@ -78,6 +89,8 @@ class RowParallelLinear(nn.Module):
     """y = x W^T (+ b) where each rank holds W's columns for its slice of x: the partial
     products are summed by one all-reduce, then the (replicated) bias is added once."""
 
+    lora: LoRASlots | None = None  # as Linear's; partial updates sum in the all-reduce
+
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  tp: TensorParallel) -> None:
         super().__init__()
@@ -88,8 +101,14 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] (this rank's slice) -> [T, out_features] (the full sum)."""
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(linear(x, self.weight))
+            y = linear(x, self.weight, self.bias)
+            if self.lora is not None:
+                self.lora.add_to(x, y)
+            return y
+        y = linear(x, self.weight)
+        if self.lora is not None:
+            self.lora.add_to(x, y)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -39,6 +39,7 @@ class InputBatch:
         self.presence = np.zeros(max_num_reqs, dtype=np.float32)
         self.frequency = np.zeros(max_num_reqs, dtype=np.float32)
         self.repetition = np.ones(max_num_reqs, dtype=np.float32)
+        self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)  # 0: the base model
         # Per row, Python-side: rarely used fields, keyed by row.
         self.seeds: dict[int, int] = {}
         self.stop_ids: dict[int, list[int]] = {}  # EOS + stop ids, banned before min_tokens
@@ -65,6 +66,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = len(prompt)
         self.num_blocks[row] = 0
+        self.lora_ids[row] = new.lora_int_id
         self.append_blocks(row, new.block_ids)
         self._set_sampling(row, new.sampling_params, new.eos_token_id)
         if new.bad_words_token_ids:

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import torch
 
+from pagellm.executor.lora.manager import LoRAManager, LoRASettings
 from pagellm.executor.model.attention import (
     AttentionMetadata,
     get_attention_backend,
@@ -53,8 +54,10 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, seed: int,
                  attention_backend: str = "auto", logprobs_mode: str = "raw_logprobs",
-                 tp: TensorParallel | None = None, host_ranks: int = 1) -> None:
-        """`host_ranks`: the workers sharing this host's memory (the loader's share)."""
+                 tp: TensorParallel | None = None, host_ranks: int = 1,
+                 lora: LoRASettings | None = None) -> None:
+        """`host_ranks`: the workers sharing this host's memory (the loader's share).
+        `lora`: serve LoRA adapters (`self.lora`, executor/lora/manager.py)."""
         self.model_config = model_config
         # This rank's slice of the model (all of it without tensor parallelism).
         self.tp = tp or TensorParallel.layout(model_config.spec)
@@ -76,6 +79,8 @@ class ModelRunner:
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 0)
         self.model = load_model(model_config, device, self.tp, host_ranks)
+        self.lora = None if lora is None else LoRAManager(
+            self.model, model_config.spec, self.tp, lora, model_config.dtype, device)
         self.sampler = Sampler(device, seed)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -95,7 +100,8 @@ class ModelRunner:
             "min_p": ((max_num_seqs,), torch.float32)})
         self.graphs: DecodeGraphs | None = None
         self.inputs = InputPreparer(self.batch, self.buffers, self.attention, block_size,
-                                    max_num_seqs, self.num_kv_heads, self.num_sms)
+                                    max_num_seqs, self.num_kv_heads, self.num_sms,
+                                    self.lora)
         self.kv_caches: list[torch.Tensor] = []
         # On the CPU, each step size's thread count is measured (cpu_threads.py).
         self.thread_tuner = (ThreadTuner(torch.get_num_threads())

@@ -2,7 +2,8 @@
 
 The model runner hands it each `SchedulerOutput` (after applying the step's changes to
 the batch); it returns the step's `StepInputs`: one flat, unpadded batch (requests in the
-order cached, then new), built with vectorized numpy:
+order cached, then new; where the engine serves LoRA adapters, stably ordered by adapter
+so that each adapter's rows are one run), built with vectorized numpy:
 
     input_ids     [T]            the tokens computed this step
     positions     [T]            their positions in their requests
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagellm.executor.lora.manager import LoRAManager
 from pagellm.executor.model.attention import AttentionBackend, AttentionMetadata, num_kv_segments
 from pagellm.executor.worker.cuda_graphs import DecodeGraphs
 from pagellm.executor.worker.input_batch import InputBatch
@@ -60,10 +62,13 @@ class InputPreparer:
     """Builds each step's `StepInputs` from the runner's batch and step buffers."""
 
     def __init__(self, batch: InputBatch, buffers: StepBuffers, attention: AttentionBackend,
-                 block_size: int, max_num_seqs: int, num_kv_heads: int, num_sms: int) -> None:
+                 block_size: int, max_num_seqs: int, num_kv_heads: int, num_sms: int,
+                 lora: LoRAManager | None = None) -> None:
         """`num_sms`: the GPU's streaming multiprocessors (0 on the CPU), which size the
-        split-KV segments."""
+        split-KV segments. `lora`: the worker's adapters, where the engine serves them
+        (each step's requests are then ordered by adapter: `_order_by_adapter`)."""
         self.batch = batch
+        self.lora = lora
         self.buffers = buffers
         self.attention = attention
         self.block_size = block_size
@@ -95,6 +100,9 @@ class InputPreparer:
         # The scheduler's count is the one truth (the batch keeps no copy to drift).
         starts = np.array(cached.num_computed_tokens + [n.num_computed_tokens for n in new]
                           if new else cached.num_computed_tokens, np.int64)
+        lora_of = None
+        if self.lora is not None:
+            req_ids, rows, starts, lora_of = self._order_by_adapter(req_ids, rows, starts)
         num_tokens = so.total_num_scheduled_tokens
         decode = num_tokens == num_reqs  # one token each (counts are >= 1): a decode step
         if decode:
@@ -118,6 +126,8 @@ class InputPreparer:
         block_index, offset = np.divmod(positions, bs)
         slot_mapping = (block_tables[req_index, block_index] * np.int64(bs)
                         + offset)  # int64: no overflow
+        if self.lora is not None:
+            self.lora.prepare_step(_adapter_runs(lora_of, counts, cu))
         sampling = np.flatnonzero(ends == batch.num_tokens[rows])  # caught up: sample
         all_sample = len(sampling) == num_reqs
         max_query_len = 1 if decode else int(counts.max())
@@ -147,3 +157,31 @@ class InputPreparer:
                               else cu[sampling] - 1),
                           sampling, rows if all_sample else rows[sampling], graph_size,
                           attention_plan_s)
+
+    def _order_by_adapter(self, req_ids: list[str], rows: np.ndarray, starts: np.ndarray
+                          ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray | None]:
+        """The step's requests ordered by adapter (stable; the base model's first), so
+        that each adapter's tokens are one run of rows (model/lora_slots.py). Also returns each
+        request's adapter id [R] (None: no adapter in the step)."""
+        lora_of = self.batch.lora_ids[rows]  # [R]
+        if not lora_of.any():
+            return req_ids, rows, starts, None
+        if (lora_of[1:] < lora_of[:-1]).any():
+            order = np.argsort(lora_of, kind="stable")
+            req_ids = [req_ids[i] for i in order.tolist()]
+            rows, starts, lora_of = rows[order], starts[order], lora_of[order]
+        return req_ids, rows, starts, lora_of
+
+
+def _adapter_runs(lora_of: np.ndarray | None, counts: np.ndarray, cu: np.ndarray
+                  ) -> list[tuple[int, int, int]]:
+    """(adapter id, first row, end row) of each adapter's run of tokens, from requests
+    ordered by adapter: lora_of [R], counts [R] tokens each, cu [R] their cumulative sum."""
+    if lora_of is None:
+        return []
+    firsts = np.concatenate(([0], np.flatnonzero(lora_of[1:] != lora_of[:-1]) + 1))
+    lasts = np.append(firsts[1:], len(lora_of)) - 1
+    return [(lora_id, end - count, last_end)
+            for lora_id, end, count, last_end in zip(
+                lora_of[firsts].tolist(), cu[firsts].tolist(), counts[firsts].tolist(),
+                cu[lasts].tolist(), strict=True) if lora_id != 0]

@@ -7,8 +7,9 @@ dtype is checked first, and the old weights keep serving.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -155,6 +156,29 @@ class WeightUpdates:
             torch.cuda.synchronize(self.device)
         self.model.mark_loaded(spec.name for spec in update.specs)
         return loaded
+
+    @contextlib.contextmanager
+    def open(self, update: WeightUpdate, limit_bytes: int
+             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """An update's tensors (shared memory or CUDA IPC), valid inside the `with`, for
+        what is not the model's weights (a LoRA adapter from tensors): the update as a
+        whole checked as `_check` does, against `limit_bytes` of its own."""
+        if self.config is None:
+            raise RuntimeError("tensors sent in memory need the engine started with "
+                               "weight_transfer_config={'backend': 'ipc'}")
+        check_specs(update.specs, limit_bytes, self.max_specs)
+        if update.cuda_ipc is not None:
+            with open_cuda_ipc(update, self.global_rank) as tensors:
+                yield tensors
+            return
+        if update.buffer is None:
+            raise ValueError("tensors sent in memory need a buffer (backend 'ipc')")
+        if update.buffer_bytes > buffer_limit(limit_bytes, len(update.specs)):
+            raise UpdateTooLarge(f"buffer of {update.buffer_bytes} bytes is larger than "
+                                 f"its tensors need ({limit_bytes} bytes at most, aligned); "
+                                 "refused, nothing read")
+        with open_update(update) as tensors:
+            yield tensors
 
     def _check(self, update: WeightUpdate, weights_asleep: bool) -> None:
         """What every path checks first, before any byte of the update is copied or

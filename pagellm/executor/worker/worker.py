@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 import torch
 
+from pagellm.executor.lora.manager import LoRAManager, LoRASettings
 from pagellm.executor.model.config import ModelConfig, resolve_device, resolve_model_config
 from pagellm.executor.model.linear import drop_packed
 from pagellm.executor.model.parallel import TensorParallel
@@ -26,6 +27,7 @@ from pagellm.executor.worker.model_runner import ModelRunner
 from pagellm.executor.worker.sampler import step_peak_bytes
 from pagellm.executor.worker.weight_receiver import WeightUpdates
 from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.lora import LoRARequest
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 from pagellm.protocol.utility import WeightUpdate
 from pagellm.weights.tensor_codec import decode_value, encode_value
@@ -83,10 +85,13 @@ class Worker:
         self.model_runner = ModelRunner(self.model_config, self.device, args.block_size,
                                         args.max_num_seqs, self.max_num_batched_tokens,
                                         args.seed, args.attention_backend,
-                                        args.logprobs_mode, tp, self._host_ranks())
+                                        args.logprobs_mode, tp, self._host_ranks(),
+                                        lora_settings(args))
         self.num_kv_blocks = 0
+        # (LoRA steps run eagerly for now: their runs of rows vary step to step.)
         self.use_cuda_graphs = (self.device.type == "cuda" and not args.enforce_eager
-                                and self.model_runner.attention.name == "triton")
+                                and self.model_runner.attention.name == "triton"
+                                and not args.enable_lora)
         self.enable_sleep_mode = args.enable_sleep_mode
         self.sleeping: set[str] = set()  # tags ("weights", "kv_cache") now freed
         self._weight_shapes = memory.shapes(self.model_runner.model)
@@ -232,6 +237,33 @@ class Worker:
     def abandon_weight_transfer(self) -> None:
         self.updates.abandon_join()
 
+    # -- LoRA adapters -------------------------------------------------------------
+
+    def add_lora(self, lora: LoRARequest, peft_config: dict[str, Any] | None = None,
+                 tensors: WeightUpdate | None = None) -> None:
+        """Read and place an adapter from its directory, or from `tensors` (a weight
+        update: shared memory or CUDA IPC) with its `peft_config`; raises ValueError
+        naming what is wrong with it."""
+        manager = self._lora_manager()
+        if tensors is None:
+            manager.add(lora)
+            return
+        with self.updates.open(tensors, manager.max_bytes) as received:
+            # Copies: the update's views are valid only while it is open.
+            manager.add(lora, {name: t.to("cpu", copy=True) for name, t in received},
+                        peft_config)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora_manager().remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self._lora_manager().ids()
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters need enable_lora=True")
+        return self.runner.lora
+
     rpc_methods: frozenset[str] = frozenset()  # set by the extension's subclass
 
     def collective_rpc(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
@@ -314,6 +346,13 @@ class Worker:
                     used_before / 2**30, non_torch / 2**30)
         return cuda_kv_cache_budget(total, args.gpu_memory_utilization, used_before,
                                     weights, activations, non_torch)
+
+
+def lora_settings(args: EngineArgs) -> LoRASettings | None:
+    if not args.enable_lora:
+        return None
+    return LoRASettings(args.max_loras, args.max_lora_rank,
+                        args.max_cpu_loras or args.max_loras)
 
 
 def max_num_batched_tokens(args: EngineArgs, device: torch.device) -> int:

@@ -350,6 +350,19 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     continue_final_message: bool = False  # as in chat completions
 
 
+class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's body of /v1/load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # replace the weights of an adapter served by this name
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's field; the name decides here
+
+
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     tokens: list[int]

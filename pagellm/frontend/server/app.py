@@ -35,11 +35,11 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.frontend.async_llm import AsyncLLM
@@ -49,7 +49,9 @@ from pagellm.frontend.server.api_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pagellm.frontend.server.dev_routes import add_dev_routes
 from pagellm.frontend.server.edge import (
@@ -61,6 +63,7 @@ from pagellm.frontend.server.edge import (
     read_body,
 )
 from pagellm.frontend.server.extra_fields import IgnoredFieldsLog, unknown_fields
+from pagellm.frontend.server.lora_modules import LoRAModules
 from pagellm.frontend.server.metrics import ServerMetrics
 from pagellm.frontend.server.options import ServerOptions
 from pagellm.frontend.server.serving import OpenAIServing
@@ -87,10 +90,25 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
               sandbox: ChatTemplateSandbox | None = None) -> FastAPI:
     """The routes. `sandbox` renders request-supplied chat templates (required, and
     only used, with options.trust_request_chat_template)."""
-    app = FastAPI(title="pagellm", version=VERSION)
+    loras = LoRAModules(options.served_model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        """--lora-modules are read into the engine before the first request (a bad one
+        stops the start, naming it)."""
+        for name, path, base_model_name in options.lora_modules:
+            lora = loras.add(name, path, base_model_name)
+            try:
+                await engine.add_lora(lora)
+            except (ValueError, RuntimeError) as e:
+                raise ValueError(f"--lora-modules {name}={path}: {e}") from None
+            loras.commit(lora)
+        yield
+
+    app = FastAPI(title="pagellm", version=VERSION, lifespan=lifespan)
     metrics = ServerMetrics(options.served_model_name, engine.info.max_model_len,
                             data_parallel=engine.engine_args.data_parallel_size > 1)
-    server = OpenAIServing(engine, options, metrics, sandbox)
+    server = OpenAIServing(engine, options, metrics, sandbox, loras)
     if options.api_key is not None:
         app.add_middleware(APIKeyGuard, api_key=options.api_key)
     body_of = _body_reader(options)
@@ -98,9 +116,12 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     _add_health_routes(app, engine, options)
     _add_info_routes(app, engine, options, metrics, server)
     _add_token_routes(app, engine, server, body_of)
-    chat = OpenAIServingChat(engine, options, metrics, sandbox)
-    _add_generation_routes(app, OpenAIServingCompletion(engine, options, metrics, sandbox),
+    chat = OpenAIServingChat(engine, options, metrics, sandbox, loras)
+    _add_generation_routes(app, OpenAIServingCompletion(engine, options, metrics, sandbox,
+                                                        loras),
                            chat, OpenAIServingResponses(chat), body_of)
+    if options.allow_runtime_lora_updating:
+        _add_lora_routes(app, engine, loras, body_of)
     if options.enable_dev_endpoints:
         add_dev_routes(app, engine, body_of, options.served_model_name)
     return app
@@ -213,10 +234,15 @@ def _add_info_routes(app: FastAPI, engine: AsyncLLM, options: ServerOptions,
             "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
             "allow_fine_tuning": False, "organization": "*", "group": None,
             "is_blocking": False}
-        return {"object": "list", "data": [{
-            "id": options.served_model_name, "object": "model", "created": created,
-            "owned_by": "pagellm", "root": engine.engine_args.model, "parent": None,
-            "max_model_len": engine.info.max_model_len, "permission": [permission]}]}
+        def card(name: str, root: str, parent: str | None) -> dict[str, Any]:
+            return {"id": name, "object": "model", "created": created, "owned_by": "pagellm",
+                    "root": root, "parent": parent,
+                    "max_model_len": engine.info.max_model_len, "permission": [permission]}
+
+        return {"object": "list", "data": [
+            card(options.served_model_name, engine.engine_args.model, None),
+            *(card(name, lora.lora_path, lora.base_model_name)
+              for name, lora in server.loras.served.items())]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -228,6 +254,46 @@ def _add_info_routes(app: FastAPI, engine: AsyncLLM, options: ServerOptions,
             with contextlib.suppress(asyncio.TimeoutError):
                 stats = await asyncio.wait_for(engine.get_stats(), METRICS_STATS_WAIT_S)
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+
+def _add_lora_routes(app: FastAPI, engine: AsyncLLM, loras: LoRAModules,
+                     body_of: BodyReader) -> None:
+    """vLLM's runtime adapter routes (behind the API key; only with
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING: a body names a path on this host's disk). A bad
+    adapter is a 400 naming why; the adapters served before stay."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> PlainTextResponse:
+        body = await body_of(request, LoadLoRAAdapterRequest)
+        try:
+            lora = loras.add(body.lora_name, body.lora_path, load_inplace=body.load_inplace)
+            await engine.add_lora(lora)
+        except EngineDeadError:
+            raise
+        except (ValueError, RuntimeError) as e:  # the engine's reason the adapter failed
+            raise bad_request(str(e).removeprefix("engine core utility call add_lora "
+                                                  "failed: ")) from None
+        loras.commit(lora)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
+                                 "successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+        body = await body_of(request, UnloadLoRAAdapterRequest)
+        lora = loras.served.get(body.lora_name)
+        if lora is None:
+            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.",
+                           "NotFoundError", "lora_name")
+        try:
+            await engine.remove_lora(lora.lora_int_id)
+        except EngineDeadError:
+            raise
+        except RuntimeError as e:  # requests still use it
+            raise bad_request(str(e).removeprefix("engine core utility call remove_lora "
+                                                  "failed: ")) from None
+        loras.remove(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed "
+                                 "successfully.")
 
 
 def _add_token_routes(app: FastAPI, engine: AsyncLLM, server: OpenAIServing,

@@ -130,13 +130,20 @@ class ServerMetrics:
                              "Histogram of e2e request latency in seconds.", LABELS,
                              buckets=_E2E_BUCKETS, registry=r)
 
+        # Per LoRA adapter (pagellm's own: vLLM has only a gauge of the adapters running).
+        self.lora_requests = Counter("pagellm:lora_requests", "Completions finished, per "
+                                     "LoRA adapter.", [*LABELS, "lora_name"], registry=r)
+        self.lora_generation_tokens = Counter(
+            "pagellm:lora_generation_tokens", "Generation tokens, per LoRA adapter.",
+            [*LABELS, "lora_name"], registry=r)
+
     def render(self, stats: EngineStats | None) -> bytes:
         self.engine.stats = stats
         return generate_latest(self.registry)
 
-    def tracker(self, n: int) -> RequestTracker:
-        """A tracker for one request of `n` completions."""
-        return RequestTracker(self, n)
+    def tracker(self, n: int, lora_name: str | None = None) -> RequestTracker:
+        """A tracker for one request of `n` completions (of LoRA adapter `lora_name`)."""
+        return RequestTracker(self, n, lora_name)
 
 
 class RequestTracker:
@@ -146,9 +153,10 @@ class RequestTracker:
     (with its own finished_reason) are observed once each, so every request counter and
     histogram count agrees; only `request_params_n` is observed once per user request."""
 
-    def __init__(self, metrics: ServerMetrics, n: int) -> None:
+    def __init__(self, metrics: ServerMetrics, n: int, lora_name: str | None = None) -> None:
         self.metrics = metrics
         self.n = n
+        self.lora_labels = None if lora_name is None else (*metrics.labels, lora_name)
         self.start = time.time()  # the arrival, should an output carry no metrics
         self.last: dict[int, float] = {}  # completion index -> when its last token came
         self.generated: dict[int, int] = {}  # completion index -> tokens so far
@@ -169,12 +177,16 @@ class RequestTracker:
                     m.itl.labels(*labels).observe(now - self.last[i])
                     m.tpot.labels(*labels).observe(now - self.last[i])
                 m.generation_tokens.labels(*labels).inc(new_tokens)
+                if self.lora_labels is not None:
+                    m.lora_generation_tokens.labels(*self.lora_labels).inc(new_tokens)
                 self.generated[i] = self.generated.get(i, 0) + new_tokens
                 self.last[i] = now
             if completion.finish_reason is not None and i not in self.finished:
                 self.finished.add(i)
                 m.e2e.labels(*labels).observe(max(time.time() - arrival, 0.0))
                 m.request_success.labels(*labels, completion.finish_reason).inc()
+                if self.lora_labels is not None:
+                    m.lora_requests.labels(*self.lora_labels).inc()
                 m.request_prompt_tokens.labels(*labels).observe(
                     len(output.prompt_token_ids))
                 m.request_generation_tokens.labels(*labels).observe(self.generated.get(i, 0))

@@ -35,6 +35,10 @@ class ServerOptions:
     max_response_entries: int = MAX_RESPONSE_ENTRIES  # a larger request is a 400
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: str | None = None  # finds "auto" calls in the text (tool_parsers/)
+    # --lora-modules: (name, path, base_model_name) served from the start (lora_modules.py)
+    lora_modules: tuple[tuple[str, str, str | None], ...] = ()
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
 
 
 def dev_mode_from_env(environ: Mapping[str, str]) -> bool:

@@ -92,7 +92,9 @@ def vllm_config(args: EngineArgs, info: EngineInfo, served_model_name: str
             "enable_in_reasoning": args.structured_outputs("enable_in_reasoning", False),
             "reasoning_parser": args.structured_outputs("reasoning_parser", None) or "",
         },
-        "lora_config": None,  # no adapters served (issue 42)
+        "lora_config": None if not args.enable_lora else {
+            "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
+            "max_cpu_loras": args.max_cpu_loras or args.max_loras},
         "speculative_config": None,
         "kv_transfer_config": None,
         "weight_transfer_config": (None if args.weight_transfer_config is None

@@ -31,9 +31,11 @@ from pagellm.frontend.server.api_models import (
 )
 from pagellm.frontend.server.edge import APIError, bad_request
 from pagellm.frontend.server.formatting import tokenizer_config, usage
+from pagellm.frontend.server.lora_modules import LoRAModules
 from pagellm.frontend.server.metrics import ServerMetrics
 from pagellm.frontend.server.options import ServerOptions
 from pagellm.frontend.server.template_sandbox import ChatTemplateSandbox, TemplateTimeout
+from pagellm.protocol.lora import LoRARequest
 
 logger = logging.getLogger("pagellm")
 
@@ -59,12 +61,15 @@ class OpenAIServing:
     subclasses."""
 
     def __init__(self, engine: AsyncLLM, options: ServerOptions, metrics: ServerMetrics,
-                 sandbox: ChatTemplateSandbox | None) -> None:
+                 sandbox: ChatTemplateSandbox | None, loras: LoRAModules | None = None) -> None:
+        """`loras`: the adapters served by name (shared by the routes; none: only the
+        base model)."""
         if options.trust_request_chat_template and sandbox is None:
             raise ValueError("trust_request_chat_template needs a ChatTemplateSandbox")
         self.engine = engine
         self.options = options
         self.name = options.served_model_name
+        self.loras = loras or LoRAModules(self.name)
         self.metrics = metrics
         self.sandbox = sandbox
         # chat_template_kwargs are template variables: names that are parameters of
@@ -81,10 +86,15 @@ class OpenAIServing:
             raise bad_request("this server was started with --skip-tokenizer-init")
         return self.engine.tokenizer
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for a name this
+        server does not serve."""
+        try:
+            return self.loras.resolve(model)
+        except KeyError:
+            served = ", ".join(f"`{n}`" for n in [self.name, *self.loras.served][:8])
             raise APIError(404, f"The model `{model}` does not exist (this server serves "
-                                f"`{self.name}`).", "NotFoundError", "model")
+                                f"{served}).", "NotFoundError", "model") from None
 
     def check_prompt_chars(self, name: str, chars: int) -> None:
         """Refuse text that cannot fit in max_model_len tokens before tokenizing it."""
@@ -180,8 +190,8 @@ class OpenAIServing:
         return list(ids)
 
     async def _process(self, prompts: list[Any], params: Any, request_id: str, priority: int,
-                       salt: str | None, add_special_tokens: bool = True
-                       ) -> list[ProcessedRequest]:
+                       salt: str | None, add_special_tokens: bool = True,
+                       lora_request: LoRARequest | None = None) -> list[ProcessedRequest]:
         """Validate every prompt before any starts (on the tokenizer thread); a bad one
         is a 400, and the ones after it are never tokenized. One HTTP request may not
         ask for more sequences than the engine runs at once. Without add_special_tokens
@@ -206,7 +216,7 @@ class OpenAIServing:
                     prompt = {"prompt": prompt} if isinstance(prompt, str) else dict(prompt)
                     prompt["cache_salt"] = salt
                 processed.append(self.engine.process(
-                    prompt, params, child_request_id(request_id, i), priority))
+                    prompt, params, child_request_id(request_id, i), priority, lora_request))
             return processed
 
         try:
@@ -236,7 +246,9 @@ class OpenAIServing:
             asyncio.Queue()
 
         async def pump(i: int, request: ProcessedRequest) -> None:
-            tracker = self.metrics.tracker(request.params.n)
+            lora = request.engine_requests[0].lora_request
+            tracker = self.metrics.tracker(request.params.n,
+                                           None if lora is None else lora.lora_name)
             try:
                 async for output in self.engine.stream(request):
                     tracker.observe(output)

@@ -34,7 +34,7 @@ class OpenAIServingChat(OpenAIServing):
     """The /v1/chat/completions handler."""
 
     async def chat(self, body: ChatCompletionRequest) -> Any:
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         try:
             body.check_supported()
             top = (body.top_logprobs or 0) if body.logprobs else None
@@ -57,9 +57,10 @@ class OpenAIServingChat(OpenAIServing):
             body.tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         processed = await self._process([{"prompt_token_ids": prompt_ids}], params,
-                                        request_id, body.priority, body.cache_salt)
+                                        request_id, body.priority, body.cache_salt,
+                                        lora_request=lora)
         header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                  "model": self.name}
+                  "model": self.name if lora is None else lora.lora_name}
         if body.stream:
             return self._stream_chat(processed, header, body, mode, thinking)
         final = None

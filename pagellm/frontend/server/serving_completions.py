@@ -31,7 +31,7 @@ class OpenAIServingCompletion(OpenAIServing):
     """The /v1/completions handler."""
 
     async def completions(self, body: CompletionRequest) -> Any:
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         try:
             body.check_supported()
             prompts = body.prompts()
@@ -47,10 +47,10 @@ class OpenAIServingCompletion(OpenAIServing):
         texts = [p if isinstance(p, str) else None for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         processed = await self._process(prompts, params, request_id, body.priority,
-                                        body.cache_salt, body.add_special_tokens)
+                                        body.cache_salt, body.add_special_tokens, lora)
         created = int(time.time())
         header = {"id": request_id, "object": "text_completion", "created": created,
-                  "model": self.name}
+                  "model": self.name if lora is None else lora.lora_name}
         if body.stream:
             return self._stream_completions(processed, header, body)
         finals: dict[int, RequestOutput] = {}
