@@ -14,7 +14,12 @@ It prints the mean reward (it rises) and the largest difference between the engi
 logprobs of the sampled tokens and the trainer's own for the same tokens (the
 rollout/training mismatch; fp32: at most 1e-4). The last line is a JSON summary.
 
-    python examples/rl_rollout.py [--iterations 12]
+With --lora R the trainer trains a rank-R LoRA adapter (PEFT) instead of the weights,
+and only the adapter travels: it sends PEFT's in-memory state dict back, and the engine
+replaces its "policy" adapter in place (`add_lora(TensorLoRARequest(...))`, through
+shared memory, no file, no sleep); rollouts run with that adapter.
+
+    python examples/rl_rollout.py [--iterations 12] [--lora 8]
 """
 
 from __future__ import annotations
@@ -37,10 +42,12 @@ def reward(token_ids: list[int]) -> float:
     return sum(t % 2 == 0 for t in token_ids) / len(token_ids)
 
 
-def trainer(model_dir: str, init_info: dict[str, Any], conn: Connection, lr: float) -> None:
-    """The trainer process: rank 0 of the weight-transfer group. Per iteration it gets
-    the rollouts, reports its logprobs' mismatch with the engine's, takes one policy
-    gradient step, and broadcasts the new weights."""
+def trainer(model_dir: str, init_info: dict[str, Any] | None, conn: Connection, lr: float,
+            lora_rank: int = 0) -> None:
+    """The trainer process: rank 0 of the weight-transfer group (or, with a LoRA rank,
+    the owner of a PEFT adapter). Per iteration it gets the rollouts, reports its
+    logprobs' mismatch with the engine's, takes one policy gradient step, and broadcasts
+    the new weights (or sends the adapter's tensors back)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -48,8 +55,20 @@ def trainer(model_dir: str, init_info: dict[str, Any], conn: Connection, lr: flo
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    group = trainer_init(init_info)  # waits for the engine to join
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+        model = get_peft_model(model, LoraConfig(
+            r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj"]))
+        conn.send((model.peft_config["default"].to_dict(),
+                   dict(get_peft_model_state_dict(model))))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    # An adapter starts at zero (B = 0) and learns slowly under SGD: Adam, as LoRA
+    # recipes train it.
+    optimizer = torch.optim.Adam(trained, lr=lr) if lora_rank else torch.optim.SGD(trained, lr=lr)
+    group = trainer_init(init_info) if init_info is not None else None  # waits for it
     while True:
         batch = conn.recv()
         if batch is None:
@@ -68,6 +87,10 @@ def trainer(model_dir: str, init_info: dict[str, Any], conn: Connection, lr: flo
         optimizer.zero_grad()
         torch.stack(losses).mean().backward()
         optimizer.step()
+        if group is None:  # LoRA: the adapter's tensors are all that travels
+            conn.send((mismatch, {name: t.detach().clone() for name, t in
+                                  get_peft_model_state_dict(model).items()}))
+            continue
         weights = [(name, p.detach()) for name, p in model.state_dict().items()]
         conn.send((mismatch, update_info_for(weights)))
         conn.recv()  # the engine is inside update_weights: broadcast now
@@ -77,8 +100,16 @@ def trainer(model_dir: str, init_info: dict[str, Any], conn: Connection, lr: flo
 def main() -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=12)
-    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--lr", type=float, default=None,
+                        help="learning rate (default: 0.5, SGD on the weights; 0.05, "
+                             "Adam on a LoRA adapter)")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="train a LoRA adapter of this rank instead of the weights")
     ns = parser.parse_args()
+    if ns.lr is None:
+        ns.lr = 0.05 if ns.lora else 0.5
+    if ns.lora:
+        return lora_main(ns)
 
     from pagellm import LLM, SamplingParams
     from pagellm.demo.model import demo_model_dir
@@ -118,6 +149,55 @@ def main() -> dict[str, Any]:
             llm.update_weights({"update_info": update_info})
             llm.finish_weight_update(weight_version=str(iteration + 1))
             llm.wake_up(tags=["kv_cache"])
+            print(f"iteration {iteration:2d}: mean reward {rewards[-1]:.3f}, "
+                  f"max |engine - trainer| logprob {mismatch:.2e}", flush=True)
+    here.send(None)
+    trainer_process.join(30)
+    summary = {"first_reward": rewards[0], "last_reward": rewards[-1],
+               "max_mismatch": max(mismatches)}
+    print(json.dumps(summary))
+    return summary
+
+
+def rollouts(llm: Any, iteration: int, lora_request: Any = None
+             ) -> list[tuple[list[int], list[int], list[float], float]]:
+    """n samples per prompt: (prompt, tokens, the engine's logprobs of them, reward)."""
+    from pagellm import SamplingParams
+
+    params = SamplingParams(n=N_SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS,
+                            logprobs=0, seed=iteration)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                           use_tqdm=False, lora_request=lora_request)
+    return [(out.prompt_token_ids, c.token_ids,
+             [position[t].logprob for t, position in zip(c.token_ids, c.logprobs,
+                                                         strict=True)],
+             reward(c.token_ids)) for out in outputs for c in out.outputs]
+
+
+def lora_main(ns: argparse.Namespace) -> dict[str, Any]:
+    """The loop with a LoRA policy: the adapter, not the weights, goes to the engine."""
+    from pagellm import LLM, LoRARequest
+    from pagellm.demo.model import demo_model_dir
+    from pagellm.protocol.lora import TensorLoRARequest
+
+    model_dir = str(demo_model_dir())
+    here, there = multiprocessing.get_context("spawn").Pipe()
+    trainer_process = multiprocessing.get_context("spawn").Process(
+        target=trainer, args=(model_dir, None, there, ns.lr, ns.lora), daemon=True)
+    trainer_process.start()
+    rewards, mismatches = [], []
+    policy = LoRARequest("policy", 1)
+    with LLM(model_dir, enable_lora=True, max_lora_rank=ns.lora,
+             kv_cache_memory_bytes=16 * 2**20) as llm:
+        peft_config, tensors = here.recv()
+        for iteration in range(ns.iterations):
+            llm.add_lora(TensorLoRARequest("policy", 1, peft_config=peft_config,
+                                           lora_tensors=tensors))
+            batch = rollouts(llm, iteration, policy)
+            rewards.append(statistics.mean(r for *_, r in batch))
+            here.send(batch)
+            mismatch, tensors = here.recv()
+            mismatches.append(mismatch)
             print(f"iteration {iteration:2d}: mean reward {rewards[-1]:.3f}, "
                   f"max |engine - trainer| logprob {mismatch:.2e}", flush=True)
     here.send(None)

@@ -184,6 +184,24 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_caching(
     assert sum(len(set(t)) for t in _tokens(first)) > 4 * len(first)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3"])
+def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make_llm):
+    """Tensor parallelism 2: each rank holds half of the heads (gemma3's one KV head on
+    both), of the MLP and of the vocabulary, and of Phi-3's fused tensors; greedy tokens
+    past the window equal one rank's and transformers', logprobs within 1e-4."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
+    one = make_llm(family_dirs[name]).generate(GREEDY_PROMPTS, params, use_tqdm=False)
+    two = make_llm(family_dirs[name], tensor_parallel_size=2).generate(
+        GREEDY_PROMPTS, params, use_tqdm=False)
+    assert _tokens(two) == _tokens(one)
+    _assert_transformers_greedy(hf_models(name), two)
+    for a, b in zip(one, two, strict=True):
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            assert all(abs(lp.logprob - lb[t].logprob) < 1e-4 for t, lp in la.items())
+
+
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope"])
 def test_bf16_logprobs_track_transformers(name, family_dirs, make_llm):
     """bf16: every prompt and sampled token's logprob within 1.5x transformers' own bf16

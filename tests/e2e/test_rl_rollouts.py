@@ -32,12 +32,14 @@ def test_the_roll_guide_configuration_works_as_written(big_config):
 
 
 @pytest.mark.slow
-def test_the_rl_rollout_example_raises_the_reward_with_matching_logprobs():
+@pytest.mark.parametrize("flags", [[], ["--lora", "8"]], ids=["weights", "lora"])
+def test_the_rl_rollout_example_raises_the_reward_with_matching_logprobs(flags):
     """examples/rl_rollout.py end to end: generate, sleep, train (another process),
-    push over the nccl backend, wake; the reward rises and the engine's logprobs of the
-    sampled tokens equal the trainer's within 1e-4 (fp32)."""
+    push over the nccl backend, wake; or (--lora) train a PEFT adapter and replace the
+    engine's adapter from its tensors in memory each round. The reward rises and the
+    engine's logprobs of the sampled tokens equal the trainer's within 1e-4 (fp32)."""
     result = subprocess.run([sys.executable, str(ROOT / "examples/rl_rollout.py"),
-                             "--iterations", "6"], capture_output=True, text=True,
+                             "--iterations", "6", *flags], capture_output=True, text=True,
                             timeout=600, check=True)
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["last_reward"] > summary["first_reward"] + 0.2, summary
