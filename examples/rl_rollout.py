@@ -111,7 +111,7 @@ def main() -> dict[str, Any]:
     if ns.lora:
         return lora_main(ns)
 
-    from pagellm import LLM, SamplingParams
+    from pagellm import LLM
     from pagellm.demo.model import demo_model_dir
 
     model_dir = str(demo_model_dir())
@@ -129,15 +129,7 @@ def main() -> dict[str, Any]:
              kv_cache_memory_bytes=16 * 2**20) as llm:
         llm.init_weight_transfer_engine({"init_info": init_info})
         for iteration in range(ns.iterations):
-            params = SamplingParams(n=N_SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS,
-                                    logprobs=0, seed=iteration)
-            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
-                                   use_tqdm=False)
-            batch = [(out.prompt_token_ids, c.token_ids,
-                      [position[t].logprob for t, position in zip(c.token_ids, c.logprobs,
-                                                                  strict=True)],
-                      reward(c.token_ids))
-                     for out in outputs for c in out.outputs]
+            batch = rollouts(llm, iteration)
             rewards.append(statistics.mean(r for *_, r in batch))
             llm.sleep(level=2)  # the trainer has the machine
             here.send(batch)
@@ -149,8 +141,18 @@ def main() -> dict[str, Any]:
             llm.update_weights({"update_info": update_info})
             llm.finish_weight_update(weight_version=str(iteration + 1))
             llm.wake_up(tags=["kv_cache"])
-            print(f"iteration {iteration:2d}: mean reward {rewards[-1]:.3f}, "
-                  f"max |engine - trainer| logprob {mismatch:.2e}", flush=True)
+            report(iteration, rewards[-1], mismatch)
+    return finish(here, trainer_process, rewards, mismatches)
+
+
+def report(iteration: int, mean_reward: float, mismatch: float) -> None:
+    print(f"iteration {iteration:2d}: mean reward {mean_reward:.3f}, "
+          f"max |engine - trainer| logprob {mismatch:.2e}", flush=True)
+
+
+def finish(here: Connection, trainer_process: Any, rewards: list[float],
+           mismatches: list[float]) -> dict[str, Any]:
+    """Stop the trainer; print and return the run's JSON summary."""
     here.send(None)
     trainer_process.join(30)
     summary = {"first_reward": rewards[0], "last_reward": rewards[-1],
@@ -198,14 +200,8 @@ def lora_main(ns: argparse.Namespace) -> dict[str, Any]:
             here.send(batch)
             mismatch, tensors = here.recv()
             mismatches.append(mismatch)
-            print(f"iteration {iteration:2d}: mean reward {rewards[-1]:.3f}, "
-                  f"max |engine - trainer| logprob {mismatch:.2e}", flush=True)
-    here.send(None)
-    trainer_process.join(30)
-    summary = {"first_reward": rewards[0], "last_reward": rewards[-1],
-               "max_mismatch": max(mismatches)}
-    print(json.dumps(summary))
-    return summary
+            report(iteration, rewards[-1], mismatch)
+    return finish(here, trainer_process, rewards, mismatches)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from pagellm.protocol.lora import LoRARequest
 from pagellm.protocol.utility import WeightUpdate
 
@@ -77,7 +79,8 @@ class LoRARegistry:
             self.generation[lora_id] += 1
         else:
             self.generation.setdefault(lora_id, 0)
-        self.adapters[lora_id] = msgspec_replace(lora)
+        # As kept: load_inplace is what one call asked for, not the adapter's.
+        self.adapters[lora_id] = msgspec.structs.replace(lora, load_inplace=False)
 
     def remove(self, lora_int_id: int) -> bool:
         if lora_int_id not in self.adapters:
@@ -89,9 +92,3 @@ class LoRARegistry:
 
     def ids(self) -> list[int]:
         return sorted(self.adapters)
-
-
-def msgspec_replace(lora: LoRARequest) -> LoRARequest:
-    """`lora` as kept: load_inplace is what a request asked for once, not the adapter's."""
-    return LoRARequest(lora.lora_name, lora.lora_int_id, lora.lora_path,
-                       lora.base_model_name)

@@ -11,11 +11,11 @@ not set. `max_new_tokens` caps max_tokens. `generation_config="vllm"` turns it o
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from pagellm.protocol.sampling_params import SamplingParams
+from pagellm.protocol.validation import read_json_object
 
 # generation_config.json's name -> SamplingParams' (vLLM's list).
 FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -29,15 +29,7 @@ def read_generation_config(directory: str | Path) -> dict[str, Any] | None:
     path = Path(directory) / "generation_config.json"
     if not path.is_file():
         return None
-    if path.stat().st_size > MAX_FILE_BYTES:
-        raise ValueError(f"{path} is larger than {MAX_FILE_BYTES} bytes")
-    try:
-        config = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return config
+    return read_json_object(path, MAX_FILE_BYTES)
 
 
 def generation_eos_token_ids(model_dir: str) -> list[int]:

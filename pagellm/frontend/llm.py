@@ -129,29 +129,13 @@ class LLM:
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompt_list)
-        elif not isinstance(sampling_params, (list, tuple)):
-            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
-                            f"got {type(sampling_params).__name__}")
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(f"got {len(params_list)} sampling_params for "
-                                 f"{len(prompt_list)} prompts; pass one, or one per prompt")
+        params_list = _per_prompt(sampling_params, SamplingParams, "sampling_params",
+                                  "sampling_params", len(prompt_list))
         priorities = [0] * len(prompt_list) if priority is None else list(priority)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras: list[LoRARequest | None] = [lora_request] * len(prompt_list)
-        elif not isinstance(lora_request, (list, tuple)):
-            raise TypeError(f"lora_request must be a LoRARequest or a list of them, got "
-                            f"{type(lora_request).__name__}")
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompt_list):
-                raise ValueError(f"got {len(loras)} lora_requests for {len(prompt_list)} "
-                                 "prompts; pass one, or one per prompt")
+        loras = _per_prompt(lora_request, LoRARequest, "lora_request", "lora_requests",
+                            len(prompt_list))
         # Validate everything before sending anything: a bad prompt leaves no trace.
         requests = [self._process(p, sp, prio, lora) for p, sp, prio, lora in zip(
             prompt_list, params_list, priorities, loras, strict=True)]
@@ -461,6 +445,19 @@ def _engine_signature() -> inspect.Signature:
 
 
 LLM.__init__.__signature__ = _engine_signature()  # type: ignore[attr-defined]
+
+
+def _per_prompt(value: Any, kind: type, name: str, plural: str, prompts: int) -> list[Any]:
+    """One `kind` (or None) for every prompt, or a list or tuple with one per prompt."""
+    if value is None or isinstance(value, kind):
+        return [value] * prompts
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a {kind.__name__} or a list of them, got "
+                        f"{type(value).__name__}")
+    if len(value) != prompts:
+        raise ValueError(f"got {len(value)} {plural} for {prompts} prompts; pass one, or "
+                         "one per prompt")
+    return list(value)
 
 
 def _progress_bar(total: int) -> Any:

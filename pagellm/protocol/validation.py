@@ -106,6 +106,21 @@ def check_model_config(config: Any) -> None:
         raise ValueError(f"config.json: {e}") from None
 
 
+def read_json_object(path: Path, max_bytes: int) -> dict[str, Any]:
+    """A small JSON file a user or client points at (generation_config.json, a LoRA
+    adapter's config), bounded in size before it is read: a ValueError names the file
+    when it is too large, not JSON or not an object."""
+    if path.stat().st_size > max_bytes:
+        raise ValueError(f"{path} is larger than {max_bytes} bytes")
+    try:
+        value = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return value
+
+
 def load_model_config(directory: Path) -> Any:
     """`directory`'s config.json as transformers' config, checked twice: our bounds
     (`check_model_config`), then transformers' own checks. Either refusal is a

@@ -30,7 +30,6 @@ per-module ranks, embeddings, modules_to_save) is refused by name.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -41,9 +40,11 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from pagellm.executor.model.loader import iterate_safetensors
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.spec import DecoderSpec
 from pagellm.executor.model.weight_map import destination
+from pagellm.protocol.validation import read_json_object
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -142,16 +143,9 @@ class LoadedAdapter:
     rank: int
     modules: dict[str, ModuleLoRA]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
-
 
 def read_directory(path: str, max_rank: int) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
     """A PEFT adapter directory's config and tensors, checked (module doc)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     directory = Path(path)
     if not path or not directory.is_dir():
         raise ValueError(f"LoRA adapter {path!r} is not a directory")
@@ -161,18 +155,8 @@ def read_directory(path: str, max_rank: int) -> tuple[LoRAConfig, dict[str, torc
             extra = " (adapter_model.bin is not read: a pickle can run code)" \
                 if file is weights_file and (directory / "adapter_model.bin").exists() else ""
             raise ValueError(f"LoRA adapter {path!r} has no {file.name}{extra}")
-    if config_file.stat().st_size > MAX_CONFIG_BYTES:
-        raise ValueError(f"{config_file} is larger than {MAX_CONFIG_BYTES} bytes")
-    try:
-        raw = json.loads(config_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{config_file} is not JSON: {e}") from e
-    config = LoRAConfig.from_dict(raw, max_rank)
-    try:
-        tensors = load_file(str(weights_file))
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"cannot read the safetensors file {weights_file}: {e}") from e
-    return config, tensors
+    config = LoRAConfig.from_dict(read_json_object(config_file, MAX_CONFIG_BYTES), max_rank)
+    return config, dict(iterate_safetensors([weights_file]))
 
 
 def build(config: LoRAConfig, tensors: Iterable[tuple[str, torch.Tensor]],

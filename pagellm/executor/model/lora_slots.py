@@ -62,7 +62,3 @@ class LoRASlots:
             if width:
                 shrunk = torch.mm(x[start:end], self.a[slot, :width].t())  # [n, w]
                 y[start:end].addmm_(shrunk, self.b[slot, :, :width].t())
-
-    @property
-    def nbytes(self) -> int:
-        return self.a.nbytes + self.b.nbytes

@@ -18,6 +18,8 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 
+import msgspec
+
 from pagellm.protocol.lora import MAX_LORA_NAME_CHARS, LoRARequest
 
 RUNTIME_UPDATES_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -55,13 +57,10 @@ def parse_lora_modules(specs: Sequence[str]) -> list[tuple[str, str, str | None]
 
 
 class LoRAModules:
-    def __init__(self, base_name: str, modules: Sequence[tuple[str, str, str | None]] = ()
-                 ) -> None:
+    def __init__(self, base_name: str) -> None:
         self.base_name = base_name
         self.served: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
-        for name, path, base_model_name in modules:
-            self.add(name, path, base_model_name)
 
     def add(self, name: str, path: str, base_model_name: str | None = None,
             load_inplace: bool = False) -> LoRARequest:
@@ -77,14 +76,12 @@ class LoRAModules:
                              "replaces its weights)")
         if known is None and len(self.served) >= MAX_SERVED_LORAS:
             raise ValueError(f"{MAX_SERVED_LORAS} adapters are served: unload one first")
-        lora = LoRARequest(name, known.lora_int_id if known else next(self._ids), path,
+        return LoRARequest(name, known.lora_int_id if known else next(self._ids), path,
                            base_model_name or self.base_name, load_inplace=load_inplace)
-        return lora
 
     def commit(self, lora: LoRARequest) -> None:
         """`lora` (from `add`) is loaded in the engine: serve it."""
-        self.served[lora.lora_name] = LoRARequest(lora.lora_name, lora.lora_int_id,
-                                                  lora.lora_path, lora.base_model_name)
+        self.served[lora.lora_name] = msgspec.structs.replace(lora, load_inplace=False)
 
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); KeyError when
