@@ -13,6 +13,7 @@ Adapters are random (PEFT's file layout, written here: the engine reads only the
 tensors' names and shapes), on `--load-format dummy` base weights of a real config.
 
     python benchmarks/lora.py --model benchmarks/configs/smollm2-135m
+    python benchmarks/lora.py --device cuda --dtype bfloat16 --model benchmarks/configs/qwen2.5-1.5b
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, nargs=2, default=[32, 160])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: the Triton LoRA kernels, in the decode CUDA graphs")
     ns = parser.parse_args()
     config = json.loads((Path(ns.model) / "config.json").read_text())
     rng = random.Random(0)
@@ -98,7 +101,7 @@ def main() -> None:
                                            for i in range(len(prompts))]
         llm = LLM(ns.model, load_format="dummy", dtype=ns.dtype, enable_lora=True,
                   max_loras=ns.adapters, max_lora_rank=ns.rank, max_model_len=1024,
-                  multiprocess=False, skip_tokenizer_init=True)
+                  multiprocess=False, skip_tokenizer_init=True, device=ns.device)
         for lora in adapters:
             llm.add_lora(lora)
         timed(llm, prompts[:4], params[:4], loras[:4])  # warm-up
@@ -127,8 +130,8 @@ def main() -> None:
         llm.shutdown()
     base, lora = statistics.median(base_s), statistics.median(lora_s)
     b1, l1 = statistics.median(base1), statistics.median(lora1)
-    print(f"model {ns.model} ({ns.dtype}), {ns.adapters} adapters of rank {ns.rank} on "
-          f"every projection, torch threads {torch.get_num_threads()}")
+    print(f"model {ns.model} ({ns.dtype}, {ns.device}), {ns.adapters} adapters of rank "
+          f"{ns.rank} on every projection, torch threads {torch.get_num_threads()}")
     print(f"offline {ns.num_prompts} requests, {tokens} output tokens: base {base:.2f} s "
           f"({tokens / base:.1f} tok/s), LoRA {lora:.2f} s ({tokens / lora:.1f} tok/s): "
           f"LoRA/base throughput {base / lora:.3f}   (runs: base {base_s}, lora {lora_s})")

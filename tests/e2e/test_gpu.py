@@ -160,3 +160,40 @@ def test_structured_outputs_on_the_gpu_with_and_without_graphs(model_dirs, make_
         assert outs[4].outputs[0].token_ids == alone
         results.append([o.outputs[0].token_ids for o in outs])
     assert results[0] == results[1]
+
+
+def test_lora_on_the_gpu_with_and_without_graphs(model_dirs, make_llm, tmp_path):
+    """Issue 42 on CUDA: the Triton shrink/expand kernels (kernels/triton_lora.py) in
+    mixed batches of three adapters and the base model, through the decode graphs and
+    eagerly: every token is transformers + PEFT's merged model's greedy choice, and a
+    base-model batch after the adapters (graphs replayed on empty runs) is the base
+    model's."""
+    from peft_adapters import argmax_along, make_adapter, merged
+
+    from pagellm import LoRARequest
+
+    base = model_dirs["llama"]
+    targets = {"qv": ["q_proj", "v_proj"], "o_down": ["o_proj", "down_proj"],
+               "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj"]}
+    paths = {name: make_adapter(base, tmp_path / name, t, 8, seed)
+             for seed, (name, t) in enumerate(targets.items())}
+    references = {None: merged(base, None)} | {n: merged(base, p) for n, p in paths.items()}
+    names = ["qv", None, "o_down", "all", None, "qv", "all"]
+    requests = [None if n is None else LoRARequest(n, list(paths).index(n) + 1, str(paths[n]))
+                for n in names]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    for enforce_eager in (False, True):
+        llm = make_llm(base, device="cuda", dtype="float32", kv_cache_memory_bytes=64 * 2**20,
+                       enable_lora=True, max_loras=3, max_lora_rank=8,
+                       enforce_eager=enforce_eager)
+        runner = llm.engine_core.core.executor.runner
+        assert (runner.graphs is None) == enforce_eager and runner.lora.batch.kernels
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+        for batch in (names, [None] * len(names)):
+            outputs = llm.generate(prompts, params, use_tqdm=False,
+                                   lora_request=requests if batch is names else None)
+            for out, name in zip(outputs, batch, strict=True):
+                ours = out.outputs[0].token_ids
+                assert argmax_along(references[name], out.prompt_token_ids, ours) == ours, \
+                    (name, enforce_eager)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PROMPTS
+from conftest import PROMPTS, runs_triton_kernels
 from peft_adapters import argmax_along, make_adapter, merged
 
 from pagellm import LoRARequest, SamplingParams
@@ -287,6 +287,48 @@ def test_tensor_parallel_2_equals_peft(model_dirs, adapters, references, make_ll
     outputs = llm.generate([PROMPTS[i] for i in range(len(names))], GREEDY, use_tqdm=False,
                            lora_request=[lora(adapters, n) for n in names])
     check(outputs, names, references)
+
+
+@runs_triton_kernels
+@pytest.mark.slow
+def test_the_triton_kernels_on_the_graph_path_equal_peft(model_dirs, adapters, references,
+                                                         make_llm, monkeypatch):
+    """The CUDA path on the CPU (Triton's interpreter): every projection's update in
+    two grouped launches (kernels/triton_lora.py), prompts eagerly, and decode steps
+    through the CUDA-graph forward pass on the persistent buffers, padded up the ladder
+    (six requests of four adapters and the base model at size 8), reading each step's
+    runs from the step buffer. Base-model steps replay the same forward pass, on the
+    empty runs they stage."""
+    from eager_replay import EagerReplay
+
+    from pagellm.kernels import triton_lora
+
+    llm = make_llm(model_dirs["llama"], enable_lora=True, max_loras=4, max_lora_rank=MAX_RANK,
+                   dtype="float32", attention_backend="triton", max_num_seqs=8)
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
+    assert runner.lora.batch.kernels
+    launches = []
+    lora_add = triton_lora.lora_add
+
+    def counting(x, *args, **kwargs):
+        launches.append(x.shape[0])
+        lora_add(x, *args, **kwargs)
+
+    monkeypatch.setattr(triton_lora, "lora_add", counting)
+    runner.stage_padding(8)  # what graphs are captured on: no runs
+    assert not runner.buffers.host["lora_runs"].any()
+    graphs = EagerReplay([1, 2, 4, 8], runner._decode_forward)
+    runner.graphs = graphs
+    names: list[str | None] = ["qv", "all", None, "o_down", "k_gate_up", None]
+    outputs = llm.generate([PROMPTS[i] for i in range(len(names))], GREEDY, use_tqdm=False,
+                           lora_request=[lora(adapters, n) for n in names])
+    check(outputs, names, references)
+    assert 8 in graphs.replayed and 8 in launches  # decodes of all six, padded
+    replayed = len(graphs.replayed)
+    # After the adapters: a graph step with no runs must not apply the last ones.
+    base = llm.generate([PROMPTS[i] for i in range(len(names))], GREEDY, use_tqdm=False)
+    check(base, [None] * len(names), references)
+    assert len(graphs.replayed) > replayed
 
 
 def test_phi3_fused_projections_take_adapters_of_its_own_names(tmp_path, make_llm):

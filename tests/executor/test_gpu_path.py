@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import PROMPTS, runs_triton_kernels
+from eager_replay import EagerReplay
 
 from pagellm import SamplingParams
 from pagellm.executor.executor import cuda_kv_cache_budget
 from pagellm.executor.model.attention import num_kv_segments
-from pagellm.executor.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from pagellm.executor.worker.cuda_graphs import capture_sizes
 from pagellm.executor.worker.step_buffers import StepBuffers
 from pagellm.kernels import reference
 from pagellm.kernels import triton_attention as tk
@@ -85,21 +86,6 @@ def test_padding_rows_attend_to_nothing_and_stay_finite(segments):
     expected = reference.paged_attention(q[:1], cache, tables[:1], [0, 1], [41], dim ** -0.5)
     torch.testing.assert_close(out[:1], expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[1:], torch.zeros_like(out[1:]))
-
-
-class EagerReplay(DecodeGraphs):
-    """Stands in for the captured graphs on the CPU: `replay` runs the very forward
-    pass a graph records, on the persistent buffers, at the padded size."""
-
-    def __init__(self, sizes: list[int], forward) -> None:
-        super().__init__(sizes)
-        self.forward = forward
-        self.replayed: list[int] = []
-        self._graphs = {size: None for size in sizes}  # type: ignore[misc]
-
-    def replay(self, size: int):
-        self.replayed.append(size)
-        return self.forward(size)
 
 
 @runs_triton_kernels

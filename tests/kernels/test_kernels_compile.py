@@ -85,6 +85,19 @@ def test_kernels_compile_for_hopper_and_ampere_without_spills():
     rotary = [r for r in rows if r["kernel"] == "_rotary_kernel"
               and (r["arch"] == 90 or r["case"]["dtype"] != "torch.bfloat16")]
     assert len(rotary) == 20 and all(r["fma"] == 0 for r in rotary), rotary
+    # LoRA shrink/expand (Llama-3-8B's qkv and down): fp32 and bf16 at every row tile
+    # (16, 32, 64), fp16 at decode, expand summing every split (1, 4 and 8 ways).
+    lora = {(r["kernel"], r["arch"], r["case"]["dtype"], r["constexprs"]["BLOCK_M"])
+            for r in rows if r["kernel"].startswith("_lora")}
+    splits = {(r["arch"], r["constexprs"]["SPLIT_K"]) for r in rows
+              if r["kernel"] == "_lora_expand_kernel"}
+    for arch in (90, 80):
+        for kernel in ("_lora_shrink_kernel", "_lora_expand_kernel"):
+            for dtype in ("torch.float32", "torch.bfloat16"):
+                for block_m in ("16", "32", "64"):
+                    assert (kernel, arch, dtype, block_m) in lora
+            assert (kernel, arch, "torch.float16", "16") in lora
+        assert {(arch, "1"), (arch, "4"), (arch, "8")} <= splits, splits
     spilled = [r for r in rows if r["local"] > 0]
     assert not spilled, spilled
     # Dynamic shared memory per program: an A100 gives a block up to 163 KiB, an H100

@@ -33,6 +33,7 @@ from triton.compiler import ASTSource
 
 from pagellm.kernels import triton_attention as ta
 from pagellm.kernels import triton_fused as tf
+from pagellm.kernels import triton_lora as tlo
 from pagellm.kernels import triton_moe as tm
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
@@ -139,7 +140,21 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
     cases.append(("moe", dict(QWEN3_MOE, dtype=torch.bfloat16, tokens=512)))
     cases.append(("moe", dict(MIXTRAL_MOE, dtype=torch.float32, tokens=256)))
     cases.append(("moe", dict(QWEN3_MOE, dtype=torch.bfloat16, tokens=7, ids=torch.int64)))
+    # LoRA shrink/expand at rank 16 on Llama-3-8B's fused qkv (4096 -> 6144, three
+    # parts): decode (1 row, K split 4 ways), 64 rows (the last split size, 32-row
+    # tiles) and a 512-row prompt chunk (64-row tiles, no split); its down projection
+    # (14336 -> 4096) at decode (split 8 ways); fp16 at decode, rank 64 once.
+    for dtype in (torch.float32, torch.bfloat16):
+        for tokens in (1, 64, 512):
+            cases.append(("lora", dict(LLAMA3_QKV, dtype=dtype, tokens=tokens, max_rank=16)))
+        cases.append(("lora", dict(LLAMA3_DOWN, dtype=dtype, tokens=1, max_rank=16)))
+    cases.append(("lora", dict(LLAMA3_QKV, dtype=torch.float16, tokens=1, max_rank=16)))
+    cases.append(("lora", dict(LLAMA3_QKV, dtype=torch.bfloat16, tokens=8, max_rank=64)))
     return cases
+
+
+LLAMA3_QKV = dict(model="llama3-8b-qkv", in_features=4096, out_features=6144, parts=3)
+LLAMA3_DOWN = dict(model="llama3-8b-down", in_features=14336, out_features=4096, parts=1)
 
 
 QWEN3_MOE = dict(model="qwen3-30b-a3b", hidden=2048, inter=768, experts=128, top_k=8)
@@ -164,6 +179,16 @@ def _launch(kind: str, p: dict[str, Any]) -> None:
         routing = torch.empty(p["tokens"], p["top_k"], device=meta)
         tm.fused_moe(x, w13, w2, routing,
                      torch.empty_like(routing, dtype=p.get("ids", torch.int32)))
+        return
+    if kind == "lora":
+        slots, width = 4, p["parts"] * p["max_rank"]
+        x = torch.empty(p["tokens"], p["in_features"], dtype=p["dtype"], device=meta)
+        y = torch.empty(p["tokens"], p["out_features"], dtype=p["dtype"], device=meta)
+        tlo.lora_add(x, y, torch.empty(slots, width, p["in_features"], dtype=p["dtype"],
+                                       device=meta),
+                     torch.empty(slots, p["out_features"], width, dtype=p["dtype"], device=meta),
+                     torch.empty(slots, dtype=torch.int32, device=meta),
+                     torch.empty(slots, 3, dtype=torch.int32, device=meta))
         return
     if kind == "rotary":
         x = torch.empty(7, p["heads"] + 4, p["head_dim"], dtype=p["dtype"], device=meta)
@@ -194,7 +219,8 @@ def main() -> None:
         (ta, "_merge_segments_kernel"), (tf, "_rms_norm_kernel"),
         (tf, "_silu_and_mul_kernel"), (tf, "_rotary_kernel"),
         (tm, "_moe_align_count_kernel"), (tm, "_moe_align_place_kernel"),
-        (tm, "_moe_gate_up_kernel"), (tm, "_moe_down_kernel"))}
+        (tm, "_moe_gate_up_kernel"), (tm, "_moe_down_kernel"),
+        (tlo, "_lora_shrink_kernel"), (tlo, "_lora_expand_kernel"))}
     for (module, name), recorder in recorders.items():
         setattr(module, name, recorder)
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"compile_kernels_{os.getpid()}"

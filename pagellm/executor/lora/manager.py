@@ -57,11 +57,15 @@ class _Source:
 
 class LoRAManager:
     def __init__(self, model: nn.Module, spec: DecoderSpec, tp: TensorParallel,
-                 settings: LoRASettings, dtype: torch.dtype, device: torch.device) -> None:
+                 settings: LoRASettings, dtype: torch.dtype, device: torch.device,
+                 kernels: bool = False) -> None:
+        """`kernels`: compute with the Triton kernels (lora_slots.py), as the model
+        runner does wherever its attention runs Triton's."""
         self.spec, self.tp, self.dtype = spec, tp, dtype
         max_loras, max_rank = settings.max_loras, settings.max_rank
+        self.max_loras = max_loras
         self.max_rank, self.max_cpu_loras = max_rank, settings.max_cpu_loras
-        self.batch = LoRABatch()
+        self.batch = LoRABatch(kernels)
         parts: dict[str, int] = {}
         for target in targets(spec).values():
             parts[target.module] = max(parts.get(target.module, 0), target.part + 1)

@@ -17,6 +17,14 @@ all-reduce, which sums the ranks' partial updates as it sums their partial produ
 
 two thin GEMMs per adapter in the step (shrink to the rank, expand back), in place; a
 step of the base model alone has no runs and costs nothing.
+
+Where the model runs the Triton kernels (CUDA, or the CPU's interpreter for tests:
+`LoRABatch.kernels`), the same update takes two launches per projection for all the
+step's adapters (kernels/triton_lora.py), reading the runs from `device_runs` (a step
+buffer the input preparer fills) and each slot's width from `device_widths`, never from
+the host. Their shapes are fixed, so a decode step's CUDA graph records them: a graph
+is captured with `launch` on, and each replay reads that step's runs (none: every
+program returns at once).
 """
 
 from __future__ import annotations
@@ -28,8 +36,12 @@ class LoRABatch:
     """The step's runs of rows by adapter slot, set by the model runner before each
     forward pass (empty: no adapter in the step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: bool) -> None:
         self.runs: list[tuple[int, int, int]] = []  # (slot, start row, end row)
+        self.kernels = kernels  # the Triton kernels, on `device_runs` (module doc)
+        # [max_loras, 3] int32: `runs`, staged on the device, unused rows (0, 0, 0).
+        self.device_runs: torch.Tensor | None = None
+        self.launch = False  # kernels: this forward pass runs them (runs, or a capture)
 
 
 class LoRASlots:
@@ -43,21 +55,29 @@ class LoRASlots:
         self.a = torch.zeros(slots, parts * max_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(slots, out_features, parts * max_rank, dtype=dtype, device=device)
         self.widths = [0] * slots  # rows of a (columns of b) slot s uses
+        self.device_widths = torch.zeros(slots, dtype=torch.int32, device=device)  # [slots]
 
     def put(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Write an adapter's update into `slot` (a [w, in], b [out, w]); None: the
         adapter leaves this projection alone (width 0)."""
-        if a is None or b is None:
-            self.widths[slot] = 0
-            return
-        width = a.shape[0]
-        self.a[slot, :width].copy_(a, non_blocking=True)
-        self.b[slot, :, :width].copy_(b, non_blocking=True)
+        width = 0 if a is None or b is None else a.shape[0]
+        if a is not None and b is not None:
+            self.a[slot, :width].copy_(a, non_blocking=True)
+            self.b[slot, :, :width].copy_(b, non_blocking=True)
         self.widths[slot] = width
+        self.device_widths[slot] = width  # in place: graphs hold its address
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y [T, out] += this step's adapters' updates of x [T, in], run by run."""
-        for slot, start, end in self.batch.runs:
+        batch = self.batch
+        if batch.kernels:
+            if batch.launch:
+                from pagellm.kernels.triton_lora import lora_add
+
+                assert batch.device_runs is not None, "the runner stages the runs"
+                lora_add(x, y, self.a, self.b, self.device_widths, batch.device_runs)
+            return
+        for slot, start, end in batch.runs:
             width = self.widths[slot]
             if width:
                 shrunk = torch.mm(x[start:end], self.a[slot, :width].t())  # [n, w]

@@ -80,7 +80,8 @@ class ModelRunner:
                         if device.type == "cuda" else 0)
         self.model = load_model(model_config, device, self.tp, host_ranks)
         self.lora = None if lora is None else LoRAManager(
-            self.model, model_config.spec, self.tp, lora, model_config.dtype, device)
+            self.model, model_config.spec, self.tp, lora, model_config.dtype, device,
+            kernels=self.attention.name == "triton")
         self.sampler = Sampler(device, seed)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -88,7 +89,7 @@ class ModelRunner:
                                 model_config.vocab_size)
         tokens = max(max_num_batched_tokens, max_num_seqs)
         max_blocks = self.batch.block_table.shape[1]
-        self.buffers = StepBuffers(device, {
+        shapes = {
             "input_ids": ((tokens,), torch.int64), "positions": ((tokens,), torch.int64),
             "slot_mapping": ((tokens,), torch.int64),
             "block_tables": ((max_num_seqs, max_blocks), torch.int32),
@@ -97,7 +98,13 @@ class ModelRunner:
             "logits_indices": ((max_num_seqs,), torch.int64),
             "temperature": ((max_num_seqs,), torch.float32),
             "top_k": ((max_num_seqs,), torch.int64), "top_p": ((max_num_seqs,), torch.float32),
-            "min_p": ((max_num_seqs,), torch.float32)})
+            "min_p": ((max_num_seqs,), torch.float32)}
+        if self.lora is not None and self.lora.batch.kernels:  # (slot, start, end) runs
+            shapes["lora_runs"] = ((self.lora.max_loras, 3), torch.int32)
+        self.buffers = StepBuffers(device, shapes)
+        if "lora_runs" in shapes:
+            assert self.lora is not None
+            self.lora.batch.device_runs = self.buffers.device_buffers["lora_runs"]
         self.graphs: DecodeGraphs | None = None
         self.inputs = InputPreparer(self.batch, self.buffers, self.attention, block_size,
                                     max_num_seqs, self.num_kv_heads, self.num_sms,
@@ -184,12 +191,18 @@ class ModelRunner:
                            ("block_tables", 0), ("seq_lens", 0)):
             put(name, np.zeros(0, np.int64), fill, size)
         put("query_start_loc", np.arange(size + 1))
+        if "lora_runs" in self.buffers.host:  # no adapter runs
+            put("lora_runs", np.zeros((0, 3), np.int32), 0,
+                self.buffers.host["lora_runs"].shape[0])
         self.buffers.end_step()
 
     def _decode_forward(self, size: int) -> torch.Tensor:
         """The forward pass a decode graph records: `size` one-token requests read from
-        the step buffers -> hidden [size, H] (logits come after the graph)."""
+        the step buffers -> hidden [size, H] (logits come after the graph). A graph
+        always runs the LoRA kernels, on whatever runs its step staged (none: no work)."""
         buf = self.buffers.device_buffers
+        if self.lora is not None:
+            self.lora.batch.launch = True
         meta = AttentionMetadata(
             slot_mapping=buf["slot_mapping"][:size], block_tables=buf["block_tables"][:size],
             query_start_loc=buf["query_start_loc"][:size + 1], seq_lens=buf["seq_lens"][:size],

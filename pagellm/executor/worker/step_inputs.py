@@ -135,6 +135,8 @@ class InputPreparer:
         graph_size = graphs.padded_size(num_reqs) if graphs is not None and decode else None
         put = self.buffers.put
         self.buffers.begin_step()
+        if self.lora is not None and self.lora.batch.kernels:
+            self._stage_lora_runs()
         meta = AttentionMetadata(
             slot_mapping=put("slot_mapping", slot_mapping, -1, graph_size),
             block_tables=put("block_tables", block_tables, 0, graph_size),
@@ -157,6 +159,15 @@ class InputPreparer:
                               else cu[sampling] - 1),
                           sampling, rows if all_sample else rows[sampling], graph_size,
                           attention_plan_s)
+
+    def _stage_lora_runs(self) -> None:
+        """Copy the step's (slot, start, end) runs to the kernels' device buffer, every
+        step: a graph replays on whatever it holds (padding rows: (0, 0, 0), no run)."""
+        assert self.lora is not None
+        batch = self.lora.batch
+        batch.launch = bool(batch.runs)
+        self.buffers.put("lora_runs", np.array(batch.runs, np.int32).reshape(-1, 3), 0,
+                         self.lora.max_loras)
 
     def _order_by_adapter(self, req_ids: list[str], rows: np.ndarray, starts: np.ndarray
                           ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray | None]:

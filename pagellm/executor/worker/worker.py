@@ -88,10 +88,8 @@ class Worker:
                                         args.logprobs_mode, tp, self._host_ranks(),
                                         lora_settings(args))
         self.num_kv_blocks = 0
-        # (LoRA steps run eagerly for now: their runs of rows vary step to step.)
         self.use_cuda_graphs = (self.device.type == "cuda" and not args.enforce_eager
-                                and self.model_runner.attention.name == "triton"
-                                and not args.enable_lora)
+                                and self.model_runner.attention.name == "triton")
         self.enable_sleep_mode = args.enable_sleep_mode
         self.sleeping: set[str] = set()  # tags ("weights", "kv_cache") now freed
         self._weight_shapes = memory.shapes(self.model_runner.model)
