@@ -98,6 +98,15 @@ def test_kernels_compile_for_hopper_and_ampere_without_spills():
                     assert (kernel, arch, dtype, block_m) in lora
             assert (kernel, arch, "torch.float16", "16") in lora
         assert {(arch, "1"), (arch, "4"), (arch, "8")} <= splits, splits
+    # Weight-only int4 (both 16-bit dtypes, a decode row and a 256-row chunk) and int8.
+    quant_rows = {(r["arch"], r["case"]["dtype"], r["constexprs"]["BITS"],
+                   r["constexprs"]["BLOCK_M"])
+                  for r in rows if r["kernel"] == "_quant_matmul_kernel"}
+    for arch in (90, 80):
+        for dtype in ("torch.float16", "torch.bfloat16"):
+            for block_m in ("16", "64"):
+                assert (arch, dtype, "4", block_m) in quant_rows
+        assert (arch, "torch.bfloat16", "8", "16") in quant_rows
     spilled = [r for r in rows if r["local"] > 0]
     assert not spilled, spilled
     # Dynamic shared memory per program: an A100 gives a block up to 163 KiB, an H100

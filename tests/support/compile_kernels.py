@@ -35,6 +35,8 @@ from pagellm.kernels import triton_attention as ta
 from pagellm.kernels import triton_fused as tf
 from pagellm.kernels import triton_lora as tlo
 from pagellm.kernels import triton_moe as tm
+from pagellm.kernels import triton_quant as tqu
+from pagellm.kernels.quant import PackedWeight
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
           torch.int32: "i32", torch.int64: "i64"}
@@ -150,7 +152,21 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
         cases.append(("lora", dict(LLAMA3_DOWN, dtype=dtype, tokens=1, max_rank=16)))
     cases.append(("lora", dict(LLAMA3_QKV, dtype=torch.float16, tokens=1, max_rank=16)))
     cases.append(("lora", dict(LLAMA3_QKV, dtype=torch.bfloat16, tokens=8, max_rank=64)))
+    # Weight-only int4/int8 GEMM on Qwen2.5-1.5B's down projection (8960 -> 1536): a
+    # decode row (K split) and a 256-row chunk (64-row tiles), both dtypes, int8 once,
+    # fp32 with 64-wide groups once.
+    for dtype in (torch.float16, torch.bfloat16):
+        for tokens in (1, 256):
+            cases.append(("quant", dict(QWEN_DOWN, dtype=dtype, tokens=tokens, bits=4,
+                                        group_size=128)))
+    cases.append(("quant", dict(QWEN_DOWN, dtype=torch.bfloat16, tokens=1, bits=8,
+                                group_size=128)))
+    cases.append(("quant", dict(QWEN_DOWN, dtype=torch.float32, tokens=1, bits=4,
+                                group_size=64)))
     return cases
+
+
+QWEN_DOWN = dict(model="qwen2.5-1.5b-down", in_features=8960, out_features=1536)
 
 
 LLAMA3_QKV = dict(model="llama3-8b-qkv", in_features=4096, out_features=6144, parts=3)
@@ -190,6 +206,14 @@ def _launch(kind: str, p: dict[str, Any]) -> None:
                      torch.empty(slots, dtype=torch.int32, device=meta),
                      torch.empty(slots, 3, dtype=torch.int32, device=meta))
         return
+    if kind == "quant":
+        k, n, per_int = p["in_features"], p["out_features"], 32 // p["bits"]
+        groups = k // p["group_size"]
+        tqu.quant_matmul(torch.empty(p["tokens"], k, dtype=p["dtype"], device=meta), PackedWeight(
+            torch.empty(k // per_int, n, dtype=torch.int32, device=meta),
+            torch.empty(groups, n, dtype=p["dtype"], device=meta),
+            torch.empty(groups, n, dtype=p["dtype"], device=meta), p["bits"], p["group_size"]))
+        return
     if kind == "rotary":
         x = torch.empty(7, p["heads"] + 4, p["head_dim"], dtype=p["dtype"], device=meta)
         cos = torch.empty(7, 1, p["head_dim"], dtype=p["dtype"], device=meta)
@@ -220,7 +244,8 @@ def main() -> None:
         (tf, "_silu_and_mul_kernel"), (tf, "_rotary_kernel"),
         (tm, "_moe_align_count_kernel"), (tm, "_moe_align_place_kernel"),
         (tm, "_moe_gate_up_kernel"), (tm, "_moe_down_kernel"),
-        (tlo, "_lora_shrink_kernel"), (tlo, "_lora_expand_kernel"))}
+        (tlo, "_lora_shrink_kernel"), (tlo, "_lora_expand_kernel"),
+        (tqu, "_quant_matmul_kernel"))}
     for (module, name), recorder in recorders.items():
         setattr(module, name, recorder)
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"compile_kernels_{os.getpid()}"

@@ -1,0 +1,109 @@
+"""Weight-only integer quantization: the packed layout the GPU's fused-dequantize GEMM
+reads (kernels/triton_quant.py), round-to-nearest group-wise quantization into it, and
+its exact dequantization (the kernels' reference).
+
+A weight W [N, K] (nn.Linear's: out x in) of BITS = 4 or 8 bits is kept as
+
+    qweight [K / (32 / BITS), N] int32: 32 / BITS codes along K in each int32, code k
+            at bits BITS * (k % (32 / BITS)), unsigned (0 .. 2^BITS - 1)
+    scales  [K / G, N] the activations' dtype: one per group of G input columns
+    zeros   [K / G, N] the same dtype: each group's zero point, in codes
+
+    W[n, k] = (code[k, n] - zeros[k // G, n]) * scales[k // G, n]
+
+This is GPTQ's qweight layout (K-major, so a GEMM tile of K rows is K / 8 contiguous
+int32 rows), with the zero points unpacked: GPTQ, AWQ and compressed-tensors checkpoints
+all map onto it at load (their packings differ, their arithmetic does not), and zeros
+as floats cost as much as the scales while making symmetric (zeros = 2^(BITS-1)) and
+asymmetric schemes one code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """One weight in the layout above (module docstring)."""
+
+    qweight: torch.Tensor  # [K / (32 / bits), N] int32
+    scales: torch.Tensor  # [K / group_size, N]
+    zeros: torch.Tensor  # [K / group_size, N]
+    bits: int
+    group_size: int
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[0] * (32 // self.bits)
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[1]
+
+
+def check_shape(out_features: int, in_features: int, bits: int, group_size: int) -> None:
+    """Raise ValueError naming why a weight of this shape cannot take this scheme."""
+    if bits not in (4, 8):
+        raise ValueError(f"weight-only quantization takes 4 or 8 bits, not {bits}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, not {group_size}")
+    if in_features % group_size:
+        raise ValueError(f"in_features {in_features} is not a multiple of group_size "
+                         f"{group_size}")
+    if out_features < 1:
+        raise ValueError(f"out_features must be positive, not {out_features}")
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [K, N] integers in [0, 2^bits) -> qweight [K / (32 / bits), N] int32."""
+    per_int = 32 // bits
+    k, n = codes.shape
+    grouped = codes.to(torch.int64).reshape(k // per_int, per_int, n)
+    shifts = (torch.arange(per_int, device=codes.device) * bits).view(1, per_int, 1)
+    packed = (grouped << shifts).sum(dim=1)  # disjoint bits: the sum is an or
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """qweight [K / (32 / bits), N] int32 -> codes [K, N] int64 in [0, 2^bits)."""
+    per_int = 32 // bits
+    rows, n = qweight.shape
+    shifts = (torch.arange(per_int, device=qweight.device) * bits).view(1, per_int, 1)
+    codes = (qweight.to(torch.int64).unsqueeze(1) >> shifts) & (2**bits - 1)
+    return codes.reshape(rows * per_int, n)
+
+
+def quantize(weight: torch.Tensor, bits: int, group_size: int,
+             dtype: torch.dtype | None = None) -> PackedWeight:
+    """Round-to-nearest, asymmetric, group-wise: each group of `group_size` input
+    columns of each output row maps its [min, max] (widened to include 0) onto the
+    2^bits codes. weight [N, K] -> PackedWeight with scales and zeros in `dtype`
+    (default: weight's). Computed in fp32; every element lands within half a step
+    (scale / 2) of its value, plus the rounding of scales and zeros to `dtype`."""
+    out_features, in_features = weight.shape
+    check_shape(out_features, in_features, bits, group_size)
+    dtype = dtype or weight.dtype
+    levels = 2**bits - 1
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
+    low = groups.amin(dim=-1).clamp(max=0.0)  # [N, K / G]
+    high = groups.amax(dim=-1).clamp(min=0.0)
+    scales = ((high - low) / levels).clamp(min=torch.finfo(torch.float32).tiny)
+    scales = scales.to(dtype).float()  # the scale the kernel will use
+    zeros = (-low / scales).round().clamp(0, levels).to(dtype).float()
+    codes = (groups / scales.unsqueeze(-1) + zeros.unsqueeze(-1)).round().clamp(0, levels)
+    codes = codes.reshape(out_features, in_features).t()  # [K, N]
+    return PackedWeight(pack(codes, bits), scales.t().contiguous().to(dtype),
+                        zeros.t().contiguous().to(dtype), bits, group_size)
+
+
+def dequantize(packed: PackedWeight) -> torch.Tensor:
+    """The exact weight the packed form stands for: [N, K] in fp32."""
+    codes = unpack(packed.qweight, packed.bits).float()  # [K, N]
+    group = torch.arange(codes.shape[0], device=codes.device) // packed.group_size
+    weight = (codes - packed.zeros.float()[group]) * packed.scales.float()[group]
+    return weight.t()
