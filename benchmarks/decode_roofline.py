@@ -60,15 +60,17 @@ TARGET_PCT_OF_ROOFLINE = 75.0
 GPU_DEFAULTS: dict[str, Any] = dict(
     model=str(ROOT / "benchmarks/configs/qwen2.5-1.5b"), dtype="bfloat16", device="cuda",
     prompt_len=128, short_len=16, output_len=512, repeats=3, copy_mib=2048)
+HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SMOKE_DEFAULTS: dict[str, Any] = dict(
     model="demo", dtype="float32", device="cpu", prompt_len=8, short_len=2, output_len=8,
     repeats=1, copy_mib=16)
 
 
-def bytes_per_decode_step(model_dir: str, element_size: int, context: float
-                          ) -> dict[str, Any]:
+def bytes_per_decode_step(model_dir: str, element_size: int, context: float,
+                          quantization: str | None = None) -> dict[str, Any]:
     """Bytes one batch-1 decode step must read: the weights (see the module docstring)
-    and the K/V of `context` tokens."""
+    and the K/V of `context` tokens. With `quantization` (quantize on load), the
+    decoder's projections count their packed bits plus a scale and a zero per group."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -85,6 +87,15 @@ def bytes_per_decode_step(model_dir: str, element_size: int, context: float
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim
     weight_bytes = read * element_size
+    if quantization is not None:
+        from pagellm.executor.model.quantize import QUANTIZATIONS, group_size_for
+
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in HF_PROJECTIONS:
+                n, k = module.weight.shape
+                groups = n * k // group_size_for(k)
+                weight_bytes += (n * k * QUANTIZATIONS[quantization] // 8
+                                 + 2 * groups * element_size - n * k * element_size)
     kv_bytes = int(kv_per_token * context * element_size)
     return {"num_params": num_params, "tied_embeddings": tied, "weight_bytes": weight_bytes,
             "kv_bytes_per_step": kv_bytes, "bytes_per_step": weight_bytes + kv_bytes}
@@ -125,6 +136,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default=None)
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run the engine without CUDA graphs")
+    parser.add_argument("--quantization", choices=("int4", "int8"), default=None,
+                        help="quantize the projections on load (weight-only; CUDA)")
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--short-len", type=int, default=None,
                         help="max_tokens of the run subtracted to cancel prefill")
@@ -144,13 +157,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     long_len = ns.short_len + ns.output_len
     engine_kwargs: dict[str, Any] = dict(
         load_format="dummy", skip_tokenizer_init=True, dtype=ns.dtype, device=ns.device,
-        max_model_len=ns.prompt_len + long_len, enforce_eager=ns.enforce_eager)
+        max_model_len=ns.prompt_len + long_len, enforce_eager=ns.enforce_eager,
+        quantization=ns.quantization)
     args = resolve_model(EngineArgs(model=ns.model, **engine_kwargs))
     # Measured before the engine starts, so that it has the device to itself.
     copy = measure_copy_bandwidth(device, ns.copy_mib * 2**20)
     element_size = torch.empty((), dtype=getattr(torch, ns.dtype)).element_size()
     traffic = bytes_per_decode_step(args.model, element_size,
-                                    context=ns.prompt_len + ns.short_len + ns.output_len / 2)
+                                    context=ns.prompt_len + ns.short_len + ns.output_len / 2,
+                                    quantization=ns.quantization)
 
     from transformers import AutoConfig
 
@@ -172,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": shlex.join(["python", "benchmarks/decode_roofline.py",
                                 *(sys.argv[1:] if argv is None else argv)]),
         "model": ns.model, "model_name": Path(args.model).name, "dtype": ns.dtype,
-        "enforce_eager": ns.enforce_eager,
+        "enforce_eager": ns.enforce_eager, "quantization": ns.quantization,
         "engine_args": dataclasses.asdict(args),
         "prompt_len": ns.prompt_len, "short_len": ns.short_len, "long_len": long_len,
         "repeats": ns.repeats, "short_s": short_s, "long_s": long_s,

@@ -199,7 +199,9 @@ class EngineArgs:
         "(tensor_parallel_size=1). 'ray': the workers are Ray actors in a placement group "
         "(RAY_ADDRESS's cluster; pip install 'pagellm[ray]').")
     quantization: str | None = _opt(
-        None, "Only unset: pagellm runs unquantized weights (see --dtype).")
+        None, "Quantize on load: 'int4' or 'int8' keeps the decoder's projections as "
+        "weight-only integers with group-wise scales (a Triton kernel: CUDA, or the CPU's "
+        "Triton interpreter for tests). Unset: the weights as --dtype.")
     kv_cache_dtype: str = _opt("auto", "Only 'auto': the KV cache has the model's dtype.")
     revision: str | None = _opt(
         None, "Only unset: the model is a local directory, which has no Hub revision.")
@@ -324,6 +326,9 @@ class EngineArgs:
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} "
                              "runs one worker: tensor_parallel_size must be 1, got "
                              f"{self.tensor_parallel_size} (use 'mp')")
+        if self.quantization is not None and self.enable_sleep_mode:
+            raise ValueError(f"quantization={self.quantization!r} with enable_sleep_mode: "
+                             "sleeping does not yet keep quantized weights")
         check_int("max_loras", self.max_loras, minimum=1, maximum=MAX_LORAS)
         check_int("max_cpu_loras", self.max_cpu_loras, minimum=self.max_loras,
                   maximum=MAX_CPU_LORAS, allow_none=True)
@@ -401,7 +406,8 @@ _SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "enable_chunked_prefill": ((None, True), "pagellm always chunks long prefills"),
     "distributed_executor_backend": ((None, "mp", "uni", "external_launcher", "ray"),
                                      "these are the executors pagellm has"),
-    "quantization": ((None,), "pagellm runs unquantized weights"),
+    "quantization": ((None, "int4", "int8"), "pagellm quantizes on load to weight-only "
+                     "int4 or int8; it reads no quantized checkpoint format yet"),
     "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype"),
     "revision": ((None,), "the model is a local directory, which has no Hub revision"),
     "tokenizer_revision": ((None,), "the tokenizer is a local directory, which has no Hub "

@@ -25,6 +25,7 @@ class ModelConfig:
     max_model_len: int
     load_format: str
     seed: int
+    quantization: str | None = None  # quantize on load (quantize.py)
 
     @property
     def vocab_size(self) -> int:
@@ -65,4 +66,4 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
         max_model_len = args.max_model_len
     return ModelConfig(model=str(path), hf_config=hf_config, spec=spec, dtype=dtype,
                        max_model_len=max_model_len, load_format=args.load_format,
-                       seed=args.seed)
+                       seed=args.seed, quantization=args.quantization)

@@ -190,6 +190,9 @@ class DecoderForCausalLM(nn.Module):
         # from sleep level 2, not loaded since (every load path takes names out). An
         # engine serving from them would answer garbage with a 200.
         self.unloaded: set[str] = set()
+        # Set once the projections are quantized on load (quantize.py): weight updates
+        # are refused from then on.
+        self.quantization: str | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -260,7 +263,12 @@ class DecoderForCausalLM(nn.Module):
     def destination(self, name: str, params: dict[str, nn.Parameter] | None = None
                     ) -> Destination | None:
         """Where checkpoint tensor `name` loads on this rank (weight_map.py); SKIP for
-        tensors we compute or share; None for a name the model does not have."""
+        tensors we compute or share; None for a name the model does not have. A model
+        quantized on load takes no weight (its projections are packed integers now):
+        ValueError naming why."""
+        if self.quantization is not None:
+            raise ValueError(f"weights cannot be updated in an engine quantized on load "
+                             f"(quantization={self.quantization!r}): {name} was refused")
         return weight_map.destination(
             name, params if params is not None else dict(self.named_parameters()),
             self.spec, self.tp, tied=self.lm_head is None)

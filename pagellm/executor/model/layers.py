@@ -17,20 +17,26 @@ from torch import nn
 
 from pagellm.executor.model.linear import linear
 from pagellm.executor.model.parallel import TensorParallel
+from pagellm.executor.model.quantize import quantized_linear
 from pagellm.kernels import fused_for
 
 if TYPE_CHECKING:
     from pagellm.executor.model.lora_slots import LoRASlots
+    from pagellm.kernels.quant import PackedWeight
 
 
 class Linear(nn.Linear):
     """nn.Linear through `linear`, plus the step's LoRA updates where the engine serves
-    adapters (`lora`, set by the worker's LoRAManager: lora_slots.py)."""
+    adapters (`lora`, set by the worker's LoRAManager: lora_slots.py); through the
+    weight-only int4/int8 kernel where the engine quantized it on load (`quant`:
+    quantize.py)."""
 
     lora: LoRASlots | None = None
+    quant: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
+        y = (linear(x, self.weight, self.bias) if self.quant is None
+             else quantized_linear(x, self.quant, self.bias))
         if self.lora is not None:
             self.lora.add_to(x, y)
         return y
@@ -90,6 +96,7 @@ class RowParallelLinear(nn.Module):
     products are summed by one all-reduce, then the (replicated) bias is added once."""
 
     lora: LoRASlots | None = None  # as Linear's; partial updates sum in the all-reduce
+    quant: PackedWeight | None = None  # as Linear's: this rank's slice, quantized
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  tp: TensorParallel) -> None:
@@ -101,15 +108,21 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] (this rank's slice) -> [T, out_features] (the full sum)."""
         if self.tp.size == 1:
-            y = linear(x, self.weight, self.bias)
+            y = self._matmul(x, self.bias)
             if self.lora is not None:
                 self.lora.add_to(x, y)
             return y
-        y = linear(x, self.weight)
+        y = self._matmul(x, None)
         if self.lora is not None:
             self.lora.add_to(x, y)
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return quantized_linear(x, self.quant, bias)
+        return linear(x, self.weight, bias)
 
 
 class VocabParallelEmbedding(nn.Module):

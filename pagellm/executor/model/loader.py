@@ -153,7 +153,8 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
     is allocated (module docstring)."""
     model = _meta_model(config, tp)
     _check_memory(config, _bytes_of(model), device, tp)
-    copies = _packed_bytes(model, config, device, host_ranks)
+    # (A model quantized on load keeps no copies of the weights it replaces.)
+    copies = 0 if config.quantization else _packed_bytes(model, config, device, host_ranks)
     model = model.to_empty(device=device)
     model.model.rotary_emb.reset_cache()  # computed, not loaded: fill it on the device
     if config.load_format == "dummy":

@@ -13,6 +13,7 @@ padded to the next captured batch size.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -27,6 +28,7 @@ from pagellm.executor.model.attention import (
 from pagellm.executor.model.config import ModelConfig
 from pagellm.executor.model.loader import load_model
 from pagellm.executor.model.parallel import TensorParallel
+from pagellm.executor.model.quantize import quantize_projections
 from pagellm.executor.worker.cpu_threads import ThreadTuner, tunable_threads
 from pagellm.executor.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from pagellm.executor.worker.grammar_mask import apply_grammar_bitmask
@@ -44,6 +46,8 @@ from pagellm.protocol.scheduling import (
     PromptLogprobsChunk,
     SchedulerOutput,
 )
+
+logger = logging.getLogger("pagellm")
 
 # Prompt positions whose logprobs are computed at once (bounds the [positions, vocab]
 # logits a long prompt chunk would otherwise materialize).
@@ -79,6 +83,8 @@ class ModelRunner:
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 0)
         self.model = load_model(model_config, device, self.tp, host_ranks)
+        if model_config.quantization is not None:
+            self._quantize(model_config.quantization)
         self.lora = None if lora is None else LoRAManager(
             self.model, model_config.spec, self.tp, lora, model_config.dtype, device,
             kernels=self.attention.name == "triton")
@@ -113,6 +119,19 @@ class ModelRunner:
         # On the CPU, each step size's thread count is measured (cpu_threads.py).
         self.thread_tuner = (ThreadTuner(torch.get_num_threads())
                              if device.type == "cpu" and tunable_threads() else None)
+
+    def _quantize(self, quantization: str) -> None:
+        """Quantize the projections on load (executor/model/quantize.py): their kernel is
+        Triton's, so only where the attention runs Triton's too."""
+        if self.attention.name != "triton":
+            raise ValueError(f"quantization={quantization!r} runs a Triton kernel: it needs "
+                             "CUDA (on the CPU there is no fast int4/int8 kernel yet; "
+                             "attention_backend='triton' runs the interpreter, for tests)")
+        count = quantize_projections(self.model, quantization)
+        self.model.quantization = quantization
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the replaced weights' memory
+        logger.info("quantization=%s: %d projections quantized on load", quantization, count)
 
     # -- KV cache ------------------------------------------------------------------
 

@@ -1,0 +1,60 @@
+"""Quantize on load: `quantization="int4"` / `"int8"` keeps the decoder's projections
+(qkv_proj, o_proj, gate_up_proj, down_proj) as weight-only integers with group-wise
+scales (kernels/quant.py), computed by the fused-dequantize Triton GEMM
+(kernels/triton_quant.py): a decode step then reads 4 or 8 bits per weight instead of
+16 or 32.
+
+Each rank quantizes its own slice after the checkpoint is loaded (so tensor
+parallelism shards nothing of its own: a row-parallel slice is quantized along its own
+K). Groups are 128 input columns, or the largest of 64 and 32 that divides a projection's
+K. The embedding, the LM head, norms, MoE experts and routers stay in the model's
+dtype, as vLLM's weight-only schemes leave them. A quantized projection's `weight`
+becomes a meta placeholder of its old shape (its memory freed; shapes still readable),
+so weight updates, which would write into it, are refused by name
+(`DecoderForCausalLM.destination`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.kernels.quant import PackedWeight, quantize
+
+QUANTIZATIONS = {"int4": 4, "int8": 8}
+PROJECTIONS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
+
+
+def group_size_for(in_features: int) -> int:
+    """128, else the largest of 64 and 32 that divides in_features."""
+    for size in (128, 64, 32):
+        if in_features % size == 0:
+            return size
+    raise ValueError(f"a projection with {in_features} input columns (a multiple of none of "
+                     "128, 64, 32) cannot be quantized group-wise")
+
+
+def quantize_projections(model: nn.Module, quantization: str) -> int:
+    """Replace every projection's weight by its packed form (`module.quant`); returns
+    how many were quantized. Raises ValueError naming a projection that cannot be."""
+    bits = QUANTIZATIONS[quantization]
+    count = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in PROJECTIONS:
+            continue
+        assert hasattr(module, "quant"), f"{name} is not a layers.Linear / RowParallelLinear"
+        weight = module.weight
+        module.quant = quantize(weight.detach(), bits, group_size_for(weight.shape[1]))
+        module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype,
+                                                 device="meta"), requires_grad=False)
+        count += 1
+    return count
+
+
+def quantized_linear(x: torch.Tensor, quant: PackedWeight, bias: torch.Tensor | None
+                     ) -> torch.Tensor:
+    """x [T, in] @ dequantize(quant)^T (+ bias) -> [T, out], by the Triton kernel."""
+    from pagellm.kernels.triton_quant import quant_matmul
+
+    y = quant_matmul(x, quant)
+    return y if bias is None else y + bias

@@ -1,0 +1,87 @@
+"""Quantize on load (`quantization="int4"` / `"int8"`, issue 43) against transformers on
+the same quantized weights.
+
+The reference is transformers' own model with each projection's weight replaced by what
+the packed form stands for (kernels/quant.py's `dequantize(quantize(w))`, which
+tests/kernels/test_triton_quant.py checks by hand): quantizing a fused qkv or gate_up
+weight is quantizing each part alone (groups run along a row's input columns), so
+transformers' separate q/k/v and gate/up weights take the same values. Our engine runs
+the packed weights through the Triton kernel (the interpreter, on the CPU) and must
+give that model's greedy tokens, in fp32, token for token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PROMPTS, runs_triton_kernels
+from peft_adapters import argmax_along
+
+from pagellm import SamplingParams
+from pagellm.executor.model.quantize import QUANTIZATIONS, group_size_for
+from pagellm.kernels import quant
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def fake_quantized(model_dir: Path, quantization: str):
+    """transformers' model with every projection's weight quantized and dequantized."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    bits = QUANTIZATIONS[quantization]
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in HF_PROJECTIONS:
+                w = module.weight
+                w.copy_(quant.dequantize(quant.quantize(w, bits, group_size_for(w.shape[1]))))
+    return model
+
+
+@runs_triton_kernels
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_on_load_equals_transformers_on_the_same_quantized_weights(
+        quantization, model_dirs, make_llm):
+    llm = make_llm(model_dirs["qwen2"], quantization=quantization, dtype="float32",
+                   attention_backend="triton")
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    layer = model.model.layers[0]
+    for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                 layer.mlp.down_proj):
+        assert proj.quant is not None and proj.quant.bits == QUANTIZATIONS[quantization]
+        assert proj.weight.is_meta  # the full-precision weight is gone
+    reference = fake_quantized(model_dirs["qwen2"], quantization)
+    outputs = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+    for out in outputs:
+        ours = out.outputs[0].token_ids
+        assert len(ours) == GREEDY.max_tokens
+        assert argmax_along(reference, out.prompt_token_ids, ours) == ours
+
+
+@runs_triton_kernels
+def test_weight_updates_of_a_quantized_engine_are_refused_by_name(model_dirs, make_llm):
+    """A weight update would write into a projection that is packed integers now: it is
+    refused naming the weight, nothing changes, and the engine serves on."""
+    llm = make_llm(model_dirs["llama"], quantization="int8", dtype="float32",
+                   attention_backend="triton")
+    before = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    weight = torch.zeros(64, 64)
+    with pytest.raises(Exception, match=r"quantized on load \(quantization='int8'\).*"
+                                        r"model.layers.0.self_attn.o_proj.weight"):
+        llm.update_weights([("model.layers.0.self_attn.o_proj.weight", weight)])
+    after = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert after == before
+
+
+def test_quantization_without_its_kernel_or_with_sleep_is_refused(model_dirs, make_llm):
+    from pagellm.protocol.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="quantization='int4' runs a Triton kernel"):
+        make_llm(model_dirs["llama"], quantization="int4", attention_backend="torch")
+    with pytest.raises(ValueError, match="sleeping does not yet keep quantized weights"):
+        EngineArgs(model="demo", quantization="int8", enable_sleep_mode=True)
+    with pytest.raises(ValueError, match="quantization"):
+        EngineArgs(model="demo", quantization="gptq")
