@@ -70,7 +70,8 @@ def bytes_per_decode_step(model_dir: str, element_size: int, context: float,
                           quantization: str | None = None) -> dict[str, Any]:
     """Bytes one batch-1 decode step must read: the weights (see the module docstring)
     and the K/V of `context` tokens. With `quantization` (quantize on load), the
-    decoder's projections count their packed bits plus a scale and a zero per group."""
+    decoder's projections count their packed bits plus a scale and a zero per group
+    (fp8: a scale per output channel)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -93,9 +94,10 @@ def bytes_per_decode_step(model_dir: str, element_size: int, context: float,
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] in HF_PROJECTIONS:
                 n, k = module.weight.shape
-                groups = n * k // group_size_for(k)
-                weight_bytes += (n * k * QUANTIZATIONS[quantization] // 8
-                                 + 2 * groups * element_size - n * k * element_size)
+                scales = (n * 4 if quantization == "fp8"  # one fp32 scale per channel
+                          else 2 * element_size * n * k // group_size_for(k))
+                weight_bytes += (n * k * QUANTIZATIONS[quantization] // 8 + scales
+                                 - n * k * element_size)
     kv_bytes = int(kv_per_token * context * element_size)
     return {"num_params": num_params, "tied_embeddings": tied, "weight_bytes": weight_bytes,
             "kv_bytes_per_step": kv_bytes, "bytes_per_step": weight_bytes + kv_bytes}
@@ -136,8 +138,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default=None)
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run the engine without CUDA graphs")
-    parser.add_argument("--quantization", choices=("int4", "int8"), default=None,
-                        help="quantize the projections on load (weight-only; CUDA)")
+    parser.add_argument("--quantization", choices=("int4", "int8", "fp8"), default=None,
+                        help="quantize the projections on load (CUDA)")
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--short-len", type=int, default=None,
                         help="max_tokens of the run subtracted to cancel prefill")

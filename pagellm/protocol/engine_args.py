@@ -200,8 +200,9 @@ class EngineArgs:
         "(RAY_ADDRESS's cluster; pip install 'pagellm[ray]').")
     quantization: str | None = _opt(
         None, "Quantize on load: 'int4' or 'int8' keeps the decoder's projections as "
-        "weight-only integers with group-wise scales (a Triton kernel: CUDA, or the CPU's "
-        "Triton interpreter for tests). Unset: the weights as --dtype.")
+        "weight-only integers with group-wise scales; 'fp8' as e4m3 with per-channel "
+        "scales, activations quantized per token (W8A8). CUDA (on the CPU only with "
+        "attention_backend='triton', for tests). Unset: the weights as --dtype.")
     kv_cache_dtype: str = _opt("auto", "Only 'auto': the KV cache has the model's dtype.")
     revision: str | None = _opt(
         None, "Only unset: the model is a local directory, which has no Hub revision.")
@@ -406,8 +407,9 @@ _SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "enable_chunked_prefill": ((None, True), "pagellm always chunks long prefills"),
     "distributed_executor_backend": ((None, "mp", "uni", "external_launcher", "ray"),
                                      "these are the executors pagellm has"),
-    "quantization": ((None, "int4", "int8"), "pagellm quantizes on load to weight-only "
-                     "int4 or int8; it reads no quantized checkpoint format yet"),
+    "quantization": ((None, "int4", "int8", "fp8"), "pagellm quantizes on load to "
+                     "weight-only int4 or int8, or fp8; it reads no quantized checkpoint "
+                     "format yet"),
     "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype"),
     "revision": ((None,), "the model is a local directory, which has no Hub revision"),
     "tokenizer_revision": ((None,), "the tokenizer is a local directory, which has no Hub "

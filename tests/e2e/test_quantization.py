@@ -1,5 +1,5 @@
-"""Quantize on load (`quantization="int4"` / `"int8"`, issue 43) against transformers on
-the same quantized weights.
+"""Quantize on load (`quantization="int4"` / `"int8"` / `"fp8"`, issue 43) against
+transformers on the same quantized weights (and, for fp8, activations).
 
 The reference is transformers' own model with each projection's weight replaced by what
 the packed form stands for (kernels/quant.py's `dequantize(quantize(w))`, which
@@ -20,29 +20,37 @@ from peft_adapters import argmax_along
 
 from pagellm import SamplingParams
 from pagellm.executor.model.quantize import QUANTIZATIONS, group_size_for
-from pagellm.kernels import quant
+from pagellm.kernels import fp8, quant
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def fake_quantized(model_dir: Path, quantization: str):
-    """transformers' model with every projection's weight quantized and dequantized."""
+    """transformers' model with every projection's weight quantized and dequantized;
+    for fp8 also every projection's input, per token, at each call (W8A8)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     bits = QUANTIZATIONS[quantization]
     with torch.no_grad():
         for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in HF_PROJECTIONS:
-                w = module.weight
+            if name.rsplit(".", 1)[-1] not in HF_PROJECTIONS:
+                continue
+            w = module.weight
+            if quantization == "fp8":
+                w.copy_(fp8.dequantize_rows(*fp8.quantize_rows(w)))
+                module.register_forward_pre_hook(lambda _, args: tuple(
+                    fp8.dequantize_rows(*fp8.quantize_rows(a.reshape(-1, a.shape[-1])))
+                    .reshape(a.shape) for a in args))
+            else:
                 w.copy_(quant.dequantize(quant.quantize(w, bits, group_size_for(w.shape[1]))))
     return model
 
 
 @runs_triton_kernels
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("quantization", ["int4", "int8", "fp8"])
 def test_quantized_on_load_equals_transformers_on_the_same_quantized_weights(
         quantization, model_dirs, make_llm):
     llm = make_llm(model_dirs["qwen2"], quantization=quantization, dtype="float32",
@@ -51,7 +59,10 @@ def test_quantized_on_load_equals_transformers_on_the_same_quantized_weights(
     layer = model.model.layers[0]
     for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                  layer.mlp.down_proj):
-        assert proj.quant is not None and proj.quant.bits == QUANTIZATIONS[quantization]
+        if quantization == "fp8":
+            assert proj.quant.weight.dtype == torch.float8_e4m3fn
+        else:
+            assert proj.quant.bits == QUANTIZATIONS[quantization]
         assert proj.weight.is_meta  # the full-precision weight is gone
     reference = fake_quantized(model_dirs["qwen2"], quantization)
     outputs = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
@@ -79,7 +90,7 @@ def test_weight_updates_of_a_quantized_engine_are_refused_by_name(model_dirs, ma
 def test_quantization_without_its_kernel_or_with_sleep_is_refused(model_dirs, make_llm):
     from pagellm.protocol.engine_args import EngineArgs
 
-    with pytest.raises(ValueError, match="quantization='int4' runs a Triton kernel"):
+    with pytest.raises(ValueError, match="quantization='int4' needs CUDA"):
         make_llm(model_dirs["llama"], quantization="int4", attention_backend="torch")
     with pytest.raises(ValueError, match="sleeping does not yet keep quantized weights"):
         EngineArgs(model="demo", quantization="int8", enable_sleep_mode=True)

@@ -22,6 +22,7 @@ from pagellm.kernels import fused_for
 
 if TYPE_CHECKING:
     from pagellm.executor.model.lora_slots import LoRASlots
+    from pagellm.kernels.fp8 import Fp8Weight
     from pagellm.kernels.quant import PackedWeight
 
 
@@ -32,7 +33,7 @@ class Linear(nn.Linear):
     quantize.py)."""
 
     lora: LoRASlots | None = None
-    quant: PackedWeight | None = None
+    quant: PackedWeight | Fp8Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = (linear(x, self.weight, self.bias) if self.quant is None
@@ -96,7 +97,7 @@ class RowParallelLinear(nn.Module):
     products are summed by one all-reduce, then the (replicated) bias is added once."""
 
     lora: LoRASlots | None = None  # as Linear's; partial updates sum in the all-reduce
-    quant: PackedWeight | None = None  # as Linear's: this rank's slice, quantized
+    quant: PackedWeight | Fp8Weight | None = None  # as Linear's: this rank's slice
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  tp: TensorParallel) -> None:

@@ -2,11 +2,13 @@
 (qkv_proj, o_proj, gate_up_proj, down_proj) as weight-only integers with group-wise
 scales (kernels/quant.py), computed by the fused-dequantize Triton GEMM
 (kernels/triton_quant.py): a decode step then reads 4 or 8 bits per weight instead of
-16 or 32.
+16 or 32. `quantization="fp8"` keeps them in e4m3 with a scale per output channel and
+quantizes activations per token at each call (kernels/fp8.py: W8A8, vLLM's dynamic
+fp8).
 
 Each rank quantizes its own slice after the checkpoint is loaded (so tensor
 parallelism shards nothing of its own: a row-parallel slice is quantized along its own
-K). Groups are 128 input columns, or the largest of 64 and 32 that divides a projection's
+K). Integer groups are 128 input columns, or the largest of 64 and 32 that divides a projection's
 K. The embedding, the LM head, norms, MoE experts and routers stay in the model's
 dtype, as vLLM's weight-only schemes leave them. A quantized projection's `weight`
 becomes a meta placeholder of its old shape (its memory freed; shapes still readable),
@@ -19,9 +21,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagellm.kernels import fp8
 from pagellm.kernels.quant import PackedWeight, quantize
 
-QUANTIZATIONS = {"int4": 4, "int8": 8}
+# quantize-on-load names -> bits of a weight-only integer scheme, or 8 for fp8
+QUANTIZATIONS = {"int4": 4, "int8": 8, "fp8": 8}
 PROJECTIONS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
 
 
@@ -44,16 +48,20 @@ def quantize_projections(model: nn.Module, quantization: str) -> int:
             continue
         assert hasattr(module, "quant"), f"{name} is not a layers.Linear / RowParallelLinear"
         weight = module.weight
-        module.quant = quantize(weight.detach(), bits, group_size_for(weight.shape[1]))
+        module.quant = (fp8.quantize_weight(weight.detach()) if quantization == "fp8" else
+                        quantize(weight.detach(), bits, group_size_for(weight.shape[1])))
         module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype,
                                                  device="meta"), requires_grad=False)
         count += 1
     return count
 
 
-def quantized_linear(x: torch.Tensor, quant: PackedWeight, bias: torch.Tensor | None
-                     ) -> torch.Tensor:
-    """x [T, in] @ dequantize(quant)^T (+ bias) -> [T, out], by the Triton kernel."""
+def quantized_linear(x: torch.Tensor, quant: PackedWeight | fp8.Fp8Weight,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] -> [T, out] (+ bias): the Triton kernel for packed integers, the FP8
+    GEMM for e4m3 weights."""
+    if isinstance(quant, fp8.Fp8Weight):
+        return fp8.fp8_linear(x, quant, bias)
     from pagellm.kernels.triton_quant import quant_matmul
 
     y = quant_matmul(x, quant)

@@ -121,12 +121,13 @@ class ModelRunner:
                              if device.type == "cpu" and tunable_threads() else None)
 
     def _quantize(self, quantization: str) -> None:
-        """Quantize the projections on load (executor/model/quantize.py): their kernel is
-        Triton's, so only where the attention runs Triton's too."""
+        """Quantize the projections on load (executor/model/quantize.py), where the
+        attention runs Triton's: on CUDA (the CPU has no int4/int8/fp8 GEMM faster than
+        its fp32 one; there attention_backend='triton' runs them anyway, for tests)."""
         if self.attention.name != "triton":
-            raise ValueError(f"quantization={quantization!r} runs a Triton kernel: it needs "
-                             "CUDA (on the CPU there is no fast int4/int8 kernel yet; "
-                             "attention_backend='triton' runs the interpreter, for tests)")
+            raise ValueError(f"quantization={quantization!r} needs CUDA (on the CPU no "
+                             "int4, int8 or fp8 GEMM is faster than fp32 yet; "
+                             "attention_backend='triton' runs it there anyway, for tests)")
         count = quantize_projections(self.model, quantization)
         self.model.quantization = quantization
         if self.device.type == "cuda":
