@@ -26,9 +26,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def fake_quantized(model_dir: Path, quantization: str):
+def fake_quantized(model_dir: Path, quantization: str, tp: int = 1):
     """transformers' model with every projection's weight quantized and dequantized;
-    for fp8 also every projection's input, per token, at each call (W8A8)."""
+    for fp8 also every projection's input, per token, at each call (W8A8). With `tp`,
+    o_proj and down_proj (row-parallel: K sliced) are quantized slice by slice, with the
+    groups each rank uses."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -44,7 +46,11 @@ def fake_quantized(model_dir: Path, quantization: str):
                     fp8.dequantize_rows(*fp8.quantize_rows(a.reshape(-1, a.shape[-1])))
                     .reshape(a.shape) for a in args))
             else:
-                w.copy_(quant.dequantize(quant.quantize(w, bits, group_size_for(w.shape[1]))))
+                shards = tp if name.endswith(("o_proj", "down_proj")) else 1
+                k = w.shape[1] // shards
+                group = group_size_for(k, shards)
+                w.copy_(torch.cat([quant.dequantize(quant.quantize(part, bits, group))
+                                   for part in w.split(k, dim=1)], dim=1))
     return model
 
 
@@ -96,3 +102,18 @@ def test_quantization_without_its_kernel_or_with_sleep_is_refused(model_dirs, ma
         EngineArgs(model="demo", quantization="int8", enable_sleep_mode=True)
     with pytest.raises(ValueError, match="quantization"):
         EngineArgs(model="demo", quantization="gptq")
+
+
+@runs_triton_kernels
+@pytest.mark.slow
+def test_two_ranks_quantize_their_own_slices_and_equal_transformers(model_dirs, make_llm):
+    """Tensor parallel 2: each rank quantizes its slice after loading (a row-parallel
+    one along its own half of K; this model's halves are too narrow for one rank's
+    groups, so they take the widest that fit: 32 of o_proj's 32, 64 of down_proj's
+    64), and the tokens are transformers' on the same quantized weights."""
+    llm = make_llm(model_dirs["llama"], quantization="int4", dtype="float32",
+                   attention_backend="triton", tensor_parallel_size=2)
+    reference = fake_quantized(model_dirs["llama"], "int4", tp=2)
+    for out in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False):
+        ours = out.outputs[0].token_ids
+        assert argmax_along(reference, out.prompt_token_ids, ours) == ours

@@ -8,9 +8,9 @@ fp8).
 
 Each rank quantizes its own slice after the checkpoint is loaded (so tensor
 parallelism shards nothing of its own: a row-parallel slice is quantized along its own
-K). Integer groups are 128 input columns, or the largest of 64 and 32 that divides a projection's
-K. The embedding, the LM head, norms, MoE experts and routers stay in the model's
-dtype, as vLLM's weight-only schemes leave them. A quantized projection's `weight`
+K). Integer groups are 128 input columns, else 64 or 32 (`group_size_for`). The
+embedding, the LM head, norms, MoE experts and routers stay in the model's dtype, as
+vLLM's weight-only schemes leave them. A quantized projection's `weight`
 becomes a meta placeholder of its old shape (its memory freed; shapes still readable),
 so weight updates, which would write into it, are refused by name
 (`DecoderForCausalLM.destination`).
@@ -29,11 +29,17 @@ QUANTIZATIONS = {"int4": 4, "int8": 8, "fp8": 8}
 PROJECTIONS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
 
 
-def group_size_for(in_features: int) -> int:
-    """128, else the largest of 64 and 32 that divides in_features."""
-    for size in (128, 64, 32):
-        if in_features % size == 0:
-            return size
+def group_size_for(in_features: int, shards: int = 1) -> int:
+    """The group size of a projection whose whole weight has `in_features * shards`
+    input columns, of which this rank holds `in_features` (shards > 1: a row-parallel
+    slice): 128, else the largest of 64 and 32 dividing the whole K, so that every
+    tensor-parallel size groups alike; where this rank's slice cannot hold such groups,
+    the largest that it can (the grouping, and so the results, then differ from one
+    rank's)."""
+    for k in (in_features * shards, in_features):
+        for size in (128, 64, 32):
+            if k % size == 0 and in_features % size == 0:
+                return size
     raise ValueError(f"a projection with {in_features} input columns (a multiple of none of "
                      "128, 64, 32) cannot be quantized group-wise")
 
@@ -48,8 +54,9 @@ def quantize_projections(model: nn.Module, quantization: str) -> int:
             continue
         assert hasattr(module, "quant"), f"{name} is not a layers.Linear / RowParallelLinear"
         weight = module.weight
+        shards = module.tp.size if hasattr(module, "tp") else 1  # row-parallel: K sliced
         module.quant = (fp8.quantize_weight(weight.detach()) if quantization == "fp8" else
-                        quantize(weight.detach(), bits, group_size_for(weight.shape[1])))
+                        quantize(weight.detach(), bits, group_size_for(weight.shape[1], shards)))
         module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype,
                                                  device="meta"), requires_grad=False)
         count += 1
