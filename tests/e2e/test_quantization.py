@@ -117,3 +117,33 @@ def test_two_ranks_quantize_their_own_slices_and_equal_transformers(model_dirs, 
     for out in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False):
         ours = out.outputs[0].token_ids
         assert argmax_along(reference, out.prompt_token_ids, ours) == ours
+
+
+@runs_triton_kernels
+def test_lora_adapters_on_a_quantized_base_equal_peft_on_the_same_weights(
+        model_dirs, make_llm, tmp_path):
+    """LoRA on an int8 base: the adapter's update adds to the quantized projection's
+    output; the reference is PEFT's merge of the same adapter into transformers' model
+    on the same quantized weights."""
+    from peft import PeftModel
+    from peft_adapters import make_adapter
+
+    from pagellm import LoRARequest
+
+    adapter = make_adapter(model_dirs["llama"], tmp_path / "adapter",
+                           ["q_proj", "v_proj", "o_proj", "down_proj"], 8, 3)
+    reference = PeftModel.from_pretrained(fake_quantized(model_dirs["llama"], "int8"),
+                                          adapter).merge_and_unload().eval()
+    base = fake_quantized(model_dirs["llama"], "int8")
+    llm = make_llm(model_dirs["llama"], quantization="int8", dtype="float32",
+                   attention_backend="triton", enable_lora=True, max_lora_rank=8)
+    names = [True, False, True]
+    outputs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False, lora_request=[
+        LoRARequest("a", 1, str(adapter)) if n else None for n in names])
+    for out, with_adapter in zip(outputs, names, strict=True):
+        ours = out.outputs[0].token_ids
+        model = reference if with_adapter else base
+        assert argmax_along(model, out.prompt_token_ids, ours) == ours, with_adapter
+    # The adapter changes something: its tokens are not the base model's choices.
+    assert any(argmax_along(base, o.prompt_token_ids, o.outputs[0].token_ids)
+               != o.outputs[0].token_ids for o, n in zip(outputs, names, strict=True) if n)
