@@ -34,6 +34,11 @@ def fake_quantized(model_dir: Path, quantization: str, tp: int = 1):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return fake_quantize(model, quantization, tp)
+
+
+def fake_quantize(model, quantization: str, tp: int = 1):
+    """`model` (transformers') with its projections quantized as fake_quantized says."""
     bits = QUANTIZATIONS[quantization]
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -79,18 +84,29 @@ def test_quantized_on_load_equals_transformers_on_the_same_quantized_weights(
 
 
 @runs_triton_kernels
-def test_weight_updates_of_a_quantized_engine_are_refused_by_name(model_dirs, make_llm):
-    """A weight update would write into a projection that is packed integers now: it is
-    refused naming the weight, nothing changes, and the engine serves on."""
-    llm = make_llm(model_dirs["llama"], quantization="int8", dtype="float32",
+@pytest.mark.parametrize("quantization", ["int4", "fp8"])
+def test_weight_updates_are_quantized_as_they_land(quantization, model_dirs, make_llm):
+    """RL with a quantized rollout engine: the trainer pushes full-precision weights
+    (every tensor of a changed model, q, k and v apart, as trainers name them), each is
+    quantized into its rows of the fused projection, and the tokens are transformers'
+    on the new weights quantized the same way; tensors that are not quantized (the
+    embedding, norms) load as before."""
+    from transformers import AutoModelForCausalLM
+
+    llm = make_llm(model_dirs["llama"], quantization=quantization, dtype="float32",
                    attention_backend="triton")
-    before = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    weight = torch.zeros(64, 64)
-    with pytest.raises(Exception, match=r"quantized on load \(quantization='int8'\).*"
-                                        r"model.layers.0.self_attn.o_proj.weight"):
-        llm.update_weights([("model.layers.0.self_attn.o_proj.weight", weight)])
-    after = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    assert after == before
+    trained = AutoModelForCausalLM.from_pretrained(model_dirs["llama"],
+                                                   dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    state = {k: v.clone() for k, v in trained.state_dict().items()}
+    assert llm.update_weights(list(state.items())) == len(state)
+    reference = fake_quantize(trained, quantization)
+    for out in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False):
+        ours = out.outputs[0].token_ids
+        assert argmax_along(reference, out.prompt_token_ids, ours) == ours
 
 
 def test_quantization_without_its_kernel_or_with_sleep_is_refused(model_dirs, make_llm):

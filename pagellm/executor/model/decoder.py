@@ -43,6 +43,7 @@ from pagellm.executor.model.layers import (
 from pagellm.executor.model.linear import linear
 from pagellm.executor.model.moe import SparseMoeBlock
 from pagellm.executor.model.parallel import TensorParallel
+from pagellm.executor.model.quantize import requantizing
 from pagellm.executor.model.rope import RotaryEmbedding, apply_rotary
 from pagellm.executor.model.spec import DecoderSpec
 from pagellm.executor.model.weight_map import Destination
@@ -190,9 +191,9 @@ class DecoderForCausalLM(nn.Module):
         # from sleep level 2, not loaded since (every load path takes names out). An
         # engine serving from them would answer garbage with a 200.
         self.unloaded: set[str] = set()
-        # Set once the projections are quantized on load (quantize.py): weight updates
-        # are refused from then on.
-        self.quantization: str | None = None
+        # The projections quantized on load (quantize.py), by their placeholder weight's
+        # id: updates of those weights are quantized as they land.
+        self.quantized: dict[int, nn.Module] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -263,12 +264,15 @@ class DecoderForCausalLM(nn.Module):
     def destination(self, name: str, params: dict[str, nn.Parameter] | None = None
                     ) -> Destination | None:
         """Where checkpoint tensor `name` loads on this rank (weight_map.py); SKIP for
-        tensors we compute or share; None for a name the model does not have. A model
-        quantized on load takes no weight (its projections are packed integers now):
-        ValueError naming why."""
-        if self.quantization is not None:
-            raise ValueError(f"weights cannot be updated in an engine quantized on load "
-                             f"(quantization={self.quantization!r}): {name} was refused")
-        return weight_map.destination(
+        tensors we compute or share; None for a name the model does not have. Into a
+        projection quantized on load, the tensor is quantized as it lands
+        (quantize.RequantizingDestination)."""
+        dest = weight_map.destination(
             name, params if params is not None else dict(self.named_parameters()),
             self.spec, self.tp, tied=self.lm_head is None)
+        if self.quantized and dest is not None and dest.tensor is not None:
+            base = dest.tensor if dest.tensor._base is None else dest.tensor._base
+            module = self.quantized.get(id(base))
+            if module is not None:
+                return requantizing(dest, module)
+        return dest

@@ -12,15 +12,22 @@ K). Integer groups are 128 input columns, else 64 or 32 (`group_size_for`). The
 embedding, the LM head, norms, MoE experts and routers stay in the model's dtype, as
 vLLM's weight-only schemes leave them. A quantized projection's `weight`
 becomes a meta placeholder of its old shape (its memory freed; shapes still readable),
-so weight updates, which would write into it, are refused by name
-(`DecoderForCausalLM.destination`).
+and weight updates land through `RequantizingDestination`: the new rows of a
+projection (a checkpoint tensor's part on this rank) are quantized as loading did and
+written over the old ones' codes and scales. Every scheme here scales each output row
+on its own (per channel, or per group along that row's input columns), so quantizing a
+part of the rows gives exactly what quantizing the whole new weight would.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 from torch import nn
 
+from pagellm.executor.model.weight_map import Destination
 from pagellm.kernels import fp8
 from pagellm.kernels.quant import PackedWeight, quantize
 
@@ -44,11 +51,11 @@ def group_size_for(in_features: int, shards: int = 1) -> int:
                      "128, 64, 32) cannot be quantized group-wise")
 
 
-def quantize_projections(model: nn.Module, quantization: str) -> int:
+def quantize_projections(model: nn.Module, quantization: str) -> list[nn.Module]:
     """Replace every projection's weight by its packed form (`module.quant`); returns
-    how many were quantized. Raises ValueError naming a projection that cannot be."""
+    the modules quantized. Raises ValueError naming a projection that cannot be."""
     bits = QUANTIZATIONS[quantization]
-    count = 0
+    quantized = []
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] not in PROJECTIONS:
             continue
@@ -59,8 +66,65 @@ def quantize_projections(model: nn.Module, quantization: str) -> int:
                         quantize(weight.detach(), bits, group_size_for(weight.shape[1], shards)))
         module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype,
                                                  device="meta"), requires_grad=False)
-        count += 1
-    return count
+        quantized.append(module)
+    return quantized
+
+
+def requantize_rows(module: nn.Module, first: int, rows: torch.Tensor) -> None:
+    """Quantize `rows` [n, K] (full precision) as this projection's rows first..first+n
+    and write them over the old ones (module docstring)."""
+    quant: PackedWeight | fp8.Fp8Weight = module.quant  # type: ignore[assignment]
+    last = first + rows.shape[0]
+    with torch.no_grad():
+        if isinstance(quant, fp8.Fp8Weight):
+            new = fp8.quantize_weight(rows.to(quant.weight.device))
+            quant.weight[first:last].copy_(new.weight)
+            quant.scale[:, first:last].copy_(new.scale)
+            return
+        packed = quantize(rows.to(quant.qweight.device), quant.bits, quant.group_size,
+                          quant.scales.dtype)
+        quant.qweight[:, first:last].copy_(packed.qweight)
+        quant.scales[:, first:last].copy_(packed.scales)
+        quant.zeros[:, first:last].copy_(packed.zeros)
+
+
+@dataclass(frozen=True)
+class RequantizingDestination(Destination):
+    """A Destination into a quantized projection: `tensor` is a view of its meta
+    placeholder weight, which says which rows the checkpoint tensor's part fills; `load`
+    quantizes that part into those rows (`requantize_rows`)."""
+
+    module: Any = field(default=None, compare=False)
+
+    def load(self, checkpoint: torch.Tensor, non_blocking: bool = False) -> None:
+        if self.tensor is None:
+            return
+        if tuple(checkpoint.shape) != self.shape:
+            raise ValueError(f"shape {tuple(checkpoint.shape)}, the model's is {self.shape}")
+        if self.parts:
+            for piece in self.parts:
+                piece.load(checkpoint, non_blocking)
+            return
+        if self.as_shape is not None:
+            checkpoint = checkpoint.view(self.as_shape)
+        part = checkpoint if self.dim is None else checkpoint.narrow(self.dim, self.start,
+                                                                     self.length)
+        view, width = self.tensor, self.module.weight.shape[1]
+        if view.dim() != 2 or view.shape[1] != width or view.stride() != (width, 1):
+            raise ValueError(f"a quantized projection takes whole rows, not a {tuple(view.shape)} "
+                             f"view with strides {view.stride()}")
+        requantize_rows(self.module, view.storage_offset() // width, part.reshape(view.shape))
+
+    def receiver(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        return None  # never written straight into: the placeholder holds no memory
+
+
+def requantizing(dest: Destination, module: nn.Module) -> RequantizingDestination:
+    """`dest` (and its parts) as requantizing destinations into `module`."""
+    parts = tuple(requantizing(p, module) for p in dest.parts)
+    fields = {f: getattr(dest, f) for f in ("tensor", "shape", "dim", "start", "length",
+                                            "as_shape")}
+    return RequantizingDestination(**fields, parts=parts, module=module)
 
 
 def quantized_linear(x: torch.Tensor, quant: PackedWeight | fp8.Fp8Weight,

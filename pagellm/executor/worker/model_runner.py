@@ -128,11 +128,12 @@ class ModelRunner:
             raise ValueError(f"quantization={quantization!r} needs CUDA (on the CPU no "
                              "int4, int8 or fp8 GEMM is faster than fp32 yet; "
                              "attention_backend='triton' runs it there anyway, for tests)")
-        count = quantize_projections(self.model, quantization)
-        self.model.quantization = quantization
+        quantized = quantize_projections(self.model, quantization)
+        self.model.quantized = {id(m.weight): m for m in quantized}
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the replaced weights' memory
-        logger.info("quantization=%s: %d projections quantized on load", quantization, count)
+        logger.info("quantization=%s: %d projections quantized on load", quantization,
+                    len(quantized))
 
     # -- KV cache ------------------------------------------------------------------
 
