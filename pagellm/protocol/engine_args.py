@@ -327,9 +327,6 @@ class EngineArgs:
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} "
                              "runs one worker: tensor_parallel_size must be 1, got "
                              f"{self.tensor_parallel_size} (use 'mp')")
-        if self.quantization is not None and self.enable_sleep_mode:
-            raise ValueError(f"quantization={self.quantization!r} with enable_sleep_mode: "
-                             "sleeping does not yet keep quantized weights")
         check_int("max_loras", self.max_loras, minimum=1, maximum=MAX_LORAS)
         check_int("max_cpu_loras", self.max_cpu_loras, minimum=self.max_loras,
                   maximum=MAX_CPU_LORAS, allow_none=True)

@@ -109,15 +109,40 @@ def test_weight_updates_are_quantized_as_they_land(quantization, model_dirs, mak
         assert argmax_along(reference, out.prompt_token_ids, ours) == ours
 
 
-def test_quantization_without_its_kernel_or_with_sleep_is_refused(model_dirs, make_llm):
+def test_quantization_without_its_kernel_or_of_an_unknown_kind_is_refused(model_dirs,
+                                                                          make_llm):
     from pagellm.protocol.engine_args import EngineArgs
 
     with pytest.raises(ValueError, match="quantization='int4' needs CUDA"):
         make_llm(model_dirs["llama"], quantization="int4", attention_backend="torch")
-    with pytest.raises(ValueError, match="sleeping does not yet keep quantized weights"):
-        EngineArgs(model="demo", quantization="int8", enable_sleep_mode=True)
     with pytest.raises(ValueError, match="quantization"):
         EngineArgs(model="demo", quantization="gptq")
+
+
+@runs_triton_kernels
+def test_sleep_levels_1_and_2_keep_or_take_back_the_quantized_weights(model_dirs, make_llm):
+    """Level 1 backs the packed tensors up and restores them; level 2 drops them, and
+    the trainer's full-precision weights are quantized back in on waking: the tokens
+    are the same as before either sleep. Asleep, the packed tensors hold no memory."""
+    from transformers import AutoModelForCausalLM
+
+    llm = make_llm(model_dirs["llama"], quantization="int4", dtype="float32",
+                   attention_backend="triton", enable_sleep_mode=True)
+    qkv = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers[
+        0].self_attn.qkv_proj
+    before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY,
+                                                           use_tqdm=False)]
+    for level in (1, 2):
+        llm.sleep(level=level)
+        assert qkv.quant.qweight.numel() == 0 and qkv.quant.scales.numel() == 0
+        llm.wake_up()
+        if level == 2:
+            state = AutoModelForCausalLM.from_pretrained(
+                model_dirs["llama"], dtype=torch.float32).state_dict()
+            llm.update_weights(list(state.items()))
+        after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY,
+                                                              use_tqdm=False)]
+        assert after == before, level
 
 
 @runs_triton_kernels

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -26,13 +27,27 @@ import torch
 from torch import nn
 
 
-def parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Each parameter once (a tied weight appears under its first name)."""
-    return list(model.named_parameters())
+def parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors that hold the weights, each once (a tied weight appears under its
+    first name): every parameter but the meta placeholders of projections quantized on
+    load (executor/model/quantize.py), whose packed tensors stand in for them as
+    `<module>.quant.<field>`. Swapping `.data` empties and refills plain tensors as it
+    does parameters."""
+    tensors: list[tuple[str, torch.Tensor]] = [
+        (name, p) for name, p in model.named_parameters() if not p.is_meta]
+    for name, module in model.named_modules():
+        quant = getattr(module, "quant", None)
+        if quant is not None:
+            tensors += [(f"{name}.quant.{f.name}", getattr(quant, f.name))
+                        for f in dataclasses.fields(quant)
+                        if isinstance(getattr(quant, f.name), torch.Tensor)]
+    return tensors
 
 
 def parameter_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for _, p in parameters(model))
+    """The model's weights at full precision (a quantized projection counts as its
+    placeholder's shape and dtype: the size of the updates it takes)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 class HostBackup:
@@ -45,7 +60,7 @@ class HostBackup:
     136 MB MLP weight pins 256 MB: up to twice the weights in all, memory the OS can
     never swap). `free()` unpins it before it can go back to the system."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter]]) -> None:
+    def __init__(self, params: list[tuple[str, torch.Tensor]]) -> None:
         self.pinned: torch.Tensor | None = None  # [bytes] uint8, registered with CUDA
         if all(p.device.type == "cpu" for _, p in params):
             self.tensors = {name: p.data for name, p in params}
@@ -74,7 +89,7 @@ def _cuda_check(error: int, doing: str) -> None:
         raise RuntimeError(f"{doing} failed: cudaError {int(error)}")
 
 
-def host_views(params: list[tuple[str, nn.Parameter]]
+def host_views(params: list[tuple[str, torch.Tensor]]
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One host buffer ([bytes] uint8, exactly the parameters' sizes, 64-byte aligned
     starts: a weight update's layout) and a view of it shaped like each parameter."""
