@@ -91,24 +91,13 @@ def requantize_rows(module: nn.Module, first: int, rows: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class RequantizingDestination(Destination):
     """A Destination into a quantized projection: `tensor` is a view of its meta
-    placeholder weight, which says which rows the checkpoint tensor's part fills; `load`
-    quantizes that part into those rows (`requantize_rows`)."""
+    placeholder weight, which says which rows the checkpoint tensor's part fills;
+    `write` quantizes that part into those rows (`requantize_rows`)."""
 
     module: Any = field(default=None, compare=False)
 
-    def load(self, checkpoint: torch.Tensor, non_blocking: bool = False) -> None:
-        if self.tensor is None:
-            return
-        if tuple(checkpoint.shape) != self.shape:
-            raise ValueError(f"shape {tuple(checkpoint.shape)}, the model's is {self.shape}")
-        if self.parts:
-            for piece in self.parts:
-                piece.load(checkpoint, non_blocking)
-            return
-        if self.as_shape is not None:
-            checkpoint = checkpoint.view(self.as_shape)
-        part = checkpoint if self.dim is None else checkpoint.narrow(self.dim, self.start,
-                                                                     self.length)
+    def write(self, part: torch.Tensor, non_blocking: bool = False) -> None:
+        assert self.tensor is not None
         view, width = self.tensor, self.module.weight.shape[1]
         if view.dim() != 2 or view.shape[1] != width or view.stride() != (width, 1):
             raise ValueError(f"a quantized projection takes whole rows, not a {tuple(view.shape)} "

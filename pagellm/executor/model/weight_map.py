@@ -93,6 +93,11 @@ class Destination:
             checkpoint = checkpoint.view(self.as_shape)
         part = checkpoint if self.dim is None else checkpoint.narrow(self.dim, self.start,
                                                                      self.length)
+        self.write(part, non_blocking)
+
+    def write(self, part: torch.Tensor, non_blocking: bool = False) -> None:
+        """Store this rank's `part` of the checkpoint tensor (shaped as `tensor`)."""
+        assert self.tensor is not None
         with torch.no_grad():
             self.tensor.copy_(part, non_blocking=non_blocking)
 
