@@ -30,6 +30,18 @@ class Fp8Weight:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[N, K]: the shape of the weight this stands for."""
+        return self.weight.shape[0], self.weight.shape[1]
+
+    def narrow(self, dim: int, start: int, length: int) -> Fp8Weight:
+        """Rows (dim 0, with their scales) or input columns (dim 1) of the weight."""
+        if dim == 0:
+            return Fp8Weight(self.weight[start:start + length],
+                             self.scale[:, start:start + length])
+        return Fp8Weight(self.weight[:, start:start + length], self.scale)
+
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t [R, K] -> (e4m3 [R, K], fp32 scales [R, 1]): each row's largest magnitude maps

@@ -13,9 +13,14 @@ A weight W [N, K] (nn.Linear's: out x in) of BITS = 4 or 8 bits is kept as
 
 This is GPTQ's qweight layout (K-major, so a GEMM tile of K rows is K / 8 contiguous
 int32 rows), with the zero points unpacked: GPTQ, AWQ and compressed-tensors checkpoints
-all map onto it at load (their packings differ, their arithmetic does not), and zeros
-as floats cost as much as the scales while making symmetric (zeros = 2^(BITS-1)) and
-asymmetric schemes one code path.
+all map onto it at load (executor/model/quantized_checkpoint.py: their packings differ,
+their arithmetic does not), and zeros as floats cost as much as the scales while making
+symmetric (zeros = 2^(BITS-1)) and asymmetric schemes one code path.
+
+GPTQ's act-order (desc_act) checkpoints quantize the input columns in another order and
+keep each column's group in `g_idx`. At load their rows k are sorted by group, and
+`perm` [K] remembers the order: row j of the packed weight is input column perm[j], so
+y = x[:, perm] @ dequantize_sorted^T (one gather of x per call, as vLLM's exllama path).
 """
 
 from __future__ import annotations
@@ -36,6 +41,36 @@ class PackedWeight:
     zeros: torch.Tensor  # [K / group_size, N]
     bits: int
     group_size: int
+    perm: torch.Tensor | None = None  # [K] int64: act-order's input columns, sorted rows
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The [N, K] shape of the weight this stands for (a checkpoint tensor's, for
+        weight_map's Destination)."""
+        return self.out_features, self.in_features
+
+    def narrow(self, dim: int, start: int, length: int) -> PackedWeight:
+        """Rows (dim 0: output features, a column-parallel slice) or input columns
+        (dim 1: a row-parallel slice, whole groups only) of the weight, as a view."""
+        if start == 0 and length == self.shape[dim]:
+            return self
+        if dim == 0:
+            cols = slice(start, start + length)
+            return PackedWeight(self.qweight[:, cols], self.scales[:, cols],
+                                self.zeros[:, cols], self.bits, self.group_size, self.perm)
+        if self.perm is not None:
+            raise ValueError("act-order (desc_act) weights cannot be split along their input "
+                             "columns (tensor parallelism of a row-parallel projection)")
+        per_int, g, end = 32 // self.bits, self.group_size, start + length
+        if start % g == 0 and length % g == 0:
+            groups = slice(start // g, end // g)
+        elif start // g == (end - 1) // g and start % per_int == 0 and length % per_int == 0:
+            groups, g = slice(start // g, start // g + 1), length  # inside one group
+        else:
+            raise ValueError(f"input columns {start}..{end} do not split into whole groups "
+                             f"of {g}")
+        return PackedWeight(self.qweight[start // per_int:end // per_int], self.scales[groups],
+                            self.zeros[groups], self.bits, g)
 
     @property
     def in_features(self) -> int:
@@ -102,8 +137,13 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int,
 
 
 def dequantize(packed: PackedWeight) -> torch.Tensor:
-    """The exact weight the packed form stands for: [N, K] in fp32."""
+    """The exact weight the packed form stands for: [N, K] in fp32 (in the input
+    columns' own order where `perm` sorted them)."""
     codes = unpack(packed.qweight, packed.bits).float()  # [K, N]
     group = torch.arange(codes.shape[0], device=codes.device) // packed.group_size
     weight = (codes - packed.zeros.float()[group]) * packed.scales.float()[group]
-    return weight.t()
+    if packed.perm is None:
+        return weight.t()
+    unsorted = torch.empty_like(weight)
+    unsorted[packed.perm] = weight
+    return unsorted.t()

@@ -199,10 +199,14 @@ class EngineArgs:
         "(tensor_parallel_size=1). 'ray': the workers are Ray actors in a placement group "
         "(RAY_ADDRESS's cluster; pip install 'pagellm[ray]').")
     quantization: str | None = _opt(
-        None, "Quantize on load: 'int4' or 'int8' keeps the decoder's projections as "
+        None, "Unset: a quantized checkpoint (config.json's quantization_config: gptq, "
+        "awq, compressed-tensors, fp8) loads as it is, any other in --dtype. A "
+        "checkpoint format's name (vLLM's gptq_marlin and awq_marlin too) must match "
+        "it. Quantize on load: 'int4' or 'int8' keeps the decoder's projections as "
         "weight-only integers with group-wise scales; 'fp8' as e4m3 with per-channel "
-        "scales, activations quantized per token (W8A8). CUDA (on the CPU only with "
-        "attention_backend='triton', for tests). Unset: the weights as --dtype.")
+        "scales, activations quantized per token (W8A8). On load and packed checkpoints "
+        "need CUDA (on the CPU attention_backend='triton', for tests); without it, a "
+        "quantized checkpoint loads dequantized to --dtype.")
     kv_cache_dtype: str = _opt("auto", "Only 'auto': the KV cache has the model's dtype.")
     revision: str | None = _opt(
         None, "Only unset: the model is a local directory, which has no Hub revision.")
@@ -404,9 +408,10 @@ _SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "enable_chunked_prefill": ((None, True), "pagellm always chunks long prefills"),
     "distributed_executor_backend": ((None, "mp", "uni", "external_launcher", "ray"),
                                      "these are the executors pagellm has"),
-    "quantization": ((None, "int4", "int8", "fp8"), "pagellm quantizes on load to "
-                     "weight-only int4 or int8, or fp8; it reads no quantized checkpoint "
-                     "format yet"),
+    "quantization": ((None, "int4", "int8", "fp8", "gptq", "gptq_marlin", "awq",
+                      "awq_marlin", "compressed-tensors"),
+                     "pagellm quantizes on load to weight-only int4 or int8, or fp8, and "
+                     "reads gptq, awq, compressed-tensors and fp8 checkpoints"),
     "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype"),
     "revision": ((None,), "the model is a local directory, which has no Hub revision"),
     "tokenizer_revision": ((None,), "the tokenizer is a local directory, which has no Hub "

@@ -116,7 +116,7 @@ def test_quantization_without_its_kernel_or_of_an_unknown_kind_is_refused(model_
     with pytest.raises(ValueError, match="quantization='int4' needs CUDA"):
         make_llm(model_dirs["llama"], quantization="int4", attention_backend="torch")
     with pytest.raises(ValueError, match="quantization"):
-        EngineArgs(model="demo", quantization="gptq")
+        EngineArgs(model="demo", quantization="bitsandbytes")
 
 
 @runs_triton_kernels

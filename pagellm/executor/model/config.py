@@ -8,6 +8,11 @@ from typing import Any
 
 import torch
 
+from pagellm.executor.model.quantized_checkpoint import (
+    METHODS,
+    CheckpointQuant,
+    read_quantization_config,
+)
 from pagellm.executor.model.registry import read_spec
 from pagellm.executor.model.spec import DecoderSpec
 from pagellm.protocol.engine_args import EngineArgs
@@ -26,6 +31,7 @@ class ModelConfig:
     load_format: str
     seed: int
     quantization: str | None = None  # quantize on load (quantize.py)
+    checkpoint_quant: CheckpointQuant | None = None  # a quantized checkpoint's format
 
     @property
     def vocab_size(self) -> int:
@@ -64,6 +70,29 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
                          f"max_position_embeddings={derived}")
     else:
         max_model_len = args.max_model_len
+    checkpoint_quant, quantization = _quantization(args.quantization, hf_config, path)
     return ModelConfig(model=str(path), hf_config=hf_config, spec=spec, dtype=dtype,
                        max_model_len=max_model_len, load_format=args.load_format,
-                       seed=args.seed, quantization=args.quantization)
+                       seed=args.seed, quantization=quantization,
+                       checkpoint_quant=checkpoint_quant)
+
+
+def _quantization(asked: str | None, hf_config: Any, path: Path
+                  ) -> tuple[CheckpointQuant | None, str | None]:
+    """(the checkpoint's format, the quantization to apply on load), as vLLM settles
+    `quantization`: unset follows config.json; a checkpoint format's name must be the
+    checkpoint's; "fp8" of a full-precision checkpoint (and "int4", "int8") quantizes
+    on load."""
+    try:
+        found = read_quantization_config(getattr(hf_config, "quantization_config", None))
+    except ValueError as e:
+        raise ValueError(f"{path / 'config.json'}: {e}") from None
+    if found is None:
+        if asked in METHODS and asked != "fp8":
+            raise ValueError(f"quantization={asked!r} names a checkpoint format, but "
+                             f"{path / 'config.json'} has no quantization_config")
+        return None, asked
+    if asked is not None and METHODS.get(asked) != found.method:
+        raise ValueError(f"quantization={asked!r}, but {path} is a {found.method} checkpoint "
+                         "(leave quantization unset to load it as it is)")
+    return found, None

@@ -255,6 +255,10 @@ class DecoderForCausalLM(nn.Module):
         return weight_map.checkpoint_keys((name for name, _ in self.named_parameters()),
                                           self.spec)
 
+    def checkpoint_parts(self, module: str) -> list[str]:
+        """The checkpoint modules our `module` (a projection's name) is made of."""
+        return weight_map.checkpoint_parts(module, self.spec)
+
     def mark_loaded(self, names: Iterable[str]) -> None:
         """Checkpoint tensors `names` now hold values (a wake from level 2 left them
         empty): their family keys leave `unloaded`."""

@@ -14,19 +14,23 @@ of this worker's share of the memory available.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from pagellm.executor.model import quantized_checkpoint
 from pagellm.executor.model.config import ModelConfig
 from pagellm.executor.model.decoder import DecoderForCausalLM
 from pagellm.executor.model.linear import PACKED_WEIGHTS, packs_weights
 from pagellm.executor.model.parallel import TensorParallel
+from pagellm.executor.model.quantize import RequantizingDestination
 from pagellm.executor.model.registry import model_class
 
 logger = logging.getLogger("pagellm")
@@ -102,9 +106,15 @@ def _meta_model(config: ModelConfig, tp: TensorParallel | None) -> DecoderForCau
 
 
 def _bytes_of(model: DecoderForCausalLM) -> int:
-    """Parameters in their dtype; buffers (the RoPE tables) in float32, as
-    `reset_cache` makes them whatever the model's dtype."""
-    return (sum(p.numel() * p.element_size() for p in model.parameters())
+    """Parameters in their dtype (a packed projection's packed tensors, not its
+    placeholder weight); buffers (the RoPE tables) in float32, as `reset_cache` makes
+    them whatever the model's dtype."""
+    placeholders = set(model.quantized)
+    packs: list[Any] = [m.quant for m in model.quantized.values()]
+    packed = [getattr(q, f.name) for q in packs for f in dataclasses.fields(q)]
+    return (sum(p.numel() * p.element_size() for p in model.parameters()
+                if id(p) not in placeholders)
+            + sum(t.numel() * t.element_size() for t in packed if isinstance(t, torch.Tensor))
             + sum(b.numel() * 4 for b in model.buffers()))
 
 
@@ -145,22 +155,44 @@ def _packed_bytes(model: DecoderForCausalLM, config: ModelConfig, device: torch.
 
 
 def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | None = None,
-               host_ranks: int = 1) -> DecoderForCausalLM:
+               host_ranks: int = 1, kernels: bool = False) -> DecoderForCausalLM:
     """The model (this rank's slice of it, under tensor parallelism) on `device` in
     `config.dtype`, weights loaded, in eval mode; `host_ranks` workers share this host's
     memory (packed copies are made only if they fit in this one's share). Every rank
     reads the checkpoint and keeps its slice. Its size is checked first, before anything
-    is allocated (module docstring)."""
+    is allocated (module docstring). A quantized checkpoint stays packed where the
+    quantized `kernels` run (Triton's), else loads dequantized
+    (quantized_checkpoint.py)."""
     model = _meta_model(config, tp)
+    quant = config.checkpoint_quant
+    if quant is not None and kernels:
+        packed = quantized_checkpoint.prepare(model, quant, model.checkpoint_parts,
+                                              config.dtype)
+        model.quantized = {id(m.weight): m for m in packed}
     _check_memory(config, _bytes_of(model), device, tp)
-    # (A model quantized on load keeps no copies of the weights it replaces.)
-    copies = 0 if config.quantization else _packed_bytes(model, config, device, host_ranks)
-    model = model.to_empty(device=device)
+    # (A quantized model keeps no copies of the weights it replaces.)
+    copies = 0 if config.quantization or model.quantized else \
+        _packed_bytes(model, config, device, host_ranks)
+    # Placeholders stay on meta: a packed projection's full-precision weight never exists.
+    model._apply(lambda t: t if id(t) in model.quantized else
+                 torch.empty_like(t, device=device))
+    for module in model.quantized.values():
+        quantized_checkpoint.materialize(module, device)
     model.model.rotary_emb.reset_cache()  # computed, not loaded: fill it on the device
     if config.load_format == "dummy":
+        if model.quantized:
+            raise ValueError("load_format='dummy' draws full-precision weights: it cannot "
+                             f"fill a {quant.method if quant else ''} checkpoint's packed ones")
         _init_dummy(model, config.seed)
     else:
-        loaded = model.load_weights(iterate_safetensors(safetensors_files(Path(config.model))))
+        weights: Iterable[tuple[str, Any]] = iterate_safetensors(
+            safetensors_files(Path(config.model)))
+        if quant is not None:
+            weights = quantized_checkpoint.collect(
+                weights, quant, lambda name: isinstance(model.destination(name),
+                                                        RequantizingDestination),
+                lambda name: model.destination(name) is not None)
+        loaded = model.load_weights(weights)
         missing = sorted(model.checkpoint_keys() - loaded)
         if missing:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:8]}"

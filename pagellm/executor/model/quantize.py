@@ -74,6 +74,9 @@ def requantize_rows(module: nn.Module, first: int, rows: torch.Tensor) -> None:
     """Quantize `rows` [n, K] (full precision) as this projection's rows first..first+n
     and write them over the old ones (module docstring)."""
     quant: PackedWeight | fp8.Fp8Weight = module.quant  # type: ignore[assignment]
+    if isinstance(quant, PackedWeight) and quant.perm is not None:
+        raise ValueError("an act-order (desc_act) checkpoint's projections take no "
+                         "full-precision updates: their column order is the quantizer's")
     last = first + rows.shape[0]
     with torch.no_grad():
         if isinstance(quant, fp8.Fp8Weight):
@@ -88,21 +91,62 @@ def requantize_rows(module: nn.Module, first: int, rows: torch.Tensor) -> None:
         quant.zeros[:, first:last].copy_(packed.zeros)
 
 
+def place(module: nn.Module, first: int, part: PackedWeight | fp8.Fp8Weight) -> None:
+    """Write a checkpoint projection's `part` (this rank's slice of it, packed) into
+    rows first.. of `module`'s packed form. Where the checkpoint's groups are wider than
+    the kernel's, their scales and zero points repeat; the parts of one fused
+    projection must share an act-order permutation (they share their input)."""
+    quant: PackedWeight | fp8.Fp8Weight = module.quant  # type: ignore[assignment]
+    last = first + part.shape[0]
+    with torch.no_grad():
+        if isinstance(quant, fp8.Fp8Weight):
+            if not isinstance(part, fp8.Fp8Weight):
+                raise ValueError("an integer checkpoint weight into an FP8 projection")
+            quant.weight[first:last].copy_(part.weight)
+            quant.scale[:, first:last].copy_(part.scale)
+            return
+        if not isinstance(part, PackedWeight) or part.bits != quant.bits:
+            raise ValueError(f"a checkpoint weight of another kind than {quant.bits}-bit "
+                             "integers")
+        repeat, rest = divmod(part.group_size, quant.group_size)
+        assert rest == 0, (part.group_size, quant.group_size)
+        quant.qweight[:, first:last].copy_(part.qweight)
+        quant.scales[:, first:last].copy_(part.scales.repeat_interleave(repeat, 0))
+        quant.zeros[:, first:last].copy_(part.zeros.repeat_interleave(repeat, 0))
+        if quant.perm is None:
+            assert part.perm is None  # narrow() refuses act-order K slices
+            return
+        perm = part.perm if part.perm is not None else torch.arange(quant.in_features)
+        if bool((quant.perm < 0).all()):
+            quant.perm.copy_(perm)
+        elif not torch.equal(quant.perm, perm.to(quant.perm.device)):
+            raise ValueError("the parts of one fused projection have different act-order "
+                             "g_idx")
+
+
 @dataclass(frozen=True)
 class RequantizingDestination(Destination):
     """A Destination into a quantized projection: `tensor` is a view of its meta
     placeholder weight, which says which rows the checkpoint tensor's part fills;
-    `write` quantizes that part into those rows (`requantize_rows`)."""
+    `write` quantizes a full-precision part into those rows (`requantize_rows`), or
+    copies a quantized checkpoint's part, already packed, in (quantized_checkpoint.py)."""
 
     module: Any = field(default=None, compare=False)
 
-    def write(self, part: torch.Tensor, non_blocking: bool = False) -> None:
+    def write(self, part: Any, non_blocking: bool = False) -> None:
         assert self.tensor is not None
         view, width = self.tensor, self.module.weight.shape[1]
         if view.dim() != 2 or view.shape[1] != width or view.stride() != (width, 1):
             raise ValueError(f"a quantized projection takes whole rows, not a {tuple(view.shape)} "
                              f"view with strides {view.stride()}")
-        requantize_rows(self.module, view.storage_offset() // width, part.reshape(view.shape))
+        first = view.storage_offset() // width
+        if isinstance(part, (PackedWeight, fp8.Fp8Weight)):
+            if tuple(part.shape) != tuple(view.shape):
+                raise ValueError(f"a packed part of {tuple(part.shape)} for rows of "
+                                 f"{tuple(view.shape)}")
+            place(self.module, first, part)
+        else:
+            requantize_rows(self.module, first, part.reshape(view.shape))
 
     def receiver(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         return None  # never written straight into: the placeholder holds no memory
@@ -123,6 +167,9 @@ def quantized_linear(x: torch.Tensor, quant: PackedWeight | fp8.Fp8Weight,
     if isinstance(quant, fp8.Fp8Weight):
         return fp8.fp8_linear(x, quant, bias)
     from pagellm.kernels.triton_quant import quant_matmul
+
+    if quant.perm is not None:  # act-order: the input columns in the packed rows' order
+        x = x.index_select(1, quant.perm)
 
     y = quant_matmul(x, quant)
     return y if bias is None else y + bias

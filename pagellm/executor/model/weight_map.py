@@ -170,6 +170,15 @@ def checkpoint_keys(param_names: Iterable[str], spec: DecoderSpec) -> set[str]:
     return keys
 
 
+def checkpoint_parts(module: str, spec: DecoderSpec) -> list[str]:
+    """The checkpoint's names of the modules our `module` merges (q/k/v for qkv_proj,
+    gate/up for gate_up_proj, unless the family stores them fused): itself otherwise."""
+    prefix, _, last = module.rpartition(".")
+    parts = [f"{prefix}.{ckpt}" for ckpt, merged, _ in _STACKED
+             if merged == last and not spec.fused_checkpoint]
+    return parts or [module]
+
+
 def _full_norm_destination(target: str, param: nn.Parameter, spec: DecoderSpec,
                            tp: TensorParallel) -> Destination:
     """OLMoE's q/k norms span all heads: this rank's heads' part of the weight."""

@@ -82,7 +82,12 @@ class ModelRunner:
                                  "attention_backend='torch'")
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 0)
-        self.model = load_model(model_config, device, self.tp, host_ranks)
+        self.model = load_model(model_config, device, self.tp, host_ranks,
+                                kernels=self.attention.name == "triton")
+        if model_config.checkpoint_quant is not None:
+            logger.info("%s checkpoint: %d projections packed%s",
+                        model_config.checkpoint_quant.method, len(self.model.quantized),
+                        "" if self.model.quantized else ", the rest loaded dequantized")
         if model_config.quantization is not None:
             self._quantize(model_config.quantization)
         self.lora = None if lora is None else LoRAManager(

@@ -1,0 +1,211 @@
+"""Quantized checkpoints written the way their own tools write them, from a full-precision
+test model, with the weights they stand for as the tests' reference.
+
+Each projection's weight W [N, K] is quantized round-to-nearest into integer codes,
+zero points and fp16 scales (or e4m3 and fp32 scales); the reference weight is what
+those stand for, computed here from the codes: (code - zero) * scale. Then each
+format's writer stores them as its tool does, from the format's own description:
+
+- gptq: AutoGPTQ's `QuantLinear.pack`: qweight [K/pk, N] with code k*pk + j of a column
+  at bits j*b of row k; qzeros [K/G, N/pk] along N, each zero minus one (format v1);
+  g_idx [K]. Act-order: the input columns are quantized in a random order, group g
+  taking columns order[g*G:(g+1)*G], and g_idx gives each column its group.
+- awq: AutoAWQ's `WQLinear_GEMM.from_linear`: qweight [K, N/8], bits 4i of int c
+  holding column 8c + ORDER[i] with ORDER = 0 2 4 6 1 3 5 7; qzeros likewise.
+- compressed-tensors: the `compressed_tensors` library's own `pack_to_int32` packs the
+  signed codes (code - 2^(b-1)) along K, and the zero points along N.
+- fp8: e4m3 weights with a scale per block (weight_scale_inv) or per channel.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# The projections that share an input (and so an act order).
+SITES = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
+         "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
+
+
+def _int32(values: torch.Tensor) -> torch.Tensor:
+    """int64 holding 32-bit patterns -> int32 with the same bits."""
+    return torch.where(values >= 2**31, values - 2**32, values).to(torch.int32)
+
+
+def pack_along_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [R, C] -> [R / pk, C]: code r*pk + j at bits j*bits (GPTQ's qweight)."""
+    per_int = 32 // bits
+    out = torch.zeros(codes.shape[0] // per_int, codes.shape[1], dtype=torch.int64)
+    for j in range(per_int):
+        out |= codes[j::per_int].to(torch.int64) << (bits * j)
+    return _int32(out)
+
+
+def pack_awq(codes: torch.Tensor) -> torch.Tensor:
+    """codes [R, C] -> [R, C / 8] in AWQ's order."""
+    out = torch.zeros(codes.shape[0], codes.shape[1] // 8, dtype=torch.int64)
+    for i, column in enumerate(AWQ_ORDER):
+        out |= codes[:, column::8].to(torch.int64) << (4 * i)
+    return _int32(out)
+
+
+def quantize_int(weight: torch.Tensor, bits: int, group: int, symmetric: bool,
+                 g_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor]:
+    """weight [N, K], g_idx [K] -> (codes [K, N], zeros [K/G, N], scales [K/G, N] fp16,
+    the reference weight [N, K] fp32). Asymmetric zero points are kept in 1..2^b - 1
+    (GPTQ's v1 format cannot store zero)."""
+    n, k = weight.shape
+    top = 2**bits - 1
+    codes = torch.empty(k, n, dtype=torch.int64)
+    zeros = torch.empty(k // group, n, dtype=torch.int64)
+    scales = torch.empty(k // group, n, dtype=torch.float16)
+    for g in range(k // group):
+        cols = (g_idx == g).nonzero().flatten()
+        w = weight[:, cols].double()  # [N, G]
+        if symmetric:
+            scale = (w.abs().amax(1) / (2 ** (bits - 1) - 1)).clamp(min=1e-4)
+            zero = torch.full((n,), 2 ** (bits - 1), dtype=torch.float64)
+        else:
+            low, high = w.amin(1).clamp(max=0), w.amax(1).clamp(min=0)
+            scale = ((high - low) / top).clamp(min=1e-4)
+            zero = (-low / scale).round().clamp(1, top)
+        scale = scale.half().double()
+        scales[g] = scale.half()
+        zeros[g] = zero.long()
+        codes[cols] = (w / scale[:, None] + zero[:, None]).round().clamp(0, top).long().t()
+    group_of = g_idx.long()
+    reference = (codes - zeros[group_of]).double() * scales.double()[group_of]
+    return codes, zeros, scales, reference.t().float().contiguous()
+
+
+def _write(model_dir: Path, out: Path, tensors: dict[str, torch.Tensor],
+           quantization_config: dict[str, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    return out
+
+
+def write_int_checkpoint(model_dir: Path, out: Path, method: str, bits: int = 4,
+                         group: int = 32, symmetric: bool = False, act_order: bool = False,
+                         seed: int = 0) -> tuple[Path, dict[str, torch.Tensor]]:
+    """`model_dir`'s model with every projection quantized in `method`'s format (gptq,
+    awq, compressed-tensors); returns (the new directory, the reference state dict:
+    transformers' names, the projections' weights as their codes stand for them)."""
+    state = load_file(str(model_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(seed)
+    tensors, reference = {}, dict(state)
+    orders: dict[str, torch.Tensor] = {}
+    for name, weight in state.items():
+        prefix, _, last = name.rpartition(".")
+        if last != "weight" or prefix.rsplit(".", 1)[-1] not in PROJECTIONS:
+            tensors[name] = weight
+            continue
+        k = weight.shape[1]
+        if act_order:  # columns quantized in a random order, one per input (GPTQ's order
+            # follows the input's Hessian: q, k and v share theirs, gate and up theirs)
+            site = prefix.rsplit(".", 1)[0] + SITES[prefix.rsplit(".", 1)[-1]]
+            order = orders.setdefault(site, torch.randperm(k, generator=generator))
+            g_idx = torch.empty(k, dtype=torch.int32)
+            g_idx[order] = (torch.arange(k) // group).to(torch.int32)
+        else:
+            g_idx = (torch.arange(k) // group).to(torch.int32)
+        codes, zeros, scales, reference[name] = quantize_int(weight, bits, group, symmetric,
+                                                             g_idx)
+        if method == "gptq":
+            tensors[f"{prefix}.qweight"] = pack_along_rows(codes, bits)
+            tensors[f"{prefix}.qzeros"] = pack_along_rows((zeros - 1).t(), bits).t()
+            tensors[f"{prefix}.scales"] = scales
+            tensors[f"{prefix}.g_idx"] = g_idx
+        elif method == "awq":
+            tensors[f"{prefix}.qweight"] = pack_awq(codes)
+            tensors[f"{prefix}.qzeros"] = pack_awq(zeros)
+            tensors[f"{prefix}.scales"] = scales
+        else:
+            from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+            offset = 2 ** (bits - 1)
+            tensors[f"{prefix}.weight_packed"] = pack_to_int32(
+                (codes - offset).t().to(torch.int8).contiguous(), bits, packed_dim=1)
+            tensors[f"{prefix}.weight_scale"] = scales.t().float()  # the model's dtype
+            tensors[f"{prefix}.weight_shape"] = torch.tensor(list(weight.shape))
+            if not symmetric:
+                tensors[f"{prefix}.weight_zero_point"] = pack_to_int32(
+                    (zeros - offset).t().to(torch.int8).contiguous(), bits, packed_dim=0)
+            if act_order:
+                tensors[f"{prefix}.weight_g_idx"] = g_idx
+    config = _int_config(method, bits, group, symmetric, act_order)
+    return _write(model_dir, out, tensors, config), reference
+
+
+def _int_config(method: str, bits: int, group: int, symmetric: bool, act_order: bool
+                ) -> dict[str, Any]:
+    if method == "gptq":
+        return {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": symmetric,
+                "desc_act": act_order, "checkpoint_format": "gptq"}
+    if method == "awq":
+        return {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True,
+                "version": "gemm", "modules_to_not_convert": None}
+    weights = {"num_bits": bits, "type": "int", "strategy": "group", "group_size": group,
+               "symmetric": symmetric, "dynamic": False,
+               "actorder": "group" if act_order else None}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": None}}}
+
+
+def write_fp8_checkpoint(model_dir: Path, out: Path, block: tuple[int, int] | None
+                         ) -> tuple[Path, dict[str, torch.Tensor]]:
+    """FP8 weights: block-wise (quant_method fp8, weight_block_size, weight_scale_inv,
+    as DeepSeek's and Qwen's FP8 releases) or, with `block` None, per channel
+    (compressed-tensors float-quantized, dynamic per-token activations, as
+    llm-compressor's FP8_DYNAMIC). Returns (the directory, the reference state dict)."""
+    state = load_file(str(model_dir / "model.safetensors"))
+    tensors, reference = {}, dict(state)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    for name, weight in state.items():
+        prefix, _, last = name.rpartition(".")
+        if last != "weight" or prefix.rsplit(".", 1)[-1] not in PROJECTIONS:
+            tensors[name] = weight
+            continue
+        n, k = weight.shape
+        if block is None:
+            scale = weight.abs().amax(1, keepdim=True) / fp8_max  # [N, 1]
+            full = scale
+            tensors[f"{prefix}.weight_scale"] = scale
+        else:
+            bn, bk = block
+            blocks = weight.reshape(n // bn, bn, k // bk, bk)
+            scale = blocks.abs().amax(dim=(1, 3)) / fp8_max  # [N/bn, K/bk]
+            full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+            tensors[f"{prefix}.weight_scale_inv"] = scale
+        q = (weight / full).to(torch.float8_e4m3fn)
+        tensors[name] = q
+        reference[name] = q.float() * full
+    if block is None:
+        config = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                  "quantization_status": "compressed", "ignore": ["lm_head"],
+                  "config_groups": {"group_0": {
+                      "targets": ["Linear"],
+                      "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                  "symmetric": True, "dynamic": False},
+                      "input_activations": {"num_bits": 8, "type": "float",
+                                            "strategy": "token", "dynamic": True}}}}
+    else:
+        config = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                  "weight_block_size": list(block)}
+    return _write(model_dir, out, tensors, config), reference
