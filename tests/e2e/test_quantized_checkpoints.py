@@ -64,6 +64,8 @@ CASES = {
                                                            "symmetric": True,
                                                            "act_order": True}),
     "ct-4bit": ("compressed-tensors", {"bits": 4, "group": 32}),
+    "ct-w8a8-int8-per-channel": ("compressed-tensors", {"bits": 8, "group": None,
+                                                        "symmetric": True, "packed": False}),
 }
 
 

@@ -32,6 +32,11 @@ INT_CASES = {
     "awq-4bit": ("awq", {"bits": 4, "group": 32}),
     "ct-4bit-symmetric": ("compressed-tensors", {"bits": 4, "group": 32, "symmetric": True}),
     "ct-8bit-act-order": ("compressed-tensors", {"bits": 8, "group": 32, "act_order": True}),
+    "gptq-4bit-per-channel": ("gptq", {"bits": 4, "group": None}),
+    "ct-w8a8-int8-channel": ("compressed-tensors", {"bits": 8, "group": None,
+                                                    "symmetric": True, "packed": False}),
+    "ct-w8a8-int8-asymmetric": ("compressed-tensors", {"bits": 8, "group": None,
+                                                       "packed": False}),
 }
 
 
@@ -65,6 +70,19 @@ def test_each_integer_format_reads_as_the_weights_its_codes_stand_for(case, llam
             assert torch.equal(dequantized(weight), reference[name]), (name, packed)
 
 
+def test_fp8_per_tensor_reads_as_its_codes_stand_for(llama_dir, tmp_path):
+    """quant_method fp8 without blocks (AutoFP8's): one weight scale per tensor, spread
+    over the output channels; the static input scale loads into nothing."""
+    directory, reference = write_fp8_checkpoint(llama_dir, tmp_path / "fp8", None,
+                                                per_tensor=True)
+    weights = _read(directory, packed=True)
+    assert weights.keys() == reference.keys()
+    for name, weight in weights.items():
+        if name.endswith("proj.weight"):
+            assert isinstance(weight, fp8.Fp8Weight) and weight.scale.unique().numel() == 1
+        assert torch.equal(dequantized(weight).float(), reference[name]), name
+
+
 @pytest.mark.parametrize("block", [(32, 32), (32, 64), None], ids=["block", "wide-block",
                                                                      "channel"])
 def test_fp8_formats_read_as_transformers_reads_them(block, llama_dir, tmp_path):
@@ -86,11 +104,14 @@ def test_fp8_formats_read_as_transformers_reads_them(block, llama_dir, tmp_path)
         assert torch.equal(dequantized(weight).float(), reference[name]), name
 
 
-def test_compressed_tensors_reads_as_transformers_reads_it(llama_dir, tmp_path):
+@pytest.mark.parametrize("options", [{"bits": 4, "group": 32},
+                                     {"bits": 8, "group": None, "packed": False}],
+                         ids=["pack-quantized", "int-quantized"])
+def test_compressed_tensors_reads_as_transformers_reads_it(options, llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     directory, _ = write_int_checkpoint(llama_dir, tmp_path / "ct", "compressed-tensors",
-                                        bits=4, group=32)
+                                        **options)
     theirs = AutoModelForCausalLM.from_pretrained(
         directory, dtype=torch.float32,
         quantization_config=CompressedTensorsConfig(run_compressed=False)).state_dict()

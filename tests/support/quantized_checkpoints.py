@@ -100,11 +100,14 @@ def _write(model_dir: Path, out: Path, tensors: dict[str, torch.Tensor],
 
 
 def write_int_checkpoint(model_dir: Path, out: Path, method: str, bits: int = 4,
-                         group: int = 32, symmetric: bool = False, act_order: bool = False,
-                         seed: int = 0) -> tuple[Path, dict[str, torch.Tensor]]:
+                         group: int | None = 32, symmetric: bool = False,
+                         act_order: bool = False, packed: bool = True, seed: int = 0
+                         ) -> tuple[Path, dict[str, torch.Tensor]]:
     """`model_dir`'s model with every projection quantized in `method`'s format (gptq,
-    awq, compressed-tensors); returns (the new directory, the reference state dict:
-    transformers' names, the projections' weights as their codes stand for them)."""
+    awq, compressed-tensors: `packed` pack-quantized, else int-quantized, W8A8's int8
+    weights); `group` None: one scale per output channel. Returns (the new directory,
+    the reference state dict: transformers' names, the projections' weights as their
+    codes stand for them)."""
     state = load_file(str(model_dir / "model.safetensors"))
     generator = torch.Generator().manual_seed(seed)
     tensors, reference = {}, dict(state)
@@ -115,15 +118,16 @@ def write_int_checkpoint(model_dir: Path, out: Path, method: str, bits: int = 4,
             tensors[name] = weight
             continue
         k = weight.shape[1]
+        size = group or k
         if act_order:  # columns quantized in a random order, one per input (GPTQ's order
             # follows the input's Hessian: q, k and v share theirs, gate and up theirs)
             site = prefix.rsplit(".", 1)[0] + SITES[prefix.rsplit(".", 1)[-1]]
             order = orders.setdefault(site, torch.randperm(k, generator=generator))
             g_idx = torch.empty(k, dtype=torch.int32)
-            g_idx[order] = (torch.arange(k) // group).to(torch.int32)
+            g_idx[order] = (torch.arange(k) // size).to(torch.int32)
         else:
-            g_idx = (torch.arange(k) // group).to(torch.int32)
-        codes, zeros, scales, reference[name] = quantize_int(weight, bits, group, symmetric,
+            g_idx = (torch.arange(k) // size).to(torch.int32)
+        codes, zeros, scales, reference[name] = quantize_int(weight, bits, size, symmetric,
                                                              g_idx)
         if method == "gptq":
             tensors[f"{prefix}.qweight"] = pack_along_rows(codes, bits)
@@ -134,7 +138,7 @@ def write_int_checkpoint(model_dir: Path, out: Path, method: str, bits: int = 4,
             tensors[f"{prefix}.qweight"] = pack_awq(codes)
             tensors[f"{prefix}.qzeros"] = pack_awq(zeros)
             tensors[f"{prefix}.scales"] = scales
-        else:
+        elif packed:
             from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
             offset = 2 ** (bits - 1)
@@ -145,35 +149,46 @@ def write_int_checkpoint(model_dir: Path, out: Path, method: str, bits: int = 4,
             if not symmetric:
                 tensors[f"{prefix}.weight_zero_point"] = pack_to_int32(
                     (zeros - offset).t().to(torch.int8).contiguous(), bits, packed_dim=0)
-            if act_order:
-                tensors[f"{prefix}.weight_g_idx"] = g_idx
-    config = _int_config(method, bits, group, symmetric, act_order)
+        else:  # int-quantized: the signed int8 codes as the weight itself
+            offset = 2 ** (bits - 1)
+            tensors[name] = (codes - offset).t().to(torch.int8).contiguous()
+            tensors[f"{prefix}.weight_scale"] = scales.t().float()
+            if not symmetric:
+                tensors[f"{prefix}.weight_zero_point"] = (zeros - offset).t().to(torch.int8)
+        if method == "compressed-tensors" and act_order:
+            tensors[f"{prefix}.weight_g_idx"] = g_idx
+    config = _int_config(method, bits, group, symmetric, act_order, packed)
     return _write(model_dir, out, tensors, config), reference
 
 
-def _int_config(method: str, bits: int, group: int, symmetric: bool, act_order: bool
-                ) -> dict[str, Any]:
+def _int_config(method: str, bits: int, group: int | None, symmetric: bool, act_order: bool,
+                packed: bool) -> dict[str, Any]:
     if method == "gptq":
-        return {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": symmetric,
-                "desc_act": act_order, "checkpoint_format": "gptq"}
+        return {"quant_method": "gptq", "bits": bits, "group_size": group or -1,
+                "sym": symmetric, "desc_act": act_order, "checkpoint_format": "gptq"}
     if method == "awq":
         return {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True,
                 "version": "gemm", "modules_to_not_convert": None}
-    weights = {"num_bits": bits, "type": "int", "strategy": "group", "group_size": group,
-               "symmetric": symmetric, "dynamic": False,
+    weights = {"num_bits": bits, "type": "int", "strategy": "group" if group else "channel",
+               "group_size": group, "symmetric": symmetric, "dynamic": False,
                "actorder": "group" if act_order else None}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+    activations = None if packed else {"num_bits": 8, "type": "int", "strategy": "token",
+                                       "dynamic": True, "symmetric": True}
+    return {"quant_method": "compressed-tensors",
+            "format": "pack-quantized" if packed else "int-quantized",
             "quantization_status": "compressed", "ignore": ["lm_head"],
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": None}}}
+                                          "input_activations": activations}}}
 
 
-def write_fp8_checkpoint(model_dir: Path, out: Path, block: tuple[int, int] | None
-                         ) -> tuple[Path, dict[str, torch.Tensor]]:
+def write_fp8_checkpoint(model_dir: Path, out: Path, block: tuple[int, int] | None,
+                         per_tensor: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
     """FP8 weights: block-wise (quant_method fp8, weight_block_size, weight_scale_inv,
-    as DeepSeek's and Qwen's FP8 releases) or, with `block` None, per channel
+    as DeepSeek's and Qwen's FP8 releases); with `block` None, per channel
     (compressed-tensors float-quantized, dynamic per-token activations, as
-    llm-compressor's FP8_DYNAMIC). Returns (the directory, the reference state dict)."""
+    llm-compressor's FP8_DYNAMIC) or `per_tensor` (quant_method fp8 with one weight
+    scale and a static input scale, as AutoFP8 wrote). Returns (the directory, the
+    reference state dict)."""
     state = load_file(str(model_dir / "model.safetensors"))
     tensors, reference = {}, dict(state)
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
@@ -183,7 +198,12 @@ def write_fp8_checkpoint(model_dir: Path, out: Path, block: tuple[int, int] | No
             tensors[name] = weight
             continue
         n, k = weight.shape
-        if block is None:
+        if block is None and per_tensor:
+            scale = weight.abs().amax() / fp8_max  # []
+            full = scale
+            tensors[f"{prefix}.weight_scale"] = scale
+            tensors[f"{prefix}.input_scale"] = torch.tensor(0.05)  # static: replaced
+        elif block is None:
             scale = weight.abs().amax(1, keepdim=True) / fp8_max  # [N, 1]
             full = scale
             tensors[f"{prefix}.weight_scale"] = scale
@@ -196,7 +216,9 @@ def write_fp8_checkpoint(model_dir: Path, out: Path, block: tuple[int, int] | No
         q = (weight / full).to(torch.float8_e4m3fn)
         tensors[name] = q
         reference[name] = q.float() * full
-    if block is None:
+    if per_tensor:
+        config = {"quant_method": "fp8", "activation_scheme": "static"}
+    elif block is None:
         config = {"quant_method": "compressed-tensors", "format": "float-quantized",
                   "quantization_status": "compressed", "ignore": ["lm_head"],
                   "config_groups": {"group_0": {
