@@ -87,8 +87,12 @@ class RayExecutor(MultiprocExecutor):
                 ray.init(address=address or "auto", **quiet)
             except ConnectionError as e:
                 if address:
+                    hint = "" if os.environ.get("RAY_AUTH_MODE") else (
+                        " (a cluster with token authentication, Ray's default for local "
+                        "clusters since 2.60, takes clients that set RAY_AUTH_MODE=token and "
+                        "have its token: ~/.ray/auth_token or RAY_AUTH_TOKEN)")
                     raise RuntimeError(f"distributed_executor_backend='ray': cannot reach "
-                                       f"the Ray cluster at RAY_ADDRESS={address!r}: {e}"
+                                       f"the Ray cluster at RAY_ADDRESS={address!r}: {e}{hint}"
                                        ) from e
                 ray.init(**quiet)  # no cluster running: a local one, ours to stop
                 self._started_ray = True

@@ -26,16 +26,16 @@ KV = 8 * 2**20
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[tuple[str, str]]:
-    """(address, placement group id) of a cluster this test module owns."""
+def ray_cluster() -> Iterator[tuple[str, str, str]]:
+    """(address, placement group id, auth mode) of a cluster this test module owns."""
     proc = subprocess.Popen([sys.executable, str(SUPPORT / "ray_cluster.py")],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().split()
-        assert len(line) == 2, "the Ray cluster did not start"
-        yield line[0], line[1]
+        assert len(line) == 3, "the Ray cluster did not start"
+        yield line[0], line[1], line[2]
     finally:
         assert proc.stdin is not None
         proc.stdin.close()
@@ -47,8 +47,10 @@ def ray_cluster() -> Iterator[tuple[str, str]]:
 
 
 @pytest.fixture
-def on_cluster(ray_cluster, monkeypatch) -> tuple[str, str]:
+def on_cluster(ray_cluster, monkeypatch) -> tuple[str, str, str]:
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster[0])
+    if ray_cluster[2] == "token":  # a client of a token cluster says so, as users' do
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("PYTHONPATH", str(SUPPORT))  # the actors import rl_extension
     return ray_cluster
 
@@ -59,7 +61,7 @@ def test_ray_workers_in_a_placement_group_give_the_mp_tokens_and_a_dead_one_is_n
     bundles VLLM_RAY_BUNDLE_INDICES names: every actor reports that group, the tokens
     are the multiprocess executor's, and a killed actor is an EngineDeadError naming
     its rank."""
-    _, group = on_cluster
+    _, group, _ = on_cluster
     model_dir = str(model_dirs["llama"])
     with LLM(model_dir, tensor_parallel_size=2, kv_cache_memory_bytes=KV) as llm:
         expected = greedy(llm)
