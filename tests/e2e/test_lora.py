@@ -24,6 +24,11 @@ from pagellm.protocol.messages import EngineCoreRequest, FinishReason
 
 pytest.importorskip("peft")
 
+# The floors leg skips these (.ci/run): PEFT's adapter format at its floor is covered by the
+# LoRA server tests.
+pytestmark = pytest.mark.own_code
+
+
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (targets, r, rslora): every projection, parts of the merged ones alone, rank
 # 1 and the largest rank the engine is started with.

@@ -22,6 +22,11 @@ from pagellm import SamplingParams
 from pagellm.executor.model.quantize import QUANTIZATIONS, group_size_for
 from pagellm.kernels import fp8, quant
 
+# The floors leg skips these (.ci/run): our kernels and loader against transformers' model,
+# whose floor the family tests cover.
+pytestmark = pytest.mark.own_code
+
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

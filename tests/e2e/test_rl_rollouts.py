@@ -17,6 +17,10 @@ from helpers import ROOT
 
 from pagellm import LLM, SamplingParams
 
+# The floors leg skips these (.ci/run): our RL API with transformers as the trainer, whose floor
+# test_correctness covers.
+pytestmark = pytest.mark.own_code
+
 
 def test_the_roll_guide_configuration_works_as_written(big_config):
     with LLM(str(big_config), gpu_memory_utilization=0.8, block_size=16, max_model_len=8000,

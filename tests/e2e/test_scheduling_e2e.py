@@ -10,6 +10,10 @@ import pytest
 from pagellm import AsyncLLM, RequestOutputKind, SamplingParams
 from pagellm.protocol import EngineCoreRequest
 
+# The floors leg skips these (.ci/run): our scheduler end to end.
+pytestmark = pytest.mark.own_code
+
+
 SYSTEM = ("You are a careful assistant. Answer briefly, cite nothing, and never make up "
           "facts about schedulers, caches or blocks. ") * 2
 QUESTIONS = ["What is a block?", "Why chunk prompts?", "Who preempts whom?",

@@ -27,6 +27,10 @@ from rl_helpers import (
 
 from pagellm import LLM
 
+# The floors leg skips these (.ci/run): our weight transfer over torch.distributed (the same
+# torch in both legs).
+pytestmark = pytest.mark.own_code
+
 
 def test_the_nccl_backend_uses_nccl_only_between_distinct_gpus():
     from pagellm.weights.nccl import choose_backend
