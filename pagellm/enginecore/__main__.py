@@ -96,9 +96,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m pagellm.engin
         tune_engine_process()
         from pagellm.demo.model import resolve_model
         from pagellm.enginecore.proc import EngineCoreProc
+        from pagellm.weights.gguf import resolve_gguf
 
-        proc = EngineCoreProc(resolve_model(args), sockets, frontends, ns.lifeline_fd,
-                              ns.shutdown_timeout)
+        proc = EngineCoreProc(resolve_gguf(resolve_model(args)), sockets, frontends,
+                              ns.lifeline_fd, ns.shutdown_timeout)
         if ns.status_fd is not None:
             os.write(ns.status_fd, READY)
     except Exception as e:

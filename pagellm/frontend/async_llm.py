@@ -52,6 +52,7 @@ from pagellm.protocol.stats import EngineStats
 from pagellm.protocol.utility import PauseArgs
 from pagellm.protocol.validation import check_float
 from pagellm.transport.curve import CurveClientKeys
+from pagellm.weights.gguf import resolve_gguf
 from pagellm.weights.sender import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update
 
 logger = logging.getLogger("pagellm")
@@ -90,7 +91,7 @@ class AsyncLLM:
         # threads at once, and one job at a time keeps prompts in arrival order.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagellm-tokenize")
         configure_logging()
-        self.engine_args = args = resolve_model(args)
+        self.engine_args = args = resolve_gguf(resolve_model(args))
         self.tokenizer = tokenizer_for(args)
         # The model's sampling defaults (generation_config): the server applies them to
         # every field a request leaves unset.

@@ -37,6 +37,7 @@ from pagellm.protocol.stats import EngineStats
 from pagellm.protocol.utility import PauseArgs
 from pagellm.protocol.validation import check_float
 from pagellm.transport.curve import CurveClientKeys
+from pagellm.weights.gguf import resolve_gguf
 from pagellm.weights.sender import WeightsArg, cuda_ipc_receivers, init_info_of, weight_update
 
 ChatMessages = list[dict[str, Any]]
@@ -70,7 +71,7 @@ class LLM:
             # This script owns the engine it starts, so it may load weights into it (as
             # vLLM's LLM may, through llm_engine); a shared engine opts in where it runs.
             args = args.replace(weight_transfer_config={"backend": "ipc"})
-        self.engine_args = args = resolve_model(args)
+        self.engine_args = args = resolve_gguf(resolve_model(args))
         self.tokenizer = tokenizer_for(args)
         self.default_sampling_fields = default_sampling_fields(args.model,
                                                                args.generation_config)

@@ -85,9 +85,10 @@ class ModelRunner:
         self.model = load_model(model_config, device, self.tp, host_ranks,
                                 kernels=self.attention.name == "triton")
         if model_config.checkpoint_quant is not None:
-            logger.info("%s checkpoint: %d projections packed%s",
-                        model_config.checkpoint_quant.method, len(self.model.quantized),
-                        "" if self.model.quantized else ", the rest loaded dequantized")
+            logger.info("%s checkpoint: %s", model_config.checkpoint_quant.method,
+                        f"{len(self.model.quantized)} projections packed"
+                        if self.model.quantized else "loaded dequantized (its kernels are "
+                        "Triton's: CUDA, or attention_backend='triton')")
         if model_config.quantization is not None:
             self._quantize(model_config.quantization)
         self.lora = None if lora is None else LoRAManager(

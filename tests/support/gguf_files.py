@@ -1,0 +1,96 @@
+"""A llama.cpp GGUF file written from a test model, as llama.cpp's convert_hf_to_gguf.py
+writes one (its metadata keys, tensor names, the rows of q and k permuted for its RoPE
+layout, the tokenizer as "gpt2" tokens and merges), with the gguf package's own writer
+and quantizers. transformers reads such a file itself (`gguf_file=`): the tests'
+reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+# transformers' module suffix -> llama.cpp's tensor name in block i
+_BLOCK_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                "post_attention_layernorm": "ffn_norm"}
+
+
+def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rows from rotate-half
+    order to interleaved pairs."""
+    return (weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
+               types: dict[str, str] | None = None) -> Path:
+    """`model_dir`'s llama model as a GGUF file; its projections stored as
+    `projection_type` (F32, Q8_0, Q4_0, ...) but those `types` names otherwise
+    (llama.cpp's mixes), the rest as F32."""
+    import gguf
+
+    config = json.loads((model_dir / "config.json").read_text())
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    state = load_file(str(model_dir / "model.safetensors"))
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("test llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta") or config.get("rope_theta")
+                                    or 10000.0))
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    vocab = tokenizer["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tokenizer.get("added_tokens", [])}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL
+                            for t in tokens])
+    writer.add_token_merges(merges)
+    if config.get("bos_token_id") is not None:
+        writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+
+    for name, tensor in state.items():
+        tensor = tensor.astype(np.float32)
+        if name == "model.embed_tokens.weight":
+            writer.add_tensor("token_embd.weight", tensor)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", tensor)
+        elif name == "lm_head.weight":
+            writer.add_tensor("output.weight", tensor)
+        else:
+            _, _, layer, module = name.split(".", 3)
+            module, _, kind = module.rpartition(".")
+            gguf_name = f"blk.{layer}.{_BLOCK_NAMES[module]}.{kind}"
+            if module.endswith("q_proj"):
+                tensor = _permute(tensor, heads)
+            elif module.endswith("k_proj"):
+                tensor = _permute(tensor, kv_heads)
+            qtype = gguf.GGMLQuantizationType[(types or {}).get(gguf_name, projection_type)]
+            if module.endswith("_proj") and qtype != gguf.GGMLQuantizationType.F32:
+                writer.add_tensor(gguf_name, gguf.quantize(tensor, qtype), raw_dtype=qtype)
+            else:
+                writer.add_tensor(gguf_name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,111 @@
+"""llama.cpp's GGUF files as models (pagellm/weights/gguf.py): written as llama.cpp writes
+them (tests/support/gguf_files.py), they give transformers' own greedy tokens on the same
+file (`gguf_file=`), token for token in fp32: dequantized on the CPU's path, and with
+their Q8_0 / Q4_0 projections packed for the Triton kernels (the interpreter here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PROMPTS, runs_triton_kernels
+from gguf_files import write_gguf
+from peft_adapters import argmax_along
+
+from pagellm import SamplingParams
+from pagellm.demo.model import ModelSpec, make_model
+from pagellm.weights.gguf import gguf_model_dir
+
+pytest.importorskip("gguf")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+# llama (q and k rows permuted by llama.cpp), GQA, untied head; no RoPE scaling (the
+# writer does not store llama3's).
+SPEC = ModelSpec(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                 intermediate_size=128, vocab_size=1024, init_std=0.1, seed=5)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("gguf") / "llama", SPEC)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("PAGELLM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _transformers(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                dtype=torch.float32).eval()
+
+
+def _assert_greedy_equal(llm, reference) -> None:
+    for out in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False):
+        ours = out.outputs[0].token_ids
+        assert len(ours) == GREEDY.max_tokens
+        assert argmax_along(reference, out.prompt_token_ids, ours) == ours
+
+
+@pytest.mark.parametrize("projections", ["F32", "Q8_0", "Q4_0", "Q4_1"])
+def test_a_gguf_file_loads_dequantized_as_transformers_reads_it(projections, llama_dir,
+                                                                tmp_path, make_llm):
+    path = write_gguf(llama_dir, tmp_path / f"model-{projections}.gguf", projections)
+    llm = make_llm(str(path), dtype="float32")
+    assert not llm.llm_engine.model_executor.driver_worker.model_runner.model.quantized
+    _assert_greedy_equal(llm, _transformers(path))
+    # The tokenizer is the file's: the same ids as the model directory's own.
+    from transformers import AutoTokenizer
+
+    assert llm.get_tokenizer()(PROMPTS[2])["input_ids"] == \
+        AutoTokenizer.from_pretrained(llama_dir)(PROMPTS[2])["input_ids"]
+
+
+@runs_triton_kernels
+@pytest.mark.parametrize("projections", ["Q8_0", "Q4_0"])
+def test_q8_0_and_q4_0_projections_stay_packed_for_the_kernels(projections, llama_dir,
+                                                               tmp_path, make_llm):
+    path = write_gguf(llama_dir, tmp_path / "model.gguf", projections)
+    llm = make_llm(str(path), dtype="float32", attention_backend="triton")
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    assert len(model.quantized) == 4 * SPEC.num_layers
+    assert model.model.layers[0].self_attn.qkv_proj.quant.bits == int(projections[1])
+    _assert_greedy_equal(llm, _transformers(path))
+
+
+@runs_triton_kernels
+def test_a_mixed_file_packs_the_common_type_and_dequantizes_the_rest(llama_dir, tmp_path,
+                                                                     make_llm):
+    """llama.cpp's mixes keep some tensors at a higher precision: layer 0's v_proj in Q8_0
+    among Q4_0 takes q and k (computed with it, as one projection) to full precision
+    too; everything else stays packed in 4 bits."""
+    path = write_gguf(llama_dir, tmp_path / "mixed.gguf", "Q4_0",
+                      {"blk.0.attn_v.weight": "Q8_0"})
+    directory = gguf_model_dir(path)
+    ignore = json.loads((directory / "config.json").read_text())["quantization_config"][
+        "ignore"]
+    assert [m for m in ignore if "layers" in m] == [
+        f"model.layers.0.self_attn.{p}_proj" for p in "kqv"]
+    llm = make_llm(str(path), dtype="float32", attention_backend="triton")
+    layers = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers
+    assert layers[0].self_attn.qkv_proj.quant is None
+    assert layers[0].mlp.gate_up_proj.quant.bits == 4
+    _assert_greedy_equal(llm, _transformers(path))
+
+
+def test_the_conversion_is_made_once_and_bad_files_are_named(llama_dir, tmp_path, cache):
+    path = write_gguf(llama_dir, tmp_path / "model.gguf")
+    first = gguf_model_dir(path)
+    built = (first / "model.safetensors").stat().st_mtime_ns
+    assert gguf_model_dir(path) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == built  # not rebuilt
+    assert [p.name for p in cache.joinpath("gguf").iterdir()] == [first.name]  # no debris
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ValueError, match=r"cannot read the GGUF file .*broken\.gguf"):
+        gguf_model_dir(bad)
+    assert [p.name for p in cache.joinpath("gguf").iterdir()] == [first.name]
