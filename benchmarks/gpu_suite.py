@@ -84,7 +84,8 @@ TEST_FILES = ["tests/e2e/test_gpu.py", "tests/kernels/test_kernels_triton.py",
               "tests/kernels/test_kernels_reference.py", "tests/kernels/test_kernels_fused.py",
               "tests/kernels/test_triton_lora.py", "tests/kernels/test_triton_moe.py",
               "tests/kernels/test_triton_quant.py", "tests/e2e/test_quantization.py",
-              "tests/kernels/test_fp8.py"]
+              "tests/kernels/test_fp8.py", "tests/e2e/test_quantized_checkpoints.py",
+              "tests/weights/test_gguf.py"]
 SMOKE_TEST_FILES = ["tests/e2e/test_gpu.py"]  # on the CPU: every case skips, the wiring runs
 TEST_TIMEOUT_S = 120.0  # per test case (the slowest starts three engines)
 MIN_PART_S = 30.0  # under this much of --deadline left, a part is skipped, not started

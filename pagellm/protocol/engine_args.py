@@ -204,9 +204,11 @@ class EngineArgs:
         "checkpoint format's name (vLLM's gptq_marlin and awq_marlin too) must match "
         "it. Quantize on load: 'int4' or 'int8' keeps the decoder's projections as "
         "weight-only integers with group-wise scales; 'fp8' as e4m3 with per-channel "
-        "scales, activations quantized per token (W8A8). On load and packed checkpoints "
-        "need CUDA (on the CPU attention_backend='triton', for tests); without it, a "
-        "quantized checkpoint loads dequantized to --dtype.")
+        "scales, activations quantized per token (W8A8). These and packed checkpoints "
+        "run Triton's kernels: CUDA (on the CPU attention_backend='triton', for tests). "
+        "On the CPU's own path 'int8' is W8A8 (int8 weights and per-token activations: "
+        "fast with VNNI/AMX), int4 and fp8 are refused, and a quantized checkpoint "
+        "loads dequantized to --dtype.")
     kv_cache_dtype: str = _opt("auto", "Only 'auto': the KV cache has the model's dtype.")
     revision: str | None = _opt(
         None, "Only unset: the model is a local directory, which has no Hub revision.")

@@ -21,12 +21,14 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # benchmarks/ is scripts, not a package
 
 import bad_words  # noqa: E402
+import cpu_quantized  # noqa: E402
 import decode_roofline  # noqa: E402
 import engine_overhead  # noqa: E402
 import gpu_suite  # noqa: E402
 import kernel_bench  # noqa: E402
 import parallel  # noqa: E402
 import profile_decode  # noqa: E402
+import quant_quality  # noqa: E402
 import small_gemm  # noqa: E402
 import structured_outputs  # noqa: E402
 
@@ -332,3 +334,43 @@ def test_structured_outputs_smoke_times_both_arms_and_the_grammars_share(tmp_pat
     summary = results["summary"]["records"]
     assert summary["tpot_ratio"] > 0 and summary["throughput_ratio"] > 0
     assert 0 < summary["grammar_share_b1_c"] < 1 and 0 < summary["grammar_share_cc_c"] < 1
+
+
+def test_quant_quality_smoke_scores_the_text_as_transformers_does(tmp_path):
+    """The fp32 perplexity is transformers' on the same windows (the engine's prompt
+    logprobs are the scoring); the quantized variants score near it."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagellm.demo.model import demo_model_dir
+
+    results = quant_quality.main(["--smoke", "--out", str(tmp_path / "q.json")])
+    assert json.loads((tmp_path / "q.json").read_text()) == results
+    directory = demo_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = [i for t in quant_quality.TEXTS
+           for i in tokenizer(Path(t).read_text(), add_special_tokens=False)["input_ids"]]
+    total, count = 0.0, 0
+    for i in range(0, 4 * 64, 64):
+        window = torch.tensor([ids[i:i + 64]])
+        with torch.no_grad():
+            logprobs = model(window).logits[0, :-1].log_softmax(-1)
+        total += logprobs.gather(1, window[0, 1:, None]).sum().item()
+        count += 63
+    assert results["tokens"] == count
+    assert results["perplexity"]["fp32"] == pytest.approx(math.exp(-total / count), rel=1e-4)
+    assert results["vs_fp32"]["int8"] == pytest.approx(1.0, abs=0.02)
+    assert results["vs_fp32"]["int4"] != results["vs_fp32"]["int8"]
+
+
+def test_cpu_quantized_smoke_times_every_variant_side_by_side(tmp_path):
+    results = cpu_quantized.main(["--smoke", "--out", str(tmp_path / "c.json")])
+    assert json.loads((tmp_path / "c.json").read_text()) == results
+    assert set(results["best"]) == {"fp32", "bf16", "int8"}
+    for best in results["best"].values():
+        assert best["batch1_tokens_per_s"] > 0 and best["offline_output_tokens_per_s"] > 0
+    assert results["vs_fp32"]["fp32"] == {"batch1_tokens_per_s": 1.0,
+                                          "offline_output_tokens_per_s": 1.0}

@@ -20,7 +20,7 @@ from peft_adapters import argmax_along
 
 from pagellm import SamplingParams
 from pagellm.executor.model.quantize import QUANTIZATIONS, group_size_for
-from pagellm.kernels import fp8, quant
+from pagellm.kernels import cpu_int8, fp8, quant
 
 # The floors leg skips these (.ci/run): our kernels and loader against transformers' model,
 # whose floor the family tests cover.
@@ -43,19 +43,22 @@ def fake_quantized(model_dir: Path, quantization: str, tp: int = 1):
 
 
 def fake_quantize(model, quantization: str, tp: int = 1):
-    """`model` (transformers') with its projections quantized as fake_quantized says."""
-    bits = QUANTIZATIONS[quantization]
+    """`model` (transformers') with its projections quantized as fake_quantized says;
+    "w8a8" is int8 on the CPU's own path (kernels/cpu_int8.py): weights per channel and
+    activations per token, symmetric int8."""
     with torch.no_grad():
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] not in HF_PROJECTIONS:
                 continue
             w = module.weight
-            if quantization == "fp8":
-                w.copy_(fp8.dequantize_rows(*fp8.quantize_rows(w)))
-                module.register_forward_pre_hook(lambda _, args: tuple(
-                    fp8.dequantize_rows(*fp8.quantize_rows(a.reshape(-1, a.shape[-1])))
+            if quantization in ("fp8", "w8a8"):
+                kind = fp8 if quantization == "fp8" else cpu_int8
+                w.copy_(kind.dequantize_rows(*kind.quantize_rows(w)))
+                module.register_forward_pre_hook(lambda _, args, kind=kind: tuple(
+                    kind.dequantize_rows(*kind.quantize_rows(a.reshape(-1, a.shape[-1])))
                     .reshape(a.shape) for a in args))
             else:
+                bits = QUANTIZATIONS[quantization]
                 shards = tp if name.endswith(("o_proj", "down_proj")) else 1
                 k = w.shape[1] // shards
                 group = group_size_for(k, shards)
@@ -193,3 +196,32 @@ def test_lora_adapters_on_a_quantized_base_equal_peft_on_the_same_weights(
     # The adapter changes something: its tokens are not the base model's choices.
     assert any(argmax_along(base, o.prompt_token_ids, o.outputs[0].token_ids)
                != o.outputs[0].token_ids for o, n in zip(outputs, names, strict=True) if n)
+
+
+def test_int8_on_the_cpus_own_path_is_w8a8_and_equals_transformers(model_dirs, make_llm):
+    """Without the Triton kernels int8 is the CPU's W8A8 (per-channel int8 weights, each
+    projection's input quantized per token, torch._int_mm): transformers with the same
+    weights and activations quantized gives the same greedy tokens, also after a
+    trainer's full-precision update (requantized as it lands)."""
+    from transformers import AutoModelForCausalLM
+
+    llm = make_llm(model_dirs["qwen2"], quantization="int8", dtype="float32")
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.quant, cpu_int8.Int8Weight) and qkv.weight.is_meta
+    reference = fake_quantized(model_dirs["qwen2"], "w8a8")
+    for out in llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False):
+        ours = out.outputs[0].token_ids
+        assert argmax_along(reference, out.prompt_token_ids, ours) == ours
+    trained = AutoModelForCausalLM.from_pretrained(model_dirs["qwen2"],
+                                                   dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    state = {k: v.clone() for k, v in trained.state_dict().items()}
+    llm.update_weights(list(state.items()))
+    reference = fake_quantize(trained, "w8a8")
+    for out in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False):
+        ours = out.outputs[0].token_ids
+        assert argmax_along(reference, out.prompt_token_ids, ours) == ours

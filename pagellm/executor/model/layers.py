@@ -22,8 +22,7 @@ from pagellm.kernels import fused_for
 
 if TYPE_CHECKING:
     from pagellm.executor.model.lora_slots import LoRASlots
-    from pagellm.kernels.fp8 import Fp8Weight
-    from pagellm.kernels.quant import PackedWeight
+    from pagellm.executor.model.quantize import Quantized
 
 
 class Linear(nn.Linear):
@@ -33,7 +32,7 @@ class Linear(nn.Linear):
     quantize.py)."""
 
     lora: LoRASlots | None = None
-    quant: PackedWeight | Fp8Weight | None = None
+    quant: Quantized | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = (linear(x, self.weight, self.bias) if self.quant is None
@@ -97,7 +96,7 @@ class RowParallelLinear(nn.Module):
     products are summed by one all-reduce, then the (replicated) bias is added once."""
 
     lora: LoRASlots | None = None  # as Linear's; partial updates sum in the all-reduce
-    quant: PackedWeight | Fp8Weight | None = None  # as Linear's: this rank's slice
+    quant: Quantized | None = None  # as Linear's: this rank's slice
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  tp: TensorParallel) -> None:

@@ -4,7 +4,8 @@ scales (kernels/quant.py), computed by the fused-dequantize Triton GEMM
 (kernels/triton_quant.py): a decode step then reads 4 or 8 bits per weight instead of
 16 or 32. `quantization="fp8"` keeps them in e4m3 with a scale per output channel and
 quantizes activations per token at each call (kernels/fp8.py: W8A8, vLLM's dynamic
-fp8).
+fp8). Without the Triton kernels (the CPU's own path) `"int8"` is W8A8 too: int8 per
+output channel, activations per token, torch._int_mm (kernels/cpu_int8.py).
 
 Each rank quantizes its own slice after the checkpoint is loaded (so tensor
 parallelism shards nothing of its own: a row-parallel slice is quantized along its own
@@ -28,9 +29,11 @@ import torch
 from torch import nn
 
 from pagellm.executor.model.weight_map import Destination
-from pagellm.kernels import fp8
+from pagellm.kernels import cpu_int8, fp8
 from pagellm.kernels.quant import PackedWeight, quantize
 
+# A projection's packed form: weight-only integers (Triton), FP8, or the CPU's W8A8.
+Quantized = PackedWeight | fp8.Fp8Weight | cpu_int8.Int8Weight
 # quantize-on-load names -> bits of a weight-only integer scheme, or 8 for fp8
 QUANTIZATIONS = {"int4": 4, "int8": 8, "fp8": 8}
 PROJECTIONS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
@@ -51,9 +54,12 @@ def group_size_for(in_features: int, shards: int = 1) -> int:
                      "128, 64, 32) cannot be quantized group-wise")
 
 
-def quantize_projections(model: nn.Module, quantization: str) -> list[nn.Module]:
+def quantize_projections(model: nn.Module, quantization: str, triton: bool = True
+                         ) -> list[nn.Module]:
     """Replace every projection's weight by its packed form (`module.quant`); returns
-    the modules quantized. Raises ValueError naming a projection that cannot be."""
+    the modules quantized. Without the Triton kernels (`triton` False: the CPU's own
+    path) int8 is the CPU's W8A8 (kernels/cpu_int8.py). Raises ValueError naming a
+    projection that cannot be."""
     bits = QUANTIZATIONS[quantization]
     quantized = []
     for name, module in model.named_modules():
@@ -62,8 +68,14 @@ def quantize_projections(model: nn.Module, quantization: str) -> list[nn.Module]
         assert hasattr(module, "quant"), f"{name} is not a layers.Linear / RowParallelLinear"
         weight = module.weight
         shards = module.tp.size if hasattr(module, "tp") else 1  # row-parallel: K sliced
-        module.quant = (fp8.quantize_weight(weight.detach()) if quantization == "fp8" else
-                        quantize(weight.detach(), bits, group_size_for(weight.shape[1], shards)))
+        if quantization == "fp8":
+            module.quant = fp8.quantize_weight(weight.detach())
+        elif not triton:
+            assert quantization == "int8", quantization
+            module.quant = cpu_int8.quantize_weight(weight.detach())
+        else:
+            module.quant = quantize(weight.detach(), bits,
+                                    group_size_for(weight.shape[1], shards))
         module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype,
                                                  device="meta"), requires_grad=False)
         quantized.append(module)
@@ -73,14 +85,15 @@ def quantize_projections(model: nn.Module, quantization: str) -> list[nn.Module]
 def requantize_rows(module: nn.Module, first: int, rows: torch.Tensor) -> None:
     """Quantize `rows` [n, K] (full precision) as this projection's rows first..first+n
     and write them over the old ones (module docstring)."""
-    quant: PackedWeight | fp8.Fp8Weight = module.quant  # type: ignore[assignment]
+    quant: Quantized = module.quant  # type: ignore[assignment]
     if isinstance(quant, PackedWeight) and quant.perm is not None:
         raise ValueError("an act-order (desc_act) checkpoint's projections take no "
                          "full-precision updates: their column order is the quantizer's")
     last = first + rows.shape[0]
     with torch.no_grad():
-        if isinstance(quant, fp8.Fp8Weight):
-            new = fp8.quantize_weight(rows.to(quant.weight.device))
+        if isinstance(quant, (fp8.Fp8Weight, cpu_int8.Int8Weight)):
+            quantizer = fp8 if isinstance(quant, fp8.Fp8Weight) else cpu_int8
+            new = quantizer.quantize_weight(rows.to(quant.weight.device))
             quant.weight[first:last].copy_(new.weight)
             quant.scale[:, first:last].copy_(new.scale)
             return
@@ -91,17 +104,18 @@ def requantize_rows(module: nn.Module, first: int, rows: torch.Tensor) -> None:
         quant.zeros[:, first:last].copy_(packed.zeros)
 
 
-def place(module: nn.Module, first: int, part: PackedWeight | fp8.Fp8Weight) -> None:
+def place(module: nn.Module, first: int, part: Quantized) -> None:
     """Write a checkpoint projection's `part` (this rank's slice of it, packed) into
     rows first.. of `module`'s packed form. Where the checkpoint's groups are wider than
     the kernel's, their scales and zero points repeat; the parts of one fused
     projection must share an act-order permutation (they share their input)."""
-    quant: PackedWeight | fp8.Fp8Weight = module.quant  # type: ignore[assignment]
+    quant: Quantized = module.quant  # type: ignore[assignment]
     last = first + part.shape[0]
     with torch.no_grad():
-        if isinstance(quant, fp8.Fp8Weight):
-            if not isinstance(part, fp8.Fp8Weight):
-                raise ValueError("an integer checkpoint weight into an FP8 projection")
+        if isinstance(quant, (fp8.Fp8Weight, cpu_int8.Int8Weight)):
+            if type(part) is not type(quant):
+                raise ValueError(f"a {type(part).__name__} checkpoint weight into a "
+                                 f"{type(quant).__name__} projection")
             quant.weight[first:last].copy_(part.weight)
             quant.scale[:, first:last].copy_(part.scale)
             return
@@ -140,7 +154,7 @@ class RequantizingDestination(Destination):
             raise ValueError(f"a quantized projection takes whole rows, not a {tuple(view.shape)} "
                              f"view with strides {view.stride()}")
         first = view.storage_offset() // width
-        if isinstance(part, (PackedWeight, fp8.Fp8Weight)):
+        if isinstance(part, (PackedWeight, fp8.Fp8Weight, cpu_int8.Int8Weight)):
             if tuple(part.shape) != tuple(view.shape):
                 raise ValueError(f"a packed part of {tuple(part.shape)} for rows of "
                                  f"{tuple(view.shape)}")
@@ -160,12 +174,14 @@ def requantizing(dest: Destination, module: nn.Module) -> RequantizingDestinatio
     return RequantizingDestination(**fields, parts=parts, module=module)
 
 
-def quantized_linear(x: torch.Tensor, quant: PackedWeight | fp8.Fp8Weight,
-                     bias: torch.Tensor | None) -> torch.Tensor:
+def quantized_linear(x: torch.Tensor, quant: Quantized, bias: torch.Tensor | None
+                     ) -> torch.Tensor:
     """x [T, in] -> [T, out] (+ bias): the Triton kernel for packed integers, the FP8
-    GEMM for e4m3 weights."""
+    GEMM for e4m3 weights, the CPU's int8 GEMM for W8A8."""
     if isinstance(quant, fp8.Fp8Weight):
         return fp8.fp8_linear(x, quant, bias)
+    if isinstance(quant, cpu_int8.Int8Weight):
+        return cpu_int8.int8_linear(x, quant, bias)
     from pagellm.kernels.triton_quant import quant_matmul
 
     if quant.perm is not None:  # act-order: the input columns in the packed rows' order

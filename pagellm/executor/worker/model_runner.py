@@ -37,6 +37,7 @@ from pagellm.executor.worker.sampler import LogprobsTensors, Sampler, gather_log
 from pagellm.executor.worker.sampling_inputs import sampling_metadata, to_device
 from pagellm.executor.worker.step_buffers import StepBuffers
 from pagellm.executor.worker.step_inputs import InputPreparer, StepInputs
+from pagellm.kernels import cpu_int8
 from pagellm.protocol.messages import TokenLogprobs
 from pagellm.protocol.sampling_params import SamplingParams
 from pagellm.protocol.scheduling import (
@@ -128,13 +129,20 @@ class ModelRunner:
 
     def _quantize(self, quantization: str) -> None:
         """Quantize the projections on load (executor/model/quantize.py), where the
-        attention runs Triton's: on CUDA (the CPU has no int4/int8/fp8 GEMM faster than
-        its fp32 one; there attention_backend='triton' runs them anyway, for tests)."""
-        if self.attention.name != "triton":
-            raise ValueError(f"quantization={quantization!r} needs CUDA (on the CPU no "
-                             "int4, int8 or fp8 GEMM is faster than fp32 yet; "
-                             "attention_backend='triton' runs it there anyway, for tests)")
-        quantized = quantize_projections(self.model, quantization)
+        attention runs Triton's: on CUDA (on the CPU attention_backend='triton' runs
+        the kernels anyway, for tests). The CPU's own path takes int8 only, as W8A8
+        (kernels/cpu_int8.py: faster than fp32 where the CPU has int8 dot products);
+        it has no int4 or fp8 GEMM faster than fp32's."""
+        triton = self.attention.name == "triton"
+        if not triton and quantization != "int8":
+            raise ValueError(f"quantization={quantization!r} needs CUDA (the CPU has no "
+                             "int4 or fp8 GEMM faster than fp32's; it takes 'int8', as "
+                             "W8A8. attention_backend='triton' runs it anyway, for tests)")
+        if not triton and not cpu_int8.fast_on_this_cpu():
+            logger.warning("quantization='int8' on a CPU without int8 dot products "
+                           "(AVX-512 VNNI, AVX-VNNI, AMX): a quarter of fp32's memory, "
+                           "but slower than fp32")
+        quantized = quantize_projections(self.model, quantization, triton)
         self.model.quantized = {id(m.weight): m for m in quantized}
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the replaced weights' memory
