@@ -221,3 +221,12 @@ def test_readable_configs_say_what_they_hold():
     assert ct is not None and ct.kind is Kind.INT and ct.bits == 8 and ct.group_size is None
     assert ct.ignores("model.layers.0.mlp.down_proj")
     assert not ct.ignores("model.layers.1.mlp.down_proj")
+    assert not ct.w8a8  # no input_activations: weight-only int8
+    w8a8 = read_quantization_config({
+        "quant_method": "compressed-tensors", "format": "int-quantized",
+        "config_groups": {"g": {
+            "weights": {"num_bits": 8, "type": "int", "strategy": "channel",
+                        "symmetric": True},
+            "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
+                                  "dynamic": True, "symmetric": True}}}})
+    assert w8a8 is not None and w8a8.w8a8

@@ -165,9 +165,9 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
     (quantized_checkpoint.py)."""
     model = _meta_model(config, tp)
     quant = config.checkpoint_quant
-    if quant is not None and kernels:
+    if quant is not None:
         packed = quantized_checkpoint.prepare(model, quant, model.checkpoint_parts,
-                                              config.dtype)
+                                              config.dtype, triton=kernels)
         model.quantized = {id(m.weight): m for m in packed}
     _check_memory(config, _bytes_of(model), device, tp)
     # (A quantized model keeps no copies of the weights it replaces.)

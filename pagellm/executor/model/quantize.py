@@ -30,7 +30,7 @@ from torch import nn
 
 from pagellm.executor.model.weight_map import Destination
 from pagellm.kernels import cpu_int8, fp8
-from pagellm.kernels.quant import PackedWeight, quantize
+from pagellm.kernels.quant import PackedWeight, quantize, unpack
 
 # A projection's packed form: weight-only integers (Triton), FP8, or the CPU's W8A8.
 Quantized = PackedWeight | fp8.Fp8Weight | cpu_int8.Int8Weight
@@ -111,6 +111,8 @@ def place(module: nn.Module, first: int, part: Quantized) -> None:
     projection must share an act-order permutation (they share their input)."""
     quant: Quantized = module.quant  # type: ignore[assignment]
     last = first + part.shape[0]
+    if isinstance(quant, cpu_int8.Int8Weight) and isinstance(part, PackedWeight):
+        part = _as_int8(part)  # a W8A8 checkpoint's weight, for the CPU's own GEMM
     with torch.no_grad():
         if isinstance(quant, (fp8.Fp8Weight, cpu_int8.Int8Weight)):
             if type(part) is not type(quant):
@@ -136,6 +138,18 @@ def place(module: nn.Module, first: int, part: Quantized) -> None:
         elif not torch.equal(quant.perm, perm.to(quant.perm.device)):
             raise ValueError("the parts of one fused projection have different act-order "
                              "g_idx")
+
+
+def _as_int8(part: PackedWeight) -> cpu_int8.Int8Weight:
+    """8-bit codes with one symmetric scale per output channel (zero point 128) as the
+    CPU's Int8Weight: the same weights."""
+    zeros = part.zeros.float()
+    if part.bits != 8 or part.perm is not None or part.group_size != part.in_features \
+            or not bool((zeros == 128).all()):
+        raise ValueError("only symmetric per-channel int8 weights run as the CPU's W8A8")
+    codes = unpack(part.qweight, 8) - 128  # [K, N] signed
+    return cpu_int8.Int8Weight(codes.t().to(torch.int8).contiguous(),
+                               part.scales.float().reshape(1, -1))
 
 
 @dataclass(frozen=True)

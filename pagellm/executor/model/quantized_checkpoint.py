@@ -29,13 +29,14 @@ its 16-bit ones), and `collect` turns each projection's tensors, once all have a
 into one such object. That object loads through the weight map like a checkpoint weight
 of shape [N, K] (it has `shape` and `narrow`): q/k/v and gate/up into their rows of the
 fused projection, tensor-parallel slices narrowed on N, or on K in whole groups
-(quantize.RequantizingDestination writes it: `place`). What stays unpacked loads dequantized to
-the model's dtype: everything on the CPU without the kernels, block-wise FP8 (no
-block-scaled GEMM here yet), and a quantized MoE expert or LM head.
-
-Activations are never quantized to int8: compressed-tensors' W8A8 int8 runs weight-only
-(more accurate than the checkpoint's scheme, as fast where decode reads weights), and
-static FP8 input scales give way to per-token dynamic ones (kernels/fp8.py).
+(quantize.RequantizingDestination writes it: `place`). What stays unpacked loads
+dequantized to the model's dtype: block-wise FP8 (no block-scaled GEMM here yet), a
+quantized MoE expert or LM head, and on the CPU without the kernels everything but a
+W8A8 int8 checkpoint, which the CPU computes as its own scheme (kernels/cpu_int8.py:
+int8 weights per channel, activations per token). With the Triton kernels W8A8 runs
+weight-only (more accurate than the checkpoint's scheme, as fast where decode reads
+weights), and static FP8 input scales give way to per-token dynamic ones
+(kernels/fp8.py).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import torch
 from torch import nn
 
 from pagellm.executor.model.quantize import PROJECTIONS
+from pagellm.kernels.cpu_int8 import Int8Weight
 from pagellm.kernels.fp8 import FP8, Fp8Weight
 from pagellm.kernels.quant import GROUP_SIZES, PackedWeight, dequantize, pack, unpack
 
@@ -81,6 +83,9 @@ class CheckpointQuant:
     group_size: int | None = None  # None: one group per output channel (all of K)
     symmetric: bool = True  # compressed-tensors: no zero-point tensor
     act_order: bool = False  # g_idx orders the input columns (GPTQ desc_act)
+    # compressed-tensors' W8A8 int8: symmetric int8 per output channel, and activations
+    # quantized per token at run time (the CPU computes exactly that: kernels/cpu_int8.py)
+    w8a8: bool = False
     zeros_minus_one: bool = False  # GPTQ format v1 stores each zero point minus one
     block: tuple[int, int] | None = None  # FP8_BLOCK: [bn, bk]
     ignore: tuple[str, ...] = ()  # module names left in full precision
@@ -208,8 +213,13 @@ def _compressed_tensors(config: dict[str, Any]) -> CheckpointQuant:
     tensors |= {"weight_g_idx"} if actorder == "group" else set()
     group = _group(weights.get("group_size"), "config_groups.weights.group_size") \
         if strategy == "group" else None
+    acts = groups[0].get("input_activations") or {}
+    w8a8 = (bits == 8 and group is None and symmetric and actorder != "group"
+            and acts.get("type") == "int" and acts.get("num_bits") == 8
+            and acts.get("dynamic") is True and acts.get("strategy") == "token"
+            and acts.get("symmetric", True))
     return CheckpointQuant("compressed-tensors", Kind.INT, bits, group, symmetric=symmetric,
-                           act_order=actorder == "group", ignore=ignore,
+                           act_order=actorder == "group", w8a8=w8a8, ignore=ignore,
                            tensors=frozenset(tensors))
 
 
@@ -415,12 +425,14 @@ def _target_group(quant: CheckpointQuant, in_features: int, full_in: int) -> int
 
 
 def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str], list[str]],
-            dtype: torch.dtype) -> list[nn.Module]:
+            dtype: torch.dtype, triton: bool = True) -> list[nn.Module]:
     """On the meta model: give each projection the checkpoint quantizes (PROJECTIONS of
     quantize.py whose checkpoint parts `part_names(name)` are not ignored) an empty
     packed form of its slice's shape, on meta, and a fresh meta placeholder weight;
-    returns them. Nothing for block-wise FP8 (loaded dequantized)."""
-    if quant.kind is Kind.FP8_BLOCK:
+    returns them. Nothing for block-wise FP8 (loaded dequantized). Without the Triton
+    kernels (`triton` False), only a W8A8 int8 checkpoint is kept so: as the CPU's
+    Int8Weight (kernels/cpu_int8.py), its own scheme; anything else loads dequantized."""
+    if quant.kind is Kind.FP8_BLOCK or (not triton and not quant.w8a8):
         return []
     modules = []
     for name, module in model.named_modules():
@@ -436,7 +448,10 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
         n, k = module.weight.shape
         shards = module.tp.size if hasattr(module, "tp") else 1  # row-parallel: K sliced
         with torch.device("meta"):
-            if quant.kind is Kind.FP8:
+            if not triton:
+                module.quant = Int8Weight(torch.empty(n, k, dtype=torch.int8),
+                                          torch.empty(1, n, dtype=torch.float32))
+            elif quant.kind is Kind.FP8:
                 module.quant = Fp8Weight(torch.empty(n, k, dtype=FP8),
                                          torch.empty(1, n, dtype=torch.float32))
             else:
@@ -456,7 +471,7 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Allocate `module.quant`'s tensors on `device` (prepare made them on meta). An
     act-order permutation starts as -1: not yet loaded (quantize.place)."""
-    quant: PackedWeight | Fp8Weight = module.quant  # type: ignore[assignment]
+    quant: PackedWeight | Fp8Weight | Int8Weight = module.quant  # type: ignore[assignment]
     tensors = {f.name: torch.empty_like(getattr(quant, f.name), device=device)
                for f in fields(quant) if isinstance(getattr(quant, f.name), torch.Tensor)}
     if tensors.get("perm") is not None:
