@@ -328,7 +328,12 @@ def _stopped(pid: int) -> bool:
 
 
 def stop_processes(procs: list[subprocess.Popen[bytes]], wait_s: float) -> None:
-    """Wait up to `wait_s` for them to exit, SIGTERM, then SIGKILL; reap all."""
+    """Wait up to `wait_s` for them to exit, SIGTERM, then SIGKILL; reap all. A stopped
+    process (SIGSTOP) can neither exit nor take SIGTERM until continued: it is killed
+    at once instead of after both waits."""
+    for proc in procs:
+        if proc.poll() is None and _stopped(proc.pid):
+            proc.kill()
     deadline = time.monotonic() + wait_s
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
