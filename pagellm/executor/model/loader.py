@@ -161,8 +161,8 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
     memory (packed copies are made only if they fit in this one's share). Every rank
     reads the checkpoint and keeps its slice. Its size is checked first, before anything
     is allocated (module docstring). A quantized checkpoint stays packed where the
-    quantized `kernels` run (Triton's), else loads dequantized
-    (quantized_checkpoint.py)."""
+    quantized `kernels` run (Triton's); without them a W8A8 int8 one takes the CPU's
+    int8 GEMM and any other loads dequantized (quantized_checkpoint.py)."""
     model = _meta_model(config, tp)
     quant = config.checkpoint_quant
     if quant is not None:
@@ -180,18 +180,19 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
         quantized_checkpoint.materialize(module, device)
     model.model.rotary_emb.reset_cache()  # computed, not loaded: fill it on the device
     if config.load_format == "dummy":
-        if model.quantized:
+        if quant is not None and model.quantized:
             raise ValueError("load_format='dummy' draws full-precision weights: it cannot "
-                             f"fill a {quant.method if quant else ''} checkpoint's packed ones")
+                             f"fill a {quant.method} checkpoint's packed ones")
         _init_dummy(model, config.seed)
     else:
         weights: Iterable[tuple[str, Any]] = iterate_safetensors(
             safetensors_files(Path(config.model)))
         if quant is not None:
+            params = dict(model.named_parameters())
             weights = quantized_checkpoint.collect(
-                weights, quant, lambda name: isinstance(model.destination(name),
+                weights, quant, lambda name: isinstance(model.destination(name, params),
                                                         RequantizingDestination),
-                lambda name: model.destination(name) is not None)
+                lambda name: model.destination(name, params) is not None)
         loaded = model.load_weights(weights)
         missing = sorted(model.checkpoint_keys() - loaded)
         if missing:
