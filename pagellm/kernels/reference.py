@@ -46,6 +46,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+FP8 = torch.float8_e4m3fn  # kv_cache_dtype="fp8": e4m3 with a per-tensor scale of 1.0
+FP8_MAX = 448.0  # e4m3's largest value: larger magnitudes saturate (vLLM's uncalibrated)
+
+
+def to_cache_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as the KV cache stores it (e4m3 saturates instead of overflowing to NaN)."""
+    if dtype == FP8:
+        return t.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return t.to(dtype)
+
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
@@ -64,8 +74,11 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    key, value = (to_cache_dtype(t, kv_cache.dtype) for t in (key, value))
+    if kv_cache.dtype == FP8:  # torch's CPU index_copy_ has no e4m3: copy the bytes
+        flat, key, value = (t.view(torch.uint8) for t in (flat, key, value))
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
 
 
 # A decode group's padded blocks may exceed its requests' own by this factor: sorted by
@@ -326,9 +339,11 @@ def planned_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: Attenti
     for p in plan.prefills:
         if p.fresh and key is not None and value is not None:
             k, v = key[p.start:p.end], value[p.start:p.end]
+            if kv_cache.dtype != k.dtype:  # what the cache holds, as a later chunk reads it
+                k, v = (to_cache_dtype(t, kv_cache.dtype).to(t.dtype) for t in (k, v))
         else:
             k, v = (t.view(-1, num_kv_heads, head_dim)[:p.seq_len - p.key_start]
-                    for t in _gather(kv_cache, p.blocks, plan.scratch))
+                    .to(query.dtype) for t in _gather(kv_cache, p.blocks, plan.scratch))
         if window is None and softcap is None:
             out[p.start:p.end] = _prefill_attention(query[p.start:p.end], k, v, scale)
         else:
@@ -406,6 +421,8 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGrou
     num_kv_heads = kv_cache.shape[3]
     length = group.bias.shape[-1]
     k, v = _gather(kv_cache, group.blocks, scratch)
+    if k.dtype != q.dtype:  # an e4m3 cache (kv_cache_dtype="fp8"): scale 1.0
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if group.stale is not None:
         for t in (k, v):
             t.view(-1, num_kv_heads * head_dim).index_fill_(0, group.stale, 0.0)

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.kernels.reference import FP8, FP8_MAX, to_cache_dtype
 from pagellm.kernels.triton_attention_kernels import (
     _merge_segments_kernel,
     _paged_attention_kernel,
@@ -87,9 +88,13 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     assert kv_cache.shape[3:] == (num_kv_heads, head_dim), (kv_cache.shape, key.shape)
     assert kv_cache.shape[2] in SUPPORTED_BLOCK_SIZES, kv_cache.shape
     assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64
-    assert key.dtype in _DTYPES and kv_cache.dtype in _DTYPES
+    assert key.dtype in _DTYPES and kv_cache.dtype in (*_DTYPES, FP8)
     if num_tokens == 0:
         return
+    if kv_cache.dtype == FP8 and interpreting():
+        # The interpreter's fp32 -> e4m3 rounds wrongly where rounding up crosses a power
+        # of two (31.5 -> 16): hand it values e4m3 holds exactly (torch's rounding).
+        key, value = (to_cache_dtype(t, FP8).to(t.dtype) for t in (key, value))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _write_kv_cache_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
@@ -97,7 +102,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_kv_heads,
         HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=kv_cache.shape[2])
+        DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=kv_cache.shape[2],
+        FP8_MAX=FP8_MAX if kv_cache.dtype == FP8 else 0.0)
 
 
 # --------------------------------------------------------------------------- attention
@@ -165,8 +171,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     assert block_size in SUPPORTED_BLOCK_SIZES, block_size
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert query.stride(-1) == 1 and kv_cache.is_contiguous()
-    assert query.dtype in _DTYPES and kv_cache.dtype == query.dtype, (query.dtype,
-                                                                       kv_cache.dtype)
+    assert query.dtype in _DTYPES and kv_cache.dtype in (query.dtype, FP8), (query.dtype,
+                                                                              kv_cache.dtype)
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     assert block_tables.shape[0] >= num_reqs
     assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32

@@ -73,6 +73,7 @@ def _write_kv_cache_kernel(
     HEADS_PAD: tl.constexpr,  # num_kv_heads rounded up to a power of two
     DIM_PAD: tl.constexpr,  # head_dim rounded up to a power of two
     BLOCK_SIZE: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # an e4m3 cache: saturate to +-448 first (0.0: no clamp)
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
@@ -88,6 +89,9 @@ def _write_kv_cache_kernel(
                 mask=mask)
     dest = block * stride_cache_block + offset * stride_cache_slot + heads * stride_cache_head \
         + dims
+    if FP8_MAX > 0:
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX)
     tl.store(k_cache_ptr + dest, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dest, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -208,9 +212,8 @@ def _paged_attention_kernel(
         kv_offsets = block[None, :] * stride_cache_block \
             + (key_pos % BLOCK_SIZE)[None, :] * stride_cache_slot \
             + kv_head * stride_cache_head + dims[:, None]  # [DIM_PAD, TILE]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        if CAST_FP32:
-            k = k.to(tl.float32)
+        # in q's dtype: fp32 when interpreting, and an e4m3 cache's values (scale 1.0)
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * scale  # [BLOCK_M, TILE]
         if USE_SOFTCAP:
             s = softcap * _tanh(s / softcap)
@@ -224,9 +227,9 @@ def _paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        v = tl.load(v_cache_ptr + tl.trans(kv_offsets), mask=tl.trans(kv_mask), other=0.0)
+        v = tl.load(v_cache_ptr + tl.trans(kv_offsets), mask=tl.trans(kv_mask),
+                    other=0.0).to(q.dtype)
         if CAST_FP32:
-            v = v.to(tl.float32)
             acc += tl.dot(p, v, input_precision=PRECISION)
         else:
             acc += tl.dot(p.to(v.dtype), v)

@@ -225,3 +225,42 @@ def test_int8_on_the_cpus_own_path_is_w8a8_and_equals_transformers(model_dirs, m
     for out in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False):
         ours = out.outputs[0].token_ids
         assert argmax_along(reference, out.prompt_token_ids, ours) == ours
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=runs_triton_kernels)])
+def test_an_fp8_kv_cache_equals_transformers_with_its_keys_and_values_in_e4m3(
+        backend, model_dirs, make_llm, monkeypatch):
+    """kv_cache_dtype="fp8": the cache holds e4m3 (scale 1.0, saturating), a fresh
+    prompt attends to what the cache holds, so the tokens are transformers' with every
+    key (after RoPE) and value rounded to e4m3; the same memory holds 4x fp32's blocks."""
+    import transformers.models.llama.modeling_llama as llama
+    from transformers import AutoModelForCausalLM
+
+    def e4m3(t: torch.Tensor) -> torch.Tensor:
+        return t.clamp(-448, 448).to(torch.float8_e4m3fn).to(t.dtype)
+
+    rope = llama.apply_rotary_pos_emb
+
+    def rounded_rope(q, k, *args, **kwargs):
+        q, k = rope(q, k, *args, **kwargs)
+        return q, e4m3(k)
+
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", rounded_rope)
+    reference = AutoModelForCausalLM.from_pretrained(model_dirs["llama"],
+                                                     dtype=torch.float32).eval()
+    for layer in reference.model.layers:
+        layer.self_attn.v_proj.register_forward_hook(lambda _, __, out: e4m3(out))
+    llm = make_llm(model_dirs["llama"], kv_cache_dtype="fp8", dtype="float32",
+                   attention_backend=backend)
+    plain = make_llm(model_dirs["llama"], dtype="float32", attention_backend=backend)
+    runners = [x.llm_engine.model_executor.driver_worker.model_runner for x in (llm, plain)]
+    assert runners[0].kv_caches[0].dtype == torch.float8_e4m3fn
+    assert runners[0].kv_caches[0].shape[1] == 4 * runners[1].kv_caches[0].shape[1]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    outputs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    for out in outputs:
+        ours = out.outputs[0].token_ids
+        assert argmax_along(reference, out.prompt_token_ids, ours) == ours
+    # e4m3 changes something: not every token is the fp32 cache's.
+    assert [o.outputs[0].token_ids for o in outputs] != [
+        o.outputs[0].token_ids for o in plain.generate(PROMPTS[:4], params, use_tqdm=False)]

@@ -76,7 +76,8 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:
     {"disable_log_stats": True},
     {"enable_chunked_prefill": True}, {"enable_chunked_prefill": None},
     {"distributed_executor_backend": "mp"}, {"distributed_executor_backend": None},
-    {"quantization": None}, {"kv_cache_dtype": "auto"}, {"revision": None},
+    {"quantization": None}, {"kv_cache_dtype": "auto"}, {"kv_cache_dtype": "fp8"},
+    {"revision": None},
     {"tokenizer_revision": None}, {"tokenizer_mode": "auto"},
     {"swap_space": 0}, {"swap_space": 16.5}, {"max_seq_len_to_capture": 32768},
 ])
@@ -89,7 +90,8 @@ def test_vllm_option_with_a_value_we_honour_is_accepted(options):
 @pytest.mark.parametrize(("options", "message"), [
     ({"quantization": "bitsandbytes"}, r"quantization='bitsandbytes' is not supported: .*"
                                        r"reads gptq, awq, compressed-tensors and fp8"),
-    ({"kv_cache_dtype": "fp8"}, r"kv_cache_dtype='fp8' is not supported.*supported: 'auto'"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, r"kv_cache_dtype='fp8_e5m2' is not supported.*"
+                                     r"supported: 'auto', 'fp8', 'fp8_e4m3'"),
     ({"enable_chunked_prefill": False}, r"enable_chunked_prefill=False .*always chunks"),
     ({"distributed_executor_backend": dict},  # verl passes its own executor class
      r"distributed_executor_backend=<class 'dict'> .*supported: None, 'mp', 'uni', "

@@ -55,6 +55,12 @@ def test_kernels_compile_for_hopper_and_ampere_without_spills():
         for kernel in ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel"):
             for dtype in ("torch.float32", "torch.bfloat16"):
                 assert (kernel, arch, dtype) in kernels
+    # An e4m3 KV cache (kv_cache_dtype="fp8"), on Hopper: both kernels, split-KV too.
+    fp8 = {(r["kernel"], r["constexprs"].get("HEAD_DIM"), r["constexprs"].get("NUM_SEGMENTS"))
+           for r in rows if r["case"].get("kv_dtype") == "torch.float8_e4m3fn"
+           and r["arch"] == 90}
+    assert {("_paged_attention_kernel", "128", "1"), ("_paged_attention_kernel", "128", "8"),
+            ("_write_kv_cache_kernel", "64", None)} <= fp8, fp8
     # Fused MoE (Qwen3-30B-A3B's and Mixtral's shapes): both GEMMs at every row-tile
     # size `moe_tiles` picks, in both 16-bit dtypes (32 rows: bf16) and fp32 at its
     # largest; the align kernels for both id dtypes. Identical specializations compile

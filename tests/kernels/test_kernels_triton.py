@@ -278,3 +278,36 @@ def test_a_faulty_interpreter_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(RuntimeError, match="interpreter, which cannot run here: the probe"):
         attention.get_attention_backend("triton", torch.device("cpu"), 16)
+
+
+@runs_triton_kernels
+@pytest.mark.parametrize("num_segments", [1, 2])
+def test_an_fp8_cache_is_attended_as_the_values_it_holds(num_segments):
+    """kv_cache_dtype="fp8": on an e4m3 cache, Triton's kernel and the torch path both
+    give the attention over the fp32 values the e4m3 ones stand for (scale 1.0)."""
+    requests = MIXED if num_segments == 1 else DECODES
+    query, cache, tables, qsl, seq_lens = make_batch(requests, NUM_KV_HEADS * 2, 64, 16,
+                                                     torch.float32, seed=7)
+    fp8_cache = cache.to(torch.float8_e4m3fn)  # unused slots stay NaN
+    got, expected = run_both(query, fp8_cache, tables, qsl, seq_lens,
+                             num_segments=num_segments, reference_cache=fp8_cache.float())
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    direct = reference.paged_attention(query, fp8_cache, tables, qsl, seq_lens,
+                                       query.shape[-1] ** -0.5)
+    torch.testing.assert_close(direct, expected, rtol=0, atol=1e-5)
+
+
+def test_writing_an_fp8_cache_rounds_and_saturates_as_the_reference():
+    cache = torch.zeros((2, 4, 16, 2, 64), dtype=torch.float8_e4m3fn, device=DEVICE)
+    expected = cache.clone()
+    gen = torch.Generator().manual_seed(9)
+    key = torch.randn(5, 2, 64, generator=gen) * 100  # some beyond e4m3's 448
+    value = torch.randn(5, 2, 64, generator=gen)
+    key[0, 0, 0], key[1, 1, 1] = 1e6, -1e6
+    slots = torch.tensor([3, 17, -1, 40, 63])
+    reference.write_kv_cache(key, value, expected, slots)
+    tk.write_kv_cache(key.to(DEVICE), value.to(DEVICE), cache, slots.to(DEVICE))
+    assert torch.equal(cache.float(), expected.float())
+    flat = expected.view(2, -1, 2, 64).float()
+    assert flat[0, 3, 0, 0] == 448 and flat[0, 17, 1, 1] == -448  # saturated, not NaN
+    assert torch.equal(flat[1, 40], value[3].to(torch.float8_e4m3fn).float())

@@ -39,7 +39,7 @@ from pagellm.kernels import triton_quant as tqu
 from pagellm.kernels.quant import PackedWeight
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-          torch.int32: "i32", torch.int64: "i64"}
+          torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
 TARGETS = (GPUTarget("cuda", 90, 32), GPUTarget("cuda", 80, 32))
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
@@ -121,6 +121,16 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
     cases.append(("attention", dict(dtype=torch.bfloat16, head_dim=128, group=7,
                                     block_size=16, segments=8, sliding_window=4096,
                                     softcap=50.0)))
+    # kv_cache_dtype="fp8": an e4m3 cache read by bf16 queries, written from bf16 keys
+    # (Ada and Hopper only: sm_80 has no e4m3 conversion; the engine refuses it there).
+    for head_dim in (64, 128):
+        cases.append(("attention", dict(dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
+                                        head_dim=head_dim, group=4, block_size=16,
+                                        segments=1)))
+        cases.append(("write", dict(dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
+                                    head_dim=head_dim, block_size=16)))
+    cases.append(("attention", dict(dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
+                                    head_dim=128, group=7, block_size=16, segments=8)))
     # The fused decoder kernels: Qwen2.5-1.5B's sizes and the largest hidden size met
     # (8192, Llama 70B), head sizes with and without a power-of-two half.
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -222,7 +232,7 @@ def _launch(kind: str, p: dict[str, Any]) -> None:
     kv_heads, num_reqs, num_blocks = 2, 3, 8
     heads = kv_heads * p.get("group", 1)
     kv_cache = torch.empty(2, num_blocks, p["block_size"], kv_heads, p["head_dim"],
-                           dtype=p["dtype"], device=meta)
+                           dtype=p.get("kv_dtype", p["dtype"]), device=meta)
     if kind == "write":
         key = torch.empty(5, kv_heads, p["head_dim"], dtype=p["dtype"], device=meta)
         ta.write_kv_cache(key, key, kv_cache, torch.empty(5, dtype=torch.int64, device=meta))
@@ -263,6 +273,8 @@ def main() -> None:
                     continue
                 seen.add(src.hash())
                 for target in TARGETS:
+                    if "kv_dtype" in params and target.arch < 89:
+                        continue  # e4m3: Ada and Hopper only
                     compiled = triton.compile(src, target=target, options=options)
                     print(json.dumps({
                         "kernel": recorder.kernel.__name__, "arch": target.arch,

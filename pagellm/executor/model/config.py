@@ -32,6 +32,12 @@ class ModelConfig:
     seed: int
     quantization: str | None = None  # quantize on load (quantize.py)
     checkpoint_quant: CheckpointQuant | None = None  # a quantized checkpoint's format
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type (kv_cache_dtype 'fp8': e4m3, scale 1.0)."""
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def vocab_size(self) -> int:
@@ -74,7 +80,9 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
     return ModelConfig(model=str(path), hf_config=hf_config, spec=spec, dtype=dtype,
                        max_model_len=max_model_len, load_format=args.load_format,
                        seed=args.seed, quantization=quantization,
-                       checkpoint_quant=checkpoint_quant)
+                       checkpoint_quant=checkpoint_quant,
+                       kv_cache_dtype=(torch.float8_e4m3fn if args.kv_cache_dtype
+                                       in ("fp8", "fp8_e4m3") else None))
 
 
 def _quantization(asked: str | None, hf_config: Any, path: Path

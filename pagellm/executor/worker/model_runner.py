@@ -83,6 +83,12 @@ class ModelRunner:
                                  "attention_backend='torch'")
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 0)
+        if model_config.cache_dtype == torch.float8_e4m3fn and device.type == "cuda" \
+                and torch.cuda.get_device_capability(device) < (8, 9):
+            major, minor = torch.cuda.get_device_capability(device)
+            raise ValueError(f"kv_cache_dtype='fp8' needs an Ada or Hopper GPU (compute "
+                             f"capability 8.9 or newer: e4m3 conversions); this one is "
+                             f"{major}.{minor}")
         self.model = load_model(model_config, device, self.tp, host_ranks,
                                 kernels=self.attention.name == "triton")
         if model_config.checkpoint_quant is not None:
@@ -153,7 +159,7 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         spec = self.model_config.spec
-        element = torch.empty((), dtype=self.model_config.dtype).element_size()
+        element = torch.empty((), dtype=self.model_config.cache_dtype).element_size()
         return (spec.num_layers * 2 * self.block_size * self.num_kv_heads * spec.head_dim
                 * element)
 
@@ -163,7 +169,8 @@ class ModelRunner:
         # pages are committed as blocks get used): no kernel reads a slot its request has
         # not written.
         cache = torch.empty(spec.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads,
-                            spec.head_dim, dtype=self.model_config.dtype, device=self.device)
+                            spec.head_dim, dtype=self.model_config.cache_dtype,
+                            device=self.device)
         self.kv_caches = list(cache.unbind(0))
 
     # -- start-up: profiling and CUDA graphs ---------------------------------------
