@@ -15,40 +15,21 @@ quantization included; without int8 dot-product instructions (AVX2 only) 2.5-7x 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cache
 
 import torch
 
-_TINY = 1e-12  # an all-zero row's scale: any positive value gives zeros
+from pagellm.kernels.quant import RowScaledWeight, row_scales
 
 
-@dataclass(frozen=True)
-class Int8Weight:
-    weight: torch.Tensor  # [N, K] int8
-    scale: torch.Tensor  # [1, N] fp32: one per output channel
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """[N, K]: the shape of the weight this stands for."""
-        return self.weight.shape[0], self.weight.shape[1]
-
-    def narrow(self, dim: int, start: int, length: int) -> Int8Weight:
-        """Rows (dim 0, with their scales) or input columns (dim 1) of the weight."""
-        if dim == 0:
-            return Int8Weight(self.weight[start:start + length],
-                              self.scale[:, start:start + length])
-        return Int8Weight(self.weight[:, start:start + length], self.scale)
+class Int8Weight(RowScaledWeight):
+    """weight [N, K] int8 with a scale per output channel."""
 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t [R, K] -> (int8 [R, K], fp32 scales [R, 1]): each row's largest magnitude maps to
     127."""
-    scale = (t.abs().amax(dim=1, keepdim=True).float() / 127).clamp(min=_TINY)
+    scale = row_scales(t, 127)
     return torch.round(t.float() / scale).clamp(-127, 127).to(torch.int8), scale
 
 

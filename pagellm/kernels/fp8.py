@@ -12,41 +12,22 @@ slow reference (40-60x fp32's GEMM on an AVX2 CPU): the CPU runs this only in te
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from pagellm.kernels.quant import RowScaledWeight, row_scales
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-_TINY = 1e-12  # an all-zero row's scale: any positive value gives zeros
 
 
-@dataclass(frozen=True)
-class Fp8Weight:
-    weight: torch.Tensor  # [N, K] e4m3
-    scale: torch.Tensor  # [1, N] fp32: one per output channel
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """[N, K]: the shape of the weight this stands for."""
-        return self.weight.shape[0], self.weight.shape[1]
-
-    def narrow(self, dim: int, start: int, length: int) -> Fp8Weight:
-        """Rows (dim 0, with their scales) or input columns (dim 1) of the weight."""
-        if dim == 0:
-            return Fp8Weight(self.weight[start:start + length],
-                             self.scale[:, start:start + length])
-        return Fp8Weight(self.weight[:, start:start + length], self.scale)
+class Fp8Weight(RowScaledWeight):
+    """weight [N, K] e4m3 with a scale per output channel."""
 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t [R, K] -> (e4m3 [R, K], fp32 scales [R, 1]): each row's largest magnitude maps
     to e4m3's largest value (448)."""
-    scale = (t.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=_TINY)
+    scale = row_scales(t, FP8_MAX)
     return (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

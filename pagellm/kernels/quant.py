@@ -81,6 +81,38 @@ class PackedWeight:
         return self.qweight.shape[1]
 
 
+@dataclass(frozen=True)
+class RowScaledWeight:
+    """A weight of 8-bit codes with one fp32 scale per output channel (row): the layout
+    of FP8's (kernels/fp8.py) and the CPU's int8 (kernels/cpu_int8.py) W8A8 GEMMs, told
+    apart by their subclass."""
+
+    weight: torch.Tensor  # [N, K] e4m3 or int8
+    scale: torch.Tensor  # [1, N] fp32: one per output channel
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[N, K]: the shape of the weight this stands for."""
+        return self.weight.shape[0], self.weight.shape[1]
+
+    def narrow(self, dim: int, start: int, length: int) -> RowScaledWeight:
+        """Rows (dim 0, with their scales) or input columns (dim 1) of the weight."""
+        if dim == 0:
+            return type(self)(self.weight[start:start + length],
+                              self.scale[:, start:start + length])
+        return type(self)(self.weight[:, start:start + length], self.scale)
+
+
+def row_scales(t: torch.Tensor, largest: float) -> torch.Tensor:
+    """t [R, K] -> fp32 [R, 1]: each row's largest magnitude over `largest`, the code
+    range's (an all-zero row gets a tiny positive scale: its codes are zeros)."""
+    return (t.abs().amax(dim=1, keepdim=True).float() / largest).clamp(min=1e-12)
+
+
 def check_shape(out_features: int, in_features: int, bits: int, group_size: int) -> None:
     """Raise ValueError naming why a weight of this shape cannot take this scheme."""
     if bits not in (4, 8):

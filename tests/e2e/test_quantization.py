@@ -67,6 +67,19 @@ def fake_quantize(model, quantization: str, tp: int = 1):
     return model
 
 
+def perturbed(model_dir: Path, seed: int):
+    """(transformers' model with every weight moved by 0.05 * N(0, 1), a copy of its
+    state dict): what a trainer pushes to its rollout engine."""
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    return trained, {k: v.clone() for k, v in trained.state_dict().items()}
+
+
 @runs_triton_kernels
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["int4", "int8", "fp8"])
@@ -99,17 +112,9 @@ def test_weight_updates_are_quantized_as_they_land(quantization, model_dirs, mak
     quantized into its rows of the fused projection, and the tokens are transformers'
     on the new weights quantized the same way; tensors that are not quantized (the
     embedding, norms) load as before."""
-    from transformers import AutoModelForCausalLM
-
     llm = make_llm(model_dirs["llama"], quantization=quantization, dtype="float32",
                    attention_backend="triton")
-    trained = AutoModelForCausalLM.from_pretrained(model_dirs["llama"],
-                                                   dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for p in trained.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
-    state = {k: v.clone() for k, v in trained.state_dict().items()}
+    trained, state = perturbed(model_dirs["llama"], seed=11)
     assert llm.update_weights(list(state.items())) == len(state)
     reference = fake_quantize(trained, quantization)
     for out in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False):
@@ -203,8 +208,6 @@ def test_int8_on_the_cpus_own_path_is_w8a8_and_equals_transformers(model_dirs, m
     projection's input quantized per token, torch._int_mm): transformers with the same
     weights and activations quantized gives the same greedy tokens, also after a
     trainer's full-precision update (requantized as it lands)."""
-    from transformers import AutoModelForCausalLM
-
     llm = make_llm(model_dirs["qwen2"], quantization="int8", dtype="float32")
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
@@ -213,13 +216,7 @@ def test_int8_on_the_cpus_own_path_is_w8a8_and_equals_transformers(model_dirs, m
     for out in llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False):
         ours = out.outputs[0].token_ids
         assert argmax_along(reference, out.prompt_token_ids, ours) == ours
-    trained = AutoModelForCausalLM.from_pretrained(model_dirs["qwen2"],
-                                                   dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(12)
-    with torch.no_grad():
-        for p in trained.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
-    state = {k: v.clone() for k, v in trained.state_dict().items()}
+    trained, state = perturbed(model_dirs["qwen2"], seed=12)
     llm.update_weights(list(state.items()))
     reference = fake_quantize(trained, "w8a8")
     for out in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False):

@@ -30,10 +30,10 @@ from torch import nn
 
 from pagellm.executor.model.weight_map import Destination
 from pagellm.kernels import cpu_int8, fp8
-from pagellm.kernels.quant import PackedWeight, quantize, unpack
+from pagellm.kernels.quant import PackedWeight, RowScaledWeight, quantize, unpack
 
 # A projection's packed form: weight-only integers (Triton), FP8, or the CPU's W8A8.
-Quantized = PackedWeight | fp8.Fp8Weight | cpu_int8.Int8Weight
+Quantized = PackedWeight | RowScaledWeight
 # quantize-on-load names -> bits of a weight-only integer scheme, or 8 for fp8
 QUANTIZATIONS = {"int4": 4, "int8": 8, "fp8": 8}
 PROJECTIONS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
@@ -91,7 +91,7 @@ def requantize_rows(module: nn.Module, first: int, rows: torch.Tensor) -> None:
                          "full-precision updates: their column order is the quantizer's")
     last = first + rows.shape[0]
     with torch.no_grad():
-        if isinstance(quant, (fp8.Fp8Weight, cpu_int8.Int8Weight)):
+        if isinstance(quant, RowScaledWeight):
             quantizer = fp8 if isinstance(quant, fp8.Fp8Weight) else cpu_int8
             new = quantizer.quantize_weight(rows.to(quant.weight.device))
             quant.weight[first:last].copy_(new.weight)
@@ -114,7 +114,7 @@ def place(module: nn.Module, first: int, part: Quantized) -> None:
     if isinstance(quant, cpu_int8.Int8Weight) and isinstance(part, PackedWeight):
         part = _as_int8(part)  # a W8A8 checkpoint's weight, for the CPU's own GEMM
     with torch.no_grad():
-        if isinstance(quant, (fp8.Fp8Weight, cpu_int8.Int8Weight)):
+        if isinstance(quant, RowScaledWeight):
             if type(part) is not type(quant):
                 raise ValueError(f"a {type(part).__name__} checkpoint weight into a "
                                  f"{type(quant).__name__} projection")
@@ -168,7 +168,7 @@ class RequantizingDestination(Destination):
             raise ValueError(f"a quantized projection takes whole rows, not a {tuple(view.shape)} "
                              f"view with strides {view.stride()}")
         first = view.storage_offset() // width
-        if isinstance(part, (PackedWeight, fp8.Fp8Weight, cpu_int8.Int8Weight)):
+        if isinstance(part, (PackedWeight, RowScaledWeight)):
             if tuple(part.shape) != tuple(view.shape):
                 raise ValueError(f"a packed part of {tuple(part.shape)} for rows of "
                                  f"{tuple(view.shape)}")
@@ -196,10 +196,10 @@ def quantized_linear(x: torch.Tensor, quant: Quantized, bias: torch.Tensor | Non
         return fp8.fp8_linear(x, quant, bias)
     if isinstance(quant, cpu_int8.Int8Weight):
         return cpu_int8.int8_linear(x, quant, bias)
+    assert isinstance(quant, PackedWeight), type(quant)
     from pagellm.kernels.triton_quant import quant_matmul
 
     if quant.perm is not None:  # act-order: the input columns in the packed rows' order
         x = x.index_select(1, quant.perm)
-
     y = quant_matmul(x, quant)
     return y if bias is None else y + bias
