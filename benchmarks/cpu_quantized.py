@@ -20,7 +20,6 @@ offline throughput has no llama.cpp column.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shutil
 import time
@@ -111,14 +110,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="llama.cpp's batch-1 decode beside (needs a GGUF model)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    from quant_quality import default_gguf, report
+
     decode_tokens, requests = (8, 4) if args.smoke else (128, 48)
     if args.smoke:
         model = "demo"
     elif args.model:
         model = args.model
     else:
-        from quant_quality import default_gguf
-
         model = str(default_gguf())
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
     peers: dict[str, Path] = {}
@@ -143,11 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            for name, b in best.items()}}
     if peers:
         shutil.rmtree(next(iter(peers.values())).parent, ignore_errors=True)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return results
+    return report(results, args.out)
 
 
 if __name__ == "__main__":

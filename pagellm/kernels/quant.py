@@ -26,6 +26,7 @@ y = x[:, perm] @ dequantize_sorted^T (one gather of x per call, as vLLM's exllam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -81,6 +82,9 @@ class PackedWeight:
         return self.qweight.shape[1]
 
 
+_Scaled = TypeVar("_Scaled", bound="RowScaledWeight")
+
+
 @dataclass(frozen=True)
 class RowScaledWeight:
     """A weight of 8-bit codes with one fp32 scale per output channel (row): the layout
@@ -99,6 +103,11 @@ class RowScaledWeight:
         """[N, K]: the shape of the weight this stands for."""
         return self.weight.shape[0], self.weight.shape[1]
 
+    @classmethod
+    def from_rows(cls: type[_Scaled], q: torch.Tensor, scale: torch.Tensor) -> _Scaled:
+        """A weight quantized row by row: codes [N, K], scales [N, 1] -> scale [1, N]."""
+        return cls(q, scale.t().contiguous())
+
     def narrow(self, dim: int, start: int, length: int) -> RowScaledWeight:
         """Rows (dim 0, with their scales) or input columns (dim 1) of the weight."""
         if dim == 0:
@@ -111,6 +120,12 @@ def row_scales(t: torch.Tensor, largest: float) -> torch.Tensor:
     """t [R, K] -> fp32 [R, 1]: each row's largest magnitude over `largest`, the code
     range's (an all-zero row gets a tiny positive scale: its codes are zeros)."""
     return (t.abs().amax(dim=1, keepdim=True).float() / largest).clamp(min=1e-12)
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What row-scaled codes [R, K] with scales [R, 1] stand for, in fp32 (the
+    references of kernels/fp8.py's and kernels/cpu_int8.py's quantize_rows)."""
+    return q.float() * scale
 
 
 def check_shape(out_features: int, in_features: int, bits: int, group_size: int) -> None:
