@@ -133,6 +133,15 @@ class UniProcExecutor(Executor):
     worker: Worker
     _own_group = False  # whether the default group is ours to destroy at shutdown
 
+    def __init__(self, args: EngineArgs) -> None:
+        try:
+            super().__init__(args)
+        except BaseException:
+            # A start that fails (a KV cache too small, a bad checkpoint) leaves no
+            # default group behind: the process's later users would take it for theirs.
+            self._release_group()
+            raise
+
     def _start_workers(self, args: EngineArgs) -> None:
         from pagellm.executor.worker.extension import make_worker
 
@@ -156,12 +165,15 @@ class UniProcExecutor(Executor):
         try:
             super().shutdown()
         finally:
-            if self._own_group:
-                import torch.distributed as dist
+            self._release_group()
 
-                self._own_group = False
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+    def _release_group(self) -> None:
+        if self._own_group:
+            import torch.distributed as dist
+
+            self._own_group = False
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def _default_group_of_one(device: Any) -> bool:

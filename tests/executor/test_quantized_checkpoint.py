@@ -108,7 +108,14 @@ def test_fp8_formats_read_as_transformers_reads_them(block, llama_dir, tmp_path)
                                      {"bits": 8, "group": None, "packed": False}],
                          ids=["pack-quantized", "int-quantized"])
 def test_compressed_tensors_reads_as_transformers_reads_it(options, llama_dir, tmp_path):
+    import transformers
+    from packaging.version import Version
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    if options.get("packed", True) and Version(transformers.__version__) < Version("5.3"):
+        # the reference itself fails there: it stores the packed int32 zero points in
+        # int8 parameters, and compressed-tensors refuses to unpack them (fixed in 5.3)
+        pytest.skip("transformers < 5.3 cannot decompress packed zero points")
 
     directory, _ = write_int_checkpoint(llama_dir, tmp_path / "ct", "compressed-tensors",
                                         **options)
