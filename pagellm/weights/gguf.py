@@ -42,6 +42,10 @@ _FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           ("mlp.gate_proj", "mlp.up_proj"))
 _BITS = {"Q8_0": 8, "Q4_0": 4}  # block types stored packed
 _PERMUTED = ("llama", "mistral")  # families whose q and k rows llama.cpp permutes
+# The oldest transformers whose GGUF reader this was tested with: 5.0-5.17 fail on a
+# file with an EOS and no BOS token id (as llama.cpp writes Qwen's), and 5.0 adds a BOS
+# the file says not to add.
+TRANSFORMERS_FLOOR = (5, 18)
 
 
 def cache_dir() -> Path:
@@ -81,9 +85,17 @@ def gguf_model_dir(path: Path) -> Path:
     return final
 
 
+def transformers_version() -> tuple[int, int]:
+    import transformers
+
+    major, minor = [*transformers.__version__.split("."), "0"][:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
 def convert(path: Path, out: Path) -> None:
     """Write `path` as a Hugging Face directory at `out` (module docstring)."""
     import torch
+    import transformers
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -93,6 +105,10 @@ def convert(path: Path, out: Path) -> None:
     except ImportError as e:
         raise ImportError("loading a GGUF file needs the gguf package: "
                           "pip install 'pagellm[gguf]'") from e
+    if transformers_version() < TRANSFORMERS_FLOOR:
+        raise ImportError(f"loading a GGUF file needs transformers >= "
+                          f"{'.'.join(map(str, TRANSFORMERS_FLOOR))} (its GGUF reader), got "
+                          f"{transformers.__version__}: pip install -U 'pagellm[gguf]'")
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

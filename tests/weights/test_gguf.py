@@ -16,9 +16,12 @@ from peft_adapters import argmax_along
 
 from pagellm import SamplingParams
 from pagellm.demo.model import ModelSpec, make_model
-from pagellm.weights.gguf import gguf_model_dir
+from pagellm.weights import gguf as gguf_module
+from pagellm.weights.gguf import TRANSFORMERS_FLOOR, gguf_model_dir, transformers_version
 
 pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(transformers_version() < TRANSFORMERS_FLOOR,
+                                reason="GGUF files need transformers >= 5.18 (its reader)")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 # llama (q and k rows permuted by llama.cpp), GQA, untied head; no RoPE scaling (the
 # writer does not store llama3's).
@@ -109,3 +112,14 @@ def test_the_conversion_is_made_once_and_bad_files_are_named(llama_dir, tmp_path
     with pytest.raises(ValueError, match=r"cannot read the GGUF file .*broken\.gguf"):
         gguf_model_dir(bad)
     assert [p.name for p in cache.joinpath("gguf").iterdir()] == [first.name]
+
+
+def test_a_transformers_older_than_its_gguf_reader_is_named(llama_dir, tmp_path, cache,
+                                                            monkeypatch):
+    """transformers 5.0-5.17 mis-read the tokenizer of a file with an EOS and no BOS
+    (this writer's, and llama.cpp's for Qwen): refused up front, naming the version."""
+    path = write_gguf(llama_dir, tmp_path / "model.gguf")
+    monkeypatch.setattr(gguf_module, "transformers_version", lambda: (5, 17))
+    with pytest.raises(ImportError, match=r"needs transformers >= 5\.18"):
+        gguf_model_dir(path)
+    assert not cache.joinpath("gguf").exists() or not any(cache.joinpath("gguf").iterdir())
