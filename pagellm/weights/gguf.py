@@ -108,7 +108,7 @@ def convert(path: Path, out: Path) -> None:
     if transformers_version() < TRANSFORMERS_FLOOR:
         raise ImportError(f"loading a GGUF file needs transformers >= "
                           f"{'.'.join(map(str, TRANSFORMERS_FLOOR))} (its GGUF reader), got "
-                          f"{transformers.__version__}: pip install -U 'pagellm[gguf]'")
+                          f"{transformers.__version__}: pip install -U transformers")
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
