@@ -16,6 +16,7 @@ from pagellm.enginecore.lora_registry import LoRARegistry
 from pagellm.enginecore.request import Request, RequestStatus
 from pagellm.enginecore.scheduler import Scheduler, SchedulerConfig
 from pagellm.enginecore.serving_state import ServingState
+from pagellm.enginecore.spec_decode import NgramProposer
 from pagellm.enginecore.structured_output.manager import StructuredOutputManager
 from pagellm.executor.executor import StepFailed
 from pagellm.executor.factory import create_executor
@@ -61,7 +62,9 @@ class EngineCore:
                             max_loras=args.max_loras if args.enable_lora else 0),
             KVCacheManager(self.executor.num_kv_blocks, args.block_size,
                            args.enable_prefix_caching,
-                           sliding_window=getattr(model_config.spec, "kv_window", None)))
+                           sliding_window=getattr(model_config.spec, "kv_window", None)),
+            None if args.speculative is None else NgramProposer(
+                args.speculative, self.executor.device.type))
         # Requests hash their blocks only when the prefix cache can use the hashes.
         self._hash_block_size = args.block_size if args.enable_prefix_caching else None
         self.info = EngineInfo(
@@ -217,6 +220,7 @@ class EngineCore:
 
     def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
+        spec = self.scheduler.spec_stats
         return EngineStats(
             num_running_reqs=self.scheduler.num_running,
             num_waiting_reqs=self.num_waiting,
@@ -224,7 +228,10 @@ class EngineCore:
             kv_cache_usage=kv.usage(), prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
-            step_timings=mean_timings(self.recent_steps))
+            step_timings=mean_timings(self.recent_steps), spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=list(spec.accepted_per_pos))
 
     # -- utility calls: one handler per row of protocol/utility.py's SIGNATURES -------
 

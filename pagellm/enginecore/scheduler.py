@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pagellm.enginecore.kv_cache_manager import KVCacheManager
 from pagellm.enginecore.request import Request, RequestStatus
 from pagellm.enginecore.request_queue import create_request_queue, sort_key
+from pagellm.enginecore.spec_decode import NgramProposer, SpecDecodingStats
 from pagellm.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -62,9 +63,15 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 proposer: NgramProposer | None = None) -> None:
+        """`proposer`: speculative decoding's, which proposes tokens for each running
+        request's decode step (enginecore/spec_decode.py); None: none."""
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.proposer = proposer
+        self.spec_stats = SpecDecodingStats(
+            proposer.k if proposer is not None else 0)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []  # in policy order; preemption takes the last
@@ -125,8 +132,9 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData.empty()
         new: list[NewRequestData] = []
+        spec: dict[str, list[int]] = {}
         budget, preempted_now = self._schedule_running(
-            self.config.max_num_batched_tokens, cached, num_scheduled)
+            self.config.max_num_batched_tokens, cached, num_scheduled, spec)
         if not preempted_now:  # admitting now would only preempt again
             budget = self._schedule_waiting(budget, new, num_scheduled)
         output = SchedulerOutput(
@@ -136,16 +144,23 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=self._preempted_req_ids,
+            scheduled_spec_decode_tokens=spec,
         )
         self._finished_req_ids = []
         self._preempted_req_ids = []
         return output
 
     def _schedule_running(self, budget: int, cached: CachedRequestData,
-                          num_scheduled: dict[str, int]) -> tuple[int, bool]:
+                          num_scheduled: dict[str, int], spec: dict[str, list[int]]
+                          ) -> tuple[int, bool]:
         """Schedule running requests, in order, into `cached` and `num_scheduled`,
         preempting from the tail when the KV cache is full; returns (the budget left,
-        whether any request was preempted).
+        whether any request was preempted). With speculative decoding, a decode step
+        also takes the request's proposed tokens (into `spec`), as far as the budget, free
+        blocks and free seats allow: each proposal is one more position the runner
+        samples, and a step samples at most max_num_seqs positions (what the runner's
+        buffers and the sampler's memory are sized for), less one per waiting request;
+        proposals never preempt anyone.
 
         This loop runs for every running request every step, so it is kept lean:
         `_num_new_tokens` inlined, and a request's num_computed_tokens advanced as soon as
@@ -157,10 +172,21 @@ class Scheduler:
         preempted_now = False
         running = self.running
         allocate_slots = self.kv_cache_manager.allocate_slots
+        proposer = self.proposer
+        propose = proposer.propose if proposer is not None and (
+            proposer.disable_by_batch_size is None
+            or len(running) <= proposer.disable_by_batch_size) else None
+        seats = self.config.max_num_seqs - len(running) - len(self.waiting)
+        if seats <= 0:
+            propose = None
         for request in running:
             if budget <= 0:
                 break
             num_new = request.num_tokens - request.num_computed_tokens
+            drafts = None
+            if propose is not None and num_new == 1 and request.grammar is None:
+                drafts = propose(request)[:seats]
+                num_new += len(drafts)
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget:
@@ -169,6 +195,10 @@ class Scheduler:
             # cache manager keeps): no call at all, for every running request every step.
             block_ids = () if request.num_computed_tokens + num_new <= request.kv_fits \
                 else allocate_slots(request, num_new)
+            if block_ids is None and drafts:  # no room for the proposals: the token alone
+                num_new, drafts = 1, None
+                block_ids = () if request.num_computed_tokens + 1 <= request.kv_fits \
+                    else allocate_slots(request, 1)
             while block_ids is None:
                 victim = running.pop()
                 self._preempt(victim)
@@ -184,6 +214,11 @@ class Scheduler:
             if block_ids:  # most steps add no block to most requests
                 new_block_ids[request_id] = block_ids
             num_scheduled[request_id] = num_new
+            if drafts and num_new > 1:  # as many as the budget left room for
+                spec[request_id] = drafts = drafts[:num_new - 1]
+                seats -= len(drafts)
+                if seats <= 0:
+                    propose = None
             request.num_computed_tokens += num_new
             budget -= num_new
         return budget, preempted_now
@@ -249,6 +284,9 @@ class Scheduler:
         logprobs_by_request = runner_output.logprobs
         any_prompt_logprobs = bool(runner_output.prompt_logprobs)
         any_finished = False
+        more = runner_output.more_token_ids
+        if scheduler_output.scheduled_spec_decode_tokens:
+            self._take_back_rejected(scheduler_output.scheduled_spec_decode_tokens, more)
         client = -1  # the last request's client, and its message's lists:
         full: list[EngineCoreOutput] = []
         plain_ids: list[str] = []
@@ -279,6 +317,10 @@ class Scheduler:
                     message_for(outputs, request.client_index).outputs.append(
                         EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error))
                     continue
+            if more and request_id in more:  # speculative decoding: a run of tokens
+                any_finished |= self._append_run(request, [token_id, *more[request_id]],
+                                                 runner_output, outputs)
+                continue
             request.append_output_token_id(token_id)
             # Most tokens end nothing: one set lookup and one compare say so.
             if ((token_id in request.stopping_ids
@@ -305,6 +347,46 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _take_back_rejected(self, spec: dict[str, list[int]], more: dict[str, list[int]]
+                            ) -> None:
+        """Each speculating request's rejected proposals leave `num_computed_tokens`
+        (scheduled as computed, their KV is not the request's: the next step writes over
+        it). The runner emitted the accepted proposals and one token more."""
+        requests = self.requests
+        for request_id, drafts in spec.items():
+            request = requests.get(request_id)
+            if request is None:
+                continue  # aborted meanwhile
+            accepted = len(more.get(request_id, ()))
+            request.num_computed_tokens -= len(drafts) - accepted
+            self.spec_stats.observe(len(drafts), accepted)
+
+    def _append_run(self, request: Request, token_ids: list[int],
+                    runner_output: ModelRunnerOutput,
+                    outputs: dict[int, EngineCoreOutputs]) -> bool:
+        """Append a speculating request's tokens one by one, as that many steps would
+        have: a stop token or max_tokens inside the run ends the request there and the
+        rest is dropped. Returns whether it finished. (Requests with a grammar are never
+        proposed tokens, so none is advanced here.)"""
+        request_id = request.request_id
+        kept = 0
+        for token_id in token_ids:
+            request.append_output_token_id(token_id)
+            kept += 1
+            if ((token_id in request.stopping_ids
+                 or len(request.output_token_ids) >= request.max_tokens)
+                    and self._check_stop(request)):
+                self._free(request)
+                break
+        logprobs = None
+        first = runner_output.logprobs.get(request_id) if runner_output.logprobs else None
+        if first is not None:
+            logprobs = [first, *runner_output.more_logprobs.get(request_id, ())][:kept]
+        message_for(outputs, request.client_index).outputs.append(EngineCoreOutput(
+            request_id, token_ids[:kept], request.finish_reason, request.stop_reason, None,
+            logprobs, None, False, request.num_cached_tokens or 0))
+        return request.finish_reason is not None
 
     def fail_step(self, scheduler_output: SchedulerOutput, error: str
                   ) -> dict[int, EngineCoreOutputs]:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import msgspec
+
 from pagellm.frontend.detokenizer import IncrementalDetokenizer, TokenTexts, byte_pieces
 from pagellm.frontend.input_processor import ProcessedRequest
 from pagellm.frontend.output_collector import RequestOutputCollector
@@ -84,7 +86,26 @@ class CompletionState:
         return self.finish_reason is not None
 
     def update(self, output: EngineCoreOutput) -> bool:
-        """Absorb one step's tokens; True when a stop string finished it here."""
+        """Absorb one step's tokens; True when a stop string finished it here.
+
+        A step that emitted a run of tokens (speculative decoding) is taken one token at
+        a time, as that many steps: a stop string ends the output at the token that
+        completed it, and the run's later tokens are dropped."""
+        tokens = output.new_token_ids
+        if not self.stop or len(tokens) < 2:
+            return self._update(output)
+        logprobs = output.new_logprobs
+        for j, token_id in enumerate(tokens):
+            last = j == len(tokens) - 1
+            if self._update(msgspec.structs.replace(
+                    output, new_token_ids=[token_id],
+                    finish_reason=output.finish_reason if last else None,
+                    stop_reason=output.stop_reason if last else None,
+                    new_logprobs=logprobs[j:j + 1] if logprobs else None)):
+                return True
+        return False
+
+    def _update(self, output: EngineCoreOutput) -> bool:
         detokenizer = self.detokenizer
         delta = detokenizer.update(output.new_token_ids)
         if self.logprobs is not None and output.new_logprobs:

@@ -24,6 +24,7 @@ from typing import Any
 from pagellm.protocol import cli_args
 from pagellm.protocol.lora import LORA_RANKS, MAX_CPU_LORAS, MAX_LORAS
 from pagellm.protocol.reasoning import REASONING_TAGS, check_reasoning_parser
+from pagellm.protocol.speculative import SpeculativeConfig, parse_speculative_config
 from pagellm.protocol.validation import (
     INT32_MAX,
     INT64_MAX,
@@ -172,6 +173,11 @@ class EngineArgs:
                 'xgrammar, guidance; also "disable_any_whitespace", "enable_in_reasoning"); '
                 'one key alone as --structured-outputs-config.backend guidance.',
         "keys": {"backend": str, "disable_any_whitespace": bool, "enable_in_reasoning": bool}})
+    speculative_config: dict[str, Any] | None = field(default=None, metadata={
+        "help": 'Speculative decoding: JSON such as {"method": "ngram", '
+                '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+                ' (optional "disable_by_batch_size": no proposals above that many running '
+                'requests).'})
     reasoning_parser: str | None = _opt(
         None, "Split <think> reasoning into reasoning_content (server), and apply "
         "structured outputs after it ends.", (None, *REASONING_TAGS))
@@ -326,6 +332,7 @@ class EngineArgs:
             check_host(name, getattr(self, name))
         check_weight_transfer_config(self.weight_transfer_config)
         check_structured_outputs_config(self.structured_outputs_config)
+        parse_speculative_config(self.speculative_config)
         if self.worker_extension_cls is not None and not (
                 isinstance(self.worker_extension_cls, str)
                 and re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+",
@@ -375,6 +382,11 @@ class EngineArgs:
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config, checked and with its defaults (None: no speculation)."""
+        return parse_speculative_config(self.speculative_config)
 
     def structured_outputs(self, key: str, default: Any) -> Any:
         """One setting of structured_outputs_config (reasoning_parser: either option)."""

@@ -64,6 +64,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     finished_req_ids: list[str]  # finished or aborted since the last step: forget them
     preempted_req_ids: list[str]  # preempted since the last step: forget them too
     grammar: GrammarOutput | None = None  # set by the engine core after scheduling
+    # Speculative decoding: req_id -> the proposed tokens scheduled after its last token
+    # (counted in num_scheduled_tokens), which the runner verifies.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
     @property
     def is_empty(self) -> bool:
@@ -81,7 +84,8 @@ class PromptLogprobsChunk(msgspec.Struct, array_like=True, gc=False):
 class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     """Per scheduled request, the token it sampled (-1: none, a partial prefill), and
     logprobs for the requests that asked for them. One int per request, not a list:
-    the scheduler reads it for every running request every step."""
+    the scheduler reads it for every running request every step; the few that emit more
+    (speculative decoding) have the rest in `more_token_ids`."""
 
     req_ids: list[str]
     sampled_token_ids: list[int]
@@ -93,3 +97,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     collective_s: float = 0.0  # of forward_s and sample_s: tensor-parallel collectives
     dispatch_s: float = 0.0  # executor <-> worker processes, beyond the worker's time
     attention_plan_s: float = 0.0  # of prepare_inputs_s: the attention backend's prepare
+    # Speculative decoding: the tokens a request emitted after its first (the accepted
+    # proposals after the first, then the sample that ended the run), and their logprobs.
+    more_token_ids: dict[str, list[int]] = {}
+    more_logprobs: dict[str, list[TokenLogprobs]] = {}

@@ -38,6 +38,12 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     # With data parallelism: each engine core's own stats, in rank order (the fields
     # above are then their sums; kv_cache_usage and step_timings their means).
     per_engine: list[EngineStats] = []
+    # Speculative decoding, cumulative (vLLM's vllm:spec_decode_*): verification runs,
+    # tokens proposed and accepted, and accepted per position (all 0 without it).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 STEP_WINDOW = 64

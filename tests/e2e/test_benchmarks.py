@@ -30,6 +30,7 @@ import parallel  # noqa: E402
 import profile_decode  # noqa: E402
 import quant_quality  # noqa: E402
 import small_gemm  # noqa: E402
+import spec_decode  # noqa: E402
 import structured_outputs  # noqa: E402
 
 CASE_TIMINGS = ("kernel_us", "kernel_gbps", "kernel_pct_of_copy", "sdpa_us", "sdpa_gbps",
@@ -375,3 +376,16 @@ def test_cpu_quantized_smoke_times_every_variant_side_by_side(tmp_path):
         assert best["batch1_tokens_per_s"] > 0 and best["offline_output_tokens_per_s"] > 0
     assert results["vs_fp32"]["fp32"] == {"batch1_tokens_per_s": 1.0,
                                           "offline_output_tokens_per_s": 1.0}
+
+
+def test_spec_decode_smoke_times_both_arms_on_both_workloads(tmp_path):
+    results = spec_decode.main(["--smoke", "--out", str(tmp_path / "s.json")])
+    assert json.loads((tmp_path / "s.json").read_text()) == results
+    for arm in ("plain", "ngram"):
+        assert {k for k in results["best"][arm] if k.endswith("per_s")} == {
+            "edit_batch1_tokens_per_s", "chat_batch1_tokens_per_s",
+            "offline4_output_tokens_per_s"}
+    assert not any("accepted" in k for k in results["best"]["plain"])
+    # The edit prompts quote real text and code (the licences, textwrap's source).
+    edits = spec_decode.edit_prompts(4)
+    assert len(edits) == 4 and all(len(m[0]["content"]) > 300 for m in edits)

@@ -36,6 +36,7 @@ from typing import Any
 from pagellm.executor.model.config import ModelConfig, resolve_model_config
 from pagellm.executor.worker.worker import Worker
 from pagellm.protocol.engine_args import EngineArgs
+from pagellm.protocol.speculative import SpeculativeConfig
 
 # What vLLM's WorkerWrapperBase passes its worker class (vllm/v1/worker/gpu_worker.py).
 VLLM_WORKER_KWARGS = ("vllm_config", "local_rank", "rank", "distributed_init_method",
@@ -72,15 +73,16 @@ class CacheConfigView:
 class VllmConfigView:
     """What an extension may read of vLLM's VllmConfig, built from the worker's
     `EngineArgs`: `model_config` is pagellm's (`.model`, `.dtype` as a torch.dtype,
-    `.max_model_len`, `.hf_config`); what pagellm has none of is None (speculative
-    decoding, quantization, LoRA, a KV connector), as in a vLLM config without them.
+    `.max_model_len`, `.hf_config`); `speculative_config` the checked one
+    (`.method`, `.num_speculative_tokens`, ...); what pagellm has none of is None
+    (quantization, LoRA, a KV connector), as in a vLLM config without them.
     `engine_args` is what `VllmKwargsWorker` starts the `Worker` with."""
 
     engine_args: EngineArgs
     model_config: ModelConfig
     parallel_config: ParallelConfigView
     cache_config: CacheConfigView
-    speculative_config: None = None
+    speculative_config: SpeculativeConfig | None = None
     quant_config: None = None
     lora_config: None = None
     kv_transfer_config: None = None
@@ -94,6 +96,7 @@ class VllmConfigView:
                     else args.data_parallel_size_local)
         return cls(
             engine_args=args, model_config=resolve_model_config(args),
+            speculative_config=args.speculative,
             parallel_config=ParallelConfigView(
                 tensor_parallel_size=world, pipeline_parallel_size=1, world_size=world,
                 rank=rank, data_parallel_size=args.data_parallel_size,

@@ -33,7 +33,13 @@ from pagellm.executor.worker.cpu_threads import ThreadTuner, tunable_threads
 from pagellm.executor.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from pagellm.executor.worker.grammar_mask import apply_grammar_bitmask
 from pagellm.executor.worker.input_batch import InputBatch
-from pagellm.executor.worker.sampler import LogprobsTensors, Sampler, gather_logprobs, log_probs
+from pagellm.executor.worker.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplingMetadata,
+    gather_logprobs,
+    log_probs,
+)
 from pagellm.executor.worker.sampling_inputs import sampling_metadata, to_device
 from pagellm.executor.worker.step_buffers import StepBuffers
 from pagellm.executor.worker.step_inputs import InputPreparer, StepInputs
@@ -53,6 +59,15 @@ logger = logging.getLogger("pagellm")
 # Prompt positions whose logprobs are computed at once (bounds the [positions, vocab]
 # logits a long prompt chunk would otherwise materialize).
 PROMPT_LOGPROBS_SLICE = 256
+
+
+def verify_proposals(samples: np.ndarray, proposals: np.ndarray) -> np.ndarray:
+    """samples [k + 1] (at the last token's position and each proposal's), proposals
+    [k] -> the tokens emitted: the proposals the samples agree with, in a row, then the
+    sample where they first disagree (or the last sample). See `ModelRunner._verify`."""
+    k = len(proposals)
+    accepted = int((samples[:k] == proposals).cumprod().sum()) if k else 0
+    return samples[:accepted + 1]
 
 
 class ModelRunner:
@@ -288,11 +303,18 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
         if scheduler_output.grammar is not None:  # structured outputs: mask first
+            # (constrained requests are never proposed tokens: one logits row each)
             apply_grammar_bitmask(logits, scheduler_output.grammar, {
-                inputs.req_ids[i]: row for row, i in enumerate(inputs.sampling.tolist())})
+                inputs.req_ids[i]: row for row, i in enumerate(inputs.sample_req.tolist())})
         t2 = time.perf_counter()
         sampled_token_ids: list[int]  # per request; -1: samples nothing this step
         logprobs: dict[str, TokenLogprobs] = {}
+        if inputs.num_drafts is not None:  # speculative decoding: verify the proposals
+            meta = sampling_metadata(self.batch, inputs.sampling_rows, self.buffers,
+                                     self.processed_logprobs, inputs.sample_offsets)
+            out = self.sampler(logits, meta)
+            verified = self._verify(inputs, out.sampled.cpu().numpy(), meta, out.logprobs)
+            return self._output(inputs, *verified, t0, t1, t2, hidden)
         if len(inputs.sampling):
             meta = sampling_metadata(self.batch, inputs.sampling_rows, self.buffers,
                                      self.processed_logprobs)
@@ -312,6 +334,12 @@ class ModelRunner:
         else:  # nothing to wait for: the next step must check its copies are done
             sampled_token_ids = [-1] * len(inputs.req_ids)
             self.buffers.end_step()
+        return self._output(inputs, sampled_token_ids, logprobs, {}, {}, t0, t1, t2, hidden)
+
+    def _output(self, inputs: StepInputs, sampled_token_ids: list[int],
+                logprobs: dict[str, TokenLogprobs], more_token_ids: dict[str, list[int]],
+                more_logprobs: dict[str, list[TokenLogprobs]], t0: float, t1: float,
+                t2: float, hidden: torch.Tensor) -> ModelRunnerOutput:
         prompt_logprobs = self._prompt_logprobs(hidden, inputs) \
             if self.batch.num_prompt_logprobs else {}
         t3 = time.perf_counter()
@@ -319,7 +347,55 @@ class ModelRunner:
         return ModelRunnerOutput(inputs.req_ids, sampled_token_ids, logprobs, prompt_logprobs,
                                  prepare_inputs_s=t1 - t0, forward_s=t2 - t1,
                                  sample_s=t3 - t2, collective_s=collective_s,
-                                 attention_plan_s=inputs.attention_plan_s)
+                                 attention_plan_s=inputs.attention_plan_s,
+                                 more_token_ids=more_token_ids, more_logprobs=more_logprobs)
+
+    def _verify(self, inputs: StepInputs, sampled: np.ndarray, meta: SamplingMetadata,
+                tensors: LogprobsTensors | None
+                ) -> tuple[list[int], dict[str, TokenLogprobs], dict[str, list[int]],
+                           dict[str, list[TokenLogprobs]]]:
+        """Speculative decoding's verification: `sampled` [S'] holds, for each request
+        that samples, a sample at its last token's position and at each of its k
+        proposals' positions, each drawn as a step without proposals would have drawn it
+        there (sampling_metadata's offsets). The request keeps the proposals up to the
+        first the samples disagree with, then that sample (or, all accepted, the sample
+        after the last). Each emitted token is thus the sample at its position given the
+        tokens before it, which is how one-token steps sample: the same tokens for
+        greedy and seeded requests, the same distribution for the rest (an n-gram
+        proposal is one token, q one-hot: accepting it when p's sample equals it, with
+        probability p(d), and else keeping that sample, drawn from p without d, is
+        rejection sampling's min(1, p/q) rule with its residual).
+
+        Returns per request (-1 where nothing samples) the first emitted token, and the
+        logprobs, further tokens and their logprobs, by request id; the batch's token
+        rows take every emitted token."""
+        batch = self.batch
+        assert inputs.num_drafts is not None
+        req_ids, counts = inputs.req_ids, inputs.num_drafts.tolist()
+        by_row = self._logprobs_by_row(inputs, meta, tensors)
+        first: list[int] = [-1] * len(req_ids)
+        logprobs: dict[str, TokenLogprobs] = {}
+        more: dict[str, list[int]] = {}
+        more_logprobs: dict[str, list[TokenLogprobs]] = {}
+        at = 0
+        for i, k in zip(inputs.sampling.tolist(), counts, strict=True):
+            row = int(inputs.rows[i])
+            end = int(batch.num_tokens[row])
+            emitted = verify_proposals(sampled[at:at + k + 1], batch.token_ids[row, end:end + k])
+            accepted = len(emitted) - 1
+            batch.token_ids[row, end:end + accepted + 1] = emitted
+            batch.num_tokens[row] = end + accepted + 1
+            req_id = req_ids[i]
+            first[i] = int(emitted[0])
+            if accepted:
+                more[req_id] = emitted[1:].tolist()
+            if at in by_row:  # it asked for logprobs
+                lps = [by_row[j] for j in range(at, at + accepted + 1)]
+                logprobs[req_id] = lps[0]
+                if accepted:
+                    more_logprobs[req_id] = lps[1:]
+            at += k + 1
+        return first, logprobs, more, more_logprobs
 
     def retain(self, req_ids: set[str]) -> None:
         """Drop the state of every request not in `req_ids`."""
@@ -340,14 +416,26 @@ class ModelRunner:
 
     def _logprobs_by_request(self, inputs: StepInputs, logprob_rows: torch.Tensor,
                              tensors: LogprobsTensors) -> dict[str, TokenLogprobs]:
+        return {inputs.req_ids[int(inputs.sample_req[i])]: logprobs
+                for i, logprobs in self._logprobs_rows(inputs, logprob_rows,
+                                                       tensors).items()}
+
+    def _logprobs_by_row(self, inputs: StepInputs, meta: SamplingMetadata,
+                         tensors: LogprobsTensors | None) -> dict[int, TokenLogprobs]:
+        if tensors is None or meta.logprob_rows is None:
+            return {}
+        return self._logprobs_rows(inputs, meta.logprob_rows, tensors)
+
+    def _logprobs_rows(self, inputs: StepInputs, logprob_rows: torch.Tensor,
+                       tensors: LogprobsTensors) -> dict[int, TokenLogprobs]:
+        """Sampler row -> its token's logprobs, for the rows that return them."""
         ids, lps = tensors.token_ids.tolist(), tensors.logprobs.tolist()
         ranks = tensors.sampled_ranks.tolist()
         result = {}
         for j, i in enumerate(logprob_rows.tolist()):
             k = self.batch.num_logprobs[int(inputs.sampling_rows[i])]
-            req_id = inputs.req_ids[int(inputs.sampling[i])]
-            result[req_id] = TokenLogprobs(ids[j][:k + 1], lps[j][:k + 1],
-                                           [ranks[j], *range(1, k + 1)])
+            result[i] = TokenLogprobs(ids[j][:k + 1], lps[j][:k + 1],
+                                      [ranks[j], *range(1, k + 1)])
         return result
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs

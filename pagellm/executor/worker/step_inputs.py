@@ -12,6 +12,8 @@ so that each adapter's rows are one run), built with vectorized numpy:
     query_start_loc [R + 1]      request i owns rows query_start_loc[i]:[i+1]
     seq_lens      [R]            context length after this step
     logits_indices [S]           last row of each request that samples this step
+                                 (with speculative decoding: its last 1 + k rows, the
+                                 positions of its last token and of its k proposals)
 
 They are staged through `StepBuffers` (pinned host memory, non-blocking copies into
 device buffers allocated once). A step where every request computes one token, while
@@ -52,8 +54,14 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    sampling: np.ndarray  # indices into req_ids of the requests that sample
-    sampling_rows: np.ndarray  # their InputBatch rows
+    sampling: np.ndarray  # [S] indices into req_ids of the requests that sample
+    sampling_rows: np.ndarray  # [S'] the InputBatch row of each sampled position
+    # Speculative decoding (None in a step without proposals): per sampling request its
+    # proposals' count k [S], and per sampled position [S'] (its request's 1 + k
+    # positions in a row) its request's index into req_ids and its offset 0..k.
+    num_drafts: np.ndarray | None
+    sample_req: np.ndarray  # [S'] index into req_ids (= sampling without proposals)
+    sample_offsets: np.ndarray | None
     graph_size: int | None  # the CUDA graph's batch size, or None: run eagerly
     attention_plan_s: float  # time in the attention backend's prepare
 
@@ -97,6 +105,11 @@ class InputPreparer:
             self._rows_generation, self._rows_req_ids = batch.generation, req_ids
             self._rows = np.fromiter(map(batch.rows.__getitem__, req_ids), np.int64, num_reqs)
         rows = self._rows
+        if so.scheduled_spec_decode_tokens:  # proposals go where their tokens would be
+            for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+                row = batch.rows[req_id]
+                end = batch.num_tokens[row]
+                batch.token_ids[row, end:end + len(drafts)] = drafts
         # The scheduler's count is the one truth (the batch keeps no copy to drift).
         starts = np.array(cached.num_computed_tokens + [n.num_computed_tokens for n in new]
                           if new else cached.num_computed_tokens, np.int64)
@@ -128,8 +141,21 @@ class InputPreparer:
                         + offset)  # int64: no overflow
         if self.lora is not None:
             self.lora.prepare_step(_adapter_runs(lora_of, counts, cu))
-        sampling = np.flatnonzero(ends == batch.num_tokens[rows])  # caught up: sample
+        # Caught up (past its tokens: proposals): sample.
+        beyond = ends - batch.num_tokens[rows]
+        sampling = np.flatnonzero(beyond >= 0)
         all_sample = len(sampling) == num_reqs
+        logits_indices = req_index if all_sample and decode else cu[sampling] - 1
+        sample_req, sampling_rows = sampling, rows if all_sample else rows[sampling]
+        num_drafts = sample_offsets = None
+        if so.scheduled_spec_decode_tokens:
+            num_drafts = beyond[sampling]  # [S]
+            width = num_drafts + 1
+            sample_req = np.repeat(sampling, width)  # [S']
+            sample_offsets = np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width,
+                                                                     width)
+            logits_indices = np.repeat(cu[sampling] - width, width) + sample_offsets
+            sampling_rows = rows[sample_req]
         max_query_len = 1 if decode else int(counts.max())
         # Every request computes one token: a CUDA graph's step, padded to its size.
         graph_size = graphs.padded_size(num_reqs) if graphs is not None and decode else None
@@ -155,9 +181,8 @@ class InputPreparer:
         return StepInputs(req_ids, rows, starts, counts,
                           put("input_ids", input_ids, 0, graph_size),
                           put("positions", positions, 0, graph_size), meta,
-                          put("logits_indices", req_index if all_sample and decode
-                              else cu[sampling] - 1),
-                          sampling, rows if all_sample else rows[sampling], graph_size,
+                          put("logits_indices", logits_indices), sampling, sampling_rows,
+                          num_drafts, sample_req, sample_offsets, graph_size,
                           attention_plan_s)
 
     def _stage_lora_runs(self) -> None:

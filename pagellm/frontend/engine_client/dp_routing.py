@@ -106,7 +106,12 @@ def merge_stats(stats: Sequence[EngineStats]) -> EngineStats:
         num_steps=sum(s.num_steps for s in stats),
         step_timings=StepTimings(**{k: sum(t[k] for t in timings) / n
                                     for k in timings[0]}),
-        per_engine=list(stats))
+        per_engine=list(stats),
+        spec_num_drafts=sum(s.spec_num_drafts for s in stats),
+        spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in stats),
+        spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in stats),
+        spec_accepted_per_pos=[sum(p) for p in zip(*(s.spec_accepted_per_pos
+                                                     for s in stats), strict=True)])
 
 
 def merge_results(method: UtilityMethod, results: list[Any]) -> Any:

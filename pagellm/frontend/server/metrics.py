@@ -84,9 +84,34 @@ class _EngineCollector:
                      "prefix_cache_hits")
         yield family(counter, "vllm:num_preemptions",
                      "Cumulative number of preemption from the engine.", "num_preemptions")
+        if any(core.spec_num_drafts or core.spec_accepted_per_pos for core in cores):
+            yield from self._spec_decode(cores)
         # pagellm's own (no vLLM counterpart): steps run by each engine core.
         yield family(gauge, "pagellm:engine_num_steps", "Engine steps run by this core.",
                      "num_steps")
+
+
+    def _spec_decode(self, cores: list[EngineStats]) -> Iterator[Metric]:
+        """vLLM's speculative decoding counters (an engine serving it: its
+        speculative_config sets accepted_per_pos's length)."""
+        for name, doc, field in (
+                ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                 "spec_num_drafts"),
+                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                 "spec_num_draft_tokens"),
+                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                 "spec_num_accepted_tokens")):
+            metric = CounterMetricFamily(name, doc, labels=LABELS)
+            for rank, core in enumerate(cores):
+                metric.add_metric([self.model_name, str(rank)], getattr(core, field))
+            yield metric
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.",
+                                      labels=[*LABELS, "position"])
+        for rank, core in enumerate(cores):
+            for position, count in enumerate(core.spec_accepted_per_pos):
+                per_pos.add_metric([self.model_name, str(rank), str(position)], count)
+        yield per_pos
 
 
 class ServerMetrics:

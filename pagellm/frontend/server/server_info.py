@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.messages import EngineInfo
 
@@ -95,7 +97,8 @@ def vllm_config(args: EngineArgs, info: EngineInfo, served_model_name: str
         "lora_config": None if not args.enable_lora else {
             "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
             "max_cpu_loras": args.max_cpu_loras or args.max_loras},
-        "speculative_config": None,
+        "speculative_config": (None if args.speculative is None
+                               else msgspec.structs.asdict(args.speculative)),
         "kv_transfer_config": None,
         "weight_transfer_config": (None if args.weight_transfer_config is None
                                    else dict(args.weight_transfer_config)),

@@ -1,0 +1,343 @@
+"""Speculative decoding with n-gram proposals (enginecore/spec_decode.py proposes,
+executor/worker/model_runner.py verifies): it changes how many tokens a step emits,
+never which. Greedy and seeded requests give the tokens they give without it (and
+greedy ones transformers' tokens), whatever else the step holds; unseeded requests are
+distributed as without it.
+
+The model is the llama test shape with a small init (std 0.04): its greedy text falls
+into short loops and out of them, so proposals are accepted in runs and rejected too,
+which the tests check they were."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import PROMPTS
+
+from pagellm import SamplingParams
+from pagellm.demo.model import ModelSpec, make_model
+
+pytestmark = pytest.mark.own_code
+
+LOOPY = ModelSpec(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  intermediate_size=128, vocab_size=1024, init_std=0.04, seed=1)
+# Proposals at every batch size (the CPU's default stops them above 8 running requests;
+# these tests run more at once to mix features in).
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1, "disable_by_batch_size": 1024}
+KV = 8 * 2**20
+
+
+@pytest.fixture(scope="module")
+def loopy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("spec") / "loopy", LOOPY)
+
+
+def outputs(llm: Any, prompts: list[Any], params: Any) -> list[list[tuple[Any, ...]]]:
+    """Per prompt, per completion: (token ids, finish reason, stop reason, logprobs)."""
+    result = []
+    for request in llm.generate(prompts, params, use_tqdm=False):
+        result.append([(c.token_ids, c.finish_reason, c.stop_reason,
+                        None if c.logprobs is None else
+                        [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
+                       for c in request.outputs])
+    return result
+
+
+def assert_same(got: list[list[tuple[Any, ...]]], expected: list[list[tuple[Any, ...]]]
+                ) -> None:
+    """Equal tokens, finish and stop reasons; logprobs of the same tokens within 1e-4
+    (a position's logits computed in a step of another shape round differently)."""
+    assert len(got) == len(expected)
+    for i, (completions, wanted) in enumerate(zip(got, expected, strict=True)):
+        assert [c[:3] for c in completions] == [w[:3] for w in wanted], i
+        for c, w in zip(completions, wanted, strict=True):
+            assert (c[3] is None) == (w[3] is None), i
+            for position, (a, b) in enumerate(zip(c[3] or [], w[3] or [], strict=True)):
+                assert a.keys() == b.keys() and all(
+                    abs(a[t] - b[t]) < 1e-4 for t in a), (i, position, a, b)
+
+
+def stats(llm: Any) -> Any:
+    return llm.engine_core.core.scheduler.spec_stats
+
+
+def test_greedy_tokens_are_transformers_and_proposals_run_both_ways(loopy, make_llm):
+    from transformers import AutoModelForCausalLM
+
+    llm = make_llm(loopy, speculative_config=SPEC)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    got = outputs(llm, PROMPTS, params)
+    model = AutoModelForCausalLM.from_pretrained(loopy, dtype=torch.float32).eval()
+    for prompt, completions in zip(PROMPTS, got, strict=True):
+        ids = llm.tokenizer.encode(prompt)
+        with torch.no_grad():
+            reference = model.generate(torch.tensor([ids]), do_sample=False,
+                                        max_new_tokens=40,
+                                        attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        assert completions[0][0] == reference[0, len(ids):].tolist(), prompt
+    s = stats(llm)
+    # Both paths ran: runs of accepted proposals, and rejections.
+    assert s.num_accepted_tokens > 40 and s.accepted_per_pos[1] > 0
+    assert s.num_draft_tokens - s.num_accepted_tokens > 10
+    # The counts as get_stats() and the server's metrics give them, under vLLM's names.
+    from pagellm.frontend.server.metrics import ServerMetrics
+
+    engine = llm.get_stats()
+    assert (engine.spec_num_drafts, engine.spec_num_draft_tokens,
+            engine.spec_num_accepted_tokens, engine.spec_accepted_per_pos) == (
+        s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.accepted_per_pos)
+    text = ServerMetrics("m", 512).render(engine).decode()
+    labels = 'engine="0",model_name="m"'
+    assert f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} " \
+        f"{float(s.num_accepted_tokens)}" in text
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="1"}} ' \
+        f"{float(s.accepted_per_pos[1])}" in text
+
+
+def test_two_ranks_verify_as_one(loopy):
+    """Tensor parallelism: the scheduler's proposals go to both workers' processes,
+    each verifies alike, and rank 0's tokens are those of one rank without proposals."""
+    from pagellm import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    with LLM(str(loopy), kv_cache_memory_bytes=KV, tensor_parallel_size=2,
+             speculative_config=SPEC) as llm:
+        got = outputs(llm, PROMPTS[:4], params)
+        assert llm.get_stats().spec_num_accepted_tokens > 10
+    with LLM(str(loopy), kv_cache_memory_bytes=KV, multiprocess=False) as llm:
+        assert_same(got, outputs(llm, PROMPTS[:4], params))
+
+
+def _mixed_params() -> list[SamplingParams]:
+    """One of each feature whose sampling depends on the position (seeds, penalties over
+    the output so far, min_tokens' bans, bad words after their prefix) or not
+    (top-k/top-p/min-p, logit bias, allowed ids, logprobs), seeded so that tokens, not
+    only distributions, must agree. Temperatures are low (the test model's logits are
+    small: at 0.3 it samples nearly uniformly and no proposal is ever accepted), so that
+    positions after accepted proposals, where the offsets count, are sampled often."""
+    base = {"max_tokens": 32, "ignore_eos": True}
+    return [
+        SamplingParams(temperature=0.0, logprobs=3, **base),
+        SamplingParams(temperature=0.02, top_k=20, top_p=0.9, seed=11, logprobs=2, **base),
+        SamplingParams(temperature=0.03, min_p=0.05, seed=12, **base),
+        SamplingParams(temperature=0.02, seed=13, repetition_penalty=1.02,
+                       frequency_penalty=0.002, presence_penalty=0.001, **base),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2, **base),
+        SamplingParams(temperature=0.02, seed=17, min_tokens=12,
+                       stop_token_ids=[955, 875, 299, 631, 532], max_tokens=32),
+        SamplingParams(temperature=0.02, seed=14, logit_bias={875: 0.01, 364: 0.005},
+                       **base),
+        SamplingParams(temperature=0.02, seed=15, allowed_token_ids=list(range(200, 700)),
+                       **base),
+        SamplingParams(temperature=0.0, bad_words=["hello world"], **base),
+        SamplingParams(temperature=0.02, seed=16, n=2, **base),
+        SamplingParams(temperature=0.8, seed=18, top_k=50, **base),
+    ]
+
+
+def looping_prompts(llm: Any, count: int) -> list[dict[str, list[int]]]:
+    """Prompts that end in the model's own greedy text: it goes on looping, so
+    proposals are accepted often, also for random requests at a low temperature (the
+    positions after an accepted proposal are where the features' offsets count)."""
+    greedy = llm.generate(PROMPTS[:count], SamplingParams(temperature=0.0, max_tokens=16,
+                                                          ignore_eos=True), use_tqdm=False)
+    return [{"prompt_token_ids": g.prompt_token_ids + g.outputs[0].token_ids} for g in greedy]
+
+
+def test_every_sampling_feature_gives_the_tokens_it_gives_without(loopy, make_llm):
+    params = _mixed_params()
+    plain_llm = make_llm(loopy)
+    prompts = looping_prompts(plain_llm, len(params) - 1)
+    prompts.append(prompts[0])
+    plain = outputs(plain_llm, prompts, params)
+    llm = make_llm(loopy, speculative_config=SPEC)
+    assert_same(outputs(llm, prompts, params), plain)
+    assert stats(llm).num_accepted_tokens > 80
+
+
+def test_a_stop_or_max_tokens_inside_an_accepted_run_cuts_the_output_there(loopy,
+                                                                           make_llm):
+    """Stop tokens taken from the plain run's own output (so they hit mid-text, where
+    runs of proposals are accepted), and every max_tokens from 1 to 24."""
+    plain_llm = make_llm(loopy)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    texts = outputs(plain_llm, PROMPTS[:4], greedy)
+    params = []
+    for completions in texts:
+        tokens = completions[0][0]
+        params += [SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[t])
+                   for t in tokens[5:24:6]]
+    params += [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+               for m in range(1, 25)]
+    prompts = [PROMPTS[i % 4] for i in range(len(params))]
+    plain = outputs(plain_llm, prompts, params)
+    llm = make_llm(loopy, speculative_config=SPEC)
+    assert_same(outputs(llm, prompts, params), plain)
+    assert any(c[0][1] == "stop" for c in plain)
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_tokens_there(loopy, make_llm):
+    """The frontend takes a run of tokens one at a time: a stop string completed by a
+    token in the middle of a run ends the text and the token ids there, as without
+    proposals (and with the stop string kept, too)."""
+    plain_llm = make_llm(loopy)
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    cases = []
+    for prompt, out in zip(PROMPTS[:4], plain_llm.generate(PROMPTS[:4], greedy,
+                                                           use_tqdm=False), strict=True):
+        text = out.outputs[0].text
+        cases += [(prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                          stop=[text[i:i + 3]], logprobs=1,
+                                          include_stop_str_in_output=keep))
+                  for i in range(5, len(text) - 3, 7) for keep in (False, True)]
+    llm = make_llm(loopy, speculative_config=SPEC)
+
+    def run(engine: Any) -> list[Any]:
+        outs = engine.generate([p for p, _ in cases], [sp for _, sp in cases],
+                               use_tqdm=False)
+        return [(c.text, c.token_ids, c.finish_reason, c.stop_reason, len(c.logprobs))
+                for c in (o.outputs[0] for o in outs)]
+
+    plain = run(plain_llm)
+    assert run(llm) == plain
+    assert sum(1 for c in plain if c[2] == "stop") > len(cases) // 2
+    assert stats(llm).num_accepted_tokens > 20
+
+
+def test_preemption_chunking_priorities_and_aborts_with_proposals(loopy, make_llm):
+    """A KV cache a few requests fill (preemptions mid-run), a token budget that cuts
+    proposals short and splits prompts, priority scheduling, and requests aborted while
+    others speculate: the same tokens as without proposals, and every block comes back
+    (make_llm checks)."""
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompts = [p * 2 for p in PROMPTS]
+    probe = make_llm(loopy, block_size=8).engine_core.core.executor.runner
+    options = {"kv_cache_memory_bytes": 64 * probe.kv_cache_bytes_per_block(),
+               "max_num_batched_tokens": 24, "max_model_len": 400, "block_size": 8}
+    plain = outputs(make_llm(loopy, **options), prompts, params)
+    llm = make_llm(loopy, speculative_config=SPEC, scheduling_policy="priority",
+                   **options)
+    assert_same(outputs(llm, prompts, params), plain)
+    assert llm.engine_core.core.scheduler.num_preemptions > 0
+    assert stats(llm).num_accepted_tokens > 0
+    core = llm.engine_core.core
+    for i, prompt in enumerate(prompts[:4]):
+        core.add_request(llm.input_processor.process_inputs(
+            f"abort-{i}", prompt, params).engine_requests[0])
+    for _ in range(8):
+        core.step()
+    assert stats(llm).num_drafts > 0
+    core.abort_requests(["abort-0", "abort-1"])
+    while core.has_work():
+        core.step()
+
+
+def test_speculation_stops_above_its_batch_size_and_beyond_free_seats(loopy, make_llm):
+    """disable_by_batch_size: no proposals in a step with more running requests (unset on
+    the CPU: 8); and a step never samples more positions than max_num_seqs (proposals
+    take the seats no request waits for)."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = make_llm(loopy, speculative_config={**SPEC, "disable_by_batch_size": 2})
+    outputs(llm, PROMPTS[:3], params)  # three at once: never speculates
+    assert stats(llm).num_drafts == 0
+    outputs(llm, PROMPTS[:1], params)
+    assert stats(llm).num_drafts > 0
+    # Unset, on the CPU: 8 (enginecore/spec_decode.py's measured default).
+    default = {k: v for k, v in SPEC.items() if k != "disable_by_batch_size"}
+    llm = make_llm(loopy, speculative_config=default)
+    outputs(llm, PROMPTS[:9], params)
+    assert stats(llm).num_drafts == 0  # all 9 finish together: never 8 or fewer
+    outputs(llm, PROMPTS[:8], params)
+    assert stats(llm).num_drafts > 0
+    seats = make_llm(loopy, speculative_config=SPEC, max_num_seqs=4)
+    scheduler = seats.engine_core.core.scheduler
+    schedule = scheduler.schedule
+    most = []
+
+    def counting() -> Any:
+        out = schedule()
+        spec = sum(len(d) for d in out.scheduled_spec_decode_tokens.values())
+        most.append(len(out.num_scheduled_tokens) + spec)
+        return out
+
+    scheduler.schedule = counting
+    assert_same(outputs(seats, PROMPTS[:6], params), outputs(make_llm(loopy), PROMPTS[:6],
+                                                             params))
+    assert max(most) <= 4 and stats(seats).num_drafts > 0
+
+
+def chi2_critical_p001(df: int) -> float:
+    """The chi-square distribution's 0.999 quantile (Wilson-Hilferty: within 1% from 3
+    degrees of freedom; 24.5 for 7, where the tables say 24.32)."""
+    z = 3.0902  # the standard normal's 0.999 quantile
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def _chi2_homogeneity(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
+    """Two histograms over the same bins -> (chi-square, degrees of freedom), bins
+    pooled until each expects at least 5."""
+    order = np.argsort(-(a + b))
+    a, b = a[order], b[order]
+    pooled_a, pooled_b = [], []
+    acc_a = acc_b = 0
+    for x, y in zip(a.tolist(), b.tolist(), strict=True):
+        acc_a += x
+        acc_b += y
+        if acc_a + acc_b >= 20:
+            pooled_a.append(acc_a)
+            pooled_b.append(acc_b)
+            acc_a = acc_b = 0
+    if acc_a + acc_b and pooled_a:
+        pooled_a[-1] += acc_a
+        pooled_b[-1] += acc_b
+    table = np.array([pooled_a, pooled_b], dtype=float)
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    return float(((table - expected) ** 2 / expected).sum()), table.shape[1] - 1
+
+
+def _histogram(llm: Any, prompt_ids: list[int], runs: int) -> np.ndarray:
+    """Counts of the third token of `runs` unseeded samples (top-k 8) after the prompt."""
+    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": prompt_ids}] * runs, params, use_tqdm=False)
+    counts = np.zeros(LOOPY.vocab_size, dtype=np.int64)
+    for out in outs:
+        counts[out.outputs[0].token_ids[2]] += 1
+    return counts
+
+
+def test_unseeded_samples_are_distributed_as_without_proposals(loopy, make_llm,
+                                                                monkeypatch):
+    """Chi-square homogeneity (p = 0.001) of the third token's distribution, with and
+    without proposals, over 600 samples each; then the same check catches a verifier
+    whose residual is wrong (one that keeps a rejected proposal instead of the sample
+    that rejected it)."""
+    from pagellm.executor.worker import model_runner
+
+    seats = {"max_num_seqs": 1024}  # all 600 at once, with seats to spare for proposals
+    plain_llm = make_llm(loopy, **seats)
+    # A prompt that ends in the model's own greedy loop: proposals come often.
+    greedy = plain_llm.generate(["hello world"], SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    prompt_ids = greedy.prompt_token_ids + greedy.outputs[0].token_ids
+    plain = _histogram(plain_llm, prompt_ids, 600)
+    llm = make_llm(loopy, speculative_config=SPEC, **seats)
+    chi2, df = _chi2_homogeneity(plain, _histogram(llm, prompt_ids, 600))
+    assert stats(llm).num_accepted_tokens > 20 and stats(llm).num_draft_tokens > \
+        stats(llm).num_accepted_tokens
+    assert df >= 3 and chi2 < chi2_critical_p001(df), (chi2, df)
+
+    def keeps_the_proposal(samples: np.ndarray, proposals: np.ndarray) -> np.ndarray:
+        k = len(proposals)
+        accepted = int((samples[:k] == proposals).cumprod().sum()) if k else 0
+        if accepted < k:  # wrong: the residual becomes the proposal itself
+            return np.concatenate([samples[:accepted], proposals[accepted:accepted + 1]])
+        return samples[:accepted + 1]
+
+    monkeypatch.setattr(model_runner, "verify_proposals", keeps_the_proposal)
+    chi2, df = _chi2_homogeneity(plain, _histogram(llm, prompt_ids, 600))
+    assert chi2 > chi2_critical_p001(df), (chi2, df)
