@@ -309,18 +309,15 @@ class ModelRunner:
         t2 = time.perf_counter()
         sampled_token_ids: list[int]  # per request; -1: samples nothing this step
         logprobs: dict[str, TokenLogprobs] = {}
-        if inputs.num_drafts is not None:  # speculative decoding: verify the proposals
+        if len(inputs.sampling):
             meta = sampling_metadata(self.batch, inputs.sampling_rows, self.buffers,
                                      self.processed_logprobs, inputs.sample_offsets)
             out = self.sampler(logits, meta)
-            verified = self._verify(inputs, out.sampled.cpu().numpy(), meta, out.logprobs)
-            return self._output(inputs, *verified, t0, t1, t2, hidden)
-        if len(inputs.sampling):
-            meta = sampling_metadata(self.batch, inputs.sampling_rows, self.buffers,
-                                     self.processed_logprobs)
-            out = self.sampler(logits, meta)
             # The step's one host sync; it also means every input copy is done.
             sampled_np = out.sampled.cpu().numpy()
+            if inputs.num_drafts is not None:  # speculative decoding: verify proposals
+                return self._output(inputs, *self._verify(inputs, sampled_np, meta,
+                                                          out.logprobs), t0, t1, t2, hidden)
             self.batch.append_tokens(inputs.sampling_rows, sampled_np)
             if len(inputs.sampling) == len(inputs.req_ids):  # every request samples
                 sampled_token_ids = sampled_np.tolist()
@@ -372,7 +369,8 @@ class ModelRunner:
         batch = self.batch
         assert inputs.num_drafts is not None
         req_ids, counts = inputs.req_ids, inputs.num_drafts.tolist()
-        by_row = self._logprobs_by_row(inputs, meta, tensors)
+        by_row = {} if tensors is None or meta.logprob_rows is None else \
+            self._logprobs_rows(inputs, meta.logprob_rows, tensors)
         first: list[int] = [-1] * len(req_ids)
         logprobs: dict[str, TokenLogprobs] = {}
         more: dict[str, list[int]] = {}
@@ -419,12 +417,6 @@ class ModelRunner:
         return {inputs.req_ids[int(inputs.sample_req[i])]: logprobs
                 for i, logprobs in self._logprobs_rows(inputs, logprob_rows,
                                                        tensors).items()}
-
-    def _logprobs_by_row(self, inputs: StepInputs, meta: SamplingMetadata,
-                         tensors: LogprobsTensors | None) -> dict[int, TokenLogprobs]:
-        if tensors is None or meta.logprob_rows is None:
-            return {}
-        return self._logprobs_rows(inputs, meta.logprob_rows, tensors)
 
     def _logprobs_rows(self, inputs: StepInputs, logprob_rows: torch.Tensor,
                        tensors: LogprobsTensors) -> dict[int, TokenLogprobs]:

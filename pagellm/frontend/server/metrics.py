@@ -34,6 +34,12 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _N_BUCKETS = (1, 2, 5, 10, 20)
 LABELS = ["model_name", "engine"]
+# vLLM's speculative decoding counters: (name, help, EngineStats field).
+_SPEC_DECODE = (
+    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+     "spec_num_accepted_tokens"))
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -84,34 +90,24 @@ class _EngineCollector:
                      "prefix_cache_hits")
         yield family(counter, "vllm:num_preemptions",
                      "Cumulative number of preemption from the engine.", "num_preemptions")
-        if any(core.spec_num_drafts or core.spec_accepted_per_pos for core in cores):
-            yield from self._spec_decode(cores)
+        if any(core.spec_accepted_per_pos for core in cores):  # speculative decoding on
+            for name, doc, field in _SPEC_DECODE:
+                yield family(counter, name, doc, field)
+            yield self._accepted_per_position(cores)
         # pagellm's own (no vLLM counterpart): steps run by each engine core.
         yield family(gauge, "pagellm:engine_num_steps", "Engine steps run by this core.",
                      "num_steps")
 
-
-    def _spec_decode(self, cores: list[EngineStats]) -> Iterator[Metric]:
-        """vLLM's speculative decoding counters (an engine serving it: its
-        speculative_config sets accepted_per_pos's length)."""
-        for name, doc, field in (
-                ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
-                 "spec_num_drafts"),
-                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
-                 "spec_num_draft_tokens"),
-                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-                 "spec_num_accepted_tokens")):
-            metric = CounterMetricFamily(name, doc, labels=LABELS)
-            for rank, core in enumerate(cores):
-                metric.add_metric([self.model_name, str(rank)], getattr(core, field))
-            yield metric
+    def _accepted_per_position(self, cores: list[EngineStats]) -> Metric:
+        """vLLM's per-position acceptance counter (its length is the engine's
+        num_speculative_tokens)."""
         per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted tokens per draft position.",
                                       labels=[*LABELS, "position"])
         for rank, core in enumerate(cores):
             for position, count in enumerate(core.spec_accepted_per_pos):
                 per_pos.add_metric([self.model_name, str(rank), str(position)], count)
-        yield per_pos
+        return per_pos
 
 
 class ServerMetrics:
