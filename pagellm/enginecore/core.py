@@ -16,7 +16,7 @@ from pagellm.enginecore.lora_registry import LoRARegistry
 from pagellm.enginecore.request import Request, RequestStatus
 from pagellm.enginecore.scheduler import Scheduler, SchedulerConfig
 from pagellm.enginecore.serving_state import ServingState
-from pagellm.enginecore.spec_decode import NgramProposer
+from pagellm.enginecore.spec_decode import make_proposer
 from pagellm.enginecore.structured_output.manager import StructuredOutputManager
 from pagellm.executor.executor import StepFailed
 from pagellm.executor.factory import create_executor
@@ -63,7 +63,7 @@ class EngineCore:
             KVCacheManager(self.executor.num_kv_blocks, args.block_size,
                            args.enable_prefix_caching,
                            sliding_window=getattr(model_config.spec, "kv_window", None)),
-            None if args.speculative is None else NgramProposer(
+            None if args.speculative is None else make_proposer(
                 args.speculative, self.executor.device.type))
         # Requests hash their blocks only when the prefix cache can use the hashes.
         self._hash_block_size = args.block_size if args.enable_prefix_caching else None

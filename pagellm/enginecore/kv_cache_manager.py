@@ -95,11 +95,13 @@ class KVCacheManager:
         return max(0, total - held)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None
-                       ) -> list[int] | None:
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
         """Grow the request's block table to fit `num_new_tokens` more tokens, after
         taking `new_computed_blocks` (prefix-cache hits, at admission) as its first
-        blocks. Full blocks this step computes become findable by their hashes.
+        blocks, and `num_lookahead_tokens` slots past them (a draft model's proposals,
+        written after the step: never hashed, as nothing computed them yet). Full blocks
+        this step computes become findable by their hashes.
 
         With a window, blocks that no query from this step's first position on can see
         go back to the pool first, and are counted as free for this step's blocks:
@@ -118,7 +120,8 @@ class KVCacheManager:
         held = self.req_to_blocks.get(request_id, [])
         start = request.num_computed_tokens + len(hits) * self.block_size
         end = start + num_new_tokens
-        needed = self.num_blocks_needed(request, num_new_tokens, len(hits))
+        needed = self.num_blocks_needed(request, num_new_tokens + num_lookahead_tokens,
+                                        len(hits))
         done = self.num_skipped_blocks.get(request_id, 0)
         skip = max(done, self._num_skippable(start))
         # A running request's blocks that just fell out of the window, or at admission

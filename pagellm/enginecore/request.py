@@ -48,8 +48,8 @@ class Request:
                  "num_cached_tokens",
                  "num_computed_tokens", "num_prompt_logprobs_sent", "num_tokens",
                  "output_token_ids", "priority", "prompt_token_ids", "request_id",
-                 "sampling_params", "status", "stop_reason", "stop_token_ids",
-                 "stopping_ids")
+                 "sampling_params", "spec_token_ids", "status", "stop_reason",
+                 "stop_token_ids", "stopping_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None,
@@ -88,6 +88,8 @@ class Request:
         # calls `allocate_slots` only past it (a compare instead of a call, for every
         # running request every step).
         self.kv_fits = -1
+        # A draft model's proposals for the next decode step (speculative decoding).
+        self.spec_token_ids: list[int] = []
         # Tokens the prefix cache held when first scheduled (None: not yet scheduled).
         self.num_cached_tokens: int | None = None
         self.status = RequestStatus.WAITING

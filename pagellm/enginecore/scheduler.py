@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pagellm.enginecore.kv_cache_manager import KVCacheManager
 from pagellm.enginecore.request import Request, RequestStatus
 from pagellm.enginecore.request_queue import create_request_queue, sort_key
-from pagellm.enginecore.spec_decode import NgramProposer, SpecDecodingStats
+from pagellm.enginecore.spec_decode import Proposer, SpecDecodingStats
 from pagellm.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -64,7 +64,7 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 proposer: NgramProposer | None = None) -> None:
+                 proposer: Proposer | None = None) -> None:
         """`proposer`: speculative decoding's, which proposes tokens for each running
         request's decode step (enginecore/spec_decode.py); None: none."""
         self.config = config
@@ -133,8 +133,9 @@ class Scheduler:
         cached = CachedRequestData.empty()
         new: list[NewRequestData] = []
         spec: dict[str, list[int]] = {}
+        proposing = self._proposing()
         budget, preempted_now = self._schedule_running(
-            self.config.max_num_batched_tokens, cached, num_scheduled, spec)
+            self.config.max_num_batched_tokens, cached, num_scheduled, spec, proposing)
         if not preempted_now:  # admitting now would only preempt again
             budget = self._schedule_waiting(budget, new, num_scheduled)
         output = SchedulerOutput(
@@ -145,14 +146,25 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=self._preempted_req_ids,
             scheduled_spec_decode_tokens=spec,
+            propose_drafts=proposing and self.proposer is not None
+            and self.proposer.drafts_in_runner,
         )
         self._finished_req_ids = []
         self._preempted_req_ids = []
         return output
 
+    def _proposing(self) -> bool:
+        """Whether this step's decodes take proposals: speculation is on, the running
+        batch is no larger than disable_by_batch_size, and there are seats to spare."""
+        proposer = self.proposer
+        return proposer is not None and (
+            proposer.disable_by_batch_size is None
+            or len(self.running) <= proposer.disable_by_batch_size) and (
+            self.config.max_num_seqs > len(self.running) + len(self.waiting))
+
     def _schedule_running(self, budget: int, cached: CachedRequestData,
-                          num_scheduled: dict[str, int], spec: dict[str, list[int]]
-                          ) -> tuple[int, bool]:
+                          num_scheduled: dict[str, int], spec: dict[str, list[int]],
+                          proposing: bool) -> tuple[int, bool]:
         """Schedule running requests, in order, into `cached` and `num_scheduled`,
         preempting from the tail when the KV cache is full; returns (the budget left,
         whether any request was preempted). With speculative decoding, a decode step
@@ -160,7 +172,8 @@ class Scheduler:
         blocks and free seats allow: each proposal is one more position the runner
         samples, and a step samples at most max_num_seqs positions (what the runner's
         buffers and the sampler's memory are sized for), less one per waiting request;
-        proposals never preempt anyone.
+        proposals never preempt anyone. A draft model also needs `lookahead` slots past
+        the step (as far as free blocks allow).
 
         This loop runs for every running request every step, so it is kept lean:
         `_num_new_tokens` inlined, and a request's num_computed_tokens advanced as soon as
@@ -173,29 +186,28 @@ class Scheduler:
         running = self.running
         allocate_slots = self.kv_cache_manager.allocate_slots
         proposer = self.proposer
-        propose = proposer.propose if proposer is not None and (
-            proposer.disable_by_batch_size is None
-            or len(running) <= proposer.disable_by_batch_size) else None
+        propose = proposer.propose if proposer is not None and proposing else None
+        lookahead = proposer.lookahead if proposer is not None else 0
         seats = self.config.max_num_seqs - len(running) - len(self.waiting)
-        if seats <= 0:
-            propose = None
         for request in running:
             if budget <= 0:
                 break
             num_new = request.num_tokens - request.num_computed_tokens
             drafts = None
+            ahead = 0
             if propose is not None and num_new == 1 and request.grammar is None:
                 drafts = propose(request)[:seats]
                 num_new += len(drafts)
+                ahead = lookahead
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
             # Most steps a request's next tokens fit where it is (`kv_fits`, which the KV
             # cache manager keeps): no call at all, for every running request every step.
-            block_ids = () if request.num_computed_tokens + num_new <= request.kv_fits \
-                else allocate_slots(request, num_new)
-            if block_ids is None and drafts:  # no room for the proposals: the token alone
+            block_ids = () if request.num_computed_tokens + num_new + ahead <= request.kv_fits \
+                else allocate_slots(request, num_new, None, ahead)
+            if block_ids is None and (drafts or ahead):  # no room for proposals: the token alone
                 num_new, drafts = 1, None
                 block_ids = () if request.num_computed_tokens + 1 <= request.kv_fits \
                     else allocate_slots(request, 1)
@@ -287,6 +299,8 @@ class Scheduler:
         more = runner_output.more_token_ids
         if scheduler_output.scheduled_spec_decode_tokens:
             self._take_back_rejected(scheduler_output.scheduled_spec_decode_tokens, more)
+        if self.proposer is not None and self.proposer.drafts_in_runner:
+            self._keep_drafts(runner_output)
         client = -1  # the last request's client, and its message's lists:
         full: list[EngineCoreOutput] = []
         plain_ids: list[str] = []
@@ -361,6 +375,17 @@ class Scheduler:
             accepted = len(more.get(request_id, ()))
             request.num_computed_tokens -= len(drafts) - accepted
             self.spec_stats.observe(len(drafts), accepted)
+
+    def _keep_drafts(self, runner_output: ModelRunnerOutput) -> None:
+        """A draft model's proposals for each request that sampled, for its next decode
+        step; a request the runner drafted nothing for keeps none (older ones were made
+        for an earlier position)."""
+        requests, drafts = self.requests, runner_output.draft_token_ids
+        for request_id, token_id in zip(runner_output.req_ids,
+                                        runner_output.sampled_token_ids, strict=True):
+            request = requests.get(request_id)
+            if token_id >= 0 and request is not None:
+                request.spec_token_ids = drafts.get(request_id, [])
 
     def _append_run(self, request: Request, token_ids: list[int],
                     runner_output: ModelRunnerOutput,

@@ -1,4 +1,7 @@
-"""Speculative decoding's proposals: n-gram prompt lookup (pure Python, no torch).
+"""Speculative decoding's proposals in the scheduler (pure Python, no torch).
+
+Two proposers with one interface (`Proposer`): `NgramProposer` finds proposals itself,
+`DraftModelProposer` hands out those the draft model made in the last step.
 
 Before a running request's decode step, `NgramProposer` looks its last n tokens up
 earlier in its own tokens (prompt and output), for n from prompt_lookup_max down to
@@ -35,14 +38,20 @@ from pagellm.protocol.speculative import SpeculativeConfig
 CPU_DISABLE_BY_BATCH_SIZE = 8
 
 
-class NgramProposer:
+class Proposer:
+    """What the scheduler asks of a proposer: `propose(request)` before a decode step;
+    `lookahead`, the KV slots past its step a request needs (the draft model writes
+    its proposals' keys there after the step); `drafts_in_runner`, whether the runner
+    makes the proposals (then the scheduler says which steps: `propose_drafts`)."""
+
+    lookahead = 0
+    drafts_in_runner = False
+
     def __init__(self, config: SpeculativeConfig, device_type: str = "cuda") -> None:
         """`device_type`: the engine's; on the CPU a config without
         disable_by_batch_size takes CPU_DISABLE_BY_BATCH_SIZE (on CUDA, as in vLLM,
         proposals go on at every batch size)."""
         self.k = config.num_speculative_tokens
-        self.min_n = config.prompt_lookup_min
-        self.max_n = config.prompt_lookup_max
         self.disable_by_batch_size = config.disable_by_batch_size
         if self.disable_by_batch_size is None and device_type == "cpu":
             self.disable_by_batch_size = CPU_DISABLE_BY_BATCH_SIZE
@@ -55,8 +64,43 @@ class NgramProposer:
         k = min(self.k, room)
         if k <= 0:
             return []
+        return self._propose(request, k)
+
+    def _propose(self, request: Request, k: int) -> list[int]:
+        raise NotImplementedError
+
+
+class NgramProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig, device_type: str = "cuda") -> None:
+        super().__init__(config, device_type)
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def _propose(self, request: Request, k: int) -> list[int]:
         return propose_ngram(request.prompt_token_ids, request.output_token_ids,
                              self.min_n, self.max_n, k)
+
+
+class DraftModelProposer(Proposer):
+    """The draft model runs in the workers (executor/worker/draft_model.py): after a step
+    that asked (`SchedulerOutput.propose_drafts`), the runner returns each sampling
+    request's next k tokens as the draft model predicts them (`draft_token_ids`), which
+    the scheduler keeps on the request (`spec_token_ids`) for its next decode step. The
+    draft writes their keys and values past the step's tokens: `lookahead` slots."""
+
+    drafts_in_runner = True
+
+    def __init__(self, config: SpeculativeConfig, device_type: str = "cuda") -> None:
+        super().__init__(config, device_type)
+        self.lookahead = self.k
+
+    def _propose(self, request: Request, k: int) -> list[int]:
+        return request.spec_token_ids[:k]
+
+
+def make_proposer(config: SpeculativeConfig, device_type: str) -> Proposer:
+    proposer = DraftModelProposer if config.method == "draft_model" else NgramProposer
+    return proposer(config, device_type)
 
 
 def propose_ngram(prompt: list[int], output: list[int], min_n: int, max_n: int, k: int

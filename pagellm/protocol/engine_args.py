@@ -176,7 +176,8 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = field(default=None, metadata={
         "help": 'Speculative decoding: JSON such as {"method": "ngram", '
                 '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
-                ' (optional "disable_by_batch_size": no proposals above that many running '
+                ' or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4} '
+                '(optional "disable_by_batch_size": no proposals above that many running '
                 'requests).'})
     reasoning_parser: str | None = _opt(
         None, "Split <think> reasoning into reasoning_content (server), and apply "

@@ -67,6 +67,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     # Speculative decoding: req_id -> the proposed tokens scheduled after its last token
     # (counted in num_scheduled_tokens), which the runner verifies.
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Speculative decoding with a draft model: the runner drafts the next step's proposals
+    # for the requests that sample in this one (the scheduler's batch-size rule says when).
+    propose_drafts: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -101,3 +104,6 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     # proposals after the first, then the sample that ended the run), and their logprobs.
     more_token_ids: dict[str, list[int]] = {}
     more_logprobs: dict[str, list[TokenLogprobs]] = {}
+    # Speculative decoding with a draft model: each sampling request's proposals for its
+    # next step (drafted after this step's tokens), when the step asked for them.
+    draft_token_ids: dict[str, list[int]] = {}

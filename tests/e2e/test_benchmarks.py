@@ -378,14 +378,18 @@ def test_cpu_quantized_smoke_times_every_variant_side_by_side(tmp_path):
                                           "offline_output_tokens_per_s": 1.0}
 
 
-def test_spec_decode_smoke_times_both_arms_on_both_workloads(tmp_path):
-    results = spec_decode.main(["--smoke", "--out", str(tmp_path / "s.json")])
+def test_spec_decode_smoke_times_every_arm_on_both_workloads(tmp_path):
+    results = spec_decode.main(["--smoke", "--draft-layers", "1",
+                                "--out", str(tmp_path / "s.json")])
     assert json.loads((tmp_path / "s.json").read_text()) == results
-    for arm in ("plain", "ngram"):
+    for arm in ("plain", "ngram", "draft_model"):
         assert {k for k in results["best"][arm] if k.endswith("per_s")} == {
             "edit_batch1_tokens_per_s", "chat_batch1_tokens_per_s",
             "offline4_output_tokens_per_s"}
     assert not any("accepted" in k for k in results["best"]["plain"])
+    assert set(results["draft_model_vs_plain"]) == set(results["best"]["plain"])
+    draft = Path(results["speculative_configs"]["draft_model"]["model"])
+    assert json.loads((draft / "config.json").read_text())["num_hidden_layers"] == 1
     # The edit prompts quote real text and code (the licences, textwrap's source).
     edits = spec_decode.edit_prompts(4)
     assert len(edits) == 4 and all(len(m[0]["content"]) > 300 for m in edits)

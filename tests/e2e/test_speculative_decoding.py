@@ -1,8 +1,9 @@
 """Speculative decoding with n-gram proposals (enginecore/spec_decode.py proposes,
-executor/worker/model_runner.py verifies): it changes how many tokens a step emits,
-never which. Greedy and seeded requests give the tokens they give without it (and
-greedy ones transformers' tokens), whatever else the step holds; unseeded requests are
-distributed as without it.
+executor/worker/model_runner.py verifies) and a draft model's (executor/worker/
+draft_model.py proposes): it changes how many tokens a step emits, never which. Greedy
+and seeded requests give the tokens they give without it (and greedy ones transformers'
+tokens), whatever else the step holds; unseeded requests are distributed as without it
+(the verifier is the same for both methods: greedy proposals, q one-hot).
 
 The model is the llama test shape with a small init (std 0.04): its greedy text falls
 into short loops and out of them, so proposals are accepted in runs and rejected too,
@@ -341,3 +342,125 @@ def test_unseeded_samples_are_distributed_as_without_proposals(loopy, make_llm,
     monkeypatch.setattr(model_runner, "verify_proposals", keeps_the_proposal)
     chi2, df = _chi2_homogeneity(plain, _histogram(llm, prompt_ids, 600))
     assert chi2 > chi2_critical_p001(df), (chi2, df)
+
+
+# -- a draft model's proposals -----------------------------------------------------------
+
+
+def perturbed(model: Path, out: Path, scale: float) -> Path:
+    """The model with every weight multiplied by 1 + N(0, scale) noise: a draft that
+    agrees with it often, not always, as a real draft model does."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    [weights] = out.glob("*.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    save_file({name: t * (1 + scale * torch.randn(t.shape, generator=generator))
+               for name, t in load_file(weights).items()}, weights)
+    return out
+
+
+@pytest.fixture(scope="module")
+def drafts(loopy: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """speculative_configs: the model as its own draft (every greedy proposal right), and
+    a perturbed copy of it."""
+    noisy = perturbed(loopy, tmp_path_factory.mktemp("draft") / "noisy", 0.1)
+    return {name: {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3,
+                   "disable_by_batch_size": 1024}
+            for name, path in (("self", loopy), ("noisy", noisy))}
+
+
+def test_a_draft_model_gives_transformers_greedy_tokens(loopy, drafts, make_llm):
+    """Whatever the draft proposes: the target's tokens. The target as its own draft
+    proposes the target's next tokens, so every proposal is accepted: which also says
+    the draft's own KV cache (same block ids, other layers) holds what it should."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(loopy, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for name, config in drafts.items():
+        llm = make_llm(loopy, speculative_config=config)
+        for prompt, completions in zip(PROMPTS, outputs(llm, PROMPTS, params), strict=True):
+            ids = llm.tokenizer.encode(prompt)
+            with torch.no_grad():
+                reference = model.generate(
+                    torch.tensor([ids]), do_sample=False, max_new_tokens=40,
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            assert completions[0][0] == reference[0, len(ids):].tolist(), (name, prompt)
+        s = stats(llm)
+        if name == "self":  # (a near tie could round apart in a step of another shape)
+            assert s.num_accepted_tokens >= 0.97 * s.num_draft_tokens > 200, vars(s)
+        else:  # both ways: runs of accepted proposals, and rejections
+            assert s.accepted_per_pos[1] > 0, vars(s)
+            assert s.num_draft_tokens - s.num_accepted_tokens > 20, vars(s)
+
+
+def test_a_draft_model_with_sampling_features_preemption_and_prefix_hits(
+        loopy, drafts, make_llm):
+    """The sampling features seeded (the tokens they give without proposals), then a
+    KV cache a few requests fill (preemptions), a token budget that splits prompts,
+    prefix-cache hits and aborts: the same tokens, every block back (make_llm checks),
+    and the target as its own draft still has every proposal accepted: the draft's keys
+    in prefix-cached blocks and in recomputed ones are right."""
+    params = _mixed_params()
+    plain_llm = make_llm(loopy)
+    prompts = looping_prompts(plain_llm, len(params) - 1)
+    prompts.append(prompts[0])
+    llm = make_llm(loopy, speculative_config=drafts["noisy"])
+    assert_same(outputs(llm, prompts, params), outputs(plain_llm, prompts, params))
+    assert stats(llm).num_accepted_tokens > 40
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    shared = PROMPTS[2] * 3  # prefix-cache hits: the same long start
+    long_prompts = [p * 2 for p in PROMPTS] + [shared + p for p in PROMPTS[:4]]
+    per_block = make_llm(loopy, block_size=8, speculative_config=drafts["self"]
+                         ).engine_core.core.executor.runner.kv_cache_bytes_per_block()
+    # A block holds both models' keys and values (the draft is the target here).
+    assert per_block == 2 * make_llm(loopy, block_size=8).engine_core.core.executor.runner \
+        .kv_cache_bytes_per_block()
+    options = {"kv_cache_memory_bytes": 52 * per_block,
+               "max_num_batched_tokens": 24, "max_model_len": 400, "block_size": 8,
+               "enable_prefix_caching": True}
+    plain = outputs(make_llm(loopy, **options), long_prompts, greedy)
+    llm = make_llm(loopy, speculative_config=drafts["self"], **options)
+    assert_same(outputs(llm, long_prompts, greedy), plain)
+    core = llm.engine_core.core
+    assert core.scheduler.num_preemptions > 0
+    assert core.scheduler.kv_cache_manager.prefix_cache_hits > 0
+    s = stats(llm)
+    assert s.num_accepted_tokens >= 0.97 * s.num_draft_tokens > 100, vars(s)
+    for i, prompt in enumerate(long_prompts[:4]):
+        core.add_request(llm.input_processor.process_inputs(
+            f"abort-{i}", prompt, greedy).engine_requests[0])
+    for _ in range(8):
+        core.step()
+    core.abort_requests(["abort-0", "abort-1"])
+    while core.has_work():
+        core.step()
+
+
+def test_a_draft_model_splits_over_two_ranks(loopy, drafts):
+    from pagellm import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    with LLM(str(loopy), kv_cache_memory_bytes=KV, tensor_parallel_size=2,
+             speculative_config=drafts["noisy"]) as llm:
+        got = outputs(llm, PROMPTS[:4], params)
+        assert llm.get_stats().spec_num_accepted_tokens > 10
+    with LLM(str(loopy), kv_cache_memory_bytes=KV, multiprocess=False) as llm:
+        assert_same(got, outputs(llm, PROMPTS[:4], params))
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_by_name(loopy, tmp_path):
+    from pagellm import LLM
+
+    other = make_model(tmp_path / "other", ModelSpec(vocab_size=512))
+    with pytest.raises(ValueError, match="vocab_size 512 differs from the model's 1024"):
+        LLM(str(loopy), multiprocess=False, kv_cache_memory_bytes=KV,
+            speculative_config={"model": str(other), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"speculative_config\.model=.*not found"):
+        LLM(str(loopy), multiprocess=False, kv_cache_memory_bytes=KV,
+            speculative_config={"model": str(tmp_path / "nowhere"),
+                                "num_speculative_tokens": 2})

@@ -1,5 +1,6 @@
 """Speculative decoding's engine-core half (enginecore/spec_decode.py and the
-scheduler's part): n-gram proposals, their budget, and taking rejected ones back."""
+scheduler's part): n-gram proposals, their budget, and taking rejected ones back; a
+draft model's proposals kept between steps and the slots they need."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ import pytest
 from pagellm.enginecore.kv_cache_manager import KVCacheManager
 from pagellm.enginecore.request import Request
 from pagellm.enginecore.scheduler import Scheduler, SchedulerConfig
-from pagellm.enginecore.spec_decode import NgramProposer, propose_ngram
+from pagellm.enginecore.spec_decode import (
+    DraftModelProposer,
+    NgramProposer,
+    Proposer,
+    propose_ngram,
+)
 from pagellm.protocol.sampling_params import SamplingParams
 from pagellm.protocol.scheduling import ModelRunnerOutput
 from pagellm.protocol.speculative import parse_speculative_config
@@ -63,7 +69,7 @@ def test_proposals_leave_room_for_the_token_after_them():
     assert proposer.propose(request) == []  # the last token: nothing to verify
 
 
-def _scheduler(proposer: NgramProposer, budget: int = 64, max_num_seqs: int = 8
+def _scheduler(proposer: Proposer, budget: int = 64, max_num_seqs: int = 8
                ) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=budget),
@@ -132,3 +138,36 @@ def test_proposals_take_only_spare_budget_and_seats():
             scheduler.add_request(_request([9, 9], 10, "c"))
         out = scheduler.schedule()
         assert sum(len(d) for d in out.scheduled_spec_decode_tokens.values()) == proposed
+
+
+def test_a_draft_models_proposals_are_kept_for_the_next_step_with_slots_for_its_own():
+    """The runner drafts after a step that asks (`propose_drafts`); the scheduler keeps
+    the proposals on the request, schedules them in its next decode with k slots more
+    (the draft writes its k proposals' keys past the step: never hashed), and forgets
+    them when the runner drafted nothing after a later token."""
+    config = parse_speculative_config({"model": "d", "num_speculative_tokens": 3})
+    assert config is not None
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                          KVCacheManager(64, 4, enable_prefix_caching=True),
+                          DraftModelProposer(config))
+    request = Request("r", [5, 6, 7, 8, 9, 10, 11], SamplingParams(max_tokens=10), None,
+                      block_size=4)
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.propose_drafts and out.num_scheduled_tokens == {"r": 7}
+    scheduler.update_from_output(out, ModelRunnerOutput(
+        ["r"], [1], draft_token_ids={"r": [2, 3, 4]}))
+    assert request.spec_token_ids == [2, 3, 4]
+    out = scheduler.schedule()
+    assert out.scheduled_spec_decode_tokens == {"r": [2, 3, 4]}
+    # Positions 7..10 computed, 11..13 the draft's: 14 slots, 4 blocks of 4.
+    manager = scheduler.kv_cache_manager
+    assert len(manager.req_to_blocks["r"]) == 4
+    assert manager.num_cached_blocks["r"] == 2  # tokens 0..7 only: 8..13 not computed
+    scheduler.update_from_output(out, ModelRunnerOutput(
+        ["r"], [2], more_token_ids={"r": [3, 9]}, draft_token_ids={"r": [9, 9, 9]}))
+    assert request.output_token_ids == [1, 2, 3, 9] and request.spec_token_ids == [9, 9, 9]
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, ModelRunnerOutput(["r"], [4]))  # drafted nothing
+    assert request.spec_token_ids == []
+    assert scheduler.schedule().scheduled_spec_decode_tokens == {}

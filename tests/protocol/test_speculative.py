@@ -31,12 +31,22 @@ def test_the_cli_flag_and_the_defaults():
     assert EngineArgs(model="m").speculative is None
 
 
+def test_a_draft_model_config_and_vllms_method_inferred_from_model():
+    for config in ({"method": "draft_model", "model": "small", "num_speculative_tokens": 3},
+                   {"model": "small", "num_speculative_tokens": 3}):
+        assert parse_speculative_config(config) == SpeculativeConfig(
+            method="draft_model", num_speculative_tokens=3, model="small")
+
+
 @pytest.mark.parametrize(("config", "error"), [
     ("ngram", "must be a dict"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
      "unknown key"),
-    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2},
-     "'draft_model' is not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs the draft model's"),
+    ({"method": "draft_model", "model": 7, "num_speculative_tokens": 2}, "needs the draft"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2,
+      "prompt_lookup_max": 3}, "unknown key.*prompt_lookup_max.*'draft_model'"),
+    ({"method": "ngram", "model": "d", "num_speculative_tokens": 2}, "unknown key.*model"),
     ({"method": ["ngram"], "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "eagle3", "num_speculative_tokens": 2}, "'eagle3' is not supported yet"),
     ({"method": "telepathy", "num_speculative_tokens": 2}, "method must be one of"),

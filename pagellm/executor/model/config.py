@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,28 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
                        checkpoint_quant=checkpoint_quant,
                        kv_cache_dtype=(torch.float8_e4m3fn if args.kv_cache_dtype
                                        in ("fp8", "fp8_e4m3") else None))
+
+
+def resolve_draft_config(args: EngineArgs, target: ModelConfig) -> ModelConfig | None:
+    """Speculative decoding's draft model (None: none): read as the target is, in the
+    target's dtype, max_model_len, load format and KV cache dtype, never quantized on
+    load. Its proposals are token ids of the target's: the vocabularies must match."""
+    spec = args.speculative
+    if spec is None or spec.method != "draft_model":
+        return None
+    assert spec.model is not None
+    dtype = next(name for name, value in _DTYPES.items() if value == target.dtype)
+    try:
+        draft = resolve_model_config(replace(args, model=spec.model, dtype=dtype,
+                                             max_model_len=target.max_model_len,
+                                             quantization=None))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative_config.model={spec.model!r}: {e}") from None
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config.model={spec.model!r}: its vocab_size "
+                         f"{draft.vocab_size} differs from the model's {target.vocab_size} "
+                         "(a draft model proposes the target's token ids)")
+    return draft
 
 
 def _quantization(asked: str | None, hf_config: Any, path: Path

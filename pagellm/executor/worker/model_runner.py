@@ -31,6 +31,7 @@ from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.quantize import quantize_projections
 from pagellm.executor.worker.cpu_threads import ThreadTuner, tunable_threads
 from pagellm.executor.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from pagellm.executor.worker.draft_model import DraftModel
 from pagellm.executor.worker.grammar_mask import apply_grammar_bitmask
 from pagellm.executor.worker.input_batch import InputBatch
 from pagellm.executor.worker.sampler import (
@@ -75,9 +76,12 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, seed: int,
                  attention_backend: str = "auto", logprobs_mode: str = "raw_logprobs",
                  tp: TensorParallel | None = None, host_ranks: int = 1,
-                 lora: LoRASettings | None = None) -> None:
+                 lora: LoRASettings | None = None, draft: ModelConfig | None = None,
+                 num_speculative_tokens: int = 0) -> None:
         """`host_ranks`: the workers sharing this host's memory (the loader's share).
-        `lora`: serve LoRA adapters (`self.lora`, executor/lora/manager.py)."""
+        `lora`: serve LoRA adapters (`self.lora`, executor/lora/manager.py). `draft`:
+        speculative decoding's draft model, proposing `num_speculative_tokens`
+        (`self.drafter`, draft_model.py)."""
         self.model_config = model_config
         # This rank's slice of the model (all of it without tensor parallelism).
         self.tp = tp or TensorParallel.layout(model_config.spec)
@@ -116,6 +120,9 @@ class ModelRunner:
         self.lora = None if lora is None else LoRAManager(
             self.model, model_config.spec, self.tp, lora, model_config.dtype, device,
             kernels=self.attention.name == "triton")
+        self.drafter = None if draft is None else DraftModel(
+            draft, num_speculative_tokens, device, self.tp, host_ranks, self.attention,
+            block_size, self.num_sms)
         self.sampler = Sampler(device, seed)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -172,21 +179,27 @@ class ModelRunner:
 
     # -- KV cache ------------------------------------------------------------------
 
+    def _kv_cache_shapes(self, num_blocks: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Each model's cache, [layers, K|V, blocks, block_size, kv_heads, head_dim], and
+        its dtype: the target's, then the draft model's (speculative decoding), which
+        shares the target's block ids."""
+        models = [(self.model_config, self.num_kv_heads)]
+        if self.drafter is not None:
+            models.append((self.drafter.config, self.drafter.tp.num_kv_heads))
+        return [((config.spec.num_layers, 2, num_blocks, self.block_size, kv_heads,
+                  config.spec.head_dim), config.cache_dtype) for config, kv_heads in models]
+
     def kv_cache_bytes_per_block(self) -> int:
-        spec = self.model_config.spec
-        element = torch.empty((), dtype=self.model_config.cache_dtype).element_size()
-        return (spec.num_layers * 2 * self.block_size * self.num_kv_heads * spec.head_dim
-                * element)
+        return sum(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+                   for shape, dtype in self._kv_cache_shapes(1))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        spec = self.model_config.spec
-        # [layers, K|V, blocks, block_size, kv_heads, head_dim]. Not zeroed (on the CPU
-        # pages are committed as blocks get used): no kernel reads a slot its request has
-        # not written.
-        cache = torch.empty(spec.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads,
-                            spec.head_dim, dtype=self.model_config.cache_dtype,
-                            device=self.device)
-        self.kv_caches = list(cache.unbind(0))
+        # One list of layers: the target's, then the draft's (`drafter.num_layers`). Not
+        # zeroed (on the CPU pages are committed as blocks get used): no kernel reads a
+        # slot its request has not written.
+        self.kv_caches = [layer for shape, dtype in self._kv_cache_shapes(num_blocks)
+                          for layer in torch.empty(shape, dtype=dtype,
+                                                   device=self.device).unbind(0)]
 
     # -- start-up: profiling and CUDA graphs ---------------------------------------
 
@@ -301,12 +314,16 @@ class ModelRunner:
             hidden = self.graphs.replay(inputs.graph_size)  # [padded size, H]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        if self.drafter is not None:  # its cache takes every token the target computes
+            self.drafter.follow(inputs.input_ids, inputs.positions, inputs.meta,
+                                self.kv_caches[self.model_config.spec.num_layers:])
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
         if scheduler_output.grammar is not None:  # structured outputs: mask first
             # (constrained requests are never proposed tokens: one logits row each)
             apply_grammar_bitmask(logits, scheduler_output.grammar, {
                 inputs.req_ids[i]: row for row, i in enumerate(inputs.sample_req.tolist())})
         t2 = time.perf_counter()
+        drafts = scheduler_output.propose_drafts and self.drafter is not None
         sampled_token_ids: list[int]  # per request; -1: samples nothing this step
         logprobs: dict[str, TokenLogprobs] = {}
         if len(inputs.sampling):
@@ -317,7 +334,8 @@ class ModelRunner:
             sampled_np = out.sampled.cpu().numpy()
             if inputs.num_drafts is not None:  # speculative decoding: verify proposals
                 return self._output(inputs, *self._verify(inputs, sampled_np, meta,
-                                                          out.logprobs), t0, t1, t2, hidden)
+                                                          out.logprobs), t0, t1, t2, hidden,
+                                    drafts)
             self.batch.append_tokens(inputs.sampling_rows, sampled_np)
             if len(inputs.sampling) == len(inputs.req_ids):  # every request samples
                 sampled_token_ids = sampled_np.tolist()
@@ -331,12 +349,22 @@ class ModelRunner:
         else:  # nothing to wait for: the next step must check its copies are done
             sampled_token_ids = [-1] * len(inputs.req_ids)
             self.buffers.end_step()
-        return self._output(inputs, sampled_token_ids, logprobs, {}, {}, t0, t1, t2, hidden)
+        return self._output(inputs, sampled_token_ids, logprobs, {}, {}, t0, t1, t2, hidden,
+                            drafts and len(inputs.sampling) > 0)
 
     def _output(self, inputs: StepInputs, sampled_token_ids: list[int],
                 logprobs: dict[str, TokenLogprobs], more_token_ids: dict[str, list[int]],
                 more_logprobs: dict[str, list[TokenLogprobs]], t0: float, t1: float,
-                t2: float, hidden: torch.Tensor) -> ModelRunnerOutput:
+                t2: float, hidden: torch.Tensor, drafts: bool) -> ModelRunnerOutput:
+        """`drafts`: the draft model proposes the sampling requests' next tokens."""
+        draft_token_ids: dict[str, list[int]] = {}
+        if drafts:
+            assert self.drafter is not None
+            proposals = self.drafter.propose(
+                self.batch, inputs.rows[inputs.sampling],
+                self.kv_caches[self.model_config.spec.num_layers:])
+            draft_token_ids = {inputs.req_ids[i]: tokens for i, tokens in
+                               zip(inputs.sampling.tolist(), proposals, strict=True)}
         prompt_logprobs = self._prompt_logprobs(hidden, inputs) \
             if self.batch.num_prompt_logprobs else {}
         t3 = time.perf_counter()
@@ -345,7 +373,8 @@ class ModelRunner:
                                  prepare_inputs_s=t1 - t0, forward_s=t2 - t1,
                                  sample_s=t3 - t2, collective_s=collective_s,
                                  attention_plan_s=inputs.attention_plan_s,
-                                 more_token_ids=more_token_ids, more_logprobs=more_logprobs)
+                                 more_token_ids=more_token_ids, more_logprobs=more_logprobs,
+                                 draft_token_ids=draft_token_ids)
 
     def _verify(self, inputs: StepInputs, sampled: np.ndarray, meta: SamplingMetadata,
                 tensors: LogprobsTensors | None

@@ -19,7 +19,12 @@ import psutil
 import torch
 
 from pagellm.executor.lora.manager import LoRAManager, LoRASettings
-from pagellm.executor.model.config import ModelConfig, resolve_device, resolve_model_config
+from pagellm.executor.model.config import (
+    ModelConfig,
+    resolve_device,
+    resolve_draft_config,
+    resolve_model_config,
+)
 from pagellm.executor.model.linear import drop_packed
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.worker import memory
@@ -86,7 +91,10 @@ class Worker:
                                         args.max_num_seqs, self.max_num_batched_tokens,
                                         args.seed, args.attention_backend,
                                         args.logprobs_mode, tp, self._host_ranks(),
-                                        lora_settings(args))
+                                        lora_settings(args),
+                                        resolve_draft_config(args, self.model_config),
+                                        args.speculative.num_speculative_tokens
+                                        if args.speculative is not None else 0)
         self.num_kv_blocks = 0
         self.use_cuda_graphs = (self.device.type == "cuda" and not args.enforce_eager
                                 and self.model_runner.attention.name == "triton")
