@@ -190,8 +190,9 @@ class EngineCore:
             t0 = time.perf_counter()
             scheduler_output = self.scheduler.schedule()
             if self.structured.active:  # the constrained requests that sample now
-                scheduler_output.grammar = self.structured.bitmask(self._sampling(
-                    scheduler_output))
+                scheduler_output.grammar = self.structured.bitmask(
+                    self._sampling(scheduler_output),
+                    scheduler_output.scheduled_spec_decode_tokens)
             t1 = time.perf_counter()
             try:
                 runner_output = self.executor.execute_model(scheduler_output)

@@ -30,6 +30,7 @@ from pagellm.enginecore.kv_cache_manager import KVCacheManager
 from pagellm.enginecore.request import Request, RequestStatus
 from pagellm.enginecore.request_queue import create_request_queue, sort_key
 from pagellm.enginecore.spec_decode import Proposer, SpecDecodingStats
+from pagellm.enginecore.structured_output.request_grammar import RequestGrammar
 from pagellm.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -195,8 +196,11 @@ class Scheduler:
             num_new = request.num_tokens - request.num_computed_tokens
             drafts = None
             ahead = 0
-            if propose is not None and num_new == 1 and request.grammar is None:
+            if propose is not None and num_new == 1 and (
+                    request.grammar is None or request.grammar.takes_proposals):
                 drafts = propose(request)[:seats]
+                if request.grammar is not None and drafts:  # one it allows, in a row
+                    drafts = request.grammar.valid_proposals(drafts)
                 num_new += len(drafts)
                 ahead = lookahead
             if 0 < threshold < num_new:
@@ -318,12 +322,8 @@ class Scheduler:
                         request_id, [], new_prompt_logprobs=prompt_logprobs))
                 continue
             grammar = request.grammar
-            if grammar is not None:  # structured outputs: the grammar takes the token
-                error = grammar.advance(token_id)
-                if error is None and grammar.terminated and \
-                        len(request.output_token_ids) + 1 < request.min_tokens:
-                    error = (f"the grammar is complete after {len(request.output_token_ids) + 1}"
-                             f" tokens, short of min_tokens={request.min_tokens}")
+            if grammar is not None:  # structured outputs: the grammar takes the token(s)
+                error = self._advance_grammar(request, grammar, token_id, more)
                 if error is not None:  # this request fails, alone
                     request.finish(FinishReason.ERROR)
                     self._free(request)
@@ -376,6 +376,24 @@ class Scheduler:
             request.num_computed_tokens -= len(drafts) - accepted
             self.spec_stats.observe(len(drafts), accepted)
 
+    @staticmethod
+    def _advance_grammar(request: Request, grammar: RequestGrammar, token_id: int,
+                         more: dict[str, list[int]]) -> str | None:
+        """The grammar takes the step's token and, with speculative decoding, the rest of
+        the run (accepted proposals, never completing it: `valid_proposals`, and the
+        last sample); an error message if it refuses one or completes short of
+        min_tokens."""
+        rest = more.get(request.request_id, ()) if more else ()
+        for token in (token_id, *rest):
+            error = grammar.advance(token)
+            if error is not None:
+                return error
+        emitted = len(request.output_token_ids) + 1 + len(rest)
+        if grammar.terminated and emitted < request.min_tokens:
+            return (f"the grammar is complete after {emitted} tokens, short of "
+                    f"min_tokens={request.min_tokens}")
+        return None
+
     def _keep_drafts(self, runner_output: ModelRunnerOutput) -> None:
         """A draft model's proposals for each request that sampled, for its next decode
         step; a request the runner drafted nothing for keeps none (older ones were made
@@ -392,15 +410,17 @@ class Scheduler:
                     outputs: dict[int, EngineCoreOutputs]) -> bool:
         """Append a speculating request's tokens one by one, as that many steps would
         have: a stop token or max_tokens inside the run ends the request there and the
-        rest is dropped. Returns whether it finished. (Requests with a grammar are never
-        proposed tokens, so none is advanced here.)"""
+        rest is dropped. Returns whether it finished. (A grammar has taken the whole run
+        already: `_advance_grammar`; only its last token can complete it.)"""
         request_id = request.request_id
         kept = 0
+        complete = request.grammar is not None and request.grammar.terminated
         for token_id in token_ids:
             request.append_output_token_id(token_id)
             kept += 1
             if ((token_id in request.stopping_ids
-                 or len(request.output_token_ids) >= request.max_tokens)
+                 or len(request.output_token_ids) >= request.max_tokens
+                 or (complete and kept == len(token_ids)))
                     and self._check_stop(request)):
                 self._free(request)
                 break

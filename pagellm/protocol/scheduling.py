@@ -45,13 +45,16 @@ class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
 
 
 class GrammarOutput(msgspec.Struct, array_like=True, gc=False):
-    """The token bitmask of a step's constrained requests that sample in it: row i is
-    `req_ids[i]`'s, ceil(vocab_size / 32) int32 words (native byte order), bit j set
-    where token j is allowed. Built by the engine core's StructuredOutputManager,
+    """The token bitmask of a step's constrained requests that sample in it: without
+    proposals row i is `req_ids[i]`'s, ceil(vocab_size / 32) int32 words (native byte
+    order), bit j set where token j is allowed. Built by the engine core's StructuredOutputManager,
     applied to the logits by the worker before sampling."""
 
     req_ids: list[str]
-    bitmask: bytes  # [len(req_ids), ceil(V / 32)] int32
+    bitmask: bytes  # [rows, ceil(V / 32)] int32
+    # Speculative decoding: each request's rows (1 + its proposals: one per position it
+    # samples, in order); empty when every request has one.
+    num_rows: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):

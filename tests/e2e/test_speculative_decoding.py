@@ -464,3 +464,39 @@ def test_a_draft_model_of_another_vocabulary_is_refused_by_name(loopy, tmp_path)
         LLM(str(loopy), multiprocess=False, kv_cache_memory_bytes=KV,
             speculative_config={"model": str(tmp_path / "nowhere"),
                                 "num_speculative_tokens": 2})
+
+
+# -- structured outputs ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_constrained_requests_take_proposals_and_keep_their_tokens(loopy, drafts, make_llm,
+                                                                   backend):
+    """A constrained request is proposed only tokens its grammar allows (never one that
+    completes it), and gets one bitmask row per position it samples (the grammar
+    advanced through the proposals before it): the same tokens as without proposals,
+    greedy and seeded, with min_tokens, for both methods; and n-gram proposals are
+    accepted (the draft model drafts without the grammar's mask: its proposals are cut
+    where the grammar refuses one)."""
+    from pagellm import StructuredOutputsParams
+
+    items = {"type": "array", "items": {"type": "string", "enum": ["alpha", "beta"]},
+             "minItems": 6, "maxItems": 12}
+    constraints = [StructuredOutputsParams(json=items),
+                   StructuredOutputsParams(regex="(the cat |a dog ){4,10}"),
+                   StructuredOutputsParams(choice=["yes", "no"]),
+                   StructuredOutputsParams(json_object=True)]
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=c)
+              for c in constraints]
+    params += [SamplingParams(temperature=0.02, seed=3 + i, max_tokens=60, logprobs=1,
+                              min_tokens=8 if i == 1 else 0, structured_outputs=c)
+               for i, c in enumerate(constraints)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    options = {"structured_outputs_config": {"backend": backend}}
+    plain = outputs(make_llm(loopy, **options), prompts, params)
+    assert any(c[0][1] == "stop" for c in plain)  # grammars completed, too
+    for config in (SPEC, drafts["noisy"]):
+        llm = make_llm(loopy, speculative_config=config, **options)
+        assert_same(outputs(llm, prompts, params), plain)
+        if config is SPEC:
+            assert stats(llm).num_accepted_tokens > 40

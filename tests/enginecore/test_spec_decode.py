@@ -171,3 +171,35 @@ def test_a_draft_models_proposals_are_kept_for_the_next_step_with_slots_for_its_
     scheduler.update_from_output(out, ModelRunnerOutput(["r"], [4]))  # drafted nothing
     assert request.spec_token_ids == []
     assert scheduler.schedule().scheduled_spec_decode_tokens == {}
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_a_grammar_takes_the_proposals_it_allows_short_of_completing_it(model_dirs,
+                                                                       backend):
+    """valid_proposals: the proposals up to the first the grammar refuses, and short of
+    the one that completes it (a stop token after a complete match); the matcher is
+    left where it was (it takes the same tokens again)."""
+    from transformers import AutoTokenizer
+
+    from pagellm.enginecore.structured_output.backends import Backends
+    from pagellm.enginecore.structured_output.request_grammar import RequestGrammar
+    from pagellm.enginecore.structured_output.spec import choose_backend
+    from pagellm.protocol.sampling_params import StructuredOutputsParams
+
+    path = str(model_dirs["llama"])
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    a, b, c = tokenizer.convert_tokens_to_ids(["a", "b", "c"])
+    eos = tokenizer.eos_token_id
+    name, spec = choose_backend(StructuredOutputsParams(regex="(ab)+c(ab)*"), backend,
+                                True)
+    grammars = Backends(path, len(tokenizer), 1).get(name)
+    grammar = RequestGrammar(grammars.matcher(grammars.compile(spec), [eos]))
+    assert grammar.takes_proposals
+    assert grammar.valid_proposals([a, b, a, c]) == [a, b, a]  # c after a: refused
+    assert grammar.valid_proposals([a, b, c, eos, a]) == [a, b, c]  # eos completes it
+    assert grammar.valid_proposals([b]) == []
+    for token in (a, b, c):  # the matcher is where it started
+        assert grammar.advance(token) is None
+    assert grammar.valid_proposals([eos]) == [] and not grammar.terminated
+    assert grammar.advance(eos) is None and grammar.terminated
+    assert not grammar.takes_proposals

@@ -32,6 +32,16 @@ class Matcher(Protocol):
         """The grammar is complete and a stop token was accepted."""
         ...
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative decoding's proposals:
+        the bitmask rows after each, then back)."""
+        ...
+
+    def validate(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in a row from the start, the grammar allows; the
+        matcher is left as it was."""
+        ...
+
     @classmethod
     def fill_rows(cls, pairs: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
         """bitmask [rows, ceil(V/32)] int32 (CPU, contiguous): for each (matcher of this
@@ -59,6 +69,19 @@ class XgrammarMatcher:
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
+
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
+    def validate(self, token_ids: list[int]) -> int:
+        count = 0  # a refused token leaves xgrammar's matcher as it was
+        for token_id in token_ids:
+            if not self._matcher.accept_token(token_id):
+                break
+            count += 1
+        if count:
+            self._matcher.rollback(count)
+        return count
 
     @classmethod
     def fill_rows(cls, pairs: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
@@ -108,6 +131,13 @@ class GuidanceMatcher:
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_stopped())
+
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
+    def validate(self, token_ids: list[int]) -> int:
+        # (consume_token on a refused token would leave the matcher in its error state)
+        return int(self._matcher.validate_tokens(token_ids))
 
     @classmethod
     def fill_rows(cls, pairs: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ finishes it.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -157,37 +158,57 @@ class StructuredOutputManager:
 
     # -- each step --------------------------------------------------------------------
 
-    def bitmask(self, requests: list[Request]) -> GrammarOutput | None:
+    def bitmask(self, requests: list[Request], proposals: dict[str, list[int]]
+                ) -> GrammarOutput | None:
         """The step's bitmask rows for `requests` (constrained ones that sample in it)
         whose grammar applies now; stop tokens are cleared for a request short of its
         min_tokens (the sampler bans them). A row that allows nothing (an unsatisfiable
         grammar, or one that could only stop) is opened fully, and the request fails when
-        its token comes back."""
+        its token comes back.
+
+        With speculative decoding a request with k `proposals` (which its grammar
+        allows: `RequestGrammar.valid_proposals`) has k + 1 rows, one per position the
+        runner samples: row j is the grammar's after the first j proposals (the matcher
+        advanced through them, a position at a time for all requests, then rolled
+        back)."""
         rows = [r for r in requests if r.grammar is not None and r.grammar.needs_mask]
         if not rows:
             return None
+        drafts = [proposals.get(r.request_id, ()) if proposals else () for r in rows]
+        counts = [len(d) + 1 for d in drafts]
+        first = [0, *itertools.accumulate(counts)]
         words = -(-self.vocab_size // 32)
-        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
-            self._bitmask = torch.empty(max(len(rows), 64), words, dtype=torch.int32)
-        bitmask = self._bitmask[:len(rows)]
-        by_kind: dict[Any, list[tuple[Any, int]]] = {}
+        if self._bitmask is None or self._bitmask.shape[0] < first[-1]:
+            self._bitmask = torch.empty(max(first[-1], 64), words, dtype=torch.int32)
+        bitmask = self._bitmask[:first[-1]]
+        for j in range(max(counts)):
+            by_kind: dict[Any, list[tuple[Any, int]]] = {}
+            for i, request in enumerate(rows):
+                if j < counts[i]:
+                    assert request.grammar is not None
+                    matcher = request.grammar.matcher
+                    by_kind.setdefault(type(matcher), []).append((matcher, first[i] + j))
+                    if j:  # the proposal before this position
+                        matcher.accept(drafts[i][j - 1])
+            for kind, pairs in by_kind.items():  # one call per backend (llguidance: parallel)
+                kind.fill_rows(pairs, bitmask)
         for i, request in enumerate(rows):
             assert request.grammar is not None
-            matcher = request.grammar.matcher
-            by_kind.setdefault(type(matcher), []).append((matcher, i))
-        for kind, pairs in by_kind.items():  # one call per backend (llguidance: parallel)
-            kind.fill_rows(pairs, bitmask)
-        for i, request in enumerate(rows):
-            if len(request.output_token_ids) < request.min_tokens:
-                _clear_bits(bitmask, i, request.stopping_ids)  # the sampler bans them too
+            if counts[i] > 1:
+                request.grammar.matcher.rollback(counts[i] - 1)
+            for j in range(counts[i]):
+                if len(request.output_token_ids) + j < request.min_tokens:
+                    _clear_bits(bitmask, first[i] + j, request.stopping_ids)  # (sampler too)
         empty = (bitmask == 0).all(dim=1)
         if bool(empty.any()):
-            for i in empty.nonzero().flatten().tolist():
-                grammar = rows[i].grammar
-                assert grammar is not None
-                grammar.dead_end = True
-                bitmask[i] = -1
-        return GrammarOutput([r.request_id for r in rows], bitmask.numpy().tobytes())
+            for row in empty.nonzero().flatten().tolist():
+                if row in first:  # a request's own position (not one after a proposal)
+                    grammar = rows[first.index(row)].grammar
+                    assert grammar is not None
+                    grammar.dead_end = True
+                bitmask[row] = -1
+        return GrammarOutput([r.request_id for r in rows], bitmask.numpy().tobytes(),
+                             counts if len(counts) < first[-1] else [])
 
     def shutdown(self) -> None:
         pool, self._pool = self._pool, None

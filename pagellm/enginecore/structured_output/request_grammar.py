@@ -47,3 +47,28 @@ class RequestGrammar:
         self.num_accepted += 1
         self.terminated = self.matcher.is_terminated()
         return None
+
+    @property
+    def takes_proposals(self) -> bool:
+        """Speculative decoding's proposals can be checked and masked: the grammar
+        applies now (a reasoning block's end inside a run would switch it on mid-run,
+        after positions sampled without a mask)."""
+        return self.needs_mask and not self.dead_end
+
+    def valid_proposals(self, token_ids: list[int]) -> list[int]:
+        """The longest prefix of proposed tokens the grammar allows, short of one that
+        completes it (a completing token comes as a sample: the request ends there, and
+        no bitmask row is asked for past the grammar's end). The matcher is left as it
+        was."""
+        matcher = self.matcher
+        allowed = token_ids[:matcher.validate(token_ids)]
+        taken = valid = 0
+        for token_id in allowed:
+            matcher.accept(token_id)
+            taken += 1
+            if matcher.is_terminated():
+                break
+            valid = taken
+        if taken:
+            matcher.rollback(taken)
+        return allowed[:valid]

@@ -24,12 +24,16 @@ _ROWS_AT_ONCE = 8  # [8, V] int32 bits: ~1.5 MB at a 49k vocabulary, cache-sized
 def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarOutput,
                           row_of: dict[str, int]) -> None:
     """logits [S, V] in place: -inf where the request's grammar forbids the token.
-    `row_of`: request id -> its logits row (requests that sample this step)."""
+    `row_of`: request id -> its (first) logits row, for the requests that sample this
+    step; with speculative decoding (`grammar.num_rows`) a request's rows are its
+    positions' logits rows, in a row from that one."""
     vocab_size = logits.shape[1]
     words = -(-vocab_size // 32)
-    packed = np.frombuffer(grammar.bitmask, dtype=np.int32).reshape(len(grammar.req_ids),
-                                                                    words)
-    rows = [row_of.get(req_id, -1) for req_id in grammar.req_ids]
+    counts = grammar.num_rows or [1] * len(grammar.req_ids)
+    packed = np.frombuffer(grammar.bitmask, dtype=np.int32).reshape(sum(counts), words)
+    rows = [row_of[req_id] + j if req_id in row_of else -1
+            for req_id, count in zip(grammar.req_ids, counts, strict=True)
+            for j in range(count)]
     keep = [i for i, row in enumerate(rows) if row >= 0]
     if not keep:
         return

@@ -319,9 +319,10 @@ class ModelRunner:
                                 self.kv_caches[self.model_config.spec.num_layers:])
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
         if scheduler_output.grammar is not None:  # structured outputs: mask first
-            # (constrained requests are never proposed tokens: one logits row each)
-            apply_grammar_bitmask(logits, scheduler_output.grammar, {
-                inputs.req_ids[i]: row for row, i in enumerate(inputs.sample_req.tolist())})
+            row_of: dict[str, int] = {}  # each request's first sampled row
+            for row, i in enumerate(inputs.sample_req.tolist()):
+                row_of.setdefault(inputs.req_ids[i], row)
+            apply_grammar_bitmask(logits, scheduler_output.grammar, row_of)
         t2 = time.perf_counter()
         drafts = scheduler_output.propose_drafts and self.drafter is not None
         sampled_token_ids: list[int]  # per request; -1: samples nothing this step
