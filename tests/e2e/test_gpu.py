@@ -36,6 +36,30 @@ def test_fp32_greedy_on_the_gpu_matches_transformers(name, enforce_eager, model_
         assert output.outputs[0].token_ids == expected, prompt
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_on_the_gpu_matches_transformers(method, model_dirs,
+                                                              hf_reference, make_llm):
+    """Proposals verified on the GPU (steps without any replay the decode graphs, and a
+    draft model then computes the graph's padded batch eagerly): transformers' tokens,
+    and proposals accepted. The draft is the model itself: nearly every one is."""
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+              "prompt_lookup_max": 3, "disable_by_batch_size": 1024} \
+        if method == "ngram" else {"method": "draft_model", "num_speculative_tokens": 3,
+                                   "model": str(model_dirs["llama"])}
+    llm = make_llm(model_dirs["llama"], device="cuda", dtype="float32",
+                   attention_backend="triton", kv_cache_memory_bytes=64 * 2**20,
+                   speculative_config=config)
+    assert llm.engine_core.core.executor.runner.graphs is not None
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        expected = hf_reference("llama", llm.tokenizer.encode(prompt), 32)
+        assert output.outputs[0].token_ids == expected, prompt
+    stats = llm.get_stats()
+    assert stats.spec_num_accepted_tokens > 0
+    if method == "draft_model":
+        assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens
+
+
 def test_graphs_and_eager_give_identical_outputs(model_dirs, make_llm):
     """Every batch size from 1 to 10 decodes through the graphs (padded up the
     ladder) and gives exactly the eager run's tokens and logprobs."""

@@ -431,6 +431,58 @@ def test_a_draft_model_with_sampling_features_preemption_and_prefix_hits(
         core.step()
 
 
+def test_a_draft_model_idle_above_its_batch_size_catches_up_after(loopy, drafts, make_llm):
+    """Above disable_by_batch_size the draft computes nothing; when proposals resume, it
+    first computes what it missed (more than a step's token budget: in pieces), so the
+    target as its own draft still has nearly every proposal accepted."""
+    config = {**drafts["self"], "disable_by_batch_size": 2}
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in (6, 10, 60, 60)]
+    prompts = [p * 2 for p in PROMPTS[:4]]
+    options = {"max_num_batched_tokens": 32, "max_num_seqs": 8, "max_model_len": 400}
+    plain = outputs(make_llm(loopy, **options), prompts, params)
+    llm = make_llm(loopy, speculative_config=config, **options)
+    drafter = llm.engine_core.core.executor.runner.drafter
+    asked, computed = [], []
+    catch_up, forward = drafter._forward, drafter.model.forward
+
+    def asking(*args: Any, **kwargs: Any) -> Any:
+        asked.append(int((args[3] - args[2]).sum()))  # positions to compute
+        return catch_up(*args, **kwargs)
+
+    def computing(input_ids: torch.Tensor, *args: Any) -> Any:
+        computed.append(len(input_ids))
+        return forward(input_ids, *args)
+
+    drafter._forward, drafter.model.forward = asking, computing
+    assert_same(outputs(llm, prompts, params), plain)
+    s = stats(llm)
+    assert s.num_accepted_tokens >= 0.97 * s.num_draft_tokens > 60, vars(s)
+    assert max(asked) > 32 >= max(computed)  # a catch-up past the budget, in pieces
+
+
+def test_a_draft_model_computes_again_only_what_the_target_rejected(loopy, drafts,
+                                                                    make_llm):
+    """The draft wrote its proposals' keys when it made them: after a verification, the
+    accepted ones are kept, so each step's first pass computes at most the last proposal
+    (all accepted: the draft never saw it as an input) and the new token."""
+    llm = make_llm(loopy, speculative_config=drafts["self"])
+    drafter = llm.engine_core.core.executor.runner.drafter
+    first_passes = []
+    forward = drafter._forward
+
+    def recording(batch: Any, rows: Any, starts: Any, stops: Any, *rest: Any) -> Any:
+        if len(rest) == 2:  # pass 1 (the others carry their input ids)
+            first_passes.append((stops - starts).tolist())
+        return forward(batch, rows, starts, stops, *rest)
+
+    drafter._forward = recording
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outputs(llm, PROMPTS[2:3], params)
+    assert first_passes[0][0] > 10  # the prompt
+    assert len(first_passes) > 8 and all(n <= 2 for [n] in first_passes[1:]), first_passes
+
+
 def test_two_ranks_draft_and_verify_as_one(loopy, drafts):
     """Tensor parallelism: the draft model is split over both workers as the target is,
     the proposals go to both in the scheduler's output (as n-gram ones do), each rank

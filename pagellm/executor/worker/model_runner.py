@@ -122,7 +122,7 @@ class ModelRunner:
             kernels=self.attention.name == "triton")
         self.drafter = None if draft is None else DraftModel(
             draft, num_speculative_tokens, device, self.tp, host_ranks, self.attention,
-            block_size, self.num_sms)
+            block_size, self.num_sms, max_num_seqs, max_num_batched_tokens)
         self.sampler = Sampler(device, seed)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -314,9 +314,6 @@ class ModelRunner:
             hidden = self.graphs.replay(inputs.graph_size)  # [padded size, H]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
-        if self.drafter is not None:  # its cache takes every token the target computes
-            self.drafter.follow(inputs.input_ids, inputs.positions, inputs.meta,
-                                self.kv_caches[self.model_config.spec.num_layers:])
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
         if scheduler_output.grammar is not None:  # structured outputs: mask first
             row_of: dict[str, int] = {}  # each request's first sampled row
@@ -351,7 +348,7 @@ class ModelRunner:
             sampled_token_ids = [-1] * len(inputs.req_ids)
             self.buffers.end_step()
         return self._output(inputs, sampled_token_ids, logprobs, {}, {}, t0, t1, t2, hidden,
-                            drafts and len(inputs.sampling) > 0)
+                            drafts)
 
     def _output(self, inputs: StepInputs, sampled_token_ids: list[int],
                 logprobs: dict[str, TokenLogprobs], more_token_ids: dict[str, list[int]],
@@ -361,8 +358,13 @@ class ModelRunner:
         draft_token_ids: dict[str, list[int]] = {}
         if drafts:
             assert self.drafter is not None
+            sampled = np.zeros(len(inputs.req_ids), bool)  # [R]
+            sampled[inputs.sampling] = True
+            # [R] positions the target's cache holds now (rejected proposals not counted)
+            ends = np.where(sampled, self.batch.num_tokens[inputs.rows].astype(np.int64) - 1,
+                            inputs.starts + inputs.counts)
             proposals = self.drafter.propose(
-                self.batch, inputs.rows[inputs.sampling],
+                self.batch, inputs.rows, ends, sampled,
                 self.kv_caches[self.model_config.spec.num_layers:])
             draft_token_ids = {inputs.req_ids[i]: tokens for i, tokens in
                                zip(inputs.sampling.tolist(), proposals, strict=True)}
@@ -437,7 +439,9 @@ class ModelRunner:
         for req_id in so.preempted_req_ids:
             batch.remove(req_id)
         for new in so.scheduled_new_reqs:
-            batch.add(new)
+            row = batch.add(new)
+            if self.drafter is not None:
+                self.drafter.add_request(row, new.num_computed_tokens)
         rows = batch.rows
         for req_id, block_ids in so.scheduled_cached_reqs.new_block_ids.items():
             batch.append_blocks(rows[req_id], block_ids)
