@@ -53,14 +53,22 @@ def cache_dir() -> Path:
 
 
 def resolve_gguf(args: EngineArgs) -> EngineArgs:
-    """`model` naming a .gguf file becomes its converted directory (built once); any
-    other model passes through."""
-    if not args.model.endswith(".gguf"):
-        return args
-    path = Path(args.model)
+    """`model` (and a draft model's, in speculative_config) naming a .gguf file becomes
+    its converted directory (built once); any other model passes through."""
+    if args.model.endswith(".gguf"):
+        args = args.replace(model=_converted(args.model))
+    draft = (args.speculative_config or {}).get("model")
+    if isinstance(draft, str) and draft.endswith(".gguf"):
+        args = args.replace(speculative_config={**(args.speculative_config or {}),
+                                                "model": _converted(draft)})
+    return args
+
+
+def _converted(model: str) -> str:
+    path = Path(model)
     if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {args.model}")
-    return args.replace(model=str(gguf_model_dir(path)))
+        raise FileNotFoundError(f"GGUF file not found: {model}")
+    return str(gguf_model_dir(path))
 
 
 def gguf_model_dir(path: Path) -> Path:

@@ -100,6 +100,18 @@ def test_a_mixed_file_packs_the_common_type_and_dequantizes_the_rest(llama_dir, 
     _assert_greedy_equal(llm, _transformers(path))
 
 
+def test_a_gguf_file_serves_as_a_draft_model(llama_dir, tmp_path, make_llm):
+    """speculative_config's model may be a GGUF file too (converted as the target is):
+    here the target's own file, whose every greedy proposal is accepted."""
+    path = write_gguf(llama_dir, tmp_path / "model.gguf", "Q8_0")
+    llm = make_llm(str(path), dtype="float32", speculative_config={
+        "model": str(path), "num_speculative_tokens": 3, "disable_by_batch_size": 64})
+    assert llm.engine_args.speculative_config["model"] == llm.engine_args.model
+    _assert_greedy_equal(llm, _transformers(path))
+    stats = llm.get_stats()
+    assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens > 0
+
+
 def test_the_conversion_is_made_once_and_bad_files_are_named(llama_dir, tmp_path, cache):
     path = write_gguf(llama_dir, tmp_path / "model.gguf")
     first = gguf_model_dir(path)
