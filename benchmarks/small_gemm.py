@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--max-copies", type=int, default=MAX_COPIES,
+                        help="weight copies per shape at most (the smoke test: a few)")
     ns = parser.parse_args(argv)
     dtype = getattr(torch, ns.dtype)
     if ONEDNN_LINEAR is None:
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
                                        for m in ns.rows))
     for out_features in ns.out:
         for in_features in ns.in_:
-            copies = min(MAX_COPIES, max(1, int(WORKING_SET_BYTES // (
+            copies = min(ns.max_copies, max(1, int(WORKING_SET_BYTES // (
                 out_features * in_features * dtype.itemsize))))
             weights = [torch.randn(out_features, in_features, dtype=dtype)
                        for _ in range(copies)]

@@ -302,7 +302,7 @@ def test_engine_overhead_frontend_alone_delivers_every_token_and_times_each_step
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_small_gemm_smoke_checks_every_way_agrees_and_reports_every_shape(capsys, dtype):
     small_gemm.main(["--out", "8", "24", "--in", "16", "--rows", "1", "3", "--repeats", "1",
-                     "--dtype", dtype])
+                     "--dtype", dtype, "--max-copies", "4"])
     lines = capsys.readouterr().out.splitlines()
     rows = [line for line in lines if line.strip()[:1].isdigit()]
     assert [r.split()[:3] for r in rows] == [["8", "x", "16"], ["24", "x", "16"]]
