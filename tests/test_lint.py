@@ -178,6 +178,7 @@ def test_imports_point_one_way():
 
 @pytest.mark.parametrize("module", ["pagellm", "pagellm.protocol", "pagellm.enginecore.scheduler",
                                     "pagellm.enginecore.kv_cache_manager",
+                                    "pagellm.enginecore.structured_output.manager",
                                     "pagellm.inputs", "pagellm.sampling_params"])
 def test_pure_python_modules_import_without_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"

@@ -25,6 +25,7 @@ when rebuilt each step; `python -m timeit`-style loop, 2-core EPYC).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from array import array
 
 from pagellm.enginecore.request import Request
@@ -39,7 +40,7 @@ from pagellm.protocol.speculative import SpeculativeConfig
 CPU_DISABLE_BY_BATCH_SIZE = 8
 
 
-class Proposer:
+class Proposer(ABC):
     """What the scheduler asks of a proposer: `propose(request)` before a decode step;
     `lookahead`, the KV slots past its step a request needs (the draft model writes
     its proposals' keys there after the step); `drafts_in_runner`, whether the runner
@@ -57,18 +58,15 @@ class Proposer:
         if self.disable_by_batch_size is None and device_type == "cpu":
             self.disable_by_batch_size = CPU_DISABLE_BY_BATCH_SIZE
 
-    def propose(self, request: Request) -> list[int]:
-        """Up to k tokens to verify after the request's last one (maybe none). Never
-        more than its max_tokens leaves room for: the verification emits the accepted
-        ones and one more."""
-        room = request.max_tokens - len(request.output_token_ids) - 1
-        k = min(self.k, room)
-        if k <= 0:
-            return []
-        return self._propose(request, k)
+    def room(self, request: Request) -> int:
+        """How many tokens to propose at most: k, and never more than the request's
+        max_tokens leaves room for (the verification emits the accepted ones and one
+        more)."""
+        return min(self.k, request.max_tokens - len(request.output_token_ids) - 1)
 
-    def _propose(self, request: Request, k: int) -> list[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def propose(self, request: Request) -> list[int]:
+        """Up to `room` tokens to verify after the request's last one (maybe none)."""
 
 
 class NgramProposer(Proposer):
@@ -77,7 +75,10 @@ class NgramProposer(Proposer):
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
-    def _propose(self, request: Request, k: int) -> list[int]:
+    def propose(self, request: Request) -> list[int]:
+        k = self.room(request)
+        if k <= 0:
+            return []
         # The request's tokens as bytes, extended by the tokens since its last proposal
         # (its tokens only ever grow): the search is then the step's only O(length) work.
         data = request.token_bytes
@@ -102,8 +103,8 @@ class DraftModelProposer(Proposer):
         super().__init__(config, device_type)
         self.lookahead = self.k
 
-    def _propose(self, request: Request, k: int) -> list[int]:
-        return request.spec_token_ids[:k]
+    def propose(self, request: Request) -> list[int]:
+        return request.spec_token_ids[:max(self.room(request), 0)]
 
 
 def make_proposer(config: SpeculativeConfig, device_type: str) -> Proposer:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 from pagellm.enginecore.structured_output.backends import Backends
 from pagellm.enginecore.structured_output.request_grammar import RequestGrammar
@@ -60,7 +60,7 @@ class StructuredOutputManager:
         self._pending: dict[str, tuple[Request, Future[RequestGrammar], float]] = {}
         self._done = threading.Event()
         self.on_ready: Callable[[], None] | None = None  # a compile finished (any thread)
-        self._bitmask: torch.Tensor | None = None
+        self._bitmask: np.ndarray | None = None  # [rows, ceil(V / 32)] int32, reused
         self.active = False  # a constrained request was ever admitted
 
     # -- compiling ------------------------------------------------------------------
@@ -179,7 +179,7 @@ class StructuredOutputManager:
         first = [0, *itertools.accumulate(counts)]
         words = -(-self.vocab_size // 32)
         if self._bitmask is None or self._bitmask.shape[0] < first[-1]:
-            self._bitmask = torch.empty(max(first[-1], 64), words, dtype=torch.int32)
+            self._bitmask = np.empty((max(first[-1], 64), words), dtype=np.int32)
         bitmask = self._bitmask[:first[-1]]
         for j in range(max(counts)):
             by_kind: dict[Any, list[tuple[Any, int]]] = {}
@@ -199,15 +199,15 @@ class StructuredOutputManager:
             for j in range(counts[i]):
                 if len(request.output_token_ids) + j < request.min_tokens:
                     _clear_bits(bitmask, first[i] + j, request.stopping_ids)  # (sampler too)
-        empty = (bitmask == 0).all(dim=1)
-        if bool(empty.any()):
-            for row in empty.nonzero().flatten().tolist():
+        empty = (bitmask == 0).all(axis=1)
+        if empty.any():
+            for row in np.flatnonzero(empty).tolist():
                 if row in first:  # a request's own position (not one after a proposal)
                     grammar = rows[first.index(row)].grammar
                     assert grammar is not None
                     grammar.dead_end = True
                 bitmask[row] = -1
-        return GrammarOutput([r.request_id for r in rows], bitmask.numpy().tobytes(),
+        return GrammarOutput([r.request_id for r in rows], bitmask.tobytes(),
                              counts if len(counts) < first[-1] else [])
 
     def shutdown(self) -> None:
@@ -216,11 +216,11 @@ class StructuredOutputManager:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _clear_bits(bitmask: torch.Tensor, row: int, token_ids: Iterable[int]) -> None:
-    """Disallow `token_ids` in one bitmask row (int32 words: bit 31 is the sign)."""
+def _clear_bits(bitmask: np.ndarray, row: int, token_ids: Iterable[int]) -> None:
+    """Disallow `token_ids` in one bitmask row (its int32 words read as unsigned)."""
+    words = bitmask[row].view(np.uint32)
     for token_id in token_ids:
-        word = int(bitmask[row, token_id >> 5]) & ~(1 << (token_id & 31)) & 0xFFFFFFFF
-        bitmask[row, token_id >> 5] = word - (1 << 32) if word >= 1 << 31 else word
+        words[token_id >> 5] &= np.uint32(~(1 << (token_id & 31)) & 0xFFFFFFFF)
 
 
 def _reasoning_done(prompt: list[int], start: int, end: int) -> bool:

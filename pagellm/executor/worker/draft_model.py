@@ -44,6 +44,8 @@ from pagellm.executor.model.decoder import DecoderForCausalLM
 from pagellm.executor.model.loader import load_model
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.worker.input_batch import InputBatch
+from pagellm.executor.worker.sampling_inputs import to_device
+from pagellm.executor.worker.step_inputs import StepInputs
 
 
 class DraftModel:
@@ -75,6 +77,19 @@ class DraftModel:
         keys for its first `num_computed_tokens` positions (prefix-cache hits)."""
         self.computed[row] = num_computed_tokens
         self.num_written[row] = 0
+
+    def propose_after(self, inputs: StepInputs, batch: InputBatch,
+                      kv_caches: list[torch.Tensor]) -> dict[str, list[int]]:
+        """The proposals of the step's sampling requests, by request id, once the batch
+        holds the step's tokens (`propose`)."""
+        sampled = np.zeros(len(inputs.req_ids), bool)  # [R]
+        sampled[inputs.sampling] = True
+        # [R] positions the target's cache holds now (rejected proposals not counted)
+        ends = np.where(sampled, batch.num_tokens[inputs.rows].astype(np.int64) - 1,
+                        inputs.starts + inputs.counts)
+        proposals = self.propose(batch, inputs.rows, ends, sampled, kv_caches)
+        return {inputs.req_ids[i]: tokens for i, tokens in
+                zip(inputs.sampling.tolist(), proposals, strict=True)}
 
     @torch.inference_mode()
     def propose(self, batch: InputBatch, rows: np.ndarray, ends: np.ndarray,
@@ -166,22 +181,22 @@ class DraftModel:
                 else input_ids[req]
             block_tables = batch.block_table[piece_rows, :batch.num_blocks[piece_rows].max()]
             slots = block_tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+            put = self._put
             meta = AttentionMetadata(
-                slot_mapping=self._put(slots),
-                block_tables=self._put(block_tables, torch.int32),
-                query_start_loc=self._put(cu, torch.int32),
-                seq_lens=self._put(hi, torch.int32), query_start_loc_cpu=cu,
+                slot_mapping=put(slots), block_tables=put(block_tables, np.int32),
+                query_start_loc=put(cu, np.int32), seq_lens=put(hi, np.int32),
+                query_start_loc_cpu=cu,
                 seq_lens_cpu=hi, max_query_len=int(counts.max()), backend=self.attention,
                 num_segments=num_kv_segments(len(piece), self.tp.num_kv_heads,
                                              int(counts.max()), int(hi.max()), self.num_sms)
                 if self.num_sms else 1)
             self.attention.prepare(meta)
-            hidden = self.model(self._put(ids), self._put(positions), meta, kv_caches)
+            hidden = self.model(put(ids), put(positions), meta, kv_caches)
             for p, (i, _, b) in enumerate(piece):
                 if want[i] and b == stops[i]:  # the request's last position
                     outputs[i] = hidden[int(cu[p + 1]) - 1]
         return torch.stack([outputs[i] for i in np.flatnonzero(want).tolist()]) \
             if want.any() else torch.empty(0)
 
-    def _put(self, array: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
+    def _put(self, array: np.ndarray, dtype: type = np.int64) -> torch.Tensor:
+        return to_device(array.astype(dtype, copy=False), self.device)

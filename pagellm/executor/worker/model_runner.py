@@ -358,16 +358,8 @@ class ModelRunner:
         draft_token_ids: dict[str, list[int]] = {}
         if drafts:
             assert self.drafter is not None
-            sampled = np.zeros(len(inputs.req_ids), bool)  # [R]
-            sampled[inputs.sampling] = True
-            # [R] positions the target's cache holds now (rejected proposals not counted)
-            ends = np.where(sampled, self.batch.num_tokens[inputs.rows].astype(np.int64) - 1,
-                            inputs.starts + inputs.counts)
-            proposals = self.drafter.propose(
-                self.batch, inputs.rows, ends, sampled,
-                self.kv_caches[self.model_config.spec.num_layers:])
-            draft_token_ids = {inputs.req_ids[i]: tokens for i, tokens in
-                               zip(inputs.sampling.tolist(), proposals, strict=True)}
+            draft_token_ids = self.drafter.propose_after(
+                inputs, self.batch, self.kv_caches[self.model_config.spec.num_layers:])
         prompt_logprobs = self._prompt_logprobs(hidden, inputs) \
             if self.batch.num_prompt_logprobs else {}
         t3 = time.perf_counter()
