@@ -138,6 +138,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default=None)
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run the engine without CUDA graphs")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="schedule step n+1 while step n runs (issue 45)")
     parser.add_argument("--quantization", choices=("int4", "int8", "fp8"), default=None,
                         help="quantize the projections on load (CUDA)")
     parser.add_argument("--prompt-len", type=int, default=None)
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine_kwargs: dict[str, Any] = dict(
         load_format="dummy", skip_tokenizer_init=True, dtype=ns.dtype, device=ns.device,
         max_model_len=ns.prompt_len + long_len, enforce_eager=ns.enforce_eager,
-        quantization=ns.quantization)
+        quantization=ns.quantization, async_scheduling=ns.async_scheduling)
     args = resolve_model(EngineArgs(model=ns.model, **engine_kwargs))
     # Measured before the engine starts, so that it has the device to itself.
     copy = measure_copy_bandwidth(device, ns.copy_mib * 2**20)
@@ -190,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 *(sys.argv[1:] if argv is None else argv)]),
         "model": ns.model, "model_name": Path(args.model).name, "dtype": ns.dtype,
         "enforce_eager": ns.enforce_eager, "quantization": ns.quantization,
+        "async_scheduling": ns.async_scheduling,
         "engine_args": dataclasses.asdict(args),
         "prompt_len": ns.prompt_len, "short_len": ns.short_len, "long_len": long_len,
         "repeats": ns.repeats, "short_s": short_s, "long_s": long_s,

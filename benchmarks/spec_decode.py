@@ -87,14 +87,16 @@ def chat_prompts(count: int) -> list[list[dict[str, str]]]:
             for i in range(count)]
 
 
-def measure(model: str, speculative: dict[str, Any] | None, workloads: dict[str, Any],
+def measure(model: str, options: dict[str, Any], workloads: dict[str, Any],
             max_tokens: int, offline: list[int], batch1: bool = True) -> dict[str, float]:
+    """Batch-1 tokens per second of each workload, and offline throughput, of an LLM
+    with `options` (its speculative_config, or any other engine argument)."""
     from pagellm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     result: dict[str, float] = {}
     with LLM(model, max_model_len=2048, kv_cache_memory_bytes=512 * 2**20,
-             speculative_config=speculative) as llm:
+             **options) as llm:
         llm.chat(workloads["chat"][:1], params, use_tqdm=False)  # warm-up, thread tuner
         for name, prompts in workloads.items() if batch1 else ():
             before = llm.get_stats()
@@ -162,8 +164,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
     for _ in range(args.rounds):
         for name, config in arms.items():
-            rounds[name].append(measure(model, config, workloads, args.max_tokens,
-                                        args.offline, not args.no_batch1))
+            rounds[name].append(measure(model, {"speculative_config": config}, workloads,
+                                        args.max_tokens, args.offline, not args.no_batch1))
     best = {name: {k: max(r[k] for r in runs) for k in runs[0]}
             for name, runs in rounds.items()}
     ratios = {f"{name}_vs_plain": {k: best[name][k] / v for k, v in best["plain"].items()

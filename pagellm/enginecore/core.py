@@ -9,6 +9,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from pagellm.enginecore.kv_cache_manager import KVCacheManager
@@ -34,7 +35,7 @@ from pagellm.protocol.messages import (
     message_for,
 )
 from pagellm.protocol.sampling_params import ALL_LOGPROBS, MAX_STRINGS, check_token_ids
-from pagellm.protocol.scheduling import SchedulerOutput
+from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 from pagellm.protocol.stats import STEP_WINDOW, EngineStats, StepTimings
 from pagellm.protocol.utility import (
     SIGNATURES,
@@ -84,8 +85,14 @@ class EngineCore:
         # Outputs made outside a step (refused or aborted requests), sent with the next.
         self._outbox: dict[int, EngineCoreOutputs] = {}
         self.state = ServingState()
-        self.loras = LoRARegistry(args.enable_lora, self.executor.add_lora,
-                                  self.executor.remove_lora)
+        self.loras = LoRARegistry(args.enable_lora, self._drained(self.executor.add_lora),
+                                  self._drained(self.executor.remove_lora))
+        # Scheduled steps whose outputs have not been taken yet, oldest first: (the
+        # step, when scheduling began and ended, its result). With async_scheduling
+        # one runs on the executor's step thread while the next is scheduled.
+        self.async_scheduling = args.async_scheduling
+        self._in_flight: deque[tuple[SchedulerOutput, float, float,
+                                     Future[ModelRunnerOutput]]] = deque()
         self._handlers = self._utility_handlers()
         self.recent_steps: deque[StepTimings] = deque(maxlen=STEP_WINDOW)
         self.num_steps = 0
@@ -163,10 +170,15 @@ class EngineCore:
                                        FinishReason.ABORT)
 
     def has_work(self) -> bool:
+        return bool(self._outbox) or self.structured.has_ready() or bool(self._in_flight) \
+            or self._schedules()
+
+    def _schedules(self) -> bool:
+        """Whether a step would be scheduled now: serving, with requests to run or
+        finished ones the runner must forget."""
         scheduler = self.scheduler
-        return bool(self._outbox) or self.structured.has_ready() or (
-            self.state.schedules() and (scheduler.has_unfinished_requests()
-                                        or scheduler.has_finished_requests()))
+        return self.state.schedules() and (scheduler.has_unfinished_requests()
+                                           or scheduler.has_finished_requests())
 
     @property
     def num_waiting(self) -> int:
@@ -181,36 +193,87 @@ class EngineCore:
 
     def step(self) -> dict[int, EngineCoreOutputs]:
         """Schedule, execute, update: one continuous-batching iteration. Outputs are
-        grouped by client (0 for an in-process engine)."""
+        grouped by client (0 for an in-process engine).
+
+        With async_scheduling the step scheduled here runs on the executor's thread
+        while this returns and the next call schedules the one after (its sampled
+        tokens feed that one in the worker: `Request.num_output_placeholders`); a step's
+        outputs come back with the call after the one that scheduled it. A step whose
+        scheduling needs the tokens of the one in flight (proposals, grammars) waits
+        for them first."""
         if self.structured.has_ready():
             self._admit_compiled()
         outputs, self._outbox = self._outbox, {}
+        if self._in_flight and not self._overlaps():
+            self._finish(outputs)
+        overlapped = False
         # A step with nothing to run still tells the runner which requests to forget.
-        if self.has_work():
+        if self._schedules():
             t0 = time.perf_counter()
             scheduler_output = self.scheduler.schedule()
             if self.structured.active:  # the constrained requests that sample now
                 scheduler_output.grammar = self.structured.bitmask(
                     self._sampling(scheduler_output),
                     scheduler_output.scheduled_spec_decode_tokens)
-            t1 = time.perf_counter()
-            try:
-                runner_output = self.executor.execute_model(scheduler_output)
-            except StepFailed as e:  # the step's requests fail; the engine goes on
-                _merge(outputs, self.scheduler.fail_step(scheduler_output, str(e)))
-                self.executor.retain_requests({r.request_id for r in self.scheduler.running})
-                return _stamped(outputs)
-            t2 = time.perf_counter()
-            _merge(outputs, self.scheduler.update_from_output(scheduler_output, runner_output))
-            t3 = time.perf_counter()
-            self.recent_steps.append(StepTimings(
-                schedule_s=t1 - t0, prepare_inputs_s=runner_output.prepare_inputs_s,
-                forward_s=runner_output.forward_s, sample_s=runner_output.sample_s,
-                update_s=t3 - t2, collective_s=runner_output.collective_s,
-                dispatch_s=runner_output.dispatch_s,
-                attention_plan_s=runner_output.attention_plan_s))
-            self.num_steps += 1
+            self._in_flight.append((scheduler_output, t0, time.perf_counter(),
+                                    self._submit(scheduler_output)))
+            overlapped = self.async_scheduling and not scheduler_output.is_empty
+        while len(self._in_flight) > overlapped:
+            self._finish(outputs)
         return _stamped(outputs)
+
+    def _overlaps(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight returns: not
+        while its tokens decide the next step's proposals or grammar masks."""
+        return self.scheduler.proposer is None and not self.structured.active
+
+    def _submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        if self.async_scheduling:
+            return self.executor.execute_model_async(scheduler_output)
+        done: Future[ModelRunnerOutput] = Future()
+        try:
+            done.set_result(self.executor.execute_model(scheduler_output))
+        except StepFailed as e:
+            done.set_exception(e)
+        return done
+
+    def _finish(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """Take the oldest step's result into `outputs`. A step that failed fails its
+        requests (the engine goes on); once nothing is in flight the runner forgets
+        them."""
+        scheduler_output, t0, t1, future = self._in_flight.popleft()
+        try:
+            runner_output = future.result()
+        except StepFailed as e:
+            _merge(outputs, self.scheduler.fail_step(scheduler_output, str(e)))
+            self._drain(outputs)
+            self.executor.retain_requests({r.request_id for r in self.scheduler.running})
+            return
+        t2 = time.perf_counter()
+        _merge(outputs, self.scheduler.update_from_output(scheduler_output, runner_output))
+        t3 = time.perf_counter()
+        self.recent_steps.append(StepTimings(
+            schedule_s=t1 - t0, prepare_inputs_s=runner_output.prepare_inputs_s,
+            forward_s=runner_output.forward_s, sample_s=runner_output.sample_s,
+            update_s=t3 - t2, collective_s=runner_output.collective_s,
+            dispatch_s=runner_output.dispatch_s,
+            attention_plan_s=runner_output.attention_plan_s))
+        self.num_steps += 1
+
+    def _drain(self, outputs: dict[int, EngineCoreOutputs] | None = None) -> None:
+        """Wait for every step in flight, their outputs into `outputs` (by default the
+        outbox, sent with the next step's): before any other call reaches the executor,
+        which runs one thing at a time."""
+        while self._in_flight:
+            self._finish(self._outbox if outputs is None else outputs)
+
+    def _drained(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """`call`, made to wait for the steps in flight first (it reaches the
+        executor from outside a step: LoRA adapters, a deferred utility call's end)."""
+        def after_drain(*args: Any) -> Any:
+            self._drain()
+            return call(*args)
+        return after_drain
 
     def _sampling(self, scheduler_output: SchedulerOutput) -> list[Request]:
         """The step's constrained requests that sample a token in it (not a prompt
@@ -244,6 +307,7 @@ class EngineCore:
         `ready()`, then calls its `finish()` for the result."""
         a = convert_args(method, args)
         row = SIGNATURES[method]
+        self._drain()
         if row.refused_asleep and self.executor.sleeping:
             raise RuntimeError(f"cannot {method.name.lower()}: "
                                f"{self.state.describe(self.executor.sleeping)}; "
@@ -314,7 +378,8 @@ class EngineCore:
                     EngineCoreOutput(request.request_id, [], FinishReason.ABORT))
             self.scheduler.finish_requests(list(self.scheduler.requests), FinishReason.ABORT)
         self.state.pause(mode)
-        return Deferred(lambda: self._settle_pause(clear_cache), self.pause_settled)
+        return Deferred(self._drained(lambda: self._settle_pause(clear_cache)),
+                        self.pause_settled)
 
     def _settle_pause(self, clear_cache: bool) -> None:
         self.state.check_still_paused()
@@ -338,7 +403,7 @@ class EngineCore:
                                "enable_sleep_mode=True")
         self.pause(mode)
         self.state.sleep_level = max(self.state.sleep_level, level)
-        return Deferred(lambda: self._finish_sleep(level), self.pause_settled)
+        return Deferred(self._drained(lambda: self._finish_sleep(level)), self.pause_settled)
 
     def _finish_sleep(self, level: int) -> None:
         """The memory half of `sleep`, once `pause_settled()`."""
@@ -376,7 +441,7 @@ class EngineCore:
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> Deferred:
         """The join waits for the trainer off the loop: steps go on meanwhile."""
         self.executor.init_weight_transfer_engine(init_info)
-        return Deferred(lambda: None, self.executor.weight_transfer_joined)
+        return Deferred(lambda: None, self._drained(self.executor.weight_transfer_joined))
 
     def finish_weight_update(self, weight_version: str | None) -> None:
         self.state.finish_weight_update(weight_version)
@@ -404,6 +469,9 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.structured.shutdown()
+        for *_, future in self._in_flight:  # let it end; its outputs go nowhere now
+            future.exception()
+        self._in_flight.clear()
         self.executor.shutdown()
 
     def _reject(self, client_index: int, request_id: str, error: str,

@@ -46,7 +46,8 @@ class Request:
                  "finish_reason", "grammar", "kv_fits", "lora_key", "lora_request", "max_tokens",
                  "min_tokens",
                  "num_cached_tokens",
-                 "num_computed_tokens", "num_prompt_logprobs_sent", "num_tokens",
+                 "num_computed_tokens", "num_output_placeholders",
+                 "num_prompt_logprobs_sent", "num_tokens",
                  "output_token_ids", "priority", "prompt_token_ids", "request_id",
                  "sampling_params", "spec_token_ids", "status", "stop_reason",
                  "stop_token_ids", "stopping_ids", "token_bytes")
@@ -83,6 +84,11 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_tokens = len(prompt_token_ids)  # prompt + output
         self.num_computed_tokens = 0
+        # Scheduled steps that sample for it whose tokens have not come back yet. The
+        # token a step samples is the next step's input, so with asynchronous
+        # scheduling (a step scheduled while the one before runs) the request is
+        # scheduled that far past `num_tokens`; the runner has the tokens.
+        self.num_output_placeholders = 0
         # The context length up to which the KV cache manager has nothing to do for it
         # (every slot held, no block to fill), set by each allocation: the scheduler
         # calls `allocate_slots` only past it (a compare instead of a call, for every

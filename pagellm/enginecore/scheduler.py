@@ -193,7 +193,13 @@ class Scheduler:
         for request in running:
             if budget <= 0:
                 break
-            num_new = request.num_tokens - request.num_computed_tokens
+            # Tokens still to come back (asynchronous scheduling) are inputs too: the
+            # runner has them. At its max_tokens a request waits for its last one.
+            placeholders = request.num_output_placeholders
+            if placeholders and len(request.output_token_ids) + placeholders \
+                    >= request.max_tokens:
+                continue
+            num_new = request.num_tokens + placeholders - request.num_computed_tokens
             drafts = None
             ahead = 0
             if propose is not None and num_new == 1 and (
@@ -236,6 +242,8 @@ class Scheduler:
                 if seats <= 0:
                     propose = None
             request.num_computed_tokens += num_new
+            if request.num_computed_tokens >= request.num_tokens + placeholders:  # samples
+                request.num_output_placeholders = placeholders + 1
             budget -= num_new
         return budget, preempted_now
 
@@ -279,6 +287,8 @@ class Scheduler:
                 request.lora_int_id))
             num_scheduled[request.request_id] = num_new
             request.num_computed_tokens += num_new
+            if request.num_computed_tokens >= request.num_tokens:  # the prompt's end: samples
+                request.num_output_placeholders = 1
             budget -= num_new
             if lora_id:
                 adapters.add(lora_id)
@@ -321,6 +331,7 @@ class Scheduler:
                     message_for(outputs, request.client_index).outputs.append(EngineCoreOutput(
                         request_id, [], new_prompt_logprobs=prompt_logprobs))
                 continue
+            request.num_output_placeholders -= 1
             grammar = request.grammar
             if grammar is not None:  # structured outputs: the grammar takes the token(s)
                 error = self._advance_grammar(request, grammar, token_id, more)
@@ -337,12 +348,16 @@ class Scheduler:
                 continue
             request.append_output_token_id(token_id)
             # Most tokens end nothing: one set lookup and one compare say so.
-            if ((token_id in request.stopping_ids
-                 or len(request.output_token_ids) >= request.max_tokens
-                 or (grammar is not None and grammar.terminated))
-                    and check_stop(request)):
-                any_finished = True
-                self._free(request)
+            if (token_id in request.stopping_ids
+                    or len(request.output_token_ids) >= request.max_tokens
+                    or (grammar is not None and grammar.terminated)):
+                # Asynchronous scheduling: preempted after this step was scheduled.
+                preempted = request.status == RequestStatus.PREEMPTED
+                if check_stop(request):
+                    any_finished = True
+                    if preempted:
+                        self.waiting.remove(request)
+                    self._free(request)
             logprobs = logprobs_by_request.get(request_id) if logprobs_by_request else None
             if request.client_index != client:
                 client = request.client_index

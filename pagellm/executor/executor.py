@@ -11,7 +11,10 @@ tensor-parallel rank. Everything passed either way is a protocol Struct or plain
 from __future__ import annotations
 
 import logging
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from pagellm.executor.model.config import ModelConfig, resolve_device, resolve_model_config
@@ -43,14 +46,26 @@ class Executor(ABC):
         self.max_num_batched_tokens = max_num_batched_tokens(args, self.device)
         self.enable_sleep_mode = args.enable_sleep_mode
         self.sleeping: set[str] = set()  # tags ("weights", "kv_cache") now freed
-        self._start_workers(args)
-        budgets = self._run("kv_cache_budget")
-        budget, source, per_block = min(budgets, key=lambda b: b[0])
-        if len(budgets) > 1:
-            source += f" (the smallest of {len(budgets)} ranks)"
-        self.num_kv_blocks = num_kv_blocks(budget, source, per_block, args.block_size,
-                                           self.model_config.max_model_len)
-        self._run("initialize_kv_cache", self.num_kv_blocks)
+        # With async_scheduling, the thread steps run on (`execute_model_async`); an
+        # in-process worker does all its work there, from loading on (`_on_step_thread`).
+        self._step_thread: ThreadPoolExecutor | None = None
+        self._step_thread_id: int | None = None
+        if args.async_scheduling:
+            self._step_thread = ThreadPoolExecutor(1, "pagellm-step",
+                                                   initializer=self._enter_step_thread)
+        try:
+            self._start_workers(args)
+            budgets = self._run("kv_cache_budget")
+            budget, source, per_block = min(budgets, key=lambda b: b[0])
+            if len(budgets) > 1:
+                source += f" (the smallest of {len(budgets)} ranks)"
+            self.num_kv_blocks = num_kv_blocks(budget, source, per_block, args.block_size,
+                                               self.model_config.max_model_len)
+            self._run("initialize_kv_cache", self.num_kv_blocks)
+        except BaseException:
+            if self._step_thread is not None:  # a failed start leaves no thread behind
+                self._step_thread.shutdown()
+            raise
 
     @abstractmethod
     def _start_workers(self, args: EngineArgs) -> None: ...
@@ -64,6 +79,38 @@ class Executor(ABC):
         StepFailed when the step failed but every worker is still usable."""
         result: ModelRunnerOutput = self._run("execute_model", scheduler_output)[0]
         return result
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput
+                            ) -> Future[ModelRunnerOutput]:
+        """Start `execute_model` on the executor's step thread and return at once
+        (asynchronous scheduling: the engine core schedules the next step meanwhile;
+        the forward pass and the workers' replies release the interpreter lock). Steps
+        run one at a time, in the order submitted; the caller makes no other executor
+        call while one is in flight."""
+        if self._step_thread is None:
+            raise RuntimeError("execute_model_async needs an executor made with "
+                               "async_scheduling=True")
+        return self._step_thread.submit(self.execute_model, scheduler_output)
+
+    def _enter_step_thread(self) -> None:
+        """CUDA's current device is per thread: the step thread's is the worker's."""
+        self._step_thread_id = threading.get_ident()
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.device)
+
+    def _on_step_thread(self, call: Callable[..., Any], *args: Any) -> Any:
+        """`call(*args)` on the step thread, if there is one. An in-process worker's
+        torch work all runs there: a second thread running parallel CPU ops gives
+        libgomp two thread teams, more threads than cores, and it then puts each
+        team's idle threads to sleep after every parallel region instead of letting
+        them spin: the SmolLM2-135M shape's batch-1 forward pass went from 28 to 45 ms
+        on 2 cores once the model had been loaded on another thread than the one that
+        ran the steps."""
+        if self._step_thread is None or threading.get_ident() == self._step_thread_id:
+            return call(*args)
+        return self._step_thread.submit(call, *args).result()
 
     def sleep(self, level: int) -> None:
         self.sleeping = set(self._run("sleep", level)[0])
@@ -118,7 +165,11 @@ class Executor(ABC):
         self._run("retain_requests", sorted(request_ids))
 
     def shutdown(self) -> None:
-        self._run("shutdown")
+        try:
+            self._run("shutdown")
+        finally:
+            if self._step_thread is not None:
+                self._step_thread.shutdown()
 
 
 class UniProcExecutor(Executor):
@@ -146,7 +197,7 @@ class UniProcExecutor(Executor):
         from pagellm.executor.worker.extension import make_worker
 
         self._own_group = _default_group_of_one(self.device)
-        self.worker = make_worker(args)
+        self.worker = self._on_step_thread(make_worker, args)
 
     @property
     def runner(self) -> Any:
@@ -159,7 +210,7 @@ class UniProcExecutor(Executor):
         return self.worker
 
     def _run(self, method: str, *args: Any) -> list[Any]:
-        return [getattr(self.worker, method)(*args)]
+        return [self._on_step_thread(getattr(self.worker, method), *args)]
 
     def shutdown(self) -> None:
         try:

@@ -254,8 +254,9 @@ class EngineArgs:
         None, "Adapters kept loaded in host memory, least recently used dropped first "
         "(default: max_loras; at least max_loras).")
     async_scheduling: bool = _opt(
-        False, "Only false: each step's scheduling waits for the previous step's outputs "
-        "(issue 45).")
+        False, "Schedule step n+1 while step n runs (its sampled tokens feed n+1 in the "
+        "worker); steps run one at a time while speculative decoding or structured "
+        "outputs are active.")
     # -- past one device (vLLM's ParallelConfig names) --------------------------------
     tensor_parallel_size: int = field(default=1, metadata={
         "alias": "-tp", "help": "Worker processes that each hold 1/N of the model (attention "
@@ -438,7 +439,6 @@ _SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
                            "revision"),
     "tokenizer_mode": (("auto",), "the tokenizer is the one AutoTokenizer loads"),
     "model_impl": (("auto", "vllm"), "pagellm's own decoder serves the model"),
-    "async_scheduling": ((False,), "scheduling waits for each step's outputs"),
 }
 # Flags whose default is None (unset) rather than a bool.
 _OPTIONAL_FLAGS = frozenset({"enable_chunked_prefill"})

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.own_code
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # benchmarks/ is scripts, not a package
 
+import async_scheduling  # noqa: E402
 import bad_words  # noqa: E402
 import cpu_quantized  # noqa: E402
 import decode_roofline  # noqa: E402
@@ -209,9 +210,9 @@ def job_json(job: Job) -> dict[str, Any]:
 GPU_SUITE_PARTS = ["tests", "kernel", "fused", "decode-qwen2.5-0.5b",
                    "decode-qwen2.5-0.5b-eager", "throughput-qwen2.5-0.5b"]
 # tests/e2e/test_gpu.py's cases, counted by hand: 3 models x (graphs, eager), speculative
-# decoding's 2 methods, graphs against eager, bf16 logprobs of 2 models, host syncs,
-# profiled KV-cache size, structured outputs, LoRA.
-NUM_TEST_GPU_CASES = 3 * 2 + 2 + 1 + 2 + 1 + 1 + 1 + 1
+# decoding's 2 methods, async scheduling, graphs against eager, bf16 logprobs of 2
+# models, host syncs, profiled KV-cache size, structured outputs, LoRA.
+NUM_TEST_GPU_CASES = 3 * 2 + 2 + 1 + 1 + 2 + 1 + 1 + 1 + 1
 # 30 s of work: started when collection ends, niced (tests/support/background.py).
 GPU_SUITE = Job("test_gpu_suite_smoke_runs_each_kind_of_part_in_a_subprocess",
                 background_json("gpu_suite.py", "--smoke", "--parts", *GPU_SUITE_PARTS))
@@ -376,6 +377,16 @@ def test_cpu_quantized_smoke_times_every_variant_side_by_side(tmp_path):
         assert best["batch1_tokens_per_s"] > 0 and best["offline_output_tokens_per_s"] > 0
     assert results["vs_fp32"]["fp32"] == {"batch1_tokens_per_s": 1.0,
                                           "offline_output_tokens_per_s": 1.0}
+
+
+def test_async_scheduling_smoke_times_both_arms_on_every_workload(tmp_path):
+    results = async_scheduling.main(["--smoke", "--out", str(tmp_path / "a.json")])
+    assert json.loads((tmp_path / "a.json").read_text()) == results
+    keys = {"edit_batch1_tokens_per_s", "chat_batch1_tokens_per_s",
+            "offline4_output_tokens_per_s", "many8_output_tokens_per_s"}
+    for arm in ("sync", "async"):
+        assert set(results["best"][arm]) == keys and min(results["best"][arm].values()) > 0
+    assert set(results["async_vs_sync"]) == keys
 
 
 def test_spec_decode_smoke_times_every_arm_on_both_workloads(tmp_path):

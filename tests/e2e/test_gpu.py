@@ -60,6 +60,26 @@ def test_speculative_decoding_on_the_gpu_matches_transformers(method, model_dirs
         assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens
 
 
+def test_async_scheduling_on_the_gpu_matches_transformers(model_dirs, hf_reference,
+                                                          make_llm):
+    """Steps on the executor's step thread (the model loaded and its graphs captured
+    there, replayed while the engine core schedules the next step): transformers'
+    greedy tokens, and seeded samples with logprobs as the synchronous engine's."""
+    options = {"device": "cuda", "dtype": "float32", "attention_backend": "triton",
+               "kv_cache_memory_bytes": 64 * 2**20}
+    llm = make_llm(model_dirs["llama"], async_scheduling=True, **options)
+    assert llm.engine_core.core.executor.runner.graphs is not None
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        expected = hf_reference("llama", llm.tokenizer.encode(prompt), 32)
+        assert output.outputs[0].token_ids == expected, prompt
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=32, logprobs=2)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, seeded, use_tqdm=False)]
+    plain = make_llm(model_dirs["llama"], **options)
+    assert got == [o.outputs[0].token_ids
+                   for o in plain.generate(PROMPTS, seeded, use_tqdm=False)]
+
+
 def test_graphs_and_eager_give_identical_outputs(model_dirs, make_llm):
     """Every batch size from 1 to 10 decodes through the graphs (padded up the
     ladder) and gives exactly the eager run's tokens and logprobs."""

@@ -837,3 +837,123 @@ def test_a_step_runs_at_most_max_loras_adapters_and_the_others_keep_their_place(
     assert admitted > 1
     assert all(r.output_token_ids == expected_outputs(r.prompt_token_ids, r.max_tokens)
                for r in requests)
+
+
+# -- asynchronous scheduling (issue 45): step n+1 is scheduled before n's tokens are back
+
+
+def run_async(scheduler: Scheduler, runner: FakeModelRunner, max_steps: int = 1000
+              ) -> tuple[list[SchedulerOutput], dict[str, list[EngineCoreOutput]]]:
+    """EngineCore.step's loop with async_scheduling: each step is scheduled and run
+    before the one before it is taken back (`update_from_output`), unless it is empty.
+    The fake runner, like the real one, has every token it sampled when it runs the
+    next step. Returns the steps, and each request's outputs in order."""
+    steps: list[SchedulerOutput] = []
+    outputs: dict[str, list[EngineCoreOutput]] = {}
+    in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
+    while scheduler.has_unfinished_requests() or in_flight:
+        assert len(steps) < max_steps, "no progress"
+        overlapped = False
+        if scheduler.has_unfinished_requests() or scheduler.has_finished_requests():
+            so = scheduler.schedule()
+            steps.append(so)
+            in_flight.append((so, runner.execute_model(so)))
+            overlapped = not so.is_empty
+        while len(in_flight) > overlapped:
+            for out in flat(scheduler.update_from_output(*in_flight.pop(0))):
+                outputs.setdefault(out.request_id, []).append(out)
+    return steps, outputs
+
+
+def _tokens_and_finish(outputs: list[EngineCoreOutput]) -> tuple[list[int], FinishReason]:
+    assert all(o.finish_reason is None for o in outputs[:-1])
+    finish = outputs[-1].finish_reason
+    assert finish is not None
+    return [t for o in outputs for t in o.new_token_ids], finish
+
+
+def test_async_steps_give_every_request_the_tokens_and_finish_of_sync_steps():
+    """Prompts chunked over steps, max_tokens from 1, EOS and stop tokens scripted at
+    various points, more requests than seats: each request's tokens and finish reason
+    are the synchronous loop's, and the steps did overlap (a request scheduled again
+    while its last token was still out: two placeholders)."""
+    def build() -> tuple[Scheduler, FakeModelRunner]:
+        scheduler = create_scheduler(max_num_seqs=6, max_num_batched_tokens=24,
+                                     num_blocks=64, block_size=4)
+        requests = create_requests(12, [3, 30, 8, 17, 1, 9, 40, 5, 12, 2, 26, 7],
+                                   max_tokens=[1, 2, 5, 9, 16, 7, 3, 12, 4, 20, 6, 11],
+                                   stop_token_ids=[555])
+        add(scheduler, requests)
+        script = {"r2": [3, 4, EOS], "r7": [1, 2, 3, 555], "r9": [9, EOS]}
+        return scheduler, create_runner(scheduler, script)
+
+    scheduler, runner = build()
+    synchronous: dict[str, list[EngineCoreOutput]] = {}
+    while scheduler.has_unfinished_requests():
+        for request_id, out in step(scheduler, runner)[1].items():
+            synchronous.setdefault(request_id, []).append(out)
+    scheduler, runner = build()
+    seen: list[int] = []
+    original = scheduler._schedule_running
+
+    def spy(*args, **kwargs):  # placeholders of the running requests as scheduled
+        result = original(*args, **kwargs)
+        seen.extend(r.num_output_placeholders for r in scheduler.running)
+        return result
+
+    scheduler._schedule_running = spy  # type: ignore[method-assign]
+    _, asynchronous = run_async(scheduler, runner)
+    assert_everything_free(scheduler)
+    assert {r: _tokens_and_finish(o) for r, o in asynchronous.items()} == \
+        {r: _tokens_and_finish(o) for r, o in synchronous.items()}
+    assert len(synchronous) == 12 and max(seen) == 2
+
+
+def test_a_request_stopped_by_the_step_in_flight_gets_nothing_from_the_next():
+    """r0 samples EOS in step 2; step 3, scheduled before step 2 came back, computed one
+    more token for it. That token is dropped: r0 ends with its two tokens, its blocks
+    free, and the runner is told to forget it."""
+    scheduler = create_scheduler()
+    (r0,) = create_requests(1, 8)
+    add(scheduler, [r0])
+    runner = create_runner(scheduler, {"r0": [5, EOS]})
+    steps, outputs = run_async(scheduler, runner)
+    assert [list(so.num_scheduled_tokens.items()) for so in steps[:3]] == \
+        [[("r0", 8)], [("r0", 1)], [("r0", 1)]]
+    assert _tokens_and_finish(outputs["r0"]) == ([5, EOS], FinishReason.STOP)
+    assert r0.output_token_ids == [5, EOS]
+    assert any("r0" in so.finished_req_ids for so in steps)
+    assert_everything_free(scheduler)
+
+
+def test_a_request_whose_last_token_is_in_flight_is_not_scheduled_again():
+    """max_tokens=3: the prompt step and two decode steps sample its three tokens; with
+    the third still out, the request waits instead of computing a token past its end."""
+    scheduler = create_scheduler()
+    (r0,) = create_requests(1, 8, max_tokens=3)
+    add(scheduler, [r0])
+    steps, outputs = run_async(scheduler, create_runner(scheduler))
+    assert sum("r0" in so.num_scheduled_tokens for so in steps) == 3
+    assert _tokens_and_finish(outputs["r0"]) == (
+        expected_outputs(r0.prompt_token_ids, 3), FinishReason.LENGTH)
+    assert_everything_free(scheduler)
+
+
+def test_a_request_preempted_with_a_token_in_flight_that_ends_it_leaves_the_queue():
+    """Three 7-token prompts fill the six blocks. Step 2 (scheduled before step 1 came
+    back) computes position 7 of each; step 3 needs new blocks, so r2 is preempted while
+    step 2's token for it is still out. That token is r2's last (max_tokens=2): r2
+    finishes from the waiting queue, which it leaves, and is never admitted again."""
+    scheduler = create_scheduler(max_num_seqs=3, num_blocks=6, block_size=4)
+    requests = create_requests(3, 7, max_tokens=[8, 8, 2])
+    add(scheduler, requests)
+    steps, outputs = run_async(scheduler, create_runner(scheduler))
+    assert steps[2].preempted_req_ids == ["r2"]
+    assert "r2" in steps[1].num_scheduled_tokens
+    assert _tokens_and_finish(outputs["r2"]) == (
+        expected_outputs(requests[2].prompt_token_ids, 2), FinishReason.LENGTH)
+    assert not any(n.req_id == "r2" for so in steps[1:] for n in so.scheduled_new_reqs)
+    for request in requests:
+        assert request.output_token_ids == expected_outputs(request.prompt_token_ids,
+                                                            request.max_tokens)
+    assert_everything_free(scheduler)

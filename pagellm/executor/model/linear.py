@@ -43,11 +43,12 @@ worker dropping every copy after each weight update, sleep and collective_rpc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,20 @@ SMALL_BATCH_ONEDNN_MIN_IN = 2048
 INTEL_MKL_MAX_ROWS = 3
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run the import-time probes on one thread: a parallel region here would give the
+    importing thread an OpenMP team for good, and a second team (an engine's step
+    thread with async_scheduling: executor/executor.py `_on_step_thread`) makes
+    libgomp stop its idle threads from spinning, which slowed CPU steps by half."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _onednn_linear() -> Callable[..., torch.Tensor] | None:
     """oneDNN's fp32 linear on plain (unpacked) weights, where this torch has it."""
     op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) \
@@ -78,7 +93,8 @@ def _onednn_linear() -> Callable[..., torch.Tensor] | None:
     if op is None:
         return None
     try:  # present is not enough: some builds register it without a CPU kernel
-        op(torch.ones(2, 2), torch.ones(2, 2), None, "none", [], "")
+        with _one_thread():
+            op(torch.ones(2, 2), torch.ones(2, 2), None, "none", [], "")
     except RuntimeError:
         return None
     return op
@@ -105,7 +121,8 @@ def _reorder_weight() -> Callable[[torch.Tensor], torch.Tensor] | None:
         return None
     try:
         w = torch.ones(16, 32, dtype=torch.bfloat16)
-        linear(torch.ones(5, 32, dtype=torch.bfloat16), op(w), None, "none", [], "")
+        with _one_thread():
+            linear(torch.ones(5, 32, dtype=torch.bfloat16), op(w), None, "none", [], "")
     except RuntimeError:
         return None
     return op
