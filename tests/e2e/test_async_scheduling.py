@@ -232,16 +232,18 @@ def test_a_failed_step_fails_its_requests_alone(loopy, make_llm, monkeypatch):
                                                             greedy))
 
 
-def test_two_ranks_in_an_engine_process(loopy):
-    """Tensor parallel workers in their processes and the engine core in its own (its
-    busy loop steps while a step is out): the tokens of one rank, in-process, without
-    asynchronous scheduling."""
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2, "multiprocess": False},
+                                    {"data_parallel_size": 2}], ids=["tp2", "dp2"])
+def test_tensor_and_data_parallel(loopy, layout):
+    """Two tensor-parallel workers in their processes (the step thread talks to them
+    while the engine core schedules), and two data-parallel engine cores in theirs (each
+    busy loop steps while its step is out): the tokens of one synchronous in-process
+    engine."""
     from pagellm import LLM
 
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.5, seed=7, max_tokens=24, logprobs=2)] * 2
-    with LLM(str(loopy), kv_cache_memory_bytes=KV, tensor_parallel_size=2,
-             async_scheduling=True) as llm:
+    with LLM(str(loopy), kv_cache_memory_bytes=KV, async_scheduling=True, **layout) as llm:
         got = outputs(llm, PROMPTS[:4], params)
     with LLM(str(loopy), kv_cache_memory_bytes=KV, multiprocess=False) as llm:
         assert_same(got, outputs(llm, PROMPTS[:4], params))
