@@ -268,19 +268,6 @@ def rl_server(model_dirs: dict[str, Path]) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
-def plain_server(model_dirs: dict[str, Path]) -> Iterator[Any]:
-    """`pagellm serve` on the llama test model with no options, shared by the modules
-    that need nothing else (tests/frontend/server/test_server.py, the HTTP fuzzer in
-    tests/e2e/test_fuzz.py, the real clients in tests/e2e/test_real_clients.py): one
-    start instead of three. Tests leave it serving."""
-    from helpers import Server
-
-    server = Server(model_dirs["llama"])
-    yield server
-    assert server.stop() == 0
-
-
-@pytest.fixture(scope="session")
 def guarded(model_dirs, tmp_path_factory) -> Iterator[Server]:
     """`pagellm serve` behind the API key "sesame", trusting chat templates sent in
     requests, with --max-connections 64; its stderr in a log file. Its tests

@@ -167,8 +167,11 @@ BODIES = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def http_server(plain_server):
-    return plain_server, _complete(plain_server)
+def http_server(model_dirs):
+    server = Server(model_dirs["llama"])
+    reference = _complete(server)
+    yield server, reference
+    assert server.stop() == 0
 
 
 def _complete(server: Server, key: str | None = None) -> str:

@@ -23,7 +23,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import lm_eval
 import pytest
 from conftest import PROMPTS
-from helpers import NAME
+from helpers import NAME, Server
 from lm_eval.models.openai_completions import LocalCompletionsAPI
 from lm_eval.tasks import TaskManager
 
@@ -134,10 +134,10 @@ def evaluate(task_dir: Path, model: Any, **model_args: Any) -> dict[str, list[di
 
 
 @pytest.fixture(scope="module")
-def server(plain_server):
-    """The shared server (conftest): the llama test model is fp32, as the reference."""
-    assert MODEL == "llama"
-    return plain_server
+def server(model_dirs):
+    s = Server(model_dirs[MODEL], "--dtype", "float32")
+    yield s
+    assert s.stop() == 0
 
 
 @pytest.fixture(scope="module")

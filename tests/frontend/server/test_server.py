@@ -28,8 +28,10 @@ def wait_idle(server: Server, timeout: float = 5.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(plain_server):
-    return plain_server
+def server(model_dirs):
+    s = Server(model_dirs["llama"])
+    yield s
+    assert s.stop() == 0
 
 
 @pytest.fixture(scope="module")
