@@ -16,7 +16,7 @@ from peft_adapters import argmax_along
 from quantized_checkpoints import write_fp8_checkpoint, write_int_checkpoint
 
 from pagellm import SamplingParams
-from pagellm.kernels import fp8
+from pagellm.kernels import cpu_int_gemm, fp8
 from pagellm.kernels.quant import PackedWeight
 
 # The floors leg skips these (.ci/run): the formats' floors are covered by
@@ -122,6 +122,30 @@ def test_without_the_kernels_a_checkpoint_loads_dequantized(model_dirs, make_llm
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     assert not model.quantized and model.model.layers[0].self_attn.qkv_proj.quant is None
     _assert_greedy_equal(llm, _transformers(model_dirs["llama"], reference))
+
+
+@pytest.mark.parametrize("case", ["awq-4bit", "ct-4bit"])
+def test_integer_checkpoints_run_packed_on_the_cpus_int_kernel(case, model_dirs, make_llm,
+                                                               tmp_path):
+    """The CPU's own path keeps 4-bit checkpoints packed (kernels/cpu_int_gemm.py: no
+    full-precision copy) and gives the tokens of transformers on the weights the codes
+    stand for, with each projection's input quantized per token and group of 32 as the
+    kernel does."""
+    method, options = CASES[case]
+    directory, reference = write_int_checkpoint(model_dirs["qwen2"], tmp_path / case, method,
+                                                **options)
+    llm = make_llm(str(directory), dtype="float32")
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    for proj in (model.model.layers[1].self_attn.qkv_proj, model.model.layers[1].mlp.down_proj):
+        assert isinstance(proj.quant, cpu_int_gemm.CpuIntWeight) and proj.weight.is_meta
+        assert (proj.quant.bits, proj.quant.group_size) == (4, 32)
+    expected = _transformers(model_dirs["qwen2"], reference)
+    for name, module in expected.named_modules():
+        if name.endswith("_proj"):
+            module.register_forward_pre_hook(lambda _, args: tuple(
+                cpu_int_gemm.quantize_activations(a.reshape(-1, a.shape[-1]), 32)
+                .reshape(a.shape) for a in args))
+    _assert_greedy_equal(llm, expected)
 
 
 def test_a_w8a8_int8_checkpoint_runs_as_its_own_scheme_on_the_cpu(model_dirs, make_llm,

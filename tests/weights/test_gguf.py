@@ -1,7 +1,7 @@
 """llama.cpp's GGUF files as models (pagellm/weights/gguf.py): written as llama.cpp writes
 them (tests/support/gguf_files.py), they give transformers' own greedy tokens on the same
-file (`gguf_file=`), token for token in fp32: dequantized on the CPU's path, and with
-their Q8_0 / Q4_0 projections packed for the Triton kernels (the interpreter here)."""
+file (`gguf_file=`), token for token in fp32, with their Q8_0 / Q4_0 projections packed
+for the CPU's int kernel and for the Triton kernels (the interpreter here)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from peft_adapters import argmax_along
 
 from pagellm import SamplingParams
 from pagellm.demo.model import ModelSpec, make_model
+from pagellm.kernels.cpu_int_gemm import CpuIntWeight, quantize_activations
 from pagellm.weights import gguf as gguf_module
 from pagellm.weights.gguf import TRANSFORMERS_FLOOR, gguf_model_dir, transformers_version
 
@@ -55,12 +56,26 @@ def _assert_greedy_equal(llm, reference) -> None:
 
 
 @pytest.mark.parametrize("projections", ["F32", "Q8_0", "Q4_0", "Q4_1"])
-def test_a_gguf_file_loads_dequantized_as_transformers_reads_it(projections, llama_dir,
-                                                                tmp_path, make_llm):
+def test_a_gguf_file_on_the_cpu_gives_transformers_tokens(projections, llama_dir, tmp_path,
+                                                          make_llm):
+    """F32 and Q4_1 projections load as fp32 weights; Q8_0 and Q4_0 ones stay packed for
+    the CPU's int kernel, whose activations (per token and group of 32, as llama.cpp's
+    Q8_0 activations) the reference then takes too."""
     path = write_gguf(llama_dir, tmp_path / f"model-{projections}.gguf", projections)
     llm = make_llm(str(path), dtype="float32")
-    assert not llm.llm_engine.model_executor.driver_worker.model_runner.model.quantized
-    _assert_greedy_equal(llm, _transformers(path))
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    reference = _transformers(path)
+    packed = projections in ("Q8_0", "Q4_0")
+    assert bool(model.quantized) == packed
+    if packed:
+        quant = model.model.layers[0].self_attn.qkv_proj.quant
+        assert isinstance(quant, CpuIntWeight) and quant.bits == int(projections[1])
+        for name, module in reference.named_modules():
+            if name.endswith("_proj"):
+                module.register_forward_pre_hook(lambda _, args: tuple(
+                    quantize_activations(a.reshape(-1, a.shape[-1]), 32).reshape(a.shape)
+                    for a in args))
+    _assert_greedy_equal(llm, reference)
     # The tokenizer is the file's: the same ids as the model directory's own.
     from transformers import AutoTokenizer
 
@@ -103,7 +118,7 @@ def test_a_mixed_file_packs_the_common_type_and_dequantizes_the_rest(llama_dir, 
 def test_a_gguf_file_serves_as_a_draft_model(llama_dir, tmp_path, make_llm):
     """speculative_config's model may be a GGUF file too (converted as the target is):
     here the target's own file, whose every greedy proposal is accepted."""
-    path = write_gguf(llama_dir, tmp_path / "model.gguf", "Q8_0")
+    path = write_gguf(llama_dir, tmp_path / "model.gguf", "F32")
     llm = make_llm(str(path), dtype="float32", speculative_config={
         "model": str(path), "num_speculative_tokens": 3, "disable_by_batch_size": 64})
     assert llm.engine_args.speculative_config["model"] == llm.engine_args.model

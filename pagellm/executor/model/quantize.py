@@ -4,7 +4,9 @@ scales (kernels/quant.py), computed by the fused-dequantize Triton GEMM
 (kernels/triton_quant.py): a decode step then reads 4 or 8 bits per weight instead of
 16 or 32. `quantization="fp8"` keeps them in e4m3 with a scale per output channel and
 quantizes activations per token at each call (kernels/fp8.py: W8A8, vLLM's dynamic
-fp8). Without the Triton kernels (the CPU's own path) `"int8"` is W8A8 too: int8 per
+fp8). Without the Triton kernels (the CPU's own path) `"int4"` runs the CPU's int kernel
+(kernels/cpu_int_gemm.py: the same group-wise codes in its tiled layout, activations
+quantized per token and group, VNNI's int8 dot products) and `"int8"` is W8A8: int8 per
 output channel, activations per token, torch._int_mm (kernels/cpu_int8.py).
 
 Each rank quantizes its own slice after the checkpoint is loaded (so tensor
@@ -29,11 +31,13 @@ import torch
 from torch import nn
 
 from pagellm.executor.model.weight_map import Destination
-from pagellm.kernels import cpu_int8, fp8
+from pagellm.kernels import cpu_int8, cpu_int_gemm, fp8
+from pagellm.kernels.cpu_int_gemm import CpuIntWeight
 from pagellm.kernels.quant import PackedWeight, RowScaledWeight, quantize, unpack
 
-# A projection's packed form: weight-only integers (Triton), FP8, or the CPU's W8A8.
-Quantized = PackedWeight | RowScaledWeight
+# A projection's packed form: weight-only integers (Triton's layout, or the CPU kernel's),
+# FP8, or the CPU's W8A8.
+Quantized = PackedWeight | CpuIntWeight | RowScaledWeight
 # quantize-on-load names -> bits of a weight-only integer scheme, or 8 for fp8
 QUANTIZATIONS = {"int4": 4, "int8": 8, "fp8": 8}
 PROJECTIONS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
@@ -58,8 +62,9 @@ def quantize_projections(model: nn.Module, quantization: str, triton: bool = Tru
                          ) -> list[nn.Module]:
     """Replace every projection's weight by its packed form (`module.quant`); returns
     the modules quantized. Without the Triton kernels (`triton` False: the CPU's own
-    path) int8 is the CPU's W8A8 (kernels/cpu_int8.py). Raises ValueError naming a
-    projection that cannot be."""
+    path) int4 takes the CPU kernel's layout (kernels/cpu_int_gemm.py) and int8 is the
+    CPU's W8A8 (kernels/cpu_int8.py). Raises ValueError naming a projection that cannot
+    be."""
     bits = QUANTIZATIONS[quantization]
     quantized = []
     for name, module in model.named_modules():
@@ -70,12 +75,12 @@ def quantize_projections(model: nn.Module, quantization: str, triton: bool = Tru
         shards = module.tp.size if hasattr(module, "tp") else 1  # row-parallel: K sliced
         if quantization == "fp8":
             module.quant = fp8.quantize_weight(weight.detach())
-        elif not triton:
-            assert quantization == "int8", quantization
+        elif not triton and quantization == "int8":
             module.quant = cpu_int8.quantize_weight(weight.detach())
         else:
-            module.quant = quantize(weight.detach(), bits,
-                                    group_size_for(weight.shape[1], shards))
+            packed = quantize(weight.detach(), bits, group_size_for(weight.shape[1], shards),
+                              None if triton else torch.float32)
+            module.quant = packed if triton else cpu_int_gemm.pack(packed)
         module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype,
                                                  device="meta"), requires_grad=False)
         quantized.append(module)
@@ -97,6 +102,10 @@ def requantize_rows(module: nn.Module, first: int, rows: torch.Tensor) -> None:
             quant.weight[first:last].copy_(new.weight)
             quant.scale[:, first:last].copy_(new.scale)
             return
+        if isinstance(quant, CpuIntWeight):
+            cpu_int_gemm.write_rows(quant, first, quantize(
+                rows.to(quant.codes.device), quant.bits, quant.group_size, torch.float32))
+            return
         packed = quantize(rows.to(quant.qweight.device), quant.bits, quant.group_size,
                           quant.scales.dtype)
         quant.qweight[:, first:last].copy_(packed.qweight)
@@ -114,6 +123,12 @@ def place(module: nn.Module, first: int, part: Quantized) -> None:
     if isinstance(quant, cpu_int8.Int8Weight) and isinstance(part, PackedWeight):
         part = _as_int8(part)  # a W8A8 checkpoint's weight, for the CPU's own GEMM
     with torch.no_grad():
+        if isinstance(quant, CpuIntWeight):
+            if not isinstance(part, PackedWeight):
+                raise ValueError(f"a {type(part).__name__} checkpoint weight into the CPU's "
+                                 "int kernel")
+            cpu_int_gemm.write_rows(quant, first, _regrouped(part, quant.group_size))
+            return
         if isinstance(quant, RowScaledWeight):
             if type(part) is not type(quant):
                 raise ValueError(f"a {type(part).__name__} checkpoint weight into a "
@@ -124,11 +139,10 @@ def place(module: nn.Module, first: int, part: Quantized) -> None:
         if not isinstance(part, PackedWeight) or part.bits != quant.bits:
             raise ValueError(f"a checkpoint weight of another kind than {quant.bits}-bit "
                              "integers")
-        repeat, rest = divmod(part.group_size, quant.group_size)
-        assert rest == 0, (part.group_size, quant.group_size)
+        regrouped = _regrouped(part, quant.group_size)
         quant.qweight[:, first:last].copy_(part.qweight)
-        quant.scales[:, first:last].copy_(part.scales.repeat_interleave(repeat, 0))
-        quant.zeros[:, first:last].copy_(part.zeros.repeat_interleave(repeat, 0))
+        quant.scales[:, first:last].copy_(regrouped.scales)
+        quant.zeros[:, first:last].copy_(regrouped.zeros)
         if quant.perm is None:
             assert part.perm is None  # narrow() refuses act-order K slices
             return
@@ -138,6 +152,16 @@ def place(module: nn.Module, first: int, part: Quantized) -> None:
         elif not torch.equal(quant.perm, perm.to(quant.perm.device)):
             raise ValueError("the parts of one fused projection have different act-order "
                              "g_idx")
+
+
+def _regrouped(part: PackedWeight, group_size: int) -> PackedWeight:
+    """`part` with groups of `group_size` (a divisor of its own): scales and zero points
+    repeat."""
+    repeat, rest = divmod(part.group_size, group_size)
+    assert rest == 0, (part.group_size, group_size)
+    return PackedWeight(part.qweight, part.scales.repeat_interleave(repeat, 0),
+                        part.zeros.repeat_interleave(repeat, 0), part.bits, group_size,
+                        part.perm)
 
 
 def _as_int8(part: PackedWeight) -> cpu_int8.Int8Weight:
@@ -190,12 +214,15 @@ def requantizing(dest: Destination, module: nn.Module) -> RequantizingDestinatio
 
 def quantized_linear(x: torch.Tensor, quant: Quantized, bias: torch.Tensor | None
                      ) -> torch.Tensor:
-    """x [T, in] -> [T, out] (+ bias): the Triton kernel for packed integers, the FP8
-    GEMM for e4m3 weights, the CPU's int8 GEMM for W8A8."""
+    """x [T, in] -> [T, out] (+ bias): the Triton kernel for packed integers, the CPU's
+    int kernel for them in its layout, the FP8 GEMM for e4m3 weights, the CPU's int8
+    GEMM for W8A8."""
     if isinstance(quant, fp8.Fp8Weight):
         return fp8.fp8_linear(x, quant, bias)
     if isinstance(quant, cpu_int8.Int8Weight):
         return cpu_int8.int8_linear(x, quant, bias)
+    if isinstance(quant, CpuIntWeight):
+        return cpu_int_gemm.int_linear(x, quant, bias)
     assert isinstance(quant, PackedWeight), type(quant)
     from pagellm.kernels.triton_quant import quant_matmul
 

@@ -31,11 +31,13 @@ of shape [N, K] (it has `shape` and `narrow`): q/k/v and gate/up into their rows
 fused projection, tensor-parallel slices narrowed on N, or on K in whole groups
 (quantize.RequantizingDestination writes it: `place`). What stays unpacked loads
 dequantized to the model's dtype: block-wise FP8 (no block-scaled GEMM here yet), a
-quantized MoE expert or LM head, and on the CPU without the kernels everything but a
-W8A8 int8 checkpoint, which the CPU computes as its own scheme (kernels/cpu_int8.py:
-int8 weights per channel, activations per token). With the Triton kernels W8A8 runs
-weight-only (more accurate than the checkpoint's scheme, as fast where decode reads
-weights), and static FP8 input scales give way to per-token dynamic ones
+quantized MoE expert or LM head, and on the CPU (no Triton) FP8 and act-order weights.
+The CPU keeps a W8A8 int8 checkpoint as its own scheme (kernels/cpu_int8.py: int8
+weights per channel, activations per token) and any other integer weights (GPTQ, AWQ,
+compressed-tensors, GGUF's Q4_0 / Q8_0) in its int kernel's tiled layout
+(kernels/cpu_int_gemm.py: activations per token and group, as llama.cpp). With the
+Triton kernels W8A8 runs weight-only (more accurate than the checkpoint's scheme, as
+fast where decode reads weights), and static FP8 input scales give way to per-token dynamic ones
 (kernels/fp8.py).
 """
 
@@ -53,6 +55,7 @@ from torch import nn
 
 from pagellm.executor.model.quantize import PROJECTIONS
 from pagellm.kernels.cpu_int8 import Int8Weight
+from pagellm.kernels.cpu_int_gemm import TILE, CpuIntWeight
 from pagellm.kernels.fp8 import FP8, Fp8Weight
 from pagellm.kernels.quant import GROUP_SIZES, PackedWeight, dequantize, pack, unpack
 
@@ -430,9 +433,12 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
     quantize.py whose checkpoint parts `part_names(name)` are not ignored) an empty
     packed form of its slice's shape, on meta, and a fresh meta placeholder weight;
     returns them. Nothing for block-wise FP8 (loaded dequantized). Without the Triton
-    kernels (`triton` False), only a W8A8 int8 checkpoint is kept so: as the CPU's
-    Int8Weight (kernels/cpu_int8.py), its own scheme; anything else loads dequantized."""
-    if quant.kind is Kind.FP8_BLOCK or (not triton and not quant.w8a8):
+    kernels (`triton` False), a W8A8 int8 checkpoint is kept as the CPU's Int8Weight
+    (kernels/cpu_int8.py), its own scheme, and other integer weights in the CPU int
+    kernel's layout (kernels/cpu_int_gemm.py), except act-order ones, which load
+    dequantized as FP8 does."""
+    cpu_int = quant.kind is Kind.INT and not quant.w8a8 and not quant.act_order
+    if quant.kind is Kind.FP8_BLOCK or (not triton and not quant.w8a8 and not cpu_int):
         return []
     modules = []
     for name, module in model.named_modules():
@@ -448,9 +454,15 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
         n, k = module.weight.shape
         shards = module.tp.size if hasattr(module, "tp") else 1  # row-parallel: K sliced
         with torch.device("meta"):
-            if not triton:
+            if not triton and quant.w8a8:
                 module.quant = Int8Weight(torch.empty(n, k, dtype=torch.int8),
                                           torch.empty(1, n, dtype=torch.float32))
+            elif not triton:
+                group, tiles = _target_group(quant, k, k * shards), -(-n // TILE)
+                module.quant = CpuIntWeight(
+                    torch.empty(tiles, k // 4, TILE * quant.bits // 2, dtype=torch.uint8),
+                    torch.empty(tiles, k // group, TILE), torch.empty(tiles, k // group, TILE),
+                    quant.bits, group, n)
             elif quant.kind is Kind.FP8:
                 module.quant = Fp8Weight(torch.empty(n, k, dtype=FP8),
                                          torch.empty(1, n, dtype=torch.float32))
@@ -471,7 +483,8 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Allocate `module.quant`'s tensors on `device` (prepare made them on meta). An
     act-order permutation starts as -1: not yet loaded (quantize.place)."""
-    quant: PackedWeight | Fp8Weight | Int8Weight = module.quant  # type: ignore[assignment]
+    quant: PackedWeight | Fp8Weight | Int8Weight | CpuIntWeight = \
+        module.quant  # type: ignore[assignment]
     tensors = {f.name: torch.empty_like(getattr(quant, f.name), device=device)
                for f in fields(quant) if isinstance(getattr(quant, f.name), torch.Tensor)}
     if tensors.get("perm") is not None:

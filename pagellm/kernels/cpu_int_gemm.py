@@ -1,0 +1,232 @@
+"""Weight-only int4 / int8 GEMM for the CPU: a small C++ kernel (csrc/cpu_int_gemm.cpp)
+that streams the packed codes and multiplies them with AVX-512 VNNI's int8 dot products,
+as llama.cpp runs its Q4_0 / Q8_0 files:
+
+    y[m, n] = sum_g s[g, n] xs[m, g] (sum_{k in g} code[n, k] a[m, k] - z[g, n] sum_k a[m, k])
+
+W[n, k] = s[g, n] (code[n, k] - z[g, n]) is kernels/quant.py's group-wise weight (any
+group size that is a multiple of 16; zero points as floats, so symmetric and asymmetric
+schemes are one path), and x[m, k] ~ xs[m, g] a[m, k] its activations quantized per token
+and group to int8 at each call (llama.cpp's Q8_0 activations). Every sum inside a group
+is exact in int32, so the result differs from dequantize-then-matmul only by the
+activations' rounding (at most half a step of xs per element).
+
+Why a kernel of our own: torch's CPU ops for packed int4 / int8 weights
+(`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) ran 5-50x slower than fp32's GEMM
+on this project's machines, and torchao's CPU kernels are not in its registry wheels
+(benchmarks/cpu_quant_kernels.py; BENCHMARKS.md). The C++ source is compiled once per
+machine on first use with torch's own extension builder (about 6 s; cached under
+~/.cache/torch_extensions, keyed by the source and this CPU's instruction set) and runs
+on torch's thread pool (at::parallel_for).
+
+Layout: tiles of 16 output rows (`pack`), so that one 512-bit register holds 4 input
+columns of 16 rows; see the C++ file's header for the byte order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagellm.kernels.quant import PackedWeight, unpack
+
+TILE = 16  # output rows per tile (the kernel's 16 int32 lanes)
+SOURCE = Path(__file__).with_name("csrc") / "cpu_int_gemm.cpp"
+
+
+@dataclass(frozen=True)
+class CpuIntWeight:
+    """A weight [N, K] in the kernel's tiled layout (module docstring)."""
+
+    codes: torch.Tensor  # [ceil(N / 16), K / 4, 8 * bits] uint8
+    scales: torch.Tensor  # [ceil(N / 16), K / G, 16] fp32
+    zeros: torch.Tensor  # [ceil(N / 16), K / G, 16] fp32, in codes
+    bits: int
+    group_size: int
+    out_features: int
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * 4
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[N, K]: the shape of the weight this stands for."""
+        return self.out_features, self.in_features
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """t [N, C] -> [ceil(N / 16), 16, C], the last tile padded with zeros."""
+    n, c = t.shape
+    pad = -n % TILE
+    if pad:
+        t = torch.cat((t, t.new_zeros(pad, c)))
+    return t.reshape(-1, TILE, c)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [N, K] in [0, 2^bits) -> the kernel's codes [ceil(N / 16), K / 4, 8 * bits]
+    uint8: per tile and quad of input columns, byte c = 4 * row + kk holds code
+    (row, 4 * quad + kk); for 4 bits, bytes 32..63 go to the high nibbles of 0..31."""
+    tiles = _tiles(codes.to(torch.uint8))  # [T, 16, K]
+    t, _, k = tiles.shape
+    quads = tiles.reshape(t, TILE, k // 4, 4).transpose(1, 2).reshape(t, k // 4, 4 * TILE)
+    if bits == 8:
+        return quads.contiguous()
+    return (quads[..., :32] | (quads[..., 32:] << 4)).contiguous()
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, out_features: int) -> torch.Tensor:
+    """pack_codes' inverse: [T, K / 4, 8 * bits] uint8 -> codes [N, K] uint8."""
+    if bits == 4:
+        packed = torch.cat((packed & 0x0F, packed >> 4), dim=-1)
+    t, quads, _ = packed.shape
+    rows = packed.reshape(t, quads, TILE, 4).transpose(1, 2).reshape(t * TILE, quads * 4)
+    return rows[:out_features]
+
+
+def _tiled_groups(t: torch.Tensor) -> torch.Tensor:
+    """[K / G, N] per-group values -> [ceil(N / 16), K / G, 16] fp32."""
+    return _tiles(t.t().float()).transpose(1, 2).contiguous()
+
+
+def pack(weight: PackedWeight) -> CpuIntWeight:
+    """kernels/quant.py's layout (GPTQ's, as quantize() and the checkpoint loaders make
+    it) -> the CPU kernel's. Act-order weights (perm) are refused: the kernel reads the
+    input columns in their own order."""
+    if weight.perm is not None:
+        raise ValueError("act-order (desc_act) weights do not run on the CPU's int kernel")
+    if weight.group_size % 16:
+        raise ValueError(f"the CPU's int kernel takes group sizes that are multiples of 16, "
+                         f"not {weight.group_size}")
+    codes = unpack(weight.qweight, weight.bits).t()  # [N, K]
+    return CpuIntWeight(pack_codes(codes, weight.bits), _tiled_groups(weight.scales),
+                        _tiled_groups(weight.zeros), weight.bits, weight.group_size,
+                        weight.out_features)
+
+
+def dequantize(weight: CpuIntWeight) -> torch.Tensor:
+    """The exact weight [N, K] fp32 the packed form stands for."""
+    n, k = weight.shape
+    codes = unpack_codes(weight.codes, weight.bits, n).float()
+    per_group = (weight.scales, weight.zeros)
+    scales, zeros = (t.transpose(1, 2).reshape(-1, k // weight.group_size)[:n]
+                     .repeat_interleave(weight.group_size, dim=1) for t in per_group)
+    return (codes - zeros) * scales
+
+
+def quantize_activations(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """What the kernel multiplies for x [M, K]: each token's groups of `group_size`
+    columns rounded to int8 steps of xs = max |x| / 127 (1 for an all-zero group), in
+    fp32 as the kernel computes them (round half to even of x * (1 / xs)). The reference
+    for the kernel's activations."""
+    m, k = x.shape
+    groups = x.float().reshape(m, k // group_size, group_size)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    xs = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    codes = torch.round(groups * (1 / xs)).clamp(-127, 127)
+    return (codes * xs).reshape(m, k)
+
+
+def reference_linear(x: torch.Tensor, weight: CpuIntWeight) -> torch.Tensor:
+    """The kernel's result computed with torch in fp64: x [M, K] -> [M, N] fp64."""
+    xq = quantize_activations(x, weight.group_size).double()
+    return xq @ dequantize(weight).double().t()
+
+
+def write_rows(weight: CpuIntWeight, first: int, part: PackedWeight) -> None:
+    """Overwrite output rows first.. with `part` (kernels/quant.py's layout, the same bits
+    and group size): repacks the tiles those rows touch (weight updates, and the parts of
+    a fused projection loaded one by one)."""
+    if part.bits != weight.bits or part.group_size != weight.group_size:
+        raise ValueError(f"{part.bits}-bit rows in groups of {part.group_size} into a "
+                         f"{weight.bits}-bit weight in groups of {weight.group_size}")
+    new = pack(part)
+    last = first + part.out_features
+    lo, hi = first // TILE, -(-last // TILE)
+    n, bits = weight.out_features, weight.bits
+    span = slice(lo * TILE, min(hi * TILE, n))
+    codes = unpack_codes(weight.codes[lo:hi], bits, span.stop - span.start)
+    codes[first - span.start:last - span.start] = unpack_codes(new.codes, bits,
+                                                                part.out_features)
+    weight.codes[lo:hi] = pack_codes(codes, bits)
+    for mine, theirs in ((weight.scales, new.scales), (weight.zeros, new.zeros)):
+        rows = mine[lo:hi].transpose(1, 2).reshape(-1, mine.shape[1]).clone()  # [span, K/G]
+        rows[first - span.start:last - span.start] = \
+            theirs.transpose(1, 2).reshape(-1, mine.shape[1])[:part.out_features]
+        mine[lo:hi] = rows.reshape(hi - lo, TILE, -1).transpose(1, 2)
+
+
+def _extension_name(portable: bool) -> str:
+    """The compiled module's name: the source's and this CPU's flags' hash, so a build
+    for another CPU (a home directory shared between machines) is never loaded here."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(_cpu_flags().encode())
+    return f"pagellm_cpu_int_gemm{'_portable' if portable else ''}_{digest.hexdigest()[:12]}"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH: where none is there (a venv used without
+    activating it), the `ninja` package's own binary (a dependency) is put there."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # the builder's own error names what is missing
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@cache
+def load(portable: bool = False) -> Any:
+    """Compile (first use on this machine) and load the kernel; returns its op namespace,
+    torch.ops.pagellm_cpu. `portable`: the plain-loop build (the C++ file's header), as
+    torch.ops.pagellm_cpu_portable, for tests. Raises RuntimeError naming what is missing
+    (a C++ compiler, ninja)."""
+    from torch.utils.cpp_extension import load as build
+
+    _ninja_on_path()
+    namespace = "pagellm_cpu_portable" if portable else "pagellm_cpu"
+    flags = ["-O3", "-march=native"]
+    if portable:
+        flags += ["-DPAGELLM_PORTABLE", f"-DPAGELLM_NS={namespace}"]
+    try:
+        build(name=_extension_name(portable), sources=[str(SOURCE)], is_python_module=False,
+              extra_cflags=flags, verbose=False)
+    except (RuntimeError, OSError) as e:
+        raise RuntimeError(
+            "int4 weights on the CPU need pagellm's C++ kernel, compiled on first use with "
+            f"torch's extension builder (a C++ compiler and ninja): {e}") from e
+    return getattr(torch.ops, namespace)
+
+
+@cache
+def fast_on_this_cpu() -> bool:
+    """Whether the kernel was compiled with AVX-512 VNNI (otherwise it runs as plain
+    loops: exact, but slower than fp32's GEMM)."""
+    return bool(load().vnni())
+
+
+def int_linear(x: torch.Tensor, weight: CpuIntWeight, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """x [M, K] (any float dtype) -> [M, N] in x's dtype (+ bias)."""
+    y = load().int_gemm(x.float().contiguous(), weight.codes, weight.scales, weight.zeros,
+                        weight.bits, weight.group_size, weight.out_features)
+    y = y.to(x.dtype)
+    return y if bias is None else y + bias
+
