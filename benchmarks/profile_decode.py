@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="steps on the executor's thread, scheduled ahead (issue 45; "
                         "torch.profiler records CPU ops of its own thread only, so on the "
                         "CPU it sees none)")
+    parser.add_argument("--quantization", choices=("int4", "int8", "fp8"), default=None,
+                        help="quantize the projections on load (issue 43)")
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--short-len", type=int, default=None)
     parser.add_argument("--output-len", type=int, default=None)
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = resolve_model(EngineArgs(
         model=ns.model, load_format="dummy", skip_tokenizer_init=True, dtype=ns.dtype,
         device=ns.device, max_model_len=ns.prompt_len + long_len,
-        enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling))
+        enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
+        quantization=ns.quantization))
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.model).get_text_config().vocab_size
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                       *(sys.argv[1:] if argv is None else argv)]),
                "model": args.model, "model_name": Path(args.model).name, "dtype": ns.dtype,
                "enforce_eager": ns.enforce_eager, "async_scheduling": ns.async_scheduling,
-               "prompt_len": ns.prompt_len,
+               "quantization": ns.quantization, "prompt_len": ns.prompt_len,
                "decode_steps": ns.output_len, **per_step}
     mode = "eager" if ns.enforce_eager else "CUDA graphs"
     print(f"{results['model_name']} {ns.dtype} on {device} ({mode}), per decode step: "

@@ -202,12 +202,14 @@ def load(portable: bool = False) -> Any:
 
     _ninja_on_path()
     namespace = "pagellm_cpu_portable" if portable else "pagellm_cpu"
-    flags = ["-O3", "-march=native"]
+    # -fopenmp: at::parallel_for is an inline `#pragma omp parallel`, serial without it;
+    # the module then shares the libgomp torch has loaded (the same soname).
+    flags = ["-O3", "-march=native", "-fopenmp"]
     if portable:
         flags += ["-DPAGELLM_PORTABLE", f"-DPAGELLM_NS={namespace}"]
     try:
         build(name=_extension_name(portable), sources=[str(SOURCE)], is_python_module=False,
-              extra_cflags=flags, verbose=False)
+              extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError) as e:
         raise RuntimeError(
             "int4 weights on the CPU need pagellm's C++ kernel, compiled on first use with "

@@ -88,8 +88,7 @@ _Scaled = TypeVar("_Scaled", bound="RowScaledWeight")
 @dataclass(frozen=True)
 class RowScaledWeight:
     """A weight of 8-bit codes with one fp32 scale per output channel (row): the layout
-    of FP8's (kernels/fp8.py) and the CPU's int8 (kernels/cpu_int8.py) W8A8 GEMMs, told
-    apart by their subclass."""
+    of FP8's W8A8 GEMM (kernels/fp8.py: `Fp8Weight`)."""
 
     weight: torch.Tensor  # [N, K] e4m3 or int8
     scale: torch.Tensor  # [1, N] fp32: one per output channel
@@ -124,7 +123,7 @@ def row_scales(t: torch.Tensor, largest: float) -> torch.Tensor:
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """What row-scaled codes [R, K] with scales [R, 1] stand for, in fp32 (the
-    references of kernels/fp8.py's and kernels/cpu_int8.py's quantize_rows)."""
+    reference of kernels/fp8.py's quantize_rows)."""
     return q.float() * scale
 
 

@@ -372,7 +372,7 @@ def test_quant_quality_smoke_scores_the_text_as_transformers_does(tmp_path):
 def test_cpu_quantized_smoke_times_every_variant_side_by_side(tmp_path):
     results = cpu_quantized.main(["--smoke", "--out", str(tmp_path / "c.json")])
     assert json.loads((tmp_path / "c.json").read_text()) == results
-    assert set(results["best"]) == {"fp32", "bf16", "int8"}
+    assert set(results["best"]) == {"fp32", "bf16", "int8", "int4"}
     for best in results["best"].values():
         assert best["batch1_tokens_per_s"] > 0 and best["offline_output_tokens_per_s"] > 0
     assert results["vs_fp32"]["fp32"] == {"batch1_tokens_per_s": 1.0,

@@ -20,7 +20,7 @@ from peft_adapters import argmax_along
 
 from pagellm import SamplingParams
 from pagellm.executor.model.quantize import QUANTIZATIONS, group_size_for
-from pagellm.kernels import cpu_int8, cpu_int_gemm, fp8, quant
+from pagellm.kernels import cpu_int_gemm, fp8, quant
 
 # The floors leg skips these (.ci/run): our kernels and loader against transformers' model,
 # whose floor the family tests cover.
@@ -44,28 +44,27 @@ def fake_quantized(model_dir: Path, quantization: str, tp: int = 1):
 
 def fake_quantize(model, quantization: str, tp: int = 1):
     """`model` (transformers') with its projections quantized as fake_quantized says;
-    "w8a8" is int8 on the CPU's own path (kernels/cpu_int8.py): weights per channel and
-    activations per token, symmetric int8; "cpu_int4" is int4 there (kernels/
-    cpu_int_gemm.py): int4's weights, activations per token and group, symmetric int8."""
+    "cpu_int4" / "cpu_int8" are int4 / int8 on the CPU's own path (kernels/
+    cpu_int_gemm.py): those weights, and activations per token and group, symmetric
+    int8."""
     with torch.no_grad():
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] not in HF_PROJECTIONS:
                 continue
             w = module.weight
-            if quantization in ("fp8", "w8a8"):
-                kind = fp8 if quantization == "fp8" else cpu_int8
-                w.copy_(kind.dequantize_rows(*kind.quantize_rows(w)))
-                module.register_forward_pre_hook(lambda _, args, kind=kind: tuple(
-                    kind.dequantize_rows(*kind.quantize_rows(a.reshape(-1, a.shape[-1])))
+            if quantization == "fp8":
+                w.copy_(fp8.dequantize_rows(*fp8.quantize_rows(w)))
+                module.register_forward_pre_hook(lambda _, args: tuple(
+                    fp8.dequantize_rows(*fp8.quantize_rows(a.reshape(-1, a.shape[-1])))
                     .reshape(a.shape) for a in args))
             else:
-                bits = 4 if quantization == "cpu_int4" else QUANTIZATIONS[quantization]
+                bits = QUANTIZATIONS[quantization.removeprefix("cpu_")]
                 shards = tp if name.endswith(("o_proj", "down_proj")) else 1
                 k = w.shape[1] // shards
                 group = group_size_for(k, shards)
                 w.copy_(torch.cat([quant.dequantize(quant.quantize(part, bits, group))
                                    for part in w.split(k, dim=1)], dim=1))
-                if quantization == "cpu_int4":
+                if quantization.startswith("cpu_"):
                     module.register_forward_pre_hook(lambda _, args, group=group: tuple(
                         cpu_int_gemm.quantize_activations(a.reshape(-1, a.shape[-1]), group)
                         .reshape(a.shape) for a in args))
@@ -208,19 +207,18 @@ def test_lora_adapters_on_a_quantized_base_equal_peft_on_the_same_weights(
                != o.outputs[0].token_ids for o, n in zip(outputs, names, strict=True) if n)
 
 
-@pytest.mark.parametrize(("quantization", "scheme", "packed"), [
-    ("int8", "w8a8", cpu_int8.Int8Weight), ("int4", "cpu_int4", cpu_int_gemm.CpuIntWeight)])
-def test_the_cpus_own_int8_and_int4_equal_transformers(quantization, scheme, packed,
-                                                       model_dirs, make_llm):
-    """Without the Triton kernels int8 is the CPU's W8A8 (per-channel int8 weights, each
-    projection's input quantized per token, torch._int_mm) and int4 the CPU's int kernel
-    (int4's group-wise weights, inputs quantized per token and group): transformers
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_the_cpus_own_int8_and_int4_equal_transformers(quantization, model_dirs, make_llm):
+    """Without the Triton kernels int8 and int4 run the CPU's int kernel (group-wise
+    weights, each projection's input quantized per token and group): transformers
     with the same weights and activations quantized gives the same greedy tokens, also
     after a trainer's full-precision update (requantized as it lands)."""
+    scheme = f"cpu_{quantization}"
     llm = make_llm(model_dirs["qwen2"], quantization=quantization, dtype="float32")
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv.quant, packed) and qkv.weight.is_meta
+    assert isinstance(qkv.quant, cpu_int_gemm.CpuIntWeight) and qkv.weight.is_meta
+    assert qkv.quant.bits == QUANTIZATIONS[quantization]
     reference = fake_quantized(model_dirs["qwen2"], scheme)
     for out in llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False):
         ours = out.outputs[0].token_ids

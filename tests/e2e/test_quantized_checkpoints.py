@@ -151,12 +151,10 @@ def test_integer_checkpoints_run_packed_on_the_cpus_int_kernel(case, model_dirs,
 def test_a_w8a8_int8_checkpoint_runs_as_its_own_scheme_on_the_cpu(model_dirs, make_llm,
                                                                   tmp_path):
     """compressed-tensors' W8A8 int8 (per-channel int8 weights, dynamic per-token int8
-    activations) on the CPU's own path: its weights go straight into the CPU's int8 GEMM,
-    and the tokens are transformers' own load of the directory with each projection's
-    input quantized per token as the checkpoint says."""
+    activations) on the CPU's own path: its weights go straight into the CPU's int
+    kernel in groups of whole rows, and the tokens are transformers' own load of the
+    directory with each projection's input quantized per token as the checkpoint says."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
-    from pagellm.kernels import cpu_int8
 
     directory, _ = write_int_checkpoint(model_dirs["qwen2"], tmp_path / "w8a8",
                                         "compressed-tensors", bits=8, group=None,
@@ -164,14 +162,15 @@ def test_a_w8a8_int8_checkpoint_runs_as_its_own_scheme_on_the_cpu(model_dirs, ma
     llm = make_llm(str(directory), dtype="float32")
     qkv = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers[
         0].self_attn.qkv_proj
-    assert isinstance(qkv.quant, cpu_int8.Int8Weight) and qkv.weight.is_meta
+    assert isinstance(qkv.quant, cpu_int_gemm.CpuIntWeight) and qkv.weight.is_meta
+    assert qkv.quant.group_size == qkv.quant.in_features  # per token
     reference = AutoModelForCausalLM.from_pretrained(
         directory, dtype=torch.float32,
         quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
     for name, module in reference.named_modules():
         if name.endswith("_proj"):
             module.register_forward_pre_hook(lambda _, args: tuple(
-                cpu_int8.dequantize_rows(*cpu_int8.quantize_rows(a.reshape(-1, a.shape[-1])))
+                cpu_int_gemm.quantize_activations(a.reshape(-1, a.shape[-1]), a.shape[-1])
                 .reshape(a.shape) for a in args))
     _assert_greedy_equal(llm, reference)
 

@@ -4,10 +4,9 @@ scales (kernels/quant.py), computed by the fused-dequantize Triton GEMM
 (kernels/triton_quant.py): a decode step then reads 4 or 8 bits per weight instead of
 16 or 32. `quantization="fp8"` keeps them in e4m3 with a scale per output channel and
 quantizes activations per token at each call (kernels/fp8.py: W8A8, vLLM's dynamic
-fp8). Without the Triton kernels (the CPU's own path) `"int4"` runs the CPU's int kernel
-(kernels/cpu_int_gemm.py: the same group-wise codes in its tiled layout, activations
-quantized per token and group, VNNI's int8 dot products) and `"int8"` is W8A8: int8 per
-output channel, activations per token, torch._int_mm (kernels/cpu_int8.py).
+fp8). Without the Triton kernels (the CPU's own path) `"int4"` and `"int8"` run the CPU's
+int kernel (kernels/cpu_int_gemm.py: the same group-wise codes in its tiled layout,
+activations quantized per token and group, VNNI's int8 dot products).
 
 Each rank quantizes its own slice after the checkpoint is loaded (so tensor
 parallelism shards nothing of its own: a row-parallel slice is quantized along its own
@@ -31,12 +30,12 @@ import torch
 from torch import nn
 
 from pagellm.executor.model.weight_map import Destination
-from pagellm.kernels import cpu_int8, cpu_int_gemm, fp8
+from pagellm.kernels import cpu_int_gemm, fp8
 from pagellm.kernels.cpu_int_gemm import CpuIntWeight
-from pagellm.kernels.quant import PackedWeight, RowScaledWeight, quantize, unpack
+from pagellm.kernels.quant import PackedWeight, RowScaledWeight, quantize
 
 # A projection's packed form: weight-only integers (Triton's layout, or the CPU kernel's),
-# FP8, or the CPU's W8A8.
+# or FP8.
 Quantized = PackedWeight | CpuIntWeight | RowScaledWeight
 # quantize-on-load names -> bits of a weight-only integer scheme, or 8 for fp8
 QUANTIZATIONS = {"int4": 4, "int8": 8, "fp8": 8}
@@ -62,9 +61,8 @@ def quantize_projections(model: nn.Module, quantization: str, triton: bool = Tru
                          ) -> list[nn.Module]:
     """Replace every projection's weight by its packed form (`module.quant`); returns
     the modules quantized. Without the Triton kernels (`triton` False: the CPU's own
-    path) int4 takes the CPU kernel's layout (kernels/cpu_int_gemm.py) and int8 is the
-    CPU's W8A8 (kernels/cpu_int8.py). Raises ValueError naming a projection that cannot
-    be."""
+    path) the integers take the CPU kernel's layout (kernels/cpu_int_gemm.py). Raises
+    ValueError naming a projection that cannot be."""
     bits = QUANTIZATIONS[quantization]
     quantized = []
     for name, module in model.named_modules():
@@ -75,8 +73,6 @@ def quantize_projections(model: nn.Module, quantization: str, triton: bool = Tru
         shards = module.tp.size if hasattr(module, "tp") else 1  # row-parallel: K sliced
         if quantization == "fp8":
             module.quant = fp8.quantize_weight(weight.detach())
-        elif not triton and quantization == "int8":
-            module.quant = cpu_int8.quantize_weight(weight.detach())
         else:
             packed = quantize(weight.detach(), bits, group_size_for(weight.shape[1], shards),
                               None if triton else torch.float32)
@@ -97,8 +93,7 @@ def requantize_rows(module: nn.Module, first: int, rows: torch.Tensor) -> None:
     last = first + rows.shape[0]
     with torch.no_grad():
         if isinstance(quant, RowScaledWeight):
-            quantizer = fp8 if isinstance(quant, fp8.Fp8Weight) else cpu_int8
-            new = quantizer.quantize_weight(rows.to(quant.weight.device))
+            new = fp8.quantize_weight(rows.to(quant.weight.device))
             quant.weight[first:last].copy_(new.weight)
             quant.scale[:, first:last].copy_(new.scale)
             return
@@ -120,8 +115,6 @@ def place(module: nn.Module, first: int, part: Quantized) -> None:
     projection must share an act-order permutation (they share their input)."""
     quant: Quantized = module.quant  # type: ignore[assignment]
     last = first + part.shape[0]
-    if isinstance(quant, cpu_int8.Int8Weight) and isinstance(part, PackedWeight):
-        part = _as_int8(part)  # a W8A8 checkpoint's weight, for the CPU's own GEMM
     with torch.no_grad():
         if isinstance(quant, CpuIntWeight):
             if not isinstance(part, PackedWeight):
@@ -164,18 +157,6 @@ def _regrouped(part: PackedWeight, group_size: int) -> PackedWeight:
                         part.perm)
 
 
-def _as_int8(part: PackedWeight) -> cpu_int8.Int8Weight:
-    """8-bit codes with one symmetric scale per output channel (zero point 128) as the
-    CPU's Int8Weight: the same weights."""
-    zeros = part.zeros.float()
-    if part.bits != 8 or part.perm is not None or part.group_size != part.in_features \
-            or not bool((zeros == 128).all()):
-        raise ValueError("only symmetric per-channel int8 weights run as the CPU's W8A8")
-    codes = unpack(part.qweight, 8) - 128  # [K, N] signed
-    return cpu_int8.Int8Weight(codes.t().to(torch.int8).contiguous(),
-                               part.scales.float().reshape(1, -1))
-
-
 @dataclass(frozen=True)
 class RequantizingDestination(Destination):
     """A Destination into a quantized projection: `tensor` is a view of its meta
@@ -215,12 +196,9 @@ def requantizing(dest: Destination, module: nn.Module) -> RequantizingDestinatio
 def quantized_linear(x: torch.Tensor, quant: Quantized, bias: torch.Tensor | None
                      ) -> torch.Tensor:
     """x [T, in] -> [T, out] (+ bias): the Triton kernel for packed integers, the CPU's
-    int kernel for them in its layout, the FP8 GEMM for e4m3 weights, the CPU's int8
-    GEMM for W8A8."""
+    int kernel for them in its layout, the FP8 GEMM for e4m3 weights."""
     if isinstance(quant, fp8.Fp8Weight):
         return fp8.fp8_linear(x, quant, bias)
-    if isinstance(quant, cpu_int8.Int8Weight):
-        return cpu_int8.int8_linear(x, quant, bias)
     if isinstance(quant, CpuIntWeight):
         return cpu_int_gemm.int_linear(x, quant, bias)
     assert isinstance(quant, PackedWeight), type(quant)

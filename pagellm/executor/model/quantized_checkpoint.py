@@ -32,10 +32,10 @@ fused projection, tensor-parallel slices narrowed on N, or on K in whole groups
 (quantize.RequantizingDestination writes it: `place`). What stays unpacked loads
 dequantized to the model's dtype: block-wise FP8 (no block-scaled GEMM here yet), a
 quantized MoE expert or LM head, and on the CPU (no Triton) FP8 and act-order weights.
-The CPU keeps a W8A8 int8 checkpoint as its own scheme (kernels/cpu_int8.py: int8
-weights per channel, activations per token) and any other integer weights (GPTQ, AWQ,
-compressed-tensors, GGUF's Q4_0 / Q8_0) in its int kernel's tiled layout
-(kernels/cpu_int_gemm.py: activations per token and group, as llama.cpp). With the
+The CPU keeps integer weights (GPTQ, AWQ, compressed-tensors, GGUF's Q4_0 / Q8_0) in its
+int kernel's tiled layout (kernels/cpu_int_gemm.py: activations quantized per token and
+group, as llama.cpp); a W8A8 int8 checkpoint's groups are whole rows, so its
+activations are quantized per token, as its scheme says. With the
 Triton kernels W8A8 runs weight-only (more accurate than the checkpoint's scheme, as
 fast where decode reads weights), and static FP8 input scales give way to per-token dynamic ones
 (kernels/fp8.py).
@@ -54,7 +54,6 @@ import torch
 from torch import nn
 
 from pagellm.executor.model.quantize import PROJECTIONS
-from pagellm.kernels.cpu_int8 import Int8Weight
 from pagellm.kernels.cpu_int_gemm import TILE, CpuIntWeight
 from pagellm.kernels.fp8 import FP8, Fp8Weight
 from pagellm.kernels.quant import GROUP_SIZES, PackedWeight, dequantize, pack, unpack
@@ -87,7 +86,7 @@ class CheckpointQuant:
     symmetric: bool = True  # compressed-tensors: no zero-point tensor
     act_order: bool = False  # g_idx orders the input columns (GPTQ desc_act)
     # compressed-tensors' W8A8 int8: symmetric int8 per output channel, and activations
-    # quantized per token at run time (the CPU computes exactly that: kernels/cpu_int8.py)
+    # quantized per token at run time (the CPU computes exactly that: kernels/cpu_int_gemm.py)
     w8a8: bool = False
     zeros_minus_one: bool = False  # GPTQ format v1 stores each zero point minus one
     block: tuple[int, int] | None = None  # FP8_BLOCK: [bn, bk]
@@ -433,12 +432,11 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
     quantize.py whose checkpoint parts `part_names(name)` are not ignored) an empty
     packed form of its slice's shape, on meta, and a fresh meta placeholder weight;
     returns them. Nothing for block-wise FP8 (loaded dequantized). Without the Triton
-    kernels (`triton` False), a W8A8 int8 checkpoint is kept as the CPU's Int8Weight
-    (kernels/cpu_int8.py), its own scheme, and other integer weights in the CPU int
-    kernel's layout (kernels/cpu_int_gemm.py), except act-order ones, which load
-    dequantized as FP8 does."""
-    cpu_int = quant.kind is Kind.INT and not quant.w8a8 and not quant.act_order
-    if quant.kind is Kind.FP8_BLOCK or (not triton and not quant.w8a8 and not cpu_int):
+    kernels (`triton` False), integer weights take the CPU int kernel's layout
+    (kernels/cpu_int_gemm.py; a W8A8 checkpoint in groups of whole rows: its scheme),
+    except act-order ones, which load dequantized as FP8 does."""
+    if quant.kind is Kind.FP8_BLOCK or (not triton and (quant.kind is not Kind.INT
+                                                         or quant.act_order)):
         return []
     modules = []
     for name, module in model.named_modules():
@@ -454,11 +452,9 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
         n, k = module.weight.shape
         shards = module.tp.size if hasattr(module, "tp") else 1  # row-parallel: K sliced
         with torch.device("meta"):
-            if not triton and quant.w8a8:
-                module.quant = Int8Weight(torch.empty(n, k, dtype=torch.int8),
-                                          torch.empty(1, n, dtype=torch.float32))
-            elif not triton:
-                group, tiles = _target_group(quant, k, k * shards), -(-n // TILE)
+            if not triton:
+                group = k if quant.w8a8 and k % 16 == 0 else _target_group(quant, k, k * shards)
+                tiles = -(-n // TILE)
                 module.quant = CpuIntWeight(
                     torch.empty(tiles, k // 4, TILE * quant.bits // 2, dtype=torch.uint8),
                     torch.empty(tiles, k // group, TILE), torch.empty(tiles, k // group, TILE),
@@ -483,8 +479,7 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Allocate `module.quant`'s tensors on `device` (prepare made them on meta). An
     act-order permutation starts as -1: not yet loaded (quantize.place)."""
-    quant: PackedWeight | Fp8Weight | Int8Weight | CpuIntWeight = \
-        module.quant  # type: ignore[assignment]
+    quant: PackedWeight | Fp8Weight | CpuIntWeight = module.quant  # type: ignore[assignment]
     tensors = {f.name: torch.empty_like(getattr(quant, f.name), device=device)
                for f in fields(quant) if isinstance(getattr(quant, f.name), torch.Tensor)}
     if tensors.get("perm") is not None:

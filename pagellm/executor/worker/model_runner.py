@@ -44,7 +44,7 @@ from pagellm.executor.worker.sampler import (
 from pagellm.executor.worker.sampling_inputs import sampling_metadata, to_device
 from pagellm.executor.worker.step_buffers import StepBuffers
 from pagellm.executor.worker.step_inputs import InputPreparer, StepInputs
-from pagellm.kernels import cpu_int8, cpu_int_gemm
+from pagellm.kernels import cpu_int_gemm
 from pagellm.protocol.messages import TokenLogprobs
 from pagellm.protocol.sampling_params import SamplingParams
 from pagellm.protocol.scheduling import (
@@ -158,20 +158,17 @@ class ModelRunner:
     def _quantize(self, quantization: str) -> None:
         """Quantize the projections on load (executor/model/quantize.py), where the
         attention runs Triton's: on CUDA (on the CPU attention_backend='triton' runs
-        the kernels anyway, for tests). The CPU's own path takes int4, through its C++
-        int kernel (kernels/cpu_int_gemm.py), and int8, as W8A8 (kernels/cpu_int8.py);
-        both beat fp32 where the CPU has int8 dot products. It has no fp8 GEMM faster
-        than fp32's."""
+        the kernels anyway, for tests). The CPU's own path takes int4 and int8, through
+        its C++ int kernel (kernels/cpu_int_gemm.py: faster than fp32 where the CPU has
+        AVX-512 VNNI's int8 dot products); it has no fp8 GEMM faster than fp32's."""
         triton = self.attention.name == "triton"
         if not triton and quantization == "fp8":
             raise ValueError("quantization='fp8' needs CUDA (the CPU has no fp8 GEMM faster "
                              "than fp32's; it takes 'int4' and 'int8'. "
                              "attention_backend='triton' runs it anyway, for tests)")
-        if not triton and not (cpu_int_gemm.fast_on_this_cpu() if quantization == "int4"
-                               else cpu_int8.fast_on_this_cpu()):
-            logger.warning("quantization=%r on a CPU without int8 dot products (AVX-512 "
-                           "VNNI%s): less memory than fp32, but slower", quantization,
-                           "" if quantization == "int4" else ", AVX-VNNI, AMX")
+        if not triton and not cpu_int_gemm.fast_on_this_cpu():
+            logger.warning("quantization=%r on a CPU without AVX-512 VNNI: less memory "
+                           "than fp32, but slower", quantization)
         quantized = quantize_projections(self.model, quantization, triton)
         self.model.quantized = {id(m.weight): m for m in quantized}
         if self.device.type == "cuda":
