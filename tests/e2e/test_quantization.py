@@ -46,8 +46,16 @@ def fake_quantize(model, quantization: str, tp: int = 1):
     """`model` (transformers') with its projections quantized as fake_quantized says;
     "cpu_int4" / "cpu_int8" are int4 / int8 on the CPU's own path (kernels/
     cpu_int_gemm.py): those weights, and activations per token and group, symmetric
-    int8."""
+    int8, and the LM head as int8 the same way (untied from the embedding first)."""
     with torch.no_grad():
+        if quantization.startswith("cpu_"):
+            head = model.lm_head
+            head.weight = torch.nn.Parameter(head.weight.detach().clone())
+            group = group_size_for(head.weight.shape[1])
+            head.weight.copy_(quant.dequantize(quant.quantize(head.weight, 8, group)))
+            head.register_forward_pre_hook(lambda _, args, group=group: tuple(
+                cpu_int_gemm.quantize_activations(a.reshape(-1, a.shape[-1]), group)
+                .reshape(a.shape) for a in args))
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] not in HF_PROJECTIONS:
                 continue
@@ -223,12 +231,29 @@ def test_the_cpus_own_int8_and_int4_equal_transformers(quantization, model_dirs,
     for out in llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False):
         ours = out.outputs[0].token_ids
         assert argmax_along(reference, out.prompt_token_ids, ours) == ours
+    assert_int8_head(model, reference)
     trained, state = perturbed(model_dirs["qwen2"], seed=12)
     llm.update_weights(list(state.items()))
     reference = fake_quantize(trained, scheme)
     for out in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False):
         ours = out.outputs[0].token_ids
         assert argmax_along(reference, out.prompt_token_ids, ours) == ours
+    assert_int8_head(model, reference)  # the new head, quantized again
+
+
+def assert_int8_head(model, reference) -> None:
+    """The engine's logits are the reference's int8 LM head (dequantized weights,
+    activations quantized per token and group) applied to the same hidden states, to
+    fp32 rounding: far closer than a full-precision head's (whose logits differ by the
+    int8 error, ~1e-3 here)."""
+    hidden = torch.randn(5, model.spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model.compute_logits(hidden)
+        theirs = reference.lm_head(hidden)
+        full = hidden @ model.head_weight.t()
+    tolerance = 1e-5 * theirs.abs().max().item()
+    assert (ours - theirs).abs().max().item() < tolerance
+    assert (full - theirs).abs().max().item() > 20 * tolerance
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=runs_triton_kernels)])

@@ -704,6 +704,37 @@ def test_packed_weights_follow_every_write_to_the_weight(monkeypatch: pytest.Mon
     assert len(packs) == 0
 
 
+def test_an_int8_copy_serves_a_registered_weight_and_follows_its_writes():
+    """INT_WEIGHTS (the CPU's LM head of an int4/int8 model): `linear` computes a
+    registered weight through the int kernel on its int8 copy, at any number of rows,
+    and a write to the weight makes the next call quantize it again."""
+    from pagellm.executor.model import linear as cpu_linear
+    from pagellm.kernels import cpu_int_gemm
+    from pagellm.kernels.quant import quantize
+
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.nn.Parameter(torch.randn(40, 128, generator=gen), requires_grad=False)
+
+    def check(rows: int) -> None:
+        x = torch.randn(rows, 128, generator=gen)
+        int8 = cpu_int_gemm.pack(quantize(weight.detach(), 8, 128, torch.float32))
+        expected = cpu_int_gemm.reference_linear(x, int8)
+        got = cpu_linear.linear(x, weight)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+        assert (torch.nn.functional.linear(x, weight) - got).abs().max() > 1e-4  # not fp32
+
+    cpu_linear.INT_WEIGHTS.pack([weight])
+    try:
+        check(1)
+        check(9)
+        with torch.no_grad():
+            weight[3:20].copy_(torch.randn(17, 128, generator=gen))
+        check(1)
+    finally:
+        cpu_linear.drop_packed()
+    assert len(cpu_linear.INT_WEIGHTS) == 0
+
+
 # ------------------------------------------------------------ refused before allocating
 
 

@@ -49,6 +49,7 @@ import enum
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -144,7 +145,9 @@ THIS_CPU = Cpu(
 
 
 class PackedWeights:
-    """oneDNN's packed copy of each weight registered with `pack`, by parameter.
+    """A packed copy of each weight registered with `pack`, by parameter, made by this
+    registry's `packer`: oneDNN's reorder (`PACKED_WEIGHTS`) or the CPU int kernel's
+    int8 layout (`INT_WEIGHTS`).
 
     The loader registers a model's linear weights when their copies fit (`pack`); other
     weights are not packed (`get` is None: the GEMM takes F.linear). A copy is reused
@@ -154,22 +157,23 @@ class PackedWeights:
     Weights are held weakly: one that is garbage collected takes its copy with it.
     (Keyed by id: a WeakKeyDictionary would compare two tensors with ==, elementwise.)"""
 
-    def __init__(self) -> None:
+    def __init__(self, packer: Callable[[torch.Tensor], Any] | None) -> None:
+        self.packer = packer  # weight [out, in] -> its packed copy
         self._registered: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> weight
-        # id(weight) -> (data_ptr, version, packed weight [out, in] in oneDNN's layout)
-        self._copies: dict[int, tuple[int, int, torch.Tensor]] = {}
+        # id(weight) -> (data_ptr, version, packed copy of the weight [out, in])
+        self._copies: dict[int, tuple[int, int, Any]] = {}
 
     def pack(self, weights: Iterable[torch.Tensor]) -> None:
         """Register these and pack them now (the loader does, before the engine measures
-        the memory left for the KV cache). A torch without oneDNN's packed weights
-        (`REORDER_WEIGHT`: some builds lack the kernels) registers none: F.linear."""
-        if REORDER_WEIGHT is None:
+        the memory left for the KV cache). Without a packer (`REORDER_WEIGHT`: some
+        torch builds lack oneDNN's packed weights) none is registered: F.linear."""
+        if self.packer is None:
             return
         for w in weights:
             self._registered[id(w)] = weakref.ref(w, functools.partial(self._forget, id(w)))
             self.get(w)
 
-    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def get(self, weight: torch.Tensor) -> Any:
         """weight's packed copy, made now if it has none or the weight changed; None for
         a weight never registered."""
         key = id(weight)
@@ -180,9 +184,9 @@ class PackedWeights:
         # (A tensor made in inference mode has no version counter: `clear` covers it.)
         version = -1 if weight.is_inference() else weight._version
         if entry is None or entry[0] != weight.data_ptr() or entry[1] != version:
-            assert REORDER_WEIGHT is not None
+            assert self.packer is not None
             with torch.no_grad():
-                entry = (weight.data_ptr(), version, REORDER_WEIGHT(weight.detach()))
+                entry = (weight.data_ptr(), version, self.packer(weight.detach()))
             self._copies[key] = entry
         return entry[2]
 
@@ -200,13 +204,26 @@ class PackedWeights:
         return len(self._copies)
 
 
-PACKED_WEIGHTS = PackedWeights()
+def _int8_copy(weight: torch.Tensor) -> Any:
+    """weight [out, in] as int8 codes in groups for the CPU int kernel: the LM head of a
+    model whose projections are quantized on the CPU (model_runner's `_quantize`)."""
+    from pagellm.executor.model.quantize import group_size_for
+    from pagellm.kernels import cpu_int_gemm
+    from pagellm.kernels.quant import quantize
+
+    return cpu_int_gemm.pack(quantize(weight.float(), 8, group_size_for(weight.shape[1]),
+                                      torch.float32))
+
+
+PACKED_WEIGHTS = PackedWeights(REORDER_WEIGHT)
+INT_WEIGHTS = PackedWeights(_int8_copy)
 
 
 def drop_packed() -> None:
     """Drop every packed copy: the weights were written in a way no version counter saw,
     or their memory must go (sleep). The next GEMM packs again (~1 s per GB)."""
     PACKED_WEIGHTS.clear()
+    INT_WEIGHTS.clear()
 
 
 def packs_weights(dtype: torch.dtype, device: torch.device) -> bool:
@@ -249,7 +266,15 @@ def gemm(way: Way, x: torch.Tensor, weight: torch.Tensor,
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """F.linear (x: [M, in], weight: [out, in] -> [M, out]) with the CPU's fastest GEMM."""
-    if x.is_cuda or x.dim() != 2 or x.shape[0] == 0 or x.dtype != weight.dtype:
+    """F.linear (x: [M, in], weight: [out, in] -> [M, out]) with the CPU's fastest GEMM:
+    the int kernel for a weight registered in INT_WEIGHTS."""
+    if x.is_cuda or x.dim() != 2 or x.shape[0] == 0:
+        return F.linear(x, weight, bias)
+    copy = INT_WEIGHTS.get(weight)
+    if copy is not None:
+        from pagellm.kernels.cpu_int_gemm import int_linear
+
+        return int_linear(x, copy, bias)
+    if x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     return gemm(choose(x.shape[0], x.shape[1], x.dtype, THIS_CPU), x, weight, bias)

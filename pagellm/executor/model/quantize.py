@@ -12,7 +12,8 @@ Each rank quantizes its own slice after the checkpoint is loaded (so tensor
 parallelism shards nothing of its own: a row-parallel slice is quantized along its own
 K). Integer groups are 128 input columns, else 64 or 32 (`group_size_for`). The
 embedding, the LM head, norms, MoE experts and routers stay in the model's dtype, as
-vLLM's weight-only schemes leave them. A quantized projection's `weight`
+vLLM's weight-only schemes leave them (the CPU computes the LM head from an int8 copy:
+linear.INT_WEIGHTS, registered by the model runner). A quantized projection's `weight`
 becomes a meta placeholder of its old shape (its memory freed; shapes still readable),
 and weight updates land through `RequantizingDestination`: the new rows of a
 projection (a checkpoint tensor's part on this rank) are quantized as loading did and

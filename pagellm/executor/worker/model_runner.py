@@ -26,6 +26,7 @@ from pagellm.executor.model.attention import (
     num_kv_segments,
 )
 from pagellm.executor.model.config import ModelConfig
+from pagellm.executor.model.linear import INT_WEIGHTS
 from pagellm.executor.model.loader import load_model
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.quantize import quantize_projections
@@ -160,7 +161,9 @@ class ModelRunner:
         attention runs Triton's: on CUDA (on the CPU attention_backend='triton' runs
         the kernels anyway, for tests). The CPU's own path takes int4 and int8, through
         its C++ int kernel (kernels/cpu_int_gemm.py: faster than fp32 where the CPU has
-        AVX-512 VNNI's int8 dot products); it has no fp8 GEMM faster than fp32's."""
+        AVX-512 VNNI's int8 dot products), and computes the LM head from an int8 copy of
+        its weight (linear.INT_WEIGHTS, made again after weight updates); it has no fp8
+        GEMM faster than fp32's."""
         triton = self.attention.name == "triton"
         if not triton and quantization == "fp8":
             raise ValueError("quantization='fp8' needs CUDA (the CPU has no fp8 GEMM faster "
@@ -171,6 +174,9 @@ class ModelRunner:
                            "than fp32, but slower", quantization)
         quantized = quantize_projections(self.model, quantization, triton)
         self.model.quantized = {id(m.weight): m for m in quantized}
+        if not triton:  # an int8 copy of the LM head, as llama.cpp's Q4_0 / Q8_0 files
+            # keep theirs: at batch 1 the full-precision head was a fifth of an int4 step
+            INT_WEIGHTS.pack([self.model.head_weight])
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the replaced weights' memory
         logger.info("quantization=%s: %d projections quantized on load", quantization,
