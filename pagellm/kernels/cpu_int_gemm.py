@@ -2,14 +2,16 @@
 that streams the packed codes and multiplies them with AVX-512 VNNI's int8 dot products,
 as llama.cpp runs its Q4_0 / Q8_0 files:
 
-    y[m, n] = sum_g s[g, n] xs[m, g] (sum_{k in g} code[n, k] a[m, k] - z[g, n] sum_k a[m, k])
+    y[m, n] = sum_b s[g, n] xs[m, b] (sum_{k in b} code[n, k] a[m, k] - z[g, n] sum_k a[m, k])
 
-W[n, k] = s[g, n] (code[n, k] - z[g, n]) is kernels/quant.py's group-wise weight (any
-group size that is a multiple of 16; zero points as floats, so symmetric and asymmetric
-schemes are one path), and x[m, k] ~ xs[m, g] a[m, k] its activations quantized per token
-and group to int8 at each call (llama.cpp's Q8_0 activations). Every sum inside a group
-is exact in int32, so the result differs from dequantize-then-matmul only by the
-activations' rounding (at most half a step of xs per element).
+over blocks b of 32 input columns, g the weight group holding b. W[n, k] = s[g, n]
+(code[n, k] - z[g, n]) is kernels/quant.py's group-wise weight (any group size that is a
+multiple of 32; zero points as floats, so symmetric and asymmetric schemes are one path),
+and x[m, k] ~ xs[m, b] a[m, k] its activations quantized per token and block of 32 to
+int8 at each call (llama.cpp's Q8_0 activations; per weight group of 128 they cost int8
+twice the perplexity). Every sum inside a block is exact in int32, so the result differs
+from dequantize-then-matmul only by the activations' rounding (at most half a step of
+xs per element).
 
 Why a kernel of our own: torch's CPU ops for packed int4 / int8 weights
 (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) ran 5-50x slower than fp32's GEMM
@@ -38,6 +40,7 @@ import torch
 from pagellm.kernels.quant import PackedWeight, unpack
 
 TILE = 16  # output rows per tile (the kernel's 16 int32 lanes)
+BLOCK = 32  # input columns per activation scale
 SOURCE = Path(__file__).with_name("csrc") / "cpu_int_gemm.cpp"
 
 
@@ -103,9 +106,9 @@ def pack(weight: PackedWeight) -> CpuIntWeight:
     input columns in their own order."""
     if weight.perm is not None:
         raise ValueError("act-order (desc_act) weights do not run on the CPU's int kernel")
-    if weight.group_size % 16:
-        raise ValueError(f"the CPU's int kernel takes group sizes that are multiples of 16, "
-                         f"not {weight.group_size}")
+    if weight.group_size % BLOCK:
+        raise ValueError(f"the CPU's int kernel takes group sizes that are multiples of "
+                         f"{BLOCK}, not {weight.group_size}")
     codes = unpack(weight.qweight, weight.bits).t()  # [N, K]
     return CpuIntWeight(pack_codes(codes, weight.bits), _tiled_groups(weight.scales),
                         _tiled_groups(weight.zeros), weight.bits, weight.group_size,
@@ -122,13 +125,13 @@ def dequantize(weight: CpuIntWeight) -> torch.Tensor:
     return (codes - zeros) * scales
 
 
-def quantize_activations(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """What the kernel multiplies for x [M, K]: each token's groups of `group_size`
-    columns rounded to int8 steps of xs = max |x| / 127 (1 for an all-zero group), in
-    fp32 as the kernel computes them (round half to even of x * (1 / xs)). The reference
-    for the kernel's activations."""
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel multiplies for x [M, K]: each token's blocks of 32 columns rounded
+    to int8 steps of xs = max |x| / 127 (1 for an all-zero block), in fp32 as the kernel
+    computes them (round half to even of x * (1 / xs)). The reference for the kernel's
+    activations."""
     m, k = x.shape
-    groups = x.float().reshape(m, k // group_size, group_size)
+    groups = x.float().reshape(m, k // BLOCK, BLOCK)
     amax = groups.abs().amax(dim=-1, keepdim=True)
     xs = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
     codes = torch.round(groups * (1 / xs)).clamp(-127, 127)
@@ -137,7 +140,7 @@ def quantize_activations(x: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def reference_linear(x: torch.Tensor, weight: CpuIntWeight) -> torch.Tensor:
     """The kernel's result computed with torch in fp64: x [M, K] -> [M, N] fp64."""
-    xq = quantize_activations(x, weight.group_size).double()
+    xq = quantize_activations(x).double()
     return xq @ dequantize(weight).double().t()
 
 

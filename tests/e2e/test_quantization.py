@@ -45,7 +45,7 @@ def fake_quantized(model_dir: Path, quantization: str, tp: int = 1):
 def fake_quantize(model, quantization: str, tp: int = 1):
     """`model` (transformers') with its projections quantized as fake_quantized says;
     "cpu_int4" / "cpu_int8" are int4 / int8 on the CPU's own path (kernels/
-    cpu_int_gemm.py): those weights, and activations per token and group, symmetric
+    cpu_int_gemm.py): those weights, and activations per token and block of 32, symmetric
     int8, and the LM head as int8 the same way (untied from the embedding first)."""
     with torch.no_grad():
         if quantization.startswith("cpu_"):
@@ -53,8 +53,8 @@ def fake_quantize(model, quantization: str, tp: int = 1):
             head.weight = torch.nn.Parameter(head.weight.detach().clone())
             group = group_size_for(head.weight.shape[1])
             head.weight.copy_(quant.dequantize(quant.quantize(head.weight, 8, group)))
-            head.register_forward_pre_hook(lambda _, args, group=group: tuple(
-                cpu_int_gemm.quantize_activations(a.reshape(-1, a.shape[-1]), group)
+            head.register_forward_pre_hook(lambda _, args: tuple(
+                cpu_int_gemm.quantize_activations(a.reshape(-1, a.shape[-1]))
                 .reshape(a.shape) for a in args))
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] not in HF_PROJECTIONS:
@@ -73,8 +73,8 @@ def fake_quantize(model, quantization: str, tp: int = 1):
                 w.copy_(torch.cat([quant.dequantize(quant.quantize(part, bits, group))
                                    for part in w.split(k, dim=1)], dim=1))
                 if quantization.startswith("cpu_"):
-                    module.register_forward_pre_hook(lambda _, args, group=group: tuple(
-                        cpu_int_gemm.quantize_activations(a.reshape(-1, a.shape[-1]), group)
+                    module.register_forward_pre_hook(lambda _, args: tuple(
+                        cpu_int_gemm.quantize_activations(a.reshape(-1, a.shape[-1]))
                         .reshape(a.shape) for a in args))
     return model
 
@@ -218,7 +218,7 @@ def test_lora_adapters_on_a_quantized_base_equal_peft_on_the_same_weights(
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_the_cpus_own_int8_and_int4_equal_transformers(quantization, model_dirs, make_llm):
     """Without the Triton kernels int8 and int4 run the CPU's int kernel (group-wise
-    weights, each projection's input quantized per token and group): transformers
+    weights, each projection's input quantized per token and block of 32): transformers
     with the same weights and activations quantized gives the same greedy tokens, also
     after a trainer's full-precision update (requantized as it lands)."""
     scheme = f"cpu_{quantization}"
@@ -243,7 +243,7 @@ def test_the_cpus_own_int8_and_int4_equal_transformers(quantization, model_dirs,
 
 def assert_int8_head(model, reference) -> None:
     """The engine's logits are the reference's int8 LM head (dequantized weights,
-    activations quantized per token and group) applied to the same hidden states, to
+    activations quantized per token and block of 32) applied to the same hidden states, to
     fp32 rounding: far closer than a full-precision head's (whose logits differ by the
     int8 error, ~1e-3 here)."""
     hidden = torch.randn(5, model.spec.hidden_size, generator=torch.Generator().manual_seed(3))

@@ -62,6 +62,17 @@ def _assert_greedy_equal(llm, reference) -> None:
         assert argmax_along(reference, out.prompt_token_ids, ours) == ours
 
 
+def _with_cpu_activations(model):
+    """transformers' `model` with each projection's input quantized as the CPU's int
+    kernel quantizes it (per token and block of 32, kernels/cpu_int_gemm.py)."""
+    for name, module in model.named_modules():
+        if name.endswith("_proj"):
+            module.register_forward_pre_hook(lambda _, args: tuple(
+                cpu_int_gemm.quantize_activations(a.reshape(-1, a.shape[-1]))
+                .reshape(a.shape) for a in args))
+    return model
+
+
 CASES = {
     "gptq-4bit-act-order": ("gptq", {"bits": 4, "group": 32, "act_order": True}),
     "awq-4bit": ("awq", {"bits": 4, "group": 32}),
@@ -129,7 +140,7 @@ def test_integer_checkpoints_run_packed_on_the_cpus_int_kernel(case, model_dirs,
                                                                tmp_path):
     """The CPU's own path keeps 4-bit checkpoints packed (kernels/cpu_int_gemm.py: no
     full-precision copy) and gives the tokens of transformers on the weights the codes
-    stand for, with each projection's input quantized per token and group of 32 as the
+    stand for, with each projection's input quantized per token and block of 32 as the
     kernel does."""
     method, options = CASES[case]
     directory, reference = write_int_checkpoint(model_dirs["qwen2"], tmp_path / case, method,
@@ -140,12 +151,7 @@ def test_integer_checkpoints_run_packed_on_the_cpus_int_kernel(case, model_dirs,
         assert isinstance(proj.quant, cpu_int_gemm.CpuIntWeight) and proj.weight.is_meta
         assert (proj.quant.bits, proj.quant.group_size) == (4, 32)
     expected = _transformers(model_dirs["qwen2"], reference)
-    for name, module in expected.named_modules():
-        if name.endswith("_proj"):
-            module.register_forward_pre_hook(lambda _, args: tuple(
-                cpu_int_gemm.quantize_activations(a.reshape(-1, a.shape[-1]), 32)
-                .reshape(a.shape) for a in args))
-    _assert_greedy_equal(llm, expected)
+    _assert_greedy_equal(llm, _with_cpu_activations(expected))
 
 
 def test_a_w8a8_int8_checkpoint_runs_as_its_own_scheme_on_the_cpu(model_dirs, make_llm,
@@ -153,7 +159,8 @@ def test_a_w8a8_int8_checkpoint_runs_as_its_own_scheme_on_the_cpu(model_dirs, ma
     """compressed-tensors' W8A8 int8 (per-channel int8 weights, dynamic per-token int8
     activations) on the CPU's own path: its weights go straight into the CPU's int
     kernel in groups of whole rows, and the tokens are transformers' own load of the
-    directory with each projection's input quantized per token as the checkpoint says."""
+    directory with each projection's input quantized as the kernel does (per token and
+    block of 32: finer than the checkpoint's per-token scheme)."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     directory, _ = write_int_checkpoint(model_dirs["qwen2"], tmp_path / "w8a8",
@@ -163,16 +170,11 @@ def test_a_w8a8_int8_checkpoint_runs_as_its_own_scheme_on_the_cpu(model_dirs, ma
     qkv = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers[
         0].self_attn.qkv_proj
     assert isinstance(qkv.quant, cpu_int_gemm.CpuIntWeight) and qkv.weight.is_meta
-    assert qkv.quant.group_size == qkv.quant.in_features  # per token
+    assert qkv.quant.group_size == qkv.quant.in_features  # the checkpoint's scales
     reference = AutoModelForCausalLM.from_pretrained(
         directory, dtype=torch.float32,
         quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
-    for name, module in reference.named_modules():
-        if name.endswith("_proj"):
-            module.register_forward_pre_hook(lambda _, args: tuple(
-                cpu_int_gemm.quantize_activations(a.reshape(-1, a.shape[-1]), a.shape[-1])
-                .reshape(a.shape) for a in args))
-    _assert_greedy_equal(llm, reference)
+    _assert_greedy_equal(llm, _with_cpu_activations(reference))
 
 
 @runs_triton_kernels

@@ -61,21 +61,22 @@ def test_packing_keeps_the_weight_exactly(bits, group):
                                                (7, 96, 32)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
 def test_the_gemm_is_the_quantized_arithmetic(ops, bits, n, k, group, rows):
-    """Equal to the same arithmetic in fp64 up to fp32 rounding (every sum inside a group
-    is an exact integer), and to x @ W^T within what rounding the activations costs:
-    half a step of xs per element, times |W|. 1-4 rows run as one pass, 9 as three."""
+    """Equal to the same arithmetic in fp64 up to fp32 rounding (every sum inside a block
+    of 32 is an exact integer), and to x @ W^T within what rounding the activations
+    costs: half a step of xs (per block of 32) per element, times |W|. 1-4 rows run as
+    one pass, 9 as three."""
     generator = torch.Generator().manual_seed(bits * 1000 + n + rows)
     w = quantize(torch.randn(n, k, generator=generator), bits, group, torch.float32)
     packed = cpu_int_gemm.pack(w)
     x = torch.randn(rows, k, generator=generator) * torch.linspace(0.1, 3, k)
-    x[0, :group] = 0  # an all-zero group: its step is 1, its codes 0
+    x[0, :32] = 0  # an all-zero block: its step is 1, its codes 0
     y = gemm(ops, x, packed)
     assert y.shape == (rows, n) and y.dtype == torch.float32
     exact = cpu_int_gemm.reference_linear(x, packed)
     torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max())
     dense = x.double() @ dequantize(w).double().t()
-    steps = (x.abs().reshape(rows, k // group, group).amax(-1) / 127).repeat_interleave(
-        group, dim=1).double()
+    steps = (x.abs().reshape(rows, k // 32, 32).amax(-1) / 127).repeat_interleave(
+        32, dim=1).double()
     bound = (steps / 2) @ dequantize(w).abs().double().t()
     assert ((y.double() - dense).abs() <= bound + 1e-4).all()
 
@@ -124,8 +125,8 @@ def test_bad_shapes_and_layouts_are_refused_naming_them(ops):
         gemm(ops, torch.randn(2, 128), w)
     with pytest.raises(RuntimeError, match="does not fit"):
         ops.int_gemm(torch.randn(2, 64), w.codes, w.scales, w.zeros, 4, 32, 17)
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        ops.int_gemm(torch.randn(2, 64), w.codes, w.scales, w.zeros, 4, 8, 16)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.int_gemm(torch.randn(2, 64), w.codes, w.scales, w.zeros, 4, 16, 16)
     with pytest.raises(ValueError, match="act-order"):
         cpu_int_gemm.pack(replace(quantize(torch.randn(16, 64), 4, 32), perm=torch.arange(64)))
 

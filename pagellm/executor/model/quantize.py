@@ -6,7 +6,7 @@ scales (kernels/quant.py), computed by the fused-dequantize Triton GEMM
 quantizes activations per token at each call (kernels/fp8.py: W8A8, vLLM's dynamic
 fp8). Without the Triton kernels (the CPU's own path) `"int4"` and `"int8"` run the CPU's
 int kernel (kernels/cpu_int_gemm.py: the same group-wise codes in its tiled layout,
-activations quantized per token and group, VNNI's int8 dot products).
+activations quantized per token and block of 32, VNNI's int8 dot products).
 
 Each rank quantizes its own slice after the checkpoint is loaded (so tensor
 parallelism shards nothing of its own: a row-parallel slice is quantized along its own

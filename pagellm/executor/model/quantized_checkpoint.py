@@ -34,8 +34,8 @@ dequantized to the model's dtype: block-wise FP8 (no block-scaled GEMM here yet)
 quantized MoE expert or LM head, and on the CPU (no Triton) FP8 and act-order weights.
 The CPU keeps integer weights (GPTQ, AWQ, compressed-tensors, GGUF's Q4_0 / Q8_0) in its
 int kernel's tiled layout (kernels/cpu_int_gemm.py: activations quantized per token and
-group, as llama.cpp); a W8A8 int8 checkpoint's groups are whole rows, so its
-activations are quantized per token, as its scheme says. With the
+block of 32, as llama.cpp); a W8A8 int8 checkpoint's groups are whole rows (its
+per-channel scales). With the
 Triton kernels W8A8 runs weight-only (more accurate than the checkpoint's scheme, as
 fast where decode reads weights), and static FP8 input scales give way to per-token dynamic ones
 (kernels/fp8.py).
@@ -433,7 +433,7 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
     packed form of its slice's shape, on meta, and a fresh meta placeholder weight;
     returns them. Nothing for block-wise FP8 (loaded dequantized). Without the Triton
     kernels (`triton` False), integer weights take the CPU int kernel's layout
-    (kernels/cpu_int_gemm.py; a W8A8 checkpoint in groups of whole rows: its scheme),
+    (kernels/cpu_int_gemm.py; a W8A8 checkpoint in groups of whole rows: its scales),
     except act-order ones, which load dequantized as FP8 does."""
     if quant.kind is Kind.FP8_BLOCK or (not triton and (quant.kind is not Kind.INT
                                                          or quant.act_order)):
@@ -453,7 +453,7 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
         shards = module.tp.size if hasattr(module, "tp") else 1  # row-parallel: K sliced
         with torch.device("meta"):
             if not triton:
-                group = k if quant.w8a8 and k % 16 == 0 else _target_group(quant, k, k * shards)
+                group = k if quant.w8a8 and k % 32 == 0 else _target_group(quant, k, k * shards)
                 tiles = -(-n // TILE)
                 module.quant = CpuIntWeight(
                     torch.empty(tiles, k // 4, TILE * quant.bits // 2, dtype=torch.uint8),

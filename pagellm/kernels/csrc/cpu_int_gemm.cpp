@@ -1,12 +1,13 @@
 // Weight-only int4/int8 GEMM for the CPU with int8 dot products (kernels/cpu_int_gemm.py).
 //
-//   y[m, n] = sum_g  s[g, n] * xs[m, g] * (sum_{k in g} code[n, k] * a[m, k]
-//                                          - z[g, n] * sum_{k in g} a[m, k])
+//   y[m, n] = sum_b  s[g(b), n] * xs[m, b] * (sum_{k in b} code[n, k] * a[m, k]
+//                                             - z[g(b), n] * sum_{k in b} a[m, k])
 //
-// where W[n, k] = s[g, n] * (code[n, k] - z[g, n]) (codes unsigned, 4 or 8 bits) and the
-// activations are quantized per token and group, x[m, k] ~ xs[m, g] * a[m, k] (a int8,
+// over blocks b of 32 input columns inside weight groups g of G (G % 32 == 0), where
+// W[n, k] = s[g, n] * (code[n, k] - z[g, n]) (codes unsigned, 4 or 8 bits) and the
+// activations are quantized per token and block, x[m, k] ~ xs[m, b] * a[m, k] (a int8,
 // symmetric), as llama.cpp quantizes them to Q8_0 for its Q4_0 / Q8_0 dot products. The
-// inner sums are exact in int32; only each group's two scales are floats.
+// inner sums are exact in int32; only each block's scales are floats.
 //
 // Weight layout, one tile of 16 output rows (n0 .. n0 + 15) at a time (cpu_int_gemm.py packs it):
 //
@@ -59,11 +60,12 @@ inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
 
 constexpr int64_t kTile = 16;  // output rows per tile
 constexpr int64_t kRowsPerPass = 4;  // rows of x sharing one pass over a tile's codes
+constexpr int64_t kBlock = 32;  // input columns per activation scale (llama.cpp's Q8_0)
 
-// x [M, K] fp32 -> a [M, K] int8, xs [M, K / G] fp32, asum [M, K / G] int32.
-void quantize_activations(const float* x, int64_t M, int64_t K, int64_t G, int8_t* a,
-                          float* xs, int32_t* asum) {
-  const int64_t groups = K / G;
+// x [M, K] fp32 -> a [M, K] int8, xs [M, K / 32] fp32, asum [M, K / 32] int32.
+void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float* xs,
+                          int32_t* asum) {
+  const int64_t groups = K / kBlock, G = kBlock;
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t g = 0; g < groups; ++g) {
@@ -87,27 +89,36 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t G, int8_
 }
 
 // One tile's 16 outputs for rows m0 .. m0 + ROWS - 1. ROWS is a template argument so
-// that the accumulators live in registers; each row keeps CHAINS independent int32 sums
-// (quads round-robin) so that at least 4 dot products are in flight whatever ROWS is
-// (vpdpbusd's latency is ~4 cycles; one chain per row ran batch 1 at a quarter speed).
+// that the accumulators live in registers (a run-time row count left them on the stack:
+// 0.8x fp32 at 32 rows); each row keeps CHAINS independent int32 sums (quads
+// round-robin) so that at least 4 dot products are in flight whatever ROWS is
+// (vpdpbusd's latency is ~4 cycles).
 template <int BITS, int ROWS>
-void tile_rows(const uint8_t* codes, const float* scales, const float* zeros,
-               const int8_t* a, const float* xs, const int32_t* asum, int64_t K, int64_t G,
-               int64_t m0, float* out /* [ROWS][16] */) {
+void tile_rows(const uint8_t* codes,  // [K / 4, 8 * BITS]: this tile's
+               const float* scales,   // [K / G, 16]: this tile's
+               const float* zeros,    // [K / G, 16]: this tile's
+               const int8_t* a,       // [M, K]: the quantized activations
+               const float* xs,       // [M, K / G]: their steps
+               const int32_t* asum,   // [M, K / G]: their sums per group
+               int64_t K, int64_t G, int64_t m0,
+               float* out) {          // [ROWS, 16]
   constexpr int64_t kQuadBytes = kTile * BITS / 2;
   constexpr int CHAINS = ROWS >= 4 ? 1 : 4 / ROWS;
-  const int64_t groups = K / G, quads_per_group = G / 4;  // G % 16 == 0: whole chains
+  // Blocks of 32 input columns, each with its own activation scale, inside weight groups
+  // of G (G % 32 == 0): 8 quads a block, whole chains.
+  const int64_t blocks = K / kBlock, quads_per_block = kBlock / 4;
+  const int64_t blocks_per_group = G / kBlock;
 #if PAGELLM_VNNI
   __m512 accf[ROWS];
   for (int r = 0; r < ROWS; ++r) accf[r] = _mm512_setzero_ps();
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = 0; g < blocks; ++g) {
     __m512i acci[ROWS][CHAINS];
     for (int r = 0; r < ROWS; ++r) {
       for (int c = 0; c < CHAINS; ++c) acci[r][c] = _mm512_setzero_si512();
     }
-    const uint8_t* cg = codes + g * quads_per_group * kQuadBytes;
-    for (int64_t q0 = 0; q0 < quads_per_group; q0 += CHAINS) {
+    const uint8_t* cg = codes + g * quads_per_block * kQuadBytes;
+    for (int64_t q0 = 0; q0 < quads_per_block; q0 += CHAINS) {
       for (int c = 0; c < CHAINS; ++c) {
         const int64_t q = q0 + c;
         __m512i w;
@@ -120,7 +131,7 @@ void tile_rows(const uint8_t* codes, const float* scales, const float* zeros,
         } else {
           w = _mm512_loadu_si512(cg + q * kQuadBytes);
         }
-        const int64_t k = g * G + 4 * q;
+        const int64_t k = g * kBlock + 4 * q;
         for (int r = 0; r < ROWS; ++r) {
           int32_t four;
           std::memcpy(&four, a + (m0 + r) * K + k, 4);
@@ -128,12 +139,12 @@ void tile_rows(const uint8_t* codes, const float* scales, const float* zeros,
         }
       }
     }
-    const __m512 s = _mm512_loadu_ps(scales + g * kTile);
-    const __m512 z = _mm512_loadu_ps(zeros + g * kTile);
+    const __m512 s = _mm512_loadu_ps(scales + (g / blocks_per_group) * kTile);
+    const __m512 z = _mm512_loadu_ps(zeros + (g / blocks_per_group) * kTile);
     for (int r = 0; r < ROWS; ++r) {
       __m512i sum = acci[r][0];
       for (int c = 1; c < CHAINS; ++c) sum = _mm512_add_epi32(sum, acci[r][c]);
-      const int64_t mg = (m0 + r) * groups + g;
+      const int64_t mg = (m0 + r) * blocks + g;
       const __m512 centred = _mm512_fnmadd_ps(
           z, _mm512_set1_ps(static_cast<float>(asum[mg])), _mm512_cvtepi32_ps(sum));
       accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(xs[mg])), centred, accf[r]);
@@ -145,10 +156,10 @@ void tile_rows(const uint8_t* codes, const float* scales, const float* zeros,
   for (int r = 0; r < ROWS; ++r) {
     for (int64_t lane = 0; lane < kTile; ++lane) out[r * kTile + lane] = 0.f;
   }
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = 0; g < blocks; ++g) {
     int32_t acci[ROWS][kTile] = {};
-    const uint8_t* cg = codes + g * quads_per_group * kQuadBytes;
-    for (int64_t q = 0; q < quads_per_group; ++q) {
+    const uint8_t* cg = codes + g * quads_per_block * kQuadBytes;
+    for (int64_t q = 0; q < quads_per_block; ++q) {
       uint8_t w[kTile * 4];
       const uint8_t* src = cg + q * kQuadBytes;
       for (int64_t c = 0; c < kQuadBytes; ++c) {
@@ -159,7 +170,7 @@ void tile_rows(const uint8_t* codes, const float* scales, const float* zeros,
           w[c] = src[c];
         }
       }
-      const int64_t k = g * G + 4 * q;
+      const int64_t k = g * kBlock + 4 * q;
       for (int r = 0; r < ROWS; ++r) {
         const int8_t* ak = a + (m0 + r) * K + k;
         for (int64_t lane = 0; lane < kTile; ++lane) {
@@ -168,12 +179,13 @@ void tile_rows(const uint8_t* codes, const float* scales, const float* zeros,
         }
       }
     }
+    const int64_t w = (g / blocks_per_group) * kTile;  // the block's weight group
     for (int r = 0; r < ROWS; ++r) {
-      const int64_t mg = (m0 + r) * groups + g;
+      const int64_t mg = (m0 + r) * blocks + g;
       for (int64_t lane = 0; lane < kTile; ++lane) {
         const float centred = static_cast<float>(acci[r][lane]) -
-                              zeros[g * kTile + lane] * static_cast<float>(asum[mg]);
-        out[r * kTile + lane] += scales[g * kTile + lane] * xs[mg] * centred;
+                              zeros[w + lane] * static_cast<float>(asum[mg]);
+        out[r * kTile + lane] += scales[w + lane] * xs[mg] * centred;
       }
     }
   }
@@ -184,7 +196,7 @@ void tile_rows(const uint8_t* codes, const float* scales, const float* zeros,
 template <int BITS>
 void tile(int64_t rows, const uint8_t* codes, const float* scales, const float* zeros,
           const int8_t* a, const float* xs, const int32_t* asum, int64_t K, int64_t G,
-          int64_t m0, float* out) {
+          int64_t m0, float* out) {  // pointers as tile_rows
   switch (rows) {
     case 1: return tile_rows<BITS, 1>(codes, scales, zeros, a, xs, asum, K, G, m0, out);
     case 2: return tile_rows<BITS, 2>(codes, scales, zeros, a, xs, asum, K, G, m0, out);
@@ -203,8 +215,8 @@ at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous fp32 [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), G = group_size;
-  TORCH_CHECK(G > 0 && G % 16 == 0 && K % G == 0, "K ", K,
-              " must be a multiple of the group size ", G, ", itself a multiple of 16");
+  TORCH_CHECK(G > 0 && G % kBlock == 0 && K % G == 0, "K ", K,
+              " must be a multiple of the group size ", G, ", itself a multiple of 32");
   const int64_t tiles = codes.size(0);
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.size(1) == K / 4 && codes.size(2) == kTile * bits / 2,
@@ -219,9 +231,9 @@ at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   at::Tensor y = at::empty({M, out_features}, x.options());
   if (M == 0) return y;
   at::Tensor a = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor xs = at::empty({M, K / G}, x.options());
-  at::Tensor asum = at::empty({M, K / G}, x.options().dtype(at::kInt));
-  quantize_activations(x.data_ptr<float>(), M, K, G, a.data_ptr<int8_t>(), xs.data_ptr<float>(),
+  at::Tensor xs = at::empty({M, K / kBlock}, x.options());
+  at::Tensor asum = at::empty({M, K / kBlock}, x.options().dtype(at::kInt));
+  quantize_activations(x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), xs.data_ptr<float>(),
                        asum.data_ptr<int32_t>());
   const int8_t* a_ptr = a.data_ptr<int8_t>();
   const float* xs_ptr = xs.data_ptr<float>();
