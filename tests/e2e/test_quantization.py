@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import PROMPTS, runs_triton_kernels
 from peft_adapters import argmax_along
+from quantized_checkpoints import as_cpu_int_kernel
 
 from pagellm import SamplingParams
 from pagellm.executor.model.quantize import QUANTIZATIONS, group_size_for
@@ -46,16 +47,8 @@ def fake_quantize(model, quantization: str, tp: int = 1):
     """`model` (transformers') with its projections quantized as fake_quantized says;
     "cpu_int4" / "cpu_int8" are int4 / int8 on the CPU's own path (kernels/
     cpu_int_gemm.py): those weights, and activations per token and block of 32, symmetric
-    int8, and the LM head as int8 the same way (untied from the embedding first)."""
+    int8, and the LM head as int8 the same way (quantized_checkpoints.as_cpu_int_kernel)."""
     with torch.no_grad():
-        if quantization.startswith("cpu_"):
-            head = model.lm_head
-            head.weight = torch.nn.Parameter(head.weight.detach().clone())
-            group = group_size_for(head.weight.shape[1])
-            head.weight.copy_(quant.dequantize(quant.quantize(head.weight, 8, group)))
-            head.register_forward_pre_hook(lambda _, args: tuple(
-                cpu_int_gemm.quantize_activations(a.reshape(-1, a.shape[-1]))
-                .reshape(a.shape) for a in args))
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] not in HF_PROJECTIONS:
                 continue
@@ -72,11 +65,7 @@ def fake_quantize(model, quantization: str, tp: int = 1):
                 group = group_size_for(k, shards)
                 w.copy_(torch.cat([quant.dequantize(quant.quantize(part, bits, group))
                                    for part in w.split(k, dim=1)], dim=1))
-                if quantization.startswith("cpu_"):
-                    module.register_forward_pre_hook(lambda _, args: tuple(
-                        cpu_int_gemm.quantize_activations(a.reshape(-1, a.shape[-1]))
-                        .reshape(a.shape) for a in args))
-    return model
+    return as_cpu_int_kernel(model) if quantization.startswith("cpu_") else model
 
 
 def perturbed(model_dir: Path, seed: int):

@@ -13,9 +13,10 @@ import pytest
 import torch
 from conftest import PROMPTS, runs_triton_kernels
 from peft_adapters import argmax_along
-from quantized_checkpoints import write_fp8_checkpoint, write_int_checkpoint
+from quantized_checkpoints import as_cpu_int_kernel, write_fp8_checkpoint, write_int_checkpoint
 
 from pagellm import SamplingParams
+from pagellm.executor.model.linear import INT_WEIGHTS
 from pagellm.kernels import cpu_int_gemm, fp8
 from pagellm.kernels.quant import PackedWeight
 
@@ -60,17 +61,6 @@ def _assert_greedy_equal(llm, reference) -> None:
         ours = out.outputs[0].token_ids
         assert len(ours) == GREEDY.max_tokens
         assert argmax_along(reference, out.prompt_token_ids, ours) == ours
-
-
-def _with_cpu_activations(model):
-    """transformers' `model` with each projection's input quantized as the CPU's int
-    kernel quantizes it (per token and block of 32, kernels/cpu_int_gemm.py)."""
-    for name, module in model.named_modules():
-        if name.endswith("_proj"):
-            module.register_forward_pre_hook(lambda _, args: tuple(
-                cpu_int_gemm.quantize_activations(a.reshape(-1, a.shape[-1]))
-                .reshape(a.shape) for a in args))
-    return model
 
 
 CASES = {
@@ -141,7 +131,7 @@ def test_integer_checkpoints_run_packed_on_the_cpus_int_kernel(case, model_dirs,
     """The CPU's own path keeps 4-bit checkpoints packed (kernels/cpu_int_gemm.py: no
     full-precision copy) and gives the tokens of transformers on the weights the codes
     stand for, with each projection's input quantized per token and block of 32 as the
-    kernel does."""
+    kernel does, and the LM head's int8 copy (`as_cpu_int_kernel`)."""
     method, options = CASES[case]
     directory, reference = write_int_checkpoint(model_dirs["qwen2"], tmp_path / case, method,
                                                 **options)
@@ -150,8 +140,9 @@ def test_integer_checkpoints_run_packed_on_the_cpus_int_kernel(case, model_dirs,
     for proj in (model.model.layers[1].self_attn.qkv_proj, model.model.layers[1].mlp.down_proj):
         assert isinstance(proj.quant, cpu_int_gemm.CpuIntWeight) and proj.weight.is_meta
         assert (proj.quant.bits, proj.quant.group_size) == (4, 32)
+    assert INT_WEIGHTS.get(model.head_weight) is not None  # the LM head's int8 copy
     expected = _transformers(model_dirs["qwen2"], reference)
-    _assert_greedy_equal(llm, _with_cpu_activations(expected))
+    _assert_greedy_equal(llm, as_cpu_int_kernel(expected))
 
 
 def test_a_w8a8_int8_checkpoint_runs_as_its_own_scheme_on_the_cpu(model_dirs, make_llm,
@@ -174,7 +165,7 @@ def test_a_w8a8_int8_checkpoint_runs_as_its_own_scheme_on_the_cpu(model_dirs, ma
     reference = AutoModelForCausalLM.from_pretrained(
         directory, dtype=torch.float32,
         quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
-    _assert_greedy_equal(llm, _with_cpu_activations(reference))
+    _assert_greedy_equal(llm, as_cpu_int_kernel(reference))
 
 
 @runs_triton_kernels

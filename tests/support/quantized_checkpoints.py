@@ -231,3 +231,28 @@ def write_fp8_checkpoint(model_dir: Path, out: Path, block: tuple[int, int] | No
         config = {"quant_method": "fp8", "activation_scheme": "dynamic",
                   "weight_block_size": list(block)}
     return _write(model_dir, out, tensors, config), reference
+
+
+def as_cpu_int_kernel(model: Any) -> Any:
+    """transformers' `model` (weights already what the codes stand for) computed as the
+    CPU's int kernel computes a quantized model (kernels/cpu_int_gemm.py): each
+    projection's input quantized per token and block of 32, and the LM head an int8
+    copy of its weight (untied from the embedding first) with its input quantized so."""
+    from pagellm.executor.model.quantize import group_size_for
+    from pagellm.kernels import cpu_int_gemm
+    from pagellm.kernels.quant import dequantize, quantize
+
+    def hook(_: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(cpu_int_gemm.quantize_activations(a.reshape(-1, a.shape[-1]))
+                     .reshape(a.shape) for a in args)
+
+    with torch.no_grad():
+        head = model.lm_head
+        weight = head.weight.detach().float()
+        head.weight = torch.nn.Parameter(dequantize(quantize(
+            weight, 8, group_size_for(weight.shape[1]))), requires_grad=False)
+        head.register_forward_pre_hook(hook)
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in PROJECTIONS:
+                module.register_forward_pre_hook(hook)
+    return model

@@ -13,10 +13,11 @@ import torch
 from conftest import PROMPTS, runs_triton_kernels
 from gguf_files import write_gguf
 from peft_adapters import argmax_along
+from quantized_checkpoints import as_cpu_int_kernel
 
 from pagellm import SamplingParams
 from pagellm.demo.model import ModelSpec, make_model
-from pagellm.kernels.cpu_int_gemm import CpuIntWeight, quantize_activations
+from pagellm.kernels.cpu_int_gemm import CpuIntWeight
 from pagellm.weights import gguf as gguf_module
 from pagellm.weights.gguf import TRANSFORMERS_FLOOR, gguf_model_dir, transformers_version
 
@@ -59,8 +60,8 @@ def _assert_greedy_equal(llm, reference) -> None:
 def test_a_gguf_file_on_the_cpu_gives_transformers_tokens(projections, llama_dir, tmp_path,
                                                           make_llm):
     """F32 and Q4_1 projections load as fp32 weights; Q8_0 and Q4_0 ones stay packed for
-    the CPU's int kernel, whose activations (per token and group of 32, as llama.cpp's
-    Q8_0 activations) the reference then takes too."""
+    the CPU's int kernel, whose activations (per token and block of 32, as llama.cpp's
+    Q8_0 activations) and int8 LM head the reference then takes too."""
     path = write_gguf(llama_dir, tmp_path / f"model-{projections}.gguf", projections)
     llm = make_llm(str(path), dtype="float32")
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
@@ -70,11 +71,7 @@ def test_a_gguf_file_on_the_cpu_gives_transformers_tokens(projections, llama_dir
     if packed:
         quant = model.model.layers[0].self_attn.qkv_proj.quant
         assert isinstance(quant, CpuIntWeight) and quant.bits == int(projections[1])
-        for name, module in reference.named_modules():
-            if name.endswith("_proj"):
-                module.register_forward_pre_hook(lambda _, args: tuple(
-                    quantize_activations(a.reshape(-1, a.shape[-1])).reshape(a.shape)
-                    for a in args))
+        reference = as_cpu_int_kernel(reference)
     _assert_greedy_equal(llm, reference)
     # The tokenizer is the file's: the same ids as the model directory's own.
     from transformers import AutoTokenizer

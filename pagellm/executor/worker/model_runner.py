@@ -118,6 +118,10 @@ class ModelRunner:
                         "Triton's: CUDA, or attention_backend='triton')")
         if model_config.quantization is not None:
             self._quantize(model_config.quantization)
+        if self.attention.name != "triton" and self.model.quantized:
+            # An int8 copy of the LM head (the CPU int kernel's), as llama.cpp's Q4_0 /
+            # Q8_0 files keep theirs: at batch 1 the fp32 head was a fifth of an int4 step.
+            INT_WEIGHTS.pack([self.model.head_weight])
         self.lora = None if lora is None else LoRAManager(
             self.model, model_config.spec, self.tp, lora, model_config.dtype, device,
             kernels=self.attention.name == "triton")
@@ -161,9 +165,9 @@ class ModelRunner:
         attention runs Triton's: on CUDA (on the CPU attention_backend='triton' runs
         the kernels anyway, for tests). The CPU's own path takes int4 and int8, through
         its C++ int kernel (kernels/cpu_int_gemm.py: faster than fp32 where the CPU has
-        AVX-512 VNNI's int8 dot products), and computes the LM head from an int8 copy of
-        its weight (linear.INT_WEIGHTS, made again after weight updates); it has no fp8
-        GEMM faster than fp32's."""
+        AVX-512 VNNI's int8 dot products), and, as for an integer checkpoint there, the
+        LM head from an int8 copy of its weight (linear.INT_WEIGHTS, made again after
+        weight updates; registered in __init__); it has no fp8 GEMM faster than fp32's."""
         triton = self.attention.name == "triton"
         if not triton and quantization == "fp8":
             raise ValueError("quantization='fp8' needs CUDA (the CPU has no fp8 GEMM faster "
@@ -174,9 +178,6 @@ class ModelRunner:
                            "than fp32, but slower", quantization)
         quantized = quantize_projections(self.model, quantization, triton)
         self.model.quantized = {id(m.weight): m for m in quantized}
-        if not triton:  # an int8 copy of the LM head, as llama.cpp's Q4_0 / Q8_0 files
-            # keep theirs: at batch 1 the full-precision head was a fifth of an int4 step
-            INT_WEIGHTS.pack([self.model.head_weight])
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the replaced weights' memory
         logger.info("quantization=%s: %d projections quantized on load", quantization,
