@@ -151,19 +151,17 @@ def write_rows(weight: CpuIntWeight, first: int, part: PackedWeight) -> None:
     if part.bits != weight.bits or part.group_size != weight.group_size:
         raise ValueError(f"{part.bits}-bit rows in groups of {part.group_size} into a "
                          f"{weight.bits}-bit weight in groups of {weight.group_size}")
-    new = pack(part)
-    last = first + part.out_features
-    lo, hi = first // TILE, -(-last // TILE)
-    n, bits = weight.out_features, weight.bits
-    span = slice(lo * TILE, min(hi * TILE, n))
-    codes = unpack_codes(weight.codes[lo:hi], bits, span.stop - span.start)
-    codes[first - span.start:last - span.start] = unpack_codes(new.codes, bits,
-                                                                part.out_features)
+    if part.perm is not None:
+        raise ValueError("act-order (desc_act) weights do not run on the CPU's int kernel")
+    bits, last = weight.bits, first + part.out_features
+    lo, hi = first // TILE, -(-last // TILE)  # the tiles touched
+    span = slice(first - lo * TILE, last - lo * TILE)  # the rows, inside those tiles
+    codes = unpack_codes(weight.codes[lo:hi], bits, (hi - lo) * TILE)
+    codes[span] = unpack(part.qweight, bits).t()
     weight.codes[lo:hi] = pack_codes(codes, bits)
-    for mine, theirs in ((weight.scales, new.scales), (weight.zeros, new.zeros)):
+    for mine, theirs in ((weight.scales, part.scales), (weight.zeros, part.zeros)):
         rows = mine[lo:hi].transpose(1, 2).reshape(-1, mine.shape[1]).clone()  # [span, K/G]
-        rows[first - span.start:last - span.start] = \
-            theirs.transpose(1, 2).reshape(-1, mine.shape[1])[:part.out_features]
+        rows[span] = theirs.t()
         mine[lo:hi] = rows.reshape(hi - lo, TILE, -1).transpose(1, 2)
 
 

@@ -54,6 +54,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagellm.kernels import cpu_int_gemm
+from pagellm.kernels.quant import quantize
+
 
 class Way(enum.Enum):
     W_XT = "W @ x^T"
@@ -204,12 +207,10 @@ class PackedWeights:
         return len(self._copies)
 
 
-def _int8_copy(weight: torch.Tensor) -> Any:
+def _int8_copy(weight: torch.Tensor) -> cpu_int_gemm.CpuIntWeight:
     """weight [out, in] as int8 codes in groups for the CPU int kernel: the LM head of a
-    model whose projections are quantized on the CPU (model_runner's `_quantize`)."""
-    from pagellm.executor.model.quantize import group_size_for
-    from pagellm.kernels import cpu_int_gemm
-    from pagellm.kernels.quant import quantize
+    model whose projections run that kernel (the model runner registers it)."""
+    from pagellm.executor.model.quantize import group_size_for  # (quantize imports us)
 
     return cpu_int_gemm.pack(quantize(weight.float(), 8, group_size_for(weight.shape[1]),
                                       torch.float32))
@@ -272,9 +273,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     copy = INT_WEIGHTS.get(weight)
     if copy is not None:
-        from pagellm.kernels.cpu_int_gemm import int_linear
-
-        return int_linear(x, copy, bias)
+        return cpu_int_gemm.int_linear(x, copy, bias)
     if x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     return gemm(choose(x.shape[0], x.shape[1], x.dtype, THIS_CPU), x, weight, bias)

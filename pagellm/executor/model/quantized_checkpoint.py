@@ -35,10 +35,9 @@ quantized MoE expert or LM head, and on the CPU (no Triton) FP8 and act-order we
 The CPU keeps integer weights (GPTQ, AWQ, compressed-tensors, GGUF's Q4_0 / Q8_0) in its
 int kernel's tiled layout (kernels/cpu_int_gemm.py: activations quantized per token and
 block of 32, as llama.cpp); a W8A8 int8 checkpoint's groups are whole rows (its
-per-channel scales). With the
-Triton kernels W8A8 runs weight-only (more accurate than the checkpoint's scheme, as
-fast where decode reads weights), and static FP8 input scales give way to per-token dynamic ones
-(kernels/fp8.py).
+per-channel scales). With the Triton kernels W8A8 runs weight-only (more accurate than
+the checkpoint's scheme, as fast where decode reads weights), and static FP8 input
+scales give way to per-token dynamic ones (kernels/fp8.py).
 """
 
 from __future__ import annotations
@@ -86,7 +85,7 @@ class CheckpointQuant:
     symmetric: bool = True  # compressed-tensors: no zero-point tensor
     act_order: bool = False  # g_idx orders the input columns (GPTQ desc_act)
     # compressed-tensors' W8A8 int8: symmetric int8 per output channel, and activations
-    # quantized per token at run time (the CPU computes exactly that: kernels/cpu_int_gemm.py)
+    # quantized per token at run time (the CPU's int kernel: per block of 32, finer)
     w8a8: bool = False
     zeros_minus_one: bool = False  # GPTQ format v1 stores each zero point minus one
     block: tuple[int, int] | None = None  # FP8_BLOCK: [bn, bk]

@@ -65,24 +65,24 @@ constexpr int64_t kBlock = 32;  // input columns per activation scale (llama.cpp
 // x [M, K] fp32 -> a [M, K] int8, xs [M, K / 32] fp32, asum [M, K / 32] int32.
 void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float* xs,
                           int32_t* asum) {
-  const int64_t groups = K / kBlock, G = kBlock;
+  const int64_t blocks = K / kBlock;
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* xg = x + m * K + g * G;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* xb = x + m * K + b * kBlock;
         float amax = 0.f;
-        for (int64_t k = 0; k < G; ++k) amax = std::max(amax, std::fabs(xg[k]));
+        for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
         const float scale = amax > 0.f ? amax / 127.f : 1.f;
         const float inv = 1.f / scale;
         int32_t sum = 0;
-        int8_t* ag = a + m * K + g * G;
-        for (int64_t k = 0; k < G; ++k) {
-          const int32_t q = static_cast<int32_t>(std::nearbyint(xg[k] * inv));
-          ag[k] = static_cast<int8_t>(std::min(127, std::max(-127, q)));
-          sum += ag[k];
+        int8_t* ab = a + m * K + b * kBlock;
+        for (int64_t k = 0; k < kBlock; ++k) {
+          const int32_t q = static_cast<int32_t>(std::nearbyint(xb[k] * inv));
+          ab[k] = static_cast<int8_t>(std::min(127, std::max(-127, q)));
+          sum += ab[k];
         }
-        xs[m * groups + g] = scale;
-        asum[m * groups + g] = sum;
+        xs[m * blocks + b] = scale;
+        asum[m * blocks + b] = sum;
       }
     }
   });
