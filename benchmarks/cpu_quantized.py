@@ -15,11 +15,16 @@ llama.cpp's batch-1 decode of the same GGUF file re-quantized by llama.cpp's own
 weights pagellm runs), on as many threads as pagellm's engine uses (torch's default),
 greedy, the same prompt ids and token count; its Python API runs one sequence, so
 offline throughput has no llama.cpp column.
+
+--unfused adds fp32, int8 and int4 with `PAGELLM_CPU_DECODE=0`: decode steps through the
+decoder's torch ops instead of the fused C++ step (executor/worker/cpu_decode.py), for
+the before/after ratio of that step in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
 import time
@@ -37,11 +42,29 @@ def workload(vocab: int, num: int, seed: int = 0) -> list[list[int]]:
             for _ in range(num)]
 
 
+UNFUSED = {f"{name} unfused": {**VARIANTS[name], "PAGELLM_CPU_DECODE": "0"}
+           for name in ("fp32", "int8", "int4")}
+
+
 def measure(model: str, options: dict[str, Any], decode_tokens: int, requests: int
             ) -> dict[str, float]:
+    """Batch-1 and offline tokens/s of an engine made with `options` (upper-case keys are
+    environment variables for its engine process)."""
     from pagellm import LLM, SamplingParams
 
-    with LLM(model, max_model_len=1024, kv_cache_memory_bytes=512 * 2**20, **options) as llm:
+    env = {k: v for k, v in options.items() if k.isupper()}
+    options = {k: v for k, v in options.items() if not k.isupper()}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        llm = LLM(model, max_model_len=1024, kv_cache_memory_bytes=512 * 2**20, **options)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    with llm:
         vocab = llm.get_tokenizer().vocab_size
         one = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
         prompt = [{"prompt_token_ids": workload(vocab, 1, seed=1)[0][:64]}]
@@ -109,6 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--llama-cpp", action="store_true",
                         help="llama.cpp's batch-1 decode beside (needs a GGUF model)")
+    parser.add_argument("--unfused", action="store_true",
+                        help="fp32/int8/int4 with decode steps through torch ops beside")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     from quant_quality import default_gguf, report
@@ -120,7 +145,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = args.model
     else:
         model = str(default_gguf())
-    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+    variants = {**VARIANTS, **(UNFUSED if args.unfused else {})}
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     peers: dict[str, Path] = {}
     if args.llama_cpp:
         import tempfile
@@ -131,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         peers = {f"llama.cpp {k}": v for k, v in llama_cpp_files(Path(model), tmp).items()}
         rounds.update({name: [] for name in peers})
     for _ in range(1 if args.smoke else args.rounds):
-        for name, options in VARIANTS.items():
+        for name, options in variants.items():
             # The smoke run's engines run in this process (seconds less to start each).
             options = {**options, "multiprocess": False} if args.smoke else options
             rounds[name].append(measure(model, options, decode_tokens, requests))

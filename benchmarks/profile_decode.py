@@ -56,6 +56,11 @@ class Profile:
     kernels: dict[str, list[float]]
 
 
+# The CPU ops a CPU profile counts: torch's, oneDNN's and pagellm's C++ ones (the int kernel, the
+# fused decode step: executor/worker/cpu_decode.py).
+CPU_OPS = ("aten::", "mkldnn::", "pagellm_cpu::")
+
+
 def profiled_generate(llm: LLM, rng: random.Random, vocab: int, prompt_len: int,
                       max_tokens: int, device: torch.device) -> Profile:
     """Profile one greedy generate of `max_tokens` for a fresh random prompt."""
@@ -70,8 +75,8 @@ def profiled_generate(llm: LLM, rng: random.Random, vocab: int, prompt_len: int,
     kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     for event in prof.events():
         on_device = event.device_type == torch.autograd.DeviceType.CUDA
-        if on_device != cuda or (not cuda and not event.name.startswith("aten::")):
-            continue  # on the CPU (smoke): aten ops stand in for kernels
+        if on_device != cuda or (not cuda and not event.name.startswith(CPU_OPS)):
+            continue  # on the CPU: torch's and pagellm's ops stand in for kernels
         entry = kernels[event.name]
         entry[0] += 1
         entry[1] += event.device_time if cuda else event.cpu_time

@@ -37,7 +37,8 @@ def test_the_wheel_installs_only_the_pagellm_namespace(wheel):
     for part in ("protocol", "enginecore", "executor", "kernels", "frontend"):
         assert f"pagellm/{part}/__init__.py" in names
     assert "pagellm/frontend/server/template_sandbox.py" in names
-    assert "pagellm/kernels/csrc/cpu_int_gemm.cpp" in names  # compiled on first use
+    for source in ("cpu_int_gemm.cpp", "cpu_decode.cpp", "cpu_ops.h"):  # compiled on first use
+        assert f"pagellm/kernels/csrc/{source}" in names
 
 
 def test_a_plain_install_runs_the_engine_the_server_and_the_standalone_core(wheel, tmp_path):

@@ -17,9 +17,8 @@ Why a kernel of our own: torch's CPU ops for packed int4 / int8 weights
 (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) ran 5-50x slower than fp32's GEMM
 on this project's machines, and torchao's CPU kernels are not in its registry wheels
 (benchmarks/cpu_quant_kernels.py; BENCHMARKS.md). The C++ source is compiled once per
-machine on first use with torch's own extension builder (about 6 s; cached under
-~/.cache/torch_extensions, keyed by the source and this CPU's instruction set) and runs
-on torch's thread pool (at::parallel_for).
+machine on first use with pagellm's other CPU ops (kernels/cpu_ops.py) and runs on
+torch's thread pool (at::parallel_for).
 
 Layout: tiles of 16 output rows (`pack`), so that one 512-bit register holds 4 input
 columns of 16 rows; see the C++ file's header for the byte order.
@@ -27,21 +26,16 @@ columns of 16 rows; see the C++ file's header for the byte order.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
-from typing import Any
 
 import torch
 
+from pagellm.kernels import cpu_ops
 from pagellm.kernels.quant import PackedWeight, unpack
 
 TILE = 16  # output rows per tile (the kernel's 16 int32 lanes)
 BLOCK = 32  # input columns per activation scale
-SOURCE = Path(__file__).with_name("csrc") / "cpu_int_gemm.cpp"
 
 
 @dataclass(frozen=True)
@@ -165,70 +159,17 @@ def write_rows(weight: CpuIntWeight, first: int, part: PackedWeight) -> None:
         mine[lo:hi] = rows.reshape(hi - lo, TILE, -1).transpose(1, 2)
 
 
-def _extension_name(portable: bool) -> str:
-    """The compiled module's name: the source's and this CPU's flags' hash, so a build
-    for another CPU (a home directory shared between machines) is never loaded here."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(_cpu_flags().encode())
-    return f"pagellm_cpu_int_gemm{'_portable' if portable else ''}_{digest.hexdigest()[:12]}"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _ninja_on_path() -> None:
-    """torch's builder runs `ninja` from PATH: where none is there (a venv used without
-    activating it), the `ninja` package's own binary (a dependency) is put there."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja
-    except ImportError:
-        return  # the builder's own error names what is missing
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
-@cache
-def load(portable: bool = False) -> Any:
-    """Compile (first use on this machine) and load the kernel; returns its op namespace,
-    torch.ops.pagellm_cpu. `portable`: the plain-loop build (the C++ file's header), as
-    torch.ops.pagellm_cpu_portable, for tests. Raises RuntimeError naming what is missing
-    (a C++ compiler, ninja)."""
-    from torch.utils.cpp_extension import load as build
-
-    _ninja_on_path()
-    namespace = "pagellm_cpu_portable" if portable else "pagellm_cpu"
-    # -fopenmp: at::parallel_for is an inline `#pragma omp parallel`, serial without it;
-    # the module then shares the libgomp torch has loaded (the same soname).
-    flags = ["-O3", "-march=native", "-fopenmp"]
-    if portable:
-        flags += ["-DPAGELLM_PORTABLE", f"-DPAGELLM_NS={namespace}"]
-    try:
-        build(name=_extension_name(portable), sources=[str(SOURCE)], is_python_module=False,
-              extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
-    except (RuntimeError, OSError) as e:
-        raise RuntimeError(
-            "int4 weights on the CPU need pagellm's C++ kernel, compiled on first use with "
-            f"torch's extension builder (a C++ compiler and ninja): {e}") from e
-    return getattr(torch.ops, namespace)
-
-
 @cache
 def fast_on_this_cpu() -> bool:
     """Whether the kernel was compiled with AVX-512 VNNI (otherwise it runs as plain
     loops: exact, but slower than fp32's GEMM)."""
-    return bool(load().vnni())
+    return bool(cpu_ops.load().vnni())
 
 
 def int_linear(x: torch.Tensor, weight: CpuIntWeight, bias: torch.Tensor | None = None
                ) -> torch.Tensor:
     """x [M, K] (any float dtype) -> [M, N] in x's dtype (+ bias)."""
-    y = load().int_gemm(x.float().contiguous(), weight.codes, weight.scales, weight.zeros,
+    y = cpu_ops.load().int_gemm(x.float().contiguous(), weight.codes, weight.scales, weight.zeros,
                         weight.bits, weight.group_size, weight.out_features)
     y = y.to(x.dtype)
     return y if bias is None else y + bias

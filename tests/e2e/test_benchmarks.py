@@ -5,6 +5,7 @@ before a GPU session spends its scarce time on them."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -130,11 +131,15 @@ def test_decode_roofline_smoke_measures_decode_against_the_roofline(tmp_path):
             100 * results["decode_tokens_per_s"] / results["roofline_tokens_per_s"])
 
 
-def test_profile_decode_smoke_counts_each_decode_steps_matmuls(tmp_path):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch-ops"])
+def test_profile_decode_smoke_counts_each_decode_steps_matmuls(tmp_path, monkeypatch, fused):
     """The difference of two profiled generates over the decode steps between them: the
-    demo model's steps each run 4 matmuls a layer (fused QKV, output, fused gate-up,
-    down) and the lm_head for the one sampled row, so any other count means the prefill
-    did not cancel or the steps were miscounted."""
+    demo model's steps each run one fused decode step (executor/worker/cpu_decode.py)
+    or, through torch's ops, 4 matmuls a layer (fused QKV, output, fused gate-up, down),
+    and the lm_head for the one sampled row, so any other count means the prefill did
+    not cancel or the steps were miscounted."""
+    if not fused:
+        monkeypatch.setenv("PAGELLM_CPU_DECODE", "0")  # (the smoke engine is in-process)
     results = run_json(profile_decode.main, ["--smoke"], tmp_path / "profile.json")
     assert results["benchmark"] == "profile_decode" and results["decode_steps"] == 4
     config = json.loads((Path(results["model"]) / "config.json").read_text())
@@ -147,8 +152,10 @@ def test_profile_decode_smoke_counts_each_decode_steps_matmuls(tmp_path):
     way = cpu_linear.choose(1, config["hidden_size"], torch.float32, cpu_linear.THIS_CPU)
     op = {"W_XT": "aten::mm", "ATEN": "aten::linear",
           "ONEDNN": "mkldnn::_linear_pointwise"}[way.name]
-    linear = next(r for r in results["kernels"] if r["kernel"] == op)
-    assert linear["launches_per_step"] == 4 * config["num_hidden_layers"] + 1
+    per_step = {r["kernel"]: r["launches_per_step"] for r in results["kernels"]}
+    layers = 0 if fused else config["num_hidden_layers"]
+    assert per_step[op] == 4 * layers + 1
+    assert per_step.get("pagellm_cpu::decode_layers", 0) == (1 if fused else 0)
 
 
 def test_gpu_suite_parts_select_by_name_or_kind():
@@ -370,9 +377,11 @@ def test_quant_quality_smoke_scores_the_text_as_transformers_does(tmp_path):
 
 
 def test_cpu_quantized_smoke_times_every_variant_side_by_side(tmp_path):
-    results = cpu_quantized.main(["--smoke", "--out", str(tmp_path / "c.json")])
+    results = cpu_quantized.main(["--smoke", "--unfused", "--out", str(tmp_path / "c.json")])
     assert json.loads((tmp_path / "c.json").read_text()) == results
-    assert set(results["best"]) == {"fp32", "bf16", "int8", "int4"}
+    assert set(results["best"]) == {"fp32", "bf16", "int8", "int4", "fp32 unfused",
+                                    "int8 unfused", "int4 unfused"}
+    assert "PAGELLM_CPU_DECODE" not in os.environ  # set for those engines only
     for best in results["best"].values():
         assert best["batch1_tokens_per_s"] > 0 and best["offline_output_tokens_per_s"] > 0
     assert results["vs_fp32"]["fp32"] == {"batch1_tokens_per_s": 1.0,

@@ -140,27 +140,26 @@ def test_every_parameter_equals_its_checkpoint_tensor(built: Built, name: str) -
         assert torch.equal(params[param_name], tensor), param_name
 
 
-def test_a_bf16_model_is_never_materialized_in_fp32(built: Built) -> None:
+def test_a_bf16_model_is_never_materialized_in_fp32(built: Built, monkeypatch) -> None:
     """Weights are materialized in the model's dtype: built on the meta device in
     fp32, materialized and only then cast, a bf16 model would briefly need twice its
-    memory (one that fits in bf16 could fail to load). `Module.to_empty` materializes
-    through `torch.empty_like`: every tensor it makes must be bf16, covering every
-    parameter."""
-    from torch.overrides import TorchFunctionMode
+    memory (one that fits in bf16 could fail to load). The loader materializes through
+    `host_memory.empty` (2 MB pages on the CPU): every tensor it makes must be bf16,
+    covering every parameter."""
+    from pagellm.executor.model import host_memory
 
     made: list[tuple[torch.dtype, int]] = []
+    real = host_memory.empty
 
-    class Materialized(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            out = func(*args, **(kwargs or {}))
-            if func is torch.empty_like:
-                made.append((out.dtype, out.numel()))
-            return out
+    def recording(shape, dtype, device="cpu"):  # type: ignore[no-untyped-def]
+        out = real(shape, dtype, device)
+        made.append((out.dtype, out.numel()))
+        return out
 
+    monkeypatch.setattr(host_memory, "empty", recording)
     model_dir = built(SPECS[next(iter(SPECS))])
     args = EngineArgs(model=str(model_dir), dtype="bfloat16", load_format="dummy")
-    with Materialized():
-        model = load_model(resolve_model_config(args), torch.device("cpu"))
+    model = load_model(resolve_model_config(args), torch.device("cpu"))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert {dtype for dtype, _ in made} == {torch.bfloat16}
     assert sum(n for _, n in made) >= sum(p.numel() for p in model.parameters())
@@ -488,7 +487,7 @@ def test_dummy_weights_are_drawn_a_chunk_at_a_time(built: Built, tmp_path: Path,
     class Draws(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             out = func(*args, **(kwargs or {}))
-            if func is torch.empty and out.dtype == torch.float32 and not out.is_meta:
+            if func is torch.Tensor.normal_ and out.dtype == torch.float32:  # a draw
                 drawn.append(out.numel())
             return out
 

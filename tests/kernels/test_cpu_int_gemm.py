@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pagellm.kernels import cpu_int_gemm
+from pagellm.kernels import cpu_int_gemm, cpu_ops
 from pagellm.kernels.quant import dequantize, quantize
 
 pytestmark = pytest.mark.own_code
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.own_code
 
 @pytest.fixture(params=[False, True], ids=["native", "portable"])
 def ops(request):
-    return cpu_int_gemm.load(portable=request.param)
+    return cpu_ops.load(portable=request.param)
 
 
 def gemm(ops, x: torch.Tensor, w: cpu_int_gemm.CpuIntWeight) -> torch.Tensor:
@@ -135,5 +135,5 @@ def test_the_ninja_package_builds_where_no_ninja_is_on_path(monkeypatch, tmp_pat
     """torch's builder runs `ninja` from PATH; a venv used without activating it has the
     ninja package's binary but not on PATH: load() puts it there."""
     monkeypatch.setenv("PATH", str(tmp_path))
-    cpu_int_gemm._ninja_on_path()
+    cpu_ops._ninja_on_path()
     assert shutil.which("ninja") is not None

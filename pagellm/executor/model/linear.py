@@ -210,10 +210,11 @@ class PackedWeights:
 def _int8_copy(weight: torch.Tensor) -> cpu_int_gemm.CpuIntWeight:
     """weight [out, in] as int8 codes in groups for the CPU int kernel: the LM head of a
     model whose projections run that kernel (the model runner registers it)."""
-    from pagellm.executor.model.quantize import group_size_for  # (quantize imports us)
+    # (quantize imports us)
+    from pagellm.executor.model.quantize import group_size_for, in_huge_pages
 
-    return cpu_int_gemm.pack(quantize(weight.float(), 8, group_size_for(weight.shape[1]),
-                                      torch.float32))
+    return in_huge_pages(cpu_int_gemm.pack(quantize(
+        weight.float(), 8, group_size_for(weight.shape[1]), torch.float32)))
 
 
 PACKED_WEIGHTS = PackedWeights(REORDER_WEIGHT)

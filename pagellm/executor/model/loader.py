@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagellm.executor.model import quantized_checkpoint
+from pagellm.executor.model import host_memory, quantized_checkpoint
 from pagellm.executor.model.config import ModelConfig
 from pagellm.executor.model.decoder import DecoderForCausalLM
 from pagellm.executor.model.linear import PACKED_WEIGHTS, packs_weights
@@ -174,8 +174,9 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
     copies = 0 if config.quantization or model.quantized else \
         _packed_bytes(model, config, device, host_ranks)
     # Placeholders stay on meta: a packed projection's full-precision weight never exists.
+    # On the CPU the weights take 2 MB pages (host_memory.py: 1.4x faster to stream).
     model._apply(lambda t: t if id(t) in model.quantized else
-                 torch.empty_like(t, device=device))
+                 host_memory.empty_like(t, device))
     for module in model.quantized.values():
         quantized_checkpoint.materialize(module, device)
     model.model.rotary_emb.reset_cache()  # computed, not loaded: fill it on the device

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.executor.model import host_memory
 from pagellm.executor.model.quantize import PROJECTIONS
 from pagellm.kernels.cpu_int_gemm import TILE, CpuIntWeight
 from pagellm.kernels.fp8 import FP8, Fp8Weight
@@ -479,7 +480,7 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     """Allocate `module.quant`'s tensors on `device` (prepare made them on meta). An
     act-order permutation starts as -1: not yet loaded (quantize.place)."""
     quant: PackedWeight | Fp8Weight | CpuIntWeight = module.quant  # type: ignore[assignment]
-    tensors = {f.name: torch.empty_like(getattr(quant, f.name), device=device)
+    tensors = {f.name: host_memory.empty_like(getattr(quant, f.name), device)
                for f in fields(quant) if isinstance(getattr(quant, f.name), torch.Tensor)}
     if tensors.get("perm") is not None:
         tensors["perm"].fill_(-1)

@@ -26,6 +26,8 @@ import psutil
 import torch
 from torch import nn
 
+from pagellm.executor.model import host_memory
+
 
 def parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The tensors that hold the weights, each once (a tied weight appears under its
@@ -125,7 +127,7 @@ def restore(model: nn.Module, sizes: dict[str, torch.Size],
         if name in copies and copies[name].device == param.device:
             param.data = copies[name]
             continue
-        param.data = torch.empty(sizes[name], dtype=param.dtype, device=param.device)
+        param.data = host_memory.empty(sizes[name], param.dtype, param.device)
         if name in copies:
             param.data.copy_(copies[name], non_blocking=True)
     if copies and any(p.device.type == "cuda" for _, p in parameters(model)):

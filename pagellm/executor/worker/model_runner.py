@@ -26,10 +26,11 @@ from pagellm.executor.model.attention import (
     num_kv_segments,
 )
 from pagellm.executor.model.config import ModelConfig
-from pagellm.executor.model.linear import INT_WEIGHTS
+from pagellm.executor.model.linear import INT_WEIGHTS, drop_packed
 from pagellm.executor.model.loader import load_model
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.quantize import quantize_projections
+from pagellm.executor.worker.cpu_decode import CpuDecodeStep
 from pagellm.executor.worker.cpu_threads import ThreadTuner, tunable_threads
 from pagellm.executor.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from pagellm.executor.worker.draft_model import DraftModel
@@ -125,6 +126,10 @@ class ModelRunner:
         self.lora = None if lora is None else LoRAManager(
             self.model, model_config.spec, self.tp, lora, model_config.dtype, device,
             kernels=self.attention.name == "triton")
+        # Decode steps in one C++ call on the CPU where the model allows (cpu_decode.py).
+        self.cpu_decode = None if device.type != "cpu" else CpuDecodeStep.for_model(
+            self.model, model_config.dtype, model_config.cache_dtype, self.attention.name,
+            self.lora is not None)
         self.drafter = None if draft is None else DraftModel(
             draft, num_speculative_tokens, device, self.tp, host_ranks, self.attention,
             block_size, self.num_sms, max_num_seqs, max_num_batched_tokens)
@@ -159,6 +164,14 @@ class ModelRunner:
         # On the CPU, each step size's thread count is measured (cpu_threads.py).
         self.thread_tuner = (ThreadTuner(torch.get_num_threads())
                              if device.type == "cpu" and tunable_threads() else None)
+
+    def weights_changed(self) -> None:
+        """The weights were written or replaced in ways no version counter sees (a weight
+        update, sleep, collective_rpc): drop what is kept of them, the CPU's packed copies
+        and the fused decode step's tensor lists; the next step makes them again."""
+        drop_packed()
+        if self.cpu_decode is not None:
+            self.cpu_decode.forget()
 
     def _quantize(self, quantization: str) -> None:
         """Quantize the projections on load (executor/model/quantize.py), where the
@@ -318,6 +331,10 @@ class ModelRunner:
         t1 = time.perf_counter()
         if inputs.graph_size is not None and self.graphs is not None:
             hidden = self.graphs.replay(inputs.graph_size)  # [padded size, H]
+        elif self.cpu_decode is not None and self.cpu_decode.takes(
+                len(inputs.input_ids), inputs.meta.max_query_len):
+            hidden = self.cpu_decode(inputs.input_ids, inputs.positions, inputs.meta,
+                                     self.kv_caches)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]

@@ -25,7 +25,6 @@ from pagellm.executor.model.config import (
     resolve_draft_config,
     resolve_model_config,
 )
-from pagellm.executor.model.linear import drop_packed
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.worker import memory
 from pagellm.executor.worker.model_runner import ModelRunner
@@ -187,7 +186,7 @@ class Worker:
         elif level == 2 and self._weight_backup is not None:
             self._weight_backup.free()  # a level-1 sleep deepened: the host copy goes too
             self._weight_backup = None
-        drop_packed()  # the CPU's packed weight copies: made again by the first step
+        self.runner.weights_changed()  # what the CPU keeps of them: made again next step
         memory.release(self.device)
         after = memory.used_bytes(self.device)
         logger.info("sleep level %d: freed %.1f MiB in %.2f s; %.1f MiB still used on %s",
@@ -225,7 +224,7 @@ class Worker:
         try:
             return self.updates.apply(update, weights_asleep="weights" in self.sleeping)
         finally:  # a collective's receive writes past the version counters packs check
-            drop_packed()
+            self.runner.weights_changed()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Start joining the trainer's group; `weight_transfer_joined` says when done."""
@@ -284,7 +283,7 @@ class Worker:
             raise RuntimeError(f"collective_rpc {method!r} failed on worker "
                                f"{self.rank}: {type(e).__name__}: {e}") from e
         finally:  # an extension may have written the weights any way (param.data)
-            drop_packed()
+            self.runner.weights_changed()
         return encode_value(result)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -27,8 +27,9 @@
 // tests also build that path on a VNNI CPU: -DPAGELLM_PORTABLE, registered as
 // torch.ops.pagellm_cpu_portable (PAGELLM_NS) beside the native torch.ops.pagellm_cpu.
 
+#include "cpu_ops.h"
+
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -208,6 +209,10 @@ void tile(int64_t rows, const uint8_t* codes, const float* scales, const float* 
 // x [M, K] fp32 contiguous; codes [N / 16, K / 4, 8 * BITS] uint8; scales, zeros
 // [N / 16, K / G, 16] fp32 -> y [M, out_features] fp32 (out_features <= 16 * tiles: the
 // last tile's padding rows are not written).
+}  // namespace
+
+namespace PAGELLM_NS {
+
 at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     const at::Tensor& zeros, int64_t bits, int64_t group_size,
                     int64_t out_features) {
@@ -262,18 +267,19 @@ at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   return y;
 }
 
+}  // namespace PAGELLM_NS
+
+namespace {
+
 bool vnni() { return PAGELLM_VNNI; }
 
 }  // namespace
 
-#ifndef PAGELLM_NS
-#define PAGELLM_NS pagellm_cpu
-#endif
 #define PAGELLM_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // expands PAGELLM_NS first
 
 PAGELLM_LIBRARY(PAGELLM_NS, m) {
   m.def("int_gemm(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int bits, "
         "int group_size, int out_features) -> Tensor");
-  m.impl("int_gemm", c10::DispatchKey::CPU, &int_gemm);
+  m.impl("int_gemm", c10::DispatchKey::CPU, &PAGELLM_NS::int_gemm);
   m.def("vnni() -> bool", &vnni);
 }

@@ -1,0 +1,179 @@
+"""Decode steps on the CPU in one C++ call: the CPU's counterpart of CUDA graphs.
+
+A decode step's projections are most of its work, but not of its time: at batch 1 on a
+2-core CPU, SmolLM2-135M's int4 projections take 4.7 ms per token, and the ~20 torch
+ops per layer between them (norms, rotary, the KV write, paged attention, the
+activation; each a few microseconds of dispatch for a row of 576 numbers) took another
+9 ms. `CpuDecodeStep` runs a decode-only step's layers in one call of
+`torch.ops.pagellm_cpu.decode_layers` (kernels/csrc/cpu_decode.cpp): the decoder's own
+arithmetic (decoder.py), in fp32, in the same order, without dispatch in between. The
+embedding lookup before it and the LM head and sampling after it stay as they are.
+
+It serves the steps where every request has one query token (decode, and one-token
+prompt chunks), for models it computes exactly as the torch path does: the decoder
+family (Llama, Mistral, Qwen2/2.5/3, Phi-3) in fp32 with an fp32 KV cache, dense fp32
+or the CPU int kernel's int4 / int8 projections, without tensor parallelism, LoRA,
+mixture-of-experts layers, OLMoE's q/k clipping and norms or soft-capping (Gemma's own
+classes). A dense projection is a GEMV for up to `DENSE_ROWS` tokens; above that the
+torch path's oneDNN GEMMs are faster, so larger dense batches take it. Everything else
+takes the torch path, unchanged.
+
+The model's tensors are gathered once into the op's lists (0.3-0.5 ms of attribute reads
+for 30 layers: 5-10% of an int4 step) and kept until `forget`, which the worker calls
+wherever it drops the CPU's packed weight copies (after weight updates, sleep and
+collective_rpc: an extension may have replaced a parameter). Sleep and wake swap the
+parameters' storage in place, which the kept tensors see. `PAGELLM_CPU_DECODE=0` turns
+the fused step off (a debugging switch, and the benchmarks' side-by-side).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from pagellm.executor.model.attention import AttentionMetadata
+from pagellm.executor.model.decoder import (
+    DecoderAttention,
+    DecoderForCausalLM,
+    DecoderLayer,
+    DecoderMLP,
+    DecoderModel,
+)
+from pagellm.executor.model.layers import Linear, RMSNorm, RowParallelLinear
+from pagellm.kernels import cpu_ops
+from pagellm.kernels.cpu_int_gemm import CpuIntWeight
+
+logger = logging.getLogger("pagellm")
+
+DENSE_ROWS = 4  # tokens up to which dense projections run as the C++ GEMV (cpu_decode.cpp)
+_NONE = torch.empty(0)  # an absent bias or q/k norm
+# weights, linear_meta, norms, biases: decode_layers' per-layer lists
+Projection = Linear | RowParallelLinear
+_Operands = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[torch.Tensor]]
+
+
+def unsupported(model: nn.Module, dtype: torch.dtype, cache_dtype: torch.dtype,
+                attention: str, lora: bool) -> str | None:
+    """Why `model` cannot take the fused step (None: it can)."""
+    if os.environ.get("PAGELLM_CPU_DECODE") == "0":
+        return "PAGELLM_CPU_DECODE=0"
+    if attention != "torch" or dtype != torch.float32 or cache_dtype != torch.float32:
+        return "only fp32 models and KV caches with the torch attention backend"
+    if (type(model) is not DecoderForCausalLM or type(model.model) is not DecoderModel
+            or type(model.model.norm) is not RMSNorm):
+        return f"{type(model).__name__} computes more than the decoder family"
+    spec = model.spec
+    if model.tp.size != 1 or lora:
+        return "tensor parallelism and LoRA take the torch path"
+    if (spec.moe is not None or spec.clip_qkv is not None or spec.qk_norm not in (None, "head")
+            or spec.attn_softcap is not None or spec.hidden_act != "silu"):
+        return "a mixture of experts, q/k clipping or norms over all heads, soft-capping or GeGLU"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if (type(layer) is not DecoderLayer or type(attn) is not DecoderAttention
+                or type(mlp) is not DecoderMLP
+                or type(layer.input_layernorm) is not RMSNorm
+                or type(layer.post_attention_layernorm) is not RMSNorm):
+            return "a layer of another kind"
+        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if not ((proj.quant is None and proj.weight.dtype == torch.float32)
+                    or isinstance(proj.quant, CpuIntWeight)):
+                return f"a {type(proj.quant).__name__} projection"
+    return None
+
+
+class CpuDecodeStep:
+    """`model`'s layers for decode-only steps in one C++ call (module docstring)."""
+
+    def __init__(self, model: DecoderForCausalLM, ops: Any) -> None:
+        self.model = model
+        self.ops = ops
+        layers = [cast(DecoderLayer, layer) for layer in model.model.layers]
+        # Per layer: its norms' module, attention block and MLP (`unsupported` checked
+        # their types).
+        self.layers = [(layer, cast(DecoderAttention, layer.self_attn),
+                        cast(DecoderMLP, layer.mlp)) for layer in layers]
+        self.projections: list[tuple[Projection, ...]] = [
+            (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            for _, a, mlp in self.layers]
+        # Every projection integer: the C++ step serves any batch (int_gemm's own loop).
+        self.all_int = all(p.quant is not None for ps in self.projections for p in ps)
+        self.windows = [a.attn.sliding_window or 0 for _, a, _ in self.layers]
+        self.scales = [a.attn.scale for _, a, _ in self.layers]
+        first = self.layers[0][1]
+        self.heads = (first.num_heads, first.num_kv_heads, first.head_dim)
+        self._operands: _Operands | None = None  # gathered by the first call after forget
+
+    @classmethod
+    def for_model(cls, model: nn.Module, dtype: torch.dtype, cache_dtype: torch.dtype,
+                  attention: str, lora: bool) -> CpuDecodeStep | None:
+        """The fused step for `model`, or None where it takes the torch path (why, in the
+        debug log; a CPU without a C++ compiler, in a warning)."""
+        why = unsupported(model, dtype, cache_dtype, attention, lora)
+        if why is not None:
+            logger.debug("decode steps take the torch path: %s", why)
+            return None
+        try:
+            ops = cpu_ops.load()
+        except RuntimeError as e:
+            logger.warning("decode steps take the torch path (slower): %s", e)
+            return None
+        assert isinstance(model, DecoderForCausalLM)
+        return cls(model, ops)
+
+    def takes(self, num_tokens: int, max_query_len: int) -> bool:
+        """Whether a step of `num_tokens` with queries of at most `max_query_len` is one
+        this runs."""
+        return max_query_len == 1 and (num_tokens <= DENSE_ROWS or self.all_int)
+
+    def forget(self) -> None:
+        """The model's tensors may have been replaced: gather them again next step."""
+        self._operands = None
+
+    def operands(self) -> _Operands:
+        """The layers' tensors as decode_layers takes them (cpu_decode.cpp's comment)."""
+        weights: list[torch.Tensor] = []
+        meta: list[int] = []
+        norms: list[torch.Tensor] = []
+        biases: list[torch.Tensor] = []
+        for (layer, attn, _), projections in zip(self.layers, self.projections, strict=True):
+            for proj in projections:
+                quant = proj.quant
+                if isinstance(quant, CpuIntWeight):
+                    weights += (quant.codes, quant.scales, quant.zeros)
+                    meta += (quant.bits, quant.group_size, quant.out_features)
+                else:
+                    weights += (proj.weight, _NONE, _NONE)
+                    meta += (0, 0, proj.weight.shape[0])
+            norms += (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                      _NONE if attn.q_norm is None else attn.q_norm.weight,
+                      _NONE if attn.k_norm is None else attn.k_norm.weight)
+            biases += (_bias(attn.qkv_proj), _bias(attn.o_proj))
+        return weights, meta, norms, biases
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions [T] (one token per request) -> the final norm's output
+        [T, hidden], as DecoderModel.forward returns it."""
+        decoder = self.model.model
+        x = decoder.embed_tokens(input_ids)  # [T, hidden]
+        rope = decoder.rotary_emb
+        if self._operands is None:
+            self._operands = self.operands()
+        weights, linear_meta, norms, biases = self._operands
+        num_heads, num_kv_heads, head_dim = self.heads
+        hidden: torch.Tensor = self.ops.decode_layers(
+            x, positions, rope.cos_cache, rope.sin_cache, meta.slot_mapping,
+            meta.block_tables, meta.seq_lens, weights, linear_meta, norms, biases,
+            kv_caches[:len(self.windows)],  # (a draft model's layers follow the model's)
+            self.windows, self.scales, num_heads, num_kv_heads, head_dim,
+            self.model.spec.rms_norm_eps, decoder.norm.weight)
+        return hidden
+
+
+def _bias(proj: Projection) -> torch.Tensor:
+    return _NONE if proj.bias is None else proj.bias

@@ -1,0 +1,430 @@
+// A decode step of a Llama-family decoder on the CPU in one call (kernels/cpu_decode.py).
+//
+// At batch 1 on a 2-core CPU, SmolLM2-135M's projections take 4.7 ms per token as int4
+// and 17 ms as fp32, and the torch ops between them (norms, rotary, KV writes, paged
+// attention, activations: ~20 per layer, each a few microseconds of dispatch on a row
+// of 576 numbers) took another 9 ms. Here every layer runs in C++: the same arithmetic
+// as the decoder's torch path (executor/model/decoder.py), in the same order, in fp32,
+// with no dispatch between the parts.
+//
+// For T tokens, one per request (a decode-only step), and each layer l:
+//
+//   residual = h + residual          (layer 0: residual = the embeddings)
+//   a   = rms(residual) * w_in
+//   qkv = a @ Wqkv^T (+ b)           [T, (H + 2 H_kv) D]; per-head q/k RMSNorm (Qwen3)
+//   q, k rotated (neox halves, the first R dimensions); k, v written to slot_mapping
+//   o   = attend(q, paged keys/values of the request) @ Wo^T (+ b)
+//   residual = o + residual; a = rms(residual) * w_post
+//   h   = (silu(a @ Wg^T) * (a @ Wu^T)) @ Wd^T
+//
+// and rms(h + residual) * w_final at the end. Projections are dense fp32 (a GEMV for up
+// to 4 rows, else at::linear) or the int kernel's tiled int4/int8 (int_gemm).
+
+#include "cpu_ops.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && !defined(PAGELLM_PORTABLE)
+#include <immintrin.h>
+#define PAGELLM_AVX512 1
+#else
+#define PAGELLM_AVX512 0
+#endif
+
+namespace {
+
+constexpr int64_t kGemvRows = 4;  // rows of x up to which a dense projection is a GEMV
+// How far ahead (floats) the one-row GEMV prefetches its weight row: 4 KB ahead it read
+// SmolLM2's projections as fast as torch's W @ x^T (15.4 against 15.8 ms for 30
+// layers), without it 8% slower.
+constexpr int64_t kPrefetch = 1024;
+constexpr int64_t kLinears = 4;  // per layer: qkv, o, gate_up, down
+constexpr int64_t kNorms = 4;  // per layer: input, post-attention, q (per head), k
+constexpr int64_t kBiases = 2;  // per layer: qkv, o
+// Tokens per task of the per-token loops (norms, rotary, the activation): at batch 1-3
+// one thread does them all (a parallel region costs more than a row of 576 floats).
+constexpr int64_t kRowsPerTask = 4;
+
+float dot(const float* a, const float* b, int64_t n) {
+#if PAGELLM_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  }
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+#endif
+}
+
+// y[r, n] = x[r, :] . w[n, :] for rows r < ROWS and n0 <= n < n1 (y's rows are N wide);
+// w is read once, the whole point. One row of x: a row of w at a time, 4 accumulators,
+// prefetched ahead (the loads are the limit, at the memory's bandwidth). More: four
+// rows of w at a time, so each 16 columns of x are loaded once per four rows of w.
+template <int ROWS>
+void gemv(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0,
+          int64_t n1) {
+  int64_t n = n0;
+#if PAGELLM_AVX512
+  if (ROWS == 1 && K % 64 == 0) {
+    for (; n < n1; ++n) {
+      const float* wr = w + n * K;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t k = 0; k < K; k += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + k), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + k + 16), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + k + 32), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + k + 48), _MM_HINT_T0);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k), _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+      }
+      y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    }
+    return;
+  }
+  const int64_t full = K / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K - full)) - 1);
+  for (; n + 4 <= n1; n += 4) {
+    __m512 acc[4][ROWS];
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < ROWS; ++r) acc[j][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 m = k < full ? static_cast<__mmask16>(0xffff) : tail;
+      __m512 xv[ROWS];
+      for (int r = 0; r < ROWS; ++r) xv[r] = _mm512_maskz_loadu_ps(m, x + r * K + k);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 wv = _mm512_maskz_loadu_ps(m, w + (n + j) * K + k);
+        for (int r = 0; r < ROWS; ++r) acc[j][r] = _mm512_fmadd_ps(wv, xv[r], acc[j][r]);
+      }
+    }
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < ROWS; ++r) y[r * N + n + j] = _mm512_reduce_add_ps(acc[j][r]);
+  }
+#endif
+  for (; n < n1; ++n)
+    for (int r = 0; r < ROWS; ++r) y[r * N + n] = dot(x + r * K, w + n * K, K);
+}
+
+// One projection's operands: a dense fp32 weight [N, K] (bits 0) or the int kernel's
+// codes, scales and zeros (bits 4 or 8, group_size G).
+struct Projection {
+  const at::Tensor& weight;
+  const at::Tensor& scales;
+  const at::Tensor& zeros;
+  int64_t bits, group_size, out_features;
+};
+
+// x [M, K] fp32 contiguous -> x @ W^T (+ bias) [M, N].
+at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = p.out_features;
+  at::Tensor y;
+  if (p.bits != 0) {
+    y = PAGELLM_NS::int_gemm(x, p.weight, p.scales, p.zeros, p.bits, p.group_size, N);
+  } else {
+    TORCH_CHECK(p.weight.dim() == 2 && p.weight.scalar_type() == at::kFloat &&
+                    p.weight.is_contiguous() && p.weight.size(0) == N && p.weight.size(1) == K,
+                "a dense projection must be a contiguous fp32 [", N, ", ", K, "] weight");
+    if (M > kGemvRows) {
+      y = at::linear(x, p.weight);
+    } else {
+      y = at::empty({M, N}, x.options());
+      const float* xp = x.data_ptr<float>();
+      const float* wp = p.weight.data_ptr<float>();
+      float* yp = y.data_ptr<float>();
+      // Units of 4 rows of w (the GEMV's step); 64 rows of w per task at least.
+      at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+        const int64_t n0 = begin * 4, n1 = std::min(N, end * 4);
+        switch (M) {
+          case 1: gemv<1>(xp, wp, yp, K, N, n0, n1); break;
+          case 2: gemv<2>(xp, wp, yp, K, N, n0, n1); break;
+          case 3: gemv<3>(xp, wp, yp, K, N, n0, n1); break;
+          default: gemv<4>(xp, wp, yp, K, N, n0, n1); break;
+        }
+      });
+    }
+  }
+  if (bias.defined() && bias.numel() != 0) {
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N,
+                "a bias must be a contiguous fp32 [", N, "] tensor");
+    const float* b = bias.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) yp[m * N + n] += b[n];
+  }
+  return y;
+}
+
+// out = w * (v * rsqrt(mean(v^2) + eps)) for one vector v of n: RMSNorm.reference's
+// order of operations (the weight multiplies last).
+void rms_norm(const float* v, const float* w, float* out, int64_t n, float eps) {
+  const float r = 1.f / std::sqrt(dot(v, v, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (v[i] * r);
+}
+
+// Neox rotation of the first R dimensions of a head x [D] at a position whose table
+// rows are cos, sin [R]: x[i] cos[i] - x[i + R/2] sin[i] for i < R/2, x[i] cos[i] +
+// x[i - R/2] sin[i] above (transformers' x * cos + rotate_half(x) * sin).
+void rotate(float* x, const float* cos, const float* sin, int64_t R) {
+  const int64_t half = R / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+struct Heads {
+  int64_t H, H_kv, D;
+};
+
+// out [B, H * D] = softmax(q k^T * scale) v for each request b (one query, row b of qkv)
+// over its keys first <= j < seq_lens[b] (first = seq_len - window with a window), read
+// from the paged cache through its block table. Work items: (request, query head) pairs,
+// so that batch 1 splits evenly over the threads (3 KV heads would not).
+void attend(const float* qkv, int64_t qkv_stride, const float* cache, int64_t plane,
+            const int32_t* tables, int64_t table_stride, const int32_t* seq_lens, int64_t B,
+            const Heads& s, int64_t block_size, int64_t window, float scale, float* out) {
+  const int64_t group = s.H / s.H_kv, row = s.H_kv * s.D;
+  at::parallel_for(0, B * s.H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p;
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / s.H, h = u % s.H, g = h / group, len = seq_lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int32_t* table = tables + b * table_stride;
+      p.resize(len - first);
+      const float* q = qkv + b * qkv_stride + h * s.D;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t j = first; j < len; ++j) {
+        const float* k = cache + (table[j / block_size] * block_size + j % block_size) * row +
+                         g * s.D;
+        p[j - first] = dot(q, k, s.D) * scale;
+        top = std::max(top, p[j - first]);
+      }
+      float sum = 0.f;
+      for (float& e : p) sum += (e = std::exp(e - top));
+      float* o = out + b * s.H * s.D + h * s.D;
+      std::fill(o, o + s.D, 0.f);
+      for (int64_t j = first; j < len; ++j) {
+        const float* v = cache + plane +
+                         (table[j / block_size] * block_size + j % block_size) * row + g * s.D;
+        const float w = p[j - first];
+        for (int64_t d = 0; d < s.D; ++d) o[d] += w * v[d];
+      }
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < s.D; ++d) o[d] *= inv;
+    }
+  });
+}
+
+void check_fp32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(), name,
+              " must be a contiguous fp32 CPU tensor");
+}
+
+}  // namespace
+
+namespace PAGELLM_NS {
+
+// The layers of a decode step: x [T, hidden] (the embeddings) -> the final norm's output
+// [T, hidden]; writes each layer's keys and values into kv_caches[l]
+// [2, num_blocks, block_size, H_kv, D]. Per layer l: weights[12 l + 3 p + i] and
+// linear_meta[12 l + 3 p + i] for projection p (qkv, o, gate_up, down) as (weight or
+// codes, scales, zeros) and (bits, group_size, out_features); norms[4 l + i] (input,
+// post-attention, q, k: the last two empty without per-head norms); biases[2 l + i]
+// (qkv, o; empty: none); windows[l] (0: full attention); scales[l].
+at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
+                         const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& seq_lens, at::TensorList weights,
+                         at::IntArrayRef linear_meta, at::TensorList norms,
+                         at::TensorList biases, at::TensorList kv_caches,
+                         at::IntArrayRef windows, at::ArrayRef<double> scales,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         double eps, const at::Tensor& final_norm) {
+  check_fp32(x, "x");
+  check_fp32(cos_cache, "cos_cache");
+  check_fp32(sin_cache, "sin_cache");
+  check_fp32(final_norm, "final_norm");
+  const int64_t T = x.size(0), hidden = x.size(1), L = static_cast<int64_t>(kv_caches.size());
+  const Heads s{num_heads, num_kv_heads, head_dim};
+  TORCH_CHECK(x.dim() == 2 && final_norm.numel() == hidden, "x must be [T, hidden]");
+  TORCH_CHECK(s.H > 0 && s.H_kv > 0 && s.H % s.H_kv == 0 && s.D > 0,
+              "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * kLinears * 3 &&
+                  static_cast<int64_t>(linear_meta.size()) == L * kLinears * 3 &&
+                  static_cast<int64_t>(norms.size()) == L * kNorms &&
+                  static_cast<int64_t>(biases.size()) == L * kBiases &&
+                  static_cast<int64_t>(windows.size()) == L &&
+                  static_cast<int64_t>(scales.size()) == L,
+              "per-layer lists of the wrong length for ", L, " layers");
+  const int64_t R = cos_cache.size(1);
+  TORCH_CHECK(cos_cache.dim() == 2 && sin_cache.sizes() == cos_cache.sizes() && R % 2 == 0 &&
+                  R <= s.D,
+              "cos_cache and sin_cache must be [rows, rotary_dim <= head_dim]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T &&
+                  positions.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.numel() == T && slot_mapping.is_contiguous(),
+              "positions and slot_mapping must be contiguous int64 [T]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() == T &&
+                  seq_lens.is_contiguous() && block_tables.scalar_type() == at::kInt &&
+                  block_tables.dim() == 2 && block_tables.size(0) >= T &&
+                  block_tables.stride(1) == 1,
+              "seq_lens must be int32 [T] (one query per request) and block_tables int32 "
+              "[>= T, max_blocks] with contiguous rows");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t rows = cos_cache.size(0), max_blocks = block_tables.size(1);
+  // Every layer's cache has the first one's shape; every index into them is checked
+  // here, once, against it (the loops below trust them).
+  at::IntArrayRef cache_shape = L > 0 ? kv_caches[0].sizes() : at::IntArrayRef();
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor& cache = kv_caches[l];
+    check_fp32(cache, "a KV cache");
+    TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == s.H_kv &&
+                    cache.size(4) == s.D && cache.sizes() == cache_shape,
+                "kv_caches[", l, "] must be [2, num_blocks, block_size, H_kv, D], as the "
+                "first layer's");
+  }
+  const int64_t num_blocks = L > 0 ? cache_shape[1] : 0, block_size = L > 0 ? cache_shape[2] : 1;
+  const int64_t num_slots = num_blocks * block_size;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < rows, "position ", pos[t], " outside the RoPE tables");
+    TORCH_CHECK(lens[t] >= 1, "seq_len ", lens[t], " (a query sees at least itself)");
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " outside the KV cache");
+    const int64_t blocks_needed = (lens[t] + block_size - 1) / block_size;
+    TORCH_CHECK(blocks_needed <= max_blocks, "seq_len ", lens[t],
+                " needs more blocks than the block table holds");
+    const int32_t* table = block_tables.data_ptr<int32_t>() + t * block_tables.stride(0);
+    for (int64_t j = 0; j < blocks_needed; ++j)
+      TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks, "block ", table[j],
+                  " outside the KV cache");
+  }
+
+  const int64_t q_size = s.H * s.D, kv_size = s.H_kv * s.D, qkv_size = q_size + 2 * kv_size;
+  const float feps = static_cast<float>(eps);
+  at::Tensor residual = x.clone();  // layer 0: the embeddings themselves
+  at::Tensor a = at::empty({T, hidden}, x.options());  // the normed input of a GEMM
+  at::Tensor attn = at::empty({T, q_size}, x.options());
+  at::Tensor h;  // a layer's output, added to the residual by the next norm
+  float* res = residual.data_ptr<float>();
+  float* ap = a.data_ptr<float>();
+  const float* cosp = cos_cache.data_ptr<float>();
+  const float* sinp = sin_cache.data_ptr<float>();
+
+  // residual (+= h unless first) -> a = rms(residual) * w, row by row
+  auto add_norm = [&](const at::Tensor& w, bool first) {
+    check_fp32(w, "a norm's weight");
+    TORCH_CHECK(w.numel() == hidden, "a norm's weight must be [hidden]");
+    const float* wp = w.data_ptr<float>();
+    const float* hp = first ? nullptr : h.data_ptr<float>();
+    at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        float* r = res + t * hidden;
+        if (hp != nullptr)
+          for (int64_t i = 0; i < hidden; ++i) r[i] = hp[t * hidden + i] + r[i];
+        rms_norm(r, wp, ap + t * hidden, hidden, feps);
+      }
+    });
+  };
+  auto projection = [&](int64_t l, int64_t p) {
+    const int64_t i = (l * kLinears + p) * 3;
+    return Projection{weights[i], weights[i + 1], weights[i + 2], linear_meta[i],
+                      linear_meta[i + 1], linear_meta[i + 2]};
+  };
+
+  for (int64_t l = 0; l < L; ++l) {
+    add_norm(norms[l * kNorms], l == 0);
+    at::Tensor qkv = project(projection(l, 0), a, biases[l * kBiases]);
+    TORCH_CHECK(qkv.size(1) == qkv_size, "the qkv projection must have ", qkv_size, " outputs");
+    float* qp = qkv.data_ptr<float>();
+    const at::Tensor& q_norm = norms[l * kNorms + 2];
+    const at::Tensor& k_norm = norms[l * kNorms + 3];
+    const bool head_norms = q_norm.numel() != 0;  // per-head RMSNorm of q and k (Qwen3)
+    if (head_norms) {
+      check_fp32(q_norm, "q_norm");
+      check_fp32(k_norm, "k_norm");
+      TORCH_CHECK(q_norm.numel() == s.D && k_norm.numel() == s.D, "q/k norms must be [D]");
+    }
+    float* kv = kv_caches[l].data_ptr<float>();
+    at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        float* row = qp + t * qkv_size;
+        for (int64_t head = 0; head < s.H + s.H_kv; ++head) {
+          float* v = row + head * s.D;
+          if (head_norms)  // before the rotation
+            rms_norm(v, (head < s.H ? q_norm : k_norm).data_ptr<float>(), v, s.D, feps);
+          rotate(v, cosp + pos[t] * R, sinp + pos[t] * R, R);
+        }
+        if (slots[t] >= 0) {  // negative: padding, written nowhere
+          std::memcpy(kv + slots[t] * kv_size, row + q_size, kv_size * sizeof(float));
+          std::memcpy(kv + (num_slots + slots[t]) * kv_size, row + q_size + kv_size,
+                      kv_size * sizeof(float));
+        }
+      }
+    });
+    attend(qp, qkv_size, kv, num_slots * kv_size, block_tables.data_ptr<int32_t>(),
+           block_tables.stride(0), lens, T, s, block_size, windows[l],
+           static_cast<float>(scales[l]), attn.data_ptr<float>());
+    h = project(projection(l, 1), attn, biases[l * kBiases + 1]);
+
+    add_norm(norms[l * kNorms + 1], false);
+    at::Tensor gate_up = project(projection(l, 2), a, at::Tensor());
+    const int64_t inter = gate_up.size(1) / 2;
+    at::Tensor act = at::empty({T, inter}, x.options());
+    const float* gu = gate_up.data_ptr<float>();
+    float* actp = act.data_ptr<float>();
+    at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t i = 0; i < inter; ++i) {
+          const float g = gu[t * 2 * inter + i];
+          actp[t * inter + i] = g / (1.f + std::exp(-g)) * gu[t * 2 * inter + inter + i];
+        }
+    });
+    h = project(projection(l, 3), act, at::Tensor());
+  }
+  add_norm(final_norm, L == 0);
+  return a;
+}
+
+// x [M, K] fp32 @ w [N, K]^T -> [M, N]: a dense projection as the decode step runs it
+// (the GEMV up to 4 rows), for tests and benchmarks.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
+  check_fp32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D");
+  const at::Tensor none;
+  return project(Projection{w, none, none, 0, 0, w.size(0)}, x, none);
+}
+
+}  // namespace PAGELLM_NS
+
+TORCH_LIBRARY_FRAGMENT(PAGELLM_NS, m) {
+  m.def("dense_linear(Tensor x, Tensor w) -> Tensor");
+  m.impl("dense_linear", c10::DispatchKey::CPU, &PAGELLM_NS::dense_linear);
+  m.def("decode_layers(Tensor x, Tensor positions, Tensor cos_cache, Tensor sin_cache, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor[] weights, "
+        "int[] linear_meta, Tensor[] norms, Tensor[] biases, Tensor[] kv_caches, "
+        "int[] windows, float[] scales, int num_heads, int num_kv_heads, int head_dim, "
+        "float eps, Tensor final_norm) -> Tensor");
+  m.impl("decode_layers", c10::DispatchKey::CPU, &PAGELLM_NS::decode_layers);
+}

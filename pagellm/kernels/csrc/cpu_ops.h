@@ -1,0 +1,26 @@
+// What pagellm's C++ CPU ops share across their files (kernels/cpu_ops.py builds them
+// into one library): the op namespace and the int kernel's entry point, which the fused
+// decode step (cpu_decode.cpp) calls for integer projections.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+// torch.ops.<PAGELLM_NS>: pagellm_cpu, or pagellm_cpu_portable for the plain-loop build
+// the tests load beside the native one (-DPAGELLM_PORTABLE -DPAGELLM_NS=...). The C++
+// functions live in a namespace of the same name, so the two libraries never share a
+// symbol.
+#ifndef PAGELLM_NS
+#define PAGELLM_NS pagellm_cpu
+#endif
+
+namespace PAGELLM_NS {
+
+// x [M, K] fp32 @ W^T -> [M, out_features] fp32, W in the int kernel's tiled layout
+// (cpu_int_gemm.cpp's header).
+at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    const at::Tensor& zeros, int64_t bits, int64_t group_size,
+                    int64_t out_features);
+
+}  // namespace PAGELLM_NS

@@ -1,0 +1,229 @@
+"""The fused CPU decode step (executor/worker/cpu_decode.py, kernels/csrc/cpu_decode.cpp)
+against the decoder's torch path on the same weights and KV cache: the hidden states it
+returns and the keys and values it writes, for each kind of model it serves, dense and
+integer, native and portable builds."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from pagellm.executor.model.attention import AttentionMetadata, TorchAttention
+from pagellm.executor.model.decoder import DecoderForCausalLM
+from pagellm.executor.model.quantize import quantize_projections
+from pagellm.executor.model.rope import RopeSpec
+from pagellm.executor.model.spec import DecoderSpec
+from pagellm.executor.worker.cpu_decode import DENSE_ROWS, CpuDecodeStep, unsupported
+from pagellm.kernels import cpu_ops
+
+pytestmark = pytest.mark.own_code
+
+BLOCK = 4
+
+LLAMA = DecoderSpec(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                    qkv_bias=False, o_bias=False, qk_norm=None, tie_word_embeddings=True,
+                    max_position=256, rope=RopeSpec("default", 10000.0))
+SPECS = {
+    "llama": LLAMA,
+    # qkv bias, one KV head for four queries
+    "qwen2": dataclasses.replace(LLAMA, qkv_bias=True, num_kv_heads=1),
+    # per-head q/k norms, head_dim apart from hidden_size / num_heads
+    "qwen3": dataclasses.replace(LLAMA, qk_norm="head", head_dim=32),
+    # half of each head rotated (Phi-3's partial_rotary_factor), an o_proj bias
+    "partial_rotary": dataclasses.replace(
+        LLAMA, o_bias=True, rope=RopeSpec("default", 10000.0, partial_rotary_factor=0.5)),
+    # a 5-token window in the first layer, full attention in the second (Mistral, Qwen2)
+    "sliding": dataclasses.replace(LLAMA, layer_windows=(5, None)),
+}
+
+
+def _model(spec: DecoderSpec, quantization: str | None) -> DecoderForCausalLM:
+    torch.manual_seed(0)
+    model = DecoderForCausalLM(spec, max_model_len=128).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.2 if p.dim() > 1 else 0.1)
+    if quantization is not None:
+        quantize_projections(model, quantization, triton=False)
+    return model
+
+
+def _meta(block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
+          slots: torch.Tensor, backend: TorchAttention, plan: bool = True
+          ) -> AttentionMetadata:
+    qsl = np.concatenate(([0], np.cumsum(query_lens)))
+    meta = AttentionMetadata(
+        slot_mapping=slots, block_tables=block_tables,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc_cpu=qsl, seq_lens_cpu=np.array(seq_lens),
+        max_query_len=max(query_lens), backend=backend)
+    if plan:  # (the torch path's; the fused step reads the tensors only)
+        backend.prepare(meta)
+    return meta
+
+
+def _slots(block_tables: torch.Tensor, request: int, positions: range) -> list[int]:
+    return [int(block_tables[request, p // BLOCK]) * BLOCK + p % BLOCK for p in positions]
+
+
+@torch.inference_mode()
+def _decode_both_ways(spec: DecoderSpec, quantization: str | None, prompt_lens: list[int],
+                      portable: bool = False):
+    """Prefill `prompt_lens` through the torch path, then one decode step each way on
+    copies of the cache: (fused hidden, torch hidden, fused caches, torch caches)."""
+    model = _model(spec, quantization)
+    backend = TorchAttention(BLOCK)
+    num_blocks = 64
+    caches = [torch.zeros(2, num_blocks, BLOCK, spec.num_kv_heads, spec.head_dim)
+              for _ in range(spec.num_layers)]
+    # Each request's blocks scattered over the cache, in no order.
+    per_request = max(prompt_lens) // BLOCK + 2
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))
+    block_tables = order[:len(prompt_lens) * per_request].view(len(prompt_lens), -1)
+    block_tables = block_tables.to(torch.int32).contiguous()
+    ids = torch.randint(0, spec.vocab_size, (sum(prompt_lens),))
+    positions = torch.cat([torch.arange(n) for n in prompt_lens])
+    slots = torch.tensor([s for r, n in enumerate(prompt_lens)
+                          for s in _slots(block_tables, r, range(n))])
+    model(ids, positions, _meta(block_tables, prompt_lens, prompt_lens, slots, backend), caches)
+
+    step_ids = torch.randint(0, spec.vocab_size, (len(prompt_lens),))
+    step_positions = torch.tensor(prompt_lens)
+    step_slots = torch.tensor([_slots(block_tables, r, range(n, n + 1))[0]
+                               for r, n in enumerate(prompt_lens)])
+    ones = [1] * len(prompt_lens)
+    seq_lens = [n + 1 for n in prompt_lens]
+    torch_caches = [c.clone() for c in caches]
+    expected = model(step_ids, step_positions,
+                     _meta(block_tables, ones, seq_lens, step_slots, backend), torch_caches)
+    fused = CpuDecodeStep(model, cpu_ops.load(portable=portable))
+    assert fused.takes(len(prompt_lens), 1)
+    got = fused(step_ids, step_positions,
+                _meta(block_tables, ones, seq_lens, step_slots, backend), caches)
+    return got, expected, caches, torch_caches
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("name", SPECS)
+def test_a_dense_decode_step_equals_the_torch_path(name, portable):
+    """fp32 throughout: equal up to the order of the sums (1e-5)."""
+    got, expected, caches, torch_caches = _decode_both_ways(SPECS[name], None, [1, 9, 6],
+                                                            portable)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(caches, torch_caches, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("batch", [2, DENSE_ROWS + 3])
+def test_an_integer_decode_step_equals_the_torch_path(quantization, batch):
+    """Through the same int kernel both ways, for batches above the dense GEMV's rows
+    too. The kernel quantizes its input to int8 per block of 32: where the two paths'
+    fp32 inputs differ in the last bit, a rounding could tip by one step of the block's
+    scale; on these seeded weights none does, and the outputs agree to ~4e-7 of their
+    largest element (bounded at 1e-5)."""
+    prompt_lens = [3 + 2 * i for i in range(batch)]
+    got, expected, caches, torch_caches = _decode_both_ways(SPECS["qwen2"], quantization,
+                                                            prompt_lens)
+    scale = expected.abs().max()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * float(scale))
+    for mine, theirs in zip(caches, torch_caches, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5 * float(theirs.abs().max()))
+
+
+def test_a_window_hides_the_keys_before_it():
+    """Mutation check of the window: with it removed the fused step's answer moves
+    (the torch path's reference would not catch a window ignored both ways)."""
+    spec = SPECS["sliding"]
+    got, expected, _, _ = _decode_both_ways(spec, None, [12])
+    unwindowed, _, _, _ = _decode_both_ways(dataclasses.replace(spec, layer_windows=()),
+                                            None, [12])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, unwindowed, rtol=1e-3, atol=1e-3)
+
+
+def test_dense_batches_above_the_gemv_go_to_the_torch_path():
+    fused = CpuDecodeStep(_model(LLAMA, None), cpu_ops.load())
+    assert fused.takes(DENSE_ROWS, 1) and not fused.takes(DENSE_ROWS + 1, 1)
+    assert not fused.takes(3, 2)  # a prefill chunk in the step
+    assert CpuDecodeStep(_model(LLAMA, "int4"), cpu_ops.load()).takes(64, 1)
+
+
+def test_what_it_does_not_compute_takes_the_torch_path(monkeypatch):
+    model = _model(LLAMA, None)
+    fp32 = torch.float32
+    assert unsupported(model, fp32, fp32, "torch", lora=False) is None
+    assert unsupported(model, torch.bfloat16, fp32, "torch", lora=False) is not None
+    assert unsupported(model, fp32, torch.float8_e4m3fn, "torch", lora=False) is not None
+    assert unsupported(model, fp32, fp32, "triton", lora=False) is not None
+    assert unsupported(model, fp32, fp32, "torch", lora=True) is not None
+    softcapped = _model(dataclasses.replace(LLAMA, attn_softcap=30.0), None)
+    assert unsupported(softcapped, fp32, fp32, "torch", lora=False) is not None
+    monkeypatch.setenv("PAGELLM_CPU_DECODE", "0")
+    assert unsupported(model, fp32, fp32, "torch", lora=False) == "PAGELLM_CPU_DECODE=0"
+
+
+def test_a_bad_slot_or_block_is_refused_by_name():
+    """The op checks what it indexes with (a C++ loop would otherwise write anywhere)."""
+    model = _model(LLAMA, None)
+    fused = CpuDecodeStep(model, cpu_ops.load())
+    backend = TorchAttention(BLOCK)
+    caches = [torch.zeros(2, 8, BLOCK, 2, 16) for _ in range(2)]
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    ids, positions = torch.tensor([5]), torch.tensor([0])
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        fused(ids, positions, _meta(tables, [1], [1], torch.tensor([8 * BLOCK]), backend),
+              caches)
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        fused(ids, positions, _meta(torch.tensor([[9, 1]], dtype=torch.int32), [1], [1],
+                                    torch.tensor([0]), backend), caches)
+    with pytest.raises(RuntimeError, match="more blocks than"):
+        fused(ids, positions, _meta(tables, [1], [3 * BLOCK], torch.tensor([0]), backend,
+                                    plan=False), caches)
+
+
+@torch.inference_mode()
+def test_the_tensors_are_kept_until_forget():
+    """A parameter replaced outright (an extension's collective_rpc may) is seen after
+    `forget`, which the worker calls after every such call (ModelRunner.weights_changed);
+    before it the kept lists still hold the old one."""
+    model = _model(LLAMA, None)
+    fused = CpuDecodeStep(model, cpu_ops.load())
+    backend = TorchAttention(BLOCK)
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    ids, positions = torch.tensor([5]), torch.tensor([0])
+    meta = _meta(tables, [1], [1], torch.tensor([0]), backend)
+
+    def run() -> torch.Tensor:
+        return fused(ids, positions, meta, [torch.zeros(2, 8, BLOCK, 2, 16) for _ in range(2)])
+
+    before = run()
+    down = model.model.layers[1].mlp.down_proj
+    down.weight = torch.nn.Parameter(torch.zeros_like(down.weight), requires_grad=False)
+    torch.testing.assert_close(run(), before, rtol=0, atol=0)
+    fused.forget()
+    expected = model(ids, positions, meta, [torch.zeros(2, 8, BLOCK, 2, 16) for _ in range(2)])
+    torch.testing.assert_close(run(), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(expected, before, atol=1e-3)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("shape", [(576, 64 * 9), (37, 50), (5, 16), (130, 200)])
+def test_the_dense_gemv_equals_a_matmul(shape, rows, portable):
+    """The dense projections' GEMV against x @ w^T: the one-row path (widths that are
+    multiples of 64), the four-rows-of-w path with its column tail (50, 200) and row
+    tail (37, 5, 130 output features), and at::linear above 4 rows."""
+    out_features, in_features = shape
+    x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features)
+    got = cpu_ops.load(portable=portable).dense_linear(x, w)
+    torch.testing.assert_close(got, (x.double() @ w.double().t()).float(), rtol=1e-5,
+                               atol=1e-5 * in_features ** 0.5)
