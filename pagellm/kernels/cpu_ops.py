@@ -2,7 +2,7 @@
 extension builder and loaded as `torch.ops.pagellm_cpu`:
 
 - `int_gemm`: the weight-only int4 / int8 GEMM (cpu_int_gemm.py, csrc/cpu_int_gemm.cpp);
-- `decode_layers`: a decode step's decoder layers in one call (cpu_decode.py,
+- `decode_layers`: a decode step's decoder layers in one call (executor/worker/cpu_decode.py,
   csrc/cpu_decode.cpp), which runs its integer projections through `int_gemm`.
 
 Why compiled here and not shipped built: they are compiled with -march=native, for the

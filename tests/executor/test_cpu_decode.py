@@ -114,8 +114,9 @@ def _decode_both_ways(spec: DecoderSpec, quantization: str | None, prompt_lens: 
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 @pytest.mark.parametrize("name", SPECS)
 def test_a_dense_decode_step_equals_the_torch_path(name, portable):
-    """fp32 throughout: equal up to the order of the sums (1e-5)."""
-    got, expected, caches, torch_caches = _decode_both_ways(SPECS[name], None, [1, 9, 6],
+    """fp32 throughout: equal up to the order of the sums (1e-5). Contexts of 2, 10 and
+    41 keys: the softmax's vector exp runs 16 keys at a time, then the rest one by one."""
+    got, expected, caches, torch_caches = _decode_both_ways(SPECS[name], None, [1, 9, 40],
                                                             portable)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     for mine, theirs in zip(caches, torch_caches, strict=True):

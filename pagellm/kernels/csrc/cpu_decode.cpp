@@ -1,4 +1,5 @@
-// A decode step of a Llama-family decoder on the CPU in one call (kernels/cpu_decode.py).
+// A decode step of a Llama-family decoder on the CPU in one call (executor/worker/cpu_decode.py
+// gathers its operands; kernels/cpu_ops.py builds it).
 //
 // At batch 1 on a 2-core CPU, SmolLM2-135M's projections take 4.7 ms per token as int4
 // and 17 ms as fp32, and the torch ops between them (norms, rotary, KV writes, paged
@@ -75,6 +76,63 @@ float dot(const float* a, const float* b, int64_t n) {
 #endif
 }
 
+// e[i] = exp(e[i] - top) for i < n; returns their sum. AVX-512: 16 at a time, Cephes'
+// expf (2^k * e^r, |r| <= ln2 / 2, a degree-6 polynomial: within 2 ulp of glibc's expf,
+// tests/executor/test_cpu_decode.py), where glibc's scalar expf made the softmax the
+// biggest part of attention at a few hundred keys.
+float exp_sum(float* e, int64_t n, float top) {
+  float sum = 0.f;
+  int64_t i = 0;
+#if PAGELLM_AVX512
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  const __m512 lo = _mm512_set1_ps(-87.3f), t = _mm512_set1_ps(top);
+  const float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                      4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(e + i), t), lo);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(k, ln2_hi, x);
+    r = _mm512_fnmadd_ps(k, ln2_lo, r);
+    __m512 y = _mm512_set1_ps(c[0]);
+    for (int j = 1; j < 6; ++j) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c[j]));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    y = _mm512_scalef_ps(y, k);  // * 2^k
+    _mm512_storeu_ps(e + i, y);
+    acc = _mm512_add_ps(acc, y);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += (e[i] = std::exp(e[i] - top));
+  return sum;
+}
+
+// o[0:D] += sum_j w[j] * v[j * stride : j * stride + D] for j < n: the weighted values
+// of a block's keys. AVX-512 and D a multiple of 16 up to 256 (every model here): the
+// sums stay in registers over the block (a loop over o in memory made each key wait for
+// the previous key's stores).
+void accumulate(float* o, const float* v, int64_t stride, const float* w, int64_t n,
+                int64_t D) {
+#if PAGELLM_AVX512
+  constexpr int64_t kMaxChunks = 16;
+  if (D % 16 == 0 && D / 16 <= kMaxChunks) {
+    const int64_t chunks = D / 16;
+    __m512 acc[kMaxChunks];
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(o + 16 * c);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 wj = _mm512_set1_ps(w[j]);
+      for (int64_t c = 0; c < chunks; ++c)
+        acc[c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + j * stride + 16 * c), acc[c]);
+    }
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) o[d] += w[j] * v[j * stride + d];
+}
+
 // y[r, n] = x[r, :] . w[n, :] for rows r < ROWS and n0 <= n < n1 (y's rows are N wide);
 // w is read once, the whole point. One row of x: a row of w at a time, 4 accumulators,
 // prefetched ahead (the loads are the limit, at the memory's bandwidth). More: four
@@ -88,7 +146,7 @@ void gemv(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_
     for (; n < n1; ++n) {
       const float* wr = w + n * K;
       __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t k = 0; k < K; k += 64) {
+      for (int64_t k = 0; k < K; k += 64) {  // (a prefetch past the weight's end never faults)
         _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + k), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + k + 16), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + k + 32), _MM_HINT_T0);
@@ -214,21 +272,26 @@ void attend(const float* qkv, int64_t qkv_stride, const float* cache, int64_t pl
       p.resize(len - first);
       const float* q = qkv + b * qkv_stride + h * s.D;
       float top = -std::numeric_limits<float>::infinity();
-      for (int64_t j = first; j < len; ++j) {
-        const float* k = cache + (table[j / block_size] * block_size + j % block_size) * row +
-                         g * s.D;
-        p[j - first] = dot(q, k, s.D) * scale;
-        top = std::max(top, p[j - first]);
+      // Keys block by block (no division per key): j = blk * block_size + off.
+      for (int64_t blk = first / block_size; blk * block_size < len; ++blk) {
+        const int64_t lo = std::max<int64_t>(first - blk * block_size, 0);
+        const int64_t hi = std::min<int64_t>(block_size, len - blk * block_size);
+        const float* keys = cache + table[blk] * block_size * row + g * s.D;
+        float* scores = p.data() + blk * block_size - first;
+        for (int64_t off = lo; off < hi; ++off) {
+          scores[off] = dot(q, keys + off * row, s.D) * scale;
+          top = std::max(top, scores[off]);
+        }
       }
-      float sum = 0.f;
-      for (float& e : p) sum += (e = std::exp(e - top));
+      const float sum = exp_sum(p.data(), len - first, top);
       float* o = out + b * s.H * s.D + h * s.D;
       std::fill(o, o + s.D, 0.f);
-      for (int64_t j = first; j < len; ++j) {
-        const float* v = cache + plane +
-                         (table[j / block_size] * block_size + j % block_size) * row + g * s.D;
-        const float w = p[j - first];
-        for (int64_t d = 0; d < s.D; ++d) o[d] += w * v[d];
+      for (int64_t blk = first / block_size; blk * block_size < len; ++blk) {
+        const int64_t lo = std::max<int64_t>(first - blk * block_size, 0);
+        const int64_t hi = std::min<int64_t>(block_size, len - blk * block_size);
+        const float* values = cache + plane + table[blk] * block_size * row + g * s.D;
+        accumulate(o, values + lo * row, row, p.data() + blk * block_size - first + lo,
+                   hi - lo, s.D);
       }
       const float inv = 1.f / sum;
       for (int64_t d = 0; d < s.D; ++d) o[d] *= inv;
