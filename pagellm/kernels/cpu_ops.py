@@ -64,12 +64,17 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-@cache
 def load(portable: bool = False) -> Any:
     """Compile (first use on this machine) and load the ops; returns their namespace,
     torch.ops.pagellm_cpu. `portable`: the plain-loop build (no AVX-512 intrinsics), as
     torch.ops.pagellm_cpu_portable, for tests. Raises RuntimeError naming what is missing
-    (a C++ compiler, ninja)."""
+    (a C++ compiler, ninja). Once per process and build: a second library registering
+    the same namespace would abort the process."""
+    return _load(bool(portable))  # (one cache entry per build, however it is called)
+
+
+@cache
+def _load(portable: bool) -> Any:
     namespace = "pagellm_cpu_portable" if portable else "pagellm_cpu"
     name = _extension_name(portable)
     directory = build_root() / name
