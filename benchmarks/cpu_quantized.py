@@ -66,7 +66,7 @@ def measure(model: str, options: dict[str, Any], decode_tokens: int, requests: i
             else:
                 os.environ[k] = v
     with llm:
-        vocab = llm.get_tokenizer().vocab_size
+        vocab = llm.info.vocab_size  # (a config-only shape has no tokenizer)
         one = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
         prompt = [{"prompt_token_ids": workload(vocab, 1, seed=1)[0][:64]}]
         llm.generate(prompt, one, use_tqdm=False)  # warm-up (and the thread tuner)
