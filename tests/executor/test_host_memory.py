@@ -58,3 +58,15 @@ def test_copy_keeps_the_values():
     t = torch.randn(1024, 1024)
     c = host_memory.copy(t)
     assert torch.equal(c, t) and c.data_ptr() != t.data_ptr()
+
+
+@pytest.mark.skipif(not host_memory.SUPPORTED, reason="Linux's madvise only")
+def test_a_kernel_refusing_the_advice_still_gets_its_tensor(monkeypatch):
+    """A kernel built without transparent huge pages answers MADV_HUGEPAGE with EINVAL
+    (here: an advice no kernel knows): the weights load in ordinary pages."""
+    import mmap
+
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 12345)
+    t = host_memory.empty((1 << 20,), torch.float32)
+    t.fill_(1.0)
+    assert float(t.sum()) == t.numel()

@@ -17,6 +17,7 @@ THP off) it is ordinary memory, as before. Smaller tensors keep torch's allocato
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import sys
 
@@ -42,7 +43,9 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype,
                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
     start = -whole.data_ptr() % HUGE_PAGE
-    region.madvise(mmap.MADV_HUGEPAGE, 0, len(region))
+    # (A kernel built without THP refuses the advice: ordinary pages then.)
+    with contextlib.suppress(OSError):
+        region.madvise(mmap.MADV_HUGEPAGE, 0, len(region))
     return whole[start:start + nbytes].view(dtype).view(shape)
 
 
