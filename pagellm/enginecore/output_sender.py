@@ -10,8 +10,12 @@ there). A client's messages stay in order because the busy loop sends directly o
 to a client with nothing queued for the thread.
 
 What a client can make the engine hold is bounded here: OUTPUT_HWM outputs queued for
-a client that stops reading (it is dropped), one peer per output socket (a second
-would read its outputs: dropped), and CONNECT_GRACE_S to connect that socket at all.
+a client that stops reading, and as many again held by the output thread (`backlog`)
+until its queue has room; a client whose queue stays full for STALL_S, or whose backlog
+fills, is dropped. A client that reads again within STALL_S (a frontend the OS did not
+run for a moment) loses nothing, and a stalled client never holds up the others. Also
+bounded: one peer per output socket (a second would read its outputs: dropped), and
+CONNECT_GRACE_S to connect that socket at all.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,8 +47,10 @@ CONNECT_GRACE_S = 10.0  # a client must connect its output socket within this lo
 # Outputs queued for one client before it counts as not reading: 10 s of steps at 100
 # steps/s, and at most ~100 MB for a client of 256 streams with top-20 logprobs.
 OUTPUT_HWM = 1000
+STALL_S = 1.0  # how long a full queue may stay full (no output taken) before a drop
 PEER_MESSAGE_BYTES = 4096  # the most an output socket's peer may send (it sends nothing)
 _WATCH_S = 0.1  # how often the output thread looks at its clients' connections
+_RETRY_S = 0.005  # how often it retries a stalled client's queue
 
 
 @dataclass
@@ -61,6 +68,10 @@ class AttachedClient:
     open_fds: set[int] = field(default_factory=set)  # its socket's open connections
     handshakes: int = 0  # connections that completed the ZMTP (and CURVE) handshake
     last_sent: float = field(default_factory=time.monotonic)
+    # Encoded outputs that did not fit its queue, oldest first (the output thread's),
+    # and when the first of them last found no room.
+    backlog: deque[bytes] = field(default_factory=deque)
+    stalled: float = 0.0
 
     @classmethod
     def bind(cls, sockets: SocketFactory, address: str, index: int, identity: bytes
@@ -183,7 +194,43 @@ class OutputSender:
         def close(record: AttachedClient, linger_ms: int = 0) -> None:
             with self._lock:
                 self._direct.pop(record.index, None)
+                self._queued.pop(record.index, None)
                 _close(record, linger_ms)
+
+        def put(record: AttachedClient, data: bytes | bytearray) -> bool:
+            """Send without blocking; False when its queue is full (or it has no peer)."""
+            try:
+                with self._lock:
+                    record.socket.send(data, flags=zmq.NOBLOCK)  # copies: buffer reused
+            except zmq.Again:
+                return False
+            record.last_sent = time.monotonic()
+            return True
+
+        def hold(record: AttachedClient, data: bytes) -> None:
+            """Keep `data` until its queue has room (`flush`); the busy loop sends this
+            client nothing directly meanwhile (`_queued`), so its messages keep order."""
+            if len(record.backlog) >= OUTPUT_HWM:
+                drop(record, f"stopped reading its outputs ({2 * OUTPUT_HWM} waiting)")
+                return
+            if not record.backlog:
+                record.stalled = time.monotonic()
+            record.backlog.append(data)
+            with self._lock:
+                self._queued[record.index] = self._queued.get(record.index, 0) + 1
+
+        def flush(record: AttachedClient) -> None:
+            while record.backlog and put(record, record.backlog[0]):
+                record.backlog.popleft()
+                record.stalled = record.last_sent
+                with self._lock:
+                    left = self._queued.pop(record.index, 1) - 1
+                    if left:
+                        self._queued[record.index] = left
+            if record.backlog and record.handshakes \
+                    and time.monotonic() - record.stalled > STALL_S:
+                drop(record, f"stopped reading its outputs (a queue of {OUTPUT_HWM} "
+                             f"full for {STALL_S:g} s)")
 
         def send(index: int, outputs: EngineCoreOutputs, last: bool = False) -> None:
             record = clients.get(index)
@@ -191,25 +238,21 @@ class OutputSender:
                 return  # the client left
             self._stamp(index, outputs)
             encoder.encode_into(outputs, buffer)
-            try:
-                with self._lock:
-                    record.socket.send(buffer, flags=zmq.NOBLOCK)  # copies: buffer reused
-                record.last_sent = time.monotonic()
-            except zmq.Again:  # gone, or connected with a full queue: it stopped reading
-                if last:
-                    return
-                record.monitor.poll(int(_WATCH_S * 1000))  # a departure may be on its way
-                reason = _watch(record, time.monotonic())
-                if reason is None and record.handshakes:
-                    reason = f"stopped reading its outputs (a queue of {OUTPUT_HWM} is full)"
-                if reason is not None:
-                    drop(record, reason)
+            if last:  # the engine stops: what fits, without waiting
+                while record.backlog and put(record, record.backlog.popleft()):
+                    pass
+                put(record, buffer)
+            elif record.backlog or not put(record, buffer):
+                hold(record, bytes(buffer))
 
         while True:
-            try:
-                item = self._queue.get(timeout=_WATCH_S)
+            stalled = [r for r in clients.values() if r.backlog]
+            try:  # a stalled client's queue is looked at again soon
+                item = self._queue.get(timeout=_RETRY_S if stalled else _WATCH_S)
             except queue.Empty:
                 item = None
+            for waiting in stalled:
+                flush(waiting)
             if isinstance(item, _Register):
                 clients[item.client.index] = item.client
                 with self._lock:
@@ -241,8 +284,8 @@ class OutputSender:
                     reason = _watch(record, now)
                     if reason is not None:
                         drop(record, reason)
-                for record in [r for r in clients.values()
-                               if now - r.last_sent > HEARTBEAT_INTERVAL_S]:
+                for record in [r for r in clients.values()  # (a backlog is news enough)
+                               if now - r.last_sent > HEARTBEAT_INTERVAL_S and not r.backlog]:
                     send(record.index, EngineCoreOutputs(timestamp=now))
 
 

@@ -9,15 +9,20 @@ tokens are what they were."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
 
 import msgspec
+import pytest
 import zmq
 from conftest import still_serves
 from helpers import RawEngineClient, request
 
+from pagellm.enginecore import output_sender
+from pagellm.enginecore.output_sender import AttachedClient, OutputSender
 from pagellm.protocol.messages import EngineCoreOutputs, FinishReason, RequestType
-from pagellm.transport.sockets import Context
+from pagellm.transport.sockets import Context, monitor
 
 
 def test_every_message_counts_the_adds_its_load_accounts_for(tight_engine, attached):
@@ -128,3 +133,86 @@ def test_a_client_that_stops_reading_is_dropped_and_its_requests_aborted(tight_e
     finally:
         sleeper.close()
     still_serves(attached)
+
+
+# The output thread alone, on ipc sockets with tiny queues (no engine) ------------------
+
+BULKY = list(range(30_000))  # ~90 kB encoded: a few of them fill a socket's buffers
+
+
+@pytest.fixture
+def sender(tmp_path) -> Iterator[tuple[OutputSender, list[int], list[zmq.Socket]]]:
+    """An OutputSender's thread with two clients (0 and 1), each a PUSH queue of 2 to a
+    PULL queue of 1 that the test reads (or does not); and the indexes it forgot."""
+    forgotten: list[int] = []
+    sender = OutputSender(stamp=lambda index, outputs: None, forget=forgotten.append)
+    context = zmq.Context()
+    readers = []
+    events = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+    for index in (0, 1):
+        push = context.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 2)
+        endpoint = f"ipc://{tmp_path}/out{index}"
+        push.bind(endpoint)
+        record = AttachedClient(index, b"%d" % index, push, monitor(push, events),
+                                endpoint, None)
+        pull = context.socket(zmq.PULL)
+        pull.setsockopt(zmq.RCVHWM, 1)
+        pull.connect(endpoint)
+        readers.append(pull)
+        sender.register(record)
+    thread = threading.Thread(target=sender.run, daemon=True)
+    thread.start()
+    try:
+        yield sender, forgotten, readers
+    finally:
+        sender.stop("test over")
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        context.destroy(linger=0)
+
+
+def bulky(number: int) -> EngineCoreOutputs:
+    return EngineCoreOutputs(timestamp=float(number), token_req_ids=["r"] * len(BULKY),
+                             token_ids=BULKY)
+
+
+def received(reader: zmq.Socket, count: int) -> list[float]:
+    """The timestamps of the next `count` messages with outputs (heartbeats skipped)."""
+    stamps: list[float] = []
+    while len(stamps) < count:
+        assert reader.poll(5000), f"only {len(stamps)} of {count} messages came"
+        message = msgspec.msgpack.decode(reader.recv(), type=EngineCoreOutputs)
+        if message.has_outputs:
+            stamps.append(message.timestamp)
+    return stamps
+
+
+def test_a_client_that_pauses_reading_loses_nothing(sender):
+    """A frontend the OS did not run for a moment (the tests' loaded CI machines) was
+    dropped at the first full queue, its requests aborted. A queue that empties within
+    STALL_S loses nothing, in order, whether sent by the busy loop or the thread."""
+    sender, forgotten, (reader, _) = sender
+    time.sleep(0.2)  # registered
+    for number in range(40):
+        (sender.send_now if number % 2 else sender.queue_send)({0: bulky(number)})
+    time.sleep(output_sender.STALL_S / 2)  # not reading: the queue is full by now
+    assert received(reader, 40) == list(range(40))
+    assert forgotten == []
+
+
+def test_a_stalled_client_is_dropped_without_holding_up_the_others(sender):
+    sender, forgotten, (_, reader) = sender  # client 0 never reads
+    time.sleep(0.2)
+    start = time.monotonic()
+    gaps = []
+    for number in range(60):
+        sender.queue_send({0: bulky(number), 1: EngineCoreOutputs(
+            timestamp=float(number), token_req_ids=["r"], token_ids=[number])})
+        sent = time.monotonic()
+        received(reader, 1)
+        gaps.append(time.monotonic() - sent)
+        time.sleep(0.03)
+    assert forgotten == [0]  # dropped within STALL_S of its queue filling
+    assert time.monotonic() - start > output_sender.STALL_S
+    assert max(gaps) < output_sender.STALL_S / 2, gaps  # client 1 never waited on it
