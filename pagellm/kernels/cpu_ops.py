@@ -3,7 +3,8 @@ extension builder and loaded as `torch.ops.pagellm_cpu`:
 
 - `int_gemm`: the weight-only int4 / int8 GEMM (cpu_int_gemm.py, csrc/cpu_int_gemm.cpp);
 - `decode_layers`: a decode step's decoder layers in one call (executor/worker/cpu_decode.py,
-  csrc/cpu_decode.cpp), which runs its integer projections through `int_gemm`.
+  csrc/cpu_decode.cpp), which runs its integer projections through `int_gemm`;
+- `bf16_linear`: a bf16 GEMV for up to 4 rows (executor/model/linear.py, csrc/cpu_bf16.cpp).
 
 Why compiled here and not shipped built: they are compiled with -march=native, for the
 instructions of the CPU they run on (AVX-512 VNNI's int8 dot products above all). The
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_int_gemm.cpp", CSRC / "cpu_decode.cpp")
+SOURCES = (CSRC / "cpu_int_gemm.cpp", CSRC / "cpu_decode.cpp", CSRC / "cpu_bf16.cpp")
 HEADERS = (CSRC / "cpu_ops.h",)
 
 

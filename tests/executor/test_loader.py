@@ -592,7 +592,9 @@ def test_attention_bias_on_all_four_projections_matches_transformers(
 
 
 WAYS_SEEN: set[tuple[str, str, str]] = set()  # (CPU, dtype, way) the cases took
-CPUS = {"amd": (False, False), "intel": (True, False), "intel-amx": (True, True)}
+# (intel_mkl, amx_bf16, avx512)
+CPUS = {"amd": (False, False, True), "avx2": (False, False, False),
+        "intel": (True, False, True), "intel-amx": (True, True, True)}
 
 
 @pytest.mark.parametrize("cpu", list(CPUS))
@@ -641,20 +643,22 @@ def test_cpu_linear_equals_f_linear_on_every_path(rows: int, bias: bool, in_feat
 def test_cpu_linear_cases_took_every_way_each_cpu_rule_names() -> None:
     """The cases above (run first: same module, earlier in the file) covered each way
     that each CPU's rules use: W @ x^T and oneDNN for fp32 off Intel, F.linear and
-    oneDNN for fp32 on Intel; W @ x^T and F.linear for bf16, packed oneDNN in place of
-    F.linear with AMX."""
+    oneDNN for fp32 on Intel; the bf16 GEMV (W @ x^T without AVX-512) and F.linear for
+    bf16, packed oneDNN in place of F.linear with AMX."""
     from pagellm.executor.model.linear import ONEDNN_LINEAR, REORDER_WEIGHT
 
     if not WAYS_SEEN:
         pytest.skip("run with the linear cases (-k cpu_linear)")
     fp32, bf16 = str(torch.float32), str(torch.bfloat16)
     many_rows = "ONEDNN" if ONEDNN_LINEAR is not None else "ATEN"  # (torch without it)
-    assert {w for c, d, w in WAYS_SEEN if c == "amd" and d == fp32} == {"W_XT", many_rows}
+    for cpu in ("amd", "avx2"):
+        assert {w for c, d, w in WAYS_SEEN if c == cpu and d == fp32} == {"W_XT", many_rows}
     amx = ("intel-amx",) if REORDER_WEIGHT else ()  # (its cases skip without packing)
     for intel in ("intel", *amx):
         assert {w for c, d, w in WAYS_SEEN if c == intel and d == fp32} == {"ATEN", many_rows}
-    for cpu, bf16_ways in (("amd", {"W_XT", "ATEN"}), ("intel", {"W_XT", "ATEN"}),
-                           ("intel-amx", {"W_XT", "PACKED"} if REORDER_WEIGHT else set())):
+    for cpu, bf16_ways in (("amd", {"GEMV", "ATEN"}), ("avx2", {"W_XT", "ATEN"}),
+                           ("intel", {"GEMV", "ATEN"}),
+                           ("intel-amx", {"GEMV", "PACKED"} if REORDER_WEIGHT else set())):
         assert {w for c, d, w in WAYS_SEEN if c == cpu and d == bf16} == bf16_ways
 
 

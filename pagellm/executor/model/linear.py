@@ -1,12 +1,14 @@
-"""A linear layer on the CPU through the fastest of four GEMMs for its shape and CPU.
+"""A linear layer on the CPU through the fastest of five GEMMs for its shape and CPU.
 
-    x [M, in] @ W^T [in, out] -> [M, out], computed one of four ways:
+    x [M, in] @ W^T [in, out] -> [M, out], computed one of five ways:
       W_XT    torch.mm(W, x^T): W as the big left operand, streamed (one row of x
               padded to two: a stride-0 expand is slow there)
       ONEDNN  oneDNN's fp32 linear on the plain weights (no packed copy, so loading,
               weight updates and sleep see ordinary parameters)
       ATEN    F.linear: MKL's sgemv/sgemm for fp32, oneDNN's matmul for bf16
       PACKED  oneDNN's linear on a packed copy of W (bf16 on CPUs with AMX)
+      GEMV    pagellm's bf16 GEMV (kernels/csrc/cpu_bf16.cpp: AVX-512, and AVX512-BF16's
+              dot products where the CPU has them)
 
 Which one is fastest depends on the CPU's vendor, because MKL runs its own fast
 kernels only on Intel CPUs and a generic AVX2 path elsewhere (benchmarks/small_gemm.py
@@ -20,6 +22,9 @@ by width", has the tables):
   1.3-2.8x faster than W_XT (which stays at 11-14 GB/s) and 1.1-1.5x faster than
   ONEDNN; from 4 rows ONEDNN is fastest. Qwen2.5-0.5B's batch-1 decode: 2x.
 - Anything else keeps the AMD rules, the first measured.
+- bf16 up to 4 rows on CPUs with AVX-512: GEMV. W_XT read SmolLM2's bf16 weights at
+  7-12 GB/s on the AMD EPYC, the GEMV at 20-35 (2.2-3.5x; 2026-11-29,
+  docs/benchmarks-log.md). Without AVX-512 (or a compiler for the C++ ops): W_XT.
 - bf16 and fp16, any CPU: W_XT up to 4 rows (no reorder of W: it is the streamed
   left operand), more rows ATEN, except bf16 on CPUs with AMX (below). On the Intel
   machine W_XT also times 1.2-1.7x faster alone at 8-256 rows in bf16, but a
@@ -47,6 +52,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -54,8 +60,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagellm.kernels import cpu_int_gemm
+from pagellm.kernels import cpu_int_gemm, cpu_ops
 from pagellm.kernels.quant import quantize
+
+logger = logging.getLogger("pagellm")
 
 
 class Way(enum.Enum):
@@ -63,6 +71,7 @@ class Way(enum.Enum):
     ONEDNN = "oneDNN"
     ATEN = "F.linear"
     PACKED = "oneDNN, packed W"
+    GEMV = "pagellm's bf16 GEMV"
 
 
 # Rows of x up to which an fp32 GEMM off Intel runs as W @ x^T ...
@@ -138,6 +147,7 @@ class Cpu:
 
     intel_mkl: bool  # MKL's own kernels, as torch links it: only on Intel CPUs
     amx_bf16: bool  # AMX tiles for bf16, and oneDNN's packed weights here
+    avx512: bool = "avx512f" in _cpuinfo("flags").split()  # the bf16 GEMV's vectors
 
 
 ONEDNN_LINEAR = _onednn_linear()
@@ -245,7 +255,7 @@ def choose(rows: int, in_features: int, dtype: torch.dtype, cpu: Cpu) -> Way:
             return Way.W_XT
         return Way.ONEDNN
     if rows <= SMALL_BATCH_ROWS:
-        return Way.W_XT
+        return Way.GEMV if dtype == torch.bfloat16 and cpu.avx512 else Way.W_XT
     return Way.PACKED if dtype == torch.bfloat16 and cpu.amx_bf16 else Way.ATEN
 
 
@@ -253,6 +263,12 @@ def gemm(way: Way, x: torch.Tensor, weight: torch.Tensor,
          bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in] @ weight^T [in, out] (+ bias [out]) -> [M, out], contiguous, computed
     `way` (benchmarks/small_gemm.py times each through here)."""
+    if way is Way.GEMV:
+        op = _bf16_gemv()
+        if op is not None:
+            y = op(x.contiguous(), weight.contiguous())
+            return y if bias is None else y + bias
+        way = Way.W_XT
     if way is Way.W_XT:
         rows = x.shape[0]
         padded = x if rows > 1 else torch.cat((x, x))  # [max(M, 2), in]
@@ -264,6 +280,18 @@ def gemm(way: Way, x: torch.Tensor, weight: torch.Tensor,
         if w is not None:  # (a weight the loader did not pack: F.linear)
             return ONEDNN_LINEAR(x.contiguous(), w, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+@functools.cache
+def _bf16_gemv() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The C++ bf16 GEMV, built on first use; None (with a warning: W @ x^T instead)
+    where the C++ ops cannot be built."""
+    try:
+        return cpu_ops.load().bf16_linear
+    except RuntimeError as e:
+        logger.warning("bf16 GEMMs of up to %d rows take W @ x^T (slower): %s",
+                       SMALL_BATCH_ROWS, e)
+        return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
