@@ -7,6 +7,7 @@ import pytest
 from conftest import PROMPTS, runs_triton_kernels
 
 from pagellm import SamplingParams
+from pagellm.executor.worker.cpu_decode import DENSE_ROWS
 from pagellm.protocol.messages import EngineCoreOutput
 
 MAX_TOKENS = 40
@@ -96,15 +97,18 @@ def test_greedy_matches_with_the_triton_kernels(name, model_dirs, hf_reference, 
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("packed, fused", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "packed", "fused"])
 def test_bf16_logprobs_track_transformers_on_the_same_weights(model_dirs, make_llm,
-                                                              monkeypatch, packed):
+                                                              monkeypatch, packed, fused):
     """bf16 on the CPU, the dtype real checkpoints load in: the logprob of every prompt
     token (prefill) and every sampled token (decode) within bf16's rounding of
     transformers' fp32 on the same bf16-rounded weights. GEMMs on plain weights, or on
     packed ones (cpu_linear's path on CPUs with AMX, forced here on any CPU); six
-    prompts at once, so that decode steps take the more-than-4-rows way too. Greedy
-    tokens are not compared: bf16 rounding flips near-ties of random weights."""
+    prompts at once, so that decode steps take the more-than-4-rows way too, or (fused)
+    at most 4 a step, so that every decode step is the fused C++ step's
+    (executor/worker/cpu_decode.py). Greedy tokens are not compared: bf16 rounding
+    flips near-ties of random weights."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -116,7 +120,9 @@ def test_bf16_logprobs_track_transformers_on_the_same_weights(model_dirs, make_l
                         cpu_linear.Cpu(cpu_linear.THIS_CPU.intel_mkl, amx_bf16=packed))
     name, prompts = "qwen2", PROMPTS[1:7]
     copies = len(cpu_linear.PACKED_WEIGHTS)
-    llm = make_llm(model_dirs[name], dtype="bfloat16")
+    llm = make_llm(model_dirs[name], dtype="bfloat16",
+                   **({"max_num_seqs": DENSE_ROWS} if fused else {}))
+    assert llm.engine_core.core.executor.runner.cpu_decode is not None  # (6 rows: unused)
     if packed:
         assert len(cpu_linear.PACKED_WEIGHTS) > copies  # made at load
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0, prompt_logprobs=0)

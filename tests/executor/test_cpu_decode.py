@@ -1,7 +1,7 @@
 """The fused CPU decode step (executor/worker/cpu_decode.py, kernels/csrc/cpu_decode.cpp)
 against the decoder's torch path on the same weights and KV cache: the hidden states it
 returns and the keys and values it writes, for each kind of model it serves, dense and
-integer, native and portable builds."""
+integer, fp32 and bf16, native and portable builds."""
 
 from __future__ import annotations
 
@@ -41,7 +41,10 @@ SPECS = {
 }
 
 
-def _model(spec: DecoderSpec, quantization: str | None) -> DecoderForCausalLM:
+def _model(spec: DecoderSpec, quantization: str | None, dtype: torch.dtype = torch.float32,
+           bf16_weights: bool = False) -> DecoderForCausalLM:
+    """Seeded weights (bf16, or `bf16_weights` in fp32: the same ones rounded), the RoPE
+    tables in fp32 whatever the dtype, as the loader leaves them."""
     torch.manual_seed(0)
     model = DecoderForCausalLM(spec, max_model_len=128).eval()
     with torch.no_grad():
@@ -50,8 +53,14 @@ def _model(spec: DecoderSpec, quantization: str | None) -> DecoderForCausalLM:
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0, 0.2 if p.dim() > 1 else 0.1)
+        if bf16_weights:
+            for p in model.parameters():
+                p.copy_(p.bfloat16().float())
     if quantization is not None:
         quantize_projections(model, quantization, triton=False)
+    if dtype != torch.float32:
+        model = model.to(dtype)
+        model.model.rotary_emb.reset_cache()
     return model
 
 
@@ -76,13 +85,15 @@ def _slots(block_tables: torch.Tensor, request: int, positions: range) -> list[i
 
 @torch.inference_mode()
 def _decode_both_ways(spec: DecoderSpec, quantization: str | None, prompt_lens: list[int],
-                      portable: bool = False):
+                      portable: bool = False, dtype: torch.dtype = torch.float32,
+                      fused: bool = True, bf16_weights: bool = False):
     """Prefill `prompt_lens` through the torch path, then one decode step each way on
-    copies of the cache: (fused hidden, torch hidden, fused caches, torch caches)."""
-    model = _model(spec, quantization)
+    copies of the cache: (fused hidden, torch hidden, fused caches, torch caches); with
+    `fused` False the first two are None (the torch path's alone)."""
+    model = _model(spec, quantization, dtype, bf16_weights)
     backend = TorchAttention(BLOCK)
     num_blocks = 64
-    caches = [torch.zeros(2, num_blocks, BLOCK, spec.num_kv_heads, spec.head_dim)
+    caches = [torch.zeros(2, num_blocks, BLOCK, spec.num_kv_heads, spec.head_dim, dtype=dtype)
               for _ in range(spec.num_layers)]
     # Each request's blocks scattered over the cache, in no order.
     per_request = max(prompt_lens) // BLOCK + 2
@@ -104,10 +115,12 @@ def _decode_both_ways(spec: DecoderSpec, quantization: str | None, prompt_lens: 
     torch_caches = [c.clone() for c in caches]
     expected = model(step_ids, step_positions,
                      _meta(block_tables, ones, seq_lens, step_slots, backend), torch_caches)
-    fused = CpuDecodeStep(model, cpu_ops.load(portable=portable))
-    assert fused.takes(len(prompt_lens), 1)
-    got = fused(step_ids, step_positions,
-                _meta(block_tables, ones, seq_lens, step_slots, backend), caches)
+    if not fused:
+        return None, expected, caches, torch_caches
+    step = CpuDecodeStep(model, cpu_ops.load(portable=portable))
+    assert step.takes(len(prompt_lens), 1)
+    got = step(step_ids, step_positions,
+               _meta(block_tables, ones, seq_lens, step_slots, backend), caches)
     return got, expected, caches, torch_caches
 
 
@@ -121,6 +134,32 @@ def test_a_dense_decode_step_equals_the_torch_path(name, portable):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     for mine, theirs in zip(caches, torch_caches, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("name", SPECS)
+def test_a_bf16_decode_step_rounds_where_the_torch_path_does(name, portable):
+    """bf16: the torch path rounds to bf16 after each op; the fused step rounds at the
+    same points, so its answer is the torch path's, but for roundings that tip where
+    the two sum in another order or take another exp (SDPA's own, in the attention's
+    bf16 weights). One layer, so that a tip does not spread: on these seeded weights
+    every output agrees bit for bit but with Qwen3's head norms (80%); a rounding
+    point left out (SiLU's, the attention weights') leaves 33-60% equal and moves the
+    answer toward the exact one (the same bf16 weights and prompts in fp32), as far
+    from the torch path as 19-64% of the exact one's distance."""
+    spec = dataclasses.replace(SPECS[name], num_layers=1,
+                               layer_windows=SPECS[name].layer_windows[:1])
+    got, expected, caches, torch_caches = _decode_both_ways(spec, None, [1, 9, 40], portable,
+                                                            torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    _, exact, _, _ = _decode_both_ways(spec, None, [1, 9, 40], fused=False,
+                                       bf16_weights=True)
+    assert (got == expected).double().mean() > 0.65
+    ours = (got.double() - expected.double()).abs()
+    rounding = (exact.double() - expected.double()).abs()  # what bf16 costs the torch path
+    assert ours.mean() < 0.25 * rounding.mean(), (ours.mean(), rounding.mean())
+    for mine, theirs in zip(caches, torch_caches, strict=True):  # keys/values written
+        assert torch.equal(mine, theirs)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -162,7 +201,10 @@ def test_what_it_does_not_compute_takes_the_torch_path(monkeypatch):
     model = _model(LLAMA, None)
     fp32 = torch.float32
     assert unsupported(model, fp32, fp32, "torch", lora=False) is None
-    assert unsupported(model, torch.bfloat16, fp32, "torch", lora=False) is not None
+    bf16 = torch.bfloat16
+    assert unsupported(model, bf16, fp32, "torch", lora=False) is not None  # cache apart
+    assert unsupported(_model(LLAMA, None, bf16), bf16, bf16, "torch", lora=False) is None
+    assert unsupported(model, bf16, bf16, "torch", lora=False) is not None  # fp32 weights
     assert unsupported(model, fp32, torch.float8_e4m3fn, "torch", lora=False) is not None
     assert unsupported(model, fp32, fp32, "triton", lora=False) is not None
     assert unsupported(model, fp32, fp32, "torch", lora=True) is not None

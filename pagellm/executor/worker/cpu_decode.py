@@ -11,8 +11,11 @@ embedding lookup before it and the LM head and sampling after it stay as they ar
 
 It serves the steps where every request has one query token (decode, and one-token
 prompt chunks), for models it computes exactly as the torch path does: the decoder
-family (Llama, Mistral, Qwen2/2.5/3, Phi-3) in fp32 with an fp32 KV cache, dense fp32
-or the CPU int kernel's int4 / int8 projections, without tensor parallelism, LoRA,
+family (Llama, Mistral, Qwen2/2.5/3, Phi-3) in fp32 with an fp32 KV cache (dense fp32
+or the CPU int kernel's int4 / int8 projections), or in bf16 with a bf16 KV cache
+(dense bf16 projections: the C++ rounds to bf16 wherever the torch path holds a bf16
+tensor, and its norms and biases are fp32 copies, made with the operand lists), without
+tensor parallelism, LoRA,
 mixture-of-experts layers, OLMoE's q/k clipping and norms or soft-capping (Gemma's own
 classes). A dense projection is a GEMV for up to `DENSE_ROWS` tokens; above that the
 torch path's oneDNN GEMMs are faster, so larger dense batches take it. Everything else
@@ -53,7 +56,10 @@ DENSE_ROWS = 4  # tokens up to which dense projections run as the C++ GEMV (cpu_
 _NONE = torch.empty(0)  # an absent bias or q/k norm
 # weights, linear_meta, norms, biases: decode_layers' per-layer lists
 Projection = Linear | RowParallelLinear
-_Operands = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[torch.Tensor]]
+# (and the final norm's weight)
+_Operands = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[torch.Tensor],
+                  torch.Tensor]
+DTYPES = (torch.float32, torch.bfloat16)  # a model's and its KV cache's, alike
 
 
 def unsupported(model: nn.Module, dtype: torch.dtype, cache_dtype: torch.dtype,
@@ -61,8 +67,8 @@ def unsupported(model: nn.Module, dtype: torch.dtype, cache_dtype: torch.dtype,
     """Why `model` cannot take the fused step (None: it can)."""
     if os.environ.get("PAGELLM_CPU_DECODE") == "0":
         return "PAGELLM_CPU_DECODE=0"
-    if attention != "torch" or dtype != torch.float32 or cache_dtype != torch.float32:
-        return "only fp32 models and KV caches with the torch attention backend"
+    if attention != "torch" or dtype not in DTYPES or cache_dtype != dtype:
+        return "only fp32 or bf16 models, a KV cache of the model's dtype, torch attention"
     if (type(model) is not DecoderForCausalLM or type(model.model) is not DecoderModel
             or type(model.model.norm) is not RMSNorm):
         return f"{type(model).__name__} computes more than the decoder family"
@@ -80,9 +86,9 @@ def unsupported(model: nn.Module, dtype: torch.dtype, cache_dtype: torch.dtype,
                 or type(layer.post_attention_layernorm) is not RMSNorm):
             return "a layer of another kind"
         for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if not ((proj.quant is None and proj.weight.dtype == torch.float32)
-                    or isinstance(proj.quant, CpuIntWeight)):
-                return f"a {type(proj.quant).__name__} projection"
+            if not ((proj.quant is None and proj.weight.dtype == dtype)
+                    or (isinstance(proj.quant, CpuIntWeight) and dtype == torch.float32)):
+                return f"a {type(proj.quant).__name__} projection in {dtype}"
     return None
 
 
@@ -149,11 +155,13 @@ class CpuDecodeStep:
                 else:
                     weights += (proj.weight, _NONE, _NONE)
                     meta += (0, 0, proj.weight.shape[0])
-            norms += (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                      _NONE if attn.q_norm is None else attn.q_norm.weight,
-                      _NONE if attn.k_norm is None else attn.k_norm.weight)
+            norms += (layer.input_layernorm.weight.float(),
+                      layer.post_attention_layernorm.weight.float(),
+                      _NONE if attn.q_norm is None else attn.q_norm.weight.float(),
+                      _NONE if attn.k_norm is None else attn.k_norm.weight.float())
             biases += (_bias(attn.qkv_proj), _bias(attn.o_proj))
-        return weights, meta, norms, biases
+        # (.float(): the tensor itself in an fp32 model, an fp32 copy in a bf16 one)
+        return weights, meta, norms, biases, self.model.model.norm.weight.float()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -164,16 +172,16 @@ class CpuDecodeStep:
         rope = decoder.rotary_emb
         if self._operands is None:
             self._operands = self.operands()
-        weights, linear_meta, norms, biases = self._operands
+        weights, linear_meta, norms, biases, final_norm = self._operands
         num_heads, num_kv_heads, head_dim = self.heads
         hidden: torch.Tensor = self.ops.decode_layers(
             x, positions, rope.cos_cache, rope.sin_cache, meta.slot_mapping,
             meta.block_tables, meta.seq_lens, weights, linear_meta, norms, biases,
             kv_caches[:len(self.windows)],  # (a draft model's layers follow the model's)
             self.windows, self.scales, num_heads, num_kv_heads, head_dim,
-            self.model.spec.rms_norm_eps, decoder.norm.weight)
+            self.model.spec.rms_norm_eps, final_norm)
         return hidden
 
 
 def _bias(proj: Projection) -> torch.Tensor:
-    return _NONE if proj.bias is None else proj.bias
+    return _NONE if proj.bias is None else proj.bias.float()

@@ -131,6 +131,20 @@ void gemv(const bf16* x, const bf16* w, float* y, int64_t K, int64_t N, int64_t 
 
 namespace PAGELLM_NS {
 
+void bf16_gemv(const bf16* x, const bf16* w, float* y, int64_t M, int64_t K, int64_t N) {
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "bf16_linear takes 1 to ", kMaxRows, " rows, got ", M);
+  // Units of 4 rows of w (the GEMV's step); 64 rows of w per task at least.
+  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * 4, n1 = std::min(N, end * 4);
+    switch (M) {
+      case 1: gemv<1>(x, w, y, K, N, n0, n1); break;
+      case 2: gemv<2>(x, w, y, K, N, n0, n1); break;
+      case 3: gemv<3>(x, w, y, K, N, n0, n1); break;
+      default: gemv<4>(x, w, y, K, N, n0, n1); break;
+    }
+  });
+}
+
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "bf16_linear: x [M, K] and w [N, K], got ", x.sizes(), " and ", w.sizes());
@@ -139,24 +153,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) {
                   w.device().is_cpu(),
               "bf16_linear: x and w must be contiguous bf16 CPU tensors");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "bf16_linear takes 1 to ", kMaxRows, " rows, got ", M);
-  const bf16* xp = x.data_ptr<at::BFloat16>();
-  const bf16* wp = w.data_ptr<at::BFloat16>();
   std::vector<float> sums(static_cast<size_t>(M * N));
-  float* yp = sums.data();
-  // Units of 4 rows of w (the GEMV's step); 64 rows of w per task at least.
-  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-    const int64_t n0 = begin * 4, n1 = std::min(N, end * 4);
-    switch (M) {
-      case 1: gemv<1>(xp, wp, yp, K, N, n0, n1); break;
-      case 2: gemv<2>(xp, wp, yp, K, N, n0, n1); break;
-      case 3: gemv<3>(xp, wp, yp, K, N, n0, n1); break;
-      default: gemv<4>(xp, wp, yp, K, N, n0, n1); break;
-    }
-  });
+  bf16_gemv(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), sums.data(), M, K, N);
   at::Tensor y = at::empty({M, N}, x.options());
   bf16* out = y.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < M * N; ++i) out[i] = bf16(yp[i]);  // round to nearest even
+  for (int64_t i = 0; i < M * N; ++i) out[i] = bf16(sums[i]);  // round to nearest even
   return y;
 }
 

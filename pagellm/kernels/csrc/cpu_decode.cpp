@@ -20,12 +20,20 @@
 //
 // and rms(h + residual) * w_final at the end. Projections are dense fp32 (a GEMV for up
 // to 4 rows, else at::linear) or the int kernel's tiled int4/int8 (int_gemm).
+//
+// A bf16 model (x, the weights and the KV cache in bf16; norms, biases and the RoPE
+// tables as fp32 copies) runs the same code in fp32 with every value rounded to bf16
+// where the torch path holds a bf16 tensor (`Round`): the residual sum, the norm before
+// and after its weight, each projection's output and its bias sum, the rotation's two
+// products and their sum, the attention's output, SiLU and its product. Its dense
+// projections are cpu_bf16.cpp's GEMV (fp32 sums, rounded once, as torch's).
 
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -34,6 +42,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && !defined(PAGELLM_PORTABLE)
@@ -57,23 +66,44 @@ constexpr int64_t kBiases = 2;  // per layer: qkv, o
 // one thread does them all (a parallel region costs more than a row of 576 floats).
 constexpr int64_t kRowsPerTask = 4;
 
-float dot(const float* a, const float* b, int64_t n) {
+using bf16 = c10::BFloat16;
+
+inline float widen(float v) { return v; }
+inline float widen(bf16 v) { return static_cast<float>(v); }
+
+// v rounded to the nearest bf16 (ties to even), as a float: what a bf16 tensor holds.
+inline float to_bf16(float v) { return static_cast<float>(bf16(v)); }
+
+// Rounds to bf16 where the model is bf16, else passes values through (fp32 models).
+struct Round {
+  bool bf16;
+  float operator()(float v) const { return bf16 ? to_bf16(v) : v; }
+  void all(float* p, int64_t n) const {
+    if (bf16)
+      for (int64_t i = 0; i < n; ++i) p[i] = to_bf16(p[i]);
+  }
+};
+
+#if PAGELLM_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {  // a bf16's bits are a float's high half
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+#endif
+
+// a . b for n elements of a (fp32) and b (fp32 or bf16, a KV cache's keys).
+template <typename T>
+float dot(const float* a, const T* b, int64_t n) {
+  float s = 0.f;
+  int64_t i = 0;
 #if PAGELLM_AVX512
   __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  }
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-#else
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
+  s = _mm512_reduce_add_ps(acc);
 #endif
+  for (; i < n; ++i) s += a[i] * widen(b[i]);
+  return s;
 }
 
 // e[i] = exp(e[i] - top) for i < n; returns their sum. AVX-512: 16 at a time, Cephes'
@@ -112,8 +142,8 @@ float exp_sum(float* e, int64_t n, float top) {
 // of a block's keys. AVX-512 and D a multiple of 16 up to 256 (every model here): the
 // sums stay in registers over the block (a loop over o in memory made each key wait for
 // the previous key's stores).
-void accumulate(float* o, const float* v, int64_t stride, const float* w, int64_t n,
-                int64_t D) {
+template <typename T>
+void accumulate(float* o, const T* v, int64_t stride, const float* w, int64_t n, int64_t D) {
 #if PAGELLM_AVX512
   constexpr int64_t kMaxChunks = 16;
   if (D % 16 == 0 && D / 16 <= kMaxChunks) {
@@ -123,14 +153,14 @@ void accumulate(float* o, const float* v, int64_t stride, const float* w, int64_
     for (int64_t j = 0; j < n; ++j) {
       const __m512 wj = _mm512_set1_ps(w[j]);
       for (int64_t c = 0; c < chunks; ++c)
-        acc[c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + j * stride + 16 * c), acc[c]);
+        acc[c] = _mm512_fmadd_ps(wj, load16(v + j * stride + 16 * c), acc[c]);
     }
     for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
     return;
   }
 #endif
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t d = 0; d < D; ++d) o[d] += w[j] * v[j * stride + d];
+    for (int64_t d = 0; d < D; ++d) o[d] += w[j] * widen(v[j * stride + d]);
 }
 
 // y[r, n] = x[r, :] . w[n, :] for rows r < ROWS and n0 <= n < n1 (y's rows are N wide);
@@ -192,12 +222,26 @@ struct Projection {
   int64_t bits, group_size, out_features;
 };
 
-// x [M, K] fp32 contiguous -> x @ W^T (+ bias) [M, N].
-at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& bias) {
+// x [M, K] fp32 contiguous -> x @ W^T (+ bias) [M, N] fp32, rounded as the model's
+// dtype rounds (a bf16 model: the product, then its sum with the bias).
+at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& bias,
+                   const Round& round) {
   const int64_t M = x.size(0), K = x.size(1), N = p.out_features;
   at::Tensor y;
   if (p.bits != 0) {
     y = PAGELLM_NS::int_gemm(x, p.weight, p.scales, p.zeros, p.bits, p.group_size, N);
+  } else if (p.weight.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(p.weight.dim() == 2 && p.weight.is_contiguous() && p.weight.size(0) == N &&
+                    p.weight.size(1) == K,
+                "a dense bf16 projection must be a contiguous [", N, ", ", K, "] weight");
+    const at::Tensor xb = x.to(at::kBFloat16);  // exact: x holds bf16 values
+    if (M > kGemvRows) {
+      y = at::linear(xb, p.weight).to(at::kFloat);
+    } else {
+      y = at::empty({M, N}, x.options());
+      PAGELLM_NS::bf16_gemv(xb.data_ptr<at::BFloat16>(), p.weight.data_ptr<at::BFloat16>(),
+                            y.data_ptr<float>(), M, K, N);
+    }
   } else {
     TORCH_CHECK(p.weight.dim() == 2 && p.weight.scalar_type() == at::kFloat &&
                     p.weight.is_contiguous() && p.weight.size(0) == N && p.weight.size(1) == K,
@@ -221,33 +265,36 @@ at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& b
       });
     }
   }
+  float* yp = y.data_ptr<float>();
+  round.all(yp, M * N);
   if (bias.defined() && bias.numel() != 0) {
     TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N,
                 "a bias must be a contiguous fp32 [", N, "] tensor");
     const float* b = bias.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) yp[m * N + n] += b[n];
+      for (int64_t n = 0; n < N; ++n) yp[m * N + n] = round(yp[m * N + n] + b[n]);
   }
   return y;
 }
 
 // out = w * (v * rsqrt(mean(v^2) + eps)) for one vector v of n: RMSNorm.reference's
 // order of operations (the weight multiplies last).
-void rms_norm(const float* v, const float* w, float* out, int64_t n, float eps) {
+void rms_norm(const float* v, const float* w, float* out, int64_t n, float eps,
+              const Round& round) {
   const float r = 1.f / std::sqrt(dot(v, v, n) / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (v[i] * r);
+  for (int64_t i = 0; i < n; ++i) out[i] = round(w[i] * round(v[i] * r));
 }
 
 // Neox rotation of the first R dimensions of a head x [D] at a position whose table
 // rows are cos, sin [R]: x[i] cos[i] - x[i + R/2] sin[i] for i < R/2, x[i] cos[i] +
 // x[i - R/2] sin[i] above (transformers' x * cos + rotate_half(x) * sin).
-void rotate(float* x, const float* cos, const float* sin, int64_t R) {
+// A bf16 model rounds the tables, each product and the sum (the torch path's bf16 ops).
+void rotate(float* x, const float* cos, const float* sin, int64_t R, const Round& round) {
   const int64_t half = R / 2;
   for (int64_t i = 0; i < half; ++i) {
     const float a = x[i], b = x[i + half];
-    x[i] = a * cos[i] - b * sin[i];
-    x[i + half] = b * cos[i + half] + a * sin[i + half];
+    x[i] = round(round(a * round(cos[i])) - round(b * round(sin[i])));
+    x[i + half] = round(round(b * round(cos[i + half])) + round(a * round(sin[i + half])));
   }
 }
 
@@ -259,9 +306,11 @@ struct Heads {
 // over its keys first <= j < seq_lens[b] (first = seq_len - window with a window), read
 // from the paged cache through its block table. Work items: (request, query head) pairs,
 // so that batch 1 splits evenly over the threads (3 KV heads would not).
-void attend(const float* qkv, int64_t qkv_stride, const float* cache, int64_t plane,
+template <typename T>
+void attend(const float* qkv, int64_t qkv_stride, const T* cache, int64_t plane,
             const int32_t* tables, int64_t table_stride, const int32_t* seq_lens, int64_t B,
-            const Heads& s, int64_t block_size, int64_t window, float scale, float* out) {
+            const Heads& s, int64_t block_size, int64_t window, float scale, float* out,
+            const Round& round) {
   const int64_t group = s.H / s.H_kv, row = s.H_kv * s.D;
   at::parallel_for(0, B * s.H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p;
@@ -276,7 +325,7 @@ void attend(const float* qkv, int64_t qkv_stride, const float* cache, int64_t pl
       for (int64_t blk = first / block_size; blk * block_size < len; ++blk) {
         const int64_t lo = std::max<int64_t>(first - blk * block_size, 0);
         const int64_t hi = std::min<int64_t>(block_size, len - blk * block_size);
-        const float* keys = cache + table[blk] * block_size * row + g * s.D;
+        const T* keys = cache + table[blk] * block_size * row + g * s.D;
         float* scores = p.data() + blk * block_size - first;
         for (int64_t off = lo; off < hi; ++off) {
           scores[off] = dot(q, keys + off * row, s.D) * scale;
@@ -284,12 +333,13 @@ void attend(const float* qkv, int64_t qkv_stride, const float* cache, int64_t pl
         }
       }
       const float sum = exp_sum(p.data(), len - first, top);
+      round.all(p.data(), len - first);  // bf16: SDPA weighs the values with bf16 weights
       float* o = out + b * s.H * s.D + h * s.D;
       std::fill(o, o + s.D, 0.f);
       for (int64_t blk = first / block_size; blk * block_size < len; ++blk) {
         const int64_t lo = std::max<int64_t>(first - blk * block_size, 0);
         const int64_t hi = std::min<int64_t>(block_size, len - blk * block_size);
-        const float* values = cache + plane + table[blk] * block_size * row + g * s.D;
+        const T* values = cache + plane + table[blk] * block_size * row + g * s.D;
         accumulate(o, values + lo * row, row, p.data() + blk * block_size - first + lo,
                    hi - lo, s.D);
       }
@@ -324,7 +374,10 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
                          at::IntArrayRef windows, at::ArrayRef<double> scales,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          double eps, const at::Tensor& final_norm) {
-  check_fp32(x, "x");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.is_contiguous() && x.device().is_cpu(),
+              "x must be a contiguous fp32 or bf16 CPU tensor");
+  const Round round{x.scalar_type() == at::kBFloat16};
   check_fp32(cos_cache, "cos_cache");
   check_fp32(sin_cache, "sin_cache");
   check_fp32(final_norm, "final_norm");
@@ -363,7 +416,9 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
   at::IntArrayRef cache_shape = L > 0 ? kv_caches[0].sizes() : at::IntArrayRef();
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor& cache = kv_caches[l];
-    check_fp32(cache, "a KV cache");
+    TORCH_CHECK(cache.scalar_type() == x.scalar_type() && cache.is_contiguous() &&
+                    cache.device().is_cpu(),
+                "a KV cache must be a contiguous CPU tensor of x's dtype");
     TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == s.H_kv &&
                     cache.size(4) == s.D && cache.sizes() == cache_shape,
                 "kv_caches[", l, "] must be [2, num_blocks, block_size, H_kv, D], as the "
@@ -386,9 +441,11 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
 
   const int64_t q_size = s.H * s.D, kv_size = s.H_kv * s.D, qkv_size = q_size + 2 * kv_size;
   const float feps = static_cast<float>(eps);
-  at::Tensor residual = x.clone();  // layer 0: the embeddings themselves
-  at::Tensor a = at::empty({T, hidden}, x.options());  // the normed input of a GEMM
-  at::Tensor attn = at::empty({T, q_size}, x.options());
+  // layer 0: the embeddings themselves (in fp32: a bf16 model's are exact there)
+  at::Tensor residual = round.bf16 ? x.to(at::kFloat) : x.clone();
+  const auto fp32 = x.options().dtype(at::kFloat);
+  at::Tensor a = at::empty({T, hidden}, fp32);  // the normed input of a GEMM
+  at::Tensor attn = at::empty({T, q_size}, fp32);
   at::Tensor h;  // a layer's output, added to the residual by the next norm
   float* res = residual.data_ptr<float>();
   float* ap = a.data_ptr<float>();
@@ -405,8 +462,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
       for (int64_t t = begin; t < end; ++t) {
         float* r = res + t * hidden;
         if (hp != nullptr)
-          for (int64_t i = 0; i < hidden; ++i) r[i] = hp[t * hidden + i] + r[i];
-        rms_norm(r, wp, ap + t * hidden, hidden, feps);
+          for (int64_t i = 0; i < hidden; ++i) r[i] = round(hp[t * hidden + i] + r[i]);
+        rms_norm(r, wp, ap + t * hidden, hidden, feps, round);
       }
     });
   };
@@ -418,7 +475,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
 
   for (int64_t l = 0; l < L; ++l) {
     add_norm(norms[l * kNorms], l == 0);
-    at::Tensor qkv = project(projection(l, 0), a, biases[l * kBiases]);
+    at::Tensor qkv = project(projection(l, 0), a, biases[l * kBiases], round);
     TORCH_CHECK(qkv.size(1) == qkv_size, "the qkv projection must have ", qkv_size, " outputs");
     float* qp = qkv.data_ptr<float>();
     const at::Tensor& q_norm = norms[l * kNorms + 2];
@@ -429,45 +486,58 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
       check_fp32(k_norm, "k_norm");
       TORCH_CHECK(q_norm.numel() == s.D && k_norm.numel() == s.D, "q/k norms must be [D]");
     }
-    float* kv = kv_caches[l].data_ptr<float>();
-    at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        float* row = qp + t * qkv_size;
-        for (int64_t head = 0; head < s.H + s.H_kv; ++head) {
-          float* v = row + head * s.D;
-          if (head_norms)  // before the rotation
-            rms_norm(v, (head < s.H ? q_norm : k_norm).data_ptr<float>(), v, s.D, feps);
-          rotate(v, cosp + pos[t] * R, sinp + pos[t] * R, R);
+    // Norms and rotation of q and k, the KV write, then attention; the cache's element
+    // type Elem is the model's (fp32 or bf16).
+    auto attention = [&](auto* kv) {
+      using Elem = std::remove_pointer_t<decltype(kv)>;
+      at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          float* row = qp + t * qkv_size;
+          for (int64_t head = 0; head < s.H + s.H_kv; ++head) {
+            float* v = row + head * s.D;
+            if (head_norms)  // before the rotation
+              rms_norm(v, (head < s.H ? q_norm : k_norm).data_ptr<float>(), v, s.D, feps, round);
+            rotate(v, cosp + pos[t] * R, sinp + pos[t] * R, R, round);
+          }
+          if (slots[t] >= 0) {  // negative: padding, written nowhere
+            Elem* k_dst = kv + slots[t] * kv_size;
+            Elem* v_dst = kv + (num_slots + slots[t]) * kv_size;
+            for (int64_t i = 0; i < kv_size; ++i) {  // (exact: the values are Elem's)
+              k_dst[i] = static_cast<Elem>(row[q_size + i]);
+              v_dst[i] = static_cast<Elem>(row[q_size + kv_size + i]);
+            }
+          }
         }
-        if (slots[t] >= 0) {  // negative: padding, written nowhere
-          std::memcpy(kv + slots[t] * kv_size, row + q_size, kv_size * sizeof(float));
-          std::memcpy(kv + (num_slots + slots[t]) * kv_size, row + q_size + kv_size,
-                      kv_size * sizeof(float));
-        }
-      }
-    });
-    attend(qp, qkv_size, kv, num_slots * kv_size, block_tables.data_ptr<int32_t>(),
-           block_tables.stride(0), lens, T, s, block_size, windows[l],
-           static_cast<float>(scales[l]), attn.data_ptr<float>());
-    h = project(projection(l, 1), attn, biases[l * kBiases + 1]);
+      });
+      attend(qp, qkv_size, static_cast<const Elem*>(kv), num_slots * kv_size,
+             block_tables.data_ptr<int32_t>(), block_tables.stride(0), lens, T, s,
+             block_size, windows[l], static_cast<float>(scales[l]), attn.data_ptr<float>(),
+             round);
+    };
+    if (round.bf16)
+      attention(kv_caches[l].data_ptr<at::BFloat16>());
+    else
+      attention(kv_caches[l].data_ptr<float>());
+    round.all(attn.data_ptr<float>(), T * q_size);
+    h = project(projection(l, 1), attn, biases[l * kBiases + 1], round);
 
     add_norm(norms[l * kNorms + 1], false);
-    at::Tensor gate_up = project(projection(l, 2), a, at::Tensor());
+    at::Tensor gate_up = project(projection(l, 2), a, at::Tensor(), round);
     const int64_t inter = gate_up.size(1) / 2;
-    at::Tensor act = at::empty({T, inter}, x.options());
+    at::Tensor act = at::empty({T, inter}, fp32);
     const float* gu = gate_up.data_ptr<float>();
     float* actp = act.data_ptr<float>();
     at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
         for (int64_t i = 0; i < inter; ++i) {
           const float g = gu[t * 2 * inter + i];
-          actp[t * inter + i] = g / (1.f + std::exp(-g)) * gu[t * 2 * inter + inter + i];
+          actp[t * inter + i] = round(round(g / (1.f + std::exp(-g))) * gu[t * 2 * inter + inter + i]);
         }
     });
-    h = project(projection(l, 3), act, at::Tensor());
+    h = project(projection(l, 3), act, at::Tensor(), round);
   }
   add_norm(final_norm, L == 0);
-  return a;
+  return round.bf16 ? a.to(at::kBFloat16) : a;
 }
 
 // x [M, K] fp32 @ w [N, K]^T -> [M, N]: a dense projection as the decode step runs it
@@ -476,7 +546,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
   check_fp32(x, "x");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D");
   const at::Tensor none;
-  return project(Projection{w, none, none, 0, 0, w.size(0)}, x, none);
+  return project(Projection{w, none, none, 0, 0, w.size(0)}, x, none, Round{false});
 }
 
 }  // namespace PAGELLM_NS

@@ -1,9 +1,10 @@
 // What pagellm's C++ CPU ops share across their files (kernels/cpu_ops.py builds them
-// into one library): the op namespace and the int kernel's entry point, which the fused
-// decode step (cpu_decode.cpp) calls for integer projections.
+// into one library): the op namespace and the int kernel's and the bf16 GEMV's entry
+// points, which the fused decode step (cpu_decode.cpp) calls for its projections.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 
 #include <cstdint>
 
@@ -22,5 +23,10 @@ namespace PAGELLM_NS {
 at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     const at::Tensor& zeros, int64_t bits, int64_t group_size,
                     int64_t out_features);
+
+// y [M, N] fp32 = x [M, K] @ w [N, K]^T, both bf16, summed in fp32 (cpu_bf16.cpp's GEMV,
+// on torch's thread pool); 1 <= M <= 4.
+void bf16_gemv(const c10::BFloat16* x, const c10::BFloat16* w, float* y, int64_t M, int64_t K,
+               int64_t N);
 
 }  // namespace PAGELLM_NS
