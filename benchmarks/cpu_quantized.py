@@ -14,8 +14,11 @@ machines are shared and noisy: the ratios are the claim).
 llama.cpp's batch-1 decode of the same GGUF file re-quantized by llama.cpp's own
 `llama_model_quantize` to F32, Q8_0 and Q4_0 (from the Q4_1 file, F32 holds exactly the
 weights pagellm runs), on as many threads as pagellm's engine uses (torch's default),
-greedy, the same prompt ids and token count; its Python API runs one sequence, so
-offline throughput has no llama.cpp column.
+greedy, the same prompt ids and token count; and its offline throughput on the same 48
+requests through llama.cpp's continuous batching as its server runs parallel slots
+(`measure_llama_cpp_batched`: one sequence per request in one context, every
+sequence's next token in one `llama_decode` per step, through llama-cpp-python's
+bindings of the C API; the package ships no `llama-server` binary).
 
 --unfused adds fp32, int8 and int4 with `PAGELLM_CPU_DECODE=0`: decode steps through the
 decoder's torch ops instead of the fused C++ step (executor/worker/cpu_decode.py), for
@@ -25,6 +28,7 @@ the before/after ratio of that step in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import shutil
@@ -125,6 +129,76 @@ def measure_llama_cpp(path: Path, decode_tokens: int, threads: int) -> dict[str,
     return {"batch1_tokens_per_s": decode_tokens / best}
 
 
+@functools.cache
+def _quiet_log() -> Any:
+    """A llama.cpp log callback that drops every message (cached: kept alive)."""
+    import llama_cpp
+
+    return llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+
+
+def measure_llama_cpp_batched(path: Path, requests: int, threads: int, new_tokens: int = 64
+                               ) -> dict[str, float]:
+    """llama.cpp's offline throughput on `measure`'s requests (the same prompt ids, 64
+    greedy tokens each), batched as llama-server batches its slots: the prompts in
+    chunks of n_batch tokens, then every sequence's next token in one llama_decode per
+    step. Output tokens/s over the whole run, prompts included, as `measure` counts."""
+    import llama_cpp
+    import numpy as np
+
+    llama_cpp.llama_log_set(_quiet_log(), None)  # (its loading log, to stderr)
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(),
+                                                 llama_cpp.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    prompts = workload(vocab, requests)
+    params = llama_cpp.llama_context_default_params()
+    params.n_seq_max = requests
+    params.n_ctx = requests * 512  # each sequence's share: 512 >= 256 + 64 tokens
+    params.n_batch, params.n_ubatch = 2048, 512  # llama-server's defaults
+    params.n_threads = params.n_threads_batch = threads
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (token, position, sequence, wants logits) entries."""
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, logits
+        batch.n_tokens = len(entries)
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def greedy(index: int) -> int:
+        logits = llama_cpp.llama_get_logits_ith(ctx, index)
+        return int(np.ctypeslib.as_array(logits, shape=(vocab,)).argmax())
+
+    try:
+        start = time.perf_counter()
+        entries = [(t, pos, seq, pos == len(p) - 1)
+                   for seq, p in enumerate(prompts) for pos, t in enumerate(p)]
+        last: list[int] = [0] * requests  # each sequence's newest token
+        for first in range(0, len(entries), params.n_batch):
+            chunk = entries[first:first + params.n_batch]
+            decode(chunk)
+            for i, (_, _, seq, logits) in enumerate(chunk):
+                if logits:
+                    last[seq] = greedy(i)
+        produced = requests  # the first new token of each came with its prompt
+        for step in range(new_tokens - 1):
+            decode([(last[seq], len(p) + step, seq, True) for seq, p in enumerate(prompts)])
+            last = [greedy(i) for i in range(requests)]
+            produced += requests
+        elapsed = time.perf_counter() - start
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+    return {"offline_output_tokens_per_s": produced / elapsed}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=str, default=None,
@@ -132,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--llama-cpp", action="store_true",
-                        help="llama.cpp's batch-1 decode beside (needs a GGUF model)")
+                        help="llama.cpp's batch-1 decode and offline throughput beside "
+                             "(needs a GGUF model)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: random weights of --model's config (a shape such as "
                              "benchmarks/configs/qwen2.5-0.5b; no llama.cpp peer)")
@@ -169,8 +244,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             options = {**options, "multiprocess": False} if args.smoke else options
             rounds[name].append(measure(model, options, decode_tokens, requests))
         for name, path in peers.items():
-            rounds[name].append(measure_llama_cpp(path, decode_tokens,
-                                                  torch.get_num_threads()))
+            threads = torch.get_num_threads()
+            rounds[name].append({**measure_llama_cpp(path, decode_tokens, threads),
+                                 **measure_llama_cpp_batched(path, requests, threads)})
     best = {name: {k: max(r[k] for r in runs) for k in runs[0]}
             for name, runs in rounds.items()}
     results = {"model": model, "rounds": rounds, "best": best,
