@@ -3,12 +3,12 @@ engine picks.
 
 With few rows of x a linear layer is bound by reading W once, so the figure of merit
 is GB/s of weights (with many rows it is FLOP/s: the GB/s then fall, and the ratios
-between the ways still rank them). `cpu_linear.linear` computes x W^T one of four ways
-(W @ x^T, oneDNN's linear on the plain weights, F.linear, oneDNN's on packed weights)
-and picks one by CPU vendor and features, dtype, rows and width (`cpu_linear.choose`);
-this sweep is where those rules come from. Each shape runs over enough distinct weight
-copies (~150 MB) that W comes from memory, as in a real model's step; the median of the
-repeats is reported. A star marks the fastest
+between the ways still rank them). `cpu_linear.linear` computes x W^T one of five ways
+(W @ x^T, oneDNN's linear on the plain weights, F.linear, oneDNN's on packed weights,
+pagellm's bf16 GEMV for up to 4 rows) and picks one by CPU vendor and features, dtype,
+rows and width (`cpu_linear.choose`); this sweep is where those rules come from. Each
+shape runs over enough distinct weight copies (~150 MB) that W comes from memory, as in
+a real model's step; the median of the repeats is reported. A star marks the fastest
 way, a caret the engine's choice on this machine.
 
     python benchmarks/small_gemm.py
@@ -60,7 +60,7 @@ def _median_s(fn: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Te
 def _computes(way: Way, dtype: torch.dtype) -> bool:
     """Whether `way` computes `dtype` on this CPU: oneDNN's bf16 inner product on plain
     weights needs AVX-512 (on an AVX2 CPU it cannot make the primitive at all; the
-    engine never takes that way for bf16: `choose`)."""
+    engine never takes that way for bf16: `choose`); the GEMV takes bf16 only."""
     try:
         gemm(way, torch.ones(2, 16, dtype=dtype), torch.ones(8, 16, dtype=dtype))
     except RuntimeError:
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {ns.dtype}, {torch.get_num_threads()} threads, "
           f"{THIS_CPU}; weights read, GB/s: "
           f"{' / '.join(w.value for w in ways)} (* fastest, ^ the engine's choice)"
-          + "".join(f"; {w.value}: not on this CPU" for w in Way if w not in ways))
+          + "".join(f"; {w.value}: not for {ns.dtype} here" for w in Way if w not in ways))
     cell = 9 * len(ways) - 2  # characters of one row count's column
     print("out x in      " + "  ".join(f"{f'{m} row' + ('s' if m > 1 else ''):{cell}}"
                                        for m in ns.rows))
@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
             cells = []
             for rows in ns.rows:
                 x = torch.randn(rows, in_features, dtype=dtype)  # [M, in]
+                if Way.GEMV in ways and rows > 4:
+                    raise SystemExit("the bf16 GEMV takes up to 4 rows: --rows 1 2 3 4")
                 # Each must compute x W^T (to the rounding of sums of `in` products)
                 # before its speed means anything.
                 want = (x.double() @ weights[0].double().t()).to(dtype)
