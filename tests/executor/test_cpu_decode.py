@@ -258,6 +258,34 @@ def test_the_tensors_are_kept_until_forget():
     assert not torch.allclose(expected, before, atol=1e-3)
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_an_in_place_write_to_a_norm_or_bias_is_seen_at_once(dtype):
+    """A trainer's in-process `load_weights` writes parameters in place and nobody calls
+    `forget`: the step reads norms and biases where the model keeps them (in bf16 too,
+    not fp32 copies of them that would go stale)."""
+    model = _model(SPECS["qwen2"], None, dtype)
+    fused = CpuDecodeStep(model, cpu_ops.load())
+    backend = TorchAttention(BLOCK)
+    meta = _meta(torch.tensor([[0, 1]], dtype=torch.int32), [1], [1], torch.tensor([0]),
+                 backend)
+    ids, positions = torch.tensor([5]), torch.tensor([0])
+
+    def caches() -> list[torch.Tensor]:
+        return [torch.zeros(2, 8, BLOCK, 1, 16, dtype=dtype) for _ in range(2)]
+
+    before = fused(ids, positions, meta, caches())
+    layer = model.model.layers[1]
+    layer.post_attention_layernorm.weight.mul_(-1.5)
+    layer.self_attn.qkv_proj.bias.add_(0.5)
+    model.model.norm.weight.mul_(0.5)
+    got = fused(ids, positions, meta, caches())
+    expected = model(ids, positions, meta, caches())
+    assert not torch.allclose(got.float(), before.float(), atol=0.1)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7 * float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=0, atol=tolerance)
+
+
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("shape", [(576, 64 * 9), (37, 50), (5, 16), (130, 200)])

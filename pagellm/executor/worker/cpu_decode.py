@@ -14,7 +14,7 @@ prompt chunks), for models it computes exactly as the torch path does: the decod
 family (Llama, Mistral, Qwen2/2.5/3, Phi-3) in fp32 with an fp32 KV cache (dense fp32
 or the CPU int kernel's int4 / int8 projections), or in bf16 with a bf16 KV cache
 (dense bf16 projections: the C++ rounds to bf16 wherever the torch path holds a bf16
-tensor, and its norms and biases are fp32 copies, made with the operand lists), without
+tensor), without
 tensor parallelism, LoRA,
 mixture-of-experts layers, OLMoE's q/k clipping and norms or soft-capping (Gemma's own
 classes). A dense projection is a GEMV for up to `DENSE_ROWS` tokens; above that the
@@ -56,9 +56,7 @@ DENSE_ROWS = 4  # tokens up to which dense projections run as the C++ GEMV (cpu_
 _NONE = torch.empty(0)  # an absent bias or q/k norm
 # weights, linear_meta, norms, biases: decode_layers' per-layer lists
 Projection = Linear | RowParallelLinear
-# (and the final norm's weight)
-_Operands = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[torch.Tensor],
-                  torch.Tensor]
+_Operands = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[torch.Tensor]]
 DTYPES = (torch.float32, torch.bfloat16)  # a model's and its KV cache's, alike
 
 
@@ -155,13 +153,11 @@ class CpuDecodeStep:
                 else:
                     weights += (proj.weight, _NONE, _NONE)
                     meta += (0, 0, proj.weight.shape[0])
-            norms += (layer.input_layernorm.weight.float(),
-                      layer.post_attention_layernorm.weight.float(),
-                      _NONE if attn.q_norm is None else attn.q_norm.weight.float(),
-                      _NONE if attn.k_norm is None else attn.k_norm.weight.float())
+            norms += (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                      _NONE if attn.q_norm is None else attn.q_norm.weight,
+                      _NONE if attn.k_norm is None else attn.k_norm.weight)
             biases += (_bias(attn.qkv_proj), _bias(attn.o_proj))
-        # (.float(): the tensor itself in an fp32 model, an fp32 copy in a bf16 one)
-        return weights, meta, norms, biases, self.model.model.norm.weight.float()
+        return weights, meta, norms, biases
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -172,16 +168,16 @@ class CpuDecodeStep:
         rope = decoder.rotary_emb
         if self._operands is None:
             self._operands = self.operands()
-        weights, linear_meta, norms, biases, final_norm = self._operands
+        weights, linear_meta, norms, biases = self._operands
         num_heads, num_kv_heads, head_dim = self.heads
         hidden: torch.Tensor = self.ops.decode_layers(
             x, positions, rope.cos_cache, rope.sin_cache, meta.slot_mapping,
             meta.block_tables, meta.seq_lens, weights, linear_meta, norms, biases,
             kv_caches[:len(self.windows)],  # (a draft model's layers follow the model's)
             self.windows, self.scales, num_heads, num_kv_heads, head_dim,
-            self.model.spec.rms_norm_eps, final_norm)
+            self.model.spec.rms_norm_eps, decoder.norm.weight)
         return hidden
 
 
 def _bias(proj: Projection) -> torch.Tensor:
-    return _NONE if proj.bias is None else proj.bias.float()
+    return _NONE if proj.bias is None else proj.bias

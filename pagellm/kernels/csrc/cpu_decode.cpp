@@ -21,8 +21,8 @@
 // and rms(h + residual) * w_final at the end. Projections are dense fp32 (a GEMV for up
 // to 4 rows, else at::linear) or the int kernel's tiled int4/int8 (int_gemm).
 //
-// A bf16 model (x, the weights and the KV cache in bf16; norms, biases and the RoPE
-// tables as fp32 copies) runs the same code in fp32 with every value rounded to bf16
+// A bf16 model (x, the weights, norms, biases and the KV cache in bf16; the RoPE tables
+// in fp32) runs the same code in fp32 with every value rounded to bf16
 // where the torch path holds a bf16 tensor (`Round`): the residual sum, the norm before
 // and after its weight, each projection's output and its bias sum, the rotation's two
 // products and their sum, the attention's output, SiLU and its product. Its dense
@@ -81,6 +81,17 @@ struct Round {
   void all(float* p, int64_t n) const {
     if (bf16)
       for (int64_t i = 0; i < n; ++i) p[i] = to_bf16(p[i]);
+  }
+};
+
+// A norm's weight or a bias as the model holds it (fp32 or bf16: read in place, so that
+// a write to the parameter, a trainer's in-process load_weights, is seen at once).
+struct Param {
+  const void* data;
+  bool is_bf16;
+  float operator[](int64_t i) const {
+    return is_bf16 ? widen(static_cast<const bf16*>(data)[i])
+                   : static_cast<const float*>(data)[i];
   }
 };
 
@@ -222,8 +233,14 @@ struct Projection {
   int64_t bits, group_size, out_features;
 };
 
-// x [M, K] fp32 contiguous -> x @ W^T (+ bias) [M, N] fp32, rounded as the model's
-// dtype rounds (a bf16 model: the product, then its sum with the bias).
+Param param(const at::Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.device().is_cpu(), name,
+              " must be a contiguous CPU tensor of the model's dtype");
+  return Param{t.data_ptr(), dtype == at::kBFloat16};
+}
+
+// x [M, K] fp32 contiguous -> x @ W^T (+ bias, in the model's dtype) [M, N] fp32, rounded
+// as the model's dtype rounds (a bf16 model: the product, then its sum with the bias).
 at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& bias,
                    const Round& round) {
   const int64_t M = x.size(0), K = x.size(1), N = p.out_features;
@@ -268,9 +285,8 @@ at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& b
   float* yp = y.data_ptr<float>();
   round.all(yp, M * N);
   if (bias.defined() && bias.numel() != 0) {
-    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N,
-                "a bias must be a contiguous fp32 [", N, "] tensor");
-    const float* b = bias.data_ptr<float>();
+    TORCH_CHECK(bias.numel() == N, "a bias must have ", N, " elements");
+    const Param b = param(bias, round.bf16 ? at::kBFloat16 : at::kFloat, "a bias");
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) yp[m * N + n] = round(yp[m * N + n] + b[n]);
   }
@@ -279,7 +295,7 @@ at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& b
 
 // out = w * (v * rsqrt(mean(v^2) + eps)) for one vector v of n: RMSNorm.reference's
 // order of operations (the weight multiplies last).
-void rms_norm(const float* v, const float* w, float* out, int64_t n, float eps,
+void rms_norm(const float* v, const Param& w, float* out, int64_t n, float eps,
               const Round& round) {
   const float r = 1.f / std::sqrt(dot(v, v, n) / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = round(w[i] * round(v[i] * r));
@@ -380,7 +396,6 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
   const Round round{x.scalar_type() == at::kBFloat16};
   check_fp32(cos_cache, "cos_cache");
   check_fp32(sin_cache, "sin_cache");
-  check_fp32(final_norm, "final_norm");
   const int64_t T = x.size(0), hidden = x.size(1), L = static_cast<int64_t>(kv_caches.size());
   const Heads s{num_heads, num_kv_heads, head_dim};
   TORCH_CHECK(x.dim() == 2 && final_norm.numel() == hidden, "x must be [T, hidden]");
@@ -454,9 +469,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
 
   // residual (+= h unless first) -> a = rms(residual) * w, row by row
   auto add_norm = [&](const at::Tensor& w, bool first) {
-    check_fp32(w, "a norm's weight");
     TORCH_CHECK(w.numel() == hidden, "a norm's weight must be [hidden]");
-    const float* wp = w.data_ptr<float>();
+    const Param wp = param(w, x.scalar_type(), "a norm's weight");
     const float* hp = first ? nullptr : h.data_ptr<float>();
     at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
@@ -482,8 +496,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     const at::Tensor& k_norm = norms[l * kNorms + 3];
     const bool head_norms = q_norm.numel() != 0;  // per-head RMSNorm of q and k (Qwen3)
     if (head_norms) {
-      check_fp32(q_norm, "q_norm");
-      check_fp32(k_norm, "k_norm");
+      param(q_norm, x.scalar_type(), "q_norm");
+      param(k_norm, x.scalar_type(), "k_norm");
       TORCH_CHECK(q_norm.numel() == s.D && k_norm.numel() == s.D, "q/k norms must be [D]");
     }
     // Norms and rotation of q and k, the KV write, then attention; the cache's element
@@ -496,7 +510,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
           for (int64_t head = 0; head < s.H + s.H_kv; ++head) {
             float* v = row + head * s.D;
             if (head_norms)  // before the rotation
-              rms_norm(v, (head < s.H ? q_norm : k_norm).data_ptr<float>(), v, s.D, feps, round);
+              rms_norm(v, Param{(head < s.H ? q_norm : k_norm).data_ptr(), round.bf16}, v,
+                       s.D, feps, round);
             rotate(v, cosp + pos[t] * R, sinp + pos[t] * R, R, round);
           }
           if (slots[t] >= 0) {  // negative: padding, written nowhere
