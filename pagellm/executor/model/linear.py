@@ -147,14 +147,15 @@ class Cpu:
 
     intel_mkl: bool  # MKL's own kernels, as torch links it: only on Intel CPUs
     amx_bf16: bool  # AMX tiles for bf16, and oneDNN's packed weights here
-    avx512: bool = "avx512f" in _cpuinfo("flags").split()  # the bf16 GEMV's vectors
+    avx512: bool  # the bf16 GEMV's vectors
 
 
 ONEDNN_LINEAR = _onednn_linear()
 REORDER_WEIGHT = _reorder_weight()
 THIS_CPU = Cpu(
     intel_mkl=torch.backends.mkl.is_available() and _cpuinfo("vendor_id") == "GenuineIntel",
-    amx_bf16=REORDER_WEIGHT is not None and "amx_bf16" in _cpuinfo("flags").split())
+    amx_bf16=REORDER_WEIGHT is not None and "amx_bf16" in _cpuinfo("flags").split(),
+    avx512="avx512f" in _cpuinfo("flags").split())
 
 
 class PackedWeights:

@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__) && !defined(PAGELLM_PORTABLE)
@@ -43,13 +42,6 @@ using bf16 = c10::BFloat16;
 constexpr int64_t kMaxRows = 4;  // rows of x this GEMV takes (more: a GEMM's job)
 constexpr int64_t kStep = 32;  // bf16 weights per load (one 512-bit register)
 constexpr int64_t kPrefetch = 2048;  // how far ahead (weights: 4 KB) one row's stream prefetches
-
-inline float widen(bf16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 #if PAGELLM_AVX512
 // 32 bf16 (masked) as two vectors of 16 fp32: elements 0-15 and 16-31.
@@ -122,7 +114,8 @@ void gemv(const bf16* x, const bf16* w, float* y, int64_t K, int64_t N, int64_t 
   for (; n < n1; ++n)
     for (int r = 0; r < ROWS; ++r) {
       float sum = 0.f;
-      for (int64_t k = 0; k < K; ++k) sum += widen(x[r * K + k]) * widen(w[n * K + k]);
+      for (int64_t k = 0; k < K; ++k)
+        sum += static_cast<float>(x[r * K + k]) * static_cast<float>(w[n * K + k]);
       y[r * N + n] = sum;
     }
 }
@@ -133,16 +126,7 @@ namespace PAGELLM_NS {
 
 void bf16_gemv(const bf16* x, const bf16* w, float* y, int64_t M, int64_t K, int64_t N) {
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "bf16_linear takes 1 to ", kMaxRows, " rows, got ", M);
-  // Units of 4 rows of w (the GEMV's step); 64 rows of w per task at least.
-  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-    const int64_t n0 = begin * 4, n1 = std::min(N, end * 4);
-    switch (M) {
-      case 1: gemv<1>(x, w, y, K, N, n0, n1); break;
-      case 2: gemv<2>(x, w, y, K, N, n0, n1); break;
-      case 3: gemv<3>(x, w, y, K, N, n0, n1); break;
-      default: gemv<4>(x, w, y, K, N, n0, n1); break;
-    }
-  });
+  split_rows(M, N, [&]<int ROWS>(int64_t n0, int64_t n1) { gemv<ROWS>(x, w, y, K, N, n0, n1); });
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) {

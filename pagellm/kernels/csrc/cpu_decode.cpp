@@ -25,7 +25,8 @@
 // in fp32) runs the same code in fp32 with every value rounded to bf16
 // where the torch path holds a bf16 tensor (`Round`): the residual sum, the norm before
 // and after its weight, each projection's output and its bias sum, the rotation's two
-// products and their sum, the attention's output, SiLU and its product. Its dense
+// products and their sum, the attention's weights (SDPA's bf16 P) and output, SiLU and
+// its product. Its dense
 // projections are cpu_bf16.cpp's GEMV (fp32 sums, rounded once, as torch's).
 
 #include "cpu_ops.h"
@@ -251,13 +252,14 @@ at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& b
     TORCH_CHECK(p.weight.dim() == 2 && p.weight.is_contiguous() && p.weight.size(0) == N &&
                     p.weight.size(1) == K,
                 "a dense bf16 projection must be a contiguous [", N, ", ", K, "] weight");
-    const at::Tensor xb = x.to(at::kBFloat16);  // exact: x holds bf16 values
     if (M > kGemvRows) {
-      y = at::linear(xb, p.weight).to(at::kFloat);
-    } else {
+      y = at::linear(x.to(at::kBFloat16), p.weight).to(at::kFloat);
+    } else {  // (x to bf16 here, not through a torch op: 120 of them a token at batch 1)
+      const float* xp = x.data_ptr<float>();
+      std::vector<bf16> xb(xp, xp + M * K);  // exact: x holds bf16 values
       y = at::empty({M, N}, x.options());
-      PAGELLM_NS::bf16_gemv(xb.data_ptr<at::BFloat16>(), p.weight.data_ptr<at::BFloat16>(),
-                            y.data_ptr<float>(), M, K, N);
+      PAGELLM_NS::bf16_gemv(xb.data(), p.weight.data_ptr<at::BFloat16>(), y.data_ptr<float>(),
+                            M, K, N);
     }
   } else {
     TORCH_CHECK(p.weight.dim() == 2 && p.weight.scalar_type() == at::kFloat &&
@@ -270,15 +272,8 @@ at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& b
       const float* xp = x.data_ptr<float>();
       const float* wp = p.weight.data_ptr<float>();
       float* yp = y.data_ptr<float>();
-      // Units of 4 rows of w (the GEMV's step); 64 rows of w per task at least.
-      at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-        const int64_t n0 = begin * 4, n1 = std::min(N, end * 4);
-        switch (M) {
-          case 1: gemv<1>(xp, wp, yp, K, N, n0, n1); break;
-          case 2: gemv<2>(xp, wp, yp, K, N, n0, n1); break;
-          case 3: gemv<3>(xp, wp, yp, K, N, n0, n1); break;
-          default: gemv<4>(xp, wp, yp, K, N, n0, n1); break;
-        }
+      PAGELLM_NS::split_rows(M, N, [&]<int ROWS>(int64_t n0, int64_t n1) {
+        gemv<ROWS>(xp, wp, yp, K, N, n0, n1);
       });
     }
   }

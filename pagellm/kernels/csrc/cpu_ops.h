@@ -3,9 +3,11 @@
 // points, which the fused decode step (cpu_decode.cpp) calls for its projections.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 // torch.ops.<PAGELLM_NS>: pagellm_cpu, or pagellm_cpu_portable for the plain-loop build
@@ -28,5 +30,21 @@ at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 // on torch's thread pool); 1 <= M <= 4.
 void bf16_gemv(const c10::BFloat16* x, const c10::BFloat16* w, float* y, int64_t M, int64_t K,
                int64_t N);
+
+// A GEMV of M (1-4) rows of x against the N rows of w, on torch's thread pool: each task
+// calls gemv.template operator()<M>(n0, n1) for its rows n0 <= n < n1 of w, in units of
+// 4 (the GEMVs' step) and 64 rows at least.
+template <typename Gemv>
+void split_rows(int64_t M, int64_t N, const Gemv& gemv) {
+  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * 4, n1 = std::min(N, end * 4);
+    switch (M) {
+      case 1: gemv.template operator()<1>(n0, n1); break;
+      case 2: gemv.template operator()<2>(n0, n1); break;
+      case 3: gemv.template operator()<3>(n0, n1); break;
+      default: gemv.template operator()<4>(n0, n1); break;
+    }
+  });
+}
 
 }  // namespace PAGELLM_NS
