@@ -4,7 +4,9 @@ extension builder and loaded as `torch.ops.pagellm_cpu`:
 - `int_gemm`: the weight-only int4 / int8 GEMM (cpu_int_gemm.py, csrc/cpu_int_gemm.cpp);
 - `decode_layers`: a decode step's decoder layers in one call (executor/worker/cpu_decode.py,
   csrc/cpu_decode.cpp), which runs its integer projections through `int_gemm`;
-- `bf16_linear`: a bf16 GEMV for up to 4 rows (executor/model/linear.py, csrc/cpu_bf16.cpp).
+- `bf16_linear`: a bf16 GEMV for up to 4 rows (executor/model/linear.py, csrc/cpu_bf16.cpp);
+- `paged_decode_attention`: one-token queries over their paged keys and values, in place
+  (executor/model/attention.py, csrc/cpu_attention.cpp); `decode_layers` runs it too.
 
 Why compiled here and not shipped built: they are compiled with -march=native, for the
 instructions of the CPU they run on (AVX-512 VNNI's int8 dot products above all). The
@@ -25,7 +27,8 @@ from typing import Any
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_int_gemm.cpp", CSRC / "cpu_decode.cpp", CSRC / "cpu_bf16.cpp")
+SOURCES = (CSRC / "cpu_int_gemm.cpp", CSRC / "cpu_decode.cpp", CSRC / "cpu_bf16.cpp",
+           CSRC / "cpu_attention.cpp")
 HEADERS = (CSRC / "cpu_ops.h",)
 
 

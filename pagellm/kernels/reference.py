@@ -152,14 +152,16 @@ class AttentionPlan:
 
 def plan_attention(block_tables: torch.Tensor, query_start_loc: Sequence[int] | np.ndarray,
                    seq_lens: Sequence[int] | np.ndarray, block_size: int,
-                   scratch: GatherScratch | None = None, sliding_window: int | None = None
-                   ) -> AttentionPlan:
+                   scratch: GatherScratch | None = None, sliding_window: int | None = None,
+                   plan_decodes: bool = True) -> AttentionPlan:
     """block_tables: [num_reqs(+), max_blocks] int32; query_start_loc [num_reqs + 1],
     seq_lens [num_reqs]: host ints as in `paged_attention` (int64 arrays pass
     uncopied). The index work runs in numpy on the host (a few small arrays per step:
     torch's per-op overhead would cost more than the work). With a `sliding_window`
     each request's gathers start at the block holding its first query's first key (see
-    the module docstring): a long context costs window-sized work."""
+    the module docstring): a long context costs window-sized work. `plan_decodes=False`
+    plans the longer queries only: the caller attends the one-token ones itself (the
+    CPU's C++ decode attention, executor/model/attention.py)."""
     num_reqs = len(seq_lens)
     assert len(query_start_loc) == num_reqs + 1
     assert block_tables.dim() == 2 and block_tables.shape[0] >= num_reqs
@@ -187,7 +189,7 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: Sequence[int] | 
     to = torch.from_numpy if device.type == "cpu" else (
         lambda array: torch.from_numpy(array).to(device))
     owned = (decode_lens + (block_size - 1)) // block_size  # [D] blocks of their own
-    if not len(owned):
+    if not len(owned) or not plan_decodes:
         return AttentionPlan([], prefills, scratch or GatherScratch(), window)
     first: np.ndarray | None = None
     lo: np.ndarray | None = None

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagellm.executor.model import linear as cpu_linear
 from pagellm.executor.model.attention import AttentionMetadata, TorchAttention
 from pagellm.executor.model.decoder import DecoderForCausalLM
 from pagellm.executor.model.quantize import quantize_projections
@@ -92,7 +93,7 @@ def _decode_both_ways(spec: DecoderSpec, quantization: str | None, prompt_lens: 
     `fused` False the first two are None (the torch path's alone)."""
     model = _model(spec, quantization, dtype, bf16_weights)
     backend = TorchAttention(BLOCK)
-    num_blocks = 64
+    num_blocks = 128
     caches = [torch.zeros(2, num_blocks, BLOCK, spec.num_kv_heads, spec.head_dim, dtype=dtype)
               for _ in range(spec.num_layers)]
     # Each request's blocks scattered over the cache, in no order.
@@ -124,21 +125,34 @@ def _decode_both_ways(spec: DecoderSpec, quantization: str | None, prompt_lens: 
     return got, expected, caches, torch_caches
 
 
+# Contexts of 2, 10 and 41 keys (the softmax's vector exp runs 16 keys at a time, then
+# the rest one by one); 7 requests: more than the GEMV's rows (oneDNN's GEMM, at::linear).
+BATCHES = {"gemv": [1, 9, 40], "gemm": [1, 9, 40, 3, 17, 5, 22]}
+
+
+@pytest.fixture
+def no_amx(monkeypatch):
+    """bf16 steps above the GEMV's rows are the fused step's on CPUs without AMX only."""
+    monkeypatch.setattr(cpu_linear, "THIS_CPU",
+                        dataclasses.replace(cpu_linear.THIS_CPU, amx_bf16=False))
+
+
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 @pytest.mark.parametrize("name", SPECS)
-def test_a_dense_decode_step_equals_the_torch_path(name, portable):
-    """fp32 throughout: equal up to the order of the sums (1e-5). Contexts of 2, 10 and
-    41 keys: the softmax's vector exp runs 16 keys at a time, then the rest one by one."""
-    got, expected, caches, torch_caches = _decode_both_ways(SPECS[name], None, [1, 9, 40],
-                                                            portable)
+def test_a_dense_decode_step_equals_the_torch_path(name, portable, batch):
+    """fp32 throughout: equal up to the order of the sums (1e-5)."""
+    got, expected, caches, torch_caches = _decode_both_ways(SPECS[name], None,
+                                                            BATCHES[batch], portable)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     for mine, theirs in zip(caches, torch_caches, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 @pytest.mark.parametrize("name", SPECS)
-def test_a_bf16_decode_step_rounds_where_the_torch_path_does(name, portable):
+def test_a_bf16_decode_step_rounds_where_the_torch_path_does(name, portable, batch, no_amx):
     """bf16: the torch path rounds to bf16 after each op; the fused step rounds at the
     same points, so its answer is the torch path's, but for roundings that tip where
     the two sum in another order or take another exp (SDPA's own, in the attention's
@@ -149,10 +163,10 @@ def test_a_bf16_decode_step_rounds_where_the_torch_path_does(name, portable):
     from the torch path as 19-64% of the exact one's distance."""
     spec = dataclasses.replace(SPECS[name], num_layers=1,
                                layer_windows=SPECS[name].layer_windows[:1])
-    got, expected, caches, torch_caches = _decode_both_ways(spec, None, [1, 9, 40], portable,
-                                                            torch.bfloat16)
+    got, expected, caches, torch_caches = _decode_both_ways(spec, None, BATCHES[batch],
+                                                            portable, torch.bfloat16)
     assert got.dtype == torch.bfloat16
-    _, exact, _, _ = _decode_both_ways(spec, None, [1, 9, 40], fused=False,
+    _, exact, _, _ = _decode_both_ways(spec, None, BATCHES[batch], fused=False,
                                        bf16_weights=True)
     assert (got == expected).double().mean() > 0.65
     ours = (got.double() - expected.double()).abs()
@@ -190,11 +204,17 @@ def test_a_window_hides_the_keys_before_it():
     assert not torch.allclose(got, unwindowed, rtol=1e-3, atol=1e-3)
 
 
-def test_dense_batches_above_the_gemv_go_to_the_torch_path():
+def test_it_takes_decode_steps_of_any_batch_but_bf16_above_the_gemv_with_amx(monkeypatch):
     fused = CpuDecodeStep(_model(LLAMA, None), cpu_ops.load())
-    assert fused.takes(DENSE_ROWS, 1) and not fused.takes(DENSE_ROWS + 1, 1)
+    assert fused.takes(1, 1) and fused.takes(64, 1)
     assert not fused.takes(3, 2)  # a prefill chunk in the step
     assert CpuDecodeStep(_model(LLAMA, "int4"), cpu_ops.load()).takes(64, 1)
+    for amx in (False, True):
+        monkeypatch.setattr(cpu_linear, "THIS_CPU",
+                            dataclasses.replace(cpu_linear.THIS_CPU, amx_bf16=amx))
+        bf16 = CpuDecodeStep(_model(LLAMA, None, torch.bfloat16), cpu_ops.load())
+        assert bf16.takes(DENSE_ROWS, 1)
+        assert bf16.takes(DENSE_ROWS + 1, 1) is not amx
 
 
 def test_what_it_does_not_compute_takes_the_torch_path(monkeypatch):

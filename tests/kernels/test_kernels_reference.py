@@ -1,19 +1,24 @@
-"""kernels.reference against naive computations written here.
-
-The paged cache is filled by hand (not with write_kv_cache) through shuffled,
-non-contiguous block tables, and every slot no request owns holds NaN: a kernel that
-reads one of them cannot give a finite, correct answer.
-"""
+"""kernels.reference against naive computations (here and in
+tests/support/attention_batches.py, whose batches fill the paged cache by hand, every
+slot no request owns holding NaN: a kernel that reads one of them cannot give a finite,
+correct answer)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
+from attention_batches import (
+    NUM_KV_HEADS,
+    TOLERANCES,
+    Batch,
+    make_batch,
+    naive_attention,
+    request_shapes,
+)
 
 from pagellm.executor.model.attention import AttentionMetadata, TorchAttention
 from pagellm.kernels import reference
@@ -28,7 +33,6 @@ from pagellm.kernels.reference import (
 # Our code and torch alone: the floors leg skips it (.ci/run).
 pytestmark = pytest.mark.own_code
 
-NUM_KV_HEADS = 2
 SENTINEL = -7.25  # exactly representable in every dtype tested
 
 
@@ -108,103 +112,7 @@ def test_write_kv_cache_keys_and_values_go_to_their_own_halves() -> None:
 # --------------------------------------------------------------------------- paged_attention
 
 
-@dataclass
-class _Batch:
-    query: torch.Tensor  # [T, H, D]
-    kv_cache: torch.Tensor  # [2, num_blocks, block_size, H_kv, D]
-    block_tables: torch.Tensor  # [R, max_blocks] int32
-    query_start_loc: list[int]
-    seq_lens: list[int]
-    keys: list[torch.Tensor]  # per request [seq_len, H_kv, D], as stored (cache dtype)
-    values: list[torch.Tensor]
-
-
-def _request_shapes(block_size: int) -> list[tuple[int, int]]:
-    """(q_len, seq_len) per request: one mixed step, decodes interleaved with prefills."""
-    bs = block_size
-    return [
-        (1, 2 * bs + 3),  # decode, context crossing two block boundaries
-        (bs + 5, bs + 5),  # full prompt crossing a block boundary
-        (1, bs),  # decode, context exactly one block
-        (10, bs + 7),  # later chunk of a prompt whose rows cross a block boundary
-        (1, 1),  # single-token prompt
-        (2 * bs, 2 * bs),  # full prompt, exactly two blocks
-        (5, 2 * bs),  # later chunk ending exactly on a block boundary
-        (1, 3 * bs + 1),  # decode, first token of a new block
-        (3, 3),  # short full prompt inside one block
-    ]
-
-
-def _make_batch(num_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                seed: int, fill: float = float("nan")) -> _Batch:
-    gen = torch.Generator().manual_seed(seed)
-    shapes = _request_shapes(block_size)
-    blocks_needed = [math.ceil(seq_len / block_size) for _, seq_len in shapes]
-    num_blocks = sum(blocks_needed) + 5  # a few blocks nobody owns
-    # Unused slots are NaN by default: reading one would poison the output.
-    kv_cache = torch.full((2, num_blocks, block_size, NUM_KV_HEADS, head_dim), fill,
-                          dtype=dtype)
-    order = torch.randperm(num_blocks, generator=gen).tolist()  # shuffled block ids
-    max_blocks = max(blocks_needed) + 2
-    block_tables = torch.empty(len(shapes), max_blocks, dtype=torch.int32)
-    keys, values, queries, query_start_loc, seq_lens = [], [], [], [0], []
-    for i, ((q_len, seq_len), n) in enumerate(zip(shapes, blocks_needed, strict=True)):
-        own, order = order[:n], order[n:]
-        # Padding beyond the request's blocks: arbitrary ids (other requests', NaN blocks).
-        pad = torch.randint(0, num_blocks, (max_blocks - n,), generator=gen).tolist()
-        block_tables[i] = torch.tensor(own + pad, dtype=torch.int32)
-        k = torch.randn(seq_len, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
-        v = torch.randn(seq_len, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
-        pos = torch.arange(seq_len)  # scatter by hand through the block table
-        blocks = torch.tensor(own)[pos // block_size]
-        kv_cache[0, blocks, pos % block_size] = k
-        kv_cache[1, blocks, pos % block_size] = v
-        keys.append(k)
-        values.append(v)
-        queries.append(torch.randn(q_len, num_heads, head_dim, generator=gen).to(dtype))
-        query_start_loc.append(query_start_loc[-1] + q_len)
-        seq_lens.append(seq_len)
-    return _Batch(torch.cat(queries), kv_cache, block_tables, query_start_loc, seq_lens,
-                  keys, values)
-
-
-def _naive_attention(batch: _Batch, scale: float, sliding_window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale + causal mask) v in float64, one request and head at a time.
-
-    Query row i of a request with q_len rows and context seq_len sits at position
-    p = seq_len - q_len + i and sees positions 0..p, or under a sliding window W only
-    p - W < j <= p (transformers' sliding_window_overlay). Soft-capping as transformers'
-    eager attention: scores s -> softcap * tanh(s / softcap), then the mask.
-    """
-    num_tokens, num_heads, head_dim = batch.query.shape
-    group = num_heads // batch.keys[0].shape[1]
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float64)
-    for r, seq_len in enumerate(batch.seq_lens):
-        start, end = batch.query_start_loc[r], batch.query_start_loc[r + 1]
-        q_len = end - start
-        q = batch.query[start:end].cpu().double()  # the test on CUDA moves the query
-        k, v = batch.keys[r].double(), batch.values[r].double()
-        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        k_pos = torch.arange(seq_len)[None, :]
-        masked = k_pos > q_pos  # [q_len, seq_len]
-        if sliding_window is not None:
-            masked |= k_pos <= q_pos - sliding_window
-        for h in range(num_heads):
-            kv_head = h // group
-            scores = q[:, h] @ k[:, kv_head].T * scale
-            if softcap is not None:
-                scores = softcap * torch.tanh(scores / softcap)
-            scores = scores.masked_fill(masked, float("-inf"))
-            out[start:end, h] = scores.softmax(dim=-1) @ v[:, kv_head]
-    return out
-
-
-TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3),
-              torch.bfloat16: (1.6e-2, 2e-2)}  # (rtol, atol): fp16/bf16 output rounding
-
-
-def _check_against_naive(batch: _Batch, block_size: int, dtype: torch.dtype,
+def _check_against_naive(batch: Batch, block_size: int, dtype: torch.dtype,
                          sliding_window: int | None = None, softcap: float | None = None
                          ) -> None:
     scale = batch.query.shape[-1] ** -0.5
@@ -215,16 +123,16 @@ def _check_against_naive(batch: _Batch, block_size: int, dtype: torch.dtype,
 
     assert out.dtype == dtype
     assert out.shape == batch.query.shape
-    expected = _naive_attention(batch, scale, sliding_window, softcap)
+    expected = naive_attention(batch, scale, sliding_window, softcap)
     rtol, atol = TOLERANCES[dtype]
     for r in range(len(batch.seq_lens)):  # per request, so a failure names the case
         start, end = batch.query_start_loc[r], batch.query_start_loc[r + 1]
         assert bool(torch.isfinite(out[start:end]).all()), \
-            f"request {r} {_request_shapes(block_size)[r]} read an unwritten (NaN) slot"
+            f"request {r} {request_shapes(block_size)[r]} read an unwritten (NaN) slot"
         torch.testing.assert_close(
             out[start:end].double(), expected[start:end], rtol=rtol, atol=atol,
             msg=lambda m, r=r: f"request {r} (q_len, seq_len)="
-                               f"{_request_shapes(block_size)[r]}: {m}")
+                               f"{request_shapes(block_size)[r]}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
@@ -236,7 +144,7 @@ def test_paged_attention_matches_naive_dense_reference(gqa_ratio: int, block_siz
                                                        head_dim: int, dtype: torch.dtype
                                                        ) -> None:
     """Mixed batch, shuffled block tables, every slot no request owns holding NaN."""
-    batch = _make_batch(gqa_ratio * NUM_KV_HEADS, head_dim, block_size, dtype,
+    batch = make_batch(gqa_ratio * NUM_KV_HEADS, head_dim, block_size, dtype,
                         seed=gqa_ratio * 1000 + block_size + head_dim)
     _check_against_naive(batch, block_size, dtype)
 
@@ -251,7 +159,7 @@ def test_paged_attention_matches_naive_on_cuda(gqa_ratio: int, dtype: torch.dtyp
     other kernels than on the CPU: the first H200 run found its cuDNN kernel taking the
     fp32 mask as 16-bit values (errors up to 3.2 in bf16) until the mask followed the
     query's dtype."""
-    batch = _make_batch(gqa_ratio * NUM_KV_HEADS, 64, 16, dtype, seed=gqa_ratio)
+    batch = make_batch(gqa_ratio * NUM_KV_HEADS, 64, 16, dtype, seed=gqa_ratio)
     on_gpu = dataclasses.replace(batch, query=batch.query.cuda(),
                                  kv_cache=batch.kv_cache.cuda(),
                                  block_tables=batch.block_tables.cuda())
@@ -262,7 +170,7 @@ def test_paged_attention_matches_naive_on_cuda(gqa_ratio: int, dtype: torch.dtyp
 def test_paged_attention_matches_naive_on_a_zeroed_cache(gqa_ratio: int) -> None:
     """The same mixed batch with unused slots zeroed: separates wrong arithmetic from
     reading slots that should never be read (the NaN-filled test above)."""
-    batch = _make_batch(gqa_ratio * NUM_KV_HEADS, 32, 16, torch.float32, seed=gqa_ratio,
+    batch = make_batch(gqa_ratio * NUM_KV_HEADS, 32, 16, torch.float32, seed=gqa_ratio,
                         fill=0.0)
     _check_against_naive(batch, 16, torch.float32)
 
@@ -284,27 +192,27 @@ def test_decode_padding_never_reads_a_finished_requests_stale_block(stale: float
     kv_cache[1, 2:].view(-1, 1, head_dim)[:6] = values[1]
     block_tables = torch.tensor([[1, 0], [2, 3]], dtype=torch.int32)  # row 0 padded with 0
     query = torch.randn(2, 2, head_dim, generator=gen)
-    batch = _Batch(query, kv_cache, block_tables, [0, 1, 2], [3, 6], keys, values)
+    batch = Batch(query, kv_cache, block_tables, [0, 1, 2], [3, 6], keys, values)
 
     out = paged_attention(query, kv_cache, block_tables, [0, 1, 2], [3, 6], 0.3)
 
     assert bool(torch.isfinite(out).all())
-    torch.testing.assert_close(out.double(), _naive_attention(batch, 0.3),
+    torch.testing.assert_close(out.double(), naive_attention(batch, 0.3),
                                rtol=1e-5, atol=1e-5)
 
 
 def test_paged_attention_uses_the_given_scale() -> None:
-    batch = _make_batch(4, 32, 16, torch.float32, seed=7, fill=0.0)
+    batch = make_batch(4, 32, 16, torch.float32, seed=7, fill=0.0)
     for scale in (0.05, 0.5):
         out = paged_attention(batch.query, batch.kv_cache, batch.block_tables,
                               batch.query_start_loc, batch.seq_lens, scale)
-        torch.testing.assert_close(out.double(), _naive_attention(batch, scale),
+        torch.testing.assert_close(out.double(), naive_attention(batch, scale),
                                    rtol=1e-5, atol=1e-5)
 
 
 def test_paged_attention_is_independent_of_block_placement() -> None:
     """Moving every block to another id (and updating the table) changes nothing."""
-    batch = _make_batch(4, 32, 16, torch.float32, seed=11, fill=0.0)
+    batch = make_batch(4, 32, 16, torch.float32, seed=11, fill=0.0)
     scale = 32 ** -0.5
     out = paged_attention(batch.query, batch.kv_cache, batch.block_tables,
                           batch.query_start_loc, batch.seq_lens, scale)
@@ -340,7 +248,7 @@ def test_decodes_of_very_different_lengths_split_into_groups_and_stay_exact() ->
         kv_cache[0, blocks, pos % block_size] = keys[-1]
         kv_cache[1, blocks, pos % block_size] = values[-1]
     qsl = list(range(len(seq_lens) + 1))
-    batch = _Batch(torch.randn(len(seq_lens), num_heads, head_dim, generator=gen), kv_cache,
+    batch = Batch(torch.randn(len(seq_lens), num_heads, head_dim, generator=gen), kv_cache,
                    block_tables, qsl, seq_lens, keys, values)
 
     plan = plan_attention(block_tables, qsl, seq_lens, block_size)
@@ -352,7 +260,7 @@ def test_decodes_of_very_different_lengths_split_into_groups_and_stay_exact() ->
     assert padded <= DECODE_PADDING_SLACK * sum(-(-n // block_size) * block_size
                                                 for n in seq_lens)
     assert bool(torch.isfinite(out).all())
-    torch.testing.assert_close(out.double(), _naive_attention(batch, 0.2), rtol=1e-5,
+    torch.testing.assert_close(out.double(), naive_attention(batch, 0.2), rtol=1e-5,
                                atol=1e-5)
 
 
@@ -420,7 +328,7 @@ def test_decode_groups_follow_the_greedy_padding_rule(seed: int) -> None:
 
 
 # --------------------------------------------------------------------------- sliding window
-# and soft-capping. The mixed batch of `_request_shapes` (block 16: contexts up to 49)
+# and soft-capping. The mixed batch of `request_shapes` (block 16: contexts up to 49)
 # against windows inside one block, across several, and longer than any context.
 
 
@@ -439,7 +347,7 @@ def test_sliding_window_and_softcap_match_a_naive_masked_softmax(
     """Fresh prompts, chunks continuing a context and decodes of varied lengths in one
     step, every slot no request owns NaN, against per-request dense attention with the
     mask written from the formula."""
-    batch = _make_batch(2 * NUM_KV_HEADS, 32, 16, dtype, seed=(sliding_window or 0) + 17)
+    batch = make_batch(2 * NUM_KV_HEADS, 32, 16, dtype, seed=(sliding_window or 0) + 17)
     _check_against_naive(batch, 16, dtype, sliding_window, softcap)
 
 
@@ -453,7 +361,7 @@ def test_long_prompts_attend_tile_by_tile_exactly(monkeypatch: pytest.MonkeyPatc
     give the same attention as one tile."""
     monkeypatch.setattr(reference, "PREFILL_TILE_ROWS", 2)
     monkeypatch.setattr(reference, "SOFTCAP_SCORES", 300)
-    batch = _make_batch(2 * NUM_KV_HEADS, 32, 16, torch.float32, seed=3)
+    batch = make_batch(2 * NUM_KV_HEADS, 32, 16, torch.float32, seed=3)
     _check_against_naive(batch, 16, torch.float32, sliding_window, softcap)
 
 
@@ -471,9 +379,9 @@ def test_blocks_wholly_outside_the_window_are_never_read(
     runs; their table entries then name blocks other requests reuse. Filled with NaN or
     inf, they must not change the output (no 0 * NaN)."""
     block_size = 16
-    batch = _make_batch(2 * NUM_KV_HEADS, 32, block_size, torch.float32, seed=23)
+    batch = make_batch(2 * NUM_KV_HEADS, 32, block_size, torch.float32, seed=23)
     poisoned = 0
-    for r, (q_len, seq_len) in enumerate(_request_shapes(block_size)):
+    for r, (q_len, seq_len) in enumerate(request_shapes(block_size)):
         skip = _first_window_block(q_len, seq_len, sliding_window, block_size)
         batch.kv_cache[:, batch.block_tables[r, :skip].long()] = stale
         poisoned += skip
@@ -512,7 +420,7 @@ def test_windowed_plans_gather_only_the_blocks_in_the_window() -> None:
         queries.append(torch.randn(q_len, 4, head_dim, generator=gen))
         qsl.append(qsl[-1] + q_len)
     seq_lens = [s for _, s in shapes]
-    batch = _Batch(torch.cat(queries), kv_cache, block_tables, qsl, seq_lens, keys, values)
+    batch = Batch(torch.cat(queries), kv_cache, block_tables, qsl, seq_lens, keys, values)
 
     plan = plan_attention(block_tables, qsl, seq_lens, block_size, sliding_window=window)
     out = planned_attention(batch.query, kv_cache, plan, 0.2, softcap=None)
@@ -521,7 +429,7 @@ def test_windowed_plans_gather_only_the_blocks_in_the_window() -> None:
     assert all(g.bias.shape[-1] <= window_blocks * block_size for g in plan.decodes)
     assert [p.blocks.numel() for p in plan.prefills] == [3]  # keys 456..482: 3 blocks
     assert bool(torch.isfinite(out).all())
-    torch.testing.assert_close(out.double(), _naive_attention(batch, 0.2, window),
+    torch.testing.assert_close(out.double(), naive_attention(batch, 0.2, window),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -531,10 +439,10 @@ def test_torch_backend_plans_each_window_once_a_step() -> None:
     a window no shorter than every context is the step's causal plan, and the next
     step's prepare starts over."""
     block_size = 16
-    batch = _make_batch(2 * NUM_KV_HEADS, 32, block_size, torch.float32, seed=31)
+    batch = make_batch(2 * NUM_KV_HEADS, 32, block_size, torch.float32, seed=31)
     qsl, seq_lens = batch.query_start_loc, batch.seq_lens
     # The step's own keys and values (already in the cache: slots -1 write nothing).
-    shapes = _request_shapes(block_size)
+    shapes = request_shapes(block_size)
     key = torch.cat([k[s - q:] for k, (q, s) in zip(batch.keys, shapes, strict=True)])
     value = torch.cat([v[s - q:] for v, (q, s) in zip(batch.values, shapes, strict=True)])
     backend = TorchAttention(block_size)
@@ -549,7 +457,7 @@ def test_torch_backend_plans_each_window_once_a_step() -> None:
     for layer, (window, softcap) in enumerate([(5, None), (None, 2.0), (5, 2.0),
                                                (1000, None), (37, None)]):
         out = backend(batch.query, key, value, batch.kv_cache, meta, scale, window, softcap)
-        torch.testing.assert_close(out.double(), _naive_attention(batch, scale, window,
+        torch.testing.assert_close(out.double(), naive_attention(batch, scale, window,
                                                                   softcap),
                                    rtol=1e-5, atol=1e-5, msg=lambda m, i=layer: f"{i}: {m}")
         if layer == 0:

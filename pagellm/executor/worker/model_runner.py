@@ -91,7 +91,8 @@ class ModelRunner:
         self.processed_logprobs = logprobs_mode == "processed_logprobs"
         self.device = device
         self.block_size = block_size
-        self.attention = get_attention_backend(attention_backend, device, block_size)
+        self.attention = get_attention_backend(attention_backend, device, block_size,
+                                               model_config.cache_dtype)
         if self.attention.name == "triton":
             from pagellm.kernels.triton_attention import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_SIZES
 

@@ -23,12 +23,6 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512F__) && !defined(PAGELLM_PORTABLE)
-#include <immintrin.h>
-#define PAGELLM_AVX512 1
-#else
-#define PAGELLM_AVX512 0
-#endif
 #if PAGELLM_AVX512 && defined(__AVX512BF16__)
 #define PAGELLM_AVX512_BF16 1
 #else
@@ -37,7 +31,7 @@
 
 namespace {
 
-using bf16 = c10::BFloat16;
+using PAGELLM_NS::bf16;
 
 constexpr int64_t kMaxRows = 4;  // rows of x this GEMV takes (more: a GEMM's job)
 constexpr int64_t kStep = 32;  // bf16 weights per load (one 512-bit register)

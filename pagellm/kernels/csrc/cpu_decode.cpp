@@ -33,6 +33,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/linear.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -45,13 +46,6 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
-
-#if defined(__AVX512F__) && !defined(PAGELLM_PORTABLE)
-#include <immintrin.h>
-#define PAGELLM_AVX512 1
-#else
-#define PAGELLM_AVX512 0
-#endif
 
 namespace {
 
@@ -67,21 +61,18 @@ constexpr int64_t kBiases = 2;  // per layer: qkv, o
 // one thread does them all (a parallel region costs more than a row of 576 floats).
 constexpr int64_t kRowsPerTask = 4;
 
-using bf16 = c10::BFloat16;
-
-inline float widen(float v) { return v; }
-inline float widen(bf16 v) { return static_cast<float>(v); }
-
-// v rounded to the nearest bf16 (ties to even), as a float: what a bf16 tensor holds.
-inline float to_bf16(float v) { return static_cast<float>(bf16(v)); }
+using PAGELLM_NS::bf16;
+using PAGELLM_NS::dot;
+using PAGELLM_NS::PagedKV;
+using PAGELLM_NS::to_bf16;
+using PAGELLM_NS::widen;
 
 // Rounds to bf16 where the model is bf16, else passes values through (fp32 models).
 struct Round {
   bool bf16;
   float operator()(float v) const { return bf16 ? to_bf16(v) : v; }
   void all(float* p, int64_t n) const {
-    if (bf16)
-      for (int64_t i = 0; i < n; ++i) p[i] = to_bf16(p[i]);
+    if (bf16) PAGELLM_NS::round_to_bf16(p, n);
   }
 };
 
@@ -95,85 +86,6 @@ struct Param {
                    : static_cast<const float*>(data)[i];
   }
 };
-
-#if PAGELLM_AVX512
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {  // a bf16's bits are a float's high half
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-#endif
-
-// a . b for n elements of a (fp32) and b (fp32 or bf16, a KV cache's keys).
-template <typename T>
-float dot(const float* a, const T* b, int64_t n) {
-  float s = 0.f;
-  int64_t i = 0;
-#if PAGELLM_AVX512
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
-  s = _mm512_reduce_add_ps(acc);
-#endif
-  for (; i < n; ++i) s += a[i] * widen(b[i]);
-  return s;
-}
-
-// e[i] = exp(e[i] - top) for i < n; returns their sum. AVX-512: 16 at a time, Cephes'
-// expf (2^k * e^r, |r| <= ln2 / 2, a degree-6 polynomial: within 2 ulp of glibc's expf,
-// tests/executor/test_cpu_decode.py), where glibc's scalar expf made the softmax the
-// biggest part of attention at a few hundred keys.
-float exp_sum(float* e, int64_t n, float top) {
-  float sum = 0.f;
-  int64_t i = 0;
-#if PAGELLM_AVX512
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  const __m512 lo = _mm512_set1_ps(-87.3f), t = _mm512_set1_ps(top);
-  const float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                      4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(e + i), t), lo);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(k, ln2_hi, x);
-    r = _mm512_fnmadd_ps(k, ln2_lo, r);
-    __m512 y = _mm512_set1_ps(c[0]);
-    for (int j = 1; j < 6; ++j) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c[j]));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    y = _mm512_scalef_ps(y, k);  // * 2^k
-    _mm512_storeu_ps(e + i, y);
-    acc = _mm512_add_ps(acc, y);
-  }
-  sum = _mm512_reduce_add_ps(acc);
-#endif
-  for (; i < n; ++i) sum += (e[i] = std::exp(e[i] - top));
-  return sum;
-}
-
-// o[0:D] += sum_j w[j] * v[j * stride : j * stride + D] for j < n: the weighted values
-// of a block's keys. AVX-512 and D a multiple of 16 up to 256 (every model here): the
-// sums stay in registers over the block (a loop over o in memory made each key wait for
-// the previous key's stores).
-template <typename T>
-void accumulate(float* o, const T* v, int64_t stride, const float* w, int64_t n, int64_t D) {
-#if PAGELLM_AVX512
-  constexpr int64_t kMaxChunks = 16;
-  if (D % 16 == 0 && D / 16 <= kMaxChunks) {
-    const int64_t chunks = D / 16;
-    __m512 acc[kMaxChunks];
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(o + 16 * c);
-    for (int64_t j = 0; j < n; ++j) {
-      const __m512 wj = _mm512_set1_ps(w[j]);
-      for (int64_t c = 0; c < chunks; ++c)
-        acc[c] = _mm512_fmadd_ps(wj, load16(v + j * stride + 16 * c), acc[c]);
-    }
-    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
-    return;
-  }
-#endif
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t d = 0; d < D; ++d) o[d] += w[j] * widen(v[j * stride + d]);
-}
 
 // y[r, n] = x[r, :] . w[n, :] for rows r < ROWS and n0 <= n < n1 (y's rows are N wide);
 // w is read once, the whole point. One row of x: a row of w at a time, 4 accumulators,
@@ -234,6 +146,25 @@ struct Projection {
   int64_t bits, group_size, out_features;
 };
 
+// x [M, K] @ w [N, K]^T (+ bias), fp32, for more rows than the GEMV takes: oneDNN's
+// linear on the plain weights where this torch has it (linear.py's ONEDNN way: at 48
+// rows 1.1-1.5x MKL's, which at::linear runs), else at::linear.
+at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& w,
+                      const std::optional<at::Tensor>& bias) {
+  using Signature = at::Tensor(const at::Tensor&, const at::Tensor&,
+                               const std::optional<at::Tensor>&, c10::string_view,
+                               c10::List<std::optional<c10::Scalar>>,
+                               std::optional<c10::string_view>);
+  static const std::optional<c10::TypedOperatorHandle<Signature>> onednn =
+      []() -> std::optional<c10::TypedOperatorHandle<Signature>> {
+    const auto handle = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+    if (!handle || !handle->hasKernelForDispatchKey(c10::DispatchKey::CPU)) return std::nullopt;
+    return handle->typed<Signature>();
+  }();
+  if (!onednn) return at::linear(x, w, bias);
+  return onednn->call(x, w, bias, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt);
+}
+
 Param param(const at::Tensor& t, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.device().is_cpu(), name,
               " must be a contiguous CPU tensor of the model's dtype");
@@ -245,6 +176,14 @@ Param param(const at::Tensor& t, at::ScalarType dtype, const char* name) {
 at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& bias,
                    const Round& round) {
   const int64_t M = x.size(0), K = x.size(1), N = p.out_features;
+  const bool has_bias = bias.defined() && bias.numel() != 0;
+  const Param b = has_bias ? param(bias, round.bf16 ? at::kBFloat16 : at::kFloat, "a bias")
+                           : Param{nullptr, false};
+  TORCH_CHECK(!has_bias || bias.numel() == N, "a bias must have ", N, " elements");
+  // A GEMM of more rows than the GEMV's adds the bias itself, as the torch path's does
+  // (in bf16: one rounding of product and bias together).
+  const bool gemm = p.bits == 0 && M > kGemvRows;
+  const auto gemm_bias = has_bias ? std::optional<at::Tensor>(bias) : std::nullopt;
   at::Tensor y;
   if (p.bits != 0) {
     y = PAGELLM_NS::int_gemm(x, p.weight, p.scales, p.zeros, p.bits, p.group_size, N);
@@ -252,8 +191,8 @@ at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& b
     TORCH_CHECK(p.weight.dim() == 2 && p.weight.is_contiguous() && p.weight.size(0) == N &&
                     p.weight.size(1) == K,
                 "a dense bf16 projection must be a contiguous [", N, ", ", K, "] weight");
-    if (M > kGemvRows) {
-      y = at::linear(x.to(at::kBFloat16), p.weight).to(at::kFloat);
+    if (gemm) {
+      y = at::linear(x.to(at::kBFloat16), p.weight, gemm_bias).to(at::kFloat);
     } else {  // (x to bf16 here, not through a torch op: 120 of them a token at batch 1)
       const float* xp = x.data_ptr<float>();
       std::vector<bf16> xb(xp, xp + M * K);  // exact: x holds bf16 values
@@ -265,8 +204,8 @@ at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& b
     TORCH_CHECK(p.weight.dim() == 2 && p.weight.scalar_type() == at::kFloat &&
                     p.weight.is_contiguous() && p.weight.size(0) == N && p.weight.size(1) == K,
                 "a dense projection must be a contiguous fp32 [", N, ", ", K, "] weight");
-    if (M > kGemvRows) {
-      y = at::linear(x, p.weight);
+    if (gemm) {
+      y = dense_gemm(x, p.weight, gemm_bias);
     } else {
       y = at::empty({M, N}, x.options());
       const float* xp = x.data_ptr<float>();
@@ -279,9 +218,7 @@ at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& b
   }
   float* yp = y.data_ptr<float>();
   round.all(yp, M * N);
-  if (bias.defined() && bias.numel() != 0) {
-    TORCH_CHECK(bias.numel() == N, "a bias must have ", N, " elements");
-    const Param b = param(bias, round.bf16 ? at::kBFloat16 : at::kFloat, "a bias");
+  if (has_bias && !gemm) {
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) yp[m * N + n] = round(yp[m * N + n] + b[n]);
   }
@@ -312,53 +249,6 @@ void rotate(float* x, const float* cos, const float* sin, int64_t R, const Round
 struct Heads {
   int64_t H, H_kv, D;
 };
-
-// out [B, H * D] = softmax(q k^T * scale) v for each request b (one query, row b of qkv)
-// over its keys first <= j < seq_lens[b] (first = seq_len - window with a window), read
-// from the paged cache through its block table. Work items: (request, query head) pairs,
-// so that batch 1 splits evenly over the threads (3 KV heads would not).
-template <typename T>
-void attend(const float* qkv, int64_t qkv_stride, const T* cache, int64_t plane,
-            const int32_t* tables, int64_t table_stride, const int32_t* seq_lens, int64_t B,
-            const Heads& s, int64_t block_size, int64_t window, float scale, float* out,
-            const Round& round) {
-  const int64_t group = s.H / s.H_kv, row = s.H_kv * s.D;
-  at::parallel_for(0, B * s.H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p;
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / s.H, h = u % s.H, g = h / group, len = seq_lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int32_t* table = tables + b * table_stride;
-      p.resize(len - first);
-      const float* q = qkv + b * qkv_stride + h * s.D;
-      float top = -std::numeric_limits<float>::infinity();
-      // Keys block by block (no division per key): j = blk * block_size + off.
-      for (int64_t blk = first / block_size; blk * block_size < len; ++blk) {
-        const int64_t lo = std::max<int64_t>(first - blk * block_size, 0);
-        const int64_t hi = std::min<int64_t>(block_size, len - blk * block_size);
-        const T* keys = cache + table[blk] * block_size * row + g * s.D;
-        float* scores = p.data() + blk * block_size - first;
-        for (int64_t off = lo; off < hi; ++off) {
-          scores[off] = dot(q, keys + off * row, s.D) * scale;
-          top = std::max(top, scores[off]);
-        }
-      }
-      const float sum = exp_sum(p.data(), len - first, top);
-      round.all(p.data(), len - first);  // bf16: SDPA weighs the values with bf16 weights
-      float* o = out + b * s.H * s.D + h * s.D;
-      std::fill(o, o + s.D, 0.f);
-      for (int64_t blk = first / block_size; blk * block_size < len; ++blk) {
-        const int64_t lo = std::max<int64_t>(first - blk * block_size, 0);
-        const int64_t hi = std::min<int64_t>(block_size, len - blk * block_size);
-        const T* values = cache + plane + table[blk] * block_size * row + g * s.D;
-        accumulate(o, values + lo * row, row, p.data() + blk * block_size - first + lo,
-                   hi - lo, s.D);
-      }
-      const float inv = 1.f / sum;
-      for (int64_t d = 0; d < s.D; ++d) o[d] *= inv;
-    }
-  });
-}
 
 void check_fp32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(), name,
@@ -411,16 +301,9 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
                   positions.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
                   slot_mapping.numel() == T && slot_mapping.is_contiguous(),
               "positions and slot_mapping must be contiguous int64 [T]");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() == T &&
-                  seq_lens.is_contiguous() && block_tables.scalar_type() == at::kInt &&
-                  block_tables.dim() == 2 && block_tables.size(0) >= T &&
-                  block_tables.stride(1) == 1,
-              "seq_lens must be int32 [T] (one query per request) and block_tables int32 "
-              "[>= T, max_blocks] with contiguous rows");
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t rows = cos_cache.size(0), max_blocks = block_tables.size(1);
+  const int64_t rows = cos_cache.size(0);
   // Every layer's cache has the first one's shape; every index into them is checked
   // here, once, against it (the loops below trust them).
   at::IntArrayRef cache_shape = L > 0 ? kv_caches[0].sizes() : at::IntArrayRef();
@@ -438,16 +321,9 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
   const int64_t num_slots = num_blocks * block_size;
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < rows, "position ", pos[t], " outside the RoPE tables");
-    TORCH_CHECK(lens[t] >= 1, "seq_len ", lens[t], " (a query sees at least itself)");
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " outside the KV cache");
-    const int64_t blocks_needed = (lens[t] + block_size - 1) / block_size;
-    TORCH_CHECK(blocks_needed <= max_blocks, "seq_len ", lens[t],
-                " needs more blocks than the block table holds");
-    const int32_t* table = block_tables.data_ptr<int32_t>() + t * block_tables.stride(0);
-    for (int64_t j = 0; j < blocks_needed; ++j)
-      TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks, "block ", table[j],
-                  " outside the KV cache");
   }
+  PAGELLM_NS::check_block_tables(block_tables, seq_lens, T, num_blocks, block_size);
 
   const int64_t q_size = s.H * s.D, kv_size = s.H_kv * s.D, qkv_size = q_size + 2 * kv_size;
   const float feps = static_cast<float>(eps);
@@ -495,9 +371,9 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
       param(k_norm, x.scalar_type(), "k_norm");
       TORCH_CHECK(q_norm.numel() == s.D && k_norm.numel() == s.D, "q/k norms must be [D]");
     }
-    // Norms and rotation of q and k, the KV write, then attention; the cache's element
-    // type Elem is the model's (fp32 or bf16).
-    auto attention = [&](auto* kv) {
+    // Norms and rotation of q and k and the KV write; the cache's element type Elem is
+    // the model's (fp32 or bf16).
+    auto rotate_and_write = [&](auto* kv) {
       using Elem = std::remove_pointer_t<decltype(kv)>;
       at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
@@ -519,15 +395,18 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
           }
         }
       });
-      attend(qp, qkv_size, static_cast<const Elem*>(kv), num_slots * kv_size,
-             block_tables.data_ptr<int32_t>(), block_tables.stride(0), lens, T, s,
-             block_size, windows[l], static_cast<float>(scales[l]), attn.data_ptr<float>(),
-             round);
     };
     if (round.bf16)
-      attention(kv_caches[l].data_ptr<at::BFloat16>());
+      rotate_and_write(kv_caches[l].data_ptr<at::BFloat16>());
     else
-      attention(kv_caches[l].data_ptr<float>());
+      rotate_and_write(kv_caches[l].data_ptr<float>());
+    const PagedKV kv{kv_caches[l].data_ptr(), round.bf16, num_slots * kv_size, block_size,
+                     block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                     seq_lens.data_ptr<int32_t>()};
+    PAGELLM_NS::attend_decodes(
+        qp, qkv_size, kv, T, s.H, s.H_kv, s.D,
+        windows[l] > 0 ? std::optional<int64_t>(windows[l]) : std::nullopt,
+        static_cast<float>(scales[l]), std::nullopt, attn.data_ptr<float>());
     round.all(attn.data_ptr<float>(), T * q_size);
     h = project(projection(l, 1), attn, biases[l * kBiases + 1], round);
 

@@ -1,6 +1,7 @@
 // What pagellm's C++ CPU ops share across their files (kernels/cpu_ops.py builds them
-// into one library): the op namespace and the int kernel's and the bf16 GEMV's entry
-// points, which the fused decode step (cpu_decode.cpp) calls for its projections.
+// into one library): the op namespace, the vector helpers, and the int kernel's, the bf16
+// GEMV's and the decode attention's entry points, which the fused decode step
+// (cpu_decode.cpp) calls.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -9,6 +10,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+
+#if defined(__AVX512F__) && !defined(PAGELLM_PORTABLE)
+#include <immintrin.h>
+#define PAGELLM_AVX512 1
+#else
+#define PAGELLM_AVX512 0
+#endif
 
 // torch.ops.<PAGELLM_NS>: pagellm_cpu, or pagellm_cpu_portable for the plain-loop build
 // the tests load beside the native one (-DPAGELLM_PORTABLE -DPAGELLM_NS=...). The C++
@@ -19,6 +28,83 @@
 #endif
 
 namespace PAGELLM_NS {
+
+using bf16 = c10::BFloat16;
+
+inline float widen(float v) { return v; }
+inline float widen(bf16 v) { return static_cast<float>(v); }
+
+// v rounded to the nearest bf16 (ties to even), as a float: what a bf16 tensor holds.
+inline float to_bf16(float v) { return static_cast<float>(bf16(v)); }
+
+// p[i] = to_bf16(p[i]) for i < n, 16 at a time where the CPU has AVX-512 (c10's rounding,
+// one element at a time, took a fifth of a bf16 decode attention's time).
+inline void round_to_bf16(float* p, int64_t n) {
+  int64_t i = 0;
+#if PAGELLM_AVX512
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m512i nan = _mm512_set1_epi32(0x7FC00000);  // c10's NaN
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(p + i);
+    __m512i b = _mm512_castps_si512(x);  // + 0x7FFF + the kept part's lowest bit: ties to even
+    b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), one), bias));
+    b = _mm512_mask_mov_epi32(_mm512_and_si512(b, high), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                              nan);
+    _mm512_storeu_ps(p + i, _mm512_castsi512_ps(b));
+  }
+#endif
+  for (; i < n; ++i) p[i] = to_bf16(p[i]);
+}
+
+#if PAGELLM_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {  // a bf16's bits are a float's high half
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+#endif
+
+// a . b for n elements of a (fp32) and b (fp32 or bf16, a KV cache's keys).
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+  float s = 0.f;
+  int64_t i = 0;
+#if PAGELLM_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) s += a[i] * widen(b[i]);
+  return s;
+}
+
+// A paged KV cache [2, num_blocks, block_size, H_kv, D] of T (fp32 or bf16: `bf16`) and
+// the block tables and context lengths of B requests with one query each
+// (cpu_attention.cpp).
+struct PagedKV {
+  const void* cache;  // the keys; the values `plane` elements further
+  bool bf16;
+  int64_t plane, block_size;
+  const int32_t* tables;  // [B, table_stride]: row b, request b's blocks
+  int64_t table_stride;
+  const int32_t* seq_lens;  // [B]: request b's context, its query's key included
+};
+
+// out [B, H * D] fp32 = softmax(q k^T * scale) v for each request b's one query q[b]
+// (row b of q [B, q_stride], heads of D contiguous) over its keys j with
+// seq_len - window <= j < seq_len (all j < seq_len without a window); with a softcap c,
+// scores s become c * tanh(s / c) first. A bf16 cache's attention weights are rounded to
+// bf16 before they weigh the values, as torch's SDPA and transformers do.
+void attend_decodes(const float* q, int64_t q_stride, const PagedKV& kv, int64_t B,
+                    int64_t H, int64_t H_kv, int64_t D, std::optional<int64_t> window,
+                    float scale, std::optional<float> softcap, float* out);
+
+// Checks every block id of B requests' tables [>= B, max_blocks] int32 against a cache of
+// num_blocks, and their seq_lens [B] int32 (>= 1, within the table): the attention's
+// loops trust them.
+void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t B,
+                        int64_t num_blocks, int64_t block_size);
 
 // x [M, K] fp32 @ W^T -> [M, out_features] fp32, W in the int kernel's tiled layout
 // (cpu_int_gemm.cpp's header).

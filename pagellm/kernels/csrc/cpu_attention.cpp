@@ -1,0 +1,358 @@
+// Decode attention on the CPU: one query per request over its paged keys and values,
+// read in place through its block table (no gather), for the fused decode step
+// (cpu_decode.cpp) and, as `paged_decode_attention`, for the decodes of the torch path's
+// steps (executor/model/attention.py, TorchAttention).
+//
+// Why: the torch path gathered each decode's blocks into a padded [B, L] batch
+// (index_select), zeroed its stale rows and ran SDPA with an additive mask: at 48
+// requests on a 2-core CPU that was a third of SmolLM2-135M's fp32 offline time (12.5 s
+// of 37: SDPA 6.6, the gathers 4.4), for arithmetic that is a few MFLOP per layer.
+//
+// For request b (context length L_b, query q_b) and query head h, with G = H / H_kv
+// query heads per KV head:
+//
+//   s_j = scale * q_b[h] . k_j[h / G]          (softcap c: c * tanh(s_j / c))
+//   o_b[h] = sum_j exp(s_j - max s) v_j[h / G] / sum_j exp(s_j - max s)
+//
+// over keys first <= j < L_b (first = L_b - window under a sliding window, else 0),
+// key j at cache[table_b[j / block_size], j % block_size]. In fp32 throughout; a bf16
+// cache's weights exp(...) are rounded to bf16 before they weigh the values (SDPA's
+// bf16 P).
+
+#include "cpu_ops.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using PAGELLM_NS::bf16;
+using PAGELLM_NS::dot;
+using PAGELLM_NS::PagedKV;
+using PAGELLM_NS::widen;
+#if PAGELLM_AVX512
+using PAGELLM_NS::load16;
+#endif
+
+// e[i] = exp(e[i] - top) for i < n; returns their sum. AVX-512: 16 at a time, Cephes'
+// expf (2^k * e^r, |r| <= ln2 / 2, a degree-6 polynomial: within 2 ulp of glibc's expf,
+// tests/executor/test_cpu_decode.py), where glibc's scalar expf made the softmax the
+// biggest part of attention at a few hundred keys.
+float exp_sum(float* e, int64_t n, float top) {
+  float sum = 0.f;
+  int64_t i = 0;
+#if PAGELLM_AVX512
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  const __m512 lo = _mm512_set1_ps(-87.3f), t = _mm512_set1_ps(top);
+  const float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                      4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(e + i), t), lo);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(k, ln2_hi, x);
+    r = _mm512_fnmadd_ps(k, ln2_lo, r);
+    __m512 y = _mm512_set1_ps(c[0]);
+    for (int j = 1; j < 6; ++j) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c[j]));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    y = _mm512_scalef_ps(y, k);  // * 2^k
+    _mm512_storeu_ps(e + i, y);
+    acc = _mm512_add_ps(acc, y);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += (e[i] = std::exp(e[i] - top));
+  return sum;
+}
+
+// o[0:D] += sum_j w[j] * v[j * stride : j * stride + D] for j < n: one head's weighted
+// values of a block's keys, for any D (the fallback of `accumulate_heads`).
+template <typename T>
+void accumulate(float* o, const T* v, int64_t stride, const float* w, int64_t n, int64_t D) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) o[d] += w[j] * widen(v[j * stride + d]);
+}
+
+#if PAGELLM_AVX512
+// The sums of 16 vectors as one vector (lane k: the sum of v[k]'s lanes), by a tree of
+// adds that transposes as it goes: 45 instructions where 16 separate reductions take
+// about 130.
+inline __m512 reduce16(const __m512 (&v)[16]) {
+  __m512 s2[8];  // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of v[2i], v[2i + 1]
+  for (int i = 0; i < 8; ++i)
+    s2[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                          _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 s4[4];  // per 128-bit lane L: the sums of lane L of v[4i], ..., v[4i + 3]
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(s2[2 * i]), b = _mm512_castps_pd(s2[2 * i + 1]);
+    s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 t[2];  // lanes [x.L0 + x.L1, x.L2 + x.L3, y.L0 + y.L1, y.L2 + y.L3] of s4 pairs
+  for (int i = 0; i < 2; ++i)
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2 * i], s4[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s4[2 * i], s4[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// q . k for 16 keys k (rows `stride` apart), D a multiple of 16: 16 independent chains
+// of multiply-adds, then one transposing reduction (a dot product per key, each ending
+// in its own reduction, took ~45 cycles a key and head).
+template <typename T>
+inline __m512 dot16(const float* q, const T* keys, int64_t stride, int64_t D) {
+  __m512 acc[16];
+  for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int k = 0; k < 16; ++k)
+      acc[k] = _mm512_fmadd_ps(qv, load16(keys + k * stride + d), acc[k]);
+  }
+  return reduce16(acc);
+}
+
+// o[h] += sum_j w[h][j] v[j] for HEADS heads sharing the values (o rows D = 16 * CHUNKS
+// apart, w rows w_stride apart): each value vector is loaded once for all of them, and
+// the sums stay in registers over the block.
+template <typename T, int HEADS, int CHUNKS>
+void accumulate_heads(float* o, const T* v, int64_t stride, const float* w, int64_t w_stride,
+                      int64_t n) {
+  constexpr int64_t D = 16 * CHUNKS;
+  __m512 acc[HEADS][CHUNKS];
+  for (int h = 0; h < HEADS; ++h)
+    for (int c = 0; c < CHUNKS; ++c) acc[h][c] = _mm512_loadu_ps(o + h * D + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 vv[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) vv[c] = load16(v + j * stride + 16 * c);
+    for (int h = 0; h < HEADS; ++h) {
+      const __m512 wj = _mm512_set1_ps(w[h * w_stride + j]);
+      for (int c = 0; c < CHUNKS; ++c) acc[h][c] = _mm512_fmadd_ps(wj, vv[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < HEADS; ++h)
+    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(o + h * D + 16 * c, acc[h][c]);
+}
+
+// accumulate_heads for `heads` heads, as many at a time as 16 registers of sums hold.
+template <typename T, int CHUNKS>
+void accumulate_all(float* o, const T* v, int64_t stride, const float* w, int64_t w_stride,
+                    int64_t n, int64_t heads) {
+  constexpr int kHeads = CHUNKS >= 16 ? 1 : 16 / CHUNKS;
+  int64_t h = 0;
+  for (; h + kHeads <= heads; h += kHeads)
+    accumulate_heads<T, kHeads, CHUNKS>(o + h * 16 * CHUNKS, v, stride, w + h * w_stride,
+                                        w_stride, n);
+  for (; h < heads; ++h)
+    accumulate_heads<T, 1, CHUNKS>(o + h * 16 * CHUNKS, v, stride, w + h * w_stride, w_stride,
+                                   n);
+}
+#endif
+
+// Asks for `rows` rows of `width` elements, `stride` apart, into the cache.
+template <typename T>
+void prefetch(const T* p, int64_t rows, int64_t stride, int64_t width) {
+#if PAGELLM_AVX512
+  const int64_t bytes = width * static_cast<int64_t>(sizeof(T));
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* line = reinterpret_cast<const char*>(p + r * stride);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(line + b, _MM_HINT_T0);
+  }
+#else
+  (void)p, (void)rows, (void)stride, (void)width;
+#endif
+}
+
+// Of `heads` query heads sharing one KV head (q and o rows D apart, w rows w_stride
+// apart): o[h] += sum_j w[h][j] v[j] for the n values of a block.
+template <typename T>
+void weigh_values(float* o, const T* v, int64_t stride, const float* w, int64_t w_stride,
+                  int64_t n, int64_t heads, int64_t D) {
+#if PAGELLM_AVX512
+  switch (D) {
+    case 32: return accumulate_all<T, 2>(o, v, stride, w, w_stride, n, heads);
+    case 64: return accumulate_all<T, 4>(o, v, stride, w, w_stride, n, heads);
+    case 96: return accumulate_all<T, 6>(o, v, stride, w, w_stride, n, heads);
+    case 128: return accumulate_all<T, 8>(o, v, stride, w, w_stride, n, heads);
+    case 256: return accumulate_all<T, 16>(o, v, stride, w, w_stride, n, heads);
+    default: break;
+  }
+#endif
+  for (int64_t h = 0; h < heads; ++h) accumulate(o + h * D, v, stride, w + h * w_stride, n, D);
+}
+
+// Work items: a request's query heads, all of them where that leaves at least 4 items
+// a thread (each block of keys and values then streams in whole, once), else those that
+// share a KV head (batch 2-7 or so), else one head each (batch 1-2: the threads share
+// the work evenly).
+template <typename T>
+void attend(const float* q_all, int64_t q_stride, const PagedKV& kv, int64_t B, int64_t H,
+            int64_t H_kv, int64_t D, std::optional<int64_t> window, float scale,
+            std::optional<float> softcap, float* out) {
+  const T* cache = static_cast<const T*>(kv.cache);
+  const int64_t group = H / H_kv, row = H_kv * D, block_size = kv.block_size;
+  const int64_t enough = 4 * at::get_num_threads();
+  const int64_t per_item = B >= enough ? H : B * H_kv >= enough ? group : 1;
+  at::parallel_for(0, B * H / per_item, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p;  // [per_item, n]: the item's heads' scores, then weights
+    std::vector<float> sums(per_item);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u * per_item / H, h0 = u * per_item % H;
+      const int64_t g0 = h0 / group, g1 = (h0 + per_item - 1) / group + 1;  // its KV heads
+      const int64_t len = kv.seq_lens[b];
+      const int64_t first = window ? std::max<int64_t>(0, len - *window) : 0, n = len - first;
+      const int32_t* table = kv.tables + b * kv.table_stride;
+      const float* q = q_all + b * q_stride + h0 * D;  // [per_item, D]
+      float* o = out + b * H * D + h0 * D;  // [per_item, D]
+      p.resize(per_item * n);
+      // The item's heads i0 .. i0 + count - 1 (from h0) that KV head g serves.
+      auto heads_of = [&](int64_t g) {
+        const int64_t a = std::max(h0, g * group), z = std::min(h0 + per_item, (g + 1) * group);
+        return std::pair<int64_t, int64_t>(a - h0, z - a);
+      };
+      // Keys j = blk * block_size + off, block by block (no division per key).
+      // The next block's keys (plane 0) or values of the item's KV heads are fetched
+      // while this one's are used: the blocks lie anywhere in the cache, so the CPU's
+      // own prefetchers start over at each.
+      auto blocks = [&](int64_t plane, auto&& visit) {
+        const int64_t last = (len - 1) / block_size;
+        for (int64_t blk = first / block_size; blk <= last; ++blk) {
+          if (blk < last)
+            prefetch(cache + plane + table[blk + 1] * block_size * row + g0 * D, block_size,
+                     row, (g1 - g0) * D);
+          visit(table[blk] * block_size * row,  // the block's first key
+                std::max<int64_t>(first - blk * block_size, 0),
+                std::min<int64_t>(block_size, len - blk * block_size),
+                blk * block_size - first);  // where its keys' scores start in p
+        }
+      };
+      blocks(0, [&](int64_t base, int64_t lo, int64_t hi, int64_t at) {
+        for (int64_t g = g0; g < g1; ++g) {
+          const T* keys = cache + base + g * D;
+          const auto [i0, count] = heads_of(g);
+          for (int64_t i = i0; i < i0 + count; ++i) {
+            float* scores = p.data() + i * n + at;
+            int64_t off = lo;
+#if PAGELLM_AVX512
+            if (D % 16 == 0)
+              for (; off + 16 <= hi; off += 16)
+                _mm512_storeu_ps(scores + off, dot16(q + i * D, keys + off * row, row, D));
+#endif
+            for (; off < hi; ++off) scores[off] = dot(q + i * D, keys + off * row, D);
+          }
+        }
+      });
+      for (int64_t i = 0; i < per_item; ++i) {
+        float* s = p.data() + i * n;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) {
+          s[j] = softcap ? std::tanh(s[j] * (scale / *softcap)) * *softcap : s[j] * scale;
+          top = std::max(top, s[j]);
+        }
+        sums[i] = exp_sum(s, n, top);
+        if constexpr (std::is_same_v<T, bf16>)  // SDPA weighs the values with bf16 weights
+          PAGELLM_NS::round_to_bf16(s, n);
+      }
+      std::fill(o, o + per_item * D, 0.f);
+      blocks(kv.plane, [&](int64_t base, int64_t lo, int64_t hi, int64_t at) {
+        for (int64_t g = g0; g < g1; ++g) {
+          const auto [i0, count] = heads_of(g);
+          weigh_values(o + i0 * D, cache + kv.plane + base + g * D + lo * row, row,
+                       p.data() + i0 * n + at + lo, n, hi - lo, count, D);
+        }
+      });
+      for (int64_t i = 0; i < per_item; ++i) {
+        const float inv = 1.f / sums[i];
+        for (int64_t d = 0; d < D; ++d) o[i * D + d] *= inv;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace PAGELLM_NS {
+
+void attend_decodes(const float* q, int64_t q_stride, const PagedKV& kv, int64_t B,
+                    int64_t H, int64_t H_kv, int64_t D, std::optional<int64_t> window,
+                    float scale, std::optional<float> softcap, float* out) {
+  const auto run = kv.bf16 ? attend<bf16> : attend<float>;
+  run(q, q_stride, kv, B, H, H_kv, D, window, scale, softcap, out);
+}
+
+void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t B,
+                        int64_t num_blocks, int64_t block_size) {
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() == B &&
+                  seq_lens.is_contiguous() && seq_lens.device().is_cpu() &&
+                  block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.size(0) >= B && block_tables.stride(1) == 1 &&
+                  block_tables.device().is_cpu(),
+              "seq_lens must be int32 [", B, "] (one query per request) and block_tables "
+              "int32 [>= ", B, ", max_blocks] with contiguous rows, on the CPU");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1, "seq_len ", lens[b], " (a query sees at least itself)");
+    const int64_t blocks_needed = (lens[b] + block_size - 1) / block_size;
+    TORCH_CHECK(blocks_needed <= max_blocks, "seq_len ", lens[b],
+                " needs more blocks than the block table holds");
+    const int32_t* table = block_tables.data_ptr<int32_t>() + b * block_tables.stride(0);
+    for (int64_t j = 0; j < blocks_needed; ++j)
+      TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks, "block ", table[j],
+                  " outside the KV cache");
+  }
+}
+
+// q [B, H, D] fp32 or bf16 (one query per request; heads contiguous), kv_cache
+// [2, num_blocks, block_size, H_kv, D] of q's dtype, block_tables [>= B, max_blocks]
+// int32, seq_lens [B] int32 -> [B, H, D] of q's dtype (the file's header).
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  double scale, std::optional<int64_t> window,
+                                  std::optional<double> softcap) {
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  q.dim() == 3 && q.device().is_cpu(),
+              "q must be an fp32 or bf16 CPU tensor [B, H, D]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type() && kv_cache.is_contiguous() &&
+                  kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+                  kv_cache.size(4) == D,
+              "kv_cache must be a contiguous CPU tensor [2, num_blocks, block_size, H_kv, ", D,
+              "] of q's dtype");
+  const int64_t H_kv = kv_cache.size(3);
+  TORCH_CHECK(H_kv > 0 && H % H_kv == 0, "q's ", H, " heads must be a multiple of the ",
+              H_kv, " KV heads");
+  TORCH_CHECK(!window || *window >= 1, "a sliding window must be at least 1, got ", *window);
+  TORCH_CHECK(!softcap || *softcap > 0, "softcap must be positive, got ", *softcap);
+  check_block_tables(block_tables, seq_lens, B, kv_cache.size(1), kv_cache.size(2));
+  const at::Tensor q32 = q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({B, H, D}, q32.options());
+  if (B == 0) return out.to(q.scalar_type());
+  const PagedKV kv{kv_cache.data_ptr(), q.scalar_type() == at::kBFloat16, kv_cache.stride(0),
+                   kv_cache.size(2), block_tables.data_ptr<int32_t>(),
+                   block_tables.stride(0), seq_lens.data_ptr<int32_t>()};
+  attend_decodes(q32.data_ptr<float>(), H * D, kv, B, H, H_kv, D, window,
+                 static_cast<float>(scale),
+                 softcap ? std::optional<float>(static_cast<float>(*softcap)) : std::nullopt,
+                 out.data_ptr<float>());
+  return out.to(q.scalar_type());
+}
+
+}  // namespace PAGELLM_NS
+
+TORCH_LIBRARY_FRAGMENT(PAGELLM_NS, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, int? window, float? softcap) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &PAGELLM_NS::paged_decode_attention);
+}
