@@ -119,7 +119,7 @@ def test_bf16_logprobs_track_transformers_on_the_same_weights(model_dirs, make_l
     if packed and cpu_linear.REORDER_WEIGHT is None:
         pytest.skip("this torch has no oneDNN packed weights")
     monkeypatch.setattr(cpu_linear, "THIS_CPU",
-                        dataclasses.replace(cpu_linear.THIS_CPU, amx_bf16=packed))
+                        dataclasses.replace(cpu_linear.THIS_CPU, packed_bf16=packed))
     name, prompts = "qwen2", PROMPTS[1:7]
     copies = len(cpu_linear.PACKED_WEIGHTS)
     llm = make_llm(model_dirs[name], dtype="bfloat16",

@@ -131,10 +131,11 @@ BATCHES = {"gemv": [1, 9, 40], "gemm": [1, 9, 40, 3, 17, 5, 22]}
 
 
 @pytest.fixture
-def no_amx(monkeypatch):
-    """bf16 steps above the GEMV's rows are the fused step's on CPUs without AMX only."""
+def unpacked(monkeypatch):
+    """bf16 steps above the GEMV's rows are the fused step's where bf16 weights are not
+    packed (linear.py: CPUs without AMX or AVX512-BF16)."""
     monkeypatch.setattr(cpu_linear, "THIS_CPU",
-                        dataclasses.replace(cpu_linear.THIS_CPU, amx_bf16=False))
+                        dataclasses.replace(cpu_linear.THIS_CPU, packed_bf16=False))
 
 
 @pytest.mark.parametrize("batch", BATCHES)
@@ -152,7 +153,8 @@ def test_a_dense_decode_step_equals_the_torch_path(name, portable, batch):
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 @pytest.mark.parametrize("name", SPECS)
-def test_a_bf16_decode_step_rounds_where_the_torch_path_does(name, portable, batch, no_amx):
+def test_a_bf16_decode_step_rounds_where_the_torch_path_does(name, portable, batch,
+                                                            unpacked):
     """bf16: the torch path rounds to bf16 after each op; the fused step rounds at the
     same points, so its answer is the torch path's, but for roundings that tip where
     the two sum in another order or take another exp (SDPA's own, in the attention's
@@ -204,17 +206,17 @@ def test_a_window_hides_the_keys_before_it():
     assert not torch.allclose(got, unwindowed, rtol=1e-3, atol=1e-3)
 
 
-def test_it_takes_decode_steps_of_any_batch_but_bf16_above_the_gemv_with_amx(monkeypatch):
+def test_it_takes_decode_steps_of_any_batch_but_packed_bf16_above_the_gemv(monkeypatch):
     fused = CpuDecodeStep(_model(LLAMA, None), cpu_ops.load())
     assert fused.takes(1, 1) and fused.takes(64, 1)
     assert not fused.takes(3, 2)  # a prefill chunk in the step
     assert CpuDecodeStep(_model(LLAMA, "int4"), cpu_ops.load()).takes(64, 1)
-    for amx in (False, True):
+    for packed in (False, True):
         monkeypatch.setattr(cpu_linear, "THIS_CPU",
-                            dataclasses.replace(cpu_linear.THIS_CPU, amx_bf16=amx))
+                            dataclasses.replace(cpu_linear.THIS_CPU, packed_bf16=packed))
         bf16 = CpuDecodeStep(_model(LLAMA, None, torch.bfloat16), cpu_ops.load())
         assert bf16.takes(DENSE_ROWS, 1)
-        assert bf16.takes(DENSE_ROWS + 1, 1) is not amx
+        assert bf16.takes(DENSE_ROWS + 1, 1) is not packed
 
 
 def test_what_it_does_not_compute_takes_the_torch_path(monkeypatch):

@@ -592,7 +592,7 @@ def test_attention_bias_on_all_four_projections_matches_transformers(
 
 
 WAYS_SEEN: set[tuple[str, str, str]] = set()  # (CPU, dtype, way) the cases took
-# (intel_mkl, amx_bf16, avx512)
+# (intel_mkl, packed_bf16, avx512)
 CPUS = {"amd": (False, False, True), "avx2": (False, False, False),
         "intel": (True, False, True), "intel-amx": (True, True, True)}
 
@@ -676,7 +676,7 @@ def test_packed_weights_follow_every_write_to_the_weight(monkeypatch: pytest.Mon
     if cpu_linear.REORDER_WEIGHT is None:
         pytest.skip("this torch has no oneDNN packed weights")
     monkeypatch.setattr(cpu_linear, "THIS_CPU",
-                        dataclasses.replace(cpu_linear.THIS_CPU, intel_mkl=True, amx_bf16=True))
+                        dataclasses.replace(cpu_linear.THIS_CPU, intel_mkl=True, packed_bf16=True))
     packs = cpu_linear.PACKED_WEIGHTS
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 64, generator=gen).bfloat16()  # 8 rows: the PACKED way
@@ -782,7 +782,7 @@ def test_weights_are_packed_only_where_their_copies_fit(built: Built, tmp_path: 
     copies = sum(w.numel() * 2 for w in loader._meta_model(config, None).linear_weights())
     both = loader.weight_bytes(config) + copies
     monkeypatch.setattr(cpu_linear, "THIS_CPU",
-                        dataclasses.replace(cpu_linear.THIS_CPU, intel_mkl=False, amx_bf16=True))
+                        dataclasses.replace(cpu_linear.THIS_CPU, intel_mkl=False, packed_bf16=True))
     monkeypatch.setattr(loader, "available_memory", lambda device: 2 * both - 1024)
     tight = load_model(config, CPU)
     assert all(cpu_linear.PACKED_WEIGHTS.get(w) is None for w in tight.linear_weights())

@@ -221,7 +221,7 @@ def test_packed_bf16_weights_follow_extension_writes_sleep_and_updates(model_dir
     if cpu_linear.REORDER_WEIGHT is None:
         pytest.skip("this torch has no oneDNN packed weights")
     monkeypatch.setattr(cpu_linear, "THIS_CPU",
-                        dataclasses.replace(cpu_linear.THIS_CPU, amx_bf16=True))
+                        dataclasses.replace(cpu_linear.THIS_CPU, packed_bf16=True))
     monkeypatch.setenv("PYTHONPATH", str(SUPPORT))
     model_dir = model_dirs["llama"]
     old, new = checkpoint(model_dir), perturbed(model_dir, seed=5)

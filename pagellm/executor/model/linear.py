@@ -6,7 +6,8 @@
       ONEDNN  oneDNN's fp32 linear on the plain weights (no packed copy, so loading,
               weight updates and sleep see ordinary parameters)
       ATEN    F.linear: MKL's sgemv/sgemm for fp32, oneDNN's matmul for bf16
-      PACKED  oneDNN's linear on a packed copy of W (bf16 on CPUs with AMX)
+      PACKED  oneDNN's linear on a packed copy of W (bf16 on CPUs with AMX or
+              AVX512-BF16)
       GEMV    pagellm's bf16 GEMV (kernels/csrc/cpu_bf16.cpp: AVX-512, and AVX512-BF16's
               dot products where the CPU has them)
 
@@ -26,13 +27,16 @@ by width", has the tables):
   7-12 GB/s on the AMD EPYC, the GEMV at 20-35 (2.2-3.5x; 2026-11-29,
   docs/benchmarks-log.md). Without AVX-512 (or a compiler for the C++ ops): W_XT.
 - bf16 and fp16, any CPU: W_XT up to 4 rows (no reorder of W: it is the streamed
-  left operand), more rows ATEN, except bf16 on CPUs with AMX (below). On the Intel
+  left operand), more rows ATEN, except bf16 on CPUs with AMX or AVX512-BF16 (below). On the Intel
   machine W_XT also times 1.2-1.7x faster alone at 8-256 rows in bf16, but a
   48-request run through the engine was 5-9% slower with it: not adopted.
 - bf16 on CPUs with AMX (Intel Xeon from Sapphire Rapids), more than 4 rows: PACKED,
   oneDNN on a copy of W reordered once into its blocked layout. F.linear on the plain
   bf16 weights was 1.2-2.3x slower at 5-2048 rows (oneDNN seems to reorder W on every
   call: AMX wants it in pairs of rows); a 48-request bf16 run is ~20% faster packed.
+  The same on CPUs with AVX512-BF16 (AMD EPYC, 2026-11-29): packed 1.1-1.7x F.linear's
+  rate at 16-48 rows, 1.03-1.05x at 2048 (SmolLM2-135M's shapes and its LM head), a
+  48-request bf16 run 6-12% faster (against the fused decode step on plain weights).
 
 Packed copies (`PackedWeights`) cost a second copy of every linear weight in memory:
 the loader makes them only when weights and copies together take at most half of this
@@ -146,7 +150,7 @@ class Cpu:
     """What `choose` needs to know of a CPU."""
 
     intel_mkl: bool  # MKL's own kernels, as torch links it: only on Intel CPUs
-    amx_bf16: bool  # AMX tiles for bf16, and oneDNN's packed weights here
+    packed_bf16: bool  # oneDNN's packed bf16 weights (AMX or AVX512-BF16 here)
     avx512: bool  # the bf16 GEMV's vectors
 
 
@@ -154,7 +158,8 @@ ONEDNN_LINEAR = _onednn_linear()
 REORDER_WEIGHT = _reorder_weight()
 THIS_CPU = Cpu(
     intel_mkl=torch.backends.mkl.is_available() and _cpuinfo("vendor_id") == "GenuineIntel",
-    amx_bf16=REORDER_WEIGHT is not None and "amx_bf16" in _cpuinfo("flags").split(),
+    packed_bf16=REORDER_WEIGHT is not None
+    and not {"amx_bf16", "avx512_bf16"}.isdisjoint(_cpuinfo("flags").split()),
     avx512="avx512f" in _cpuinfo("flags").split())
 
 
@@ -242,7 +247,7 @@ def drop_packed() -> None:
 def packs_weights(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether GEMMs of a model of `dtype` on `device` take the PACKED way (the loader
     packs its linear weights if their copies fit)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and THIS_CPU.amx_bf16
+    return device.type == "cpu" and dtype == torch.bfloat16 and THIS_CPU.packed_bf16
 
 
 def choose(rows: int, in_features: int, dtype: torch.dtype, cpu: Cpu) -> Way:
@@ -257,7 +262,7 @@ def choose(rows: int, in_features: int, dtype: torch.dtype, cpu: Cpu) -> Way:
         return Way.ONEDNN
     if rows <= SMALL_BATCH_ROWS:
         return Way.GEMV if dtype == torch.bfloat16 and cpu.avx512 else Way.W_XT
-    return Way.PACKED if dtype == torch.bfloat16 and cpu.amx_bf16 else Way.ATEN
+    return Way.PACKED if dtype == torch.bfloat16 and cpu.packed_bf16 else Way.ATEN
 
 
 def gemm(way: Way, x: torch.Tensor, weight: torch.Tensor,

@@ -202,7 +202,7 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
     if copies:
         start = time.perf_counter()
         PACKED_WEIGHTS.pack(model.linear_weights())
-        logger.info("bf16 GEMMs on packed weights (AMX): %.2f GiB of copies made in %.1f s",
+        logger.info("bf16 GEMMs on packed weights: %.2f GiB of copies made in %.1f s",
                     copies / 2**30, time.perf_counter() - start)
     return model.eval()
 

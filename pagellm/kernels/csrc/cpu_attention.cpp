@@ -123,6 +123,22 @@ inline __m512 dot16(const float* q, const T* keys, int64_t stride, int64_t D) {
   return reduce16(acc);
 }
 
+#if PAGELLM_AVX512_BF16
+// dot16 for bf16 keys and a bf16 query (D a multiple of 32) with AVX512-BF16's dot
+// products of pairs: exact products summed in fp32, half the instructions of widening
+// each key to fp32 first.
+inline __m512 dot16(const bf16* q, const bf16* keys, int64_t stride, int64_t D) {
+  __m512 acc[16];
+  for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+    for (int k = 0; k < 16; ++k)
+      acc[k] = _mm512_dpbf16_ps(acc[k], qv, (__m512bh)_mm512_loadu_si512(keys + k * stride + d));
+  }
+  return reduce16(acc);
+}
+#endif
+
 // o[h] += sum_j w[h][j] v[j] for HEADS heads sharing the values (o rows D = 16 * CHUNKS
 // apart, w rows w_stride apart): each value vector is loaded once for all of them, and
 // the sums stay in registers over the block.
@@ -207,6 +223,7 @@ void attend(const float* q_all, int64_t q_stride, const PagedKV& kv, int64_t B, 
   at::parallel_for(0, B * H / per_item, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p;  // [per_item, n]: the item's heads' scores, then weights
     std::vector<float> sums(per_item);
+    std::vector<bf16> qb;  // [per_item, D]: q in bf16, for a bf16 cache's dot products
     for (int64_t u = begin; u < end; ++u) {
       const int64_t b = u * per_item / H, h0 = u * per_item % H;
       const int64_t g0 = h0 / group, g1 = (h0 + per_item - 1) / group + 1;  // its KV heads
@@ -216,6 +233,10 @@ void attend(const float* q_all, int64_t q_stride, const PagedKV& kv, int64_t B, 
       const float* q = q_all + b * q_stride + h0 * D;  // [per_item, D]
       float* o = out + b * H * D + h0 * D;  // [per_item, D]
       p.resize(per_item * n);
+#if PAGELLM_AVX512_BF16
+      constexpr bool pairs = std::is_same_v<T, bf16>;  // (dot products of bf16 pairs)
+      if (pairs && D % 32 == 0) qb.assign(q, q + per_item * D);  // exact: q holds bf16 values
+#endif
       // The item's heads i0 .. i0 + count - 1 (from h0) that KV head g serves.
       auto heads_of = [&](int64_t g) {
         const int64_t a = std::max(h0, g * group), z = std::min(h0 + per_item, (g + 1) * group);
@@ -244,6 +265,13 @@ void attend(const float* q_all, int64_t q_stride, const PagedKV& kv, int64_t B, 
           for (int64_t i = i0; i < i0 + count; ++i) {
             float* scores = p.data() + i * n + at;
             int64_t off = lo;
+#if PAGELLM_AVX512_BF16
+            if constexpr (pairs) {
+              if (D % 32 == 0)
+                for (; off + 16 <= hi; off += 16)
+                  _mm512_storeu_ps(scores + off, dot16(qb.data() + i * D, keys + off * row, row, D));
+            }
+#endif
 #if PAGELLM_AVX512
             if (D % 16 == 0)
               for (; off + 16 <= hi; off += 16)

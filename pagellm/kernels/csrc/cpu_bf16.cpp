@@ -23,12 +23,6 @@
 #include <cstdint>
 #include <vector>
 
-#if PAGELLM_AVX512 && defined(__AVX512BF16__)
-#define PAGELLM_AVX512_BF16 1
-#else
-#define PAGELLM_AVX512_BF16 0
-#endif
-
 namespace {
 
 using PAGELLM_NS::bf16;

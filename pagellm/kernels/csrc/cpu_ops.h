@@ -18,6 +18,11 @@
 #else
 #define PAGELLM_AVX512 0
 #endif
+#if PAGELLM_AVX512 && defined(__AVX512BF16__)
+#define PAGELLM_AVX512_BF16 1  // VDPBF16PS: dot products of bf16 pairs, summed in fp32
+#else
+#define PAGELLM_AVX512_BF16 0
+#endif
 
 // torch.ops.<PAGELLM_NS>: pagellm_cpu, or pagellm_cpu_portable for the plain-loop build
 // the tests load beside the native one (-DPAGELLM_PORTABLE -DPAGELLM_NS=...). The C++
