@@ -106,10 +106,10 @@ def test_bf16_logprobs_track_transformers_on_the_same_weights(model_dirs, make_l
     """bf16 on the CPU, the dtype real checkpoints load in: the logprob of every prompt
     token (prefill) and every sampled token (decode) within bf16's rounding of
     transformers' fp32 on the same bf16-rounded weights. GEMMs on plain weights, or on
-    packed ones (cpu_linear's path on CPUs with AMX, forced here on any CPU); six
-    prompts at once, so that decode steps take the more-than-4-rows way too, or (fused)
-    at most 4 a step, so that every decode step is the fused C++ step's
-    (executor/worker/cpu_decode.py). Greedy tokens are not compared: bf16 rounding
+    packed ones (cpu_linear's path on CPUs with AMX or AVX512-BF16, forced here either
+    way); six prompts at once, so that the fused decode step (executor/worker/
+    cpu_decode.py) takes its more-than-4-rows GEMM, plain or packed, or (fused) at most 4
+    a step, so that it takes its GEMV. Greedy tokens are not compared: bf16 rounding
     flips near-ties of random weights."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -124,7 +124,7 @@ def test_bf16_logprobs_track_transformers_on_the_same_weights(model_dirs, make_l
     copies = len(cpu_linear.PACKED_WEIGHTS)
     llm = make_llm(model_dirs[name], dtype="bfloat16",
                    **({"max_num_seqs": DENSE_ROWS} if fused else {}))
-    assert llm.engine_core.core.executor.runner.cpu_decode is not None  # (6 rows: unused)
+    assert llm.engine_core.core.executor.runner.cpu_decode is not None
     if packed:
         assert len(cpu_linear.PACKED_WEIGHTS) > copies  # made at load
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0, prompt_logprobs=0)

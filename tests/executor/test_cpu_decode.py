@@ -92,6 +92,8 @@ def _decode_both_ways(spec: DecoderSpec, quantization: str | None, prompt_lens: 
     copies of the cache: (fused hidden, torch hidden, fused caches, torch caches); with
     `fused` False the first two are None (the torch path's alone)."""
     model = _model(spec, quantization, dtype, bf16_weights)
+    if cpu_linear.packs_weights(dtype, torch.device("cpu")):  # as the loader does
+        cpu_linear.PACKED_WEIGHTS.pack(model.linear_weights())
     backend = TorchAttention(BLOCK)
     num_blocks = 128
     caches = [torch.zeros(2, num_blocks, BLOCK, spec.num_kv_heads, spec.head_dim, dtype=dtype)
@@ -130,12 +132,10 @@ def _decode_both_ways(spec: DecoderSpec, quantization: str | None, prompt_lens: 
 BATCHES = {"gemv": [1, 9, 40], "gemm": [1, 9, 40, 3, 17, 5, 22]}
 
 
-@pytest.fixture
-def unpacked(monkeypatch):
-    """bf16 steps above the GEMV's rows are the fused step's where bf16 weights are not
-    packed (linear.py: CPUs without AMX or AVX512-BF16)."""
-    monkeypatch.setattr(cpu_linear, "THIS_CPU",
-                        dataclasses.replace(cpu_linear.THIS_CPU, packed_bf16=False))
+# bf16 above the GEMV's rows: at::linear on the plain weights, or oneDNN on packed copies
+# (linear.py: CPUs with AMX or AVX512-BF16), the same way in both paths.
+BF16_BATCHES = {"gemv": ("gemv", False), "gemm": ("gemm", False),
+                "gemm-packed": ("gemm", True)}
 
 
 @pytest.mark.parametrize("batch", BATCHES)
@@ -150,11 +150,11 @@ def test_a_dense_decode_step_equals_the_torch_path(name, portable, batch):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("batch", BF16_BATCHES)
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 @pytest.mark.parametrize("name", SPECS)
 def test_a_bf16_decode_step_rounds_where_the_torch_path_does(name, portable, batch,
-                                                            unpacked):
+                                                            monkeypatch):
     """bf16: the torch path rounds to bf16 after each op; the fused step rounds at the
     same points, so its answer is the torch path's, but for roundings that tip where
     the two sum in another order or take another exp (SDPA's own, in the attention's
@@ -163,12 +163,17 @@ def test_a_bf16_decode_step_rounds_where_the_torch_path_does(name, portable, bat
     point left out (SiLU's, the attention weights') leaves 33-60% equal and moves the
     answer toward the exact one (the same bf16 weights and prompts in fp32), as far
     from the torch path as 19-64% of the exact one's distance."""
+    rows, packed = BF16_BATCHES[batch]
+    if packed and cpu_linear.REORDER_WEIGHT is None:
+        pytest.skip("this torch has no oneDNN packed weights")
+    monkeypatch.setattr(cpu_linear, "THIS_CPU",
+                        dataclasses.replace(cpu_linear.THIS_CPU, packed_bf16=packed))
     spec = dataclasses.replace(SPECS[name], num_layers=1,
                                layer_windows=SPECS[name].layer_windows[:1])
-    got, expected, caches, torch_caches = _decode_both_ways(spec, None, BATCHES[batch],
+    got, expected, caches, torch_caches = _decode_both_ways(spec, None, BATCHES[rows],
                                                             portable, torch.bfloat16)
     assert got.dtype == torch.bfloat16
-    _, exact, _, _ = _decode_both_ways(spec, None, BATCHES[batch], fused=False,
+    _, exact, _, _ = _decode_both_ways(spec, None, BATCHES[rows], fused=False,
                                        bf16_weights=True)
     assert (got == expected).double().mean() > 0.65
     ours = (got.double() - expected.double()).abs()
@@ -206,17 +211,11 @@ def test_a_window_hides_the_keys_before_it():
     assert not torch.allclose(got, unwindowed, rtol=1e-3, atol=1e-3)
 
 
-def test_it_takes_decode_steps_of_any_batch_but_packed_bf16_above_the_gemv(monkeypatch):
-    fused = CpuDecodeStep(_model(LLAMA, None), cpu_ops.load())
-    assert fused.takes(1, 1) and fused.takes(64, 1)
-    assert not fused.takes(3, 2)  # a prefill chunk in the step
-    assert CpuDecodeStep(_model(LLAMA, "int4"), cpu_ops.load()).takes(64, 1)
-    for packed in (False, True):
-        monkeypatch.setattr(cpu_linear, "THIS_CPU",
-                            dataclasses.replace(cpu_linear.THIS_CPU, packed_bf16=packed))
-        bf16 = CpuDecodeStep(_model(LLAMA, None, torch.bfloat16), cpu_ops.load())
-        assert bf16.takes(DENSE_ROWS, 1)
-        assert bf16.takes(DENSE_ROWS + 1, 1) is not packed
+def test_it_takes_every_decode_only_step():
+    for quantization in (None, "int4"):
+        fused = CpuDecodeStep(_model(LLAMA, quantization), cpu_ops.load())
+        assert fused.takes(1, 1) and fused.takes(DENSE_ROWS + 1, 1) and fused.takes(64, 1)
+        assert not fused.takes(3, 2)  # a prefill chunk in the step
 
 
 def test_what_it_does_not_compute_takes_the_torch_path(monkeypatch):

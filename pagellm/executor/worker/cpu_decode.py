@@ -17,11 +17,9 @@ or the CPU int kernel's int4 / int8 projections), or in bf16 with a bf16 KV cach
 tensor), without tensor parallelism, LoRA, mixture-of-experts layers, OLMoE's q/k
 clipping and norms or soft-capping (Gemma's own classes). A dense projection is a GEMV
 for up to `DENSE_ROWS` tokens and the torch path's GEMM above (oneDNN's for fp32,
-at::linear for bf16), where the fused step saved 15-18% of a 48-request run against
-the torch path (fp32 and bf16, SmolLM2-135M, 2-core AMD EPYC); bf16 on CPUs with AMX
-or AVX512-BF16 takes the torch path above `DENSE_ROWS` tokens, for its packed weights
-(6-12% faster there than the fused step on plain ones). Everything else takes the torch
-path, unchanged.
+at::linear for bf16, oneDNN's on the loader's packed copies where it made them), where
+the fused step saved 15-18% of a 48-request run against the torch path (fp32 and bf16,
+SmolLM2-135M, 2-core AMD EPYC). Everything else takes the torch path, unchanged.
 
 The model's tensors are gathered once into the op's lists (0.3-0.5 ms of attribute reads
 for 30 layers: 5-10% of an int4 step) and kept until `forget`, which the worker calls
@@ -108,11 +106,14 @@ class CpuDecodeStep:
             (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
             for _, a, mlp in self.layers]
         # Dense projections of more tokens than the GEMV takes run as the torch path runs
-        # them (linear.py): fp32 through oneDNN's GEMM, bf16 through at::linear, except
-        # on CPUs with AMX or AVX512-BF16, where the torch path's packed bf16 weights
-        # are faster (linear.py).
+        # them (linear.py): fp32 through oneDNN's GEMM, bf16 through at::linear or, where
+        # the loader packed the weights (CPUs with AMX or AVX512-BF16), oneDNN's GEMM on
+        # the packed copies, looked up at every such step (`PACKED_WEIGHTS.get` packs
+        # again a weight written in place since).
         dtype = model.model.norm.weight.dtype  # the model's
-        self.any_batch = dtype == torch.float32 or not cpu_linear.THIS_CPU.packed_bf16
+        self.packable = [  # (index in decode_layers' weights, projection)
+            (3 * i, proj) for i, proj in enumerate(p for ps in self.projections for p in ps)
+            if proj.quant is None] if cpu_linear.packs_weights(dtype, torch.device("cpu")) else []
         self.windows = [a.attn.sliding_window or 0 for _, a, _ in self.layers]
         self.scales = [a.attn.scale for _, a, _ in self.layers]
         first = self.layers[0][1]
@@ -139,7 +140,7 @@ class CpuDecodeStep:
     def takes(self, num_tokens: int, max_query_len: int) -> bool:
         """Whether a step of `num_tokens` with queries of at most `max_query_len` is one
         this runs."""
-        return max_query_len == 1 and (num_tokens <= DENSE_ROWS or self.any_batch)
+        return max_query_len == 1
 
     def forget(self) -> None:
         """The model's tensors may have been replaced: gather them again next step."""
@@ -176,6 +177,11 @@ class CpuDecodeStep:
         if self._operands is None:
             self._operands = self.operands()
         weights, linear_meta, norms, biases = self._operands
+        if len(input_ids) > DENSE_ROWS and self.packable:  # packed copies in scales' slot
+            weights = list(weights)
+            for i, proj in self.packable:
+                packed = cpu_linear.PACKED_WEIGHTS.get(proj.weight)
+                weights[i + 1] = _NONE if packed is None else packed
         num_heads, num_kv_heads, head_dim = self.heads
         hidden: torch.Tensor = self.ops.decode_layers(
             x, positions, rope.cos_cache, rope.sin_cache, meta.slot_mapping,

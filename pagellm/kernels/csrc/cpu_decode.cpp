@@ -137,8 +137,9 @@ void gemv(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_
     for (int r = 0; r < ROWS; ++r) y[r * N + n] = dot(x + r * K, w + n * K, K);
 }
 
-// One projection's operands: a dense fp32 weight [N, K] (bits 0) or the int kernel's
-// codes, scales and zeros (bits 4 or 8, group_size G).
+// One projection's operands: a dense weight [N, K] (bits 0) and, for a bf16 one, oneDNN's
+// packed copy of it or an empty tensor (in `scales`' place: GEMMs of more rows than the
+// GEMV's take it), or the int kernel's codes, scales and zeros (bits 4 or 8, group_size G).
 struct Projection {
   const at::Tensor& weight;
   const at::Tensor& scales;
@@ -146,11 +147,12 @@ struct Projection {
   int64_t bits, group_size, out_features;
 };
 
-// x [M, K] @ w [N, K]^T (+ bias), fp32, for more rows than the GEMV takes: oneDNN's
-// linear on the plain weights where this torch has it (linear.py's ONEDNN way: at 48
-// rows 1.1-1.5x MKL's, which at::linear runs), else at::linear.
+// x [M, K] @ w [N, K]^T (+ bias), for more rows than the GEMV takes: oneDNN's linear,
+// on fp32's plain weights where this torch has it (linear.py's ONEDNN way: at 48 rows
+// 1.1-1.5x MKL's, which at::linear runs), else at::linear; or on a bf16 weight's packed
+// copy (`packed`: linear.py's PACKED way).
 at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& w,
-                      const std::optional<at::Tensor>& bias) {
+                      const std::optional<at::Tensor>& bias, bool packed = false) {
   using Signature = at::Tensor(const at::Tensor&, const at::Tensor&,
                                const std::optional<at::Tensor>&, c10::string_view,
                                c10::List<std::optional<c10::Scalar>>,
@@ -161,6 +163,7 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& w,
     if (!handle || !handle->hasKernelForDispatchKey(c10::DispatchKey::CPU)) return std::nullopt;
     return handle->typed<Signature>();
   }();
+  TORCH_CHECK(onednn || !packed, "a packed weight without oneDNN's linear");
   if (!onednn) return at::linear(x, w, bias);
   return onednn->call(x, w, bias, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt);
 }
@@ -192,7 +195,9 @@ at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& b
                     p.weight.size(1) == K,
                 "a dense bf16 projection must be a contiguous [", N, ", ", K, "] weight");
     if (gemm) {
-      y = at::linear(x.to(at::kBFloat16), p.weight, gemm_bias).to(at::kFloat);
+      const bool packed = p.scales.defined() && p.scales.numel() != 0;  // linear.py's PACKED
+      y = packed ? dense_gemm(x.to(at::kBFloat16), p.scales, gemm_bias, true).to(at::kFloat)
+                 : at::linear(x.to(at::kBFloat16), p.weight, gemm_bias).to(at::kFloat);
     } else {  // (x to bf16 here, not through a torch op: 120 of them a token at batch 1)
       const float* xp = x.data_ptr<float>();
       std::vector<bf16> xb(xp, xp + M * K);  // exact: x holds bf16 values
@@ -449,4 +454,6 @@ TORCH_LIBRARY_FRAGMENT(PAGELLM_NS, m) {
         "int[] windows, float[] scales, int num_heads, int num_kv_heads, int head_dim, "
         "float eps, Tensor final_norm) -> Tensor");
   m.impl("decode_layers", c10::DispatchKey::CPU, &PAGELLM_NS::decode_layers);
+  // A bf16 model's weights may hold oneDNN's packed copies (opaque MkldnnCPU tensors).
+  m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, &PAGELLM_NS::decode_layers);
 }
