@@ -176,14 +176,16 @@ void accumulate_all(float* o, const T* v, int64_t stride, const float* w, int64_
 }
 #endif
 
-// Asks for `rows` rows of `width` elements, `stride` apart, into the cache.
+// Asks for `rows` rows of `width` elements, `stride` apart, into L2 (into L1 the
+// prefetches of a whole block queued behind each other: a fifth of a bf16 attention's
+// samples sat on them, and 48 requests of 500-token contexts ran 10-20% slower).
 template <typename T>
 void prefetch(const T* p, int64_t rows, int64_t stride, int64_t width) {
 #if PAGELLM_AVX512
   const int64_t bytes = width * static_cast<int64_t>(sizeof(T));
   for (int64_t r = 0; r < rows; ++r) {
     const char* line = reinterpret_cast<const char*>(p + r * stride);
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(line + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(line + b, _MM_HINT_T1);
   }
 #else
   (void)p, (void)rows, (void)stride, (void)width;
