@@ -17,6 +17,8 @@ import pytest
 import transformers
 from helpers import ROOT, free_port
 
+from pagellm.kernels import cpu_ops
+
 pytestmark = pytest.mark.slow
 
 
@@ -37,8 +39,8 @@ def test_the_wheel_installs_only_the_pagellm_namespace(wheel):
     for part in ("protocol", "enginecore", "executor", "kernels", "frontend"):
         assert f"pagellm/{part}/__init__.py" in names
     assert "pagellm/frontend/server/template_sandbox.py" in names
-    for source in ("cpu_int_gemm.cpp", "cpu_decode.cpp", "cpu_ops.h"):  # compiled on first use
-        assert f"pagellm/kernels/csrc/{source}" in names
+    for source in cpu_ops.SOURCES + cpu_ops.HEADERS:  # compiled on first use
+        assert f"pagellm/kernels/csrc/{source.name}" in names
 
 
 def test_a_plain_install_runs_the_engine_the_server_and_the_standalone_core(wheel, tmp_path):

@@ -47,7 +47,7 @@ using PAGELLM_NS::load16;
 
 // e[i] = exp(e[i] - top) for i < n; returns their sum. AVX-512: 16 at a time, Cephes'
 // expf (2^k * e^r, |r| <= ln2 / 2, a degree-6 polynomial: within 2 ulp of glibc's expf,
-// tests/executor/test_cpu_decode.py), where glibc's scalar expf made the softmax the
+// tests/kernels/test_cpu_attention.py), where glibc's scalar expf made the softmax the
 // biggest part of attention at a few hundred keys.
 float exp_sum(float* e, int64_t n, float top) {
   float sum = 0.f;

@@ -14,20 +14,21 @@
 //   a   = rms(residual) * w_in
 //   qkv = a @ Wqkv^T (+ b)           [T, (H + 2 H_kv) D]; per-head q/k RMSNorm (Qwen3)
 //   q, k rotated (neox halves, the first R dimensions); k, v written to slot_mapping
-//   o   = attend(q, paged keys/values of the request) @ Wo^T (+ b)
+//   o   = attend(q, paged keys/values of the request) @ Wo^T (+ b)   (cpu_attention.cpp)
 //   residual = o + residual; a = rms(residual) * w_post
 //   h   = (silu(a @ Wg^T) * (a @ Wu^T)) @ Wd^T
 //
 // and rms(h + residual) * w_final at the end. Projections are dense fp32 (a GEMV for up
-// to 4 rows, else at::linear) or the int kernel's tiled int4/int8 (int_gemm).
+// to 4 rows, else oneDNN's linear: `dense_gemm`) or the int kernel's tiled int4/int8
+// (int_gemm).
 //
 // A bf16 model (x, the weights, norms, biases and the KV cache in bf16; the RoPE tables
-// in fp32) runs the same code in fp32 with every value rounded to bf16
-// where the torch path holds a bf16 tensor (`Round`): the residual sum, the norm before
-// and after its weight, each projection's output and its bias sum, the rotation's two
-// products and their sum, the attention's weights (SDPA's bf16 P) and output, SiLU and
-// its product. Its dense
-// projections are cpu_bf16.cpp's GEMV (fp32 sums, rounded once, as torch's).
+// in fp32) runs the same code in fp32 with every value rounded to bf16 where the torch
+// path holds a bf16 tensor (`Round`): the residual sum, the norm before and after its
+// weight, each projection's output and its bias sum, the rotation's two products and
+// their sum, the attention's weights (SDPA's bf16 P) and output, SiLU and its product.
+// Its dense projections are cpu_bf16.cpp's GEMV up to 4 rows (fp32 sums, rounded once,
+// as torch's), else at::linear or oneDNN's linear on the loader's packed copy.
 
 #include "cpu_ops.h"
 
