@@ -27,9 +27,9 @@ by width", has the tables):
   7-12 GB/s on the AMD EPYC, the GEMV at 20-35 (2.2-3.5x; 2026-11-29,
   docs/benchmarks-log.md). Without AVX-512 (or a compiler for the C++ ops): W_XT.
 - bf16 and fp16, any CPU: W_XT up to 4 rows (no reorder of W: it is the streamed
-  left operand), more rows ATEN, except bf16 on CPUs with AMX or AVX512-BF16 (below). On the Intel
-  machine W_XT also times 1.2-1.7x faster alone at 8-256 rows in bf16, but a
-  48-request run through the engine was 5-9% slower with it: not adopted.
+  left operand), more rows ATEN, except bf16 on CPUs with AMX or AVX512-BF16 (below).
+  On the Intel machine W_XT also times 1.2-1.7x faster alone at 8-256 rows in bf16, but
+  a 48-request run through the engine was 5-9% slower with it: not adopted.
 - bf16 on CPUs with AMX (Intel Xeon from Sapphire Rapids), more than 4 rows: PACKED,
   oneDNN on a copy of W reordered once into its blocked layout. F.linear on the plain
   bf16 weights was 1.2-2.3x slower at 5-2048 rows (oneDNN seems to reorder W on every
@@ -156,11 +156,11 @@ class Cpu:
 
 ONEDNN_LINEAR = _onednn_linear()
 REORDER_WEIGHT = _reorder_weight()
+_FLAGS = set(_cpuinfo("flags").split())
 THIS_CPU = Cpu(
     intel_mkl=torch.backends.mkl.is_available() and _cpuinfo("vendor_id") == "GenuineIntel",
-    packed_bf16=REORDER_WEIGHT is not None
-    and not {"amx_bf16", "avx512_bf16"}.isdisjoint(_cpuinfo("flags").split()),
-    avx512="avx512f" in _cpuinfo("flags").split())
+    packed_bf16=REORDER_WEIGHT is not None and not {"amx_bf16", "avx512_bf16"}.isdisjoint(_FLAGS),
+    avx512="avx512f" in _FLAGS)
 
 
 class PackedWeights:

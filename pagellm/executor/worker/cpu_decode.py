@@ -137,9 +137,9 @@ class CpuDecodeStep:
         assert isinstance(model, DecoderForCausalLM)
         return cls(model, ops)
 
-    def takes(self, num_tokens: int, max_query_len: int) -> bool:
-        """Whether a step of `num_tokens` with queries of at most `max_query_len` is one
-        this runs."""
+    def takes(self, max_query_len: int) -> bool:
+        """Whether a step whose queries are at most `max_query_len` tokens long is one
+        this runs: every decode-only step, whatever its batch."""
         return max_query_len == 1
 
     def forget(self) -> None:

@@ -332,8 +332,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         if inputs.graph_size is not None and self.graphs is not None:
             hidden = self.graphs.replay(inputs.graph_size)  # [padded size, H]
-        elif self.cpu_decode is not None and self.cpu_decode.takes(
-                len(inputs.input_ids), inputs.meta.max_query_len):
+        elif self.cpu_decode is not None and self.cpu_decode.takes(inputs.meta.max_query_len):
             hidden = self.cpu_decode(inputs.input_ids, inputs.positions, inputs.meta,
                                      self.kv_caches)
         else:

@@ -151,9 +151,9 @@ struct Projection {
 // x [M, K] @ w [N, K]^T (+ bias), for more rows than the GEMV takes: oneDNN's linear,
 // on fp32's plain weights where this torch has it (linear.py's ONEDNN way: at 48 rows
 // 1.1-1.5x MKL's, which at::linear runs), else at::linear; or on a bf16 weight's packed
-// copy (`packed`: linear.py's PACKED way).
+// copy, an opaque oneDNN tensor (linear.py's PACKED way).
 at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& w,
-                      const std::optional<at::Tensor>& bias, bool packed = false) {
+                      const std::optional<at::Tensor>& bias) {
   using Signature = at::Tensor(const at::Tensor&, const at::Tensor&,
                                const std::optional<at::Tensor>&, c10::string_view,
                                c10::List<std::optional<c10::Scalar>>,
@@ -164,7 +164,7 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& w,
     if (!handle || !handle->hasKernelForDispatchKey(c10::DispatchKey::CPU)) return std::nullopt;
     return handle->typed<Signature>();
   }();
-  TORCH_CHECK(onednn || !packed, "a packed weight without oneDNN's linear");
+  TORCH_CHECK(onednn || !w.is_mkldnn(), "a packed weight without oneDNN's linear");
   if (!onednn) return at::linear(x, w, bias);
   return onednn->call(x, w, bias, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt);
 }
@@ -197,7 +197,7 @@ at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& b
                 "a dense bf16 projection must be a contiguous [", N, ", ", K, "] weight");
     if (gemm) {
       const bool packed = p.scales.defined() && p.scales.numel() != 0;  // linear.py's PACKED
-      y = packed ? dense_gemm(x.to(at::kBFloat16), p.scales, gemm_bias, true).to(at::kFloat)
+      y = packed ? dense_gemm(x.to(at::kBFloat16), p.scales, gemm_bias).to(at::kFloat)
                  : at::linear(x.to(at::kBFloat16), p.weight, gemm_bias).to(at::kFloat);
     } else {  // (x to bf16 here, not through a torch op: 120 of them a token at batch 1)
       const float* xp = x.data_ptr<float>();
