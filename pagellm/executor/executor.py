@@ -17,6 +17,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from pagellm.executor.model.config import ModelConfig, resolve_device, resolve_model_config
 from pagellm.executor.model.parallel import check_divisible
 from pagellm.executor.worker.worker import (
@@ -96,8 +99,6 @@ class Executor(ABC):
         """CUDA's current device is per thread: the step thread's is the worker's."""
         self._step_thread_id = threading.get_ident()
         if self.device.type == "cuda":
-            import torch
-
             torch.cuda.set_device(self.device)
 
     def _on_step_thread(self, call: Callable[..., Any], *args: Any) -> Any:
@@ -220,8 +221,6 @@ class UniProcExecutor(Executor):
 
     def _release_group(self) -> None:
         if self._own_group:
-            import torch.distributed as dist
-
             self._own_group = False
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -230,8 +229,6 @@ class UniProcExecutor(Executor):
 def _default_group_of_one(device: Any) -> bool:
     """Make this process's default torch.distributed group, of one rank, if it has
     none (an in-memory store: nothing listens on a port). True if made here."""
-    import torch.distributed as dist
-
     if not dist.is_available() or dist.is_initialized():
         return False
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",

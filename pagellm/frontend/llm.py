@@ -7,6 +7,7 @@ import inspect
 import itertools
 import os
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,6 +80,9 @@ class LLM:
             args, asyncio_mode=False, multiprocess=engine_in_own_process(args, multiprocess),
             engine_address=engine_address,
             curve=CurveClientKeys.from_paths(curve_secret_key, curve_server_public_key))
+        # At exit, before the interpreter tears its modules down (a __del__ run then
+        # found torch.distributed half gone and printed a traceback), and when collected.
+        self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
         self.info = self.engine_core.info
         self.input_processor = InputProcessor(
             self.tokenizer, self.info, generation_eos_token_ids(args.model),
@@ -341,13 +345,10 @@ class LLM:
     # -- lifecycle -----------------------------------------------------------------
 
     def shutdown(self) -> None:
-        engine_core = getattr(self, "engine_core", None)
-        if engine_core is not None:
-            self.engine_core = None
-            engine_core.shutdown()
-
-    def __del__(self) -> None:
-        self.shutdown()
+        self.engine_core = None
+        finalizer = getattr(self, "_finalizer", None)  # absent if __init__ failed early
+        if finalizer is not None:
+            finalizer()  # the client's shutdown, once
 
     def __enter__(self) -> LLM:
         return self

@@ -5,6 +5,9 @@ decode, or an earlier greedy run of the same engine."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import textwrap
 
 import psutil
 import pytest
@@ -348,6 +351,22 @@ def test_context_manager_shuts_down(model_dirs):
         assert llm.generate("x", GREEDY, use_tqdm=False)[0].finished
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate("x", GREEDY, use_tqdm=False)
+
+
+def test_an_in_process_llm_left_open_exits_cleanly(model_dirs):
+    """A script that never calls shutdown: the engine stops at exit, before the
+    interpreter tears its modules down (it printed a traceback from torch.distributed)."""
+    script = textwrap.dedent(f"""
+        from pagellm import LLM, SamplingParams
+        llm = LLM({str(model_dirs["llama"])!r}, kv_cache_memory_bytes=2**20,
+                  multiprocess=False)
+        llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, \
+        done.stderr
 
 
 def test_progress_bar_reports_tokens_per_second(llama, capsys):
