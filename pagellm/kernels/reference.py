@@ -85,6 +85,11 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
 # length, decodes split into groups where one long context does not pad all the others.
 DECODE_PADDING_SLACK = 1.3
 
+# (q [Q, H, D], k [L, H_kv, D], v, scale) -> [Q, H, D]: the last Q of L positions,
+# causally; `planned_attention` hands it the queries of these dtypes.
+PrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+PREFILL_DTYPES = (torch.float32, torch.bfloat16)
+
 
 @dataclass
 class Prefill:
@@ -318,12 +323,13 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
 
 def planned_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan,
                       scale: float, key: torch.Tensor | None = None,
-                      value: torch.Tensor | None = None, softcap: float | None = None
-                      ) -> torch.Tensor:
+                      value: torch.Tensor | None = None, softcap: float | None = None,
+                      prefill: PrefillAttention | None = None) -> torch.Tensor:
     """`paged_attention` with the index work done (`plan_attention`, which fixed the
     sliding window). key, value: [num_tokens, num_kv_heads, head_dim], this step's own
     (already in the cache); a fresh prompt attends to them directly instead of
-    gathering them back."""
+    gathering them back. `prefill`: what attends a prompt's queries causally (the CPU's
+    C++ op, fp32 and bf16) in place of SDPA, where there is no window or softcap."""
     _, num_heads, head_dim = query.shape
     num_kv_heads, kv_head_dim = kv_cache.shape[3:]
     assert kv_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -347,7 +353,9 @@ def planned_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: Attenti
             k, v = (t.view(-1, num_kv_heads, head_dim)[:p.seq_len - p.key_start]
                     .to(query.dtype) for t in _gather(kv_cache, p.blocks, plan.scratch))
         if window is None and softcap is None:
-            out[p.start:p.end] = _prefill_attention(query[p.start:p.end], k, v, scale)
+            attend = (prefill if prefill is not None and query.dtype in PREFILL_DTYPES
+                      else _prefill_attention)
+            out[p.start:p.end] = attend(query[p.start:p.end], k, v, scale)
         else:
             out[p.start:p.end] = _tiled_prefill_attention(query[p.start:p.end], k, v, scale,
                                                           p.key_start, window, softcap)

@@ -1,10 +1,13 @@
-"""The CPU's C++ decode attention (csrc/cpu_attention.cpp, `paged_decode_attention`)
-against float64 attention over the same keys (tests/support/attention_batches.py: block
-tables shuffled, every slot no request owns NaN), and the torch backend that runs it for
-the one-token queries of mixed steps (executor/model/attention.py). Both builds run: the
-native one (AVX-512) and the portable plain loops."""
+"""The CPU's C++ attention (csrc/cpu_attention.cpp): `paged_decode_attention` against
+float64 attention over the same keys (tests/support/attention_batches.py: block tables
+shuffled, every slot no request owns NaN), `prefill_attention` against float64 causal
+attention of prompts and later chunks (rows past the keys NaN), and the torch backend
+that runs both in mixed steps (executor/model/attention.py). Both builds run: the native
+one (AVX-512) and the portable plain loops."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -114,14 +117,96 @@ def test_bad_tables_and_inputs_are_refused_by_name(ops):
         ops.paged_decode_attention(q, cache, tables, lens, 1.0, 0, None)
 
 
+# (queries, keys): whole prompts (Q == L) inside one 16-query tile, across tiles and
+# across 16-key tiles, one token; later chunks (Q < L) of one and of several tiles.
+PROMPTS = [(1, 1), (5, 5), (16, 16), (17, 17), (40, 40), (3, 40), (20, 95), (33, 50)]
+
+
+def _prompt(shape: tuple[int, int], heads: int, kv_heads: int, head_dim: int,
+            dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    """q [Q, H, D], k and v [L, H_kv, D] as a step holds them: rows of one projection
+    output (strided), and NaN in the rows after the last key, where a read past the
+    keys would show."""
+    q_len, seq_len = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(q_len, heads + 2, head_dim, generator=g).to(dtype)[:, :heads]
+    kv = torch.randn(2, seq_len + 16, kv_heads + 1, head_dim, generator=g).to(dtype)
+    kv[:, seq_len:] = math.nan
+    return q, kv[0, :seq_len, :kv_heads], kv[1, :seq_len, :kv_heads]
+
+
+def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                      ) -> torch.Tensor:
+    """float64: query i of Q at position L - Q + i sees keys j <= that position."""
+    q_len, seq_len, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    qt, kt, vt = (t.double().transpose(0, 1) for t in (q, k, v))
+    kt, vt = kt.repeat_interleave(group, 0), vt.repeat_interleave(group, 0)
+    future = torch.arange(seq_len)[None, :] > torch.arange(seq_len - q_len, seq_len)[:, None]
+    scores = (qt @ kt.transpose(1, 2) * scale).masked_fill(future, -math.inf)
+    return (torch.softmax(scores, -1) @ vt).transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize("gqa_ratio", [1, 3])
+def test_prompts_match_float64_causal_attention(ops, gqa_ratio: int, head_dim: int,
+                                                dtype: torch.dtype):
+    scale = head_dim ** -0.5
+    rtol, atol = TOLERANCES[dtype]
+    for i, shape in enumerate(PROMPTS):
+        q, k, v = _prompt(shape, gqa_ratio * NUM_KV_HEADS, NUM_KV_HEADS, head_dim, dtype,
+                          seed=i)
+        out = ops.prefill_attention(q, k, v, scale)
+        assert out.dtype == dtype and out.shape == q.shape
+        assert bool(torch.isfinite(out).all()), shape  # nothing past the keys was read
+        torch.testing.assert_close(out.double(), _causal_reference(q, k, v, scale),
+                                   rtol=rtol, atol=atol, msg=lambda m, s=shape: f"{s}: {m}")
+
+
+def test_bf16_prompts_round_their_weights_as_sdpa_does(ops):
+    """torch's SDPA (the path this op replaced) rounds the attention weights to bf16
+    before they weigh the values; so does the op, and most outputs are then equal
+    (their sums' order differs). Weights left in fp32 agree far less often."""
+    q, k, v = _prompt((136, 136), 9, 3, 64, torch.bfloat16, seed=5)
+    out = ops.prefill_attention(q, k, v, 0.125)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), is_causal=True,
+        enable_gqa=True, scale=0.125)[0].transpose(0, 1)
+    unrounded = _causal_reference(q, k, v, 0.125).to(torch.bfloat16)
+    assert (out == sdpa).float().mean() > 0.9
+    assert (unrounded == sdpa).float().mean() < 0.8
+
+
+def test_bad_prompt_inputs_are_refused_by_name(ops):
+    q, k, v = _prompt((5, 8), 6, 2, 32, torch.float32, seed=1)
+    with pytest.raises(RuntimeError, match="must all be fp32 or all bf16"):
+        ops.prefill_attention(q.bfloat16(), k, v, 1.0)
+    with pytest.raises(RuntimeError, match="L >= 5 queries"):
+        ops.prefill_attention(q, k[:4], v[:4], 1.0)
+    with pytest.raises(RuntimeError, match="H_kv dividing 5 heads"):
+        ops.prefill_attention(q[:, :5], k, v, 1.0)
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        ops.prefill_attention(q, k.transpose(0, 1).contiguous().transpose(0, 1), v, 1.0)
+    with pytest.raises(RuntimeError, match="tokens, heads, head_dim"):
+        ops.prefill_attention(q[0], k, v, 1.0)
+
+
 def test_the_torch_backend_attends_a_mixed_steps_decodes_with_it():
     """Prompts, later chunks and decodes interleaved (request_shapes): the decodes go
-    through the C++ op, the rest through the reference plan, each into its own rows; a
-    decode-only step goes through the op alone. Layers with and without a window and a
-    softcap share the step."""
+    through the decode op, the prompts and chunks through the prefill op (but under a
+    window or softcap, through the reference plan's), each into its own rows; a
+    decode-only step goes through the decode op alone. Layers with and without a window
+    and a softcap share the step."""
     ops = cpu_ops.load()
     batch = make_batch(3 * NUM_KV_HEADS, 32, 16, torch.float32, seed=11)
-    backend = TorchAttention(16, ops.paged_decode_attention)
+    prompts: list[int] = []  # the queries of each prefill op call
+
+    def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                ) -> torch.Tensor:
+        prompts.append(q.shape[0])
+        return ops.prefill_attention(q, k, v, scale)
+
+    backend = TorchAttention(16, ops.paged_decode_attention, prefill)
     meta = _metadata(batch, backend)
     backend.prepare(meta)
     assert meta.plan is not None and meta.plan.decodes == []  # planned for the op
@@ -130,9 +215,13 @@ def test_the_torch_backend_attends_a_mixed_steps_decodes_with_it():
     key, value = (torch.cat([t[s - q:] for t, (q, s) in zip(ts, shapes, strict=True)])
                   for ts in (batch.keys, batch.values))
     for window, softcap in [(None, None), (5, None), (None, 2.0), (1000, None)]:
+        prompts.clear()
         out = backend(batch.query, key, value, batch.kv_cache, meta, 0.3, window, softcap)
         torch.testing.assert_close(out.double(), naive_attention(batch, 0.3, window, softcap),
                                    rtol=1e-5, atol=1e-5)
+        # (a window that holds every context whole is full attention: the op's)
+        assert prompts == ([q for q, _ in shapes if q > 1] if window in (None, 1000)
+                           and softcap is None else [])
     decodes = make_batch(3 * NUM_KV_HEADS, 32, 16, torch.float32, seed=12, shapes=DECODES)
     meta = _metadata(decodes, backend)
     backend.prepare(meta)

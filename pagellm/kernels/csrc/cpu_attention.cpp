@@ -1,7 +1,10 @@
-// Decode attention on the CPU: one query per request over its paged keys and values,
-// read in place through its block table (no gather), for the fused decode step
-// (cpu_decode.cpp) and, as `paged_decode_attention`, for the decodes of the torch path's
-// steps (executor/model/attention.py, TorchAttention).
+// Attention on the CPU, two ops (executor/model/attention.py, TorchAttention):
+//
+// - decode attention: one query per request over its paged keys and values, read in
+//   place through its block table (no gather), for the fused decode step (cpu_decode.cpp)
+//   and, as `paged_decode_attention`, for the decodes of the torch path's steps;
+// - `prefill_attention`: a prompt's queries over its keys, causal (at the end of the
+//   file).
 //
 // Why: the torch path gathered each decode's blocks into a padded [B, L] batch
 // (index_select), zeroed its stale rows and ran SDPA with an additive mask: at 48
@@ -310,6 +313,93 @@ void attend(const float* q_all, int64_t q_stride, const PagedKV& kv, int64_t B, 
   });
 }
 
+// ---- Prefill attention ---------------------------------------------------------------
+//
+// The last Q of a prompt's L positions (a whole fresh prompt: Q == L; a later chunk:
+// Q < L) attend causally: query i sits at position L - Q + i and sees keys j <= that.
+//
+// Why not torch's SDPA, which the torch path called per prompt: its CPU flash kernel
+// computes whole 512-key blocks under the causal mask (half of a 136-token prompt's
+// products thrown away) through small MKL GEMM calls, and ran SmolLM2's prompts at
+// 44-86 GFLOP/s on a 2-core AMD EPYC (a quarter of a bf16 48-request run's prefill).
+//
+// A work item is a tile of kPromptTile queries of one KV head: its G query heads each,
+// G * kPromptTile rows sharing every key and value, which the decode kernels' loops take
+// (`dot16` for 16 keys of a row, `weigh_values` for the rows' weighted values). Scores
+// are computed for whole 16-key tiles past the diagonal (then masked: exp gives them 0),
+// so no row runs a scalar tail. Two passes, scores then values, as torch's kernel does for
+// prompts of up to 512 keys: the weights are exp(s - max s), rounded to bf16 for bf16
+// inputs before they weigh the values, as there.
+constexpr int64_t kPromptTile = 16;
+
+template <typename T>
+void attend_prompt(const T* q, int64_t q_row, const T* k, int64_t k_row, const T* v,
+                   int64_t v_row, int64_t Q, int64_t L, int64_t H, int64_t H_kv, int64_t D,
+                   float scale, T* out) {
+  const int64_t G = H / H_kv, tiles = (Q + kPromptTile - 1) / kPromptTile;
+  at::parallel_for(0, H_kv * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, p, o, inv;  // [rows, D], [rows, n_max], [rows, D], [rows]
+    std::vector<int64_t> n;  // [rows]: the keys each row sees
+    for (int64_t u = begin; u < end; ++u) {
+      // Tiles zigzag (0, last, 1, last - 1, ...): later ones see more keys, and a thread's
+      // contiguous share of items then holds as many long tiles as short.
+      const int64_t g = u / tiles, z = u % tiles;
+      const int64_t tile = z % 2 == 0 ? z / 2 : tiles - 1 - z / 2;
+      const int64_t i0 = tile * kPromptTile, queries = std::min(kPromptTile, Q - i0);
+      const int64_t rows = queries * G, n_max = L - Q + i0 + queries;
+      qf.resize(rows * D), p.assign(rows * n_max, 0.f), o.assign(rows * D, 0.f);
+      n.resize(rows), inv.resize(rows);
+      for (int64_t r = 0; r < rows; ++r) {  // row r: query i0 + r / G, head g * G + r % G
+        const T* qr = q + (i0 + r / G) * q_row + (g * G + r % G) * D;
+        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = widen(qr[d]);
+        n[r] = L - Q + i0 + r / G + 1;
+      }
+      const T* keys = k + g * D;
+      for (int64_t off = 0; off < n_max; off += 16) {  // a 16-key tile for every row
+        const bool whole = off + 16 <= L;
+        for (int64_t r = 0; r < rows; ++r) {
+          float* s = p.data() + r * n_max + off;
+#if PAGELLM_AVX512
+          if (whole && D % 16 == 0) {
+#if PAGELLM_AVX512_BF16
+            if constexpr (std::is_same_v<T, bf16>) {
+              if (D % 32 == 0) {  // bf16 pairs: the query's own bf16 values
+                const T* qr = q + (i0 + r / G) * q_row + (g * G + r % G) * D;
+                const __m512 dots = dot16(qr, keys + off * k_row, k_row, D);
+                _mm512_mask_storeu_ps(s, n_max - off >= 16 ? 0xFFFF : (1u << (n_max - off)) - 1,
+                                      dots);
+                continue;
+              }
+            }
+#endif
+            const __m512 dots = dot16(qf.data() + r * D, keys + off * k_row, k_row, D);
+            _mm512_mask_storeu_ps(s, n_max - off >= 16 ? 0xFFFF : (1u << (n_max - off)) - 1,
+                                  dots);
+            continue;
+          }
+#endif
+          (void)whole;
+          for (int64_t j = off; j < std::min(n[r], off + 16); ++j)
+            s[j - off] = dot(qf.data() + r * D, keys + j * k_row, D);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {  // softmax over the row's own keys
+        float* s = p.data() + r * n_max;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n[r]; ++j) top = std::max(top, s[j] *= scale);
+        inv[r] = 1.f / exp_sum(s, n[r], top);
+        if constexpr (std::is_same_v<T, bf16>) PAGELLM_NS::round_to_bf16(s, n[r]);
+        std::fill(s + n[r], s + n_max, 0.f);  // the keys past its position weigh nothing
+      }
+      weigh_values(o.data(), v + g * D, v_row, p.data(), n_max, n_max, rows, D);
+      for (int64_t r = 0; r < rows; ++r) {
+        T* dst = out + (i0 + r / G) * H * D + (g * G + r % G) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[r * D + d] * inv[r]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 namespace PAGELLM_NS {
@@ -379,9 +469,43 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   return out.to(q.scalar_type());
 }
 
+// q [Q, H, D], k and v [L, H_kv, D] (L >= Q; rows of any stride, heads contiguous), all
+// fp32 or all bf16 -> [Q, H, D] of their dtype: the causal attention of the last Q of L
+// positions (`attend_prompt`).
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             double scale) {
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "q, k and v must all be fp32 or all bf16");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.device().is_cpu() &&
+                  k.device().is_cpu() && v.device().is_cpu(),
+              "q, k and v must be CPU tensors [tokens, heads, head_dim]");
+  const int64_t Q = q.size(0), H = q.size(1), D = q.size(2), L = k.size(0), H_kv = k.size(1);
+  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == D && L >= Q && H_kv > 0 && H % H_kv == 0,
+              "k and v must be [L, H_kv, ", D, "] with L >= ", Q, " queries and H_kv dividing ",
+              H, " heads");
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == D, "q, k and v need contiguous heads "
+                "within each row");
+  at::Tensor out = at::empty({Q, H, D}, q.options());
+  if (Q == 0) return out;
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == at::kBFloat16)
+    attend_prompt<bf16>(q.data_ptr<bf16>(), q.stride(0), k.data_ptr<bf16>(), k.stride(0),
+                        v.data_ptr<bf16>(), v.stride(0), Q, L, H, H_kv, D, s,
+                        out.data_ptr<bf16>());
+  else
+    attend_prompt<float>(q.data_ptr<float>(), q.stride(0), k.data_ptr<float>(), k.stride(0),
+                         v.data_ptr<float>(), v.stride(0), Q, L, H, H_kv, D, s,
+                         out.data_ptr<float>());
+  return out;
+}
+
 }  // namespace PAGELLM_NS
 
 TORCH_LIBRARY_FRAGMENT(PAGELLM_NS, m) {
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.impl("prefill_attention", c10::DispatchKey::CPU, &PAGELLM_NS::prefill_attention);
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, int? window, float? softcap) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &PAGELLM_NS::paged_decode_attention);
