@@ -92,8 +92,8 @@ def _decode_both_ways(spec: DecoderSpec, quantization: str | None, prompt_lens: 
     copies of the cache: (fused hidden, torch hidden, fused caches, torch caches); with
     `fused` False the first two are None (the torch path's alone)."""
     model = _model(spec, quantization, dtype, bf16_weights)
-    if cpu_linear.packs_weights(dtype, torch.device("cpu")):  # as the loader does
-        cpu_linear.PACKED_WEIGHTS.pack(model.linear_weights())
+    if quantization is None and cpu_linear.packs_weights(dtype, torch.device("cpu")):
+        cpu_linear.PACKED_WEIGHTS.pack(model.linear_weights())  # as the loader does
     backend = TorchAttention(BLOCK)
     num_blocks = 128
     caches = [torch.zeros(2, num_blocks, BLOCK, spec.num_kv_heads, spec.head_dim, dtype=dtype)
@@ -132,25 +132,30 @@ def _decode_both_ways(spec: DecoderSpec, quantization: str | None, prompt_lens: 
 BATCHES = {"gemv": [1, 9, 40], "gemm": [1, 9, 40, 3, 17, 5, 22]}
 
 
-# bf16 above the GEMV's rows: at::linear on the plain weights, or oneDNN on packed copies
-# (linear.py: CPUs with AMX or AVX512-BF16), the same way in both paths.
-BF16_BATCHES = {"gemv": ("gemv", False), "gemm": ("gemm", False),
-                "gemm-packed": ("gemm", True)}
+# Above the GEMV's rows: oneDNN (fp32) or at::linear (bf16) on the plain weights, or
+# oneDNN on packed copies (linear.py: fp32 off Intel, bf16 on CPUs with AMX or
+# AVX512-BF16), the same way in both paths.
+WAYS = {"gemv": ("gemv", False), "gemm": ("gemm", False), "gemm-packed": ("gemm", True)}
 
 
-@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("batch", WAYS)
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 @pytest.mark.parametrize("name", SPECS)
-def test_a_dense_decode_step_equals_the_torch_path(name, portable, batch):
+def test_a_dense_decode_step_equals_the_torch_path(name, portable, batch, monkeypatch):
     """fp32 throughout: equal up to the order of the sums (1e-5)."""
+    rows, packed = WAYS[batch]
+    if packed and cpu_linear.REORDER_WEIGHT is None:
+        pytest.skip("this torch has no oneDNN packed weights")
+    monkeypatch.setattr(cpu_linear, "THIS_CPU",
+                        dataclasses.replace(cpu_linear.THIS_CPU, packed_fp32=packed))
     got, expected, caches, torch_caches = _decode_both_ways(SPECS[name], None,
-                                                            BATCHES[batch], portable)
+                                                            BATCHES[rows], portable)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     for mine, theirs in zip(caches, torch_caches, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("batch", BF16_BATCHES)
+@pytest.mark.parametrize("batch", WAYS)
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 @pytest.mark.parametrize("name", SPECS)
 def test_a_bf16_decode_step_rounds_where_the_torch_path_does(name, portable, batch,
@@ -163,7 +168,7 @@ def test_a_bf16_decode_step_rounds_where_the_torch_path_does(name, portable, bat
     point left out (SiLU's, the attention weights') leaves 33-60% equal and moves the
     answer toward the exact one (the same bf16 weights and prompts in fp32), as far
     from the torch path as 19-64% of the exact one's distance."""
-    rows, packed = BF16_BATCHES[batch]
+    rows, packed = WAYS[batch]
     if packed and cpu_linear.REORDER_WEIGHT is None:
         pytest.skip("this torch has no oneDNN packed weights")
     monkeypatch.setattr(cpu_linear, "THIS_CPU",

@@ -592,9 +592,9 @@ def test_attention_bias_on_all_four_projections_matches_transformers(
 
 
 WAYS_SEEN: set[tuple[str, str, str]] = set()  # (CPU, dtype, way) the cases took
-# (intel_mkl, packed_bf16, avx512)
-CPUS = {"amd": (False, False, True), "avx2": (False, False, False),
-        "intel": (True, False, True), "intel-amx": (True, True, True)}
+# (intel_mkl, packed_bf16, packed_fp32, avx512)
+CPUS = {"amd": (False, False, True, True), "avx2": (False, False, True, False),
+        "intel": (True, False, False, True), "intel-amx": (True, True, False, True)}
 
 
 @pytest.mark.parametrize("cpu", list(CPUS))
@@ -612,7 +612,7 @@ def test_cpu_linear_equals_f_linear_on_every_path(rows: int, bias: bool, in_feat
     runs on any x86 CPU)."""
     from pagellm.executor.model import linear as cpu_linear
 
-    if CPUS[cpu][1] and cpu_linear.REORDER_WEIGHT is None:
+    if (CPUS[cpu][1] or CPUS[cpu][2]) and cpu_linear.REORDER_WEIGHT is None:
         pytest.skip("this torch has no oneDNN packed weights")
     assert in_features in (40, cpu_linear.SMALL_BATCH_ONEDNN_MIN_IN)  # both sides of it
     monkeypatch.setattr(cpu_linear, "THIS_CPU", cpu_linear.Cpu(*CPUS[cpu]))
@@ -642,17 +642,19 @@ def test_cpu_linear_equals_f_linear_on_every_path(rows: int, bias: bool, in_feat
 
 def test_cpu_linear_cases_took_every_way_each_cpu_rule_names() -> None:
     """The cases above (run first: same module, earlier in the file) covered each way
-    that each CPU's rules use: W @ x^T and oneDNN for fp32 off Intel, F.linear and
-    oneDNN for fp32 on Intel; the bf16 GEMV (W @ x^T without AVX-512) and F.linear for
-    bf16, packed oneDNN in place of F.linear with AMX."""
+    that each CPU's rules use: W @ x^T, oneDNN (1-4 rows of 2048 features up) and packed
+    oneDNN for fp32 off Intel, F.linear and oneDNN for fp32 on Intel; the bf16 GEMV
+    (W @ x^T without AVX-512) and F.linear for bf16, packed oneDNN in place of F.linear
+    with AMX."""
     from pagellm.executor.model.linear import ONEDNN_LINEAR, REORDER_WEIGHT
 
     if not WAYS_SEEN:
         pytest.skip("run with the linear cases (-k cpu_linear)")
     fp32, bf16 = str(torch.float32), str(torch.bfloat16)
     many_rows = "ONEDNN" if ONEDNN_LINEAR is not None else "ATEN"  # (torch without it)
-    for cpu in ("amd", "avx2"):
-        assert {w for c, d, w in WAYS_SEEN if c == cpu and d == fp32} == {"W_XT", many_rows}
+    for cpu in ("amd", "avx2"):  # (their cases skip without packing)
+        assert {w for c, d, w in WAYS_SEEN if c == cpu and d == fp32} == (
+            {"W_XT", "ONEDNN", "PACKED"} if REORDER_WEIGHT else set())
     amx = ("intel-amx",) if REORDER_WEIGHT else ()  # (its cases skip without packing)
     for intel in ("intel", *amx):
         assert {w for c, d, w in WAYS_SEEN if c == intel and d == fp32} == {"ATEN", many_rows}

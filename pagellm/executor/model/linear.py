@@ -3,11 +3,10 @@
     x [M, in] @ W^T [in, out] -> [M, out], computed one of five ways:
       W_XT    torch.mm(W, x^T): W as the big left operand, streamed (one row of x
               padded to two: a stride-0 expand is slow there)
-      ONEDNN  oneDNN's fp32 linear on the plain weights (no packed copy, so loading,
-              weight updates and sleep see ordinary parameters)
+      ONEDNN  oneDNN's fp32 linear on the plain weights
       ATEN    F.linear: MKL's sgemv/sgemm for fp32, oneDNN's matmul for bf16
-      PACKED  oneDNN's linear on a packed copy of W (bf16 on CPUs with AMX or
-              AVX512-BF16)
+      PACKED  oneDNN's linear on a packed copy of W (fp32 off Intel; bf16 on CPUs with
+              AMX or AVX512-BF16)
       GEMV    pagellm's bf16 GEMV (kernels/csrc/cpu_bf16.cpp: AVX-512, and AVX512-BF16's
               dot products where the CPU has them)
 
@@ -18,7 +17,10 @@ by width", has the tables):
 - AMD (EPYC with AVX-512, 2026-11-24), fp32: with 1-4 rows MKL reads W at a third to a
   half of the memory bandwidth and W_XT near it, except from 2048 input features up,
   where ONEDNN streams W faster; with more rows ONEDNN's GEMM reaches 450 GFLOP/s where
-  MKL's reaches 205.
+  MKL's reaches 205, and PACKED more again (2026-11-29: SmolLM2-135M's shapes with their
+  weights read from memory, 1.4-1.9x ONEDNN at 16 rows, 1.2-1.7x at 48, 1.03-1.5x at
+  2048: on plain weights oneDNN copies panels of W into its layout at every call; a
+  48-request fp32 run 11% faster).
 - Intel (Xeon with AMX, 2026-11-26), fp32: with 1-3 rows MKL's sgemv/sgemm reads W
   1.3-2.8x faster than W_XT (which stays at 11-14 GB/s) and 1.1-1.5x faster than
   ONEDNN; from 4 rows ONEDNN is fastest. Qwen2.5-0.5B's batch-1 decode: 2x.
@@ -37,6 +39,8 @@ by width", has the tables):
   The same on CPUs with AVX512-BF16 (AMD EPYC, 2026-11-29): packed 1.1-1.7x F.linear's
   rate at 16-48 rows, 1.03-1.05x at 2048 (SmolLM2-135M's shapes and its LM head), a
   48-request bf16 run 6-12% faster (against the fused decode step on plain weights).
+
+On Intel fp32 keeps ONEDNN on the plain weights: PACKED there is not measured.
 
 Packed copies (`PackedWeights`) cost a second copy of every linear weight in memory:
 the loader makes them only when weights and copies together take at most half of this
@@ -131,15 +135,16 @@ def _cpuinfo(field: str) -> str:
 
 def _reorder_weight() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """oneDNN's reorder of a linear weight into its blocked layout, where this torch has
-    it and the packed weight computes (probed, like `_onednn_linear`)."""
+    it and the packed weights of both dtypes compute (probed, like `_onednn_linear`)."""
     linear = ONEDNN_LINEAR
     op = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if linear is None or op is None:
         return None
     try:
-        w = torch.ones(16, 32, dtype=torch.bfloat16)
-        with _one_thread():
-            linear(torch.ones(5, 32, dtype=torch.bfloat16), op(w), None, "none", [], "")
+        for dtype in (torch.bfloat16, torch.float32):
+            w = torch.ones(16, 32, dtype=dtype)
+            with _one_thread():
+                linear(torch.ones(5, 32, dtype=dtype), op(w), None, "none", [], "")
     except RuntimeError:
         return None
     return op
@@ -151,6 +156,7 @@ class Cpu:
 
     intel_mkl: bool  # MKL's own kernels, as torch links it: only on Intel CPUs
     packed_bf16: bool  # oneDNN's packed bf16 weights (AMX or AVX512-BF16 here)
+    packed_fp32: bool  # oneDNN's packed fp32 weights, measured faster off Intel (AMD)
     avx512: bool  # the bf16 GEMV's vectors
 
 
@@ -160,6 +166,7 @@ _FLAGS = set(_cpuinfo("flags").split())
 THIS_CPU = Cpu(
     intel_mkl=torch.backends.mkl.is_available() and _cpuinfo("vendor_id") == "GenuineIntel",
     packed_bf16=REORDER_WEIGHT is not None and not {"amx_bf16", "avx512_bf16"}.isdisjoint(_FLAGS),
+    packed_fp32=REORDER_WEIGHT is not None and _cpuinfo("vendor_id") != "GenuineIntel",
     avx512="avx512f" in _FLAGS)
 
 
@@ -247,7 +254,9 @@ def drop_packed() -> None:
 def packs_weights(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether GEMMs of a model of `dtype` on `device` take the PACKED way (the loader
     packs its linear weights if their copies fit)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and THIS_CPU.packed_bf16
+    cpu = THIS_CPU
+    return device.type == "cpu" and ((dtype == torch.bfloat16 and cpu.packed_bf16)
+                                     or (dtype == torch.float32 and cpu.packed_fp32))
 
 
 def choose(rows: int, in_features: int, dtype: torch.dtype, cpu: Cpu) -> Way:
@@ -257,9 +266,9 @@ def choose(rows: int, in_features: int, dtype: torch.dtype, cpu: Cpu) -> Way:
             return Way.W_XT if rows <= SMALL_BATCH_ROWS and not cpu.intel_mkl else Way.ATEN
         if cpu.intel_mkl:
             return Way.ATEN if rows <= INTEL_MKL_MAX_ROWS else Way.ONEDNN
-        if rows <= SMALL_BATCH_ROWS and in_features < SMALL_BATCH_ONEDNN_MIN_IN:
-            return Way.W_XT
-        return Way.ONEDNN
+        if rows <= SMALL_BATCH_ROWS:
+            return Way.W_XT if in_features < SMALL_BATCH_ONEDNN_MIN_IN else Way.ONEDNN
+        return Way.PACKED if cpu.packed_fp32 else Way.ONEDNN
     if rows <= SMALL_BATCH_ROWS:
         return Way.GEMV if dtype == torch.bfloat16 and cpu.avx512 else Way.W_XT
     return Way.PACKED if dtype == torch.bfloat16 and cpu.packed_bf16 else Way.ATEN
@@ -283,7 +292,9 @@ def gemm(way: Way, x: torch.Tensor, weight: torch.Tensor,
     if way is Way.ONEDNN or way is Way.PACKED:
         assert ONEDNN_LINEAR is not None
         w = PACKED_WEIGHTS.get(weight) if way is Way.PACKED else weight
-        if w is not None:  # (a weight the loader did not pack: F.linear)
+        if w is None and weight.dtype == torch.float32:  # (fp32 not packed: oneDNN's on the
+            w = weight  # plain weight; bf16: F.linear)
+        if w is not None:
             return ONEDNN_LINEAR(x.contiguous(), w, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

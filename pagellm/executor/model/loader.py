@@ -147,9 +147,9 @@ def _packed_bytes(model: DecoderForCausalLM, config: ModelConfig, device: torch.
     copies = sum(w.numel() * w.element_size() for w in model.linear_weights())
     share = available_memory(device) / host_ranks
     if _bytes_of(model) + copies > PACKED_MAX_SHARE * share:
-        logger.warning("bf16 GEMMs on plain weights: packed copies of them (%.2f GiB) would "
+        logger.warning("%s GEMMs on plain weights: packed copies of them (%.2f GiB) would "
                        "not fit in half of this rank's %.2f GiB of the memory available",
-                       copies / 2**30, share / 2**30)
+                       str(config.dtype).removeprefix("torch."), copies / 2**30, share / 2**30)
         return 0
     return copies
 
@@ -202,8 +202,9 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
     if copies:
         start = time.perf_counter()
         PACKED_WEIGHTS.pack(model.linear_weights())
-        logger.info("bf16 GEMMs on packed weights: %.2f GiB of copies made in %.1f s",
-                    copies / 2**30, time.perf_counter() - start)
+        logger.info("%s GEMMs on packed weights: %.2f GiB of copies made in %.1f s",
+                    str(config.dtype).removeprefix("torch."), copies / 2**30,
+                    time.perf_counter() - start)
     return model.eval()
 
 

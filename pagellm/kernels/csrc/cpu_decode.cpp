@@ -211,7 +211,8 @@ at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& b
                     p.weight.is_contiguous() && p.weight.size(0) == N && p.weight.size(1) == K,
                 "a dense projection must be a contiguous fp32 [", N, ", ", K, "] weight");
     if (gemm) {
-      y = dense_gemm(x, p.weight, gemm_bias);
+      const bool packed = p.scales.defined() && p.scales.numel() != 0;  // linear.py's PACKED
+      y = dense_gemm(x, packed ? p.scales : p.weight, gemm_bias);
     } else {
       y = at::empty({M, N}, x.options());
       const float* xp = x.data_ptr<float>();
