@@ -6,7 +6,9 @@ extension builder and loaded as `torch.ops.pagellm_cpu`:
   csrc/cpu_decode.cpp), which runs its integer projections through `int_gemm`;
 - `bf16_linear`: a bf16 GEMV for up to 4 rows (executor/model/linear.py, csrc/cpu_bf16.cpp);
 - `paged_decode_attention`: one-token queries over their paged keys and values, in place
-  (executor/model/attention.py, csrc/cpu_attention.cpp); `decode_layers` runs it too.
+  (executor/model/attention.py, csrc/cpu_attention.cpp); `decode_layers` runs it too;
+- `prefill_attention`: a prompt's (or a later chunk's) queries over its keys, causally
+  (the same files).
 
 Why compiled here and not shipped built: they are compiled with -march=native, for the
 instructions of the CPU they run on (AVX-512 VNNI's int8 dot products above all). The

@@ -356,25 +356,24 @@ void attend_prompt(const T* q, int64_t q_row, const T* k, int64_t k_row, const T
       }
       const T* keys = k + g * D;
       for (int64_t off = 0; off < n_max; off += 16) {  // a 16-key tile for every row
-        const bool whole = off + 16 <= L;
+        const bool whole = off + 16 <= L;  // 16 keys to read (past n_max: not stored)
         for (int64_t r = 0; r < rows; ++r) {
           float* s = p.data() + r * n_max + off;
 #if PAGELLM_AVX512
           if (whole && D % 16 == 0) {
+            const __mmask16 kept = n_max - off >= 16 ? 0xFFFF : (1u << (n_max - off)) - 1;
+            __m512 dots;
 #if PAGELLM_AVX512_BF16
             if constexpr (std::is_same_v<T, bf16>) {
-              if (D % 32 == 0) {  // bf16 pairs: the query's own bf16 values
-                const T* qr = q + (i0 + r / G) * q_row + (g * G + r % G) * D;
-                const __m512 dots = dot16(qr, keys + off * k_row, k_row, D);
-                _mm512_mask_storeu_ps(s, n_max - off >= 16 ? 0xFFFF : (1u << (n_max - off)) - 1,
-                                      dots);
-                continue;
-              }
-            }
+              if (D % 32 == 0)  // bf16 pairs: the query's own bf16 values
+                dots = dot16(q + (i0 + r / G) * q_row + (g * G + r % G) * D,
+                             keys + off * k_row, k_row, D);
+              else
+                dots = dot16(qf.data() + r * D, keys + off * k_row, k_row, D);
+            } else
 #endif
-            const __m512 dots = dot16(qf.data() + r * D, keys + off * k_row, k_row, D);
-            _mm512_mask_storeu_ps(s, n_max - off >= 16 ? 0xFFFF : (1u << (n_max - off)) - 1,
-                                  dots);
+              dots = dot16(qf.data() + r * D, keys + off * k_row, k_row, D);
+            _mm512_mask_storeu_ps(s, kept, dots);
             continue;
           }
 #endif
