@@ -292,8 +292,8 @@ def gemm(way: Way, x: torch.Tensor, weight: torch.Tensor,
     if way is Way.ONEDNN or way is Way.PACKED:
         assert ONEDNN_LINEAR is not None
         w = PACKED_WEIGHTS.get(weight) if way is Way.PACKED else weight
-        if w is None and weight.dtype == torch.float32:  # (fp32 not packed: oneDNN's on the
-            w = weight  # plain weight; bf16: F.linear)
+        if w is None and weight.dtype == torch.float32:
+            w = weight  # not packed: oneDNN on the plain fp32 weight (bf16: F.linear)
         if w is not None:
             return ONEDNN_LINEAR(x.contiguous(), w, bias, "none", [], "")
     return F.linear(x, weight, bias)
