@@ -20,6 +20,9 @@ requests through llama.cpp's continuous batching as its server runs parallel slo
 sequence's next token in one `llama_decode` per step, through llama-cpp-python's
 bindings of the C API; the package ships no `llama-server` binary).
 
+--kv-cache-dtype bfloat16 gives every variant a bf16 KV cache (llama.cpp keeps f16 keys
+and values by default; pagellm's fp32 and int variants otherwise keep fp32 ones).
+
 --unfused adds fp32, int8 and int4 with `PAGELLM_CPU_DECODE=0`: decode steps through the
 decoder's torch ops instead of the fused C++ step (executor/worker/cpu_decode.py), for
 the before/after ratio of that step in the same run.
@@ -211,6 +214,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: random weights of --model's config (a shape such as "
                              "benchmarks/configs/qwen2.5-0.5b; no llama.cpp peer)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
+                        help="every variant's KV cache (bfloat16: as llama.cpp keeps f16 "
+                             "keys and values by default)")
     parser.add_argument("--unfused", action="store_true",
                         help="fp32/int8/int4 with decode steps through torch ops beside")
     parser.add_argument("--out", type=Path)
@@ -226,7 +232,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = str(default_gguf())
     if args.load_format == "dummy" and args.llama_cpp:
         parser.error("--llama-cpp runs llama.cpp on the model's GGUF: not with dummy weights")
-    variants = {name: {**options, "load_format": args.load_format}
+    variants = {name: {**options, "load_format": args.load_format,
+                       "kv_cache_dtype": args.kv_cache_dtype}
                 for name, options in {**VARIANTS, **(UNFUSED if args.unfused else {})}.items()}
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     peers: dict[str, Path] = {}

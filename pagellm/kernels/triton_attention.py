@@ -149,7 +149,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     """Causal paged attention for a mixed batch in one launch (see module docstring).
 
     query:           [num_tokens, num_heads, head_dim], head_dim contiguous
-    kv_cache:        [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    kv_cache:        [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous;
+                     query's dtype, e4m3 or bf16
     block_tables:    [num_reqs, max_blocks] int32, rows contiguous
     query_start_loc: [num_reqs + 1] int32 (device)
     seq_lens:        [num_reqs] int32 (device)
@@ -171,8 +172,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     assert block_size in SUPPORTED_BLOCK_SIZES, block_size
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert query.stride(-1) == 1 and kv_cache.is_contiguous()
-    assert query.dtype in _DTYPES and kv_cache.dtype in (query.dtype, FP8), (query.dtype,
-                                                                              kv_cache.dtype)
+    # (the kernel reads keys and values in the query's dtype: an e4m3 or bf16 cache widens)
+    assert query.dtype in _DTYPES and kv_cache.dtype in (query.dtype, FP8, torch.bfloat16), (
+        query.dtype, kv_cache.dtype)
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     assert block_tables.shape[0] >= num_reqs
     assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32

@@ -217,7 +217,9 @@ class EngineArgs:
         "fast with VNNI/AMX), int4 and fp8 are refused, and a quantized checkpoint "
         "loads dequantized to --dtype.")
     kv_cache_dtype: str = _opt(
-        "auto", "'auto': the KV cache has the model's dtype. 'fp8' (or 'fp8_e4m3'): e4m3, "
+        "auto", "'auto': the KV cache has the model's dtype. 'bfloat16': bf16 whatever the "
+        "model's dtype (an fp32 model's cache in half the memory, its keys and values rounded "
+        "to bf16 on the way in; read back in fp32). 'fp8' (or 'fp8_e4m3'): e4m3, "
         "a byte per value (twice bf16's tokens in the same memory), with vLLM's "
         "uncalibrated per-tensor scale of 1.0: values beyond +-448 saturate. On CUDA it "
         "needs an Ada or Hopper GPU (sm_89+).")
@@ -432,8 +434,8 @@ _SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
                       "awq_marlin", "compressed-tensors"),
                      "pagellm quantizes on load to weight-only int4 or int8, or fp8, and "
                      "reads gptq, awq, compressed-tensors and fp8 checkpoints"),
-    "kv_cache_dtype": (("auto", "fp8", "fp8_e4m3"), "the KV cache takes the model's dtype "
-                       "or e4m3"),
+    "kv_cache_dtype": (("auto", "bfloat16", "fp8", "fp8_e4m3"), "the KV cache takes the "
+                       "model's dtype, bf16 or e4m3"),
     "revision": ((None,), "the model is a local directory, which has no Hub revision"),
     "tokenizer_revision": ((None,), "the tokenizer is a local directory, which has no Hub "
                            "revision"),

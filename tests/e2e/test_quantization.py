@@ -245,40 +245,58 @@ def assert_int8_head(model, reference) -> None:
     assert (full - theirs).abs().max().item() > 20 * tolerance
 
 
+def _e4m3(t: torch.Tensor) -> torch.Tensor:
+    return t.clamp(-448, 448).to(torch.float8_e4m3fn).to(t.dtype)
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+# kv_cache_dtype -> (the cache's dtype, how it rounds a value, blocks per fp32 block)
+KV_CACHE_DTYPES = {"fp8": (torch.float8_e4m3fn, _e4m3, 4), "bfloat16": (torch.bfloat16, _bf16, 2)}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=runs_triton_kernels)])
-def test_an_fp8_kv_cache_equals_transformers_with_its_keys_and_values_in_e4m3(
-        backend, model_dirs, make_llm, monkeypatch):
-    """kv_cache_dtype="fp8": the cache holds e4m3 (scale 1.0, saturating), a fresh
-    prompt attends to what the cache holds, so the tokens are transformers' with every
-    key (after RoPE) and value rounded to e4m3; the same memory holds 4x fp32's blocks."""
+def test_a_narrow_kv_cache_equals_transformers_with_its_keys_and_values_rounded(
+        backend, kv_cache_dtype, model_dirs, make_llm, monkeypatch):
+    """kv_cache_dtype="fp8" / "bfloat16" under an fp32 model: the cache holds e4m3 (scale
+    1.0, saturating) or bf16, a fresh prompt attends to what the cache holds, so the
+    tokens are transformers' with every key (after RoPE) and value rounded so; the same
+    memory holds 4x / 2x fp32's blocks. On the CPU decode steps are the fused C++ step
+    (fp32 queries against the narrow cache's widened values); the logprobs move off the
+    fp32 cache's."""
     import transformers.models.llama.modeling_llama as llama
     from transformers import AutoModelForCausalLM
 
-    def e4m3(t: torch.Tensor) -> torch.Tensor:
-        return t.clamp(-448, 448).to(torch.float8_e4m3fn).to(t.dtype)
-
+    cache_dtype, rounded, ratio = KV_CACHE_DTYPES[kv_cache_dtype]
     rope = llama.apply_rotary_pos_emb
 
     def rounded_rope(q, k, *args, **kwargs):
         q, k = rope(q, k, *args, **kwargs)
-        return q, e4m3(k)
+        return q, rounded(k)
 
     monkeypatch.setattr(llama, "apply_rotary_pos_emb", rounded_rope)
     reference = AutoModelForCausalLM.from_pretrained(model_dirs["llama"],
                                                      dtype=torch.float32).eval()
     for layer in reference.model.layers:
-        layer.self_attn.v_proj.register_forward_hook(lambda _, __, out: e4m3(out))
-    llm = make_llm(model_dirs["llama"], kv_cache_dtype="fp8", dtype="float32",
+        layer.self_attn.v_proj.register_forward_hook(lambda _, __, out: rounded(out))
+    llm = make_llm(model_dirs["llama"], kv_cache_dtype=kv_cache_dtype, dtype="float32",
                    attention_backend=backend)
     plain = make_llm(model_dirs["llama"], dtype="float32", attention_backend=backend)
     runners = [x.llm_engine.model_executor.driver_worker.model_runner for x in (llm, plain)]
-    assert runners[0].kv_caches[0].dtype == torch.float8_e4m3fn
-    assert runners[0].kv_caches[0].shape[1] == 4 * runners[1].kv_caches[0].shape[1]
-    params = SamplingParams(temperature=0.0, max_tokens=24)
+    assert runners[0].kv_caches[0].dtype == cache_dtype
+    assert runners[0].kv_caches[0].shape[1] == ratio * runners[1].kv_caches[0].shape[1]
+    if backend == "torch" and kv_cache_dtype == "bfloat16":
+        assert runners[0].cpu_decode is not None  # the fused step takes a bf16 cache
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
     outputs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
     for out in outputs:
         ours = out.outputs[0].token_ids
         assert argmax_along(reference, out.prompt_token_ids, ours) == ours
-    # e4m3 changes something: not every token is the fp32 cache's.
-    assert [o.outputs[0].token_ids for o in outputs] != [
-        o.outputs[0].token_ids for o in plain.generate(PROMPTS[:4], params, use_tqdm=False)]
+    # The rounding changes something: the chosen tokens' logprobs are not the fp32 cache's.
+    mine = [[next(iter(p.values())).logprob for p in o.outputs[0].logprobs] for o in outputs]
+    theirs = [[next(iter(p.values())).logprob for p in o.outputs[0].logprobs]
+              for o in plain.generate(PROMPTS[:4], params, use_tqdm=False)]
+    assert mine != theirs

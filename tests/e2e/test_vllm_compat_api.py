@@ -91,7 +91,7 @@ def test_vllm_option_with_a_value_we_honour_is_accepted(options):
     ({"quantization": "bitsandbytes"}, r"quantization='bitsandbytes' is not supported: .*"
                                        r"reads gptq, awq, compressed-tensors and fp8"),
     ({"kv_cache_dtype": "fp8_e5m2"}, r"kv_cache_dtype='fp8_e5m2' is not supported.*"
-                                     r"supported: 'auto', 'fp8', 'fp8_e4m3'"),
+                                     r"supported: 'auto', 'bfloat16', 'fp8', 'fp8_e4m3'"),
     ({"enable_chunked_prefill": False}, r"enable_chunked_prefill=False .*always chunks"),
     ({"distributed_executor_backend": dict},  # verl passes its own executor class
      r"distributed_executor_backend=<class 'dict'> .*supported: None, 'mp', 'uni', "

@@ -19,6 +19,9 @@ from pagellm.protocol.engine_args import EngineArgs
 from pagellm.protocol.validation import load_model_config
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# kv_cache_dtype's values other than "auto" (the model's dtype), as vLLM names them.
+KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+                   "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,11 +35,12 @@ class ModelConfig:
     seed: int
     quantization: str | None = None  # quantize on load (quantize.py)
     checkpoint_quant: CheckpointQuant | None = None  # a quantized checkpoint's format
-    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype (KV_CACHE_DTYPES)
 
     @property
     def cache_dtype(self) -> torch.dtype:
-        """The KV cache's element type (kv_cache_dtype 'fp8': e4m3, scale 1.0)."""
+        """The KV cache's element type (kv_cache_dtype 'fp8': e4m3, scale 1.0;
+        'bfloat16': bf16, whatever the model's dtype)."""
         return self.kv_cache_dtype or self.dtype
 
     @property
@@ -81,8 +85,7 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
                        max_model_len=max_model_len, load_format=args.load_format,
                        seed=args.seed, quantization=quantization,
                        checkpoint_quant=checkpoint_quant,
-                       kv_cache_dtype=(torch.float8_e4m3fn if args.kv_cache_dtype
-                                       in ("fp8", "fp8_e4m3") else None))
+                       kv_cache_dtype=KV_CACHE_DTYPES.get(args.kv_cache_dtype))
 
 
 def resolve_draft_config(args: EngineArgs, target: ModelConfig) -> ModelConfig | None:

@@ -58,7 +58,7 @@ _NONE = torch.empty(0)  # an absent bias or q/k norm
 # weights, linear_meta, norms, biases: decode_layers' per-layer lists
 Projection = Linear | RowParallelLinear
 _Operands = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[torch.Tensor]]
-DTYPES = (torch.float32, torch.bfloat16)  # a model's and its KV cache's, alike
+DTYPES = (torch.float32, torch.bfloat16)  # a model's; its KV cache's is it or bf16
 
 
 def unsupported(model: nn.Module, dtype: torch.dtype, cache_dtype: torch.dtype,
@@ -66,8 +66,10 @@ def unsupported(model: nn.Module, dtype: torch.dtype, cache_dtype: torch.dtype,
     """Why `model` cannot take the fused step (None: it can)."""
     if os.environ.get("PAGELLM_CPU_DECODE") == "0":
         return "PAGELLM_CPU_DECODE=0"
-    if attention != "torch" or dtype not in DTYPES or cache_dtype != dtype:
-        return "only fp32 or bf16 models, a KV cache of the model's dtype, torch attention"
+    if attention != "torch" or dtype not in DTYPES or cache_dtype not in (dtype,
+                                                                          torch.bfloat16):
+        return ("only fp32 or bf16 models, a KV cache of the model's dtype or bf16, torch "
+                "attention")
     if (type(model) is not DecoderForCausalLM or type(model.model) is not DecoderModel
             or type(model.model.norm) is not RMSNorm):
         return f"{type(model).__name__} computes more than the decoder family"

@@ -218,9 +218,9 @@ void weigh_values(float* o, const T* v, int64_t stride, const float* w, int64_t 
 // share a KV head (batch 2-7 or so), else one head each (batch 1-2: the threads share
 // the work evenly).
 template <typename T>
-void attend(const float* q_all, int64_t q_stride, const PagedKV& kv, int64_t B, int64_t H,
-            int64_t H_kv, int64_t D, std::optional<int64_t> window, float scale,
-            std::optional<float> softcap, float* out) {
+void attend(const float* q_all, int64_t q_stride, bool bf16_queries, const PagedKV& kv,
+            int64_t B, int64_t H, int64_t H_kv, int64_t D, std::optional<int64_t> window,
+            float scale, std::optional<float> softcap, float* out) {
   const T* cache = static_cast<const T*>(kv.cache);
   const int64_t group = H / H_kv, row = H_kv * D, block_size = kv.block_size;
   const int64_t enough = 4 * at::get_num_threads();
@@ -239,7 +239,9 @@ void attend(const float* q_all, int64_t q_stride, const PagedKV& kv, int64_t B, 
       float* o = out + b * H * D + h0 * D;  // [per_item, D]
       p.resize(per_item * n);
 #if PAGELLM_AVX512_BF16
-      constexpr bool pairs = std::is_same_v<T, bf16>;  // (dot products of bf16 pairs)
+      // Dot products of bf16 pairs where the queries hold bf16 values (a bf16 model's;
+      // an fp32 model's queries against a bf16 cache stay fp32).
+      const bool pairs = std::is_same_v<T, bf16> && bf16_queries;
       if (pairs && D % 32 == 0) qb.assign(q, q + per_item * D);  // exact: q holds bf16 values
 #endif
       // The item's heads i0 .. i0 + count - 1 (from h0) that KV head g serves.
@@ -271,8 +273,8 @@ void attend(const float* q_all, int64_t q_stride, const PagedKV& kv, int64_t B, 
             float* scores = p.data() + i * n + at;
             int64_t off = lo;
 #if PAGELLM_AVX512_BF16
-            if constexpr (pairs) {
-              if (D % 32 == 0)
+            if constexpr (std::is_same_v<T, bf16>) {
+              if (pairs && D % 32 == 0)
                 for (; off + 16 <= hi; off += 16)
                   _mm512_storeu_ps(scores + off, dot16(qb.data() + i * D, keys + off * row, row, D));
             }
@@ -294,7 +296,7 @@ void attend(const float* q_all, int64_t q_stride, const PagedKV& kv, int64_t B, 
           top = std::max(top, s[j]);
         }
         sums[i] = exp_sum(s, n, top);
-        if constexpr (std::is_same_v<T, bf16>)  // SDPA weighs the values with bf16 weights
+        if (bf16_queries)  // a bf16 model's SDPA weighs the values with bf16 weights
           PAGELLM_NS::round_to_bf16(s, n);
       }
       std::fill(o, o + per_item * D, 0.f);
@@ -403,11 +405,12 @@ void attend_prompt(const T* q, int64_t q_row, const T* k, int64_t k_row, const T
 
 namespace PAGELLM_NS {
 
-void attend_decodes(const float* q, int64_t q_stride, const PagedKV& kv, int64_t B,
-                    int64_t H, int64_t H_kv, int64_t D, std::optional<int64_t> window,
-                    float scale, std::optional<float> softcap, float* out) {
+void attend_decodes(const float* q, int64_t q_stride, bool bf16_queries, const PagedKV& kv,
+                    int64_t B, int64_t H, int64_t H_kv, int64_t D,
+                    std::optional<int64_t> window, float scale, std::optional<float> softcap,
+                    float* out) {
   const auto run = kv.bf16 ? attend<bf16> : attend<float>;
-  run(q, q_stride, kv, B, H, H_kv, D, window, scale, softcap, out);
+  run(q, q_stride, bf16_queries, kv, B, H, H_kv, D, window, scale, softcap, out);
 }
 
 void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t B,
@@ -434,8 +437,9 @@ void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_le
 }
 
 // q [B, H, D] fp32 or bf16 (one query per request; heads contiguous), kv_cache
-// [2, num_blocks, block_size, H_kv, D] of q's dtype, block_tables [>= B, max_blocks]
-// int32, seq_lens [B] int32 -> [B, H, D] of q's dtype (the file's header).
+// [2, num_blocks, block_size, H_kv, D] of q's dtype (or bf16 under fp32 queries:
+// kv_cache_dtype="bfloat16"), block_tables [>= B, max_blocks] int32, seq_lens [B] int32
+// -> [B, H, D] of q's dtype (the file's header).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   double scale, std::optional<int64_t> window,
@@ -444,11 +448,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                   q.dim() == 3 && q.device().is_cpu(),
               "q must be an fp32 or bf16 CPU tensor [B, H, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type() && kv_cache.is_contiguous() &&
+  TORCH_CHECK((kv_cache.scalar_type() == q.scalar_type() ||
+               kv_cache.scalar_type() == at::kBFloat16) && kv_cache.is_contiguous() &&
                   kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
                   kv_cache.size(4) == D,
               "kv_cache must be a contiguous CPU tensor [2, num_blocks, block_size, H_kv, ", D,
-              "] of q's dtype");
+              "] of q's dtype or bf16");
   const int64_t H_kv = kv_cache.size(3);
   TORCH_CHECK(H_kv > 0 && H % H_kv == 0, "q's ", H, " heads must be a multiple of the ",
               H_kv, " KV heads");
@@ -458,10 +463,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const at::Tensor q32 = q.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({B, H, D}, q32.options());
   if (B == 0) return out.to(q.scalar_type());
-  const PagedKV kv{kv_cache.data_ptr(), q.scalar_type() == at::kBFloat16, kv_cache.stride(0),
-                   kv_cache.size(2), block_tables.data_ptr<int32_t>(),
+  const PagedKV kv{kv_cache.data_ptr(), kv_cache.scalar_type() == at::kBFloat16,
+                   kv_cache.stride(0), kv_cache.size(2), block_tables.data_ptr<int32_t>(),
                    block_tables.stride(0), seq_lens.data_ptr<int32_t>()};
-  attend_decodes(q32.data_ptr<float>(), H * D, kv, B, H, H_kv, D, window,
+  attend_decodes(q32.data_ptr<float>(), H * D, q.scalar_type() == at::kBFloat16, kv, B, H,
+                 H_kv, D, window,
                  static_cast<float>(scale),
                  softcap ? std::optional<float>(static_cast<float>(*softcap)) : std::nullopt,
                  out.data_ptr<float>());

@@ -316,9 +316,10 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
   at::IntArrayRef cache_shape = L > 0 ? kv_caches[0].sizes() : at::IntArrayRef();
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor& cache = kv_caches[l];
-    TORCH_CHECK(cache.scalar_type() == x.scalar_type() && cache.is_contiguous() &&
+    TORCH_CHECK((cache.scalar_type() == x.scalar_type() ||
+                 cache.scalar_type() == at::kBFloat16) && cache.is_contiguous() &&
                     cache.device().is_cpu(),
-                "a KV cache must be a contiguous CPU tensor of x's dtype");
+                "a KV cache must be a contiguous CPU tensor of x's dtype or bf16");
     TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == s.H_kv &&
                     cache.size(4) == s.D && cache.sizes() == cache_shape,
                 "kv_caches[", l, "] must be [2, num_blocks, block_size, H_kv, D], as the "
@@ -379,7 +380,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
       TORCH_CHECK(q_norm.numel() == s.D && k_norm.numel() == s.D, "q/k norms must be [D]");
     }
     // Norms and rotation of q and k and the KV write; the cache's element type Elem is
-    // the model's (fp32 or bf16).
+    // the model's (fp32 or bf16) or bf16 under an fp32 model (kv_cache_dtype="bfloat16":
+    // rounded to nearest on the way in, as the torch path's .to(bfloat16)).
     auto rotate_and_write = [&](auto* kv) {
       using Elem = std::remove_pointer_t<decltype(kv)>;
       at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
@@ -395,7 +397,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
           if (slots[t] >= 0) {  // negative: padding, written nowhere
             Elem* k_dst = kv + slots[t] * kv_size;
             Elem* v_dst = kv + (num_slots + slots[t]) * kv_size;
-            for (int64_t i = 0; i < kv_size; ++i) {  // (exact: the values are Elem's)
+            for (int64_t i = 0; i < kv_size; ++i) {
               k_dst[i] = static_cast<Elem>(row[q_size + i]);
               v_dst[i] = static_cast<Elem>(row[q_size + kv_size + i]);
             }
@@ -403,15 +405,16 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
         }
       });
     };
-    if (round.bf16)
+    const bool bf16_cache = kv_caches[l].scalar_type() == at::kBFloat16;
+    if (bf16_cache)
       rotate_and_write(kv_caches[l].data_ptr<at::BFloat16>());
     else
       rotate_and_write(kv_caches[l].data_ptr<float>());
-    const PagedKV kv{kv_caches[l].data_ptr(), round.bf16, num_slots * kv_size, block_size,
+    const PagedKV kv{kv_caches[l].data_ptr(), bf16_cache, num_slots * kv_size, block_size,
                      block_tables.data_ptr<int32_t>(), block_tables.stride(0),
                      seq_lens.data_ptr<int32_t>()};
     PAGELLM_NS::attend_decodes(
-        qp, qkv_size, kv, T, s.H, s.H_kv, s.D,
+        qp, qkv_size, round.bf16, kv, T, s.H, s.H_kv, s.D,
         windows[l] > 0 ? std::optional<int64_t>(windows[l]) : std::nullopt,
         static_cast<float>(scales[l]), std::nullopt, attn.data_ptr<float>());
     round.all(attn.data_ptr<float>(), T * q_size);
