@@ -7,6 +7,7 @@ one (AVX-512) and the portable plain loops."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -97,6 +98,22 @@ def test_bf16_weighs_the_values_with_bf16_weights(ops):
     torch.testing.assert_close(out, expected, rtol=2.0**-7, atol=1e-4)
 
 
+@pytest.mark.parametrize("requests", ["1", "10"])
+def test_fp32_queries_read_a_bf16_cache_in_fp32(ops, requests: str):
+    """kv_cache_dtype="bfloat16" under an fp32 model: the keys and values are the bf16
+    cache's, widened; the queries and the attention weights stay fp32 (pairing the
+    queries as bf16, or rounding the weights, as a bf16 model's are, would be off by
+    bf16's 1e-2, not fp32's 1e-5)."""
+    batch = make_batch(3 * NUM_KV_HEADS, 64, 16, torch.bfloat16, seed=21,
+                       shapes=BATCHES[requests])
+    query = torch.randn(batch.query.shape, generator=torch.Generator().manual_seed(3))
+    batch = dataclasses.replace(batch, query=query)  # fp32 values, not bf16 ones
+    out = _attend(ops, batch, 0.125)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), naive_attention(batch, 0.125), rtol=1e-5,
+                               atol=1e-5)
+
+
 def test_bad_tables_and_inputs_are_refused_by_name(ops):
     batch = make_batch(2 * NUM_KV_HEADS, 32, 16, torch.float32, seed=9, shapes=DECODES)
     lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
@@ -109,7 +126,7 @@ def test_bad_tables_and_inputs_are_refused_by_name(ops):
         ops.paged_decode_attention(q, cache, tables, lens * 0, 1.0, None, None)
     with pytest.raises(RuntimeError, match="more blocks than the block table holds"):
         ops.paged_decode_attention(q, cache, tables[:, :2], lens, 1.0, None, None)
-    with pytest.raises(RuntimeError, match="of q's dtype"):
+    with pytest.raises(RuntimeError, match="of q's dtype or bf16"):
         ops.paged_decode_attention(q.bfloat16(), cache, tables, lens, 1.0, None, None)
     with pytest.raises(RuntimeError, match="multiple of the 2 KV heads"):
         ops.paged_decode_attention(q[:, :3], cache, tables, lens, 1.0, None, None)
