@@ -154,13 +154,11 @@ def _prompt(shape: tuple[int, int], heads: int, kv_heads: int, head_dim: int,
 
 def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                       ) -> torch.Tensor:
-    """float64: query i of Q at position L - Q + i sees keys j <= that position."""
-    q_len, seq_len, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
-    qt, kt, vt = (t.double().transpose(0, 1) for t in (q, k, v))
-    kt, vt = kt.repeat_interleave(group, 0), vt.repeat_interleave(group, 0)
-    future = torch.arange(seq_len)[None, :] > torch.arange(seq_len - q_len, seq_len)[:, None]
-    scores = (qt @ kt.transpose(1, 2) * scale).masked_fill(future, -math.inf)
-    return (torch.softmax(scores, -1) @ vt).transpose(0, 1)
+    """float64 (naive_attention on one request): query i of Q at position L - Q + i sees
+    keys j <= that position."""
+    one = Batch(query=q, kv_cache=torch.empty(0), block_tables=torch.empty(0),
+                query_start_loc=[0, q.shape[0]], seq_lens=[k.shape[0]], keys=[k], values=[v])
+    return naive_attention(one, scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -349,11 +349,14 @@ void attend_prompt(const T* q, int64_t q_row, const T* k, int64_t k_row, const T
       const int64_t tile = z % 2 == 0 ? z / 2 : tiles - 1 - z / 2;
       const int64_t i0 = tile * kPromptTile, queries = std::min(kPromptTile, Q - i0);
       const int64_t rows = queries * G, n_max = L - Q + i0 + queries;
-      qf.resize(rows * D), p.assign(rows * n_max, 0.f), o.assign(rows * D, 0.f);
+      // (p's first n[r] entries of row r are all written below, the rest zeroed)
+      qf.resize(rows * D), p.resize(rows * n_max), o.assign(rows * D, 0.f);
       n.resize(rows), inv.resize(rows);
-      for (int64_t r = 0; r < rows; ++r) {  // row r: query i0 + r / G, head g * G + r % G
-        const T* qr = q + (i0 + r / G) * q_row + (g * G + r % G) * D;
-        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = widen(qr[d]);
+      auto q_of = [&](int64_t r) {  // row r: query i0 + r / G, head g * G + r % G
+        return q + (i0 + r / G) * q_row + (g * G + r % G) * D;
+      };
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = widen(q_of(r)[d]);
         n[r] = L - Q + i0 + r / G + 1;
       }
       const T* keys = k + g * D;
@@ -364,18 +367,15 @@ void attend_prompt(const T* q, int64_t q_row, const T* k, int64_t k_row, const T
 #if PAGELLM_AVX512
           if (whole && D % 16 == 0) {
             const __mmask16 kept = n_max - off >= 16 ? 0xFFFF : (1u << (n_max - off)) - 1;
-            __m512 dots;
 #if PAGELLM_AVX512_BF16
             if constexpr (std::is_same_v<T, bf16>) {
-              if (D % 32 == 0)  // bf16 pairs: the query's own bf16 values
-                dots = dot16(q + (i0 + r / G) * q_row + (g * G + r % G) * D,
-                             keys + off * k_row, k_row, D);
-              else
-                dots = dot16(qf.data() + r * D, keys + off * k_row, k_row, D);
-            } else
+              if (D % 32 == 0) {  // bf16 pairs: the query's own bf16 values
+                _mm512_mask_storeu_ps(s, kept, dot16(q_of(r), keys + off * k_row, k_row, D));
+                continue;
+              }
+            }
 #endif
-              dots = dot16(qf.data() + r * D, keys + off * k_row, k_row, D);
-            _mm512_mask_storeu_ps(s, kept, dots);
+            _mm512_mask_storeu_ps(s, kept, dot16(qf.data() + r * D, keys + off * k_row, k_row, D));
             continue;
           }
 #endif
