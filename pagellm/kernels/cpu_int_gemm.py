@@ -71,20 +71,24 @@ def _tiles(t: torch.Tensor) -> torch.Tensor:
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [N, K] in [0, 2^bits) -> the kernel's codes [ceil(N / 16), K / 4, 8 * bits]
     uint8: per tile and quad of input columns, byte c = 4 * row + kk holds code
-    (row, 4 * quad + kk); for 4 bits, bytes 32..63 go to the high nibbles of 0..31."""
+    (row, 4 * quad + kk); for 4 bits, the 64 bytes of quads 2p and 2p + 1 hold quad 2p's
+    byte c in their low nibbles and quad 2p + 1's in their high ones (one load and mask
+    and one shift and mask give the kernel both quads)."""
     tiles = _tiles(codes.to(torch.uint8))  # [T, 16, K]
     t, _, k = tiles.shape
     quads = tiles.reshape(t, TILE, k // 4, 4).transpose(1, 2).reshape(t, k // 4, 4 * TILE)
     if bits == 8:
         return quads.contiguous()
-    return (quads[..., :32] | (quads[..., 32:] << 4)).contiguous()
+    pairs = quads.reshape(t, k // 8, 2, 4 * TILE)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(t, k // 4, 2 * TILE).contiguous()
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, out_features: int) -> torch.Tensor:
     """pack_codes' inverse: [T, K / 4, 8 * bits] uint8 -> codes [N, K] uint8."""
+    t, quads = packed.shape[:2]
     if bits == 4:
-        packed = torch.cat((packed & 0x0F, packed >> 4), dim=-1)
-    t, quads, _ = packed.shape
+        pairs = packed.reshape(t, quads // 2, 4 * TILE)
+        packed = torch.stack((pairs & 0x0F, pairs >> 4), dim=2).reshape(t, quads, 4 * TILE)
     rows = packed.reshape(t, quads, TILE, 4).transpose(1, 2).reshape(t * TILE, quads * 4)
     return rows[:out_features]
 

@@ -30,8 +30,8 @@ def gemm(ops, x: torch.Tensor, w: cpu_int_gemm.CpuIntWeight) -> torch.Tensor:
 
 def test_the_tiled_layout_by_hand():
     """Tile t, quad q, byte c = 4 * row + kk holds code (16 t + row, 4 q + kk); for 4
-    bits bytes 32..63 ride in the high nibbles of 0..31. 20 rows: the second tile is
-    padded with zero codes."""
+    bits quad 2p + 1's byte c rides in the high nibble of quad 2p's. 20 rows: the second
+    tile is padded with zero codes."""
     n, k = 20, 8
     codes = torch.arange(n * k).reshape(n, k) % 256
     packed8 = cpu_int_gemm.pack_codes(codes, 8)
@@ -43,7 +43,9 @@ def test_the_tiled_layout_by_hand():
     nibbles = codes % 16
     packed4 = cpu_int_gemm.pack_codes(nibbles, 4)
     assert packed4.shape == (2, 2, 32)
-    assert packed4[0, 1, 3] == nibbles[0, 7] | (nibbles[8, 7] << 4)  # codes 3 and 35
+    # quads 0 and 1 share bytes 0..63 of tile 0: [0, 0, 32 + 3] is byte 35 (row 8, kk 3)
+    assert packed4[0, 1, 3] == nibbles[8, 3] | (nibbles[8, 7] << 4)
+    assert packed4[1, 0, 6] == nibbles[17, 2] | (nibbles[17, 6] << 4)
     for bits, packed, source in [(8, packed8, codes), (4, packed4, nibbles)]:
         assert torch.equal(cpu_int_gemm.unpack_codes(packed, bits, n), source.to(torch.uint8))
 
@@ -59,12 +61,13 @@ def test_packing_keeps_the_weight_exactly(bits, group):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("n", "k", "group"), [(16, 64, 32), (50, 128, 64), (200, 384, 128),
                                                (7, 96, 32)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 11, 16])
 def test_the_gemm_is_the_quantized_arithmetic(ops, bits, n, k, group, rows):
     """Equal to the same arithmetic in fp64 up to fp32 rounding (every sum inside a block
     of 32 is an exact integer), and to x @ W^T within what rounding the activations
-    costs: half a step of xs (per block of 32) per element, times |W|. 1-4 rows run as
-    one pass, 9 as three."""
+    costs: half a step of xs (per block of 32) per element, times |W|. 1-6 rows run as
+    one pass (1-2 a tile at a time, more in pairs of tiles), 11 as two, 16 as three; 50
+    and 200 rows of W are 4 and 13 tiles (a thread's odd tile alone)."""
     generator = torch.Generator().manual_seed(bits * 1000 + n + rows)
     w = quantize(torch.randn(n, k, generator=generator), bits, group, torch.float32)
     packed = cpu_int_gemm.pack(w)

@@ -164,6 +164,18 @@ void accumulate_heads(float* o, const T* v, int64_t stride, const float* w, int6
     for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(o + h * D + 16 * c, acc[h][c]);
 }
 
+// accumulate_heads for the last `heads` (< HEADS) heads of accumulate_all: all of them in
+// one pass over the values (GQA's 3 query heads a KV head took three passes, each value
+// loaded and widened once per head).
+template <typename T, int HEADS, int CHUNKS>
+void accumulate_rest(float* o, const T* v, int64_t stride, const float* w, int64_t w_stride,
+                     int64_t n, int64_t heads) {
+  if constexpr (HEADS > 0) {
+    if (heads == HEADS) return accumulate_heads<T, HEADS, CHUNKS>(o, v, stride, w, w_stride, n);
+    accumulate_rest<T, HEADS - 1, CHUNKS>(o, v, stride, w, w_stride, n, heads);
+  }
+}
+
 // accumulate_heads for `heads` heads, as many at a time as 16 registers of sums hold.
 template <typename T, int CHUNKS>
 void accumulate_all(float* o, const T* v, int64_t stride, const float* w, int64_t w_stride,
@@ -173,9 +185,8 @@ void accumulate_all(float* o, const T* v, int64_t stride, const float* w, int64_
   for (; h + kHeads <= heads; h += kHeads)
     accumulate_heads<T, kHeads, CHUNKS>(o + h * 16 * CHUNKS, v, stride, w + h * w_stride,
                                         w_stride, n);
-  for (; h < heads; ++h)
-    accumulate_heads<T, 1, CHUNKS>(o + h * 16 * CHUNKS, v, stride, w + h * w_stride, w_stride,
-                                   n);
+  accumulate_rest<T, kHeads - 1, CHUNKS>(o + h * 16 * CHUNKS, v, stride, w + h * w_stride,
+                                         w_stride, n, heads - h);
 }
 #endif
 
