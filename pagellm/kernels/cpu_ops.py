@@ -8,7 +8,9 @@ extension builder and loaded as `torch.ops.pagellm_cpu`:
 - `paged_decode_attention`: one-token queries over their paged keys and values, in place
   (executor/model/attention.py, csrc/cpu_attention.cpp); `decode_layers` runs it too;
 - `prefill_attention`: a prompt's (or a later chunk's) queries over its keys, causally
-  (the same files).
+  (the same files);
+- `add_rms_norm`, `silu_and_mul`, `rotary`: the decoder's elementwise steps in one pass
+  each, for the torch path's steps (cpu_fused.py, csrc/cpu_elementwise.cpp).
 
 Why compiled here and not shipped built: they are compiled with -march=native, for the
 instructions of the CPU they run on (AVX-512 VNNI's int8 dot products above all). The
@@ -30,7 +32,7 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_int_gemm.cpp", CSRC / "cpu_decode.cpp", CSRC / "cpu_bf16.cpp",
-           CSRC / "cpu_attention.cpp")
+           CSRC / "cpu_attention.cpp", CSRC / "cpu_elementwise.cpp")
 HEADERS = (CSRC / "cpu_ops.h",)
 
 

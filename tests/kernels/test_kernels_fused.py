@@ -94,9 +94,14 @@ def test_rotary_matches_rope_rotate(dtype, heads, head_dim):
     assert_matches(got, rotate(x, cos, sin), exact=True)
 
 
-def test_fused_kernels_serve_cuda_tensors_only():
-    """The decoder's switch: CUDA tensors take the kernels, CPU ones the torch code."""
-    assert fused_for(torch.zeros(1)) is None
+def test_fused_kernels_by_device():
+    """The decoder's switch: CUDA tensors take these kernels, fp32 and bf16 CPU ones the
+    C++ ops (kernels/cpu_fused.py), other CPU dtypes the torch code."""
+    from pagellm.kernels import cpu_fused
+
+    assert fused_for(torch.zeros(1)) is cpu_fused
+    assert fused_for(torch.zeros(1, dtype=torch.bfloat16)) is cpu_fused
+    assert fused_for(torch.zeros(1, dtype=torch.float16)) is None
     if torch.cuda.is_available():
         assert fused_for(torch.zeros(1, device="cuda")) is tf
 

@@ -48,29 +48,17 @@ using PAGELLM_NS::widen;
 using PAGELLM_NS::load16;
 #endif
 
-// e[i] = exp(e[i] - top) for i < n; returns their sum. AVX-512: 16 at a time, Cephes'
-// expf (2^k * e^r, |r| <= ln2 / 2, a degree-6 polynomial: within 2 ulp of glibc's expf,
-// tests/kernels/test_cpu_attention.py), where glibc's scalar expf made the softmax the
-// biggest part of attention at a few hundred keys.
+// e[i] = exp(e[i] - top) for i < n; returns their sum. AVX-512: 16 at a time (exp16,
+// within 2 ulp of glibc's expf: tests/kernels/test_cpu_attention.py), where glibc's
+// scalar expf made the softmax the biggest part of attention at a few hundred keys.
 float exp_sum(float* e, int64_t n, float top) {
   float sum = 0.f;
   int64_t i = 0;
 #if PAGELLM_AVX512
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
   const __m512 lo = _mm512_set1_ps(-87.3f), t = _mm512_set1_ps(top);
-  const float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                      4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(e + i), t), lo);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(k, ln2_hi, x);
-    r = _mm512_fnmadd_ps(k, ln2_lo, r);
-    __m512 y = _mm512_set1_ps(c[0]);
-    for (int j = 1; j < 6; ++j) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c[j]));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    y = _mm512_scalef_ps(y, k);  // * 2^k
+    const __m512 y = PAGELLM_NS::exp16(_mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(e + i), t), lo));
     _mm512_storeu_ps(e + i, y);
     acc = _mm512_add_ps(acc, y);
   }

@@ -428,10 +428,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     float* actp = act.data_ptr<float>();
     at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
-        for (int64_t i = 0; i < inter; ++i) {
-          const float g = gu[t * 2 * inter + i];
-          actp[t * inter + i] = round(round(g / (1.f + std::exp(-g))) * gu[t * 2 * inter + inter + i]);
-        }
+        PAGELLM_NS::silu_and_mul_row(gu + t * 2 * inter, gu + t * 2 * inter + inter,
+                                     actp + t * inter, inter, round.bf16);
     });
     h = project(projection(l, 3), act, at::Tensor(), round);
   }

@@ -42,22 +42,26 @@ inline float widen(bf16 v) { return static_cast<float>(v); }
 // v rounded to the nearest bf16 (ties to even), as a float: what a bf16 tensor holds.
 inline float to_bf16(float v) { return static_cast<float>(bf16(v)); }
 
+#if PAGELLM_AVX512
+// 16 floats rounded to the nearest bf16 (ties to even, c10's NaN), as floats.
+inline __m512 round16_to_bf16(__m512 x) {
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m512i nan = _mm512_set1_epi32(0x7FC00000);  // c10's NaN
+  __m512i b = _mm512_castps_si512(x);  // + 0x7FFF + the kept part's lowest bit: ties to even
+  b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), one), bias));
+  b = _mm512_mask_mov_epi32(_mm512_and_si512(b, high), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                            nan);
+  return _mm512_castsi512_ps(b);
+}
+#endif
+
 // p[i] = to_bf16(p[i]) for i < n, 16 at a time where the CPU has AVX-512 (c10's rounding,
 // one element at a time, took a fifth of a bf16 decode attention's time).
 inline void round_to_bf16(float* p, int64_t n) {
   int64_t i = 0;
 #if PAGELLM_AVX512
-  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  const __m512i nan = _mm512_set1_epi32(0x7FC00000);  // c10's NaN
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_loadu_ps(p + i);
-    __m512i b = _mm512_castps_si512(x);  // + 0x7FFF + the kept part's lowest bit: ties to even
-    b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), one), bias));
-    b = _mm512_mask_mov_epi32(_mm512_and_si512(b, high), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
-                              nan);
-    _mm512_storeu_ps(p + i, _mm512_castsi512_ps(b));
-  }
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(p + i, round16_to_bf16(_mm512_loadu_ps(p + i)));
 #endif
   for (; i < n; ++i) p[i] = to_bf16(p[i]);
 }
@@ -67,6 +71,22 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {  // a bf16's bits are a float's high half
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// exp(x) for 16 floats x >= -87.3 (below, the caller clamps), Cephes' expf: 2^k * e^r,
+// |r| <= ln2 / 2, a degree-6 polynomial; within 2 ulp of glibc's expf; x above ~88.7
+// gives inf.
+inline __m512 exp16(__m512 x) {
+  const float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                      4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(c[0]);
+  for (int j = 1; j < 6; ++j) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c[j]));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, k);  // * 2^k
 }
 #endif
 
@@ -113,6 +133,11 @@ void attend_decodes(const float* q, int64_t q_stride, bool bf16_queries, const P
 // loops trust them.
 void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t B,
                         int64_t num_blocks, int64_t block_size);
+
+// out[i] = F.silu(gate[i]) * up[i] for i < n, as torch computes it in fp32 (bf16: the
+// SiLU and the product each rounded to bf16, as a bf16 tensor's ops round them); out may
+// be gate (cpu_elementwise.cpp).
+void silu_and_mul_row(const float* gate, const float* up, float* out, int64_t n, bool bf16);
 
 // x [M, K] fp32 @ W^T -> [M, out_features] fp32, W in the int kernel's tiled layout
 // (cpu_int_gemm.cpp's header).
