@@ -232,12 +232,13 @@ at::Tensor project(const Projection& p, const at::Tensor& x, const at::Tensor& b
   return y;
 }
 
-// out = w * (v * rsqrt(mean(v^2) + eps)) for one vector v of n: RMSNorm.reference's
-// order of operations (the weight multiplies last).
-void rms_norm(const float* v, const Param& w, float* out, int64_t n, float eps,
-              const Round& round) {
-  const float r = 1.f / std::sqrt(dot(v, v, n) / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = round(w[i] * round(v[i] * r));
+// A norm's weight in fp32, read from the parameter at each step (so that a write to it,
+// a trainer's in-process load_weights, is seen at once).
+std::vector<float> norm_weight(const at::Tensor& w, at::ScalarType dtype, const char* name) {
+  const Param p = param(w, dtype, name);
+  std::vector<float> out(w.numel());
+  for (int64_t i = 0; i < w.numel(); ++i) out[i] = p[i];
+  return out;
 }
 
 // Neox rotation of the first R dimensions of a head x [D] at a position whose table
@@ -349,14 +350,15 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
   // residual (+= h unless first) -> a = rms(residual) * w, row by row
   auto add_norm = [&](const at::Tensor& w, bool first) {
     TORCH_CHECK(w.numel() == hidden, "a norm's weight must be [hidden]");
-    const Param wp = param(w, x.scalar_type(), "a norm's weight");
+    const std::vector<float> wf = norm_weight(w, x.scalar_type(), "a norm's weight");
     const float* hp = first ? nullptr : h.data_ptr<float>();
     at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         float* r = res + t * hidden;
         if (hp != nullptr)
           for (int64_t i = 0; i < hidden; ++i) r[i] = round(hp[t * hidden + i] + r[i]);
-        rms_norm(r, wp, ap + t * hidden, hidden, feps, round);
+        PAGELLM_NS::rms_norm_row(r, wf.data(), ap + t * hidden, hidden, feps, round.bf16,
+                                 round.bf16);
       }
     });
   };
@@ -374,10 +376,11 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     const at::Tensor& q_norm = norms[l * kNorms + 2];
     const at::Tensor& k_norm = norms[l * kNorms + 3];
     const bool head_norms = q_norm.numel() != 0;  // per-head RMSNorm of q and k (Qwen3)
+    std::vector<float> qn, kn;  // their weights in fp32
     if (head_norms) {
-      param(q_norm, x.scalar_type(), "q_norm");
-      param(k_norm, x.scalar_type(), "k_norm");
       TORCH_CHECK(q_norm.numel() == s.D && k_norm.numel() == s.D, "q/k norms must be [D]");
+      qn = norm_weight(q_norm, x.scalar_type(), "q_norm");
+      kn = norm_weight(k_norm, x.scalar_type(), "k_norm");
     }
     // Norms and rotation of q and k and the KV write; the cache's element type Elem is
     // the model's (fp32 or bf16) or bf16 under an fp32 model (kv_cache_dtype="bfloat16":
@@ -390,8 +393,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
           for (int64_t head = 0; head < s.H + s.H_kv; ++head) {
             float* v = row + head * s.D;
             if (head_norms)  // before the rotation
-              rms_norm(v, Param{(head < s.H ? q_norm : k_norm).data_ptr(), round.bf16}, v,
-                       s.D, feps, round);
+              PAGELLM_NS::rms_norm_row(v, (head < s.H ? qn : kn).data(), v, s.D, feps,
+                                       round.bf16, round.bf16);
             rotate(v, cosp + pos[t] * R, sinp + pos[t] * R, R, round);
           }
           if (slots[t] >= 0) {  // negative: padding, written nowhere

@@ -95,6 +95,15 @@ Elements elements_of(const at::Tensor& t, const char* name) {
 
 namespace PAGELLM_NS {
 
+void rms_norm_row(const float* v, const float* w, float* out, int64_t n, float eps,
+                  bool bf16_normed, bool bf16_out) {
+  const float inv = 1.f / std::sqrt(dot(v, v, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = v[i] * inv;
+  round_if(bf16_normed, out, n);  // h.to(x.dtype)
+  for (int64_t i = 0; i < n; ++i) out[i] *= w[i];
+  round_if(bf16_out, out, n);
+}
+
 // (weight * norm(x + residual), x + residual): x, residual [T, N] of one dtype, weight
 // [N] -> out [T, N] in weight's and x's promoted dtype, the sum [T, N] in x's (x itself
 // without a residual).
@@ -133,12 +142,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
         round_if(in.is_bf16, h.data(), N);
         sum.store(t * N, N, h.data());
       }
-      const float squares = PAGELLM_NS::dot(h.data(), h.data(), N);
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(N) + feps);
-      for (int64_t i = 0; i < N; ++i) h[i] *= inv;
-      round_if(in.is_bf16, h.data(), N);  // h.to(x.dtype)
-      for (int64_t i = 0; i < N; ++i) h[i] *= wf[i];
-      round_if(o.is_bf16, h.data(), N);
+      rms_norm_row(h.data(), wf.data(), h.data(), N, feps, in.is_bf16, o.is_bf16);
       o.store(t * N, N, h.data());
     }
   });
@@ -207,19 +211,19 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const Elements o{out.data_ptr(), bf};
   const int64_t W = H * D;  // a token's heads, contiguous in out
   at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    std::vector<float> cf(D), sf(D), v(W), a(W), b(W);
+    std::vector<float> cf(D), sf(D), v(W), a(W);
     for (int64_t t = begin; t < end; ++t) {
       c.load(t * cos.stride(0), D, cf.data());
       s.load(t * signed_sin.stride(0), D, sf.data());
       for (int64_t h = 0; h < H; ++h) in.load(t * x.stride(0) + h * x.stride(1), D, v.data() + h * D);
+      // each product and the sum rounded to x's dtype, as torch's ops round them
+      const auto r1 = [bf](float y) { return bf ? to_bf16(y) : y; };
       for (int64_t h = 0; h < H; ++h) {
         const float* vh = v.data() + h * D;
         float* ah = a.data() + h * D;
-        float* bh = b.data() + h * D;
         int64_t i = 0;
 #if PAGELLM_AVX512
-        // each product and the sum rounded to x's dtype, as torch's ops round them
-        const auto r = [bf](__m512 y) { return bf ? PAGELLM_NS::round16_to_bf16(y) : y; };
+        const auto r = [bf](__m512 y) { return bf ? round16_to_bf16(y) : y; };
         for (; i + 16 <= half; i += 16) {
           const __m512 x1 = _mm512_loadu_ps(vh + i), x2 = _mm512_loadu_ps(vh + half + i);
           _mm512_storeu_ps(ah + i, r(_mm512_add_ps(r(_mm512_mul_ps(x1, _mm512_loadu_ps(&cf[i]))),
@@ -230,19 +234,9 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
         }
 #endif
         for (; i < half; ++i) {
-          ah[i] = vh[i] * cf[i];
-          bh[i] = vh[i + half] * sf[i];
-          ah[i + half] = vh[i + half] * cf[i + half];
-          bh[i + half] = vh[i] * sf[i + half];
-          if (bf) {
-            for (float* p : {ah + i, bh + i, ah + half + i, bh + half + i}) *p = PAGELLM_NS::to_bf16(*p);
-          }
-          ah[i] += bh[i];
-          ah[i + half] += bh[i + half];
-          if (bf) {
-            ah[i] = PAGELLM_NS::to_bf16(ah[i]);
-            ah[i + half] = PAGELLM_NS::to_bf16(ah[i + half]);
-          }
+          const float x1 = vh[i], x2 = vh[half + i];
+          ah[i] = r1(r1(x1 * cf[i]) + r1(x2 * sf[i]));
+          ah[half + i] = r1(r1(x2 * cf[half + i]) + r1(x1 * sf[half + i]));
         }
       }
       o.store(t * W, W, a.data());

@@ -134,6 +134,13 @@ void attend_decodes(const float* q, int64_t q_stride, bool bf16_queries, const P
 void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t B,
                         int64_t num_blocks, int64_t block_size);
 
+// out = w * (v * rsqrt(mean(v^2) + eps)) for one row v of n: RMSNorm.reference's order
+// (the weight multiplies last), the normed row rounded to bf16 first where x is bf16
+// (bf16_normed) and the product where the output is (bf16_out); out may be v
+// (cpu_elementwise.cpp; the fused decode step's norms too).
+void rms_norm_row(const float* v, const float* w, float* out, int64_t n, float eps,
+                  bool bf16_normed, bool bf16_out);
+
 // out[i] = F.silu(gate[i]) * up[i] for i < n, as torch computes it in fp32 (bf16: the
 // SiLU and the product each rounded to bf16, as a bf16 tensor's ops round them); out may
 // be gate (cpu_elementwise.cpp).
