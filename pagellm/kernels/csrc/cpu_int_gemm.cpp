@@ -85,7 +85,8 @@ constexpr int64_t kTile = 16;  // output rows per tile
 // faster at 2048 rows, 4 and 4 rows x 3 tiles no faster than 6.
 constexpr int64_t kRows = 5;
 constexpr int64_t kPair = 2;  // tiles per register block
-constexpr int64_t kStreamed = 16 << 20;  // codes bytes above which tiles go one by one
+constexpr int64_t kStreamed = 16 << 20;  // codes bytes above which tiles go one by one,
+constexpr int64_t kPairedRows = 20;      // unless x has this many rows
 
 
 constexpr int64_t kBlock = 32;  // input columns per activation scale (llama.cpp's Q8_0)
@@ -370,10 +371,11 @@ at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   float* out = y.data_ptr<float>();
   const int64_t tile_bytes = (K / 4) * kTile * bits / 2, tile_groups = (K / G) * kTile;
   const auto run = bits == 4 ? run_block<4> : run_block<8>;
-  // One tile at a time for one or two rows (memory bound: one stream of codes) and for
-  // weights far larger than the caches (an LM head's int8 copy: tile pairs in two
-  // streams 2/3 as fast at 4 rows, 0.9x at 48); pairs otherwise (1.1-1.6x).
-  const bool streamed = M <= 2 || tiles * tile_bytes > kStreamed;
+  // One tile at a time for one or two rows (memory bound: one stream of codes) and, below
+  // kPairedRows rows, for weights far larger than the caches (an LM head's int8 copy:
+  // tile pairs in two streams from memory ran 0.91-0.98x at 8-16 rows, 1.27-1.31x at
+  // 48); pairs otherwise (1.1-1.6x).
+  const bool streamed = M <= 2 || (tiles * tile_bytes > kStreamed && M < kPairedRows);
   const int64_t pair = streamed ? 1 : kPair;
   // Each thread takes a run of tiles, a pair at a time through all rows of x: the pair's
   // codes stay in L1 while x's rows stream past them (rows in chunks that fit L2 instead
