@@ -238,10 +238,24 @@ void weigh_values(float* o, const T* v, int64_t stride, const float* w, int64_t 
   for (int64_t h = 0; h < heads; ++h) accumulate(o + h * D, v, stride, w + h * w_stride, n, D);
 }
 
+// Splits items 0 .. count - 1 into `parts` contiguous runs of about equal work (the
+// sum of work(u)): run r is bounds[r] .. bounds[r + 1] - 1.
+template <typename F>
+std::vector<int64_t> balanced_runs(int64_t count, int64_t parts, F&& work) {
+  std::vector<int64_t> cum(count + 1, 0);
+  for (int64_t u = 0; u < count; ++u) cum[u + 1] = cum[u] + work(u);
+  std::vector<int64_t> bounds(parts + 1, count);
+  bounds[0] = 0;
+  for (int64_t r = 1; r < parts; ++r)  // the first item past r / parts of the work
+    bounds[r] = std::upper_bound(cum.begin(), cum.end(), cum[count] * r / parts) - cum.begin() - 1;
+  return bounds;
+}
+
 // Work items: a request's query heads, all of them where that leaves at least 4 items
 // a thread (each block of keys and values then streams in whole, once), else those that
 // share a KV head (batch 2-7 or so), else one head each (batch 1-2: the threads share
-// the work evenly).
+// the work evenly). Each thread takes a run of items of about equal keys: requests'
+// contexts differ, and an equal count of them each left a thread idle at the end.
 template <typename T>
 void attend(const float* q_all, int64_t q_stride, bool bf16_queries, const PagedKV& kv,
             int64_t B, int64_t H, int64_t H_kv, int64_t D, std::optional<int64_t> window,
@@ -250,11 +264,16 @@ void attend(const float* q_all, int64_t q_stride, bool bf16_queries, const Paged
   const int64_t group = H / H_kv, row = H_kv * D, block_size = kv.block_size;
   const int64_t enough = 4 * at::get_num_threads();
   const int64_t per_item = B >= enough ? H : B * H_kv >= enough ? group : 1;
-  at::parallel_for(0, B * H / per_item, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> bounds =
+      balanced_runs(B * H / per_item, at::get_num_threads(), [&](int64_t u) {
+        const int64_t len = kv.seq_lens[u * per_item / H];
+        return window ? std::min(len, *window) : len;
+      });
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> p;  // [per_item, n]: the item's heads' scores, then weights
     std::vector<float> sums(per_item);
     std::vector<bf16> qb;  // [per_item, D]: q in bf16, for a bf16 cache's dot products
-    for (int64_t u = begin; u < end; ++u) {
+    for (int64_t u = bounds[r0]; u < bounds[r1]; ++u) {
       const int64_t b = u * per_item / H, h0 = u * per_item % H;
       const int64_t g0 = h0 / group, g1 = (h0 + per_item - 1) / group + 1;  // its KV heads
       const int64_t len = kv.seq_lens[b];
