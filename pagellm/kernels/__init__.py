@@ -22,8 +22,8 @@ def fused_for(x: torch.Tensor) -> ModuleType | None:
 
         return triton_fused
     if x.device.type == "cpu":
-        from pagellm.kernels import cpu_fused
+        from pagellm.kernels import cpu_fused, cpu_ops
 
-        if x.dtype in cpu_fused.DTYPES and cpu_fused.available():
+        if x.dtype in cpu_fused.DTYPES and cpu_ops.available():
             return cpu_fused
     return None

@@ -13,24 +13,11 @@ exp within 2 ulp). fp32 and bf16 only (`fused_for` keeps other dtypes on torch's
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 
 from pagellm.kernels import cpu_ops
 
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-@cache
-def available() -> bool:
-    """Whether the C++ ops build here (else the layers keep torch's ops; the attention
-    backend's warning already says why)."""
-    try:
-        cpu_ops.load()
-    except RuntimeError:
-        return False
-    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -10,7 +10,9 @@ extension builder and loaded as `torch.ops.pagellm_cpu`:
 - `prefill_attention`: a prompt's (or a later chunk's) queries over its keys, causally
   (the same files);
 - `add_rms_norm`, `silu_and_mul`, `rotary`: the decoder's elementwise steps in one pass
-  each, for the torch path's steps (cpu_fused.py, csrc/cpu_elementwise.cpp).
+  each, for the torch path's steps (cpu_fused.py, csrc/cpu_elementwise.cpp);
+- `argmax_rows`: the sampler's argmax over fp32 logits (executor/worker/sampler.py,
+  csrc/cpu_sampling.cpp).
 
 Why compiled here and not shipped built: they are compiled with -march=native, for the
 instructions of the CPU they run on (AVX-512 VNNI's int8 dot products above all). The
@@ -32,7 +34,7 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_int_gemm.cpp", CSRC / "cpu_decode.cpp", CSRC / "cpu_bf16.cpp",
-           CSRC / "cpu_attention.cpp", CSRC / "cpu_elementwise.cpp")
+           CSRC / "cpu_attention.cpp", CSRC / "cpu_elementwise.cpp", CSRC / "cpu_sampling.cpp")
 HEADERS = (CSRC / "cpu_ops.h",)
 
 
@@ -70,6 +72,17 @@ def _ninja_on_path() -> None:
     except ImportError:
         return  # the builder's own error names what is missing
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@cache
+def available() -> bool:
+    """Whether the ops build here (else callers keep torch's ops; the attention backend's
+    warning already says why)."""
+    try:
+        load()
+    except RuntimeError:
+        return False
+    return True
 
 
 def load(portable: bool = False) -> Any:
