@@ -170,6 +170,21 @@ def fast_on_this_cpu() -> bool:
     return bool(cpu_ops.load().vnni())
 
 
+def fuses_silu_and_mul(weight: CpuIntWeight) -> bool:
+    """Whether `int_linear_silu_and_mul` takes this [gate | up] weight: its halves must
+    start on a tile (intermediate sizes that are multiples of 16: every model's)."""
+    return weight.out_features % (2 * TILE) == 0
+
+
+def int_linear_silu_and_mul(x: torch.Tensor, weight: CpuIntWeight) -> torch.Tensor:
+    """F.silu(gate) * up of x [M, K] fp32 @ [gate | up]^T in one pass (csrc: a register
+    block pairs gate tile p with up tile p) -> [M, N / 2] fp32; bit for bit `int_linear`
+    then cpu_fused.silu_and_mul."""
+    return cpu_ops.load().int_gemm_silu_and_mul(
+        x.contiguous(), weight.codes, weight.scales, weight.zeros, weight.bits,
+        weight.group_size, weight.out_features)
+
+
 def int_linear(x: torch.Tensor, weight: CpuIntWeight, bias: torch.Tensor | None = None
                ) -> torch.Tensor:
     """x [M, K] (any float dtype) -> [M, N] in x's dtype (+ bias)."""

@@ -94,6 +94,34 @@ def test_extreme_codes_and_activations_do_not_overflow(ops):
     torch.testing.assert_close(y, torch.full((3, 16), -255.0 * k), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("inter", "group"), [(16, 32), (96, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16])
+def test_gate_up_with_silu_is_the_gemm_then_the_activation_bit_for_bit(ops, bits, inter,
+                                                                       group, rows):
+    """int_gemm_silu_and_mul pairs gate tile p with up tile p (tiles inter / 16 apart):
+    exactly int_gemm's [gate | up] followed by the same build's silu_and_mul; one and six
+    gate tiles (a thread's run of one, and of several with the next pair prefetched)."""
+    generator = torch.Generator().manual_seed(bits + inter + rows)
+    w = cpu_int_gemm.pack(quantize(torch.randn(2 * inter, 128, generator=generator), bits,
+                                   group, torch.float32))
+    x = torch.randn(rows, 128, generator=generator) * 3
+    got = ops.int_gemm_silu_and_mul(x, w.codes, w.scales, w.zeros, w.bits, w.group_size,
+                                    w.out_features)
+    assert got.shape == (rows, inter)
+    assert torch.equal(got, ops.silu_and_mul(gemm(ops, x, w)))
+    assert ops.int_gemm_silu_and_mul(x[:0], w.codes, w.scales, w.zeros, w.bits,
+                                     w.group_size, w.out_features).shape == (0, inter)
+
+
+def test_gate_up_with_silu_needs_halves_that_start_on_a_tile(ops):
+    w = cpu_int_gemm.pack(quantize(torch.randn(40, 64), 8, 32, torch.float32))  # 2 x 20
+    assert not cpu_int_gemm.fuses_silu_and_mul(w)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.int_gemm_silu_and_mul(torch.randn(2, 64), w.codes, w.scales, w.zeros, w.bits,
+                                  w.group_size, w.out_features)
+
+
 def test_linear_returns_the_inputs_dtype_and_adds_the_bias():
     w = cpu_int_gemm.pack(quantize(torch.randn(24, 64), 4, 32, torch.float32))
     x, bias = torch.randn(5, 64, dtype=torch.bfloat16), torch.randn(24, dtype=torch.bfloat16)

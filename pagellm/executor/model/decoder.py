@@ -114,6 +114,10 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(tp.intermediate_size, spec.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act != "gelu_pytorch_tanh":  # SiLU: fused into the projection, if it can
+            act = self.gate_up_proj.silu_and_mul(x)
+            if act is not None:
+                return self.down_proj(act)
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if self.act == "gelu_pytorch_tanh":
             gate, up = gate_up.split(self.intermediate_size, dim=-1)

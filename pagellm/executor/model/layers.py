@@ -17,7 +17,7 @@ from torch import nn
 
 from pagellm.executor.model.linear import linear
 from pagellm.executor.model.parallel import TensorParallel
-from pagellm.executor.model.quantize import quantized_linear
+from pagellm.executor.model.quantize import quantized_linear, quantized_silu_and_mul
 from pagellm.kernels import fused_for
 
 if TYPE_CHECKING:
@@ -40,6 +40,14 @@ class Linear(nn.Linear):
         if self.lora is not None:
             self.lora.add_to(x, y)
         return y
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """F.silu(gate) * up of this [gate | up] projection in one kernel where its
+        weight's kernel fuses the activation (quantize.quantized_silu_and_mul), else
+        None: the caller runs `forward` and the activation."""
+        if self.quant is None or self.lora is not None or self.bias is not None:
+            return None
+        return quantized_silu_and_mul(x, self.quant)
 
 
 class RMSNorm(nn.Module):

@@ -204,6 +204,16 @@ def requantizing(dest: Destination, module: nn.Module) -> RequantizingDestinatio
     return RequantizingDestination(**fields, parts=parts, module=module)
 
 
+def quantized_silu_and_mul(x: torch.Tensor, quant: Quantized) -> torch.Tensor | None:
+    """F.silu(gate) * up of a [gate | up] projection in one kernel where its weight's
+    kernel fuses them (the CPU's int kernel, fp32 activations: cpu_int_gemm), else None
+    (the caller projects, then applies the activation)."""
+    if isinstance(quant, CpuIntWeight) and x.dtype == torch.float32 \
+            and cpu_int_gemm.fuses_silu_and_mul(quant):
+        return cpu_int_gemm.int_linear_silu_and_mul(x, quant)
+    return None
+
+
 def quantized_linear(x: torch.Tensor, quant: Quantized, bias: torch.Tensor | None
                      ) -> torch.Tensor:
     """x [T, in] -> [T, out] (+ bias): the Triton kernel for packed integers, the CPU's

@@ -16,7 +16,7 @@
 //   q, k rotated (neox halves, the first R dimensions); k, v written to slot_mapping
 //   o   = attend(q, paged keys/values of the request) @ Wo^T (+ b)   (cpu_attention.cpp)
 //   residual = o + residual; a = rms(residual) * w_post
-//   h   = (silu(a @ Wg^T) * (a @ Wu^T)) @ Wd^T
+//   h   = (silu(a @ Wg^T) * (a @ Wu^T)) @ Wd^T   (an int [gate | up]: int_gemm_silu_and_mul)
 //
 // and rms(h + residual) * w_final at the end. Projections are dense fp32 (a GEMV for up
 // to 4 rows, else oneDNN's linear: `dense_gemm`) or the int kernel's tiled int4/int8
@@ -367,6 +367,24 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     return Projection{weights[i], weights[i + 1], weights[i + 2], linear_meta[i],
                       linear_meta[i + 1], linear_meta[i + 2]};
   };
+  // a -> silu(a @ Wg^T) * (a @ Wu^T) [T, inter] through the [gate | up] projection: in
+  // one pass for an int one of an fp32 model (int_gemm_silu_and_mul, the same values)
+  auto gated = [&](const Projection& p) {
+    if (p.bits != 0 && !round.bf16 && p.out_features % 32 == 0)
+      return PAGELLM_NS::int_gemm_silu_and_mul(a, p.weight, p.scales, p.zeros, p.bits,
+                                               p.group_size, p.out_features);
+    const at::Tensor gate_up = project(p, a, at::Tensor(), round);
+    const int64_t inter = gate_up.size(1) / 2;
+    at::Tensor act = at::empty({T, inter}, fp32);
+    const float* gu = gate_up.data_ptr<float>();
+    float* actp = act.data_ptr<float>();
+    at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        PAGELLM_NS::silu_and_mul_row(gu + t * 2 * inter, gu + t * 2 * inter + inter,
+                                     actp + t * inter, inter, round.bf16);
+    });
+    return act;
+  };
 
   for (int64_t l = 0; l < L; ++l) {
     add_norm(norms[l * kNorms], l == 0);
@@ -424,17 +442,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     h = project(projection(l, 1), attn, biases[l * kBiases + 1], round);
 
     add_norm(norms[l * kNorms + 1], false);
-    at::Tensor gate_up = project(projection(l, 2), a, at::Tensor(), round);
-    const int64_t inter = gate_up.size(1) / 2;
-    at::Tensor act = at::empty({T, inter}, fp32);
-    const float* gu = gate_up.data_ptr<float>();
-    float* actp = act.data_ptr<float>();
-    at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        PAGELLM_NS::silu_and_mul_row(gu + t * 2 * inter, gu + t * 2 * inter + inter,
-                                     actp + t * inter, inter, round.bf16);
-    });
-    h = project(projection(l, 3), act, at::Tensor(), round);
+    h = project(projection(l, 3), gated(projection(l, 2)), at::Tensor(), round);
   }
   add_norm(final_norm, L == 0);
   return round.bf16 ? a.to(at::kBFloat16) : a;

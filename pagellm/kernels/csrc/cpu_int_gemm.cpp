@@ -322,16 +322,17 @@ void run_block(int64_t rows, int64_t tiles, const uint8_t* codes, int64_t tile_b
 #undef PAGELLM_BLOCK
 }
 
-}  // namespace
+// int_gemm's operands, checked (x [M, K] fp32 contiguous; codes [N / 16, K / 4, 8 * BITS]
+// uint8; scales, zeros [N / 16, K / G, 16] fp32; out_features <= 16 * tiles).
+struct Operands {
+  int64_t M, K, G, tiles, tile_bytes, tile_groups;
+  const uint8_t* codes;
+  const float* scales;
+  const float* zeros;
+};
 
-namespace PAGELLM_NS {
-
-// x [M, K] fp32 contiguous; codes [N / 16, K / 4, 8 * BITS] uint8; scales, zeros
-// [N / 16, K / G, 16] fp32 -> y [M, out_features] fp32 (out_features <= 16 * tiles: the
-// last tile's padding rows are not written).
-at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                    const at::Tensor& zeros, int64_t bits, int64_t group_size,
-                    int64_t out_features) {
+Operands check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+               const at::Tensor& zeros, int64_t bits, int64_t group_size, int64_t out_features) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous fp32 [M, K] tensor");
@@ -349,11 +350,17 @@ at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   }
   TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile,
               "out_features ", out_features, " does not fit ", tiles, " tiles of 16 rows");
-  at::Tensor y = at::empty({M, out_features}, x.options());
-  if (M == 0) return y;
-  at::Tensor a = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor xs = at::empty({M, K / kBlock}, x.options());
-  at::Tensor zc = at::empty({M, K / G}, x.options());
+  return {M,     K,     G, tiles, (K / 4) * kTile * bits / 2, (K / G) * kTile,
+          codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>()};
+}
+
+// x's rows quantized (quantize_row) into a, xs and zc, which must outlive the result.
+Activations quantize(const at::Tensor& x, int64_t G, at::Tensor& a, at::Tensor& xs,
+                     at::Tensor& zc) {
+  const int64_t M = x.size(0), K = x.size(1);
+  a = at::empty({M, K}, x.options().dtype(at::kChar));
+  xs = at::empty({M, K / kBlock}, x.options());
+  zc = at::empty({M, K / G}, x.options());
   const float* x_ptr = x.data_ptr<float>();
   int8_t* a_ptr = a.data_ptr<int8_t>();
   float* xs_ptr = xs.data_ptr<float>();
@@ -364,12 +371,43 @@ at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
                    zc_ptr + m * (K / G));
     }
   });
-  const Activations act{a_ptr, xs_ptr, zc_ptr, K, K / kBlock, K / G};
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
-  const float* z = zeros.data_ptr<float>();
+  return {a_ptr, xs_ptr, zc_ptr, K, K / kBlock, K / G};
+}
+
+// Runs `block(m0, rows)` for the register blocks down the M rows of x (kRows at a time)
+// over one group of tiles, first asking for `next`'s `lines` cache lines (the next
+// group's codes: in a decode step they come from memory, 1.1-1.3x on an LM head at 48
+// rows) into L2 in equal shares over the passes.
+template <typename Block>
+void down_the_rows(int64_t M, const uint8_t* const* next, int64_t streams, int64_t lines,
+                   Block&& block) {
+  const int64_t passes = (M + kRows - 1) / kRows, share = (lines + passes - 1) / passes;
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    const int64_t first = m0 / kRows * share;
+    for (int64_t l = first; l < std::min(lines, first + share); ++l) {
+      for (int64_t i = 0; i < streams; ++i) prefetch(next[i] + l * 64);
+    }
+    block(m0, std::min(kRows, M - m0));
+  }
+}
+
+}  // namespace
+
+namespace PAGELLM_NS {
+
+// x [M, K] fp32 contiguous; codes [N / 16, K / 4, 8 * BITS] uint8; scales, zeros
+// [N / 16, K / G, 16] fp32 -> y [M, out_features] fp32 (out_features <= 16 * tiles: the
+// last tile's padding rows are not written).
+at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    const at::Tensor& zeros, int64_t bits, int64_t group_size,
+                    int64_t out_features) {
+  const Operands w = check(x, codes, scales, zeros, bits, group_size, out_features);
+  const int64_t M = w.M, tiles = w.tiles, tile_bytes = w.tile_bytes;
+  at::Tensor y = at::empty({M, out_features}, x.options());
+  if (M == 0) return y;
+  at::Tensor a, xs, zc;
+  const Activations act = quantize(x, w.G, a, xs, zc);
   float* out = y.data_ptr<float>();
-  const int64_t tile_bytes = (K / 4) * kTile * bits / 2, tile_groups = (K / G) * kTile;
   const auto run = bits == 4 ? run_block<4> : run_block<8>;
   // One tile at a time for one or two rows (memory bound: one stream of codes) and, below
   // kPairedRows rows, for weights far larger than the caches (an LM head's int8 copy:
@@ -384,20 +422,55 @@ at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
     for (int64_t t = begin; t < end; t += pair) {
       const int64_t nt = std::min(pair, end - t);
       const int64_t last_width = std::min(kTile, out_features - (t + nt - 1) * kTile);
-      // The next tiles' codes into L2 meanwhile, spread over the passes (in a decode step
-      // they come from memory: 1.1-1.3x on an LM head at 48 rows). Not for one or two
-      // rows, whose one stream of codes the hardware's prefetcher follows.
+      // (Not for one or two rows, whose one stream of codes the hardware's prefetcher
+      // follows.)
       const int64_t lines =
           t + nt < end && M > 2 ? std::min(pair, end - t - nt) * tile_bytes / 64 : 0;
-      const int64_t passes = (M + kRows - 1) / kRows, share = (lines + passes - 1) / passes;
-      const uint8_t* next = c + (t + nt) * tile_bytes;
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const int64_t first = m0 / kRows * share;
-        for (int64_t l = first; l < std::min(lines, first + share); ++l) prefetch(next + l * 64);
-        run(std::min(kRows, M - m0), nt, c + t * tile_bytes, tile_bytes, s + t * tile_groups,
-            z + t * tile_groups, tile_groups, act, G, m0, out + m0 * out_features + t * kTile,
-            out_features, last_width);
-      }
+      const uint8_t* next = w.codes + (t + nt) * tile_bytes;
+      down_the_rows(M, &next, 1, lines, [&](int64_t m0, int64_t rows) {
+        run(rows, nt, w.codes + t * tile_bytes, tile_bytes, w.scales + t * w.tile_groups,
+            w.zeros + t * w.tile_groups, w.tile_groups, act, w.G, m0,
+            out + m0 * out_features + t * kTile, out_features, last_width);
+      });
+    }
+  });
+  return y;
+}
+
+// A gated MLP's gate_up projection and its activation in one pass: x [M, K] @ W^T for
+// W = [gate | up] [2 I, K] (I a multiple of 16) -> F.silu(gate) * up [M, I] fp32, bit
+// for bit what int_gemm and then silu_and_mul_row give. A register block takes gate tile
+// p with up tile p (tiles I / 16 apart, where int_gemm's blocks take neighbours), so a
+// block's two halves are one 16-wide slice of both, which `silu_and_mul_row` combines
+// while they are in L1: no [M, 2 I] product written to memory and read back, one parallel
+// region less.
+at::Tensor int_gemm_silu_and_mul(const at::Tensor& x, const at::Tensor& codes,
+                                 const at::Tensor& scales, const at::Tensor& zeros,
+                                 int64_t bits, int64_t group_size, int64_t out_features) {
+  const Operands w = check(x, codes, scales, zeros, bits, group_size, out_features);
+  TORCH_CHECK(out_features % (2 * kTile) == 0, "a fused gate_up projection needs 2 x a "
+              "multiple of 16 output rows, got ", out_features);
+  const int64_t M = w.M, I = out_features / 2, half = I / kTile;
+  at::Tensor y = at::empty({M, I}, x.options());
+  if (M == 0) return y;
+  at::Tensor a, xs, zc;
+  const Activations act = quantize(x, w.G, a, xs, zc);
+  float* out = y.data_ptr<float>();
+  const auto run = bits == 4 ? run_block<4> : run_block<8>;
+  const int64_t apart = half * w.tile_bytes, groups_apart = half * w.tile_groups;
+  at::parallel_for(0, half, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* next[2] = {w.codes + (p + 1) * w.tile_bytes,
+                                w.codes + (p + 1) * w.tile_bytes + apart};
+      const int64_t lines = p + 1 < end && M > 2 ? w.tile_bytes / 64 : 0;
+      down_the_rows(M, next, 2, lines, [&](int64_t m0, int64_t rows) {
+        float both[kRows * 2 * kTile];  // [rows, gate's 16 | up's 16]
+        run(rows, 2, w.codes + p * w.tile_bytes, apart, w.scales + p * w.tile_groups,
+            w.zeros + p * w.tile_groups, groups_apart, act, w.G, m0, both, 2 * kTile, kTile);
+        for (int64_t r = 0; r < rows; ++r)
+          silu_and_mul_row(both + r * 2 * kTile, both + r * 2 * kTile + kTile,
+                           out + (m0 + r) * I + p * kTile, kTile, false);
+      });
     }
   });
   return y;
@@ -417,5 +490,8 @@ PAGELLM_LIBRARY(PAGELLM_NS, m) {
   m.def("int_gemm(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int bits, "
         "int group_size, int out_features) -> Tensor");
   m.impl("int_gemm", c10::DispatchKey::CPU, &PAGELLM_NS::int_gemm);
+  m.def("int_gemm_silu_and_mul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int bits, "
+        "int group_size, int out_features) -> Tensor");
+  m.impl("int_gemm_silu_and_mul", c10::DispatchKey::CPU, &PAGELLM_NS::int_gemm_silu_and_mul);
   m.def("vnni() -> bool", &vnni);
 }

@@ -152,6 +152,12 @@ at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
                     const at::Tensor& zeros, int64_t bits, int64_t group_size,
                     int64_t out_features);
 
+// int_gemm of a fused [gate | up] weight, then F.silu(gate) * up -> [M, out_features / 2]
+// fp32, in one pass (cpu_int_gemm.cpp).
+at::Tensor int_gemm_silu_and_mul(const at::Tensor& x, const at::Tensor& codes,
+                                 const at::Tensor& scales, const at::Tensor& zeros,
+                                 int64_t bits, int64_t group_size, int64_t out_features);
+
 // y [M, N] fp32 = x [M, K] @ w [N, K]^T, both bf16, summed in fp32 (cpu_bf16.cpp's GEMV,
 // on torch's thread pool); 1 <= M <= 4.
 void bf16_gemv(const c10::BFloat16* x, const c10::BFloat16* w, float* y, int64_t M, int64_t K,
