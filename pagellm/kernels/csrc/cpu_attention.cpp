@@ -374,6 +374,71 @@ void attend(const float* q_all, int64_t q_stride, bool bf16_queries, const Paged
 // inputs before they weigh the values, as there.
 constexpr int64_t kPromptTile = 16;
 
+#if PAGELLM_AVX512
+// dst [16, 16] = the transpose of 16 rows of 16 floats (row i at src + i * stride).
+inline void transpose16(const float* src, int64_t stride, float* dst) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * stride);
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved: a0 b0 a1 b1 | ...
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // then pairs of pairs: a0 b0 c0 d0 | ...
+    for (int j = 0; j < 2; ++j) {
+      const __m512d x = _mm512_castps_pd(t[i + j]), y = _mm512_castps_pd(t[i + j + 2]);
+      r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+      r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
+    }
+  }
+  // r[4q + c] lane block L holds column 4L + c of rows 4q .. 4q + 3; gather the 128-bit
+  // blocks: column 4L + c of all rows from r[c], r[4 + c], r[8 + c], r[12 + c]
+  for (int c = 0; c < 4; ++c) {
+    const __m512 lo = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 hi = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512 lo2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 hi2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    _mm512_storeu_ps(dst + (0 + c) * 16, _mm512_shuffle_f32x4(lo, lo2, _MM_SHUFFLE(2, 0, 2, 0)));
+    _mm512_storeu_ps(dst + (8 + c) * 16, _mm512_shuffle_f32x4(lo, lo2, _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm512_storeu_ps(dst + (4 + c) * 16, _mm512_shuffle_f32x4(hi, hi2, _MM_SHUFFLE(2, 0, 2, 0)));
+    _mm512_storeu_ps(dst + (12 + c) * 16, _mm512_shuffle_f32x4(hi, hi2, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+}
+
+// s[r][0 .. 15] (rows s_row apart, `kept` lanes) = q[r] . the 16 keys whose transpose is
+// kt [D, 16], for R rows of q (D apart): each key vector loaded once for R rows, each
+// query element broadcast by its multiply-add (dot16's 16 chains and transposing sum
+// per row took 2.5x the instructions).
+template <int R>
+inline void scores_of_rows(const float* q, int64_t D, const float* kt, float* s, int64_t s_row,
+                           __mmask16 kept) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 k = _mm512_loadu_ps(kt + d * 16);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), k, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(s + r * s_row, kept, acc[r]);
+}
+
+// scores_of_rows for `rows` rows, 8 at a time (8 independent chains keep both FMA pipes
+// busy).
+inline void scores_of(const float* q, int64_t D, int64_t rows, const float* kt, float* s,
+                      int64_t s_row, __mmask16 kept) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) scores_of_rows<8>(q + r * D, D, kt, s + r * s_row, s_row, kept);
+  switch (rows - r) {
+    case 7: return scores_of_rows<7>(q + r * D, D, kt, s + r * s_row, s_row, kept);
+    case 6: return scores_of_rows<6>(q + r * D, D, kt, s + r * s_row, s_row, kept);
+    case 5: return scores_of_rows<5>(q + r * D, D, kt, s + r * s_row, s_row, kept);
+    case 4: return scores_of_rows<4>(q + r * D, D, kt, s + r * s_row, s_row, kept);
+    case 3: return scores_of_rows<3>(q + r * D, D, kt, s + r * s_row, s_row, kept);
+    case 2: return scores_of_rows<2>(q + r * D, D, kt, s + r * s_row, s_row, kept);
+    case 1: return scores_of_rows<1>(q + r * D, D, kt, s + r * s_row, s_row, kept);
+    default: return;
+  }
+}
+#endif
+
 template <typename T>
 void attend_prompt(const T* q, int64_t q_row, const T* k, int64_t k_row, const T* v,
                    int64_t v_row, int64_t Q, int64_t L, int64_t H, int64_t H_kv, int64_t D,
@@ -381,6 +446,7 @@ void attend_prompt(const T* q, int64_t q_row, const T* k, int64_t k_row, const T
   const int64_t G = H / H_kv, tiles = (Q + kPromptTile - 1) / kPromptTile;
   at::parallel_for(0, H_kv * tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, p, o, inv;  // [rows, D], [rows, n_max], [rows, D], [rows]
+    std::vector<float> kt;  // [D, 16]: a tile of 16 keys transposed (fp32)
     std::vector<int64_t> n;  // [rows]: the keys each row sees
     for (int64_t u = begin; u < end; ++u) {
       // Tiles zigzag (0, last, 1, last - 1, ...): later ones see more keys, and a thread's
@@ -402,6 +468,18 @@ void attend_prompt(const T* q, int64_t q_row, const T* k, int64_t k_row, const T
       const T* keys = k + g * D;
       for (int64_t off = 0; off < n_max; off += 16) {  // a 16-key tile for every row
         const bool whole = off + 16 <= L;  // 16 keys to read (past n_max: not stored)
+#if PAGELLM_AVX512
+        if constexpr (std::is_same_v<T, float>) {
+          if (whole && D % 16 == 0) {  // fp32: the tile transposed once, all rows against it
+            const __mmask16 kept = n_max - off >= 16 ? 0xFFFF : (1u << (n_max - off)) - 1;
+            kt.resize(D * 16);
+            for (int64_t d = 0; d < D; d += 16)
+              transpose16(keys + off * k_row + d, k_row, kt.data() + d * 16);
+            scores_of(qf.data(), D, rows, kt.data(), p.data() + off, n_max, kept);
+            continue;
+          }
+        }
+#endif
         for (int64_t r = 0; r < rows; ++r) {
           float* s = p.data() + r * n_max + off;
 #if PAGELLM_AVX512
