@@ -269,6 +269,13 @@ void attend(const float* q_all, int64_t q_stride, bool bf16_queries, const Paged
         const int64_t len = kv.seq_lens[u * per_item / H];
         return window ? std::min(len, *window) : len;
       });
+  // Item v's first block of keys (plane 0) or values (kv.plane), from its first KV head.
+  auto first_block = [&](int64_t v, int64_t plane) {
+    const int64_t b = v * per_item / H, g = v * per_item % H / group, len = kv.seq_lens[b];
+    const int64_t first = window ? std::max<int64_t>(0, len - *window) : 0;
+    return cache + plane + kv.tables[b * kv.table_stride + first / block_size] * block_size * row +
+           g * D;
+  };
   at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> p;  // [per_item, n]: the item's heads' scores, then weights
     std::vector<float> sums(per_item);
@@ -296,20 +303,23 @@ void attend(const float* q_all, int64_t q_stride, bool bf16_queries, const Paged
       // Keys j = blk * block_size + off, block by block (no division per key).
       // The next block's keys (plane 0) or values of the item's KV heads are fetched
       // while this one's are used: the blocks lie anywhere in the cache, so the CPU's
-      // own prefetchers start over at each.
-      auto blocks = [&](int64_t plane, auto&& visit) {
+      // own prefetchers start over at each. At the last block, `then`: the block the
+      // next pass starts on (this item's first values, the next item's first keys).
+      auto blocks = [&](int64_t plane, const T* then, auto&& visit) {
         const int64_t last = (len - 1) / block_size;
         for (int64_t blk = first / block_size; blk <= last; ++blk) {
           if (blk < last)
             prefetch(cache + plane + table[blk + 1] * block_size * row + g0 * D, block_size,
                      row, (g1 - g0) * D);
+          else if (then != nullptr)
+            prefetch(then, block_size, row, (g1 - g0) * D);
           visit(table[blk] * block_size * row,  // the block's first key
                 std::max<int64_t>(first - blk * block_size, 0),
                 std::min<int64_t>(block_size, len - blk * block_size),
                 blk * block_size - first);  // where its keys' scores start in p
         }
       };
-      blocks(0, [&](int64_t base, int64_t lo, int64_t hi, int64_t at) {
+      blocks(0, first_block(u, kv.plane), [&](int64_t base, int64_t lo, int64_t hi, int64_t at) {
         for (int64_t g = g0; g < g1; ++g) {
           const T* keys = cache + base + g * D;
           const auto [i0, count] = heads_of(g);
@@ -340,7 +350,8 @@ void attend(const float* q_all, int64_t q_stride, bool bf16_queries, const Paged
           PAGELLM_NS::round_to_bf16(s, n);
       }
       std::fill(o, o + per_item * D, 0.f);
-      blocks(kv.plane, [&](int64_t base, int64_t lo, int64_t hi, int64_t at) {
+      blocks(kv.plane, u + 1 < bounds[r1] ? first_block(u + 1, 0) : nullptr,
+             [&](int64_t base, int64_t lo, int64_t hi, int64_t at) {
         for (int64_t g = g0; g < g1; ++g) {
           const auto [i0, count] = heads_of(g);
           weigh_values(o + i0 * D, cache + kv.plane + base + g * D + lo * row, row,
