@@ -9,6 +9,7 @@ from pagellm.executor.worker.cpu_threads import (
     CLEAR_WIN,
     ONE_THREAD_MARGIN,
     REFRESH_STEPS,
+    SWITCH_S,
     TRIAL_BLOCK,
     TRIAL_STEPS,
     ThreadTuner,
@@ -39,10 +40,23 @@ def test_a_close_trial_interleaves_blocks_for_every_round() -> None:
 
 
 def test_a_clear_winner_is_kept_after_one_round() -> None:
-    for times, winner in (({2: 1.0, 1: CLEAR_WIN}, 2), ({2: CLEAR_WIN, 1: 1.0}, 1)):
+    """One thread clearly faster: kept after its block; clearly slower (by more than a
+    switch costs): its block stops at its first step, every thread from then on."""
+    for times, one_thread_steps, winner in (({2: 1.0, 1: CLEAR_WIN + SWITCH_S}, 1, 2),
+                                            ({2: CLEAR_WIN, 1: 1.0}, TRIAL_BLOCK, 1)):
         tuner = ThreadTuner(2)
-        used = run_steps(tuner, 256, times, ROUND + 50)
-        assert used == [2] * TRIAL_BLOCK + [1] * TRIAL_BLOCK + [winner] * 50
+        used = run_steps(tuner, 256, times, TRIAL_BLOCK + one_thread_steps + 50)
+        assert used == [2] * TRIAL_BLOCK + [1] * one_thread_steps + [winner] * 50
+
+
+def test_a_slow_one_thread_step_settles_the_larger_sizes_too() -> None:
+    """A large model's first prompt steps: one step on one thread (slower by far more
+    than a switch costs), then every thread for that size and every larger one,
+    untried."""
+    tuner = ThreadTuner(2)
+    used = run_steps(tuner, 1024, {2: 1.0, 1: 1.9}, TRIAL_BLOCK + 1 + 3)
+    assert used == [2] * TRIAL_BLOCK + [1] + [2] * 3
+    assert run_steps(tuner, 2048, {2: 1.0, 1: 1.9}, 5) == [2] * 5
 
 
 def test_one_thread_when_as_fast_within_the_margin() -> None:
@@ -55,13 +69,14 @@ def test_one_thread_when_as_fast_within_the_margin() -> None:
 
 def test_the_first_step_of_each_block_is_not_counted() -> None:
     """The step right after a switch pays for it (threads waking or still spinning):
-    its time must not decide. Here only those steps make one thread look slow."""
+    its time must not decide. Here only those steps make one thread look slow, by what
+    a switch can cost."""
     tuner = ThreadTuner(2)
     for i in range(ROUND):
         threads = tuner.threads_for(256)
         first_of_block = i % TRIAL_BLOCK == 0
-        tuner.record(100.0 if first_of_block and threads == 1 else
-                     {2: 2.0, 1: 1.0}[threads])
+        tuner.record(0.002 + 0.9 * SWITCH_S if first_of_block and threads == 1 else
+                     {2: 0.002, 1: 0.001}[threads])
     assert tuner.threads_for(256) == 1
 
 
@@ -76,8 +91,8 @@ def test_a_choice_settles_the_sizes_it_implies() -> None:
     assert run_steps(tuner, 9000, {2: 1.0, 1: 2.0}, 3) == [2] * 3
     assert run_steps(tuner, 100, {2: 1.0, 1: 2.0}, 3) == [1] * 3  # implied: no trial
     assert run_steps(tuner, 20000, {2: 2.0, 1: 1.0}, 3) == [2] * 3
-    assert run_steps(tuner, 1024, {2: 1.0, 1: 2.0}, ROUND + 1) == \
-        [2] * TRIAL_BLOCK + [1] * TRIAL_BLOCK + [2]  # measured: its own trial
+    assert run_steps(tuner, 1024, {2: 1.0, 1: 2.0}, TRIAL_BLOCK + 2) == \
+        [2] * TRIAL_BLOCK + [1] + [2]  # measured: its own trial (one thread cut short)
     # Every thread for 1024.. now implies it for 8192.. (already) but not below.
     assert run_steps(tuner, 300, {2: 1.0, 1: 2.0}, 1) == [1]
     tuner = ThreadTuner(2)
@@ -91,8 +106,8 @@ def test_measures_again_after_refresh_steps_and_follows_the_load() -> None:
     run_steps(tuner, 256, {2: 2.0, 1: 1.0}, ROUND)
     assert run_steps(tuner, 256, {2: 1.0, 1: 2.0}, REFRESH_STEPS) == [1] * REFRESH_STEPS
     # The machine changed (the frontend went quiet): the next trial finds it.
-    used = run_steps(tuner, 256, {2: 1.0, 1: 2.0}, ROUND + 5)
-    assert used == [2] * TRIAL_BLOCK + [1] * TRIAL_BLOCK + [2] * 5
+    used = run_steps(tuner, 256, {2: 1.0, 1: 2.0}, TRIAL_BLOCK + 1 + 5)
+    assert used == [2] * TRIAL_BLOCK + [1] + [2] * 5
 
 
 def test_steps_that_were_never_recorded_do_not_stall_the_trial() -> None:

@@ -11,8 +11,12 @@ on the model, the step's size and what else runs on the machine, so it is measur
 for each step size (tokens, by powers of two from 64; fewer are one size) the tuner
 runs a few steps with every thread and a few with one, interleaved in blocks, and
 keeps the faster (one thread when within 2%: it leaves the other cores to the
-frontend). A clear winner (25%) is kept after one block of each. The choice is
-measured again every `REFRESH_STEPS` steps of that size, as the load changes.
+frontend). A clear winner (25%) is kept after one block of each, and every thread at
+once when a step on one thread is already that much slower (the first of its block
+only by more than a switch of thread counts can cost, `SWITCH_S`): a large model's
+prompt steps then spend one step on one thread, not four (a fresh engine's second and
+third batches of 48 prompts ran 1.45x slower). The choice is measured again every
+`REFRESH_STEPS` steps of that size, as the load changes.
 
 Trials cost: half their steps run on the slower count. So a choice also settles the
 sizes it implies, which are then not tried: more tokens per step only make the
@@ -37,6 +41,7 @@ CLEAR_WIN = 1.25  # after one block of each, a count this much faster is kept at
 ONE_THREAD_MARGIN = 1.02  # one thread wins unless every thread is >2% faster
 REFRESH_STEPS = 2000  # steps of one size between measurements
 MIN_SIZE_BITS = 6  # steps of under 64 tokens are one size (decodes of small batches)
+SWITCH_S = 0.01  # the most a change of thread count adds to the step after it
 
 
 def tunable_threads() -> bool:
@@ -90,6 +95,10 @@ class ThreadTuner:
             self._current = None
             if timed:
                 size.samples.setdefault(threads, []).append(seconds)
+            every = size.samples.get(self.max_threads)
+            slower = seconds - (0.0 if timed else SWITCH_S)
+            if threads == 1 and every and slower >= CLEAR_WIN * statistics.median(every):
+                self._choose(size, self.max_threads)
 
     def _size(self, key: int) -> _Size:
         size = self._sizes.get(key)
