@@ -82,7 +82,7 @@ inline void prefetch(const uint8_t* p) { __builtin_prefetch(p, 0, 2); }
 constexpr int64_t kTile = 16;  // output rows per tile
 // Rows of x per register block: at 6 the 12 fp32 sums no longer fitted beside the int32
 // ones, the broadcasts and the codes (GCC spilled them to the stack); 5 ran 1.05-1.08x
-// faster at 2048 rows, 4 and 4 rows x 3 tiles no faster than 6.
+// faster at 2048 rows, 4 rows (by 2 or 3 tiles) within noise of 6.
 constexpr int64_t kRows = 5;
 constexpr int64_t kPair = 2;  // tiles per register block
 constexpr int64_t kStreamed = 16 << 20;  // codes bytes above which tiles go one by one,
@@ -350,7 +350,7 @@ Operands check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& s
   }
   TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile,
               "out_features ", out_features, " does not fit ", tiles, " tiles of 16 rows");
-  return {M,     K,     G, tiles, (K / 4) * kTile * bits / 2, (K / G) * kTile,
+  return {M, K, G, tiles, (K / 4) * kTile * bits / 2, (K / G) * kTile,
           codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>()};
 }
 
