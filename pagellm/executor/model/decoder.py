@@ -114,19 +114,19 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(tp.intermediate_size, spec.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act != "gelu_pytorch_tanh":  # SiLU: fused into the projection, if it can
-            act = self.gate_up_proj.silu_and_mul(x)
-            if act is not None:
-                return self.down_proj(act)
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if self.act == "gelu_pytorch_tanh":
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        fused = fused_for(gate_up)
-        if fused is not None:  # one kernel instead of two (kernels/triton_fused.py)
-            return self.down_proj(fused.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = self.gate_up_proj.silu_and_mul(x)  # the projection's kernel fuses it, or None
+        if act is None:
+            gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+            fused = fused_for(gate_up)
+            if fused is not None:  # one kernel instead of two (kernels/triton_fused.py)
+                act = fused.silu_and_mul(gate_up)
+            else:
+                gate, up = gate_up.split(self.intermediate_size, dim=-1)
+                act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):

@@ -370,7 +370,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
   // a -> silu(a @ Wg^T) * (a @ Wu^T) [T, inter] through the [gate | up] projection: in
   // one pass for an int one of an fp32 model (int_gemm_silu_and_mul, the same values)
   auto gated = [&](const Projection& p) {
-    if (p.bits != 0 && !round.bf16 && p.out_features % 32 == 0)
+    if (p.bits != 0 && !round.bf16 && PAGELLM_NS::pairs_gate_and_up(p.out_features))
       return PAGELLM_NS::int_gemm_silu_and_mul(a, p.weight, p.scales, p.zeros, p.bits,
                                                p.group_size, p.out_features);
     const at::Tensor gate_up = project(p, a, at::Tensor(), round);

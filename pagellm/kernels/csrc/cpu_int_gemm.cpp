@@ -80,6 +80,7 @@ inline __m512i broadcast(const int8_t* a) {
 inline void prefetch(const uint8_t* p) { __builtin_prefetch(p, 0, 2); }
 
 constexpr int64_t kTile = 16;  // output rows per tile
+static_assert(kTile == 16, "cpu_ops.h's pairs_gate_and_up counts tiles of 16 rows");
 // Rows of x per register block: at 6 the 12 fp32 sums no longer fitted beside the int32
 // ones, the broadcasts and the codes (GCC spilled them to the stack); 5 ran 1.05-1.08x
 // faster at 2048 rows, 4 rows (by 2 or 3 tiles) within noise of 6.
@@ -374,6 +375,24 @@ Activations quantize(const at::Tensor& x, int64_t G, at::Tensor& a, at::Tensor& 
   return {a_ptr, xs_ptr, zc_ptr, K, K / kBlock, K / G};
 }
 
+// A call's checked operands, x's rows quantized (a, xs and zc hold them for the call)
+// and the register blocks for its bits: what int_gemm and int_gemm_silu_and_mul share.
+struct Prepared {
+  Operands w;
+  at::Tensor a, xs, zc;
+  Activations act;
+  decltype(&run_block<8>) run;
+};
+
+Prepared prepare(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                 const at::Tensor& zeros, int64_t bits, int64_t group_size,
+                 int64_t out_features) {
+  const Operands w = check(x, codes, scales, zeros, bits, group_size, out_features);
+  at::Tensor a, xs, zc;
+  const Activations act = quantize(x, w.G, a, xs, zc);
+  return {w, a, xs, zc, act, bits == 4 ? run_block<4> : run_block<8>};
+}
+
 // Runs `block(m0, rows)` for the register blocks down the M rows of x (kRows at a time)
 // over one group of tiles, first asking for `next`'s `lines` cache lines (the next
 // group's codes: in a decode step they come from memory, 1.1-1.3x on an LM head at 48
@@ -401,14 +420,12 @@ namespace PAGELLM_NS {
 at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     const at::Tensor& zeros, int64_t bits, int64_t group_size,
                     int64_t out_features) {
-  const Operands w = check(x, codes, scales, zeros, bits, group_size, out_features);
+  const Prepared c = prepare(x, codes, scales, zeros, bits, group_size, out_features);
+  const Operands& w = c.w;
   const int64_t M = w.M, tiles = w.tiles, tile_bytes = w.tile_bytes;
   at::Tensor y = at::empty({M, out_features}, x.options());
   if (M == 0) return y;
-  at::Tensor a, xs, zc;
-  const Activations act = quantize(x, w.G, a, xs, zc);
   float* out = y.data_ptr<float>();
-  const auto run = bits == 4 ? run_block<4> : run_block<8>;
   // One tile at a time for one or two rows (memory bound: one stream of codes) and, below
   // kPairedRows rows, for weights far larger than the caches (an LM head's int8 copy:
   // tile pairs in two streams from memory ran 0.91-0.98x at 8-16 rows, 1.27-1.31x at
@@ -428,9 +445,9 @@ at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
           t + nt < end && M > 2 ? std::min(pair, end - t - nt) * tile_bytes / 64 : 0;
       const uint8_t* next = w.codes + (t + nt) * tile_bytes;
       down_the_rows(M, &next, 1, lines, [&](int64_t m0, int64_t rows) {
-        run(rows, nt, w.codes + t * tile_bytes, tile_bytes, w.scales + t * w.tile_groups,
-            w.zeros + t * w.tile_groups, w.tile_groups, act, w.G, m0,
-            out + m0 * out_features + t * kTile, out_features, last_width);
+        c.run(rows, nt, w.codes + t * tile_bytes, tile_bytes, w.scales + t * w.tile_groups,
+              w.zeros + t * w.tile_groups, w.tile_groups, c.act, w.G, m0,
+              out + m0 * out_features + t * kTile, out_features, last_width);
       });
     }
   });
@@ -447,16 +464,14 @@ at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 at::Tensor int_gemm_silu_and_mul(const at::Tensor& x, const at::Tensor& codes,
                                  const at::Tensor& scales, const at::Tensor& zeros,
                                  int64_t bits, int64_t group_size, int64_t out_features) {
-  const Operands w = check(x, codes, scales, zeros, bits, group_size, out_features);
-  TORCH_CHECK(out_features % (2 * kTile) == 0, "a fused gate_up projection needs 2 x a "
+  TORCH_CHECK(pairs_gate_and_up(out_features), "a fused gate_up projection needs 2 x a "
               "multiple of 16 output rows, got ", out_features);
+  const Prepared c = prepare(x, codes, scales, zeros, bits, group_size, out_features);
+  const Operands& w = c.w;
   const int64_t M = w.M, I = out_features / 2, half = I / kTile;
   at::Tensor y = at::empty({M, I}, x.options());
   if (M == 0) return y;
-  at::Tensor a, xs, zc;
-  const Activations act = quantize(x, w.G, a, xs, zc);
   float* out = y.data_ptr<float>();
-  const auto run = bits == 4 ? run_block<4> : run_block<8>;
   const int64_t apart = half * w.tile_bytes, groups_apart = half * w.tile_groups;
   at::parallel_for(0, half, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
@@ -465,8 +480,8 @@ at::Tensor int_gemm_silu_and_mul(const at::Tensor& x, const at::Tensor& codes,
       const int64_t lines = p + 1 < end && M > 2 ? w.tile_bytes / 64 : 0;
       down_the_rows(M, next, 2, lines, [&](int64_t m0, int64_t rows) {
         float both[kRows * 2 * kTile];  // [rows, gate's 16 | up's 16]
-        run(rows, 2, w.codes + p * w.tile_bytes, apart, w.scales + p * w.tile_groups,
-            w.zeros + p * w.tile_groups, groups_apart, act, w.G, m0, both, 2 * kTile, kTile);
+        c.run(rows, 2, w.codes + p * w.tile_bytes, apart, w.scales + p * w.tile_groups,
+              w.zeros + p * w.tile_groups, groups_apart, c.act, w.G, m0, both, 2 * kTile, kTile);
         for (int64_t r = 0; r < rows; ++r)
           silu_and_mul_row(both + r * 2 * kTile, both + r * 2 * kTile + kTile,
                            out + (m0 + r) * I + p * kTile, kTile, false);

@@ -152,6 +152,10 @@ at::Tensor int_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
                     const at::Tensor& zeros, int64_t bits, int64_t group_size,
                     int64_t out_features);
 
+// Whether int_gemm_silu_and_mul takes a [gate | up] weight of out_features rows: its
+// halves must start on a tile of 16 rows.
+inline bool pairs_gate_and_up(int64_t out_features) { return out_features % (2 * 16) == 0; }
+
 // int_gemm of a fused [gate | up] weight, then F.silu(gate) * up -> [M, out_features / 2]
 // fp32, in one pass (cpu_int_gemm.cpp).
 at::Tensor int_gemm_silu_and_mul(const at::Tensor& x, const at::Tensor& codes,
