@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_overhead import TINY
-from quant_quality import default_gguf, report
+from quant_quality import default_model, report
 from spec_decode import chat_prompts, edit_prompts, measure
 
 ARMS = {"sync": False, "async": True}
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model, args.prompts, args.max_tokens, args.offline = "demo", 1, 8, 4
         args.many, args.many_tokens, args.rounds = 8, 8, 1
     else:
-        model = args.model or str(default_gguf())
+        model = args.model or default_model()
     workloads = {"edit": edit_prompts(args.prompts), "chat": chat_prompts(args.prompts)}
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in ARMS}
     with tempfile.TemporaryDirectory() as tmp:

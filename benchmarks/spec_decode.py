@@ -141,12 +141,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    from quant_quality import default_gguf, report
+    from quant_quality import default_model, report
 
     if args.smoke:
         model, args.prompts, args.max_tokens, args.offline, args.rounds = "demo", 2, 8, [4], 1
     else:
-        model = args.model or str(default_gguf())
+        model = args.model or default_model()
     workloads = {"edit": edit_prompts(args.prompts), "chat": chat_prompts(args.prompts)}
     speculative = {"method": "ngram", "num_speculative_tokens": args.k,
                    "prompt_lookup_max": 4, "prompt_lookup_min": 2}

@@ -53,12 +53,14 @@ def test_a_plain_install_runs_the_engine_the_server_and_the_standalone_core(whee
     (site_packages,) = env_dir.glob("lib/python*/site-packages")
     (site_packages / "deps_under_test.pth").write_text("\n".join(site.getsitepackages()))
     python = env_dir / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
-                   check=True, timeout=300)
-    work = tmp_path / "elsewhere"  # not the checkout: only the installed package counts
-    work.mkdir()
+    # Without PYTHONPATH throughout: a checkout on it would make pip take pagellm as
+    # installed already (and install nothing), and the imports below find the checkout.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env |= {"PAGELLM_CACHE_DIR": str(tmp_path / "cache"), "PAGELLM_LOG_LEVEL": "WARNING"}
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
+                   env=env, check=True, timeout=300)
+    work = tmp_path / "elsewhere"  # not the checkout: only the installed package counts
+    work.mkdir()
     where = subprocess.run([python, "-c", "import pagellm; print(pagellm.__file__)"],
                            cwd=work, env=env, capture_output=True, text=True, check=True)
     assert str(env_dir) in where.stdout, where.stdout  # the installed copy, not ours

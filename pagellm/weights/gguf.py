@@ -7,15 +7,21 @@ every part of the engine then reads as it reads any other: transformers parses t
 config and the tokenizer (`gguf_file=`) and dequantizes every tensor, q and k rows
 unpermuted (transformers' GGUF loader, so every family it reads is read alike).
 
-Q8_0 and Q4_0 projections are kept quantized: their blocks are 32 weights sharing one
-fp16 scale d, w = d * q with q in -127..127 (Q8_0) or d * (q - 8) with q in 0..15
-(Q4_0), exactly compressed-tensors' symmetric pack-quantized scheme with groups of 32.
-The directory stores them so (executor/model/quantized_checkpoint.py reads them: packed
-for the Triton kernels, dequantized elsewhere), checked against transformers'
-dequantized weight bit for bit, with q and k rows unpermuted as transformers does; a
-projection that is not, or whose fused neighbours (q/k/v, gate/up) are not, of the
-file's most common of the two types is stored dequantized. Other types (Q4_1, K-quants,
-...) load dequantized (fp32).
+The projections stored as blocks of 32 weights with a step and an offset, w = step *
+q + offset, stay integer codes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q4_K and
+Q5_K (whose super-blocks of 256 give each block of 32 its own step and minimum), i.e.
+llama.cpp's common files but for the Q6_K tensors of its *_K_M mixes. Each block is
+written as w = scale * (code - zero) with scale = step and a float zero point -offset /
+step, groups of 32: the "gguf" quantization method of executor/model/quantized_checkpoint.py
+(codes in kernels/quant.py's layout, scales and zeros [K / 32, N] fp32; no standard
+format has float zero points, which Q4_1's and the K-quants' minimums need). The CPU's int
+kernel and the Triton kernels then compute with the file's own weights: 4-bit codes for
+the 4-bit types, 8-bit ones for Q8_0 and the 5-bit types. Each projection is checked
+against transformers' dequantized weight (exactly for the symmetric Q8_0, Q4_0 and Q5_0;
+to fp32 rounding where a zero point stands for a minimum), with q and k rows unpermuted
+as transformers does; one that is not, or whose fused neighbours (q/k/v, gate/up) are
+not, of the file's most common code width is stored dequantized (fp32), as are the other
+types (Q6_K, Q2_K, Q3_K, the IQ types, ...).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pagellm.protocol.engine_args import EngineArgs
 
 logger = logging.getLogger("pagellm")
@@ -40,12 +48,14 @@ _PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
 # Modules computed as one (their storage must agree): the q/k/v and gate/up of a layer.
 _FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           ("mlp.gate_proj", "mlp.up_proj"))
-_BITS = {"Q8_0": 8, "Q4_0": 4}  # block types stored packed
 _PERMUTED = ("llama", "mistral")  # families whose q and k rows llama.cpp permutes
 # The oldest transformers whose GGUF reader this was tested with: 5.0-5.17 fail on a
 # file with an EOS and no BOS token id (as llama.cpp writes Qwen's), and 5.0 adds a BOS
 # the file says not to add.
 TRANSFORMERS_FLOOR = (5, 18)
+# The converted directory's layout, part of its cache key: 2 keeps the blocks of _BLOCKS
+# as the "gguf" quantization method (1 kept Q8_0 / Q4_0 as compressed-tensors).
+FORMAT = 2
 
 
 def cache_dir() -> Path:
@@ -71,18 +81,21 @@ def _converted(model: str) -> str:
     return str(gguf_model_dir(path))
 
 
-def gguf_model_dir(path: Path) -> Path:
+def gguf_model_dir(path: Path, dequantized: bool = False) -> Path:
     """The Hugging Face directory `path` converts to, built into the cache if it is not
     there yet (into a temporary directory, renamed when complete: a reader never sees a
-    half-built one)."""
+    half-built one). `dequantized`: every tensor as transformers dequantizes it, none
+    kept as codes (the benchmarks' full-precision baseline of a quantized file)."""
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    final = cache_dir() / f"{path.stem}-{key.hexdigest()[:16]}"
+    key = hashlib.sha256(f"{FORMAT}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+                         .encode())
+    final = cache_dir() / (f"{path.stem}-{key.hexdigest()[:16]}"
+                           + ("-dequantized" if dequantized else ""))
     if (final / "config.json").is_file():
         return final
     tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
     try:
-        convert(path, tmp)
+        convert(path, tmp, dequantized)
         try:
             os.replace(tmp, final)
         except OSError:
@@ -100,8 +113,9 @@ def transformers_version() -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-def convert(path: Path, out: Path) -> None:
-    """Write `path` as a Hugging Face directory at `out` (module docstring)."""
+def convert(path: Path, out: Path, dequantized: bool = False) -> None:
+    """Write `path` as a Hugging Face directory at `out` (module docstring; `dequantized`:
+    gguf_model_dir's)."""
     import torch
     import transformers
     from safetensors.torch import save_file
@@ -127,7 +141,7 @@ def convert(path: Path, out: Path) -> None:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    packed = _packed_projections(path, config, state)
+    packed = {} if dequantized else _packed_projections(path, config, state)
     bits = Counter(b for b, _ in packed.values()).most_common(1)
     quantization = None
     if bits:
@@ -139,7 +153,8 @@ def convert(path: Path, out: Path) -> None:
             state.update({f"{module}.{k}": v for k, v in tensors.items()})
         ignore = sorted(k.removesuffix(".weight") for k in state
                         if k.endswith("_proj.weight"))
-        quantization = _compressed_tensors_config(chosen, [*ignore, "lm_head"])
+        quantization = {"quant_method": "gguf", "bits": chosen, "group_size": 32,
+                        "ignore": [*ignore, "lm_head"]}
     out.mkdir(parents=True, exist_ok=True)
     config.dtype = "float32"
     config.save_pretrained(out)
@@ -153,9 +168,10 @@ def convert(path: Path, out: Path) -> None:
 
 def _packed_projections(path: Path, config: Any, state: dict[str, Any]
                         ) -> dict[str, tuple[int, dict[str, Any]]]:
-    """transformers module -> (bits, compressed-tensors' tensors) for every Q8_0 / Q4_0
-    projection whose blocks give transformers' dequantized weight exactly."""
-    import numpy as np
+    """transformers module -> (bits, the "gguf" method's tensors) for every projection of
+    a type in _BLOCKS whose codes, scales and zero points give transformers' dequantized
+    weight (exactly for the symmetric types; to fp32 rounding where a float zero point
+    stands for the block's minimum)."""
     import torch
     from gguf import GGUFReader
 
@@ -166,7 +182,7 @@ def _packed_projections(path: Path, config: Any, state: dict[str, Any]
     for tensor in GGUFReader(str(path)).tensors:
         qtype = tensor.tensor_type.name
         parts = tensor.name.split(".")
-        if qtype not in _BITS or len(parts) != 4 or parts[0] != "blk" \
+        if qtype not in _BLOCKS or len(parts) != 4 or parts[0] != "blk" \
                 or parts[2] not in _PROJECTIONS or parts[3] != "weight":
             continue
         module = f"model.layers.{parts[1]}.{_PROJECTIONS[parts[2]]}"
@@ -174,40 +190,141 @@ def _packed_projections(path: Path, config: Any, state: dict[str, Any]
         if expected is None:
             continue
         n, k = expected.shape
-        blocks = np.asarray(tensor.data).reshape(n, k // 32, -1)  # [N, K/32, block bytes]
-        scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
-        if qtype == "Q8_0":  # signed codes
-            codes = blocks[..., 2:].copy().view(np.int8).astype(np.int64)
-        else:  # 16 bytes: weights 0..15 in the low nibbles, 16..31 in the high ones
-            nibbles = blocks[..., 2:].astype(np.int64)
-            codes = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1) - 8
-        codes = codes.reshape(n, k)  # signed: w = d * code
+        bits, codes, scales, zeros = as_codes(qtype, np.asarray(tensor.data), n, k)
         if permuted and parts[2] in ("attn_q", "attn_k"):
             n_heads = heads if parts[2] == "attn_q" else kv_heads
-            codes, scale = _unpermute(codes, n_heads), _unpermute(scale, n_heads)
-        weight = codes.astype(np.float32) * np.repeat(scale, 32, axis=1)
-        if not torch.equal(torch.from_numpy(weight), expected):
+            codes, scales, zeros = (_unpermute(a, n_heads) for a in (codes, scales, zeros))
+        weight = torch.from_numpy((codes - np.repeat(zeros, 32, axis=1))
+                                  * np.repeat(scales, 32, axis=1))
+        if not torch.allclose(weight, expected, rtol=1e-5,
+                              atol=1e-6 * float(expected.abs().max())):
             logger.warning("%s: its %s blocks do not give transformers' weight; stored "
                            "dequantized", tensor.name, qtype)
             continue
-        bits = _BITS[qtype]
-        packed[module] = (bits, {
-            "weight_packed": torch.from_numpy(_pack_rows(codes + 2 ** (bits - 1), bits)),
-            "weight_scale": torch.from_numpy(np.ascontiguousarray(scale)),
-            "weight_shape": torch.tensor([n, k])})
+        packed[module] = (bits, {  # (kernels/quant.py's layout: [K / G, N])
+            "qweight": torch.from_numpy(_pack_along_k(codes, bits)),
+            "scales": torch.from_numpy(np.ascontiguousarray(scales.T)),
+            "zeros": torch.from_numpy(np.ascontiguousarray(zeros.T))})
     return packed
 
 
-def _pack_rows(codes: Any, bits: int) -> Any:
-    """codes [N, K] unsigned -> [N, K / (32 / bits)] int32, code j of each word at bits
-    j * bits (compressed-tensors' pack-quantized layout)."""
-    import numpy as np
+# Each decoder takes a tensor's blocks [N, bytes of its blocks in a row] uint8 and gives
+# codes [N, K] (unsigned) and each block of 32's step and offset [N, K / 32]:
+# w = step * code + offset (ggml's dequantize_row_* for the type).
 
+
+def _halves(blocks: Any, at: int) -> Any:
+    """The fp16 at byte `at` of each block, as fp32: [N, blocks]."""
+    return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: Any) -> Any:
+    """[..., 16] bytes -> [..., 32] codes: the low nibbles are elements 0..15, the high
+    ones 16..31 (the legacy types' order)."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.float32)
+
+
+def _high_bits(qh: Any) -> Any:
+    """[..., 4] bytes -> [..., 32] values 0 or 16: bit i of the little-endian word is
+    element i's fifth bit (Q5_0, Q5_1)."""
+    word = qh.copy().view(np.uint32)  # [..., 1]
+    return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.float32) * 16
+
+
+def _q8_0(x: Any) -> Any:
+    b = x.reshape(x.shape[0], -1, 34)
+    d = _halves(b, 0)
+    return b[..., 2:].copy().view(np.int8).astype(np.float32) + 128, d, -128 * d
+
+
+def _q4_0(x: Any) -> Any:
+    b = x.reshape(x.shape[0], -1, 18)
+    d = _halves(b, 0)
+    return _nibbles(b[..., 2:]), d, -8 * d
+
+
+def _q4_1(x: Any) -> Any:
+    b = x.reshape(x.shape[0], -1, 20)
+    return _nibbles(b[..., 4:]), _halves(b, 0), _halves(b, 2)
+
+
+def _q5_0(x: Any) -> Any:
+    b = x.reshape(x.shape[0], -1, 22)
+    d = _halves(b, 0)
+    return _nibbles(b[..., 6:]) + _high_bits(b[..., 2:6]), d, -16 * d
+
+
+def _q5_1(x: Any) -> Any:
+    b = x.reshape(x.shape[0], -1, 24)
+    return _nibbles(b[..., 8:]) + _high_bits(b[..., 4:8]), _halves(b, 0), _halves(b, 2)
+
+
+def _k_scales(b: Any) -> tuple[Any, Any]:
+    """A K-quant super-block's 8 six-bit scales and mins ([..., 8] each) from its 12
+    bytes at offset 4 (ggml's get_scale_min_k4)."""
+    q = b[..., 4:16].astype(np.int32)
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_quant(b: Any, qs: Any, qh: Any | None) -> Any:
+    """Q4_K / Q5_K: super-blocks of 256 (fp16 d and dmin, then the scales), each 64
+    elements' 32 bytes of qs holding sub-block 2j in the low nibbles and 2j + 1 in the
+    high ones; Q5_K's fifth bits: bit 2j (and 2j + 1) of byte l of qh for element l."""
+    rows, supers = b.shape[:2]
+    sc, mn = _k_scales(b)
+    step = _halves(b, 0)[..., None] * sc  # [N, supers, 8]
+    offset = -_halves(b, 2)[..., None] * mn
+    q = qs.reshape(rows, supers, 4, 32)
+    codes = np.stack([q & 0xF, q >> 4], axis=3).astype(np.float32)  # [N, S, 4, 2, 32]
+    if qh is not None:
+        bit = np.arange(8).reshape(4, 2)[..., None]  # sub-block 2j + h uses bit 2j + h
+        codes += ((qh[:, :, None, None, :] >> bit) & 1) * 16.0
+    return (codes.reshape(rows, -1), step.reshape(rows, -1), offset.reshape(rows, -1))
+
+
+def _q4_k(x: Any) -> Any:
+    b = x.reshape(x.shape[0], -1, 144)
+    return _k_quant(b, b[..., 16:], None)
+
+
+def _q5_k(x: Any) -> Any:
+    b = x.reshape(x.shape[0], -1, 176)
+    return _k_quant(b, b[..., 48:], b[..., 16:48])
+
+
+# The block types kept as integer codes: bits of the codes, the decoder. 5-bit codes
+# take 8-bit ones (the kernels' two widths). Others (Q6_K's blocks of 16, Q2_K, Q3_K,
+# the IQ types, ...) load dequantized.
+_BLOCKS = {"Q8_0": (8, _q8_0), "Q4_0": (4, _q4_0), "Q4_1": (4, _q4_1), "Q5_0": (8, _q5_0),
+           "Q5_1": (8, _q5_1), "Q4_K": (4, _q4_k), "Q5_K": (8, _q5_k)}
+
+
+def _pack_along_k(codes: Any, bits: int) -> Any:
+    """codes [N, K] -> the "gguf" method's qweight [K / (32 / bits), N] int32, input
+    column k's code at bits (k % per_int) * bits of word k // per_int: kernels/quant.py's
+    `pack` (not imported: weights/ serves both sides of the socket and imports no side)."""
     per_int = 32 // bits
-    words = np.zeros((codes.shape[0], codes.shape[1] // per_int), dtype=np.uint32)
-    for j in range(per_int):
-        words |= codes[:, j::per_int].astype(np.uint32) << np.uint32(bits * j)
-    return words.view(np.int32)
+    n, k = codes.shape
+    grouped = codes.T.astype(np.uint32).reshape(k // per_int, per_int, n)
+    shifts = (np.arange(per_int, dtype=np.uint32) * bits).reshape(1, per_int, 1)
+    return np.ascontiguousarray(np.bitwise_or.reduce(grouped << shifts, axis=1)).view(np.int32)
+
+
+def as_codes(qtype: str, blocks: Any, n: int, k: int) -> tuple[int, Any, Any, Any]:
+    """A tensor [N, K] of block type `qtype` (one of _BLOCKS; its bytes `blocks`, N rows)
+    -> (bits, codes [N, K], scales [N, K / 32], zeros [N, K / 32]), fp32 arrays with
+    w = scale * (code - zero): scale = step and zero = -offset / step for each block of
+    32's w = step * code + offset; a block of step 0 (w = offset throughout) takes codes
+    0, scale -offset and zero 1."""
+    bits, decode = _BLOCKS[qtype]
+    codes, step, offset = decode(blocks.reshape(n, -1))
+    flat = step == 0
+    codes = np.where(np.repeat(flat, 32, axis=1), 0, codes.reshape(n, k))
+    scales = np.where(flat, -offset, step)
+    zeros = np.where(flat, 1, -offset / np.where(flat, 1, step))
+    return bits, codes.astype(np.float32), scales.astype(np.float32), zeros.astype(np.float32)
 
 
 def _unpermute(rows: Any, heads: int) -> Any:
@@ -227,12 +344,3 @@ def _whole_fused_groups(packed: dict[str, Any], state: dict[str, Any]) -> dict[s
             if module in names and not all(n in packed for n in names):
                 keep.pop(module, None)
     return keep
-
-
-def _compressed_tensors_config(bits: int, ignore: list[str]) -> dict[str, Any]:
-    weights = {"num_bits": bits, "type": "int", "strategy": "group", "group_size": 32,
-               "symmetric": True, "dynamic": False, "actorder": None}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
-            "quantization_status": "compressed", "ignore": ignore,
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": None}}}

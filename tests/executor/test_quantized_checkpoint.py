@@ -206,6 +206,9 @@ def test_a_projection_missing_a_tensor_or_left_in_full_precision_is_named(llama_
         "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "block"}}}},
      "strategy='block'"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+    ({"quant_method": "gguf", "bits": 4, "group_size": 256}, "group_size=256"),
+    ({"quant_method": "gguf", "bits": 5, "group_size": 32}, "bits=5"),
+    ({"quant_method": "gguf", "bits": 4, "group_size": 32, "ignore": "lm_head"}, "ignore="),
 ])
 def test_unreadable_quantization_configs_are_refused_naming_the_field(config, message):
     with pytest.raises(ValueError, match=message):
@@ -237,3 +240,38 @@ def test_readable_configs_say_what_they_hold():
             "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
                                   "dynamic": True, "symmetric": True}}}})
     assert w8a8 is not None and w8a8.w8a8
+
+
+def test_gguf_names_its_unquantized_modules_exactly():
+    """weights/gguf.py lists the projections it stored dequantized by name: layer 1's
+    must not match layer 10's (as AWQ's substrings would)."""
+    quant = read_quantization_config({"quant_method": "gguf", "bits": 4, "group_size": 32,
+                                      "ignore": ["model.layers.1.mlp.down_proj", "lm_head"]})
+    assert quant is not None and quant.kind is Kind.INT
+    assert (quant.bits, quant.group_size) == (4, 32)
+    assert quant.ignores("model.layers.1.mlp.down_proj") and quant.ignores("lm_head")
+    assert not quant.ignores("model.layers.10.mlp.down_proj")
+    assert quant.tensors == {"qweight", "scales", "zeros"}
+
+
+def test_gguf_tensors_read_as_scale_times_code_minus_a_float_zero():
+    """The "gguf" method's projection: codes in quant.py's layout, fp32 scales and float
+    zero points (a block's minimum over its step), read as scale * (code - zero)."""
+    from pagellm.kernels.quant import pack
+
+    torch.manual_seed(0)
+    n, k = 16, 64
+    codes = torch.randint(0, 16, (k, n))
+    scales = torch.rand(k // 32, n) * 0.01 + 0.001
+    zeros = torch.rand(k // 32, n) * 20 - 5  # not integers, and outside the codes' range
+    quant = read_quantization_config({"quant_method": "gguf", "bits": 4, "group_size": 32})
+    assert quant is not None
+    pieces = [("p.qweight", pack(codes, 4)), ("p.scales", scales), ("p.zeros", zeros)]
+    ((name, weight),) = collect(pieces, quant, lambda _: True, lambda _: True)
+    assert name == "p.weight" and isinstance(weight, PackedWeight)
+    group = torch.arange(k) // 32
+    expected = ((codes.float() - zeros[group]) * scales[group]).t()
+    torch.testing.assert_close(dequantize(weight), expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"zeros is torch\.float16, not float32"):
+        list(collect([*pieces[:2], ("p.zeros", zeros.half())], quant, lambda _: True,
+                     lambda _: True))

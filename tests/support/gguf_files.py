@@ -7,6 +7,7 @@ reference."""
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +28,32 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
+# The types gguf's writer cannot quantize (llama.cpp's K-quants): bytes per super-block
+# of 256 weights, and where its fp16 step d (and for Q4_K / Q5_K its dmin) sits, with the
+# values written there. Their other bytes (codes, 6-bit or int8 sub-block scales) are
+# random: any bytes are valid blocks, which transformers dequantizes as llama.cpp does.
+RANDOM_BLOCKS = {"Q4_K": (144, {0: 2e-4, 2: 1.5e-3}), "Q5_K": (176, {0: 1e-4, 2: 1.5e-3}),
+                 "Q6_K": (210, {208: 5e-5})}
+
+
+def random_blocks(name: str, shape: tuple[int, ...], qtype: str) -> np.ndarray:
+    """Random `qtype` blocks for a [N, K] tensor (K a multiple of 256), seeded by
+    `name`: [N, K / 256 * block bytes] uint8."""
+    size, halves = RANDOM_BLOCKS[qtype]
+    n, k = shape
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    for at, value in halves.items():
+        blocks[..., at:at + 2] = np.array([value], dtype=np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
 def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
                types: dict[str, str] | None = None) -> Path:
     """`model_dir`'s llama model as a GGUF file; its projections stored as
     `projection_type` (F32, Q8_0, Q4_0, ...) but those `types` names otherwise
-    (llama.cpp's mixes), the rest as F32."""
+    (llama.cpp's mixes), the rest as F32. K-quant projections hold random blocks
+    (RANDOM_BLOCKS), not the model's weights."""
     import gguf
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -85,7 +107,10 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
             elif module.endswith("k_proj"):
                 tensor = _permute(tensor, kv_heads)
             qtype = gguf.GGMLQuantizationType[(types or {}).get(gguf_name, projection_type)]
-            if module.endswith("_proj") and qtype != gguf.GGMLQuantizationType.F32:
+            if module.endswith("_proj") and qtype.name in RANDOM_BLOCKS:
+                writer.add_tensor(gguf_name, random_blocks(gguf_name, tensor.shape, qtype.name),
+                                  raw_dtype=qtype)
+            elif module.endswith("_proj") and qtype != gguf.GGMLQuantizationType.F32:
                 writer.add_tensor(gguf_name, gguf.quantize(tensor, qtype), raw_dtype=qtype)
             else:
                 writer.add_tensor(gguf_name, tensor)

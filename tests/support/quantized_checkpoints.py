@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -233,10 +234,11 @@ def write_fp8_checkpoint(model_dir: Path, out: Path, block: tuple[int, int] | No
     return _write(model_dir, out, tensors, config), reference
 
 
-def as_cpu_int_kernel(model: Any) -> Any:
+def as_cpu_int_kernel(model: Any, full_precision: Collection[str] = ()) -> Any:
     """transformers' `model` (weights already what the codes stand for) computed as the
     CPU's int kernel computes a quantized model (kernels/cpu_int_gemm.py): each
-    projection's input quantized per token and block of 32, and the LM head an int8
+    projection's input quantized per token and block of 32 (but those named in
+    `full_precision`, which the checkpoint keeps unquantized), and the LM head an int8
     copy of its weight (untied from the embedding first) with its input quantized so."""
     from pagellm.executor.model.quantize import group_size_for
     from pagellm.kernels import cpu_int_gemm
@@ -253,6 +255,6 @@ def as_cpu_int_kernel(model: Any) -> Any:
             weight, 8, group_size_for(weight.shape[1]))), requires_grad=False)
         head.register_forward_pre_hook(hook)
         for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in PROJECTIONS:
+            if name.rsplit(".", 1)[-1] in PROJECTIONS and name not in full_precision:
                 module.register_forward_pre_hook(hook)
     return model

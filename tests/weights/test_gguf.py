@@ -1,17 +1,20 @@
 """llama.cpp's GGUF files as models (pagellm/weights/gguf.py): written as llama.cpp writes
 them (tests/support/gguf_files.py), they give transformers' own greedy tokens on the same
-file (`gguf_file=`), token for token in fp32, with their Q8_0 / Q4_0 projections packed
-for the CPU's int kernel and for the Triton kernels (the interpreter here)."""
+file (`gguf_file=`), token for token in fp32, with their Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+Q4_K and Q5_K projections kept as codes for the CPU's int kernel and for the Triton
+kernels (the interpreter here); each block type decodes as the gguf package's own
+dequantize does."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import PROMPTS, runs_triton_kernels
-from gguf_files import write_gguf
+from gguf_files import RANDOM_BLOCKS, random_blocks, write_gguf
 from peft_adapters import argmax_along
 from quantized_checkpoints import as_cpu_int_kernel
 
@@ -19,7 +22,12 @@ from pagellm import SamplingParams
 from pagellm.demo.model import ModelSpec, make_model
 from pagellm.kernels.cpu_int_gemm import CpuIntWeight
 from pagellm.weights import gguf as gguf_module
-from pagellm.weights.gguf import TRANSFORMERS_FLOOR, gguf_model_dir, transformers_version
+from pagellm.weights.gguf import (
+    TRANSFORMERS_FLOOR,
+    as_codes,
+    gguf_model_dir,
+    transformers_version,
+)
 
 pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(transformers_version() < TRANSFORMERS_FLOOR,
@@ -56,21 +64,59 @@ def _assert_greedy_equal(llm, reference) -> None:
         assert argmax_along(reference, out.prompt_token_ids, ours) == ours
 
 
-@pytest.mark.parametrize("projections", ["F32", "Q8_0", "Q4_0", "Q4_1"])
+def _blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random `qtype` blocks for [n, k] with some blocks flat (step 0): [n, bytes]."""
+    import gguf
+
+    if qtype in RANDOM_BLOCKS:
+        blocks = random_blocks(qtype, (n, k), qtype).reshape(n, k // 256, -1)
+        blocks[0, 0, 4:16] = 0  # every sub-block's 6-bit scale and min 0: w = 0
+        blocks[1, 0, 4:16] = 0
+        blocks[1, 0, 8] = 5  # sub-block 0's min 5, its scale 0: w = -5 dmin throughout
+        return blocks.reshape(n, -1)
+    blocks = gguf.quantize(rng.standard_normal((n, k)).astype(np.float32),
+                           gguf.GGMLQuantizationType[qtype]).reshape(n, k // 32, -1)
+    blocks[0, 0, :2] = 0  # a step of 0: w = 0 (Q8_0, Q4_0, Q5_0) or w = m throughout
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_module._BLOCKS))
+def test_each_kept_block_type_decodes_as_the_gguf_packages_dequantize(qtype):
+    """scale * (code - zero) of as_codes is the gguf package's own dequantized weight:
+    exactly for the symmetric types, to fp32 rounding where a float zero point stands
+    for a block's minimum; the codes fit their bits."""
+    import gguf
+
+    n, k = 6, 512
+    blocks = _blocks(qtype, n, k, np.random.default_rng(1))
+    bits, codes, scales, zeros = as_codes(qtype, blocks, n, k)
+    ours = (codes - np.repeat(zeros, 32, axis=1)) * np.repeat(scales, 32, axis=1)
+    reference = gguf.dequantize(blocks, gguf.GGMLQuantizationType[qtype])
+    assert reference.shape == (n, k) and np.isfinite(ours).all()
+    exact = qtype in ("Q8_0", "Q4_0", "Q5_0")
+    np.testing.assert_allclose(ours, reference, rtol=0 if exact else 1e-6,
+                               atol=0 if exact else 1e-6 * np.abs(reference).max())
+    assert codes.min() >= 0 and codes.max() < 2**bits and (codes == codes.round()).all()
+    assert (codes.max() > 15) == (bits == 8)  # 5- and 8-bit codes take 8 bits
+
+
+@pytest.mark.parametrize("projections", ["F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_a_gguf_file_on_the_cpu_gives_transformers_tokens(projections, llama_dir, tmp_path,
                                                           make_llm):
-    """F32 and Q4_1 projections load as fp32 weights; Q8_0 and Q4_0 ones stay packed for
-    the CPU's int kernel, whose activations (per token and block of 32, as llama.cpp's
-    Q8_0 activations) and int8 LM head the reference then takes too."""
+    """F32 projections load as fp32 weights; the block types stay codes for the CPU's int
+    kernel (4 bits for Q4_*, 8 for Q8_0 and Q5_*), whose activations (per token and block
+    of 32, as llama.cpp's Q8_0 activations) and int8 LM head the reference then takes
+    too."""
     path = write_gguf(llama_dir, tmp_path / f"model-{projections}.gguf", projections)
     llm = make_llm(str(path), dtype="float32")
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     reference = _transformers(path)
-    packed = projections in ("Q8_0", "Q4_0")
+    packed = projections != "F32"
     assert bool(model.quantized) == packed
     if packed:
         quant = model.model.layers[0].self_attn.qkv_proj.quant
-        assert isinstance(quant, CpuIntWeight) and quant.bits == int(projections[1])
+        assert isinstance(quant, CpuIntWeight) and quant.group_size == 32
+        assert quant.bits == (4 if projections.startswith("Q4") else 8)
         reference = as_cpu_int_kernel(reference)
     _assert_greedy_equal(llm, reference)
     # The tokenizer is the file's: the same ids as the model directory's own.
@@ -81,9 +127,9 @@ def test_a_gguf_file_on_the_cpu_gives_transformers_tokens(projections, llama_dir
 
 
 @runs_triton_kernels
-@pytest.mark.parametrize("projections", ["Q8_0", "Q4_0"])
-def test_q8_0_and_q4_0_projections_stay_packed_for_the_kernels(projections, llama_dir,
-                                                               tmp_path, make_llm):
+@pytest.mark.parametrize("projections", ["Q8_0", "Q4_0", "Q4_1"])
+def test_block_projections_stay_packed_for_the_triton_kernels(projections, llama_dir,
+                                                              tmp_path, make_llm):
     path = write_gguf(llama_dir, tmp_path / "model.gguf", projections)
     llm = make_llm(str(path), dtype="float32", attention_backend="triton")
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
@@ -112,6 +158,34 @@ def test_a_mixed_file_packs_the_common_type_and_dequantizes_the_rest(llama_dir, 
     _assert_greedy_equal(llm, _transformers(path))
 
 
+@pytest.mark.parametrize(("projections", "types", "full_precision"), [
+    # A *_K_M mix: layer 0's v_proj in Q6_K (blocks of 16: not kept) takes q and k with
+    # it; layer 1's down_proj in Q5_K (8-bit codes among 4-bit ones) is dequantized too.
+    ("Q4_K", {"blk.0.attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q5_K"},
+     ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+      "model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"]),
+    ("Q5_K", {}, []),
+], ids=["Q4_K_M-like", "Q5_K"])
+def test_k_quant_files_keep_their_blocks_and_give_transformers_tokens(
+        projections, types, full_precision, tmp_path_factory, tmp_path, make_llm):
+    """K-quants need rows of 256 weights: a wider model. Its projections hold random
+    blocks (gguf_files.RANDOM_BLOCKS), which transformers dequantizes as llama.cpp does."""
+    wide = make_model(tmp_path_factory.mktemp("gguf-k") / "llama", ModelSpec(
+        arch="llama", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+        intermediate_size=512, vocab_size=1024, init_std=0.1, seed=6))
+    path = write_gguf(wide, tmp_path / f"{projections}.gguf", projections, types)
+    config = json.loads((gguf_model_dir(path) / "config.json").read_text())
+    assert config["quantization_config"]["bits"] == (4 if projections == "Q4_K" else 8)
+    assert [m for m in config["quantization_config"]["ignore"] if "layers" in m] == \
+        sorted(full_precision)
+    llm = make_llm(str(path), dtype="float32")
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    layers = model.model.layers
+    assert (layers[0].self_attn.qkv_proj.quant is None) == bool(full_precision)
+    assert layers[1].self_attn.qkv_proj.quant.group_size == 32
+    _assert_greedy_equal(llm, as_cpu_int_kernel(_transformers(path), full_precision))
+
+
 def test_a_gguf_file_serves_as_a_draft_model(llama_dir, tmp_path, make_llm):
     """speculative_config's model may be a GGUF file too (converted as the target is):
     here the target's own file, whose every greedy proposal is accepted."""
@@ -125,17 +199,26 @@ def test_a_gguf_file_serves_as_a_draft_model(llama_dir, tmp_path, make_llm):
 
 
 def test_the_conversion_is_made_once_and_bad_files_are_named(llama_dir, tmp_path, cache):
-    path = write_gguf(llama_dir, tmp_path / "model.gguf")
+    path = write_gguf(llama_dir, tmp_path / "model.gguf", "Q4_1")
     first = gguf_model_dir(path)
     built = (first / "model.safetensors").stat().st_mtime_ns
     assert gguf_model_dir(path) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == built  # not rebuilt
     assert [p.name for p in cache.joinpath("gguf").iterdir()] == [first.name]  # no debris
+    # The dequantized form (the benchmarks' full-precision baseline) is a directory of its
+    # own, with transformers' weights and no quantization_config.
+    plain = gguf_model_dir(path, dequantized=True)
+    assert plain != first and "quantization_config" not in json.loads(
+        (plain / "config.json").read_text())
+    assert gguf_model_dir(path) == first
+    assert sorted(p.name for p in cache.joinpath("gguf").iterdir()) == sorted(
+        [first.name, plain.name])
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(ValueError, match=r"cannot read the GGUF file .*broken\.gguf"):
         gguf_model_dir(bad)
-    assert [p.name for p in cache.joinpath("gguf").iterdir()] == [first.name]
+    assert sorted(p.name for p in cache.joinpath("gguf").iterdir()) == sorted(
+        [first.name, plain.name])
 
 
 def test_a_transformers_older_than_its_gguf_reader_is_named(llama_dir, tmp_path, cache,

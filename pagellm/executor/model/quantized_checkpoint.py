@@ -17,6 +17,9 @@ PackedWeight, kernels/fp8.py's Fp8Weight). A projection P's tensors, by quant_me
                         float-quantized: P.weight [N, K] e4m3, P.weight_scale [N, 1] | [1]
     fp8                 P.weight [N, K] e4m3 with P.weight_scale [] (per tensor), or
                         P.weight_scale_inv [N/bn, K/bk] (weight_block_size [bn, bk])
+    gguf                pagellm's own, for llama.cpp's blocks (weights/gguf.py writes it):
+                        P.qweight [K/pk, N] int32, codes along K (our layout); P.scales,
+                        P.zeros [K/32, N] fp32, the zero points floats (a block's minimum)
 
     w[n, k] = (code - zero) * scale for the integers (pk = 32 / bits codes per int32,
     bits 4 or 8; G the group size, or all of K for one scale per output channel), and
@@ -32,7 +35,7 @@ fused projection, tensor-parallel slices narrowed on N, or on K in whole groups
 (quantize.RequantizingDestination writes it: `place`). What stays unpacked loads
 dequantized to the model's dtype: block-wise FP8 (no block-scaled GEMM here yet), a
 quantized MoE expert or LM head, and on the CPU (no Triton) FP8 and act-order weights.
-The CPU keeps integer weights (GPTQ, AWQ, compressed-tensors, GGUF's Q4_0 / Q8_0) in its
+The CPU keeps integer weights (GPTQ, AWQ, compressed-tensors, GGUF's blocks) in its
 int kernel's tiled layout (kernels/cpu_int_gemm.py: activations quantized per token and
 block of 32, as llama.cpp); a W8A8 int8 checkpoint's groups are whole rows (its
 per-channel scales). With the Triton kernels W8A8 runs weight-only (more accurate than
@@ -60,7 +63,7 @@ from pagellm.kernels.quant import GROUP_SIZES, PackedWeight, dequantize, pack, u
 
 # vLLM's names for the methods (its Marlin variants are kernels, not formats).
 METHODS = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq",
-           "compressed-tensors": "compressed-tensors", "fp8": "fp8"}
+           "compressed-tensors": "compressed-tensors", "fp8": "fp8", "gguf": "gguf"}
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # bits 4i of an AWQ int32 hold column AWQ_ORDER[i]
 # A projection's tensors that load into nothing here: activation and KV-cache scales
 # (activations are quantized per token, the KV cache keeps the model's dtype).
@@ -79,7 +82,7 @@ class Kind(Enum):
 class CheckpointQuant:
     """What `quantization_config` says, checked once (`read_quantization_config`)."""
 
-    method: str  # gptq, awq, compressed-tensors, fp8
+    method: str  # gptq, awq, compressed-tensors, fp8, gguf
     kind: Kind
     bits: int = 8
     group_size: int | None = None  # None: one group per output channel (all of K)
@@ -95,13 +98,14 @@ class CheckpointQuant:
 
     def ignores(self, module: str) -> bool:
         """Whether the checkpoint keeps `module` (transformers' name) unquantized:
-        compressed-tensors names modules exactly or by "re:" patterns; AWQ and FP8
-        (transformers' modules_to_not_convert) by substring."""
+        compressed-tensors and gguf name modules exactly (or by "re:" patterns); AWQ and
+        FP8 (transformers' modules_to_not_convert) by substring."""
+        exact = self.method in ("compressed-tensors", "gguf")
         for entry in self.ignore:
             if entry.startswith("re:"):
                 if re.match(entry[3:], module):
                     return True
-            elif module == entry or (self.method != "compressed-tensors" and entry in module):
+            elif module == entry or (not exact and entry in module):
                 return True
         return False
 
@@ -239,8 +243,20 @@ def _fp8(config: dict[str, Any]) -> CheckpointQuant:
                            tensors=frozenset({"weight", "weight_scale"}))
 
 
+def _gguf(config: dict[str, Any]) -> CheckpointQuant:
+    if config.get("group_size") != 32:
+        raise _refuse("group_size", config.get("group_size"), "llama.cpp's blocks are 32")
+    ignore = config.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(m, str) for m in ignore):
+        raise _refuse("ignore", ignore, "a list of module names")
+    return CheckpointQuant("gguf", Kind.INT, _bits(config.get("bits"), "bits"), 32,
+                           symmetric=False, ignore=tuple(ignore),
+                           tensors=frozenset({"qweight", "scales", "zeros"}))
+
+
 _READERS: dict[str, Callable[[dict[str, Any]], CheckpointQuant]] = {
-    "gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors, "fp8": _fp8}
+    "gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors, "fp8": _fp8,
+    "gguf": _gguf}
 
 
 def read_quantization_config(config: Any) -> CheckpointQuant | None:
@@ -359,9 +375,16 @@ def _from_fp8(p: dict[str, torch.Tensor], q: CheckpointQuant) -> Converted:
     return Fp8Weight(weight, scale.expand(1, n).contiguous())
 
 
+def _from_gguf(p: dict[str, torch.Tensor], q: CheckpointQuant) -> PackedWeight:
+    for name in ("scales", "zeros"):
+        if p[name].dtype != torch.float32:
+            raise ValueError(f"{name} is {p[name].dtype}, not float32")
+    return _packed(_unpack_rows(p["qweight"], q.bits), p["scales"], p["zeros"], q.bits, None)
+
+
 _CONVERTERS: dict[str, Callable[[dict[str, torch.Tensor], CheckpointQuant], Converted]] = {
     "gptq": _from_gptq, "awq": _from_awq, "compressed-tensors": _from_compressed_tensors,
-    "fp8": _from_fp8}
+    "fp8": _from_fp8, "gguf": _from_gguf}
 
 
 def dequantized(weight: Converted) -> torch.Tensor:
