@@ -2,10 +2,10 @@
 
 A GGUF file holds the config, the tokenizer and the weights, each in llama.cpp's own
 terms. It is converted once into a Hugging Face directory in the cache
-(~/.cache/pagellm/gguf/<name>-<key>, the key from the file's path, size and mtime) that
-every part of the engine then reads as it reads any other: transformers parses the
-config and the tokenizer (`gguf_file=`) and dequantizes every tensor, q and k rows
-unpermuted (transformers' GGUF loader, so every family it reads is read alike).
+(~/.cache/pagellm/gguf/<name>-<key>, the key from FORMAT and the file's path, size and
+mtime) that every part of the engine then reads as it reads any other: transformers
+parses the config and the tokenizer (`gguf_file=`) and dequantizes every tensor, q and
+k rows unpermuted (transformers' GGUF loader, so every family it reads is read alike).
 
 The projections stored as blocks of 32 weights with a step and an offset, w = step *
 q + offset, stay integer codes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q4_K and
