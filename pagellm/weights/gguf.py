@@ -9,19 +9,22 @@ k rows unpermuted (transformers' GGUF loader, so every family it reads is read a
 
 The projections stored as blocks of 32 weights with a step and an offset, w = step *
 q + offset, stay integer codes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q4_K and
-Q5_K (whose super-blocks of 256 give each block of 32 its own step and minimum), i.e.
-llama.cpp's common files but for the Q6_K tensors of its *_K_M mixes. Each block is
-written as w = scale * (code - zero) with scale = step and a float zero point -offset /
-step, groups of 32: the "gguf" quantization method of executor/model/quantized_checkpoint.py
-(codes in kernels/quant.py's layout, scales and zeros [K / 32, N] fp32; no standard
-format has float zero points, which Q4_1's and the K-quants' minimums need). The CPU's int
-kernel and the Triton kernels then compute with the file's own weights: 4-bit codes for
-the 4-bit types, 8-bit ones for Q8_0 and the 5-bit types. Each projection is checked
-against transformers' dequantized weight (exactly for the symmetric Q8_0, Q4_0 and Q5_0;
-to fp32 rounding where a zero point stands for a minimum), with q and k rows unpermuted
-as transformers does; one that is not, or whose fused neighbours (q/k/v, gate/up) are
-not, of the file's most common code width is stored dequantized (fp32), as are the other
-types (Q6_K, Q2_K, Q3_K, the IQ types, ...).
+Q5_K (whose super-blocks of 256 give each block of 32 its own step and minimum). Each
+block is written as w = scale * (code - zero) with scale = step and a float zero point
+-offset / step, groups of 32: the "gguf" quantization method of
+executor/model/quantized_checkpoint.py (codes in kernels/quant.py's layout, scales and
+zeros [K / 32, N] fp32; no standard format has float zero points, which Q4_1's and the
+K-quants' minimums need), checked against transformers' dequantized weight (exactly for
+the symmetric Q8_0, Q4_0 and Q5_0; to fp32 rounding where a zero point stands for a
+minimum), with q and k rows unpermuted as transformers does. The other quantized types
+(Q6_K, as in the *_K_M mixes' v and down projections, whose sub-blocks of 16 have their
+own scales; Q2_K, Q3_K, the IQ types) are re-quantized from that weight to 8-bit codes
+per 32 (within half a step of 1/255 of each group's range: finer than their own grids).
+Codes are 4 bits for the 4-bit types and 8 for the rest (the kernels' two widths); the
+parts of a fused projection (q/k/v, gate/up) take the widest of theirs (4-bit codes fit
+8 bits exactly), and a projection is dequantized (fp32) with its fused neighbours when
+one of them is stored unquantized (F32, F16, BF16). The CPU's int kernel and the Triton
+kernels then compute with the file's own weights.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import logging
 import os
 import shutil
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +57,7 @@ _PERMUTED = ("llama", "mistral")  # families whose q and k rows llama.cpp permut
 # file with an EOS and no BOS token id (as llama.cpp writes Qwen's), and 5.0 adds a BOS
 # the file says not to add.
 TRANSFORMERS_FLOOR = (5, 18)
-# The converted directory's layout, part of its cache key: 2 keeps the blocks of _BLOCKS
+# The converted directory's layout, part of its cache key: 2 keeps quantized projections
 # as the "gguf" quantization method (1 kept Q8_0 / Q4_0 as compressed-tensors).
 FORMAT = 2
 
@@ -141,20 +145,19 @@ def convert(path: Path, out: Path, dequantized: bool = False) -> None:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    packed = {} if dequantized else _packed_projections(path, config, state)
-    bits = Counter(b for b, _ in packed.values()).most_common(1)
+    kept = {} if dequantized else _whole_fused_groups(_kept_projections(path, config, state))
     quantization = None
-    if bits:
-        chosen = bits[0][0]
-        packed = {m: p for m, p in packed.items() if p[0] == chosen}
-        packed = _whole_fused_groups(packed, state)
-        for module, (_, tensors) in packed.items():
+    if kept:
+        widths = _fused_widths({m: c.bits for m, c in kept.items()})
+        common = Counter(widths.values()).most_common(1)[0][0]
+        for module, codes in kept.items():
             del state[f"{module}.weight"]
-            state.update({f"{module}.{k}": v for k, v in tensors.items()})
+            state.update({f"{module}.{k}": v for k, v in codes.tensors(widths[module]).items()})
         ignore = sorted(k.removesuffix(".weight") for k in state
                         if k.endswith("_proj.weight"))
-        quantization = {"quant_method": "gguf", "bits": chosen, "group_size": 32,
-                        "ignore": [*ignore, "lm_head"]}
+        quantization = {"quant_method": "gguf", "bits": common, "group_size": 32,
+                        "ignore": [*ignore, "lm_head"],
+                        "module_bits": {m: b for m, b in widths.items() if b != common}}
     out.mkdir(parents=True, exist_ok=True)
     config.dtype = "float32"
     config.save_pretrained(out)
@@ -166,23 +169,44 @@ def convert(path: Path, out: Path, dequantized: bool = False) -> None:
     save_file(state, str(out / "model.safetensors"))
 
 
-def _packed_projections(path: Path, config: Any, state: dict[str, Any]
-                        ) -> dict[str, tuple[int, dict[str, Any]]]:
-    """transformers module -> (bits, the "gguf" method's tensors) for every projection of
-    a type in _BLOCKS whose codes, scales and zero points give transformers' dequantized
-    weight (exactly for the symmetric types; to fp32 rounding where a float zero point
-    stands for the block's minimum)."""
+@dataclass(frozen=True)
+class Codes:
+    """A projection [N, K] as w = scale * (code - zero) in groups of 32: codes [N, K],
+    scales and zeros [N, K / 32], fp32 arrays; `bits` the narrowest width its codes fit
+    (4 or 8)."""
+
+    bits: int
+    codes: Any
+    scales: Any
+    zeros: Any
+
+    def tensors(self, bits: int) -> dict[str, Any]:
+        """The "gguf" method's tensors, codes `bits` wide (>= self.bits), in
+        kernels/quant.py's layout: qweight [K / (32 / bits), N], scales, zeros [K / 32, N]."""
+        import torch
+
+        return {"qweight": torch.from_numpy(_pack_along_k(self.codes, bits)),
+                "scales": torch.from_numpy(np.ascontiguousarray(self.scales.T)),
+                "zeros": torch.from_numpy(np.ascontiguousarray(self.zeros.T))}
+
+
+def _kept_projections(path: Path, config: Any, state: dict[str, Any]) -> dict[str, Codes]:
+    """transformers module -> its Codes for every projection stored in a quantized type:
+    the types of _BLOCKS decoded from their blocks, where they give transformers'
+    dequantized weight (exactly for the symmetric types; to fp32 rounding where a float
+    zero point stands for a block's minimum); the others (Q6_K's blocks of 16, Q2_K,
+    Q3_K, the IQ types) re-quantized from that weight to 8-bit codes (`_requantized`)."""
     import torch
     from gguf import GGUFReader
 
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     permuted = config.model_type in _PERMUTED
-    packed = {}
+    kept = {}
     for tensor in GGUFReader(str(path)).tensors:
         qtype = tensor.tensor_type.name
         parts = tensor.name.split(".")
-        if qtype not in _BLOCKS or len(parts) != 4 or parts[0] != "blk" \
+        if qtype in _FULL_PRECISION or len(parts) != 4 or parts[0] != "blk" \
                 or parts[2] not in _PROJECTIONS or parts[3] != "weight":
             continue
         module = f"model.layers.{parts[1]}.{_PROJECTIONS[parts[2]]}"
@@ -190,22 +214,24 @@ def _packed_projections(path: Path, config: Any, state: dict[str, Any]
         if expected is None:
             continue
         n, k = expected.shape
-        bits, codes, scales, zeros = as_codes(qtype, np.asarray(tensor.data), n, k)
+        if qtype not in _BLOCKS:
+            if k % 32 == 0:
+                kept[module] = _requantized(expected.numpy())
+            continue
+        codes = as_codes(qtype, np.asarray(tensor.data), n, k)
         if permuted and parts[2] in ("attn_q", "attn_k"):
             n_heads = heads if parts[2] == "attn_q" else kv_heads
-            codes, scales, zeros = (_unpermute(a, n_heads) for a in (codes, scales, zeros))
-        weight = torch.from_numpy((codes - np.repeat(zeros, 32, axis=1))
-                                  * np.repeat(scales, 32, axis=1))
+            codes = Codes(codes.bits, *(_unpermute(a, n_heads) for a in (
+                codes.codes, codes.scales, codes.zeros)))
+        weight = torch.from_numpy((codes.codes - np.repeat(codes.zeros, 32, axis=1))
+                                  * np.repeat(codes.scales, 32, axis=1))
         if not torch.allclose(weight, expected, rtol=1e-5,
                               atol=1e-6 * float(expected.abs().max())):
             logger.warning("%s: its %s blocks do not give transformers' weight; stored "
                            "dequantized", tensor.name, qtype)
             continue
-        packed[module] = (bits, {  # (kernels/quant.py's layout: [K / G, N])
-            "qweight": torch.from_numpy(_pack_along_k(codes, bits)),
-            "scales": torch.from_numpy(np.ascontiguousarray(scales.T)),
-            "zeros": torch.from_numpy(np.ascontiguousarray(zeros.T))})
-    return packed
+        kept[module] = codes
+    return kept
 
 
 # Each decoder takes a tensor's blocks [N, bytes of its blocks in a row] uint8 and gives
@@ -294,9 +320,10 @@ def _q5_k(x: Any) -> Any:
     return _k_quant(b, b[..., 48:], b[..., 16:48])
 
 
-# The block types kept as integer codes: bits of the codes, the decoder. 5-bit codes
-# take 8-bit ones (the kernels' two widths). Others (Q6_K's blocks of 16, Q2_K, Q3_K,
-# the IQ types, ...) load dequantized.
+# The block types whose blocks are kept as integer codes: bits of the codes, the decoder.
+# 5-bit codes take 8-bit ones (the kernels' two widths). The other quantized types are
+# re-quantized to 8-bit codes (`_requantized`); these load as transformers' weights:
+_FULL_PRECISION = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"})
 _BLOCKS = {"Q8_0": (8, _q8_0), "Q4_0": (4, _q4_0), "Q4_1": (4, _q4_1), "Q5_0": (8, _q5_0),
            "Q5_1": (8, _q5_1), "Q4_K": (4, _q4_k), "Q5_K": (8, _q5_k)}
 
@@ -312,19 +339,39 @@ def _pack_along_k(codes: Any, bits: int) -> Any:
     return np.ascontiguousarray(np.bitwise_or.reduce(grouped << shifts, axis=1)).view(np.int32)
 
 
-def as_codes(qtype: str, blocks: Any, n: int, k: int) -> tuple[int, Any, Any, Any]:
+def as_codes(qtype: str, blocks: Any, n: int, k: int) -> Codes:
     """A tensor [N, K] of block type `qtype` (one of _BLOCKS; its bytes `blocks`, N rows)
-    -> (bits, codes [N, K], scales [N, K / 32], zeros [N, K / 32]), fp32 arrays with
-    w = scale * (code - zero): scale = step and zero = -offset / step for each block of
-    32's w = step * code + offset; a block of step 0 (w = offset throughout) takes codes
-    0, scale -offset and zero 1."""
+    as Codes: scale = step and zero = -offset / step for each block of 32's w = step *
+    code + offset."""
     bits, decode = _BLOCKS[qtype]
     codes, step, offset = decode(blocks.reshape(n, -1))
-    flat = step == 0
-    codes = np.where(np.repeat(flat, 32, axis=1), 0, codes.reshape(n, k))
-    scales = np.where(flat, -offset, step)
-    zeros = np.where(flat, 1, -offset / np.where(flat, 1, step))
-    return bits, codes.astype(np.float32), scales.astype(np.float32), zeros.astype(np.float32)
+    return _zero_points(bits, codes.reshape(n, k), step, offset)
+
+
+def _requantized(weight: Any) -> Codes:
+    """weight [N, K] fp32 as 8-bit codes over each group of 32's [min, max] (round to
+    nearest: within half a step, (max - min) / 510, of each weight): for the block types
+    that do not fit groups of 32 (Q6_K's sub-blocks of 16 with their own scales), whose
+    coarser grids (64 levels a sub-block for Q6_K) this adds little to."""
+    n, k = weight.shape
+    groups = weight.reshape(n, k // 32, 32)
+    low, high = groups.min(axis=-1), groups.max(axis=-1)
+    step = (high - low) / 255
+    codes = np.rint((groups - low[..., None]) / np.where(step == 0, 1, step)[..., None])
+    return _zero_points(8, np.clip(codes, 0, 255).reshape(n, k), step, low)
+
+
+def _zero_points(bits: int, codes: Any, step: Any, offset: Any) -> Codes:
+    """w = step * code + offset per block of 32 -> Codes (w = scale * (code - zero)); a
+    block of step 0 (w = offset throughout) takes codes 0, scale -offset and zero 1."""
+    n = codes.shape[0]
+    flat = step.reshape(n, -1) == 0
+    offset = offset.reshape(n, -1)
+    codes = np.where(np.repeat(flat, 32, axis=1), 0, codes)
+    scales = np.where(flat, -offset, step.reshape(n, -1))
+    zeros = np.where(flat, 1, -offset / np.where(flat, 1, step.reshape(n, -1)))
+    return Codes(bits, codes.astype(np.float32), scales.astype(np.float32),
+                 zeros.astype(np.float32))
 
 
 def _unpermute(rows: Any, heads: int) -> Any:
@@ -334,13 +381,23 @@ def _unpermute(rows: Any, heads: int) -> Any:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def _whole_fused_groups(packed: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
-    """`packed` without the modules whose fused neighbours are not all packed."""
-    keep = dict(packed)
-    for module in packed:
-        layer = module.rsplit(".", 2)[0]
-        for group in _FUSED:
-            names = [f"{layer}.{m}" for m in group]
-            if module in names and not all(n in packed for n in names):
-                keep.pop(module, None)
-    return keep
+def _whole_fused_groups(kept: dict[str, Codes]) -> dict[str, Codes]:
+    """`kept` without the modules whose fused neighbours are not all kept."""
+    return {module: codes for module, codes in kept.items()
+            if all(n in kept for n in _fused_with(module))}
+
+
+def _fused_widths(bits: dict[str, int]) -> dict[str, int]:
+    """Each module's code width: the widest of its fused group's (computed as one
+    projection, its parts share one width; 4-bit codes fit 8 bits exactly)."""
+    return {m: max(bits[n] for n in _fused_with(m)) for m in bits}
+
+
+def _fused_with(module: str) -> list[str]:
+    """The modules computed as one projection with `module` (itself included)."""
+    layer, _, name = module.rpartition(".")
+    layer, _, kind = layer.rpartition(".")
+    for group in _FUSED:
+        if f"{kind}.{name}" in group:
+            return [f"{layer}.{m}" for m in group]
+    return [module]

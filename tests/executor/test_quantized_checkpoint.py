@@ -209,6 +209,8 @@ def test_a_projection_missing_a_tensor_or_left_in_full_precision_is_named(llama_
     ({"quant_method": "gguf", "bits": 4, "group_size": 256}, "group_size=256"),
     ({"quant_method": "gguf", "bits": 5, "group_size": 32}, "bits=5"),
     ({"quant_method": "gguf", "bits": 4, "group_size": 32, "ignore": "lm_head"}, "ignore="),
+    ({"quant_method": "gguf", "bits": 4, "group_size": 32, "module_bits": {"a": 6}},
+     r"module_bits\['a'\]=6"),
 ])
 def test_unreadable_quantization_configs_are_refused_naming_the_field(config, message):
     with pytest.raises(ValueError, match=message):
@@ -254,6 +256,19 @@ def test_gguf_names_its_unquantized_modules_exactly():
     assert quant.tensors == {"qweight", "scales", "zeros"}
 
 
+def test_gguf_modules_keep_their_own_code_widths():
+    """A mixed file's modules of the other width are listed with theirs; the parts of
+    one fused projection must agree."""
+    quant = read_quantization_config({
+        "quant_method": "gguf", "bits": 4, "group_size": 32,
+        "module_bits": {"model.layers.0.self_attn.v_proj": 8}})
+    assert quant is not None
+    assert quant.bits_of(["model.layers.1.self_attn.v_proj"]) == 4
+    assert quant.bits_of(["model.layers.0.self_attn.v_proj"]) == 8
+    with pytest.raises(ValueError, match=r"codes of \[4, 8\] bits"):
+        quant.bits_of(["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"])
+
+
 def test_gguf_tensors_read_as_scale_times_code_minus_a_float_zero():
     """The "gguf" method's projection: codes in quant.py's layout, fp32 scales and float
     zero points (a block's minimum over its step), read as scale * (code - zero)."""
@@ -266,12 +281,17 @@ def test_gguf_tensors_read_as_scale_times_code_minus_a_float_zero():
     zeros = torch.rand(k // 32, n) * 20 - 5  # not integers, and outside the codes' range
     quant = read_quantization_config({"quant_method": "gguf", "bits": 4, "group_size": 32})
     assert quant is not None
-    pieces = [("p.qweight", pack(codes, 4)), ("p.scales", scales), ("p.zeros", zeros)]
-    ((name, weight),) = collect(pieces, quant, lambda _: True, lambda _: True)
-    assert name == "p.weight" and isinstance(weight, PackedWeight)
     group = torch.arange(k) // 32
     expected = ((codes.float() - zeros[group]) * scales[group]).t()
-    torch.testing.assert_close(dequantize(weight), expected, rtol=0, atol=0)
+    for bits in (4, 8):  # a module's own width: qweight's rows per group of 32
+        pieces = [("p.qweight", pack(codes, bits)), ("p.scales", scales), ("p.zeros", zeros)]
+        ((name, weight),) = collect(pieces, quant, lambda _: True, lambda _: True)
+        assert name == "p.weight" and isinstance(weight, PackedWeight) and weight.bits == bits
+        torch.testing.assert_close(dequantize(weight), expected, rtol=0, atol=0)
+    pieces = [("p.qweight", pack(codes, 4)), ("p.scales", scales), ("p.zeros", zeros)]
+    with pytest.raises(ValueError, match="do not hold 4- or 8-bit codes"):
+        list(collect([("p.qweight", pack(codes, 4)[:-1]), *pieces[1:]], quant,
+                     lambda _: True, lambda _: True))
     with pytest.raises(ValueError, match=r"zeros is torch\.float16, not float32"):
         list(collect([*pieces[:2], ("p.zeros", zeros.half())], quant, lambda _: True,
                      lambda _: True))

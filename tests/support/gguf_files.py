@@ -29,23 +29,41 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 # The types gguf's writer cannot quantize (llama.cpp's K-quants): bytes per super-block
-# of 256 weights, and where its fp16 step d (and for Q4_K / Q5_K its dmin) sits, with the
-# values written there. Their other bytes (codes, 6-bit or int8 sub-block scales) are
-# random: any bytes are valid blocks, which transformers dequantizes as llama.cpp does.
-RANDOM_BLOCKS = {"Q4_K": (144, {0: 2e-4, 2: 1.5e-3}), "Q5_K": (176, {0: 1e-4, 2: 1.5e-3}),
-                 "Q6_K": (210, {208: 5e-5})}
+# of 256 weights, where its fp16 step d (and for Q4_K / Q5_K its dmin) sits with the
+# values written there, and for those two the mid-code each sub-block's minimum sits at.
+# The codes (and Q6_K's int8 sub-block scales) are random: any bytes are valid blocks,
+# which transformers dequantizes as llama.cpp does.
+RANDOM_BLOCKS = {"Q4_K": (144, {0: 2e-4, 2: 16e-4}, 7.5),
+                 "Q5_K": (176, {0: 1e-4, 2: 16e-4}, 15.5), "Q6_K": (210, {208: 5e-5}, None)}
 
 
 def random_blocks(name: str, shape: tuple[int, ...], qtype: str) -> np.ndarray:
     """Random `qtype` blocks for a [N, K] tensor (K a multiple of 256), seeded by
-    `name`: [N, K / 256 * block bytes] uint8."""
-    size, halves = RANDOM_BLOCKS[qtype]
+    `name`: [N, K / 256 * block bytes] uint8. Q4_K's and Q5_K's sub-blocks take random
+    6-bit scales and the minimum that centres their codes on 0, as llama.cpp's quantizer
+    finds for weights around 0 (random minimums shift whole sub-blocks far off 0)."""
+    size, halves, middle = RANDOM_BLOCKS[qtype]
     n, k = shape
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
     for at, value in halves.items():
         blocks[..., at:at + 2] = np.array([value], dtype=np.float16).view(np.uint8)
+    if middle is not None:  # w = d * sc * q - dmin * m: m = middle * sc * d / dmin
+        sc = rng.integers(1, 64, (n, k // 256, 8))
+        m = np.minimum(np.rint(middle * sc * halves[0] / halves[2]), 63).astype(np.int64)
+        blocks[..., 4:16] = _k_scale_bytes(sc, m)
     return blocks.reshape(n, -1)
+
+
+def _k_scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """8 six-bit scales and mins [..., 8] -> the 12 bytes ggml packs them in (the inverse
+    of its get_scale_min_k4): sub-blocks 0-3 in the low 6 bits of bytes 0-3 / 4-7,
+    4-7's low 4 bits in bytes 8-11 and their high 2 bits in the top of bytes 0-7."""
+    out = np.zeros((*sc.shape[:-1], 12), dtype=np.int64)
+    out[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+    out[..., 4:8] = m[..., 0:4] | ((m[..., 4:8] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:8] & 0xF) | ((m[..., 4:8] & 0xF) << 4)
+    return out.astype(np.uint8)
 
 
 def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",

@@ -89,8 +89,9 @@ def test_each_kept_block_type_decodes_as_the_gguf_packages_dequantize(qtype):
 
     n, k = 6, 512
     blocks = _blocks(qtype, n, k, np.random.default_rng(1))
-    bits, codes, scales, zeros = as_codes(qtype, blocks, n, k)
-    ours = (codes - np.repeat(zeros, 32, axis=1)) * np.repeat(scales, 32, axis=1)
+    kept = as_codes(qtype, blocks, n, k)
+    bits, codes = kept.bits, kept.codes
+    ours = (codes - np.repeat(kept.zeros, 32, axis=1)) * np.repeat(kept.scales, 32, axis=1)
     reference = gguf.dequantize(blocks, gguf.GGMLQuantizationType[qtype])
     assert reference.shape == (n, k) and np.isfinite(ours).all()
     exact = qtype in ("Q8_0", "Q4_0", "Q5_0")
@@ -139,51 +140,79 @@ def test_block_projections_stay_packed_for_the_triton_kernels(projections, llama
 
 
 @runs_triton_kernels
-def test_a_mixed_file_packs_the_common_type_and_dequantizes_the_rest(llama_dir, tmp_path,
-                                                                     make_llm):
+def test_a_mixed_file_keeps_each_projection_at_its_own_width(llama_dir, tmp_path, make_llm):
     """llama.cpp's mixes keep some tensors at a higher precision: layer 0's v_proj in Q8_0
-    among Q4_0 takes q and k (computed with it, as one projection) to full precision
-    too; everything else stays packed in 4 bits."""
+    among Q4_0 takes q and k (computed with it, as one projection) to 8-bit codes too
+    (theirs fit exactly); everything else stays 4-bit."""
     path = write_gguf(llama_dir, tmp_path / "mixed.gguf", "Q4_0",
                       {"blk.0.attn_v.weight": "Q8_0"})
-    directory = gguf_model_dir(path)
-    ignore = json.loads((directory / "config.json").read_text())["quantization_config"][
-        "ignore"]
-    assert [m for m in ignore if "layers" in m] == [
-        f"model.layers.0.self_attn.{p}_proj" for p in "kqv"]
+    config = json.loads((gguf_model_dir(path) / "config.json").read_text())[
+        "quantization_config"]
+    assert (config["bits"], config["ignore"]) == (4, ["lm_head"])
+    assert config["module_bits"] == {f"model.layers.0.self_attn.{p}_proj": 8 for p in "kqv"}
     llm = make_llm(str(path), dtype="float32", attention_backend="triton")
     layers = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers
-    assert layers[0].self_attn.qkv_proj.quant is None
+    assert layers[0].self_attn.qkv_proj.quant.bits == 8
     assert layers[0].mlp.gate_up_proj.quant.bits == 4
+    assert layers[1].self_attn.qkv_proj.quant.bits == 4
     _assert_greedy_equal(llm, _transformers(path))
 
 
-@pytest.mark.parametrize(("projections", "types", "full_precision"), [
-    # A *_K_M mix: layer 0's v_proj in Q6_K (blocks of 16: not kept) takes q and k with
-    # it; layer 1's down_proj in Q5_K (8-bit codes among 4-bit ones) is dequantized too.
+def _codes_weights(directory: Path, module: str) -> torch.Tensor:
+    """What the "gguf" method's tensors of `module` in `directory` stand for: [N, K]."""
+    from safetensors.torch import load_file
+
+    from pagellm.kernels.quant import unpack
+
+    state = load_file(str(directory / "model.safetensors"))
+    qweight, scales, zeros = (state[f"{module}.{t}"] for t in ("qweight", "scales", "zeros"))
+    bits = qweight.shape[0] // scales.shape[0]
+    group = torch.arange(qweight.shape[0] * 32 // bits) // 32
+    return ((unpack(qweight, bits).float() - zeros[group]) * scales[group]).t()
+
+
+@pytest.mark.parametrize(("projections", "types", "eight_bit"), [
+    # A *_K_M mix: layer 0's v_proj in Q6_K (sub-blocks of 16: re-quantized to 8-bit
+    # codes) takes q and k (computed with it, as one projection) to 8 bits too; layer 1's
+    # down_proj in Q5_K keeps its 8-bit codes among the file's 4-bit ones.
     ("Q4_K", {"blk.0.attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q5_K"},
-     ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+     ["model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.q_proj",
       "model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"]),
     ("Q5_K", {}, []),
 ], ids=["Q4_K_M-like", "Q5_K"])
-def test_k_quant_files_keep_their_blocks_and_give_transformers_tokens(
-        projections, types, full_precision, tmp_path_factory, tmp_path, make_llm):
+def test_k_quant_files_keep_codes_and_give_transformers_tokens(
+        projections, types, eight_bit, tmp_path_factory, tmp_path, make_llm):
     """K-quants need rows of 256 weights: a wider model. Its projections hold random
-    blocks (gguf_files.RANDOM_BLOCKS), which transformers dequantizes as llama.cpp does."""
+    blocks (gguf_files.RANDOM_BLOCKS), which transformers dequantizes as llama.cpp does;
+    a Q6_K projection's 8-bit codes lie within half a step of that weight, and the
+    reference takes the weights they stand for."""
     wide = make_model(tmp_path_factory.mktemp("gguf-k") / "llama", ModelSpec(
         arch="llama", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
         intermediate_size=512, vocab_size=1024, init_std=0.1, seed=6))
     path = write_gguf(wide, tmp_path / f"{projections}.gguf", projections, types)
-    config = json.loads((gguf_model_dir(path) / "config.json").read_text())
-    assert config["quantization_config"]["bits"] == (4 if projections == "Q4_K" else 8)
-    assert [m for m in config["quantization_config"]["ignore"] if "layers" in m] == \
-        sorted(full_precision)
+    directory = gguf_model_dir(path)
+    config = json.loads((directory / "config.json").read_text())["quantization_config"]
+    common = 4 if projections == "Q4_K" else 8
+    assert (config["bits"], config["ignore"]) == (common, ["lm_head"])
+    assert config["module_bits"] == dict.fromkeys(eight_bit, 8)
+    reference = _transformers(path)
+    if types:
+        v_proj = "model.layers.0.self_attn.v_proj"
+        ours, theirs = _codes_weights(directory, v_proj), reference.get_parameter(
+            f"{v_proj}.weight").detach()
+        groups = theirs.reshape(theirs.shape[0], -1, 32)
+        half_step = (groups.amax(-1) - groups.amin(-1)).repeat_interleave(32, 1) / 510
+        assert ((ours - theirs).abs() <= half_step * (1 + 1e-5) + 1e-7).all()
+        assert not torch.equal(ours, theirs)  # re-quantized: not the file's own blocks
+        with torch.no_grad():
+            reference.get_parameter(f"{v_proj}.weight").copy_(ours)
     llm = make_llm(str(path), dtype="float32")
-    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
-    layers = model.model.layers
-    assert (layers[0].self_attn.qkv_proj.quant is None) == bool(full_precision)
-    assert layers[1].self_attn.qkv_proj.quant.group_size == 32
-    _assert_greedy_equal(llm, as_cpu_int_kernel(_transformers(path), full_precision))
+    layers = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers
+    assert layers[0].self_attn.qkv_proj.quant.bits == (8 if types else common)
+    assert layers[1].self_attn.qkv_proj.quant.bits == common
+    assert layers[1].mlp.down_proj.quant.bits == 8
+    assert layers[1].mlp.down_proj.quant.group_size == 32
+    _assert_greedy_equal(llm, as_cpu_int_kernel(reference))
 
 
 def test_a_gguf_file_serves_as_a_draft_model(llama_dir, tmp_path, make_llm):

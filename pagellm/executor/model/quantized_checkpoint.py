@@ -19,7 +19,8 @@ PackedWeight, kernels/fp8.py's Fp8Weight). A projection P's tensors, by quant_me
                         P.weight_scale_inv [N/bn, K/bk] (weight_block_size [bn, bk])
     gguf                pagellm's own, for llama.cpp's blocks (weights/gguf.py writes it):
                         P.qweight [K/pk, N] int32, codes along K (our layout); P.scales,
-                        P.zeros [K/32, N] fp32, the zero points floats (a block's minimum)
+                        P.zeros [K/32, N] fp32, the zero points floats (a block's minimum);
+                        `bits` the common width, `module_bits` the modules of the other
 
     w[n, k] = (code - zero) * scale for the integers (pk = 32 / bits codes per int32,
     bits 4 or 8; G the group size, or all of K for one scale per output channel), and
@@ -95,6 +96,18 @@ class CheckpointQuant:
     block: tuple[int, int] | None = None  # FP8_BLOCK: [bn, bk]
     ignore: tuple[str, ...] = ()  # module names left in full precision
     tensors: frozenset[str] = frozenset()  # a quantized projection's tensor suffixes
+    # gguf: modules whose codes are not `bits` wide, with their own width
+    module_bits: tuple[tuple[str, int], ...] = ()
+
+    def bits_of(self, modules: list[str]) -> int:
+        """The code width of the projection computed from checkpoint `modules` (its
+        parts, which must agree)."""
+        own = dict(self.module_bits)
+        widths = {own.get(m, self.bits) for m in modules}
+        if len(widths) > 1:
+            raise ValueError(f"quantization_config gives {modules} codes of {sorted(widths)} "
+                             "bits; pagellm computes them as one projection")
+        return widths.pop()
 
     def ignores(self, module: str) -> bool:
         """Whether the checkpoint keeps `module` (transformers' name) unquantized:
@@ -249,8 +262,12 @@ def _gguf(config: dict[str, Any]) -> CheckpointQuant:
     ignore = config.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(m, str) for m in ignore):
         raise _refuse("ignore", ignore, "a list of module names")
+    widths = config.get("module_bits") or {}
+    if not isinstance(widths, dict) or not all(isinstance(m, str) for m in widths):
+        raise _refuse("module_bits", widths, "module names and their code widths")
+    module_bits = tuple((m, _bits(b, f"module_bits[{m!r}]")) for m, b in widths.items())
     return CheckpointQuant("gguf", Kind.INT, _bits(config.get("bits"), "bits"), 32,
-                           symmetric=False, ignore=tuple(ignore),
+                           symmetric=False, ignore=tuple(ignore), module_bits=module_bits,
                            tensors=frozenset({"qweight", "scales", "zeros"}))
 
 
@@ -376,10 +393,17 @@ def _from_fp8(p: dict[str, torch.Tensor], q: CheckpointQuant) -> Converted:
 
 
 def _from_gguf(p: dict[str, torch.Tensor], q: CheckpointQuant) -> PackedWeight:
+    """Codes of 4 or 8 bits (a module's own width: the rows of qweight per group say
+    which), fp32 scales and float zero points."""
     for name in ("scales", "zeros"):
         if p[name].dtype != torch.float32:
             raise ValueError(f"{name} is {p[name].dtype}, not float32")
-    return _packed(_unpack_rows(p["qweight"], q.bits), p["scales"], p["zeros"], q.bits, None)
+    words, groups = p["qweight"].shape[0], p["scales"].shape[0]
+    bits = words // groups if groups else 0  # a group's 32 codes take `bits` int32 rows
+    if bits not in (4, 8) or words != groups * bits:
+        raise ValueError(f"qweight's {words} rows do not hold 4- or 8-bit codes of "
+                         f"{groups} groups of 32")
+    return _packed(_unpack_rows(p["qweight"], bits), p["scales"], p["zeros"], bits, None)
 
 
 _CONVERTERS: dict[str, Callable[[dict[str, torch.Tensor], CheckpointQuant], Converted]] = {
@@ -472,6 +496,7 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
                              "pagellm computes them as one projection")
         if ignored.pop():
             continue
+        bits = quant.bits_of(parts)
         n, k = module.weight.shape
         shards = module.tp.size if hasattr(module, "tp") else 1  # row-parallel: K sliced
         with torch.device("meta"):
@@ -479,9 +504,9 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
                 group = k if quant.w8a8 and k % 32 == 0 else _target_group(quant, k, k * shards)
                 tiles = -(-n // TILE)
                 module.quant = CpuIntWeight(
-                    torch.empty(tiles, k // 4, TILE * quant.bits // 2, dtype=torch.uint8),
+                    torch.empty(tiles, k // 4, TILE * bits // 2, dtype=torch.uint8),
                     torch.empty(tiles, k // group, TILE), torch.empty(tiles, k // group, TILE),
-                    quant.bits, group, n)
+                    bits, group, n)
             elif quant.kind is Kind.FP8:
                 module.quant = Fp8Weight(torch.empty(n, k, dtype=FP8),
                                          torch.empty(1, n, dtype=torch.float32))
@@ -490,9 +515,9 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
                 perm = torch.empty(k, dtype=torch.int64) if quant.act_order and shards == 1 \
                     else None
                 module.quant = PackedWeight(
-                    torch.empty(k * quant.bits // 32, n, dtype=torch.int32),
+                    torch.empty(k * bits // 32, n, dtype=torch.int32),
                     torch.empty(k // group, n, dtype=dtype),
-                    torch.empty(k // group, n, dtype=dtype), quant.bits, group, perm)
+                    torch.empty(k // group, n, dtype=dtype), bits, group, perm)
             module.weight = nn.Parameter(torch.empty(n, k, dtype=module.weight.dtype),
                                          requires_grad=False)
         modules.append(module)
