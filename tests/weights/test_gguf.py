@@ -1,20 +1,17 @@
 """llama.cpp's GGUF files as models (pagellm/weights/gguf.py): written as llama.cpp writes
 them (tests/support/gguf_files.py), they give transformers' own greedy tokens on the same
-file (`gguf_file=`), token for token in fp32, with their Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-Q4_K and Q5_K projections kept as codes for the CPU's int kernel and for the Triton
-kernels (the interpreter here); each block type decodes as the gguf package's own
-dequantize does."""
+file (`gguf_file=`), token for token in fp32, with their quantized projections kept as
+codes for the CPU's int kernel and for the Triton kernels (the interpreter here)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from conftest import PROMPTS, runs_triton_kernels
-from gguf_files import RANDOM_BLOCKS, random_blocks, write_gguf
+from gguf_files import write_gguf
 from peft_adapters import argmax_along
 from quantized_checkpoints import as_cpu_int_kernel
 
@@ -22,12 +19,7 @@ from pagellm import SamplingParams
 from pagellm.demo.model import ModelSpec, make_model
 from pagellm.kernels.cpu_int_gemm import CpuIntWeight
 from pagellm.weights import gguf as gguf_module
-from pagellm.weights.gguf import (
-    TRANSFORMERS_FLOOR,
-    as_codes,
-    gguf_model_dir,
-    transformers_version,
-)
+from pagellm.weights.gguf import TRANSFORMERS_FLOOR, gguf_model_dir, transformers_version
 
 pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(transformers_version() < TRANSFORMERS_FLOOR,
@@ -62,43 +54,6 @@ def _assert_greedy_equal(llm, reference) -> None:
         ours = out.outputs[0].token_ids
         assert len(ours) == GREEDY.max_tokens
         assert argmax_along(reference, out.prompt_token_ids, ours) == ours
-
-
-def _blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Random `qtype` blocks for [n, k] with some blocks flat (step 0): [n, bytes]."""
-    import gguf
-
-    if qtype in RANDOM_BLOCKS:
-        blocks = random_blocks(qtype, (n, k), qtype).reshape(n, k // 256, -1)
-        blocks[0, 0, 4:16] = 0  # every sub-block's 6-bit scale and min 0: w = 0
-        blocks[1, 0, 4:16] = 0
-        blocks[1, 0, 8] = 5  # sub-block 0's min 5, its scale 0: w = -5 dmin throughout
-        return blocks.reshape(n, -1)
-    blocks = gguf.quantize(rng.standard_normal((n, k)).astype(np.float32),
-                           gguf.GGMLQuantizationType[qtype]).reshape(n, k // 32, -1)
-    blocks[0, 0, :2] = 0  # a step of 0: w = 0 (Q8_0, Q4_0, Q5_0) or w = m throughout
-    return blocks.reshape(n, -1)
-
-
-@pytest.mark.parametrize("qtype", sorted(gguf_module._BLOCKS))
-def test_each_kept_block_type_decodes_as_the_gguf_packages_dequantize(qtype):
-    """scale * (code - zero) of as_codes is the gguf package's own dequantized weight:
-    exactly for the symmetric types, to fp32 rounding where a float zero point stands
-    for a block's minimum; the codes fit their bits."""
-    import gguf
-
-    n, k = 6, 512
-    blocks = _blocks(qtype, n, k, np.random.default_rng(1))
-    kept = as_codes(qtype, blocks, n, k)
-    bits, codes = kept.bits, kept.codes
-    ours = (codes - np.repeat(kept.zeros, 32, axis=1)) * np.repeat(kept.scales, 32, axis=1)
-    reference = gguf.dequantize(blocks, gguf.GGMLQuantizationType[qtype])
-    assert reference.shape == (n, k) and np.isfinite(ours).all()
-    exact = qtype in ("Q8_0", "Q4_0", "Q5_0")
-    np.testing.assert_allclose(ours, reference, rtol=0 if exact else 1e-6,
-                               atol=0 if exact else 1e-6 * np.abs(reference).max())
-    assert codes.min() >= 0 and codes.max() < 2**bits and (codes == codes.round()).all()
-    assert (codes.max() > 15) == (bits == 8)  # 5- and 8-bit codes take 8 bits
 
 
 @pytest.mark.parametrize("projections", ["F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
@@ -156,6 +111,16 @@ def test_a_mixed_file_keeps_each_projection_at_its_own_width(llama_dir, tmp_path
     assert layers[0].mlp.gate_up_proj.quant.bits == 4
     assert layers[1].self_attn.qkv_proj.quant.bits == 4
     _assert_greedy_equal(llm, _transformers(path))
+
+
+def test_two_ranks_split_a_mixed_file_on_the_cpus_int_kernel(llama_dir, tmp_path, make_llm):
+    """Tensor parallel 2 over a file of two code widths: each rank's slices keep their
+    module's width (layer 0's q/k/v 8 bits, the rest 4), o_proj and down_proj split on
+    their input columns in whole groups of 32."""
+    path = write_gguf(llama_dir, tmp_path / "mixed.gguf", "Q4_1",
+                      {"blk.0.attn_v.weight": "Q8_0"})
+    llm = make_llm(str(path), dtype="float32", tensor_parallel_size=2)
+    _assert_greedy_equal(llm, as_cpu_int_kernel(_transformers(path)))
 
 
 def _codes_weights(directory: Path, module: str) -> torch.Tensor:
