@@ -176,8 +176,10 @@ def test_an_in_process_engine_leaves_its_hosts_thread_count_as_found(tmp_path, m
                 core.step()
                 counts.add(torch.get_num_threads())
             assert counts == {2}
-            # The trial's one-thread blocks ran, each step put back what it found.
-            assert len(set_calls) >= 2 * TRIAL_BLOCK
+            # The trial's one-thread steps ran (a whole block, or fewer where one came out
+            # CLEAR_WIN slower on a loaded machine and ended the trial), and each step put
+            # back what it found.
+            assert len(set_calls) >= 2
             assert set_calls == [1, 2] * (len(set_calls) // 2)
         finally:
             core.shutdown()
