@@ -202,9 +202,7 @@ def _kept_projections(path: Path, config: Any, state: dict[str, Any]) -> dict[st
             n_heads = heads if parts[2] == "attn_q" else kv_heads
             codes = Codes(codes.bits, *(_unpermute(a, n_heads) for a in (
                 codes.codes, codes.scales, codes.zeros)))
-        weight = torch.from_numpy((codes.codes - np.repeat(codes.zeros, 32, axis=1))
-                                  * np.repeat(codes.scales, 32, axis=1))
-        if not torch.allclose(weight, expected, rtol=1e-5,
+        if not torch.allclose(torch.from_numpy(codes.weight()), expected, rtol=1e-5,
                               atol=1e-6 * float(expected.abs().max())):
             logger.warning("%s: its %s blocks do not give transformers' weight; stored "
                            "dequantized", tensor.name, qtype)

@@ -25,6 +25,11 @@ class Codes:
     scales: Any
     zeros: Any
 
+    def weight(self) -> Any:
+        """What the codes stand for: [N, K] fp32."""
+        return ((self.codes - np.repeat(self.zeros, 32, axis=1))
+                * np.repeat(self.scales, 32, axis=1))
+
     def tensors(self, bits: int) -> dict[str, Any]:
         """The "gguf" method's tensors, codes `bits` wide (>= self.bits), in
         kernels/quant.py's layout: qweight [K / (32 / bits), N], scales, zeros [K / 32, N]."""
@@ -167,10 +172,10 @@ def _zero_points(bits: int, codes: Any, step: Any, offset: Any) -> Codes:
     """w = step * code + offset per block of 32 -> Codes (w = scale * (code - zero)); a
     block of step 0 (w = offset throughout) takes codes 0, scale -offset and zero 1."""
     n = codes.shape[0]
-    flat = step.reshape(n, -1) == 0
-    offset = offset.reshape(n, -1)
+    step, offset = step.reshape(n, -1), offset.reshape(n, -1)
+    flat = step == 0
     codes = np.where(np.repeat(flat, 32, axis=1), 0, codes)
-    scales = np.where(flat, -offset, step.reshape(n, -1))
-    zeros = np.where(flat, 1, -offset / np.where(flat, 1, step.reshape(n, -1)))
+    scales = np.where(flat, -offset, step)
+    zeros = np.where(flat, 1, -offset / np.where(flat, 1, step))
     return Codes(bits, codes.astype(np.float32), scales.astype(np.float32),
                  zeros.astype(np.float32))
