@@ -4,8 +4,11 @@ A GGUF file holds the config, the tokenizer and the weights, each in llama.cpp's
 terms. It is converted once into a Hugging Face directory in the cache
 (~/.cache/pagellm/gguf/<name>-<key>, the key from FORMAT and the file's path, size and
 mtime) that every part of the engine then reads as it reads any other: transformers
-parses the config and the tokenizer (`gguf_file=`) and dequantizes every tensor, q and
-k rows unpermuted (transformers' GGUF loader, so every family it reads is read alike).
+parses the config and the tokenizer (`gguf_file=`), and each tensor is dequantized and
+named as transformers' GGUF loader does (the gguf package's dequantize, then its
+per-architecture TensorProcessor: llama's q and k rows unpermuted, so every family it
+reads is read alike), but one tensor at a time, written into safetensors shards as it
+comes: converting holds one shard and one tensor, not the whole model in fp32.
 
 The projections stored as blocks of 32 weights with a step and an offset, w = step *
 q + offset, stay integer codes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q4_K and
@@ -35,6 +38,7 @@ import logging
 import os
 import shutil
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +64,8 @@ TRANSFORMERS_FLOOR = (5, 18)
 # The converted directory's layout, part of its cache key: 2 keeps quantized projections
 # as the "gguf" quantization method (1 kept Q8_0 / Q4_0 as compressed-tensors).
 FORMAT = 2
+# The size a converted directory's safetensors files grow to before the next begins.
+SHARD_BYTES = 256 << 20
 
 
 def cache_dir() -> Path:
@@ -119,15 +125,14 @@ def transformers_version() -> tuple[int, int]:
 
 def convert(path: Path, out: Path, dequantized: bool = False) -> None:
     """Write `path` as a Hugging Face directory at `out` (module docstring; `dequantized`:
-    gguf_model_dir's)."""
-    import torch
+    gguf_model_dir's), a tensor at a time: memory holds one shard of the output and the
+    tensor at hand, never the whole model in fp32 (a 7B file's 28 GB)."""
     import transformers
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     logger.info("converting %s to a Hugging Face directory at %s", path, out)
     try:
-        import gguf  # noqa: F401  (transformers reads GGUF through it)
+        from gguf import GGUFReader
     except ImportError as e:
         raise ImportError("loading a GGUF file needs the gguf package: "
                           "pip install 'pagellm[gguf]'") from e
@@ -138,77 +143,221 @@ def convert(path: Path, out: Path, dequantized: bool = False) -> None:
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                     dtype=torch.float32)
+        reader = GGUFReader(str(path))
     except (ValueError, KeyError, OSError, RuntimeError) as e:
         raise ValueError(f"cannot read the GGUF file {path}: {e}") from e
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    kept = {} if dequantized else _whole_fused_groups(_kept_projections(path, config, state))
-    quantization = None
-    if kept:
-        widths = _fused_widths({m: c.bits for m, c in kept.items()})
-        common = Counter(widths.values()).most_common(1)[0][0]
-        for module, codes in kept.items():
-            del state[f"{module}.weight"]
-            state.update({f"{module}.{k}": v for k, v in codes.tensors(widths[module]).items()})
-        ignore = sorted(k.removesuffix(".weight") for k in state
-                        if k.endswith("_proj.weight"))
-        quantization = {"quant_method": "gguf", "bits": common, "group_size": 32,
-                        "ignore": [*ignore, "lm_head"],
-                        "module_bits": {m: b for m, b in widths.items() if b != common}}
+    tied = getattr(config, "tie_word_embeddings", False)
     out.mkdir(parents=True, exist_ok=True)
+    shards = _Shards(out)
+    projections = _Projections(config)
+    names, expected = _file_tensors(reader, config)
+    seen = set()
+    for name, weight, tensor in names:
+        if tied and name == "lm_head.weight":
+            continue
+        seen.add(name)
+        if dequantized or tensor is None or not _is_projection(name):
+            shards.add(name, weight)
+        else:
+            for written in projections.add(name.removesuffix(".weight"), weight, tensor):
+                shards.add(*written)
+    for written in projections.rest():
+        shards.add(*written)
+    missing = sorted(expected - seen - ({"lm_head.weight"} if tied else set()))
+    if missing:
+        raise ValueError(f"cannot read the GGUF file {path}: it has no tensor for "
+                         f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    shards.close()
     config.dtype = "float32"
     config.save_pretrained(out)
+    quantization = projections.quantization(
+        sorted(n.removesuffix(".weight") for n in shards.names if n.endswith("_proj.weight")))
     if quantization is not None:
         saved = json.loads((out / "config.json").read_text())
         saved["quantization_config"] = quantization
         (out / "config.json").write_text(json.dumps(saved, indent=2))
     tokenizer.save_pretrained(out)
-    save_file(state, str(out / "model.safetensors"))
 
 
-def _kept_projections(path: Path, config: Any, state: dict[str, Any]) -> dict[str, Codes]:
-    """transformers module -> its Codes for every projection stored in a quantized type:
-    the types of BLOCKS decoded from their blocks, where they give transformers'
-    dequantized weight (exactly for the symmetric types; to fp32 rounding where a float
-    zero point stands for a block's minimum); the others (Q6_K's blocks of 16, Q2_K,
-    Q3_K, the IQ types) re-quantized from that weight to 8-bit codes (`requantized`)."""
+def _file_tensors(reader: Any, config: Any) -> tuple[Iterator[tuple[str, Any, Any]],
+                                                     set[str]]:
+    """The file's tensors as transformers loads them, one at a time: each (its name in
+    transformers' model, its fp32 weight [numpy], the file's tensor, None for a tensor
+    a TensorProcessor assembled from several), transformers' own per-architecture steps
+    (its GGUF loader's TensorProcessor: llama's q/k rows unpermuted, Gemma's norms less
+    1, MoE experts stacked) on the gguf package's dequantized tensor; and the names the
+    model expects. transformers' loader does the same over the whole file at once, and
+    every family pagellm serves goes through it (its newer GGUF path covers none)."""
     import torch
-    from gguf import GGUFReader
+    from gguf import MODEL_ARCH_NAMES, dequantize, get_tensor_name_map
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        read_field,
+    )
 
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    permuted = config.model_type in _PERMUTED
-    kept = {}
-    for tensor in GGUFReader(str(path)).tensors:
+    architecture = read_field(reader, "general.architecture")[0]
+    arch = next((a for a, name in MODEL_ARCH_NAMES.items() if name == architecture), None)
+    if arch is None:
+        raise ValueError(f"the gguf package does not know the architecture {architecture!r}")
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    with torch.device("meta"):
+        expected = list(AutoModelForCausalLM.from_config(config).state_dict())
+    table = get_tensor_name_map(arch, config.num_hidden_layers)
+    to_model: dict[str, str] = {}  # file's name -> model's (transformers' own mapping)
+    for name in map(processor.preprocess_name, expected):
+        base, dot, kind = name.rpartition(".") if name.endswith((".weight", ".bias")) \
+            else (name, "", "")
+        found = table.get_name(base)
+        if found is None:
+            processor.perform_fallback_tensor_mapping(to_model, dot + kind, "", name)
+        else:
+            to_model[found + dot + kind] = name
+
+    def tensors() -> Iterator[tuple[str, Any, Any]]:
+        assembled: dict[str, Any] = {"tensors": {}}  # what a processor stacks (experts)
+        for tensor in reader.tensors:
+            result = processor.process(
+                weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+                tensor_key_mapping=to_model, parsed_parameters=assembled)
+            if result.name in to_model:
+                yield to_model[result.name], np.asarray(result.weights, np.float32), tensor
+        for name, stacked in assembled["tensors"].items():
+            yield name, stacked.float().numpy(), None
+
+    return tensors(), set(expected)
+
+
+def _is_projection(name: str) -> bool:
+    """A layer's attention or MLP projection weight, one a file may store as blocks."""
+    parts = name.split(".")
+    return (len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[5] == "weight"
+            and ".".join(parts[3:5]) in _PROJECTIONS.values())
+
+
+class _Projections:
+    """The projections as they arrive, kept as codes a fused group (q/k/v, gate/up) at a
+    time: held until the group is whole, then written as codes at the widest of their
+    widths when every part has codes, else (one stored unquantized, or blocks that do
+    not give transformers' weight) all as fp32 weights."""
+
+    def __init__(self, config: Any) -> None:
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.permuted = config.model_type in _PERMUTED
+        self.pending: dict[str, dict[str, tuple[Any, Codes | None]]] = {}
+        self.widths: dict[str, int] = {}  # module -> the code width it was written at
+
+    def add(self, module: str, weight: Any, tensor: Any) -> list[tuple[str, Any]]:
+        """`module`'s weight [N, K] fp32 and its file tensor -> the tensors to write
+        (none until its fused group is whole)."""
+        group = _fused_with(module)
+        parts = self.pending.setdefault(group[0], {})
+        parts[module] = (weight, self._codes(module, weight, tensor))
+        return self._written(self.pending.pop(group[0])) if len(parts) == len(group) else []
+
+    def rest(self) -> list[tuple[str, Any]]:
+        """The parts of groups the file does not hold whole: written as weights."""
+        return [t for group in self.pending.values() for t in self._written(group, whole=False)]
+
+    def quantization(self, ignore: list[str]) -> dict[str, Any] | None:
+        """The config's quantization_config for what was written (None: no codes)."""
+        if not self.widths:
+            return None
+        common = Counter(self.widths.values()).most_common(1)[0][0]
+        return {"quant_method": "gguf", "bits": common, "group_size": 32,
+                "ignore": [*ignore, "lm_head"],
+                "module_bits": {m: b for m, b in sorted(self.widths.items()) if b != common}}
+
+    def _written(self, parts: dict[str, tuple[Any, Codes | None]],
+                 whole: bool = True) -> list[tuple[str, Any]]:
+        if not whole or any(codes is None for _, codes in parts.values()):
+            return [(f"{m}.weight", weight) for m, (weight, _) in parts.items()]
+        # Computed as one projection, the parts share one width (4-bit codes fit 8 bits).
+        width = max(codes.bits for _, codes in parts.values() if codes is not None)
+        written = []
+        for module, (_, codes) in parts.items():
+            assert codes is not None
+            self.widths[module] = width
+            written += [(f"{module}.{k}", v) for k, v in codes.tensors(width).items()]
+        return written
+
+    def _codes(self, module: str, expected: Any, tensor: Any) -> Codes | None:
+        """The projection's Codes (None: stored as its weight): the types of BLOCKS
+        decoded from their blocks, where they give transformers' dequantized weight
+        `expected` (exactly for the symmetric types; to fp32 rounding where a float zero
+        point stands for a block's minimum); the others (Q6_K's blocks of 16, Q2_K, Q3_K,
+        the IQ types) re-quantized from that weight to 8-bit codes (`requantized`)."""
         qtype = tensor.tensor_type.name
-        parts = tensor.name.split(".")
-        if qtype in FULL_PRECISION or len(parts) != 4 or parts[0] != "blk" \
-                or parts[2] not in _PROJECTIONS or parts[3] != "weight":
-            continue
-        module = f"model.layers.{parts[1]}.{_PROJECTIONS[parts[2]]}"
-        expected = state.get(f"{module}.weight")
-        if expected is None:
-            continue
         n, k = expected.shape
+        if qtype in FULL_PRECISION:
+            return None
         if qtype not in BLOCKS:
-            if k % 32 == 0:
-                kept[module] = requantized(expected.numpy())
-            continue
+            return requantized(expected) if k % 32 == 0 else None
         codes = as_codes(qtype, np.asarray(tensor.data), n, k)
-        if permuted and parts[2] in ("attn_q", "attn_k"):
-            n_heads = heads if parts[2] == "attn_q" else kv_heads
-            codes = Codes(codes.bits, *(_unpermute(a, n_heads) for a in (
+        name = module.rpartition(".")[2]
+        if self.permuted and name in ("q_proj", "k_proj"):
+            heads = self.heads if name == "q_proj" else self.kv_heads
+            codes = Codes(codes.bits, *(_unpermute(a, heads) for a in (
                 codes.codes, codes.scales, codes.zeros)))
-        if not torch.allclose(torch.from_numpy(codes.weight()), expected, rtol=1e-5,
-                              atol=1e-6 * float(expected.abs().max())):
+        if not np.allclose(codes.weight(), expected, rtol=1e-5,
+                           atol=1e-6 * float(np.abs(expected).max())):
             logger.warning("%s: its %s blocks do not give transformers' weight; stored "
                            "dequantized", tensor.name, qtype)
-            continue
-        kept[module] = codes
-    return kept
+            return None
+        return codes
+
+
+class _Shards:
+    """safetensors files of about SHARD_BYTES each, written as the tensors arrive (one
+    file model.safetensors, else model-0000i-of-0000n.safetensors and their index, as
+    transformers shards a checkpoint): conversion memory stays one shard whatever the
+    model's size."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.buffer: dict[str, Any] = {}
+        self.bytes = 0
+        self.files: list[Path] = []
+        self.where: dict[str, int] = {}  # tensor name -> its file's index
+        self.names: list[str] = []
+
+    def add(self, name: str, tensor: Any) -> None:
+        import torch
+
+        if isinstance(tensor, np.ndarray):  # an F32 tensor may be the file's read-only map
+            writable = tensor.flags.writeable and tensor.flags.c_contiguous
+            tensor = torch.from_numpy(tensor if writable else np.array(tensor))
+        self.buffer[name] = tensor.contiguous()
+        self.names.append(name)
+        self.bytes += tensor.numel() * tensor.element_size()
+        if self.bytes >= SHARD_BYTES:
+            self._flush()
+
+    def close(self) -> None:
+        if self.buffer or not self.files:
+            self._flush()
+        if len(self.files) == 1:
+            self.files[0].rename(self.out / "model.safetensors")
+            return
+        names = [f"model-{i + 1:05d}-of-{len(self.files):05d}.safetensors"
+                 for i in range(len(self.files))]
+        for file, name in zip(self.files, names, strict=True):
+            file.rename(self.out / name)
+        index = {"metadata": {"total_size": sum(f.stat().st_size for f in
+                                                map(self.out.joinpath, names))},
+                 "weight_map": {t: names[i] for t, i in sorted(self.where.items())}}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        file = self.out / f"part{len(self.files)}.safetensors"
+        save_file(self.buffer, str(file))
+        self.where.update(dict.fromkeys(self.buffer, len(self.files)))
+        self.files.append(file)
+        self.buffer, self.bytes = {}, 0
 
 
 def _unpermute(rows: Any, heads: int) -> Any:
@@ -216,18 +365,6 @@ def _unpermute(rows: Any, heads: int) -> Any:
     [N, ...] rows of interleaved pairs per head -> rotate-half order."""
     half = rows.shape[0] // heads // 2
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-def _whole_fused_groups(kept: dict[str, Codes]) -> dict[str, Codes]:
-    """`kept` without the modules whose fused neighbours are not all kept."""
-    return {module: codes for module, codes in kept.items()
-            if all(n in kept for n in _fused_with(module))}
-
-
-def _fused_widths(bits: dict[str, int]) -> dict[str, int]:
-    """Each module's code width: the widest of its fused group's (computed as one
-    projection, its parts share one width; 4-bit codes fit 8 bits exactly)."""
-    return {m: max(bits[n] for n in _fused_with(m)) for m in bits}
 
 
 def _fused_with(module: str) -> list[str]:

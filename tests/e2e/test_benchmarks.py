@@ -26,6 +26,7 @@ import bad_words  # noqa: E402
 import cpu_quantized  # noqa: E402
 import decode_roofline  # noqa: E402
 import engine_overhead  # noqa: E402
+import gguf_convert  # noqa: E402
 import gpu_suite  # noqa: E402
 import kernel_bench  # noqa: E402
 import parallel  # noqa: E402
@@ -413,3 +414,26 @@ def test_spec_decode_smoke_times_every_arm_on_both_workloads(tmp_path):
     # The edit prompts quote real text and code (the licences, textwrap's source).
     edits = spec_decode.edit_prompts(4)
     assert len(edits) == 4 and all(len(m[0]["content"]) > 300 for m in edits)
+
+
+def test_gguf_convert_smoke_converts_each_type_in_its_own_process(tmp_path):
+    """Each row is a fresh process converting this checkout's way, its peak memory read
+    there, and the parameter count the fp32 size is judged by is the model's own."""
+    pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    import pagellm
+
+    results = gguf_convert.main(["--layers", "2", "--hidden", "256", "--intermediate", "512",
+                                 "--heads", "4", "--kv-heads", "2", "--types", "Q8_0", "Q4_1",
+                                 "--work", str(tmp_path), "--out", str(tmp_path / "g.json")])
+    assert json.loads((tmp_path / "g.json").read_text()) == results
+    params = sum(t.numel() for k, t in load_file(str(tmp_path / "model" / "model.safetensors"))
+                 .items() if not k.endswith("norm.weight"))
+    for qtype, row in results.items():
+        assert (tmp_path / f"model-{qtype}.gguf").is_file()
+        assert row["params"] == params and row["fp32_gb"] == params * 4 / 2**30
+        assert row["seconds"] > 0 and 0.1 < row["peak_rss_gb"] < 4 and row["output_gb"] > 0
+        assert Path(row["pagellm"]) == Path(pagellm.__file__)
+    assert results["Q4_1"]["file_gb"] < results["Q8_0"]["file_gb"]
+    assert not (tmp_path / "cache").exists()

@@ -67,11 +67,12 @@ def _k_scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 
 def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
-               types: dict[str, str] | None = None) -> Path:
+               types: dict[str, str] | None = None, omit: tuple[str, ...] = ()) -> Path:
     """`model_dir`'s llama model as a GGUF file; its projections stored as
     `projection_type` (F32, Q8_0, Q4_0, ...) but those `types` names otherwise
-    (llama.cpp's mixes), the rest as F32. K-quant projections hold random blocks
-    (RANDOM_BLOCKS), not the model's weights."""
+    (llama.cpp's mixes), the rest as F32, and the tensors `omit` names left out (a broken
+    file). K-quant projections hold random blocks (RANDOM_BLOCKS), not the model's
+    weights."""
     import gguf
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -124,6 +125,8 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
                 tensor = _permute(tensor, heads)
             elif module.endswith("k_proj"):
                 tensor = _permute(tensor, kv_heads)
+            if gguf_name in omit:
+                continue
             qtype = gguf.GGMLQuantizationType[(types or {}).get(gguf_name, projection_type)]
             if module.endswith("_proj") and qtype.name in RANDOM_BLOCKS:
                 writer.add_tensor(gguf_name, random_blocks(gguf_name, tensor.shape, qtype.name),

@@ -180,6 +180,47 @@ def test_k_quant_files_keep_codes_and_give_transformers_tokens(
     _assert_greedy_equal(llm, as_cpu_int_kernel(reference))
 
 
+def test_a_file_converts_a_shard_at_a_time(llama_dir, tmp_path, cache, make_llm,
+                                          monkeypatch):
+    """The conversion writes as it reads, its memory one shard of the output whatever the
+    model's size: with small shards the directory is several files and their index (as
+    transformers shards a checkpoint), which the engine loads. An F32 projection among
+    Q4_0 ones stays fp32 with the projections computed with it (layer 1's q/k/v), under
+    `ignore`."""
+    from safetensors import safe_open
+
+    monkeypatch.setattr(gguf_module, "SHARD_BYTES", 48 << 10)
+    path = write_gguf(llama_dir, tmp_path / "model.gguf", "Q4_0",
+                      {"blk.1.attn_k.weight": "F32"})
+    directory = gguf_model_dir(path)
+    weight_map = json.loads((directory / "model.safetensors.index.json").read_text())[
+        "weight_map"]
+    shards = sorted(p.name for p in directory.glob("*.safetensors"))
+    assert len(shards) >= 3 and sorted(set(weight_map.values())) == shards
+    for shard in shards:
+        with safe_open(str(directory / shard), "pt") as f:
+            assert sorted(f.keys()) == sorted(k for k, v in weight_map.items() if v == shard)
+    fp32 = [f"model.layers.1.self_attn.{p}_proj" for p in "kqv"]
+    config = json.loads((directory / "config.json").read_text())["quantization_config"]
+    assert (config["bits"], config["ignore"]) == (4, [*fp32, "lm_head"])
+    assert {f"{m}.weight" for m in fp32} < weight_map.keys()
+    assert f"{fp32[0]}.qweight" not in weight_map
+    llm = make_llm(str(path), dtype="float32")
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    assert len(model.quantized) == 4 * SPEC.num_layers - 1
+    _assert_greedy_equal(llm, as_cpu_int_kernel(_transformers(path), full_precision=fp32))
+
+
+def test_a_file_without_a_weight_is_refused_naming_it(llama_dir, tmp_path, cache):
+    """transformers would start the missing weight at random: the conversion names it."""
+    path = write_gguf(llama_dir, tmp_path / "model.gguf", "Q8_0",
+                      omit=("blk.1.ffn_down.weight",))
+    with pytest.raises(ValueError, match=r"model\.gguf: it has no tensor for "
+                                         r"model\.layers\.1\.mlp\.down_proj\.weight$"):
+        gguf_model_dir(path)
+    assert not any(cache.joinpath("gguf").iterdir())
+
+
 def test_a_gguf_file_serves_as_a_draft_model(llama_dir, tmp_path, make_llm):
     """speculative_config's model may be a GGUF file too (converted as the target is):
     here the target's own file, whose every greedy proposal is accepted."""
