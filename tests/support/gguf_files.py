@@ -13,13 +13,6 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-# transformers' module suffix -> llama.cpp's tensor name in block i
-_BLOCK_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-                "post_attention_layernorm": "ffn_norm"}
-
 
 def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute: each head's rows from rotate-half
@@ -68,7 +61,8 @@ def _k_scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
                types: dict[str, str] | None = None, omit: tuple[str, ...] = ()) -> Path:
-    """`model_dir`'s llama model as a GGUF file; its projections stored as
+    """`model_dir`'s model (llama, qwen2 or qwen3) as a GGUF file, its tensors named by
+    the gguf package's own table for the architecture; its projections stored as
     `projection_type` (F32, Q8_0, Q4_0, ...) but those `types` names otherwise
     (llama.cpp's mixes), the rest as F32, and the tensors `omit` names left out (a broken
     file). K-quant projections hold random blocks (RANDOM_BLOCKS), not the model's
@@ -79,20 +73,28 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
     state = load_file(str(model_dir / "model.safetensors"))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    arch = config["model_type"]  # llama.cpp's name too for llama, qwen2 and qwen3
+    names = gguf.get_tensor_name_map(
+        next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
+        config["num_hidden_layers"])
 
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("test llama")
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"test {arch}")
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    if head_dim != config["hidden_size"] // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     rope = config.get("rope_parameters") or {}
     writer.add_rope_freq_base(float(rope.get("rope_theta") or config.get("rope_theta")
                                     or 10000.0))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
 
     vocab = tokenizer["model"]["vocab"]
@@ -111,30 +113,22 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
 
     for name, tensor in state.items():
         tensor = tensor.astype(np.float32)
-        if name == "model.embed_tokens.weight":
-            writer.add_tensor("token_embd.weight", tensor)
-        elif name == "model.norm.weight":
-            writer.add_tensor("output_norm.weight", tensor)
-        elif name == "lm_head.weight":
-            writer.add_tensor("output.weight", tensor)
+        base, _, kind = name.rpartition(".")
+        gguf_name = f"{names.get_name(base)}.{kind}"
+        if gguf_name in omit:
+            continue
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            tensor = _permute(tensor, heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            tensor = _permute(tensor, kv_heads)
+        qtype = gguf.GGMLQuantizationType[(types or {}).get(gguf_name, projection_type)]
+        if name.endswith("_proj.weight") and qtype.name in RANDOM_BLOCKS:
+            writer.add_tensor(gguf_name, random_blocks(gguf_name, tensor.shape, qtype.name),
+                              raw_dtype=qtype)
+        elif name.endswith("_proj.weight") and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, gguf.quantize(tensor, qtype), raw_dtype=qtype)
         else:
-            _, _, layer, module = name.split(".", 3)
-            module, _, kind = module.rpartition(".")
-            gguf_name = f"blk.{layer}.{_BLOCK_NAMES[module]}.{kind}"
-            if module.endswith("q_proj"):
-                tensor = _permute(tensor, heads)
-            elif module.endswith("k_proj"):
-                tensor = _permute(tensor, kv_heads)
-            if gguf_name in omit:
-                continue
-            qtype = gguf.GGMLQuantizationType[(types or {}).get(gguf_name, projection_type)]
-            if module.endswith("_proj") and qtype.name in RANDOM_BLOCKS:
-                writer.add_tensor(gguf_name, random_blocks(gguf_name, tensor.shape, qtype.name),
-                                  raw_dtype=qtype)
-            elif module.endswith("_proj") and qtype != gguf.GGMLQuantizationType.F32:
-                writer.add_tensor(gguf_name, gguf.quantize(tensor, qtype), raw_dtype=qtype)
-            else:
-                writer.add_tensor(gguf_name, tensor)
+            writer.add_tensor(gguf_name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
