@@ -49,10 +49,11 @@ from pagellm.weights.gguf_blocks import BLOCKS, FULL_PRECISION, Codes, as_codes,
 
 logger = logging.getLogger("pagellm")
 
-# llama.cpp's tensor name in block i -> transformers' module in layer i
-_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# A layer's projections (transformers' names) a file may store as blocks: Phi-3's q/k/v
+# and gate/up are one tensor each in the file and the model alike.
+_PROJECTIONS = frozenset({"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                          "self_attn.qkv_proj", "mlp.gate_up_proj"})
 # Modules computed as one (their storage must agree): the q/k/v and gate/up of a layer.
 _FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           ("mlp.gate_proj", "mlp.up_proj"))
@@ -233,7 +234,7 @@ def _is_projection(name: str) -> bool:
     """A layer's attention or MLP projection weight, one a file may store as blocks."""
     parts = name.split(".")
     return (len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[5] == "weight"
-            and ".".join(parts[3:5]) in _PROJECTIONS.values())
+            and ".".join(parts[3:5]) in _PROJECTIONS)
 
 
 class _Projections:

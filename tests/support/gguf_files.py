@@ -110,6 +110,8 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
     if config.get("bos_token_id") is not None:
         writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
+    if config.get("pad_token_id") is not None:
+        writer.add_pad_token_id(config["pad_token_id"])
 
     for name, tensor in state.items():
         tensor = tensor.astype(np.float32)

@@ -255,6 +255,7 @@ def as_cpu_int_kernel(model: Any, full_precision: Collection[str] = ()) -> Any:
             weight, 8, group_size_for(weight.shape[1]))), requires_grad=False)
         head.register_forward_pre_hook(hook)
         for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in PROJECTIONS and name not in full_precision:
+            if name.rsplit(".", 1)[-1] in (*PROJECTIONS, "qkv_proj", "gate_up_proj") \
+                    and name not in full_precision:  # (Phi-3's are fused in the model)
                 module.register_forward_pre_hook(hook)
     return model

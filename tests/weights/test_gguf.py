@@ -82,21 +82,27 @@ def test_a_gguf_file_on_the_cpu_gives_transformers_tokens(projections, llama_dir
         AutoTokenizer.from_pretrained(llama_dir)(PROMPTS[2])["input_ids"]
 
 
-@pytest.mark.parametrize(("arch", "projections"), [("qwen2", "Q8_0"), ("qwen3", "Q4_1")])
-def test_qwen_files_give_transformers_tokens(arch, projections, tmp_path_factory, tmp_path,
-                                            make_llm):
-    """The families most GGUF files on the hub hold beside llama: Qwen2 (q/k/v biases,
-    tied embeddings, rows not permuted) and Qwen3 (q and k norms, a head_dim of its
-    own: 128, as every Qwen3 has and transformers assumes, since its GGUF reader skips
-    qwen3's key_length), their projections kept as codes."""
+@pytest.mark.parametrize(("arch", "projections", "tp"), [
+    ("qwen2", "Q8_0", 1), ("qwen3", "Q4_1", 1), ("phi3", "Q8_0", 1), ("phi3", "Q4_0", 2)])
+def test_other_families_files_give_transformers_tokens(arch, projections, tp,
+                                                      tmp_path_factory, tmp_path, make_llm):
+    """The families most GGUF files on the hub hold beside llama, their projections kept
+    as codes: Qwen2 (q/k/v biases, tied embeddings, rows not permuted), Qwen3 (q and k
+    norms, a head_dim of its own: 128, as every Qwen3 has and transformers assumes,
+    since its GGUF reader skips qwen3's key_length) and Phi-3, whose q/k/v and gate/up
+    are one tensor each in the file and in the model (split by rows between two
+    ranks)."""
     model_dir = make_model(tmp_path_factory.mktemp("gguf-qwen") / arch, ModelSpec(
         arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=128 if arch == "qwen3" else None, intermediate_size=128, vocab_size=1024,
         init_std=0.1, seed=7))
     path = write_gguf(model_dir, tmp_path / f"{arch}.gguf", projections)
-    llm = make_llm(str(path), dtype="float32")
-    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
-    assert len(model.quantized) == 4 * 2
+    llm = make_llm(str(path), dtype="float32", tensor_parallel_size=tp)
+    if tp == 1:
+        model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+        assert len(model.quantized) == 4 * 2
+    assert json.loads((gguf_model_dir(path) / "config.json").read_text())[
+        "quantization_config"]["ignore"] == ["lm_head"]  # every projection kept
     reference = _transformers(path)
     assert reference.config.model_type == arch
     _assert_greedy_equal(llm, as_cpu_int_kernel(reference))

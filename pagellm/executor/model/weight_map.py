@@ -14,9 +14,9 @@ that goes there:
                                    rows load nothing)
     qkv_proj / gate_up_proj     -> (Phi-3's fused checkpoint tensors) the same rows
       (fused_checkpoint)           of ours: whole on one rank; under tensor parallelism
-                                   gate_up as [2, I, H] narrowed on I, qkv in three
-                                   parts (`Destination.parts`): this rank's q, k and v
-                                   heads' rows each, as if the tensor came split
+                                   in parts (`Destination.parts`): gate_up in two, this
+                                   rank's gate rows and its up rows, qkv in three, its
+                                   q, k and v heads' rows, as if the tensor came split
     experts.{e}.gate/up/down    -> expert e's slice of the stacked experts (moe.py),
                                    as `experts.gate_up_proj` [E, 2I, H] and
                                    `experts.down_proj` [E, H, I] (transformers 5's
@@ -233,8 +233,14 @@ def _fused_destination(name: str, param: nn.Parameter, spec: DecoderSpec,
     hidden = param.shape[1]
     if name.endswith("gate_up_proj.weight"):
         full, size = spec.intermediate_size, tp.intermediate_size
-        return Destination(param.view(2, size, hidden), (2 * full, hidden), 1,
-                           tp.rank * size, size, as_shape=(2, full, hidden))
+        shape = (2 * full, hidden)
+        if tp.size == 1:
+            return Destination(param, shape)
+        # Rows, not a [2, I, H] view narrowed on I: a quantized checkpoint's packed
+        # tensor (a GGUF's codes) has rows to narrow but no view.
+        return Destination(param, shape, parts=(
+            Destination(param[:size], shape, 0, tp.rank * size, size),
+            Destination(param[size:], shape, 0, full + tp.rank * size, size)))
     d = spec.head_dim
     full_shape = ((spec.num_heads + 2 * spec.num_kv_heads) * d, hidden)
     if tp.size == 1:
