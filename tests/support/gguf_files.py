@@ -61,7 +61,8 @@ def _k_scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
                types: dict[str, str] | None = None, omit: tuple[str, ...] = ()) -> Path:
-    """`model_dir`'s model (llama, qwen2 or qwen3) as a GGUF file, its tensors named by
+    """`model_dir`'s model (llama, qwen2, qwen3, phi3, gemma2, gemma3) as a GGUF file, as
+    convert_hf_to_gguf.py writes each (Gemma's norms as 1 + w), its tensors named by
     the gguf package's own table for the architecture; its projections stored as
     `projection_type` (F32, Q8_0, Q4_0, ...) but those `types` names otherwise
     (llama.cpp's mixes), the rest as F32, and the tensors `omit` names left out (a broken
@@ -73,7 +74,7 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
     state = load_file(str(model_dir / "model.safetensors"))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    arch = config["model_type"]  # llama.cpp's name too for llama, qwen2 and qwen3
+    arch = {"gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])
     names = gguf.get_tensor_name_map(
         next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
         config["num_hidden_layers"])
@@ -87,9 +88,10 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    if head_dim != config["hidden_size"] // heads:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
     rope = config.get("rope_parameters") or {}
     writer.add_rope_freq_base(float(rope.get("rope_theta") or config.get("rope_theta")
                                     or 10000.0))
@@ -119,6 +121,8 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
         gguf_name = f"{names.get_name(base)}.{kind}"
         if gguf_name in omit:
             continue
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            tensor = tensor + 1  # convert_hf_to_gguf.py's Gemma: llama.cpp's norms scale by w
         if arch == "llama" and name.endswith("q_proj.weight"):
             tensor = _permute(tensor, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):

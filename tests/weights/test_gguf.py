@@ -83,15 +83,16 @@ def test_a_gguf_file_on_the_cpu_gives_transformers_tokens(projections, llama_dir
 
 
 @pytest.mark.parametrize(("arch", "projections", "tp"), [
-    ("qwen2", "Q8_0", 1), ("qwen3", "Q4_1", 1), ("phi3", "Q8_0", 1), ("phi3", "Q4_0", 2)])
+    ("qwen2", "Q8_0", 1), ("qwen3", "Q4_1", 1), ("phi3", "Q8_0", 1), ("phi3", "Q4_0", 2),
+    ("gemma2", "Q8_0", 1), ("gemma3_text", "Q4_1", 1)])
 def test_other_families_files_give_transformers_tokens(arch, projections, tp,
                                                       tmp_path_factory, tmp_path, make_llm):
     """The families most GGUF files on the hub hold beside llama, their projections kept
     as codes: Qwen2 (q/k/v biases, tied embeddings, rows not permuted), Qwen3 (q and k
     norms, a head_dim of its own: 128, as every Qwen3 has and transformers assumes,
-    since its GGUF reader skips qwen3's key_length) and Phi-3, whose q/k/v and gate/up
+    since its GGUF reader skips qwen3's key_length), Phi-3, whose q/k/v and gate/up
     are one tensor each in the file and in the model (split by rows between two
-    ranks)."""
+    ranks), and Gemma 2 and 3 (norms stored as 1 + w, sliding windows, soft caps)."""
     model_dir = make_model(tmp_path_factory.mktemp("gguf-qwen") / arch, ModelSpec(
         arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=128 if arch == "qwen3" else None, intermediate_size=128, vocab_size=1024,
