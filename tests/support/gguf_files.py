@@ -7,6 +7,7 @@ reference."""
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def _k_scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
                types: dict[str, str] | None = None, omit: tuple[str, ...] = ()) -> Path:
-    """`model_dir`'s model (llama, qwen2, qwen3, phi3, gemma2, gemma3) as a GGUF file, as
+    """`model_dir`'s model (llama, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3) as a GGUF file, as
     convert_hf_to_gguf.py writes each (Gemma's norms as 1 + w), its tensors named by
     the gguf package's own table for the architecture; its projections stored as
     `projection_type` (F32, Q8_0, Q4_0, ...) but those `types` names otherwise
@@ -74,7 +75,8 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
     state = load_file(str(model_dir / "model.safetensors"))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    arch = {"gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])
+    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}.get(config["model_type"],
+                                                               config["model_type"])
     names = gguf.get_tensor_name_map(
         next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
         config["num_hidden_layers"])
@@ -115,8 +117,17 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
     if config.get("pad_token_id") is not None:
         writer.add_pad_token_id(config["pad_token_id"])
 
+    if experts := config.get("num_experts") or config.get("num_local_experts"):
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, tensor in state.items():
         tensor = tensor.astype(np.float32)
+        if expert := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight",
+                                  name):  # llama.cpp stacks a layer's experts: [E, N, K]
+            stacks.setdefault((expert[1], expert[3]), {})[int(expert[2])] = tensor
+            continue
         base, _, kind = name.rpartition(".")
         gguf_name = f"{names.get_name(base)}.{kind}"
         if gguf_name in omit:
@@ -135,6 +146,14 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
             writer.add_tensor(gguf_name, gguf.quantize(tensor, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, tensor)
+    for (layer, proj), by_expert in stacks.items():
+        stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
+        gguf_name = f"blk.{layer}.ffn_{proj}_exps.weight"
+        qtype = gguf.GGMLQuantizationType[(types or {}).get(gguf_name, projection_type)]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, stacked)
+        else:
+            writer.add_tensor(gguf_name, gguf.quantize(stacked, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -82,26 +82,37 @@ def test_a_gguf_file_on_the_cpu_gives_transformers_tokens(projections, llama_dir
         AutoTokenizer.from_pretrained(llama_dir)(PROMPTS[2])["input_ids"]
 
 
+# Each family's own fields: Qwen3's head_dim 128 (every Qwen3's; transformers' GGUF
+# reader skips qwen3's key_length and assumes it); Qwen3-MoE's experts 768 wide (as
+# Qwen3-30B-A3B's: the reader skips expert_feed_forward_length too).
+FAMILY_FIELDS: dict[str, dict] = {
+    "qwen3": dict(head_dim=128),
+    "qwen3_moe": dict(head_dim=32, config_extra=dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768,
+        norm_topk_prob=True))}
+
+
 @pytest.mark.parametrize(("arch", "projections", "tp"), [
     ("qwen2", "Q8_0", 1), ("qwen3", "Q4_1", 1), ("phi3", "Q8_0", 1), ("phi3", "Q4_0", 2),
-    ("gemma2", "Q8_0", 1), ("gemma3_text", "Q4_1", 1)])
+    ("gemma2", "Q8_0", 1), ("gemma3_text", "Q4_1", 1), ("qwen3_moe", "Q8_0", 1)])
 def test_other_families_files_give_transformers_tokens(arch, projections, tp,
                                                       tmp_path_factory, tmp_path, make_llm):
     """The families most GGUF files on the hub hold beside llama, their projections kept
     as codes: Qwen2 (q/k/v biases, tied embeddings, rows not permuted), Qwen3 (q and k
-    norms, a head_dim of its own: 128, as every Qwen3 has and transformers assumes,
-    since its GGUF reader skips qwen3's key_length), Phi-3, whose q/k/v and gate/up
-    are one tensor each in the file and in the model (split by rows between two
-    ranks), and Gemma 2 and 3 (norms stored as 1 + w, sliding windows, soft caps)."""
-    model_dir = make_model(tmp_path_factory.mktemp("gguf-qwen") / arch, ModelSpec(
+    norms, a head_dim of its own), Phi-3, whose q/k/v and gate/up are one tensor each
+    in the file and in the model (split by rows between two ranks), Gemma 2 and 3
+    (norms stored as 1 + w, sliding windows, soft caps), and Qwen3-MoE, whose experts
+    llama.cpp stacks and transformers' reader assembles across tensors (gate and up
+    into one; dequantized: only the attention's projections stay codes)."""
+    model_dir = make_model(tmp_path_factory.mktemp("gguf-family") / arch, ModelSpec(
         arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-        head_dim=128 if arch == "qwen3" else None, intermediate_size=128, vocab_size=1024,
-        init_std=0.1, seed=7))
+        intermediate_size=128, vocab_size=1024, init_std=0.1, seed=7,
+        **FAMILY_FIELDS.get(arch, {})))
     path = write_gguf(model_dir, tmp_path / f"{arch}.gguf", projections)
     llm = make_llm(str(path), dtype="float32", tensor_parallel_size=tp)
     if tp == 1:
         model = llm.llm_engine.model_executor.driver_worker.model_runner.model
-        assert len(model.quantized) == 4 * 2
+        assert len(model.quantized) == (2 if arch == "qwen3_moe" else 4) * 2
     assert json.loads((gguf_model_dir(path) / "config.json").read_text())[
         "quantization_config"]["ignore"] == ["lm_head"]  # every projection kept
     reference = _transformers(path)
