@@ -11,7 +11,13 @@ Q4_1 as 4-bit codes in groups of 32).
     python benchmarks/cpu_quantized.py [--model DIR_OR_GGUF] [--rounds 2]
     python benchmarks/cpu_quantized.py --llama-cpp   # and llama.cpp beside it (below)
     python benchmarks/cpu_quantized.py --model benchmarks/configs/qwen2.5-0.5b --load-format dummy
+    python benchmarks/cpu_quantized.py --gguf-shape benchmarks/configs/qwen2.5-0.5b --llama-cpp
     python benchmarks/cpu_quantized.py --smoke   # the demo model, a few tokens (tests)
+
+--gguf-shape DIR writes a GGUF file of DIR's config.json with random weights (N(0,
+0.02), norms 1; projections Q8_0, the rest F32) and the demo tokenizer padded to the
+config's vocabulary, and runs it as --model: a real model's size for llama.cpp and
+pagellm alike (`--load-format dummy` has no file llama.cpp could read).
 
 --llama-cpp (`pip install llama-cpp-python`, which builds llama.cpp: minutes) adds
 llama.cpp's batch-1 decode of the same GGUF file re-quantized by llama.cpp's own
@@ -216,6 +222,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--llama-cpp", action="store_true",
                         help="llama.cpp's batch-1 decode and offline throughput beside "
                              "(needs a GGUF model)")
+    parser.add_argument("--gguf-shape", type=Path, default=None,
+                        help="a directory with a config.json: a random-weight GGUF of its "
+                             "shape as --model (below)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: random weights of --model's config (a shape such as "
                              "benchmarks/configs/qwen2.5-0.5b; no llama.cpp peer)")
@@ -229,8 +238,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from quant_quality import default_gguf, report
 
     decode_tokens, requests = (8, 4) if args.smoke else (128, 48)
+    shaped = None
     if args.smoke:
         model = "demo"
+    elif args.gguf_shape:
+        import tempfile
+
+        shaped = Path(tempfile.mkdtemp(prefix="gguf-shape-"))
+        model = str(shaped_gguf(args.gguf_shape, shaped))
     elif args.model:
         model = args.model
     else:
@@ -275,7 +290,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            for name, b in best.items()}}
     if peers:
         shutil.rmtree(peers["llama.cpp F32"].parent, ignore_errors=True)
+    if shaped is not None:
+        shutil.rmtree(shaped, ignore_errors=True)
     return report(results, args.out)
+
+
+def shaped_gguf(shape: Path, out: Path) -> Path:
+    """A GGUF file in `out` of the config in `shape` (--gguf-shape), written by the
+    tests' writer (tests/support/gguf_files.py, as convert_hf_to_gguf.py lays a file
+    out)."""
+    import sys
+
+    import numpy as np
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagellm.demo.model import ModelSpec, make_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
+    from gguf_files import write_gguf
+
+    model_dir = out / "model"
+    model_dir.mkdir(parents=True)
+    shutil.copy(shape / "config.json", model_dir)
+    shutil.copy(make_model(out / "demo", ModelSpec()) / "tokenizer.json", model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        shapes = {n: tuple(t.shape) for n, t in
+                  AutoModelForCausalLM.from_config(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    rng = np.random.default_rng(0)
+    state = {n: np.ones(s, np.float32) if n.endswith("norm.weight")
+             else rng.standard_normal(s, np.float32) * np.float32(0.02)
+             for n, s in shapes.items()}
+    params = sum(map(np.size, state.values()))
+    print(f"writing a random-weight GGUF of {shape} ({params / 1e6:.0f}M parameters, "
+          f"vocabulary {config.vocab_size})", flush=True)
+    return write_gguf(model_dir, out / f"{shape.name}.gguf", "Q8_0", state=state)
 
 
 if __name__ == "__main__":

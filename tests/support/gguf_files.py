@@ -61,19 +61,22 @@ def _k_scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 
 def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
-               types: dict[str, str] | None = None, omit: tuple[str, ...] = ()) -> Path:
+               types: dict[str, str] | None = None, omit: tuple[str, ...] = (),
+               state: dict[str, np.ndarray] | None = None) -> Path:
     """`model_dir`'s model (llama, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3) as a GGUF file, as
     convert_hf_to_gguf.py writes each (Gemma's norms as 1 + w), its tensors named by
     the gguf package's own table for the architecture; its projections stored as
     `projection_type` (F32, Q8_0, Q4_0, ...) but those `types` names otherwise
     (llama.cpp's mixes), the rest as F32, and the tensors `omit` names left out (a broken
     file). K-quant projections hold random blocks (RANDOM_BLOCKS), not the model's
-    weights."""
+    weights. `state`: the weights, if not model_dir's model.safetensors; a vocabulary
+    larger than the tokenizer's is padded with unused tokens."""
     import gguf
 
     config = json.loads((model_dir / "config.json").read_text())
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
-    state = load_file(str(model_dir / "model.safetensors"))
+    if state is None:
+        state = load_file(str(model_dir / "model.safetensors"))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}.get(config["model_type"],
                                                                config["model_type"])
@@ -103,6 +106,7 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
 
     vocab = tokenizer["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
+    tokens += [f"<unused{i}>" for i in range(len(tokens), config["vocab_size"])]
     special = {t["content"] for t in tokenizer.get("added_tokens", [])}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
