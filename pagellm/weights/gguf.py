@@ -147,13 +147,31 @@ def convert(path: Path, out: Path, dequantized: bool = False) -> None:
         reader = GGUFReader(str(path))
     except (ValueError, KeyError, OSError, RuntimeError) as e:
         raise ValueError(f"cannot read the GGUF file {path}: {e}") from e
-    tied = getattr(config, "tie_word_embeddings", False)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        quantization = _write_weights(reader, config, out, dequantized)
+    except ValueError as e:
+        raise ValueError(f"cannot read the GGUF file {path}: {e}") from e
+    config.dtype = "float32"
+    config.save_pretrained(out)
+    if quantization is not None:
+        saved = json.loads((out / "config.json").read_text())
+        saved["quantization_config"] = quantization
+        (out / "config.json").write_text(json.dumps(saved, indent=2))
+    tokenizer.save_pretrained(out)
+
+
+def _write_weights(reader: Any, config: Any, out: Path, dequantized: bool
+                   ) -> dict[str, Any] | None:
+    """The file's tensors into safetensors shards at `out`, the projections as codes
+    (none if `dequantized`); the config's quantization_config for them (None: no codes).
+    ValueError naming a weight the model expects and the file lacks."""
+    tied = getattr(config, "tie_word_embeddings", False)
     shards = _Shards(out)
     projections = _Projections(config)
-    names, expected = _file_tensors(reader, config)
+    tensors, expected = _file_tensors(reader, config)
     seen = set()
-    for name, weight, tensor in names:
+    for name, weight, tensor in tensors:
         if tied and name == "lm_head.weight":
             continue
         seen.add(name)
@@ -166,18 +184,11 @@ def convert(path: Path, out: Path, dequantized: bool = False) -> None:
         shards.add(*written)
     missing = sorted(expected - seen - ({"lm_head.weight"} if tied else set()))
     if missing:
-        raise ValueError(f"cannot read the GGUF file {path}: it has no tensor for "
-                         f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+        raise ValueError(f"it has no tensor for {', '.join(missing[:4])}"
+                         f"{' ...' if len(missing) > 4 else ''}")
     shards.close()
-    config.dtype = "float32"
-    config.save_pretrained(out)
-    quantization = projections.quantization(
+    return projections.quantization(
         sorted(n.removesuffix(".weight") for n in shards.names if n.endswith("_proj.weight")))
-    if quantization is not None:
-        saved = json.loads((out / "config.json").read_text())
-        saved["quantization_config"] = quantization
-        (out / "config.json").write_text(json.dumps(saved, indent=2))
-    tokenizer.save_pretrained(out)
 
 
 def _file_tensors(reader: Any, config: Any) -> tuple[Iterator[tuple[str, Any, Any]],
@@ -201,7 +212,7 @@ def _file_tensors(reader: Any, config: Any) -> tuple[Iterator[tuple[str, Any, An
     architecture = read_field(reader, "general.architecture")[0]
     arch = next((a for a, name in MODEL_ARCH_NAMES.items() if name == architecture), None)
     if arch is None:
-        raise ValueError(f"the gguf package does not know the architecture {architecture!r}")
+        raise ValueError(f"the gguf package does not know its architecture {architecture!r}")
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     with torch.device("meta"):
         expected = list(AutoModelForCausalLM.from_config(config).state_dict())

@@ -437,3 +437,29 @@ def test_gguf_convert_smoke_converts_each_type_in_its_own_process(tmp_path):
         assert Path(row["pagellm"]) == Path(pagellm.__file__)
     assert list(results) == ["Q4_1"] and 0 < results["Q4_1"]["file_gb"] < params * 4 / 2**30
     assert not (tmp_path / "cache").exists()
+
+
+def test_cpu_quantized_gguf_shape_writes_a_file_of_the_configs_shape(tmp_path):
+    """--gguf-shape's file: the config's shape and vocabulary (the demo tokenizer padded
+    with unused tokens), projections Q8_0, readable by transformers as a Qwen2 model
+    whose weights are the file's."""
+    pytest.importorskip("gguf")
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    config = json.loads((BENCHMARKS / "configs" / "qwen2.5-0.5b" / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=3000,
+                  bos_token_id=2, eos_token_id=2)
+    (shape / "config.json").write_text(json.dumps(config))
+    path = cpu_quantized.shaped_gguf(shape, tmp_path / "out")
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+    assert types["blk.1.ffn_down.weight"] == "Q8_0" and types["token_embd.weight"] == "F32"
+    assert "output.weight" not in types  # tied, as Qwen2.5-0.5B
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    assert model.config.model_type == "qwen2"
+    assert model.get_input_embeddings().weight.shape == (3000, 64)
+    assert model.model.layers[1].mlp.gate_proj.weight.shape == (96, 64)
+    assert len(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)) == 3000
