@@ -1,5 +1,5 @@
 """A llama.cpp GGUF file written from a test model, as llama.cpp's convert_hf_to_gguf.py
-writes one (its metadata keys, tensor names, the rows of q and k permuted for its RoPE
+writes one (its metadata keys, tensor names, llama's q and k rows permuted for its RoPE
 layout, the tokenizer as "gpt2" tokens and merges), with the gguf package's own writer
 and quantizers. transformers reads such a file itself (`gguf_file=`): the tests'
 reference."""
@@ -63,9 +63,10 @@ def _k_scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
 def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
                types: dict[str, str] | None = None, omit: tuple[str, ...] = (),
                state: dict[str, np.ndarray] | None = None) -> Path:
-    """`model_dir`'s model (llama, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3) as a GGUF file, as
-    convert_hf_to_gguf.py writes each (Gemma's norms as 1 + w), its tensors named by
-    the gguf package's own table for the architecture; its projections stored as
+    """`model_dir`'s model (llama, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3) as a
+    GGUF file, as convert_hf_to_gguf.py writes each (Gemma's norms as 1 + w, a layer's
+    experts stacked), its tensors named by the gguf package's own table for the
+    architecture; its projections stored as
     `projection_type` (F32, Q8_0, Q4_0, ...) but those `types` names otherwise
     (llama.cpp's mixes), the rest as F32, and the tensors `omit` names left out (a broken
     file). K-quant projections hold random blocks (RANDOM_BLOCKS), not the model's
