@@ -65,6 +65,11 @@ TRANSFORMERS_FLOOR = (5, 18)
 # The converted directory's layout, part of its cache key: 2 keeps quantized projections
 # as the "gguf" quantization method (1 kept Q8_0 / Q4_0 as compressed-tensors).
 FORMAT = 2
+# What llama.cpp derives from a file's shape and transformers' GGUF reader leaves at its
+# default: Gemma 2 and 3 at 27B (46 and 62 layers) scale queries by 1 / sqrt(hidden /
+# heads), 144 and 168, not by 1 / sqrt(head_dim) (llama.cpp's hparams, after
+# gemma_pytorch's configs; the file has no field for it).
+_QUERY_SCALE_BY_WIDTH = {"gemma2": 46, "gemma3_text": 62}
 # The size a converted directory's safetensors files grow to before the next begins.
 SHARD_BYTES = 256 << 20
 
@@ -147,6 +152,8 @@ def convert(path: Path, out: Path, dequantized: bool = False) -> None:
         reader = GGUFReader(str(path))
     except (ValueError, KeyError, OSError, RuntimeError) as e:
         raise ValueError(f"cannot read the GGUF file {path}: {e}") from e
+    if _QUERY_SCALE_BY_WIDTH.get(config.model_type) == config.num_hidden_layers:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
     out.mkdir(parents=True, exist_ok=True)
     try:
         quantization = _write_weights(reader, config, out, dequantized)

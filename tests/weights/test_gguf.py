@@ -218,6 +218,29 @@ def test_k_quant_files_keep_codes_and_give_transformers_tokens(
     _assert_greedy_equal(llm, as_cpu_int_kernel(reference))
 
 
+@pytest.mark.parametrize(("arch", "layers"), [("gemma2", 46), ("gemma3_text", 62)])
+def test_a_27b_gemma_file_scales_queries_as_llama_cpp(arch, layers, tmp_path_factory,
+                                                     tmp_path, make_llm):
+    """A Gemma 2 or 3 of 27B's depth scales its queries by 1 / sqrt(hidden / heads)
+    (query_pre_attn_scalar 144 / 168 in its config), which its GGUF file cannot say and
+    llama.cpp derives from the depth; transformers' reader leaves 256. The reference is
+    transformers on the model's own directory, not on the file."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = make_model(tmp_path_factory.mktemp("gguf-27b") / arch, ModelSpec(
+        arch=arch, hidden_size=32, num_layers=layers, num_heads=4, num_kv_heads=2,
+        head_dim=16, intermediate_size=32, vocab_size=1024, init_std=0.3, seed=9,
+        config_extra=dict(query_pre_attn_scalar=8)))
+    path = write_gguf(model_dir, tmp_path / f"{arch}.gguf")
+    read = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    assert read.query_pre_attn_scalar == 256  # what transformers' reader makes of it
+    config = json.loads((gguf_model_dir(path) / "config.json").read_text())
+    assert (config["query_pre_attn_scalar"], config["head_dim"]) == (8, 16)
+    llm = make_llm(str(path), dtype="float32", max_model_len=128)
+    _assert_greedy_equal(llm, AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32).eval())
+
+
 def test_a_file_converts_a_shard_at_a_time(llama_dir, tmp_path, cache, make_llm,
                                           monkeypatch):
     """The conversion writes as it reads, its memory one shard of the output whatever the
