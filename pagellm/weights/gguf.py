@@ -195,7 +195,7 @@ def _write_weights(reader: Any, config: Any, out: Path, dequantized: bool
                          f"{' ...' if len(missing) > 4 else ''}")
     shards.close()
     return projections.quantization(
-        sorted(n.removesuffix(".weight") for n in shards.names if n.endswith("_proj.weight")))
+        sorted(n.removesuffix(".weight") for n in shards.where if n.endswith("_proj.weight")))
 
 
 def _file_tensors(reader: Any, config: Any) -> tuple[Iterator[tuple[str, Any, Any]],
@@ -339,8 +339,7 @@ class _Shards:
         self.buffer: dict[str, Any] = {}
         self.bytes = 0
         self.files: list[Path] = []
-        self.where: dict[str, int] = {}  # tensor name -> its file's index
-        self.names: list[str] = []
+        self.where: dict[str, int] = {}  # tensor name -> its file's index (once written)
 
     def add(self, name: str, tensor: Any) -> None:
         import torch
@@ -349,7 +348,6 @@ class _Shards:
             writable = tensor.flags.writeable and tensor.flags.c_contiguous
             tensor = torch.from_numpy(tensor if writable else np.array(tensor))
         self.buffer[name] = tensor.contiguous()
-        self.names.append(name)
         self.bytes += tensor.numel() * tensor.element_size()
         if self.bytes >= SHARD_BYTES:
             self._flush()
