@@ -12,6 +12,8 @@ Q4_1 as 4-bit codes in groups of 32).
     python benchmarks/cpu_quantized.py --llama-cpp   # and llama.cpp beside it (below)
     python benchmarks/cpu_quantized.py --model benchmarks/configs/qwen2.5-0.5b --load-format dummy
     python benchmarks/cpu_quantized.py --gguf-shape benchmarks/configs/qwen2.5-0.5b --llama-cpp
+    python benchmarks/cpu_quantized.py --gguf-shape benchmarks/configs/qwen3-30b-a3b-2layers \
+        --llama-cpp --variants int8 gguf --requests 8   # a MoE's experts as codes
     python benchmarks/cpu_quantized.py --smoke   # the demo model, a few tokens (tests)
 
 --gguf-shape DIR writes a GGUF file of DIR's config.json with random weights (N(0,
@@ -233,11 +235,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "keys and values by default)")
     parser.add_argument("--unfused", action="store_true",
                         help="fp32/int8/int4 with decode steps through torch ops beside")
+    parser.add_argument("--variants", nargs="+", choices=[*VARIANTS, "gguf"],
+                        help="run only these of pagellm's variants (default: all; fp32, "
+                             "the ratios' base, always runs)")
+    parser.add_argument("--requests", type=int, default=48,
+                        help="the offline run's requests (a large MoE's take minutes)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     from quant_quality import default_gguf, report
 
-    decode_tokens, requests = (8, 4) if args.smoke else (128, 48)
+    decode_tokens, requests = (8, 4) if args.smoke else (128, args.requests)
     shaped = None
     if args.smoke:
         model = "demo"
@@ -264,6 +271,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         models = dict.fromkeys(variants, str(gguf_model_dir(Path(model), dequantized=True)))
         variants["gguf"], models["gguf"] = {**VARIANTS["fp32"],
                                             "kv_cache_dtype": args.kv_cache_dtype}, model
+    if args.variants:
+        variants = {name: v for name, v in variants.items()
+                    if name in args.variants or name == "fp32"}
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     peers: dict[str, Path] = {}
     if args.llama_cpp:
@@ -321,9 +331,23 @@ def shaped_gguf(shape: Path, out: Path) -> Path:
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     rng = np.random.default_rng(0)
-    state = {n: np.ones(s, np.float32) if n.endswith("norm.weight")
-             else rng.standard_normal(s, np.float32) * np.float32(0.02)
-             for n, s in shapes.items()}
+
+    def weight(shape: tuple[int, ...]) -> Any:
+        return rng.standard_normal(shape, np.float32) * np.float32(0.02)
+
+    state = {}
+    for name, shape in shapes.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            # transformers stacks a layer's experts [E, N, K]; a checkpoint (what the
+            # writer reads) has a tensor per expert and projection
+            prefix, _, stacked = name.rpartition(".")
+            projs = ("gate_proj", "up_proj") if stacked == "gate_up_proj" else ("down_proj",)
+            rows = shape[1] // len(projs)
+            state.update({f"{prefix}.{e}.{proj}.weight": weight((rows, shape[2]))
+                          for e in range(shape[0]) for proj in projs})
+        else:
+            state[name] = np.ones(shape, np.float32) if name.endswith("norm.weight") \
+                else weight(shape)
     params = sum(map(np.size, state.values()))
     print(f"writing a random-weight GGUF of {shape} ({params / 1e6:.0f}M parameters, "
           f"vocabulary {config.vocab_size})", flush=True)

@@ -113,6 +113,18 @@ def pack(weight: PackedWeight) -> CpuIntWeight:
                         weight.out_features)
 
 
+def concatenated(weights: list[CpuIntWeight]) -> CpuIntWeight:
+    """Weights of one bits, group size and K, each of whole tiles (rows a multiple of
+    16), as one whose rows are theirs in turn (stacked MoE experts)."""
+    first = weights[0]
+    assert all(w.out_features % TILE == 0 and w.shape[1] == first.shape[1]
+               and (w.bits, w.group_size) == (first.bits, first.group_size) for w in weights)
+    return CpuIntWeight(torch.cat([w.codes for w in weights]),
+                        torch.cat([w.scales for w in weights]),
+                        torch.cat([w.zeros for w in weights]),
+                        first.bits, first.group_size, sum(w.out_features for w in weights))
+
+
 def dequantize(weight: CpuIntWeight) -> torch.Tensor:
     """The exact weight [N, K] fp32 the packed form stands for."""
     n, k = weight.shape

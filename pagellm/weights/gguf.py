@@ -27,7 +27,12 @@ Codes are 4 bits for the 4-bit types and 8 for the rest (the kernels' two widths
 parts of a fused projection (q/k/v, gate/up) take the widest of theirs (4-bit codes fit
 8 bits exactly), and a projection is dequantized (fp32) with its fused neighbours when
 one of them is stored unquantized (F32, F16, BF16). The CPU's int kernel and the Triton
-kernels then compute with the file's own weights.
+kernels then compute with the file's own weights. A MoE layer's experts, one stacked
+tensor per projection in the file, are written an expert at a time under the
+checkpoint's per-expert names (model.layers.N.mlp.experts.E.gate_proj, ...), as codes
+the same way: the CPU keeps them packed (moe.ExpertCodes), CUDA loads them dequantized
+(its fused MoE kernel takes no integers yet); stored unquantized, they are written as
+transformers stacks them, and the quantization_config ignores them.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,17 +61,25 @@ logger = logging.getLogger("pagellm")
 _PROJECTIONS = frozenset({"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                           "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
                           "self_attn.qkv_proj", "mlp.gate_up_proj"})
-# Modules computed as one (their storage must agree): the q/k/v and gate/up of a layer.
-_FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          ("mlp.gate_proj", "mlp.up_proj"))
+# An expert's projection, as transformers names a checkpoint's (qwen3_moe's)
+_EXPERT_PROJECTION = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.\d+\.(gate|up|down)_proj"
+                                r"\.weight")
+# llama.cpp's stacked experts [E, N, K] in a file, and transformers' in a model [E, N, K]
+_FILE_EXPERTS = re.compile(r"(blk\.(\d+)\.ffn_(gate|up|down)_exps)\.weight")
+_MODEL_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.(gate_up|down)_proj")
+# Modules computed as one (their storage must agree): a layer's (or an expert's) q/k/v
+# and gate/up.
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _PERMUTED = ("llama", "mistral")  # families whose q and k rows llama.cpp permutes
 # The oldest transformers whose GGUF reader this was tested with: 5.0-5.17 fail on a
 # file with an EOS and no BOS token id (as llama.cpp writes Qwen's), and 5.0 adds a BOS
 # the file says not to add.
 TRANSFORMERS_FLOOR = (5, 18)
-# The converted directory's layout, part of its cache key: 2 keeps quantized projections
-# as the "gguf" quantization method (1 kept Q8_0 / Q4_0 as compressed-tensors).
-FORMAT = 2
+# The converted directory's layout, part of its cache key: 3 writes quantized MoE experts
+# as codes an expert at a time (2 wrote them stacked in fp32, which the CPU's path would
+# now requantize), 2 keeps quantized projections as the "gguf" quantization method (1
+# kept Q8_0 / Q4_0 as compressed-tensors).
+FORMAT = 3
 # What llama.cpp derives from a file's shape and transformers' GGUF reader leaves at its
 # default: Gemma 2 and 3 at 27B (46 and 62 layers) scale queries by 1 / sqrt(hidden /
 # heads), 144 and 168, not by 1 / sqrt(head_dim) (llama.cpp's hparams, after
@@ -176,12 +191,14 @@ def _write_weights(reader: Any, config: Any, out: Path, dequantized: bool
     tied = getattr(config, "tie_word_embeddings", False)
     shards = _Shards(out)
     projections = _Projections(config)
-    tensors, expected = _file_tensors(reader, config)
+    tensors, expected = _file_tensors(reader, config, expert_codes=not dequantized)
     seen = set()
     for name, weight, tensor in tensors:
         if tied and name == "lm_head.weight":
             continue
-        seen.add(name)
+        expert = _EXPERT_PROJECTION.fullmatch(name)  # the model's name: its experts stacked
+        seen.add(name if expert is None else
+                 f"{expert[1]}.experts.{'down' if expert[2] == 'down' else 'gate_up'}_proj")
         if dequantized or tensor is None or not _is_projection(name):
             shards.add(name, weight)
         else:
@@ -194,19 +211,26 @@ def _write_weights(reader: Any, config: Any, out: Path, dequantized: bool
         raise ValueError(f"it has no tensor for {', '.join(missing[:4])}"
                          f"{' ...' if len(missing) > 4 else ''}")
     shards.close()
-    return projections.quantization(
-        sorted(n.removesuffix(".weight") for n in shards.where if n.endswith("_proj.weight")))
+    ignore = sorted(n.removesuffix(".weight") for n in shards.where if n.endswith("_proj.weight"))
+    for name in shards.where:  # experts written stacked: every expert's modules
+        if stacked := _MODEL_EXPERTS.fullmatch(name):
+            parts = "(gate|up)" if stacked[2] == "gate_up" else "down"
+            ignore.append(f"re:{re.escape(stacked[1])}\\.experts\\.\\d+\\.{parts}_proj$")
+    return projections.quantization(ignore)
 
 
-def _file_tensors(reader: Any, config: Any) -> tuple[Iterator[tuple[str, Any, Any]],
-                                                     set[str]]:
+def _file_tensors(reader: Any, config: Any, expert_codes: bool
+                  ) -> tuple[Iterator[tuple[str, Any, Any]], set[str]]:
     """The file's tensors as transformers loads them, one at a time: each (its name in
     transformers' model, its fp32 weight [numpy], the file's tensor, None for a tensor
     a TensorProcessor assembled from several), transformers' own per-architecture steps
     (its GGUF loader's TensorProcessor: llama's q/k rows unpermuted, Gemma's norms less
     1, MoE experts stacked) on the gguf package's dequantized tensor; and the names the
     model expects. transformers' loader does the same over the whole file at once, and
-    every family pagellm serves goes through it (its newer GGUF path covers none)."""
+    every family pagellm serves goes through it (its newer GGUF path covers none).
+    `expert_codes`: stacked experts stored as blocks come an expert at a time instead,
+    each under the checkpoint's per-expert name with its slice of the file's tensor
+    (what transformers' processor stacks, unstacked: the same values)."""
     import torch
     from gguf import MODEL_ARCH_NAMES, dequantize, get_tensor_name_map
     from transformers import AutoModelForCausalLM
@@ -237,6 +261,15 @@ def _file_tensors(reader: Any, config: Any) -> tuple[Iterator[tuple[str, Any, An
     def tensors() -> Iterator[tuple[str, Any, Any]]:
         assembled: dict[str, Any] = {"tensors": {}}  # what a processor stacks (experts)
         for tensor in reader.tensors:
+            experts = _FILE_EXPERTS.fullmatch(tensor.name)
+            if (expert_codes and experts is not None and experts[1] in to_model
+                    and tensor.tensor_type.name not in FULL_PRECISION):
+                stacked = dequantize(tensor.data, tensor.tensor_type)  # [E, N, K]
+                for e, weight in enumerate(stacked):
+                    yield (f"model.layers.{experts[2]}.mlp.experts.{e}.{experts[3]}_proj.weight",
+                           np.asarray(weight, np.float32),
+                           _Slice(f"{tensor.name}[{e}]", tensor.tensor_type, tensor.data[e]))
+                continue
             result = processor.process(
                 weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
                 tensor_key_mapping=to_model, parsed_parameters=assembled)
@@ -249,10 +282,21 @@ def _file_tensors(reader: Any, config: Any) -> tuple[Iterator[tuple[str, Any, An
 
 
 def _is_projection(name: str) -> bool:
-    """A layer's attention or MLP projection weight, one a file may store as blocks."""
+    """A layer's attention or MLP projection weight, or an expert's, one a file may store
+    as blocks."""
     parts = name.split(".")
     return (len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[5] == "weight"
-            and ".".join(parts[3:5]) in _PROJECTIONS)
+            and ".".join(parts[3:5]) in _PROJECTIONS) or bool(_EXPERT_PROJECTION.fullmatch(name))
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """One expert's part of a file's stacked experts tensor, as _Projections reads a
+    tensor: its name (for messages), type and blocks [N, bytes of a row's blocks]."""
+
+    name: str
+    tensor_type: Any
+    data: Any
 
 
 class _Projections:
@@ -385,10 +429,10 @@ def _unpermute(rows: Any, heads: int) -> Any:
 
 
 def _fused_with(module: str) -> list[str]:
-    """The modules computed as one projection with `module` (itself included)."""
-    layer, _, name = module.rpartition(".")
-    layer, _, kind = layer.rpartition(".")
+    """The modules computed as one projection with `module` (itself included): its
+    siblings in one of _FUSED."""
+    parent, _, name = module.rpartition(".")
     for group in _FUSED:
-        if f"{kind}.{name}" in group:
-            return [f"{layer}.{m}" for m in group]
+        if name in group:
+            return [f"{parent}.{m}" for m in group]
     return [module]

@@ -17,9 +17,10 @@ import pytest
 import torch
 from conftest import PROMPTS, runs_triton_kernels
 from peft_adapters import argmax_along
-from quantized_checkpoints import as_cpu_int_kernel
+from quantized_checkpoints import as_cpu_int_kernel, with_cpu_int_experts
 
 from pagellm import SamplingParams
+from pagellm.demo.model import ModelSpec, make_model
 from pagellm.executor.model.quantize import QUANTIZATIONS, group_size_for
 from pagellm.kernels import cpu_int_gemm, fp8, quant
 
@@ -228,6 +229,62 @@ def test_the_cpus_own_int8_and_int4_equal_transformers(quantization, model_dirs,
         ours = out.outputs[0].token_ids
         assert argmax_along(reference, out.prompt_token_ids, ours) == ours
     assert_int8_head(model, reference)  # the new head, quantized again
+
+
+# top-2 of 8 experts, renormalised, layer 1 dense; experts of I = 32: down_proj's groups
+# are 32 wide, gate_up's 64 (the hidden size)
+MOE = ModelSpec(arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=1,
+                head_dim=32, vocab_size=1024, tie_word_embeddings=False,
+                intermediate_size=96, init_std=0.3, seed=11, config_extra=dict(
+                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                    norm_topk_prob=True, mlp_only_layers=[1]))
+
+
+def test_the_cpus_int4_packs_moe_experts_and_takes_their_updates(make_llm, tmp_path):
+    """On the CPU's path the experts are packed too (moe.ExpertCodes: in a MoE model
+    they are nearly all the bytes): the tokens are transformers' with every expert's
+    weights quantized the same way and their inputs per token and block of 32. A
+    trainer's update by transformers 5's stacked names is requantized as it lands;
+    after sleep level 2 the checkpoint's own per-expert tensors bring the first model
+    back."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pagellm.executor.model.moe import ExpertCodes
+
+    model_dir = make_model(tmp_path / "moe", MOE)
+
+    def reference(model):
+        return with_cpu_int_experts(fake_quantize(model, "cpu_int4"), 4)
+
+    def assert_tokens(llm, model, prompts) -> list[list[int]]:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        for out in outputs:
+            ours = out.outputs[0].token_ids
+            assert argmax_along(model, out.prompt_token_ids, ours) == ours
+        return [o.outputs[0].token_ids for o in outputs]
+
+    llm = make_llm(model_dir, quantization="int4", dtype="float32", enable_sleep_mode=True)
+    experts = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers[
+        0].mlp.experts
+    for codes, placeholder in ((experts.gate_up_codes, experts.gate_up_proj),
+                               (experts.down_codes, experts.down_proj)):
+        assert isinstance(codes, ExpertCodes) and codes.quant.bits == 4
+        assert placeholder.is_meta and codes.quant.shape == (
+            placeholder.shape[0] * placeholder.shape[1], placeholder.shape[2])
+    first = assert_tokens(llm, reference(AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32).eval()), PROMPTS[:4])
+    trained, state = perturbed(model_dir, seed=13)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state  # stacked [E, 2I, H]
+    llm.update_weights(list(state.items()))
+    assert assert_tokens(llm, reference(trained), PROMPTS[:4]) != first
+    llm.sleep(level=2)
+    llm.wake_up()
+    checkpoint = load_file(model_dir / "model.safetensors")
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in checkpoint  # per expert
+    llm.update_weights(list(checkpoint.items()))
+    assert [o.outputs[0].token_ids for o in llm.generate(
+        PROMPTS[:4], GREEDY, use_tqdm=False)] == first
 
 
 def assert_int8_head(model, reference) -> None:

@@ -13,9 +13,16 @@ import pytest
 import torch
 from conftest import PROMPTS, runs_triton_kernels
 from peft_adapters import argmax_along
-from quantized_checkpoints import as_cpu_int_kernel, write_fp8_checkpoint, write_int_checkpoint
+from quantized_checkpoints import (
+    as_cpu_int_kernel,
+    with_cpu_int_experts,
+    write_fp8_checkpoint,
+    write_int_checkpoint,
+)
+from safetensors.torch import load_file
 
 from pagellm import SamplingParams
+from pagellm.demo.model import ModelSpec, make_model
 from pagellm.executor.model.linear import INT_WEIGHTS
 from pagellm.kernels import cpu_int_gemm, fp8
 from pagellm.kernels.quant import PackedWeight
@@ -179,6 +186,59 @@ def test_two_ranks_load_their_slices_of_a_packed_checkpoint(model_dirs, make_llm
     llm = make_llm(str(directory), dtype="float32", attention_backend="triton",
                    tensor_parallel_size=2)
     _assert_greedy_equal(llm, _transformers(model_dirs["llama"], reference))
+
+
+def _stacked(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's per-expert weights (model.layers.N.mlp.experts.E.gate_proj.weight,
+    ...) as transformers 5's model holds them: gate_up_proj [E, 2I, H], down_proj
+    [E, H, I] per layer."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in reference.items():
+        if ".experts." not in name:
+            out[name] = tensor
+            continue
+        layer, rest = name.split(".experts.")
+        expert, proj, _ = rest.split(".")
+        experts.setdefault((layer, proj), {})[int(expert)] = tensor
+    for (layer, proj), by_expert in experts.items():
+        if proj == "down_proj":
+            out[f"{layer}.experts.down_proj"] = torch.stack(
+                [by_expert[e] for e in sorted(by_expert)])
+        elif proj == "gate_proj":
+            up = experts[(layer, "up_proj")]
+            out[f"{layer}.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([by_expert[e], up[e]]) for e in sorted(by_expert)])
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_moe_checkpoints_experts_stay_packed_on_the_cpu(tp, make_llm, tmp_path):
+    """A GPTQ Qwen3-MoE checkpoint (every expert's projections quantized, as GPTQModel
+    writes them) keeps its experts packed on the CPU's path (moe.ExpertCodes: no
+    full-precision copy), each expert's tensors into its rows; two ranks narrow the
+    experts' rows, and down_proj's input columns in whole groups (32 of each rank's
+    64). Tokens: transformers on the weights the codes stand for, every projection's
+    input (the experts' too) quantized per token and block of 32."""
+    from pagellm.executor.model.moe import ExpertCodes
+
+    model_dir = make_model(tmp_path / "moe", ModelSpec(
+        arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        vocab_size=1024, intermediate_size=96, init_std=0.3, seed=21, config_extra=dict(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+            norm_topk_prob=True)))
+    directory, reference = write_int_checkpoint(model_dir, tmp_path / "gptq", "gptq",
+                                                bits=4, group=32)
+    assert "model.layers.1.mlp.experts.2.down_proj.qweight" in load_file(
+        directory / "model.safetensors")
+    llm = make_llm(str(directory), dtype="float32", tensor_parallel_size=tp)
+    if tp == 1:
+        experts = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers[
+            1].mlp.experts
+        assert isinstance(experts.down_codes, ExpertCodes) and experts.down_proj.is_meta
+        assert (experts.down_codes.quant.bits, experts.down_codes.quant.group_size) == (4, 32)
+    expected = with_cpu_int_experts(_transformers(model_dir, _stacked(reference)), None)
+    _assert_greedy_equal(llm, as_cpu_int_kernel(expected))
 
 
 def test_the_quantization_argument_must_fit_the_checkpoint(model_dirs, make_llm, tmp_path):

@@ -259,3 +259,67 @@ def as_cpu_int_kernel(model: Any, full_precision: Collection[str] = ()) -> Any:
                     and name not in full_precision:  # (Phi-3's are fused in the model)
                 module.register_forward_pre_hook(hook)
     return model
+
+
+def with_cpu_int_experts(model: Any, bits: int | None, shards: int = 1,
+                         packed: tuple[str, ...] = ("gate_up_proj", "down_proj")) -> Any:
+    """transformers' `model` with every MoE layer's stacked experts (transformers 5's
+    `*Experts` modules: gate_up_proj [E, 2I, H], down_proj [E, H, I]) as the CPU's int
+    kernel computes packed experts (moe.ExpertCodes): quantized on load, each expert's
+    weights quantized to `bits` and dequantized group-wise (down_proj's K in `shards`
+    slices, as each tensor-parallel rank quantizes its own); `bits` None: the weights
+    are already what a checkpoint's codes stand for. And the input of each of its projections
+    quantized per token and block of 32 (F.linear wrapped during the module's forward:
+    transformers' own per-expert loop, its "eager" experts implementation; the default
+    grouped_mm calls no F.linear: for `model` a part of one, the caller sets it). Only
+    the stacked weights `packed` names are taken so (a file's experts may keep gate/up
+    in full precision and down as codes)."""
+    from unittest import mock
+
+    from pagellm.executor.model.quantize import group_size_for
+    from pagellm.kernels import cpu_int_gemm
+    from pagellm.kernels.quant import dequantize, quantize
+
+    plain = torch.nn.functional.linear
+
+    def quantizing(stacked: list[torch.Tensor]) -> Any:
+        """F.linear with its input quantized where its weight is a slice of `stacked`."""
+        storages = {t.untyped_storage().data_ptr() for t in stacked}
+
+        def linear(x: torch.Tensor, w: torch.Tensor, b: Any = None) -> torch.Tensor:
+            if w.untyped_storage().data_ptr() in storages:
+                x = cpu_int_gemm.quantize_activations(x.reshape(-1, x.shape[-1])).reshape(
+                    x.shape)
+            return plain(x, w, b)
+
+        return linear
+
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    def wrapped(forward: Any, linear: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with mock.patch.object(torch.nn.functional, "linear", linear):
+                return forward(*args, **kwargs)
+
+        return run
+
+    count = 0
+    for module in model.modules():
+        stacked = getattr(module, "gate_up_proj", None)
+        if not isinstance(stacked, torch.nn.Parameter) or stacked.dim() != 3:
+            continue
+        with torch.no_grad():
+            for weight, k_shards in ((module.gate_up_proj, 1), (module.down_proj, shards)):
+                if bits is None or not any(weight is getattr(module, p) for p in packed):
+                    continue
+                k = weight.shape[2] // k_shards
+                group = group_size_for(k, k_shards)
+                for expert in weight:
+                    expert.copy_(torch.cat([dequantize(quantize(part, bits, group))
+                                            for part in expert.split(k, dim=1)], dim=1))
+
+        module.forward = wrapped(module.forward,
+                                 quantizing([getattr(module, p) for p in packed]))
+        count += 1
+    assert count, "no stacked experts in the model"
+    return model

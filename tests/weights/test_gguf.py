@@ -13,7 +13,7 @@ import torch
 from conftest import PROMPTS, runs_triton_kernels
 from gguf_files import write_gguf
 from peft_adapters import argmax_along
-from quantized_checkpoints import as_cpu_int_kernel
+from quantized_checkpoints import as_cpu_int_kernel, with_cpu_int_experts
 
 from pagellm import SamplingParams
 from pagellm.demo.model import ModelSpec, make_model
@@ -102,8 +102,7 @@ def test_other_families_files_give_transformers_tokens(arch, projections, tp,
     norms, a head_dim of its own), Phi-3, whose q/k/v and gate/up are one tensor each
     in the file and in the model (split by rows between two ranks), Gemma 2 and 3
     (norms stored as 1 + w, sliding windows, soft caps), and Qwen3-MoE, whose experts
-    llama.cpp stacks and transformers' reader assembles across tensors (gate and up
-    into one; dequantized: only the attention's projections stay codes)."""
+    llama.cpp stacks (kept as codes an expert at a time: their inputs quantized too)."""
     model_dir = make_model(tmp_path_factory.mktemp("gguf-family") / arch, ModelSpec(
         arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
         intermediate_size=128, vocab_size=1024, init_std=0.1, seed=7,
@@ -112,11 +111,45 @@ def test_other_families_files_give_transformers_tokens(arch, projections, tp,
     llm = make_llm(str(path), dtype="float32", tensor_parallel_size=tp)
     if tp == 1:
         model = llm.llm_engine.model_executor.driver_worker.model_runner.model
-        assert len(model.quantized) == (2 if arch == "qwen3_moe" else 4) * 2
+        assert len(model.quantized) == 4 * 2  # a MoE layer's: qkv, o and its experts'
     assert json.loads((gguf_model_dir(path) / "config.json").read_text())[
         "quantization_config"]["ignore"] == ["lm_head"]  # every projection kept
     reference = _transformers(path)
     assert reference.config.model_type == arch
+    if arch == "qwen3_moe":
+        with_cpu_int_experts(reference, None)
+    _assert_greedy_equal(llm, as_cpu_int_kernel(reference))
+
+
+def test_a_moe_files_unquantized_experts_load_as_weights(tmp_path_factory, tmp_path,
+                                                        make_llm):
+    """Layer 0's experts stored in F32 among Q8_0 attention: written stacked, as
+    transformers assembles them, and ignored by pattern in the quantization_config, so
+    the CPU's path loads them as weights (not requantized into codes); layer 1's Q4_0
+    down projections are codes beside its F32 gate/up."""
+    model_dir = make_model(tmp_path_factory.mktemp("gguf-moe") / "qwen3_moe", ModelSpec(
+        arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        intermediate_size=128, vocab_size=1024, init_std=0.1, seed=8,
+        **FAMILY_FIELDS["qwen3_moe"]))
+    types = {f"blk.{i}.ffn_{p}_exps.weight": "F32" for i in (0, 1) for p in ("gate", "up")}
+    types.update({"blk.0.ffn_down_exps.weight": "F32", "blk.1.ffn_down_exps.weight": "Q4_0"})
+    path = write_gguf(model_dir, tmp_path / "moe.gguf", "Q8_0", types)
+    config = json.loads((gguf_model_dir(path) / "config.json").read_text())[
+        "quantization_config"]
+    assert sorted(config["ignore"]) == sorted([
+        "lm_head", r"re:model\.layers\.0\.mlp\.experts\.\d+\.down_proj$",
+        *(rf"re:model\.layers\.{i}\.mlp\.experts\.\d+\.(gate|up)_proj$" for i in (0, 1))])
+    assert config["module_bits"] == {f"model.layers.1.mlp.experts.{e}.down_proj": 4
+                                     for e in range(8)}
+    llm = make_llm(str(path), dtype="float32")
+    layers = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers
+    assert layers[0].mlp.experts.down_codes is None
+    assert layers[1].mlp.experts.gate_up_codes is None
+    assert not layers[1].mlp.experts.gate_up_proj.is_meta
+    assert layers[1].mlp.experts.down_codes.quant.bits == 4
+    reference = _transformers(path)
+    reference.set_experts_implementation("eager")
+    with_cpu_int_experts(reference.model.layers[1], None, packed=("down_proj",))
     _assert_greedy_equal(llm, as_cpu_int_kernel(reference))
 
 

@@ -166,9 +166,8 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
     model = _meta_model(config, tp)
     quant = config.checkpoint_quant
     if quant is not None:
-        packed = quantized_checkpoint.prepare(model, quant, model.checkpoint_parts,
-                                              config.dtype, triton=kernels)
-        model.quantized = {id(m.weight): m for m in packed}
+        model.quantized = quantized_checkpoint.prepare(model, quant, model.checkpoint_parts,
+                                                       config.dtype, triton=kernels)
     _check_memory(config, _bytes_of(model), device, tp)
     # (A quantized model keeps no copies of the weights it replaces.)
     copies = 0 if config.quantization or model.quantized else \

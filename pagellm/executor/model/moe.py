@@ -21,9 +21,19 @@ The experts compute only for the tokens that chose them:
 - CPU: the (token, slot) pairs grouped by expert, each chosen expert's rows one GEMM per
   projection (`linear`, the CPU's choice of kernel), summed in expert order as
   transformers does (its `index_add_` per expert), so fp32 outputs match it.
+
+On the CPU `quantization="int4"` / `"int8"` packs the experts too (`quantize_experts`;
+an integer checkpoint's quantized experts load packed: quantized_checkpoint.py): each
+stacked weight's E * N rows become one CpuIntWeight (`ExpertCodes`), expert e's rows
+its own tiles (N a multiple of the kernel's 16 rows), so an expert's weight is a slice
+of the codes, computed by the CPU's int kernel as the dense projections are. In a MoE
+model the experts are nearly all the bytes (Qwen3-30B-A3B: 29 of its 30B weights): a
+quantized model whose experts stayed fp32 would keep almost all of its size.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -32,17 +42,83 @@ from torch import nn
 from pagellm.executor.model.layers import Linear
 from pagellm.executor.model.linear import linear
 from pagellm.executor.model.parallel import TensorParallel
+from pagellm.executor.model.quantize import (
+    group_size_for,
+    in_huge_pages,
+    placeholder,
+    quantized_linear,
+    quantized_silu_and_mul,
+)
 from pagellm.executor.model.spec import DecoderSpec, MoeSpec
+from pagellm.kernels import cpu_int_gemm
+from pagellm.kernels.cpu_int_gemm import CpuIntWeight
+from pagellm.kernels.quant import quantize
+
+
+class ExpertCodes(nn.Module):
+    """A stacked expert weight [E, N, K] in the CPU int kernel's layout: `quant` holds
+    all E * N rows, expert e's the tiles from e * N / 16 (module docstring). A module
+    of its own so that what finds packed weights by their `quant` (sleep's backups,
+    the loader's sizes, weight updates' requantizing) finds these too."""
+
+    def __init__(self, quant: CpuIntWeight, experts: int) -> None:
+        super().__init__()
+        assert quant.out_features % (experts * cpu_int_gemm.TILE) == 0, quant.shape
+        self.quant = quant
+        self.rows = quant.out_features // experts  # N
+
+    def expert(self, e: int) -> CpuIntWeight:
+        """Expert e's weight [N, K]: views of its tiles (taken at each call: sleep and
+        wake swap the tensors' storage)."""
+        q, tiles = self.quant, self.rows // cpu_int_gemm.TILE
+        part = slice(e * tiles, (e + 1) * tiles)
+        return CpuIntWeight(q.codes[part], q.scales[part], q.zeros[part], q.bits,
+                            q.group_size, self.rows)
 
 
 class Experts(nn.Module):
-    """This rank's slice of every expert's weights, stacked (module docstring)."""
+    """This rank's slice of every expert's weights, stacked (module docstring); packed
+    by the CPU's int kernel (`gate_up_codes`, `down_codes`; the parameters then meta
+    placeholders) where the engine quantized on load."""
 
     def __init__(self, moe: MoeSpec, hidden_size: int, tp: TensorParallel) -> None:
         super().__init__()
         self.intermediate_size = size = tp.moe_intermediate_size
+        self.shards = tp.size  # down_proj's K is a slice of the experts' whole I
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden_size, size))
+        self.gate_up_codes: ExpertCodes | None = None
+        self.down_codes: ExpertCodes | None = None
+
+    def pack(self, attr: str, quant: CpuIntWeight) -> tuple[int, ExpertCodes]:
+        """Compute stacked weight `attr` (gate_up_proj or down_proj) from `quant` (all
+        its E * N rows) from now on; the parameter becomes a meta placeholder of its
+        shape. Returns (the placeholder's id, the ExpertCodes): an entry of the model's
+        `quantized`."""
+        weight = getattr(self, attr)
+        codes = ExpertCodes(quant, weight.shape[0])
+        setattr(self, attr.replace("_proj", "_codes"), codes)
+        setattr(self, attr, placeholder(weight))
+        return id(getattr(self, attr)), codes
+
+    def mlp(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's SwiGLU MLP: x [n, H] -> [n, H]; each projection from its codes where
+        packed (a file may store gate/up and down at different precisions)."""
+        size = self.intermediate_size
+        h = None if self.gate_up_codes is None else \
+            quantized_silu_and_mul(x, self.gate_up_codes.expert(e))  # None: cannot fuse
+        if h is None:
+            gate_up = _project(x, self.gate_up_codes, self.gate_up_proj, e)  # [n, 2I]
+            h = F.silu(gate_up[:, :size]) * gate_up[:, size:]  # [n, I]
+        return _project(h, self.down_codes, self.down_proj, e)
+
+
+def _project(x: torch.Tensor, codes: ExpertCodes | None, stacked: torch.Tensor, e: int
+             ) -> torch.Tensor:
+    """x [n, K] @ expert e's weight [N, K]^T: from its codes where packed, else from the
+    stacked weight [E, N, K]."""
+    return linear(x, stacked[e]) if codes is None else \
+        quantized_linear(x, codes.expert(e), None)
 
 
 class SparseMoeBlock(nn.Module):
@@ -75,23 +151,51 @@ class SparseMoeBlock(nn.Module):
             out = fused_moe(x.contiguous(), self.experts.gate_up_proj,
                             self.experts.down_proj, weights.float(), ids)
         else:
-            out = experts_grouped(x, self.experts.gate_up_proj, self.experts.down_proj,
-                                  weights, ids)
+            out = experts_grouped(x, self.experts, weights, ids)
         return self.tp.all_reduce(out)
 
 
-def experts_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def stacked_experts(model: nn.Module) -> Iterator[tuple[Experts, str, int]]:
+    """(module, attr, shards) for each MoE layer's stacked weights, `shards` the
+    tensor-parallel slices of their K (row-parallel down_proj); ValueError where the
+    experts' rows do not fill whole tiles of the CPU's int kernel (each expert's weight
+    must be a slice of the packed one)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, Experts):
+            continue
+        for attr, shards in (("gate_up_proj", 1), ("down_proj", module.shards)):
+            rows = getattr(module, attr).shape[1]
+            if rows % cpu_int_gemm.TILE:
+                raise ValueError(f"{name}.{attr}: experts of {rows} rows (not a multiple of "
+                                 f"{cpu_int_gemm.TILE}) cannot take the CPU's int kernel")
+            yield module, attr, shards
+
+
+def quantize_experts(model: nn.Module, bits: int) -> dict[int, nn.Module]:
+    """Quantize on load (quantize.py) every MoE layer's experts for the CPU's int
+    kernel, an expert at a time, in groups as `group_size_for` gives a projection;
+    returns the ExpertCodes by their placeholder's id."""
+    quantized: dict[int, nn.Module] = {}
+    for experts, attr, shards in stacked_experts(model):
+        weight = getattr(experts, attr)  # [E, N, K]
+        group = group_size_for(weight.shape[2], shards)
+        parts = [cpu_int_gemm.pack(quantize(w.detach(), bits, group, torch.float32))
+                 for w in weight]
+        quantized.update([experts.pack(attr, in_huge_pages(cpu_int_gemm.concatenated(parts)))])
+    return quantized
+
+
+def experts_grouped(x: torch.Tensor, experts: Experts, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
     """The experts on the CPU, one GEMM per chosen expert and projection.
 
-    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights [T, K]; ids [T, K] -> [T, H] in x's
-    dtype. The (token, slot) pairs are sorted by expert once (a stable sort: tokens keep
-    their order within an expert), so each chosen expert reads its rows as one slice;
-    experts no token chose cost nothing."""
+    x [T, H]; weights [T, K]; ids [T, K] -> [T, H] in x's dtype. The (token, slot) pairs
+    are sorted by expert once (a stable sort: tokens keep their order within an
+    expert), so each chosen expert reads its rows as one slice; experts no token chose
+    cost nothing."""
     top_k = ids.shape[1]
-    size = w2.shape[2]
     order = torch.argsort(ids.reshape(-1), stable=True)  # [T * K] pairs by expert
-    counts = torch.bincount(ids.reshape(-1), minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(ids.reshape(-1), minlength=experts.gate_up_proj.shape[0]).tolist()
     token_of = order // top_k  # [T * K]
     pair_weights = weights.reshape(-1)[order]  # [T * K]
     out = torch.zeros_like(x)
@@ -100,8 +204,7 @@ def experts_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if not count:
             continue
         rows = token_of[start:start + count]
-        gate_up = linear(x[rows], w13[expert])  # [n, 2I]
-        h = linear(F.silu(gate_up[:, :size]) * gate_up[:, size:], w2[expert])  # [n, H]
+        h = experts.mlp(expert, x[rows])  # [n, H]
         # index_put_ with accumulate, not index_add_: the same sums (a token appears once
         # per expert), but torch 2.13's CPU index_add_ took ~2 ms for a few 2048-wide rows
         # (53% of a Qwen3-MoE-shaped step in torch's profiler), index_put_ ~9 us.

@@ -11,13 +11,16 @@ activations quantized per token and block of 32, VNNI's int8 dot products).
 Each rank quantizes its own slice after the checkpoint is loaded (so tensor
 parallelism shards nothing of its own: a row-parallel slice is quantized along its own
 K). Integer groups are 128 input columns, else 64 or 32 (`group_size_for`). The
-embedding, the LM head, norms, MoE experts and routers stay in the model's dtype, as
-vLLM's weight-only schemes leave them (the CPU computes the LM head from an int8 copy:
-linear.INT_WEIGHTS, registered by the model runner). A quantized projection's `weight`
-becomes a meta placeholder of its old shape (its memory freed; shapes still readable),
-and weight updates land through `RequantizingDestination`: the new rows of a
-projection (a checkpoint tensor's part on this rank) are quantized as loading did and
-written over the old ones' codes and scales. Every scheme here scales each output row
+embedding, the LM head, norms and MoE routers stay in the model's dtype, as vLLM's
+weight-only schemes leave them (the CPU computes the LM head from an int8 copy:
+linear.INT_WEIGHTS, registered by the model runner). MoE experts are packed on the
+CPU's path (moe.quantize_experts: in a MoE model they are nearly all the bytes); under the
+Triton kernels they stay in the model's dtype (the fused MoE kernel takes no integer
+weights yet). A quantized weight becomes a meta placeholder of its old shape (its
+memory freed; shapes still readable), and weight updates land through
+`RequantizingDestination`: the new rows of a projection, or of an expert (a checkpoint
+tensor's part on this rank), are quantized as loading did and written over the old
+ones' codes and scales. Every scheme here scales each output row
 on its own (per channel, or per group along that row's input columns), so quantizing a
 part of the rows gives exactly what quantizing the whole new weight would.
 """
@@ -61,13 +64,14 @@ def group_size_for(in_features: int, shards: int = 1) -> int:
 
 
 def quantize_projections(model: nn.Module, quantization: str, triton: bool = True
-                         ) -> list[nn.Module]:
-    """Replace every projection's weight by its packed form (`module.quant`); returns
-    the modules quantized. Without the Triton kernels (`triton` False: the CPU's own
-    path) the integers take the CPU kernel's layout (kernels/cpu_int_gemm.py). Raises
-    ValueError naming a projection that cannot be."""
+                         ) -> dict[int, nn.Module]:
+    """Replace every projection's weight by its packed form (`module.quant`); returns the
+    modules quantized, by their placeholder weight's id (the model's `quantized`).
+    Without the Triton kernels (`triton` False: the CPU's own path) the integers take
+    the CPU kernel's layout (kernels/cpu_int_gemm.py; the experts too:
+    moe.quantize_experts). Raises ValueError naming a projection that cannot be."""
     bits = QUANTIZATIONS[quantization]
-    quantized = []
+    quantized: dict[int, nn.Module] = {}
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] not in PROJECTIONS:
             continue
@@ -80,10 +84,15 @@ def quantize_projections(model: nn.Module, quantization: str, triton: bool = Tru
             packed = quantize(weight.detach(), bits, group_size_for(weight.shape[1], shards),
                               None if triton else torch.float32)
             module.quant = packed if triton else in_huge_pages(cpu_int_gemm.pack(packed))
-        module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype,
-                                                 device="meta"), requires_grad=False)
-        quantized.append(module)
+        module.weight = placeholder(weight)
+        quantized[id(module.weight)] = module
     return quantized
+
+
+def placeholder(weight: torch.Tensor) -> nn.Parameter:
+    """A meta parameter of `weight`'s shape and dtype: the packed form's stand-in."""
+    return nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                        requires_grad=False)
 
 
 def in_huge_pages(weight: CpuIntWeight) -> CpuIntWeight:
@@ -170,27 +179,29 @@ def _regrouped(part: PackedWeight, group_size: int) -> PackedWeight:
 
 @dataclass(frozen=True)
 class RequantizingDestination(Destination):
-    """A Destination into a quantized projection: `tensor` is a view of its meta
-    placeholder weight, which says which rows the checkpoint tensor's part fills;
-    `write` quantizes a full-precision part into those rows (`requantize_rows`), or
-    copies a quantized checkpoint's part, already packed, in (quantized_checkpoint.py)."""
+    """A Destination into a quantized weight (a projection's, or stacked experts' whose
+    E * N rows are one packed weight): `tensor` is a view of its meta placeholder,
+    which says which rows the checkpoint tensor's part fills (a contiguous view is
+    whole rows, from its offset on); `write` quantizes a full-precision part into those
+    rows (`requantize_rows`), or copies a quantized checkpoint's part, already packed,
+    in (quantized_checkpoint.py)."""
 
     module: Any = field(default=None, compare=False)
 
     def write(self, part: Any, non_blocking: bool = False) -> None:
         assert self.tensor is not None
-        view, width = self.tensor, self.module.weight.shape[1]
-        if view.dim() != 2 or view.shape[1] != width or view.stride() != (width, 1):
-            raise ValueError(f"a quantized projection takes whole rows, not a {tuple(view.shape)} "
+        view, width = self.tensor, self.module.quant.shape[1]
+        if view.shape[-1] != width or not view.is_contiguous():
+            raise ValueError(f"a quantized weight takes whole rows, not a {tuple(view.shape)} "
                              f"view with strides {view.stride()}")
-        first = view.storage_offset() // width
+        first, rows = view.storage_offset() // width, view.numel() // width
         if isinstance(part, (PackedWeight, RowScaledWeight)):
-            if tuple(part.shape) != tuple(view.shape):
+            if tuple(part.shape) != (rows, width):
                 raise ValueError(f"a packed part of {tuple(part.shape)} for rows of "
                                  f"{tuple(view.shape)}")
             place(self.module, first, part)
         else:
-            requantize_rows(self.module, first, part.reshape(view.shape))
+            requantize_rows(self.module, first, part.reshape(rows, width))
 
     def receiver(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         return None  # never written straight into: the placeholder holds no memory

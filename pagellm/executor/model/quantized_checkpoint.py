@@ -474,27 +474,25 @@ def _target_group(quant: CheckpointQuant, in_features: int, full_in: int) -> int
 
 
 def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str], list[str]],
-            dtype: torch.dtype, triton: bool = True) -> list[nn.Module]:
+            dtype: torch.dtype, triton: bool = True) -> dict[int, nn.Module]:
     """On the meta model: give each projection the checkpoint quantizes (PROJECTIONS of
     quantize.py whose checkpoint parts `part_names(name)` are not ignored) an empty
     packed form of its slice's shape, on meta, and a fresh meta placeholder weight;
-    returns them. Nothing for block-wise FP8 (loaded dequantized). Without the Triton
+    returns the modules holding packed forms, by their placeholder's id (the model's
+    `quantized`). Nothing for block-wise FP8 (loaded dequantized). Without the Triton
     kernels (`triton` False), integer weights take the CPU int kernel's layout
     (kernels/cpu_int_gemm.py; a W8A8 checkpoint in groups of whole rows: its scales),
-    except act-order ones, which load dequantized as FP8 does."""
+    MoE experts included (`_prepare_experts`), except act-order ones, which load
+    dequantized as FP8 does."""
     if quant.kind is Kind.FP8_BLOCK or (not triton and (quant.kind is not Kind.INT
                                                          or quant.act_order)):
-        return []
-    modules = []
+        return {}
+    modules: dict[int, nn.Module] = {}
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] not in PROJECTIONS:
             continue
         parts = part_names(name)
-        ignored = {quant.ignores(p) for p in parts}
-        if len(ignored) > 1:
-            raise ValueError(f"quantization_config ignores some of {parts} but not all; "
-                             "pagellm computes them as one projection")
-        if ignored.pop():
+        if _ignored(quant, parts):
             continue
         bits = quant.bits_of(parts)
         n, k = module.weight.shape
@@ -502,11 +500,7 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
         with torch.device("meta"):
             if not triton:
                 group = k if quant.w8a8 and k % 32 == 0 else _target_group(quant, k, k * shards)
-                tiles = -(-n // TILE)
-                module.quant = CpuIntWeight(
-                    torch.empty(tiles, k // 4, TILE * bits // 2, dtype=torch.uint8),
-                    torch.empty(tiles, k // group, TILE), torch.empty(tiles, k // group, TILE),
-                    bits, group, n)
+                module.quant = _empty_cpu_int(n, k, bits, group)
             elif quant.kind is Kind.FP8:
                 module.quant = Fp8Weight(torch.empty(n, k, dtype=FP8),
                                          torch.empty(1, n, dtype=torch.float32))
@@ -520,7 +514,52 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
                     torch.empty(k // group, n, dtype=dtype), bits, group, perm)
             module.weight = nn.Parameter(torch.empty(n, k, dtype=module.weight.dtype),
                                          requires_grad=False)
-        modules.append(module)
+        modules[id(module.weight)] = module
+    if not triton:
+        modules.update(_prepare_experts(model, quant))
+    return modules
+
+
+def _ignored(quant: CheckpointQuant, parts: list[str]) -> bool:
+    """Whether the checkpoint keeps the modules `parts` (computed as one) unquantized;
+    ValueError if it keeps some of them only."""
+    ignored = {quant.ignores(p) for p in parts}
+    if len(ignored) > 1:
+        raise ValueError(f"quantization_config ignores some of {parts} but not all; "
+                         "pagellm computes them as one projection")
+    return ignored.pop()
+
+
+def _empty_cpu_int(n: int, k: int, bits: int, group: int) -> CpuIntWeight:
+    """A CpuIntWeight [n, k] on the current (meta) device."""
+    tiles = -(-n // TILE)
+    return CpuIntWeight(torch.empty(tiles, k // 4, TILE * bits // 2, dtype=torch.uint8),
+                        torch.empty(tiles, k // group, TILE),
+                        torch.empty(tiles, k // group, TILE), bits, group, n)
+
+
+def _prepare_experts(model: nn.Module, quant: CheckpointQuant) -> dict[int, nn.Module]:
+    """The CPU's packed experts (moe.ExpertCodes) for every MoE layer whose experts the
+    checkpoint quantizes (all of a layer's experts or none: they are one packed weight
+    per projection, of one width), empty on meta, their stacked parameters meta
+    placeholders; by placeholder id. Each expert's checkpoint tensors then load into
+    their rows (quantize.place)."""
+    from pagellm.executor.model.moe import stacked_experts
+    from pagellm.executor.model.weight_map import moe_names
+
+    module_name, (gate, up, down) = moe_names(model.spec)  # type: ignore[arg-type]
+    modules: dict[int, nn.Module] = {}
+    for experts, attr, shards in stacked_experts(model):
+        count, rows, k = getattr(experts, attr).shape
+        layer = next(n for n, m in model.named_modules() if m is experts).rsplit(".", 2)[0]
+        parts = [f"{layer}.{module_name}.experts.{e}.{p}" for e in range(count)
+                 for p in ((gate, up) if attr == "gate_up_proj" else (down,))]
+        if _ignored(quant, parts):
+            continue
+        with torch.device("meta"):
+            empty = _empty_cpu_int(count * rows, k, quant.bits_of(parts),
+                                   _target_group(quant, k, k * shards))
+        modules.update([experts.pack(attr, empty)])
     return modules
 
 

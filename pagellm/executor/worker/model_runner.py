@@ -28,8 +28,9 @@ from pagellm.executor.model.attention import (
 from pagellm.executor.model.config import ModelConfig
 from pagellm.executor.model.linear import INT_WEIGHTS, drop_packed
 from pagellm.executor.model.loader import load_model
+from pagellm.executor.model.moe import quantize_experts
 from pagellm.executor.model.parallel import TensorParallel
-from pagellm.executor.model.quantize import quantize_projections
+from pagellm.executor.model.quantize import QUANTIZATIONS, quantize_projections
 from pagellm.executor.worker.cpu_decode import CpuDecodeStep
 from pagellm.executor.worker.cpu_threads import ThreadTuner, tunable_threads
 from pagellm.executor.worker.cuda_graphs import DecodeGraphs, capture_sizes
@@ -179,9 +180,10 @@ class ModelRunner:
         attention runs Triton's: on CUDA (on the CPU attention_backend='triton' runs
         the kernels anyway, for tests). The CPU's own path takes int4 and int8, through
         its C++ int kernel (kernels/cpu_int_gemm.py: faster than fp32 where the CPU has
-        AVX-512 VNNI's int8 dot products), and, as for an integer checkpoint there, the
-        LM head from an int8 copy of its weight (linear.INT_WEIGHTS, made again after
-        weight updates; registered in __init__); it has no fp8 GEMM faster than fp32's."""
+        AVX-512 VNNI's int8 dot products), the MoE experts packed too (moe.py), and, as
+        for an integer checkpoint there, the LM head from an int8 copy of its weight
+        (linear.INT_WEIGHTS, made again after weight updates; registered in __init__);
+        it has no fp8 GEMM faster than fp32's."""
         triton = self.attention.name == "triton"
         if not triton and quantization == "fp8":
             raise ValueError("quantization='fp8' needs CUDA (the CPU has no fp8 GEMM faster "
@@ -190,12 +192,13 @@ class ModelRunner:
         if not triton and not cpu_int_gemm.fast_on_this_cpu():
             logger.warning("quantization=%r on a CPU without AVX-512 VNNI: less memory "
                            "than fp32, but slower", quantization)
-        quantized = quantize_projections(self.model, quantization, triton)
-        self.model.quantized = {id(m.weight): m for m in quantized}
+        self.model.quantized = quantize_projections(self.model, quantization, triton)
+        if not triton:  # the fused MoE Triton kernel takes no integer weights yet
+            self.model.quantized.update(quantize_experts(self.model, QUANTIZATIONS[quantization]))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the replaced weights' memory
-        logger.info("quantization=%s: %d projections quantized on load", quantization,
-                    len(quantized))
+        logger.info("quantization=%s: %d weights quantized on load", quantization,
+                    len(self.model.quantized))
 
     # -- KV cache ------------------------------------------------------------------
 
