@@ -77,13 +77,14 @@ _PERMUTED = ("llama", "mistral")  # families whose q and k rows llama.cpp permut
 TRANSFORMERS_FLOOR = (5, 18)
 # The converted directory's layout, part of its cache key: 3 writes quantized MoE experts
 # as codes an expert at a time (2 wrote them stacked in fp32, which the CPU's path would
-# now requantize), 2 keeps quantized projections as the "gguf" quantization method (1
-# kept Q8_0 / Q4_0 as compressed-tensors).
+# now requantize) and Qwen3-MoE's expert width from the file; 2
+# keeps quantized projections as the "gguf" quantization method (1 kept Q8_0 / Q4_0 as
+# compressed-tensors).
 FORMAT = 3
 # What llama.cpp derives from a file's shape and transformers' GGUF reader leaves at its
-# default: Gemma 2 and 3 at 27B (46 and 62 layers) scale queries by 1 / sqrt(hidden /
-# heads), 144 and 168, not by 1 / sqrt(head_dim) (llama.cpp's hparams, after
-# gemma_pytorch's configs; the file has no field for it).
+# default (one of `_as_llama_cpp_runs_it`'s): Gemma 2 and 3 at 27B (46 and 62 layers)
+# scale queries by 1 / sqrt(hidden / heads), 144 and 168, not by 1 / sqrt(head_dim)
+# (llama.cpp's hparams, after gemma_pytorch's configs; the file has no field for it).
 _QUERY_SCALE_BY_WIDTH = {"gemma2": 46, "gemma3_text": 62}
 # The size a converted directory's safetensors files grow to before the next begins.
 SHARD_BYTES = 256 << 20
@@ -167,8 +168,7 @@ def convert(path: Path, out: Path, dequantized: bool = False) -> None:
         reader = GGUFReader(str(path))
     except (ValueError, KeyError, OSError, RuntimeError) as e:
         raise ValueError(f"cannot read the GGUF file {path}: {e}") from e
-    if _QUERY_SCALE_BY_WIDTH.get(config.model_type) == config.num_hidden_layers:
-        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    _as_llama_cpp_runs_it(config, reader)
     out.mkdir(parents=True, exist_ok=True)
     try:
         quantization = _write_weights(reader, config, out, dequantized)
@@ -181,6 +181,22 @@ def convert(path: Path, out: Path, dequantized: bool = False) -> None:
         saved["quantization_config"] = quantization
         (out / "config.json").write_text(json.dumps(saved, indent=2))
     tokenizer.save_pretrained(out)
+
+
+def _as_llama_cpp_runs_it(config: Any, reader: Any) -> None:
+    """Set in `config` what llama.cpp takes from the file, or assumes of its
+    architecture, and transformers' GGUF reader leaves at the config class's default:
+    Gemma 2 and 3 at 27B scale queries by 1 / sqrt(hidden / heads) (_QUERY_SCALE_BY_WIDTH);
+    Qwen3-MoE's experts are `expert_feed_forward_length` wide (the reader keeps the
+    config class's 768, only Qwen3-30B-A3B's: Qwen3-235B-A22B's are 1536)."""
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    if _QUERY_SCALE_BY_WIDTH.get(config.model_type) == config.num_hidden_layers:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    if config.model_type == "qwen3_moe":
+        width = read_field(reader, "qwen3moe.expert_feed_forward_length")
+        if width:
+            config.moe_intermediate_size = int(width[0])
 
 
 def _write_weights(reader: Any, config: Any, out: Path, dequantized: bool

@@ -274,6 +274,29 @@ def test_a_27b_gemma_file_scales_queries_as_llama_cpp(arch, layers, tmp_path_fac
         model_dir, dtype=torch.float32).eval())
 
 
+def test_a_qwen3_moe_files_experts_take_the_files_width(tmp_path_factory, tmp_path,
+                                                         make_llm):
+    """llama.cpp takes Qwen3-MoE's expert width from the file (expert_feed_forward_length);
+    transformers' reader leaves 768 (Qwen3-30B-A3B's; Qwen3-235B-A22B's are 1536), and
+    fails on any other. The reference is transformers on the model's own directory (an
+    F32 file: the same weights)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_model(tmp_path_factory.mktemp("gguf-qwen3-moe") / "m", ModelSpec(
+        arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=32, intermediate_size=128, vocab_size=1024, init_std=0.3, seed=10,
+        config_extra=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                          norm_topk_prob=True)))
+    path = write_gguf(model_dir, tmp_path / "qwen3_moe.gguf")
+    config = json.loads((gguf_model_dir(path) / "config.json").read_text())
+    assert (config["norm_topk_prob"], config["moe_intermediate_size"]) == (True, 64)
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # transformers alone
+        _transformers(path)
+    llm = make_llm(str(path), dtype="float32")
+    _assert_greedy_equal(llm, AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32).eval())
+
+
 def test_a_file_converts_a_shard_at_a_time(llama_dir, tmp_path, cache, make_llm,
                                           monkeypatch):
     """The conversion writes as it reads, its memory one shard of the output whatever the
