@@ -33,6 +33,13 @@ BLOCK_M, so that every tile of BLOCK_M sorted rows belongs to one expert:
 4. The sum over the K slots of each token: a torch sum over the [T, K, H] view (none
    for K = 1). Each pair owns its row until then, so no atomics and a fixed order.
 
+Packed experts (int4 / int8 codes, `quantization="int4"` or an integer checkpoint's
+experts: executor/model/moe.py) come as one kernels/quant.py PackedWeight per stacked
+weight, all E * N rows, expert e's rows e * N to (e + 1) * N: both GEMMs then read the
+codes (BITS > 0) and dequantize each [BLOCK_K, BLOCK_N] tile in registers as
+triton_quant.py does, the reduction tile inside one group (BLOCK_K at most the group
+size, so a tile takes one row of scales and zeros), and multiply in x's dtype.
+
 Everything accumulates in fp32; fp32 inputs use an "ieee" `tl.dot` (no TF32). The
 intermediate and the per-pair outputs are rounded to x's dtype, as vLLM's caches are.
 Under TRITON_INTERPRET=1 (CPU tests) every load is cast to fp32 first (CAST_FP32): the
@@ -49,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.kernels.quant import PackedWeight
 from pagellm.kernels.triton_attention import interpreting
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -236,10 +244,33 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
 # --------------------------------------------------------------------------- GEMMs
 
 
+@triton.jit
+def _packed_tile(q_ptr, s_ptr, z_ptr, k0, ks, rows, mask, row_mask, width,
+                 BITS: tl.constexpr, GROUP: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] fp32: weight rows `rows` [BLOCK_N] (of all experts' stacked
+    rows: expert e's row n is e * N + n) at input columns k0 + ks of a packed weight
+    (kernels/quant.py's layout over `width` = E * N rows: qweight [K / P, width] int32,
+    scales and zeros [K / G, width]), (code - zero) * scale. The tile lies in one group
+    (BLOCK_K divides GROUP: the launcher sees to it), so it takes one row of scales and
+    zeros."""
+    PER_INT: tl.constexpr = 32 // BITS
+    CODE: tl.constexpr = (1 << BITS) - 1
+    kk = (k0 + ks).to(tl.int64)
+    words = tl.load(q_ptr + (kk // PER_INT)[:, None] * width + rows[None, :], mask=mask,
+                    other=0)
+    codes = (words >> ((ks % PER_INT) * BITS)[:, None]) & CODE
+    group = (k0 // GROUP) * width + rows  # (rows int64: every offset is)
+    scale = tl.load(s_ptr + group, mask=row_mask, other=0.0).to(tl.float32)
+    zero = tl.load(z_ptr + group, mask=row_mask, other=0.0).to(tl.float32)
+    return (codes.to(tl.float32) - zero[None, :]) * scale[None, :]
+
+
 @triton.jit(do_not_specialize=["num_pairs"])  # only bounds masks, as above
 def _moe_gate_up_kernel(
     x_ptr,  # [T, H]
-    w13_ptr,  # [E, 2 * I, H]: rows [:I] gate, [I:] up
+    w13_ptr,  # [E, 2 * I, H]: rows [:I] gate, [I:] up; packed (BITS): qweight [H / P, E * 2I]
+    s13_ptr,  # packed: scales [H / G, E * 2I] (else unused)
+    z13_ptr,  # packed: zeros [H / G, E * 2I] (else unused)
     inter_ptr,  # [P, I] out: silu(gate) * up of each pair
     sorted_token_ids_ptr,  # [max_blocks * BLOCK_M] int32: pair, or P for padding
     expert_ids_ptr,  # [max_blocks] int32
@@ -247,12 +278,15 @@ def _moe_gate_up_kernel(
     num_pairs,
     hidden,
     inter_size,
+    num_experts,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,  # sorted rows per program: all of one expert
     BLOCK_N: tl.constexpr,  # gate columns (and as many up columns) per program
     BLOCK_K: tl.constexpr,
     CAST_FP32: tl.constexpr,  # compute everything in fp32 (fp32 inputs, or interpreting)
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs (no TF32)
+    BITS: tl.constexpr,  # 0: w13 in x's dtype; 4 or 8: packed integer codes
+    GROUP: tl.constexpr,  # packed: the group size along H
 ):
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
@@ -269,14 +303,25 @@ def _moe_gate_up_kernel(
     gate_ptrs = w13_ptr + expert * 2 * inter_size * hidden + cols[None, :] * hidden \
         + ks[:, None]
     up_offset = inter_size * hidden
+    gate_rows = expert * 2 * inter_size + cols  # packed: the expert's rows among all E * 2I
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
         k_mask = ks < hidden - k * BLOCK_K
         w_mask = k_mask[:, None] & col_mask[None, :]
         a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
-        up = tl.load(gate_ptrs + up_offset, mask=w_mask, other=0.0)
+        if BITS == 0:
+            gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+            up = tl.load(gate_ptrs + up_offset, mask=w_mask, other=0.0)
+        else:
+            width = num_experts * 2 * inter_size
+            gate = _packed_tile(w13_ptr, s13_ptr, z13_ptr, k * BLOCK_K, ks, gate_rows,
+                                w_mask, col_mask, width, BITS, GROUP)
+            up = _packed_tile(w13_ptr, s13_ptr, z13_ptr, k * BLOCK_K, ks,
+                              gate_rows + inter_size, w_mask, col_mask, width, BITS, GROUP)
+            if not CAST_FP32:
+                gate = gate.to(x_ptr.dtype.element_ty)
+                up = up.to(x_ptr.dtype.element_ty)
         if CAST_FP32:
             a = a.to(tl.float32)
             gate = gate.to(tl.float32)
@@ -293,7 +338,9 @@ def _moe_gate_up_kernel(
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(
     inter_ptr,  # [P, I]
-    w2_ptr,  # [E, H, I]
+    w2_ptr,  # [E, H, I]; packed (BITS): qweight [I / P, E * H]
+    s2_ptr,  # packed: scales [I / G, E * H] (else unused)
+    z2_ptr,  # packed: zeros [I / G, E * H] (else unused)
     out_ptr,  # [P, H] out: topk_weights * (inter @ w2[e]^T) of each pair
     topk_weights_ptr,  # [P] fp32
     sorted_token_ids_ptr,  # [max_blocks * BLOCK_M] int32: pair, or P for padding
@@ -302,11 +349,14 @@ def _moe_down_kernel(
     num_pairs,
     hidden,
     inter_size,
+    num_experts,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # output (hidden) columns per program
     BLOCK_K: tl.constexpr,
     CAST_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    BITS: tl.constexpr,  # as the gate-up kernel's
+    GROUP: tl.constexpr,  # packed: the group size along I
 ):
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
@@ -325,7 +375,14 @@ def _moe_down_kernel(
     for k in range(0, tl.cdiv(inter_size, BLOCK_K)):
         k_mask = ks < inter_size - k * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        if BITS == 0:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        else:
+            w = _packed_tile(w2_ptr, s2_ptr, z2_ptr, k * BLOCK_K, ks, expert * hidden + cols,
+                             w_mask, col_mask, num_experts * hidden, BITS, GROUP)
+            if not CAST_FP32:
+                w = w.to(inter_ptr.dtype.element_ty)
         if CAST_FP32:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
@@ -341,7 +398,7 @@ def _moe_down_kernel(
 # --------------------------------------------------------------------------- launcher
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def _check(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Tensor,
            topk_ids: torch.Tensor) -> None:
     """Raise ValueError naming the first input that breaks fused_moe's contract. Expert
     ids are not range-checked: that would read them back to the host (a sync, and no
@@ -353,18 +410,27 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
                          f"with strides {x.stride()}")
     tokens, hidden = x.shape
     for name, w in (("w13", w13), ("w2", w2)):
+        if isinstance(w, PackedWeight):
+            for part, t in (("scales", w.scales), ("zeros", w.zeros)):
+                if t.dtype != x.dtype or not t.is_contiguous():
+                    raise ValueError(f"{name}'s {part} must be contiguous {x.dtype}, got "
+                                     f"{t.dtype}")
+            if w.perm is not None or not w.qweight.is_contiguous():
+                raise ValueError(f"{name} must be packed contiguous, without act-order")
+            continue
         if w.dtype != x.dtype:
             raise ValueError(f"{name} is {w.dtype}, x is {x.dtype}: they must match")
         if w.dim() != 3 or not w.is_contiguous():
             raise ValueError(f"{name} must be a contiguous [E, ., .] tensor, got "
                              f"{tuple(w.shape)} with strides {w.stride()}")
-    num_experts, two_inter, w13_hidden = w13.shape
+    num_experts, two_inter, w13_hidden = _stacked_shape(w13, w2, hidden)
     if two_inter % 2 or w13_hidden != hidden:
         raise ValueError(f"w13 must be [E, 2 * I, H] with H = {hidden} (x's), got "
-                         f"{tuple(w13.shape)}")
-    if w2.shape != (num_experts, hidden, two_inter // 2):
+                         f"{(num_experts, two_inter, w13_hidden)}")
+    if _stacked_shape(w2, w2, hidden) != (num_experts, hidden, two_inter // 2):
         raise ValueError(f"w2 must be [E, H, I] = {(num_experts, hidden, two_inter // 2)} "
-                         f"for w13 {tuple(w13.shape)}, got {tuple(w2.shape)}")
+                         f"for w13 {(num_experts, two_inter, w13_hidden)}, got "
+                         f"{_stacked_shape(w2, w2, hidden)}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or not topk_ids.is_contiguous():
         raise ValueError(f"topk_ids must be a contiguous [T, K] tensor with T = {tokens}, "
                          f"got {tuple(topk_ids.shape)}")
@@ -377,18 +443,49 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
                          f"{tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
     if topk_weights.dtype != torch.float32:
         raise ValueError(f"topk_weights must be float32, not {topk_weights.dtype}")
-    devices = {t.device for t in (x, w13, w2, topk_weights, topk_ids)}
+    devices = {t.device for t in (x, topk_weights, topk_ids, *map(_data, (w13, w2)))}
     if len(devices) != 1:
         raise ValueError(f"fused_moe's inputs are on several devices: {sorted(map(str, devices))}")
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+# A stacked expert weight: [E, N, K] in x's dtype, or all E * N rows packed as one
+# PackedWeight [E * N, K] (kernels/quant.py), expert e's rows e * N to (e + 1) * N.
+Weights = torch.Tensor | PackedWeight
+
+
+def _data(w: Weights) -> torch.Tensor:
+    return w.qweight if isinstance(w, PackedWeight) else w
+
+
+def _stacked_shape(w: Weights, w2: Weights, hidden: int) -> tuple[int, int, int]:
+    """(E, N, K) of a stacked weight; a packed one's E from w2's E * H rows (hidden H)."""
+    if not isinstance(w, PackedWeight):
+        e, n, k = w.shape
+        return e, n, k
+    experts = w2.shape[0] if not isinstance(w2, PackedWeight) else w2.out_features // hidden
+    return experts, w.out_features // max(experts, 1), w.in_features
+
+
+def _packing(w: Weights, block_k: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, int]]:
+    """A weight's kernel arguments: (codes or weight, scales, zeros, BITS / GROUP /
+    BLOCK_K), a packed weight's reduction tile inside one group (group sizes and tiles
+    are powers of two: the smaller divides the larger)."""
+    if isinstance(w, PackedWeight):
+        return w.qweight, w.scales, w.zeros, dict(
+            BITS=w.bits, GROUP=w.group_size, BLOCK_K=min(block_k, w.group_size))
+    return w, w, w, dict(BITS=0, GROUP=1, BLOCK_K=block_k)
+
+
+def fused_moe(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, tiles: MoeTiles | None = None) -> torch.Tensor:
     """The routed experts' SwiGLU MLPs, weighted and summed (see the module docstring).
 
     x:            [T, H] fp32/fp16/bf16, contiguous
-    w13:          [E, 2 * I, H] x's dtype, contiguous: rows [:I] gate, [I:] up
-    w2:           [E, H, I] x's dtype, contiguous
+    w13:          [E, 2 * I, H] x's dtype, contiguous: rows [:I] gate, [I:] up; or its
+                  E * 2I rows as one PackedWeight (int4/int8 codes, scales and zeros in
+                  x's dtype, dequantized tile by tile in the kernel)
+    w2:           [E, H, I] x's dtype, contiguous; or its E * H rows packed likewise
     topk_weights: [T, K] fp32, contiguous: routing weights, applied as given
     topk_ids:     [T, K] int32/int64, contiguous: experts in [0, E)
     tiles:        tile sizes (None: `moe_tiles`), for tests and benchmarks
@@ -399,7 +496,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """
     _check(x, w13, w2, topk_weights, topk_ids)
     tokens, hidden = x.shape
-    num_experts, two_inter, _ = w13.shape
+    num_experts, two_inter, _ = _stacked_shape(w13, w2, hidden)
     inter_size = two_inter // 2
     top_k = topk_ids.shape[1]
     if tokens == 0:
@@ -413,17 +510,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     common = dict(CAST_FP32=cast_fp32, PRECISION=precision, num_warps=tiles.num_warps,
                   num_stages=tiles.num_stages)
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
+    w, scales, zeros, packing = _packing(w13, tiles.block_k)
     _moe_gate_up_kernel[(align.max_blocks, triton.cdiv(inter_size, tiles.block_n))](
-        x, w13, inter, align.sorted_token_ids, align.expert_ids,
-        align.num_tokens_post_padded, num_pairs, hidden, inter_size,
-        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        **common)
+        x, w, scales, zeros, inter, align.sorted_token_ids, align.expert_ids,
+        align.num_tokens_post_padded, num_pairs, hidden, inter_size, num_experts,
+        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **packing, **common)
     down_n = 2 * tiles.block_n
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    w, scales, zeros, packing = _packing(w2, tiles.block_k)
     _moe_down_kernel[(align.max_blocks, triton.cdiv(hidden, down_n))](
-        inter, w2, per_pair, topk_weights, align.sorted_token_ids, align.expert_ids,
-        align.num_tokens_post_padded, num_pairs, hidden, inter_size,
-        BLOCK_M=tiles.block_m, BLOCK_N=down_n, BLOCK_K=tiles.block_k, **common)
+        inter, w, scales, zeros, per_pair, topk_weights, align.sorted_token_ids,
+        align.expert_ids, align.num_tokens_post_padded, num_pairs, hidden, inter_size,
+        num_experts, BLOCK_M=tiles.block_m, BLOCK_N=down_n, **packing, **common)
     if top_k == 1:
         return per_pair
     # torch sums 16-bit inputs in fp32 and rounds once

@@ -16,7 +16,9 @@ then multiplied with the x tile by `tl.dot` in x's dtype with an fp32 accumulato
 would leave most of the GPU idle, so K is split over SPLIT_K programs that write fp32
 partials [SPLIT_K, M, N], summed by one torch reduction (a fixed order: the same result
 every run). Under TRITON_INTERPRET=1 (CPU tests) every load is cast to fp32 first. Tile
-sizes are untuned defaults (`quant_tiles`) until a GPU session measures them.
+sizes are untuned defaults (`quant_tiles`) until a GPU session measures them. The
+packed tensors' rows may be wider than N (`w_stride`): one expert's slice of stacked
+experts packed as one weight (executor/model/moe.py) is read in place.
 """
 
 from __future__ import annotations
@@ -59,14 +61,15 @@ def quant_tiles(num_tokens: int, out_features: int, in_features: int, group_size
 @triton.jit(do_not_specialize=["num_tokens"])
 def _quant_matmul_kernel(
     x_ptr,  # [M, K] (rows x_stride apart, columns contiguous)
-    qweight_ptr,  # [K / P, N] int32: P = 32 / BITS codes along K each
-    scales_ptr,  # [K / G, N]
-    zeros_ptr,  # [K / G, N]
+    qweight_ptr,  # [K / P, N] int32: P = 32 / BITS codes along K each (rows w_stride apart)
+    scales_ptr,  # [K / G, N] (rows w_stride apart)
+    zeros_ptr,  # [K / G, N] (rows w_stride apart)
     out_ptr,  # [SPLIT_K, M, N] fp32 partials (or [M, N] in y's dtype when SPLIT_K = 1)
     num_tokens,
     in_features,
     out_features,
     x_stride,
+    w_stride,  # the packed tensors' row stride: N, or more for a slice of a wider weight
     k_per_split,  # a multiple of BLOCK_K
     group_size,
     BITS: tl.constexpr,
@@ -85,7 +88,7 @@ def _quant_matmul_kernel(
     col_mask = cols < out_features
     ks = split * k_per_split + tl.arange(0, BLOCK_K)  # [BLOCK_K]
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + ks[None, :]  # [BLOCK_M, BLOCK_K]
-    q_ptrs = qweight_ptr + (ks // PER_INT).to(tl.int64)[:, None] * out_features \
+    q_ptrs = qweight_ptr + (ks // PER_INT).to(tl.int64)[:, None] * w_stride \
         + cols[None, :]  # [BLOCK_K, BLOCK_N]
     shifts = ((ks % PER_INT) * BITS)[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -93,9 +96,9 @@ def _quant_matmul_kernel(
         k_start = split * k_per_split + k
         if k_start < in_features:  # the last split may hold fewer tiles
             group = (k_start // group_size).to(tl.int64)
-            scale = tl.load(scales_ptr + group * out_features + cols, mask=col_mask,
+            scale = tl.load(scales_ptr + group * w_stride + cols, mask=col_mask,
                             other=0.0).to(tl.float32)
-            zero = tl.load(zeros_ptr + group * out_features + cols, mask=col_mask,
+            zero = tl.load(zeros_ptr + group * w_stride + cols, mask=col_mask,
                            other=0.0).to(tl.float32)
             codes = (tl.load(q_ptrs, mask=col_mask[None, :], other=0) >> shifts) & MASK
             w = (codes.to(tl.float32) - zero[None, :]) * scale[None, :]  # [BLOCK_K, BLOCK_N]
@@ -106,7 +109,7 @@ def _quant_matmul_kernel(
                 w = w.to(x_ptr.dtype.element_ty)
             acc = tl.dot(xv, w, acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
-        q_ptrs += (BLOCK_K // PER_INT) * out_features
+        q_ptrs += (BLOCK_K // PER_INT) * w_stride
     dest = out_ptr + (split * num_tokens + rows.to(tl.int64))[:, None] * out_features \
         + cols[None, :]
     tl.store(dest, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
@@ -119,12 +122,16 @@ def _check(x: torch.Tensor, w: PackedWeight, tiles: QuantTiles) -> None:
     if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be a row-major [M, {w.in_features}], got {tuple(x.shape)}")
     groups = w.in_features // w.group_size
+    stride = w.qweight.stride(0)  # a slice of a wider weight's columns (an expert's) too
     for name, t in (("scales", w.scales), ("zeros", w.zeros)):
-        if t.dtype != x.dtype or t.shape != (groups, w.out_features) or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous {x.dtype} [{groups}, "
-                             f"{w.out_features}], got {t.dtype} {tuple(t.shape)}")
-    if w.qweight.dtype != torch.int32 or not w.qweight.is_contiguous():
-        raise ValueError(f"qweight must be contiguous int32, got {w.qweight.dtype}")
+        if t.dtype != x.dtype or t.shape != (groups, w.out_features) or t.stride(1) != 1 \
+                or (groups > 1 and t.stride(0) != stride):
+            raise ValueError(f"{name} must be a {x.dtype} [{groups}, {w.out_features}] with "
+                             f"qweight's row stride {stride}, got {t.dtype} {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+    if w.qweight.dtype != torch.int32 or w.qweight.stride(1) != 1:
+        raise ValueError(f"qweight must be int32 with contiguous rows, got {w.qweight.dtype} "
+                         f"strides {w.qweight.stride()}")
     if w.group_size % tiles.block_k:
         raise ValueError(f"block_k {tiles.block_k} must divide group_size {w.group_size}")
 
@@ -156,7 +163,7 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight, tiles: QuantTiles | None = No
             split_k)
     _quant_matmul_kernel[grid](
         x, w.qweight, w.scales, w.zeros, out, num_tokens, w.in_features, w.out_features,
-        x.stride(0), k_per_split, w.group_size, BITS=w.bits, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, CAST_FP32=cast_fp32,
+        x.stride(0), w.qweight.stride(0), k_per_split, w.group_size, BITS=w.bits,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, CAST_FP32=cast_fp32,
         PRECISION="ieee" if cast_fp32 else None)
     return out[0] if split_k == 1 else out.sum(dim=0).to(x.dtype)

@@ -30,8 +30,7 @@ one of them is stored unquantized (F32, F16, BF16). The CPU's int kernel and the
 kernels then compute with the file's own weights. A MoE layer's experts, one stacked
 tensor per projection in the file, are written an expert at a time under the
 checkpoint's per-expert names (model.layers.N.mlp.experts.E.gate_proj, ...), as codes
-the same way: the CPU keeps them packed (moe.ExpertCodes), CUDA loads them dequantized
-(its fused MoE kernel takes no integers yet); stored unquantized, they are written as
+the same way, which load packed (moe.ExpertCodes); stored unquantized, they are written as
 transformers stacks them, and the quantization_config ignores them.
 """
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import PROMPTS, runs_triton_kernels
 from peft_adapters import argmax_along
-from quantized_checkpoints import as_cpu_int_kernel, with_cpu_int_experts
+from quantized_checkpoints import as_cpu_int_kernel, with_packed_experts
 
 from pagellm import SamplingParams
 from pagellm.demo.model import ModelSpec, make_model
@@ -255,7 +255,7 @@ def test_the_cpus_int4_packs_moe_experts_and_takes_their_updates(make_llm, tmp_p
     model_dir = make_model(tmp_path / "moe", MOE)
 
     def reference(model):
-        return with_cpu_int_experts(fake_quantize(model, "cpu_int4"), 4)
+        return with_packed_experts(fake_quantize(model, "cpu_int4"), 4)
 
     def assert_tokens(llm, model, prompts) -> list[list[int]]:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -285,6 +285,54 @@ def test_the_cpus_int4_packs_moe_experts_and_takes_their_updates(make_llm, tmp_p
     llm.update_weights(list(checkpoint.items()))
     assert [o.outputs[0].token_ids for o in llm.generate(
         PROMPTS[:4], GREEDY, use_tqdm=False)] == first
+
+
+def unstacked(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's stacked experts (mlp.experts.gate_up_proj [E, 2I, H], down_proj
+    [E, H, I]) as a checkpoint names them, one tensor per expert and projection."""
+    out = {}
+    for name, tensor in state.items():
+        prefix, _, last = name.rpartition(".")
+        if last == "gate_up_proj" and prefix.endswith(".experts"):
+            size = tensor.shape[1] // 2
+            for e, w in enumerate(tensor):
+                out[f"{prefix}.{e}.gate_proj.weight"] = w[:size]
+                out[f"{prefix}.{e}.up_proj.weight"] = w[size:]
+        elif last == "down_proj" and prefix.endswith(".experts"):
+            out.update({f"{prefix}.{e}.down_proj.weight": w for e, w in enumerate(tensor)})
+        else:
+            out[name] = tensor
+    return out
+
+
+@runs_triton_kernels
+def test_int4_packs_moe_experts_for_the_triton_kernels(make_llm, tmp_path):
+    """With the Triton kernels the experts are packed too, as one PackedWeight per
+    stacked weight (what the fused MoE kernel reads on CUDA; here each expert's slice
+    through the weight-only Triton GEMM): the tokens are transformers' with every
+    expert's weights quantized the same way, and a trainer's update by the checkpoint's
+    per-expert names lands requantized."""
+
+    from pagellm.executor.model.moe import ExpertCodes
+
+    model_dir = make_model(tmp_path / "moe", MOE)
+    llm = make_llm(model_dir, quantization="int4", dtype="float32",
+                   attention_backend="triton")
+    experts = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers[
+        0].mlp.experts
+    assert isinstance(experts.down_codes, ExpertCodes) and experts.down_proj.is_meta
+    assert isinstance(experts.down_codes.quant, quant.PackedWeight)
+    assert experts.down_codes.quant.shape == (8 * 64, 32)  # E * H rows, I columns
+    reference = with_packed_experts(fake_quantized(model_dir, "int4"), 4, activations=False)
+    for out in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False):
+        ours = out.outputs[0].token_ids
+        assert argmax_along(reference, out.prompt_token_ids, ours) == ours
+    trained, state = perturbed(model_dir, seed=14)
+    llm.update_weights(list(unstacked(state).items()))
+    reference = with_packed_experts(fake_quantize(trained, "int4"), 4, activations=False)
+    for out in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False):
+        ours = out.outputs[0].token_ids
+        assert argmax_along(reference, out.prompt_token_ids, ours) == ours
 
 
 def assert_int8_head(model, reference) -> None:

@@ -15,7 +15,7 @@ from conftest import PROMPTS, runs_triton_kernels
 from peft_adapters import argmax_along
 from quantized_checkpoints import (
     as_cpu_int_kernel,
-    with_cpu_int_experts,
+    with_packed_experts,
     write_fp8_checkpoint,
     write_int_checkpoint,
 )
@@ -212,14 +212,18 @@ def _stacked(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_a_moe_checkpoints_experts_stay_packed_on_the_cpu(tp, make_llm, tmp_path):
+@pytest.mark.parametrize(("tp", "backend"), [
+    (1, "torch"), pytest.param(2, "torch", marks=pytest.mark.slow),
+    pytest.param(1, "triton", marks=runs_triton_kernels)])
+def test_a_moe_checkpoints_experts_stay_packed(tp, backend, make_llm, tmp_path):
     """A GPTQ Qwen3-MoE checkpoint (every expert's projections quantized, as GPTQModel
-    writes them) keeps its experts packed on the CPU's path (moe.ExpertCodes: no
-    full-precision copy), each expert's tensors into its rows; two ranks narrow the
-    experts' rows, and down_proj's input columns in whole groups (32 of each rank's
-    64). Tokens: transformers on the weights the codes stand for, every projection's
-    input (the experts' too) quantized per token and block of 32."""
+    writes them) keeps its experts packed (moe.ExpertCodes: no full-precision copy),
+    each expert's tensors into its rows: in the CPU int kernel's layout, or with the
+    Triton kernels as one PackedWeight per stacked weight (the fused MoE kernel's on
+    CUDA). Two ranks narrow the experts' rows, and down_proj's input columns in whole
+    groups (32 of each rank's 64). Tokens: transformers on the weights the codes stand
+    for; on the CPU's path every projection's input (the experts' too) quantized per
+    token and block of 32."""
     from pagellm.executor.model.moe import ExpertCodes
 
     model_dir = make_model(tmp_path / "moe", ModelSpec(
@@ -231,14 +235,20 @@ def test_a_moe_checkpoints_experts_stay_packed_on_the_cpu(tp, make_llm, tmp_path
                                                 bits=4, group=32)
     assert "model.layers.1.mlp.experts.2.down_proj.qweight" in load_file(
         directory / "model.safetensors")
-    llm = make_llm(str(directory), dtype="float32", tensor_parallel_size=tp)
+    llm = make_llm(str(directory), dtype="float32", tensor_parallel_size=tp,
+                   attention_backend=backend)
     if tp == 1:
         experts = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers[
             1].mlp.experts
         assert isinstance(experts.down_codes, ExpertCodes) and experts.down_proj.is_meta
+        assert isinstance(experts.down_codes.quant, PackedWeight if backend == "triton"
+                          else cpu_int_gemm.CpuIntWeight)
         assert (experts.down_codes.quant.bits, experts.down_codes.quant.group_size) == (4, 32)
-    expected = with_cpu_int_experts(_transformers(model_dir, _stacked(reference)), None)
-    _assert_greedy_equal(llm, as_cpu_int_kernel(expected))
+    expected = _transformers(model_dir, _stacked(reference))
+    if backend == "triton":
+        _assert_greedy_equal(llm, with_packed_experts(expected, None, activations=False))
+    else:
+        _assert_greedy_equal(llm, as_cpu_int_kernel(with_packed_experts(expected, None)))
 
 
 def test_the_quantization_argument_must_fit_the_checkpoint(model_dirs, make_llm, tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import MODEL_SPECS
+from helpers import ROOT
 from quantized_checkpoints import write_fp8_checkpoint, write_int_checkpoint
 from safetensors.torch import load_file
 from torch import nn
@@ -295,3 +296,45 @@ def test_gguf_tensors_read_as_scale_times_code_minus_a_float_zero():
     with pytest.raises(ValueError, match=r"zeros is torch\.float16, not float32"):
         list(collect([*pieces[:2], ("p.zeros", zeros.half())], quant, lambda _: True,
                      lambda _: True))
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["cpu", "triton"])
+def test_only_integer_experts_get_a_packed_home(triton):
+    """On the meta model of a Qwen3-MoE, `prepare` packs the experts of an integer
+    checkpoint (the CPU int kernel's layout, or one PackedWeight per stacked weight for
+    the fused MoE kernel), all E * N rows, in the checkpoint's groups; an act-order or
+    FP8 checkpoint's experts stay stacked weights (loaded dequantized), as do those an
+    `ignore` names."""
+    from pagellm.executor.model.config import resolve_model_config
+    from pagellm.executor.model.loader import _meta_model
+    from pagellm.executor.model.quantized_checkpoint import prepare
+    from pagellm.kernels.cpu_int_gemm import CpuIntWeight
+    from pagellm.protocol.engine_args import EngineArgs
+
+    config = resolve_model_config(EngineArgs(
+        model=str(ROOT / "benchmarks" / "configs" / "qwen3-moe-32experts-2layers"),
+        load_format="dummy",
+        skip_tokenizer_init=True, dtype="bfloat16"))
+
+    def experts(quantization_config: dict) -> list:
+        model = _meta_model(config, None)
+        quant = read_quantization_config(quantization_config)
+        assert quant is not None
+        prepare(model, quant, model.checkpoint_parts, torch.bfloat16, triton=triton)
+        return [model.model.layers[i].mlp.experts for i in (0, 1)]
+
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
+    layer0, layer1 = experts(gptq)
+    codes = layer0.gate_up_codes.quant
+    assert isinstance(codes, PackedWeight if triton else CpuIntWeight)
+    assert codes.shape == (32 * 2 * 768, 2048) and (codes.bits, codes.group_size) == (4, 128)
+    assert layer0.down_codes.quant.shape == (32 * 2048, 768) and layer0.down_proj.is_meta
+    assert layer1.down_codes is not None
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm",
+           "modules_to_not_convert": ["layers.1.mlp.experts"]}
+    layer0, layer1 = experts(awq)
+    assert layer0.down_codes is not None and layer1.down_codes is None
+    for unpacked in ({**gptq, "desc_act": True},
+                     {"quant_method": "fp8", "weight_block_size": None}):
+        assert all(e.gate_up_codes is None and e.down_codes is None
+                   for e in experts(unpacked)), unpacked

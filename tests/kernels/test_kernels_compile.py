@@ -82,6 +82,15 @@ def test_kernels_compile_for_hopper_and_ampere_without_spills():
         ids = {r["case"].get("ids") for r in rows
                if r["kernel"] == "_moe_align_count_kernel" and r["arch"] == arch}
         assert ids == {None, "torch.int64"}, ids  # None: int32, the default
+    # Packed experts: both GEMMs with int4 and int8 codes, bf16 at both row tiles of
+    # Qwen3-30B-A3B's decode and 256 tokens (16), fp16 once.
+    packed = {(r["kernel"], r["arch"], r["case"]["dtype"], r["constexprs"].get("BITS"))
+              for r in moe_rows}
+    for arch in (90, 80):
+        for kernel in ("_moe_gate_up_kernel", "_moe_down_kernel"):
+            for dtype, bits in (("torch.bfloat16", "4"), ("torch.bfloat16", "8"),
+                                ("torch.float16", "4"), ("torch.bfloat16", "0")):
+                assert (kernel, arch, dtype, bits) in packed, (kernel, arch, dtype, bits)
     # Spilled registers go to the stack frame (ptxas -v: "8 bytes stack frame, 8 bytes
     # spill stores"), which the LOCAL figure below leaves out: the MoE kernels have none.
     assert not [r for r in moe_rows if r["stack"] > 0], [r for r in moe_rows if r["stack"]]

@@ -39,13 +39,14 @@ def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def make_moe(tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
-             unused: int = 3, seed: int = 0) -> tuple[torch.Tensor, ...]:
+             unused: int = 3, seed: int = 0, hidden: int = HIDDEN, inter: int = INTER
+             ) -> tuple[torch.Tensor, ...]:
     """x, w13, w2, topk_weights, topk_ids: each token picks top_k distinct experts among
     all but `unused` of them (scattered, not the last ones), whose weights are NaN."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, HIDDEN, generator=gen)
-    w13 = torch.randn(num_experts, 2 * INTER, HIDDEN, generator=gen) / HIDDEN ** 0.5
-    w2 = torch.randn(num_experts, HIDDEN, INTER, generator=gen) / INTER ** 0.5
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
     experts = torch.randperm(num_experts, generator=gen)
     picked, never = experts[unused:], experts[:unused]
     w13[never] = float("nan")
@@ -95,6 +96,42 @@ def test_runs_longer_than_a_block_and_int64_ids_match_reference():
     tiles = tm.MoeTiles(block_m=16, block_n=32, block_k=32)
     got = tm.fused_moe(x, w13, w2, topk_weights, topk_ids.long(), tiles=tiles)
     assert_matches(got, reference_moe(x, w13, w2, topk_weights, topk_ids))
+
+
+def packed(w: torch.Tensor, bits: int, group: int) -> tm.PackedWeight:
+    """A stacked [E, N, K] weight's E * N rows quantized as one PackedWeight (scales and
+    zeros in w's dtype: the kernels' layout for packed experts)."""
+    from pagellm.kernels.quant import quantize
+
+    return quantize(w.reshape(-1, w.shape[2]).float(), bits, group, w.dtype)
+
+
+def dequantized(w: tm.PackedWeight, experts: int) -> torch.Tensor:
+    """What a packed stacked weight stands for, [E, N, K] fp32."""
+    from pagellm.kernels.quant import dequantize
+
+    return dequantize(w).reshape(experts, -1, w.in_features)
+
+
+@runs_triton_kernels
+@pytest.mark.parametrize(("bits", "tokens", "dtype", "which"), [
+    (4, 1, torch.float32, "both"), (4, 37, torch.float32, "both"), (8, 37, torch.float32, "both"),
+    (4, 5, torch.bfloat16, "both"), (8, 5, torch.float32, "w13"), (4, 5, torch.float32, "w2")])
+def test_packed_experts_match_the_reference_on_their_dequantized_weights(bits, tokens, dtype,
+                                                                         which):
+    """Experts packed as int4/int8 codes in groups of 32 (quantize-on-load's and integer
+    checkpoints' experts on CUDA), dequantized tile by tile in both GEMMs (or one of
+    them packed, the other not): the reference runs on the weights the codes stand for.
+    H = 96 and I = 64 leave ragged reduction tiles; never-picked experts are NaN."""
+    x, w13, w2, topk_weights, topk_ids = make_moe(tokens, 2, 8, dtype, seed=bits,
+                                                  hidden=96, inter=64)
+    q13 = packed(w13, bits, 32) if which in ("both", "w13") else w13
+    q2 = packed(w2, bits, 32) if which in ("both", "w2") else w2
+    got = tm.fused_moe(x, q13, q2, topk_weights, topk_ids)
+    assert got.shape == x.shape and got.dtype == dtype
+    r13 = dequantized(q13, 8) if isinstance(q13, tm.PackedWeight) else w13
+    r2 = dequantized(q2, 8) if isinstance(q2, tm.PackedWeight) else w2
+    assert_matches(got, reference_moe(x, r13, r2, topk_weights, topk_ids))
 
 
 @runs_triton_kernels

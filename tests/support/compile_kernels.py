@@ -152,6 +152,15 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
     cases.append(("moe", dict(QWEN3_MOE, dtype=torch.bfloat16, tokens=512)))
     cases.append(("moe", dict(MIXTRAL_MOE, dtype=torch.float32, tokens=256)))
     cases.append(("moe", dict(QWEN3_MOE, dtype=torch.bfloat16, tokens=7, ids=torch.int64)))
+    # Packed experts (int4 / int8 codes dequantized in both GEMMs): Qwen3-30B-A3B in bf16
+    # at a decode and 256 tokens, int4 in groups of 128; int8 and fp16 at a decode.
+    for tokens in (1, 256):
+        cases.append(("moe", dict(QWEN3_MOE, dtype=torch.bfloat16, tokens=tokens, bits=4,
+                                  group_size=128)))
+    cases.append(("moe", dict(QWEN3_MOE, dtype=torch.bfloat16, tokens=1, bits=8,
+                              group_size=128)))
+    cases.append(("moe", dict(QWEN3_MOE, dtype=torch.float16, tokens=1, bits=4,
+                              group_size=32)))
     # LoRA shrink/expand at rank 16 on Llama-3-8B's fused qkv (4096 -> 6144, three
     # parts): decode (1 row, K split 4 ways), 64 rows (the last split size, 32-row
     # tiles) and a 512-row prompt chunk (64-row tiles, no split); its down projection
@@ -187,6 +196,15 @@ QWEN3_MOE = dict(model="qwen3-30b-a3b", hidden=2048, inter=768, experts=128, top
 MIXTRAL_MOE = dict(model="mixtral-8x7b", hidden=4096, inter=14336, experts=8, top_k=2)
 
 
+def _packed(p: dict[str, Any], n: int, k: int) -> PackedWeight:
+    """An empty packed weight [n, k] on meta: p's bits, group size and dtype."""
+    meta, groups = torch.device("meta"), k // p["group_size"]
+    return PackedWeight(torch.empty(k // (32 // p["bits"]), n, dtype=torch.int32, device=meta),
+                        torch.empty(groups, n, dtype=p["dtype"], device=meta),
+                        torch.empty(groups, n, dtype=p["dtype"], device=meta), p["bits"],
+                        p["group_size"])
+
+
 def _launch(kind: str, p: dict[str, Any]) -> None:
     meta = torch.device("meta")
     if kind == "rms_norm":
@@ -199,9 +217,13 @@ def _launch(kind: str, p: dict[str, Any]) -> None:
         return
     if kind == "moe":
         x = torch.empty(p["tokens"], p["hidden"], dtype=p["dtype"], device=meta)
-        w13 = torch.empty(p["experts"], 2 * p["inter"], p["hidden"], dtype=p["dtype"],
-                          device=meta)
-        w2 = torch.empty(p["experts"], p["hidden"], p["inter"], dtype=p["dtype"], device=meta)
+        w13: Any = torch.empty(p["experts"], 2 * p["inter"], p["hidden"], dtype=p["dtype"],
+                               device=meta)
+        w2: Any = torch.empty(p["experts"], p["hidden"], p["inter"], dtype=p["dtype"],
+                              device=meta)
+        if "bits" in p:  # all experts' rows as one packed weight [E * N, K]
+            w13, w2 = (_packed(p, p["experts"] * n, k) for n, k in (
+                (2 * p["inter"], p["hidden"]), (p["hidden"], p["inter"])))
         routing = torch.empty(p["tokens"], p["top_k"], device=meta)
         tm.fused_moe(x, w13, w2, routing,
                      torch.empty_like(routing, dtype=p.get("ids", torch.int32)))
@@ -217,12 +239,9 @@ def _launch(kind: str, p: dict[str, Any]) -> None:
                      torch.empty(slots, 3, dtype=torch.int32, device=meta))
         return
     if kind == "quant":
-        k, n, per_int = p["in_features"], p["out_features"], 32 // p["bits"]
-        groups = k // p["group_size"]
-        tqu.quant_matmul(torch.empty(p["tokens"], k, dtype=p["dtype"], device=meta), PackedWeight(
-            torch.empty(k // per_int, n, dtype=torch.int32, device=meta),
-            torch.empty(groups, n, dtype=p["dtype"], device=meta),
-            torch.empty(groups, n, dtype=p["dtype"], device=meta), p["bits"], p["group_size"]))
+        k = p["in_features"]
+        tqu.quant_matmul(torch.empty(p["tokens"], k, dtype=p["dtype"], device=meta),
+                         _packed(p, p["out_features"], k))
         return
     if kind == "rotary":
         x = torch.empty(7, p["heads"] + 4, p["head_dim"], dtype=p["dtype"], device=meta)

@@ -261,15 +261,17 @@ def as_cpu_int_kernel(model: Any, full_precision: Collection[str] = ()) -> Any:
     return model
 
 
-def with_cpu_int_experts(model: Any, bits: int | None, shards: int = 1,
-                         packed: tuple[str, ...] = ("gate_up_proj", "down_proj")) -> Any:
+def with_packed_experts(model: Any, bits: int | None, shards: int = 1,
+                        packed: tuple[str, ...] = ("gate_up_proj", "down_proj"),
+                        activations: bool = True) -> Any:
     """transformers' `model` with every MoE layer's stacked experts (transformers 5's
-    `*Experts` modules: gate_up_proj [E, 2I, H], down_proj [E, H, I]) as the CPU's int
-    kernel computes packed experts (moe.ExpertCodes): quantized on load, each expert's
-    weights quantized to `bits` and dequantized group-wise (down_proj's K in `shards`
-    slices, as each tensor-parallel rank quantizes its own); `bits` None: the weights
-    are already what a checkpoint's codes stand for. And the input of each of its projections
-    quantized per token and block of 32 (F.linear wrapped during the module's forward:
+    `*Experts` modules: gate_up_proj [E, 2I, H], down_proj [E, H, I]) as the engine
+    computes packed experts (moe.ExpertCodes): quantized on load, each expert's weights
+    quantized to `bits` and dequantized group-wise (down_proj's K in `shards` slices, as
+    each tensor-parallel rank quantizes its own); `bits` None: the weights are already
+    what a checkpoint's codes stand for. With `activations` (the CPU's int kernel; the
+    Triton kernels are weight-only), the input of each of their projections quantized
+    per token and block of 32 (F.linear wrapped during the module's forward:
     transformers' own per-expert loop, its "eager" experts implementation; the default
     grouped_mm calls no F.linear: for `model` a part of one, the caller sets it). Only
     the stacked weights `packed` names are taken so (a file's experts may keep gate/up
@@ -318,8 +320,9 @@ def with_cpu_int_experts(model: Any, bits: int | None, shards: int = 1,
                     expert.copy_(torch.cat([dequantize(quantize(part, bits, group))
                                             for part in expert.split(k, dim=1)], dim=1))
 
-        module.forward = wrapped(module.forward,
-                                 quantizing([getattr(module, p) for p in packed]))
+        if activations:
+            module.forward = wrapped(module.forward,
+                                     quantizing([getattr(module, p) for p in packed]))
         count += 1
     assert count, "no stacked experts in the model"
     return model

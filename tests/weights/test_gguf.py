@@ -13,7 +13,7 @@ import torch
 from conftest import PROMPTS, runs_triton_kernels
 from gguf_files import write_gguf
 from peft_adapters import argmax_along
-from quantized_checkpoints import as_cpu_int_kernel, with_cpu_int_experts
+from quantized_checkpoints import as_cpu_int_kernel, with_packed_experts
 
 from pagellm import SamplingParams
 from pagellm.demo.model import ModelSpec, make_model
@@ -117,7 +117,7 @@ def test_other_families_files_give_transformers_tokens(arch, projections, tp,
     reference = _transformers(path)
     assert reference.config.model_type == arch
     if arch == "qwen3_moe":
-        with_cpu_int_experts(reference, None)
+        with_packed_experts(reference, None)
     _assert_greedy_equal(llm, as_cpu_int_kernel(reference))
 
 
@@ -149,7 +149,7 @@ def test_a_moe_files_unquantized_experts_load_as_weights(tmp_path_factory, tmp_p
     assert layers[1].mlp.experts.down_codes.quant.bits == 4
     reference = _transformers(path)
     reference.set_experts_implementation("eager")
-    with_cpu_int_experts(reference.model.layers[1], None, packed=("down_proj",))
+    with_packed_experts(reference.model.layers[1], None, packed=("down_proj",))
     _assert_greedy_equal(llm, as_cpu_int_kernel(reference))
 
 

@@ -22,11 +22,14 @@ The experts compute only for the tokens that chose them:
   projection (`linear`, the CPU's choice of kernel), summed in expert order as
   transformers does (its `index_add_` per expert), so fp32 outputs match it.
 
-On the CPU `quantization="int4"` / `"int8"` packs the experts too (`quantize_experts`;
-an integer checkpoint's quantized experts load packed: quantized_checkpoint.py): each
-stacked weight's E * N rows become one CpuIntWeight (`ExpertCodes`), expert e's rows
-its own tiles (N a multiple of the kernel's 16 rows), so an expert's weight is a slice
-of the codes, computed by the CPU's int kernel as the dense projections are. In a MoE
+`quantization="int4"` / `"int8"` packs the experts too (`quantize_experts`; an integer
+checkpoint's quantized experts load packed: quantized_checkpoint.py): each stacked
+weight's E * N rows become one packed weight (`ExpertCodes`), expert e's rows e * N to
+(e + 1) * N, so an expert's weight is a slice of the codes. On the CPU it is a
+CpuIntWeight (N a multiple of the kernel's 16 rows: an expert owns whole tiles),
+computed by the CPU's int kernel as the dense projections are; with the Triton kernels
+a PackedWeight, which the fused MoE kernel dequantizes tile by tile (and, on the CPU
+under the interpreter, each expert's slice runs the weight-only Triton GEMM). In a MoE
 model the experts are nearly all the bytes (Qwen3-30B-A3B: 29 of its 30B weights): a
 quantized model whose experts stayed fp32 would keep almost all of its size.
 """
@@ -52,25 +55,31 @@ from pagellm.executor.model.quantize import (
 from pagellm.executor.model.spec import DecoderSpec, MoeSpec
 from pagellm.kernels import cpu_int_gemm
 from pagellm.kernels.cpu_int_gemm import CpuIntWeight
-from pagellm.kernels.quant import quantize
+from pagellm.kernels.quant import PackedWeight, quantize
 
 
 class ExpertCodes(nn.Module):
-    """A stacked expert weight [E, N, K] in the CPU int kernel's layout: `quant` holds
-    all E * N rows, expert e's the tiles from e * N / 16 (module docstring). A module
-    of its own so that what finds packed weights by their `quant` (sleep's backups,
-    the loader's sizes, weight updates' requantizing) finds these too."""
+    """A stacked expert weight [E, N, K] as integer codes: `quant` holds all E * N rows,
+    expert e's rows e * N to (e + 1) * N (module docstring): in the CPU int kernel's
+    layout (expert e's the tiles from e * N / 16), or kernels/quant.py's for the Triton
+    kernels. A module of its own so that what finds packed weights by their `quant`
+    (sleep's backups, the loader's sizes, weight updates' requantizing) finds these
+    too."""
 
-    def __init__(self, quant: CpuIntWeight, experts: int) -> None:
+    def __init__(self, quant: CpuIntWeight | PackedWeight, experts: int) -> None:
         super().__init__()
-        assert quant.out_features % (experts * cpu_int_gemm.TILE) == 0, quant.shape
         self.quant = quant
         self.rows = quant.out_features // experts  # N
+        assert self.rows * experts == quant.out_features, (quant.shape, experts)
+        assert isinstance(quant, PackedWeight) or self.rows % cpu_int_gemm.TILE == 0
 
-    def expert(self, e: int) -> CpuIntWeight:
-        """Expert e's weight [N, K]: views of its tiles (taken at each call: sleep and
+    def expert(self, e: int) -> CpuIntWeight | PackedWeight:
+        """Expert e's weight [N, K]: views of its rows (taken at each call: sleep and
         wake swap the tensors' storage)."""
-        q, tiles = self.quant, self.rows // cpu_int_gemm.TILE
+        q = self.quant
+        if isinstance(q, PackedWeight):
+            return q.narrow(0, e * self.rows, self.rows)
+        tiles = self.rows // cpu_int_gemm.TILE
         part = slice(e * tiles, (e + 1) * tiles)
         return CpuIntWeight(q.codes[part], q.scales[part], q.zeros[part], q.bits,
                             q.group_size, self.rows)
@@ -90,7 +99,7 @@ class Experts(nn.Module):
         self.gate_up_codes: ExpertCodes | None = None
         self.down_codes: ExpertCodes | None = None
 
-    def pack(self, attr: str, quant: CpuIntWeight) -> tuple[int, ExpertCodes]:
+    def pack(self, attr: str, quant: CpuIntWeight | PackedWeight) -> tuple[int, ExpertCodes]:
         """Compute stacked weight `attr` (gate_up_proj or down_proj) from `quant` (all
         its E * N rows) from now on; the parameter becomes a meta placeholder of its
         shape. Returns (the placeholder's id, the ExpertCodes): an entry of the model's
@@ -100,6 +109,11 @@ class Experts(nn.Module):
         setattr(self, attr.replace("_proj", "_codes"), codes)
         setattr(self, attr, placeholder(weight))
         return id(getattr(self, attr)), codes
+
+    def fused_weights(self) -> tuple[torch.Tensor | PackedWeight, torch.Tensor | PackedWeight]:
+        """(gate_up, down) as the fused MoE kernel takes them: stacked, or packed."""
+        return (_fused(self.gate_up_codes, self.gate_up_proj),
+                _fused(self.down_codes, self.down_proj))
 
     def mlp(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e's SwiGLU MLP: x [n, H] -> [n, H]; each projection from its codes where
@@ -111,6 +125,14 @@ class Experts(nn.Module):
             gate_up = _project(x, self.gate_up_codes, self.gate_up_proj, e)  # [n, 2I]
             h = F.silu(gate_up[:, :size]) * gate_up[:, size:]  # [n, I]
         return _project(h, self.down_codes, self.down_proj, e)
+
+
+def _fused(codes: ExpertCodes | None, stacked: torch.Tensor) -> torch.Tensor | PackedWeight:
+    """A stacked weight as the fused MoE kernel takes it: its PackedWeight where packed."""
+    if codes is None:
+        return stacked
+    assert isinstance(codes.quant, PackedWeight), "the CPU's layout on CUDA"
+    return codes.quant
 
 
 def _project(x: torch.Tensor, codes: ExpertCodes | None, stacked: torch.Tensor, e: int
@@ -148,40 +170,50 @@ class SparseMoeBlock(nn.Module):
         if x.is_cuda:
             from pagellm.kernels.triton_moe import fused_moe
 
-            out = fused_moe(x.contiguous(), self.experts.gate_up_proj,
-                            self.experts.down_proj, weights.float(), ids)
+            w13, w2 = self.experts.fused_weights()
+            out = fused_moe(x.contiguous(), w13, w2, weights.float(), ids)
         else:
             out = experts_grouped(x, self.experts, weights, ids)
         return self.tp.all_reduce(out)
 
 
-def stacked_experts(model: nn.Module) -> Iterator[tuple[Experts, str, int]]:
+def stacked_experts(model: nn.Module, cpu: bool) -> Iterator[tuple[Experts, str, int]]:
     """(module, attr, shards) for each MoE layer's stacked weights, `shards` the
-    tensor-parallel slices of their K (row-parallel down_proj); ValueError where the
-    experts' rows do not fill whole tiles of the CPU's int kernel (each expert's weight
-    must be a slice of the packed one)."""
+    tensor-parallel slices of their K (row-parallel down_proj). For the CPU's int kernel
+    (`cpu`), ValueError where the experts' rows do not fill whole tiles (each expert's
+    weight must be a slice of the packed one)."""
     for name, module in model.named_modules():
         if not isinstance(module, Experts):
             continue
         for attr, shards in (("gate_up_proj", 1), ("down_proj", module.shards)):
             rows = getattr(module, attr).shape[1]
-            if rows % cpu_int_gemm.TILE:
+            if cpu and rows % cpu_int_gemm.TILE:
                 raise ValueError(f"{name}.{attr}: experts of {rows} rows (not a multiple of "
                                  f"{cpu_int_gemm.TILE}) cannot take the CPU's int kernel")
             yield module, attr, shards
 
 
-def quantize_experts(model: nn.Module, bits: int) -> dict[int, nn.Module]:
-    """Quantize on load (quantize.py) every MoE layer's experts for the CPU's int
-    kernel, an expert at a time, in groups as `group_size_for` gives a projection;
-    returns the ExpertCodes by their placeholder's id."""
+def quantize_experts(model: nn.Module, bits: int, triton: bool) -> dict[int, nn.Module]:
+    """Quantize on load (quantize.py) every MoE layer's experts, an expert at a time, in
+    groups as `group_size_for` gives a projection: for the CPU's int kernel, or
+    (`triton`) as one PackedWeight per stacked weight, scales in the model's dtype, for
+    the fused MoE kernel (kernels/triton_moe.py). Returns the ExpertCodes by their
+    placeholder's id."""
     quantized: dict[int, nn.Module] = {}
-    for experts, attr, shards in stacked_experts(model):
+    for experts, attr, shards in stacked_experts(model, cpu=not triton):
         weight = getattr(experts, attr)  # [E, N, K]
         group = group_size_for(weight.shape[2], shards)
-        parts = [cpu_int_gemm.pack(quantize(w.detach(), bits, group, torch.float32))
-                 for w in weight]
-        quantized.update([experts.pack(attr, in_huge_pages(cpu_int_gemm.concatenated(parts)))])
+        if triton:
+            parts = [quantize(w.detach(), bits, group) for w in weight]
+            quant: CpuIntWeight | PackedWeight = PackedWeight(
+                torch.cat([p.qweight for p in parts], dim=1),
+                torch.cat([p.scales for p in parts], dim=1),
+                torch.cat([p.zeros for p in parts], dim=1), bits, group)
+        else:
+            quant = in_huge_pages(cpu_int_gemm.concatenated([
+                cpu_int_gemm.pack(quantize(w.detach(), bits, group, torch.float32))
+                for w in weight]))
+        quantized.update([experts.pack(attr, quant)])
     return quantized
 
 

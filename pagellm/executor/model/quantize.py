@@ -13,10 +13,9 @@ parallelism shards nothing of its own: a row-parallel slice is quantized along i
 K). Integer groups are 128 input columns, else 64 or 32 (`group_size_for`). The
 embedding, the LM head, norms and MoE routers stay in the model's dtype, as vLLM's
 weight-only schemes leave them (the CPU computes the LM head from an int8 copy:
-linear.INT_WEIGHTS, registered by the model runner). MoE experts are packed on the
-CPU's path (moe.quantize_experts: in a MoE model they are nearly all the bytes); under the
-Triton kernels they stay in the model's dtype (the fused MoE kernel takes no integer
-weights yet). A quantized weight becomes a meta placeholder of its old shape (its
+linear.INT_WEIGHTS, registered by the model runner). MoE experts are packed too
+(moe.quantize_experts: in a MoE model they are nearly all the bytes), but for fp8 (no
+fp8 fused MoE kernel). A quantized weight becomes a meta placeholder of its old shape (its
 memory freed; shapes still readable), and weight updates land through
 `RequantizingDestination`: the new rows of a projection, or of an expert (a checkpoint
 tensor's part on this rank), are quantized as loading did and written over the old

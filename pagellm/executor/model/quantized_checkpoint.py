@@ -505,18 +505,15 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
                 module.quant = Fp8Weight(torch.empty(n, k, dtype=FP8),
                                          torch.empty(1, n, dtype=torch.float32))
             else:
-                group = _target_group(quant, k, k * shards)
-                perm = torch.empty(k, dtype=torch.int64) if quant.act_order and shards == 1 \
-                    else None
-                module.quant = PackedWeight(
-                    torch.empty(k * bits // 32, n, dtype=torch.int32),
-                    torch.empty(k // group, n, dtype=dtype),
-                    torch.empty(k // group, n, dtype=dtype), bits, group, perm)
+                module.quant = _empty_packed(n, k, bits, _target_group(quant, k, k * shards),
+                                             dtype, act_order=quant.act_order and shards == 1)
             module.weight = nn.Parameter(torch.empty(n, k, dtype=module.weight.dtype),
                                          requires_grad=False)
         modules[id(module.weight)] = module
-    if not triton:
-        modules.update(_prepare_experts(model, quant))
+    # Integer experts (no FP8 expert kernel; the fused MoE kernel reads the input columns
+    # in order: no act-order)
+    if quant.kind is Kind.INT and not quant.act_order:
+        modules.update(_prepare_experts(model, quant, dtype, triton))
     return modules
 
 
@@ -530,6 +527,16 @@ def _ignored(quant: CheckpointQuant, parts: list[str]) -> bool:
     return ignored.pop()
 
 
+def _empty_packed(n: int, k: int, bits: int, group: int, dtype: torch.dtype,
+                  act_order: bool = False) -> PackedWeight:
+    """A PackedWeight [n, k] on the current (meta) device, scales and zeros in `dtype`
+    (and an act-order permutation, `act_order`)."""
+    return PackedWeight(torch.empty(k * bits // 32, n, dtype=torch.int32),
+                        torch.empty(k // group, n, dtype=dtype),
+                        torch.empty(k // group, n, dtype=dtype), bits, group,
+                        torch.empty(k, dtype=torch.int64) if act_order else None)
+
+
 def _empty_cpu_int(n: int, k: int, bits: int, group: int) -> CpuIntWeight:
     """A CpuIntWeight [n, k] on the current (meta) device."""
     tiles = -(-n // TILE)
@@ -538,27 +545,30 @@ def _empty_cpu_int(n: int, k: int, bits: int, group: int) -> CpuIntWeight:
                         torch.empty(tiles, k // group, TILE), bits, group, n)
 
 
-def _prepare_experts(model: nn.Module, quant: CheckpointQuant) -> dict[int, nn.Module]:
-    """The CPU's packed experts (moe.ExpertCodes) for every MoE layer whose experts the
-    checkpoint quantizes (all of a layer's experts or none: they are one packed weight
-    per projection, of one width), empty on meta, their stacked parameters meta
-    placeholders; by placeholder id. Each expert's checkpoint tensors then load into
-    their rows (quantize.place)."""
+def _prepare_experts(model: nn.Module, quant: CheckpointQuant, dtype: torch.dtype,
+                     triton: bool) -> dict[int, nn.Module]:
+    """Packed experts (moe.ExpertCodes: the CPU int kernel's layout, or with `triton` a
+    PackedWeight for the fused MoE kernel, scales in `dtype`) for every MoE layer whose
+    experts the checkpoint quantizes (all of a layer's experts or none: they are one
+    packed weight per projection, of one width), empty on meta, their stacked
+    parameters meta placeholders; by placeholder id. Each expert's checkpoint tensors
+    then load into their rows (quantize.place)."""
     from pagellm.executor.model.moe import stacked_experts
     from pagellm.executor.model.weight_map import moe_names
 
     module_name, (gate, up, down) = moe_names(model.spec)  # type: ignore[arg-type]
     modules: dict[int, nn.Module] = {}
-    for experts, attr, shards in stacked_experts(model):
+    for experts, attr, shards in stacked_experts(model, cpu=not triton):
         count, rows, k = getattr(experts, attr).shape
         layer = next(n for n, m in model.named_modules() if m is experts).rsplit(".", 2)[0]
         parts = [f"{layer}.{module_name}.experts.{e}.{p}" for e in range(count)
                  for p in ((gate, up) if attr == "gate_up_proj" else (down,))]
         if _ignored(quant, parts):
             continue
+        bits, group = quant.bits_of(parts), _target_group(quant, k, k * shards)
         with torch.device("meta"):
-            empty = _empty_cpu_int(count * rows, k, quant.bits_of(parts),
-                                   _target_group(quant, k, k * shards))
+            empty = _empty_packed(count * rows, k, bits, group, dtype) if triton else \
+                _empty_cpu_int(count * rows, k, bits, group)
         modules.update([experts.pack(attr, empty)])
     return modules
 

@@ -180,7 +180,8 @@ class ModelRunner:
         attention runs Triton's: on CUDA (on the CPU attention_backend='triton' runs
         the kernels anyway, for tests). The CPU's own path takes int4 and int8, through
         its C++ int kernel (kernels/cpu_int_gemm.py: faster than fp32 where the CPU has
-        AVX-512 VNNI's int8 dot products), the MoE experts packed too (moe.py), and, as
+        AVX-512 VNNI's int8 dot products), the MoE experts packed on both paths (moe.py;
+        not for fp8), and, as
         for an integer checkpoint there, the LM head from an int8 copy of its weight
         (linear.INT_WEIGHTS, made again after weight updates; registered in __init__);
         it has no fp8 GEMM faster than fp32's."""
@@ -193,8 +194,9 @@ class ModelRunner:
             logger.warning("quantization=%r on a CPU without AVX-512 VNNI: less memory "
                            "than fp32, but slower", quantization)
         self.model.quantized = quantize_projections(self.model, quantization, triton)
-        if not triton:  # the fused MoE Triton kernel takes no integer weights yet
-            self.model.quantized.update(quantize_experts(self.model, QUANTIZATIONS[quantization]))
+        if quantization != "fp8":  # (no fp8 fused MoE kernel: fp8 experts keep the dtype)
+            self.model.quantized.update(quantize_experts(
+                self.model, QUANTIZATIONS[quantization], triton))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the replaced weights' memory
         logger.info("quantization=%s: %d weights quantized on load", quantization,
