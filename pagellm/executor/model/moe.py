@@ -87,8 +87,8 @@ class ExpertCodes(nn.Module):
 
 class Experts(nn.Module):
     """This rank's slice of every expert's weights, stacked (module docstring); packed
-    by the CPU's int kernel (`gate_up_codes`, `down_codes`; the parameters then meta
-    placeholders) where the engine quantized on load."""
+    as integer codes (`gate_up_codes`, `down_codes`; the parameters then meta
+    placeholders) where quantized on load or by the checkpoint."""
 
     def __init__(self, moe: MoeSpec, hidden_size: int, tp: TensorParallel) -> None:
         super().__init__()
