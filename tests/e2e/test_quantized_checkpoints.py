@@ -251,6 +251,31 @@ def test_a_moe_checkpoints_experts_stay_packed(tp, backend, make_llm, tmp_path):
         _assert_greedy_equal(llm, as_cpu_int_kernel(with_packed_experts(expected, None)))
 
 
+def test_experts_a_checkpoint_leaves_in_full_precision_load_as_weights(make_llm, tmp_path):
+    """AutoGPTQ picks modules by name: Mixtral's experts (w1/w3/w2, not *_proj) stay
+    fp32 in its checkpoint, named in no `ignore`. They load as stacked weights (not
+    refused as a projection the config says is quantized), the attention packed."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_model(tmp_path / "mixtral", ModelSpec(
+        arch="mixtral", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        vocab_size=1024, intermediate_size=64, init_std=0.2, seed=13,
+        config_extra=dict(num_local_experts=4, num_experts_per_tok=2)))
+    directory, reference = write_int_checkpoint(model_dir, tmp_path / "gptq", "gptq",
+                                                bits=4, group=32)
+    stored = load_file(directory / "model.safetensors")
+    assert stored["model.layers.0.block_sparse_moe.experts.1.w2.weight"].dtype == torch.float32
+    assert "model.layers.0.self_attn.q_proj.qweight" in stored
+    llm = make_llm(str(directory), dtype="float32")
+    layer = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers[0]
+    assert layer.mlp.experts.gate_up_codes is None and not layer.mlp.experts.down_proj.is_meta
+    assert isinstance(layer.self_attn.qkv_proj.quant, cpu_int_gemm.CpuIntWeight)
+    expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected.load_state_dict({k: v for k, v in reference.items() if ".experts." not in k},
+                             strict=False)  # the attention's weights as their codes stand
+    _assert_greedy_equal(llm, as_cpu_int_kernel(expected))
+
+
 def test_the_quantization_argument_must_fit_the_checkpoint(model_dirs, make_llm, tmp_path):
     directory, _ = write_int_checkpoint(model_dirs["llama"], tmp_path / "gptq", "gptq")
     for asked, message in (("awq", "is a gptq checkpoint"), ("int4", "is a gptq checkpoint")):

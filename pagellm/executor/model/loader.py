@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,19 +63,39 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def tensor_names(model_dir: Path) -> set[str]:
+    """The checkpoint's tensor names (the index's, else each file's header): what a
+    quantized checkpoint stores packed is known before any tensor is read."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for file in safetensors_files(model_dir):
+        with _opened(file) as f:
+            names.update(f.keys())
+    return names
+
+
 def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each file's tensors in turn. A file the library cannot read (truncated by an
-    interrupted download, not safetensors at all) is named: its own message says why
-    ("incomplete metadata") but not which of a checkpoint's shards it means."""
+    """Each file's tensors in turn."""
+    for file in files:
+        with _opened(file) as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+@contextmanager
+def _opened(file: Path) -> Iterator[Any]:
+    """`file` through safetensors' safe_open. A file the library cannot read (truncated
+    by an interrupted download, not safetensors at all) is named: its own message says
+    why ("incomplete metadata") but not which of a checkpoint's shards it means."""
     from safetensors import SafetensorError, safe_open
 
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"cannot read the safetensors file {file}: {e}") from e
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"cannot read the safetensors file {file}: {e}") from e
 
 
 def available_memory(device: torch.device) -> int:
@@ -166,8 +187,9 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
     model = _meta_model(config, tp)
     quant = config.checkpoint_quant
     if quant is not None:
-        model.quantized = quantized_checkpoint.prepare(model, quant, model.checkpoint_parts,
-                                                       config.dtype, triton=kernels)
+        model.quantized = quantized_checkpoint.prepare(
+            model, quant, model.checkpoint_parts, config.dtype, triton=kernels,
+            names=None if config.load_format == "dummy" else tensor_names(Path(config.model)))
     _check_memory(config, _bytes_of(model), device, tp)
     # (A quantized model keeps no copies of the weights it replaces.)
     copies = 0 if config.quantization or model.quantized else \

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import Any
@@ -134,6 +134,12 @@ class CheckpointQuant:
         if suffix == "weight":
             return "weight" in self.tensors and tensor.dtype in (torch.int8, FP8)
         return suffix in self.tensors
+
+    def holds_codes(self, module: str, names: Collection[str]) -> bool:
+        """Whether a checkpoint of tensor `names` stores `module` quantized: it has a
+        tensor only a quantized module has (qweight, weight_packed, weight_scale, ...),
+        not just a plain weight."""
+        return any(f"{module}.{t}" in names for t in self.tensors - {"weight"})
 
     def missing(self, pieces: dict[str, torch.Tensor]) -> set[str]:
         return set(self.tensors) - set(pieces)
@@ -474,7 +480,8 @@ def _target_group(quant: CheckpointQuant, in_features: int, full_in: int) -> int
 
 
 def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str], list[str]],
-            dtype: torch.dtype, triton: bool = True) -> dict[int, nn.Module]:
+            dtype: torch.dtype, triton: bool = True, names: Collection[str] | None = None
+            ) -> dict[int, nn.Module]:
     """On the meta model: give each projection the checkpoint quantizes (PROJECTIONS of
     quantize.py whose checkpoint parts `part_names(name)` are not ignored) an empty
     packed form of its slice's shape, on meta, and a fresh meta placeholder weight;
@@ -482,8 +489,9 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
     `quantized`). Nothing for block-wise FP8 (loaded dequantized). Without the Triton
     kernels (`triton` False), integer weights take the CPU int kernel's layout
     (kernels/cpu_int_gemm.py; a W8A8 checkpoint in groups of whole rows: its scales),
-    MoE experts included (`_prepare_experts`), except act-order ones, which load
-    dequantized as FP8 does."""
+    MoE experts included (`_prepare_experts`; with the checkpoint's tensor `names`, only
+    experts it stores quantized), except act-order ones, which load dequantized as FP8
+    does."""
     if quant.kind is Kind.FP8_BLOCK or (not triton and (quant.kind is not Kind.INT
                                                          or quant.act_order)):
         return {}
@@ -513,7 +521,7 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
     # Integer experts (no FP8 expert kernel; the fused MoE kernel reads the input columns
     # in order: no act-order)
     if quant.kind is Kind.INT and not quant.act_order:
-        modules.update(_prepare_experts(model, quant, dtype, triton))
+        modules.update(_prepare_experts(model, quant, dtype, triton, names))
     return modules
 
 
@@ -546,13 +554,17 @@ def _empty_cpu_int(n: int, k: int, bits: int, group: int) -> CpuIntWeight:
 
 
 def _prepare_experts(model: nn.Module, quant: CheckpointQuant, dtype: torch.dtype,
-                     triton: bool) -> dict[int, nn.Module]:
+                     triton: bool, names: Collection[str] | None) -> dict[int, nn.Module]:
     """Packed experts (moe.ExpertCodes: the CPU int kernel's layout, or with `triton` a
     PackedWeight for the fused MoE kernel, scales in `dtype`) for every MoE layer whose
     experts the checkpoint quantizes (all of a layer's experts or none: they are one
     packed weight per projection, of one width), empty on meta, their stacked
     parameters meta placeholders; by placeholder id. Each expert's checkpoint tensors
-    then load into their rows (quantize.place)."""
+    then load into their rows (quantize.place). Experts that the checkpoint's tensor
+    `names` hold as plain weights stay stacked weights, though no `ignore` names them:
+    quantizers that pick modules by name (AutoGPTQ's `w1`/`w2`/`w3` of Mixtral's
+    experts are not its `*_proj`) leave them so, and they load as they did before
+    experts were packed."""
     from pagellm.executor.model.moe import stacked_experts
     from pagellm.executor.model.weight_map import moe_names
 
@@ -563,7 +575,8 @@ def _prepare_experts(model: nn.Module, quant: CheckpointQuant, dtype: torch.dtyp
         layer = next(n for n, m in model.named_modules() if m is experts).rsplit(".", 2)[0]
         parts = [f"{layer}.{module_name}.experts.{e}.{p}" for e in range(count)
                  for p in ((gate, up) if attr == "gate_up_proj" else (down,))]
-        if _ignored(quant, parts):
+        if _ignored(quant, parts) or (names is not None
+                                      and not quant.holds_codes(parts[0], names)):
             continue
         bits, group = quant.bits_of(parts), _target_group(quant, k, k * shards)
         with torch.device("meta"):
