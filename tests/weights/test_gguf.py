@@ -18,6 +18,7 @@ from quantized_checkpoints import as_cpu_int_kernel, with_packed_experts
 from pagellm import SamplingParams
 from pagellm.demo.model import ModelSpec, make_model
 from pagellm.kernels.cpu_int_gemm import CpuIntWeight
+from pagellm.kernels.quant import PackedWeight
 from pagellm.weights import gguf as gguf_module
 from pagellm.weights.gguf import TRANSFORMERS_FLOOR, gguf_model_dir, transformers_version
 
@@ -151,6 +152,26 @@ def test_a_moe_files_unquantized_experts_load_as_weights(tmp_path_factory, tmp_p
     reference.set_experts_implementation("eager")
     with_packed_experts(reference.model.layers[1], None, packed=("down_proj",))
     _assert_greedy_equal(llm, as_cpu_int_kernel(reference))
+
+
+@runs_triton_kernels
+def test_a_moe_files_experts_stay_packed_for_the_fused_moe_kernel(tmp_path_factory, tmp_path,
+                                                                  make_llm):
+    """A Qwen3-MoE file's Q4_0 experts with the Triton kernels: one PackedWeight per
+    stacked weight (what the fused MoE kernel reads on CUDA; here each expert's slice
+    through the weight-only GEMM), transformers' tokens on the file's weights (the
+    Triton kernels are weight-only: no activation rounding)."""
+    model_dir = make_model(tmp_path_factory.mktemp("gguf-moe-triton") / "m", ModelSpec(
+        arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        intermediate_size=128, vocab_size=1024, init_std=0.1, seed=7,
+        **FAMILY_FIELDS["qwen3_moe"]))
+    path = write_gguf(model_dir, tmp_path / "moe.gguf", "Q4_0")
+    llm = make_llm(str(path), dtype="float32", attention_backend="triton")
+    experts = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers[
+        1].mlp.experts
+    assert isinstance(experts.gate_up_codes.quant, PackedWeight)
+    assert experts.gate_up_codes.quant.bits == 4 and experts.gate_up_proj.is_meta
+    _assert_greedy_equal(llm, _transformers(path))
 
 
 @runs_triton_kernels
