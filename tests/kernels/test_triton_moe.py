@@ -244,6 +244,22 @@ def test_launcher_names_what_breaks_the_contract(changes, message):
         tm.fused_moe(**_inputs(**changes))
 
 
+def test_packed_weights_that_break_the_contract_are_named():
+    """A packed stacked weight's scales in another dtype than x's, or act-order codes
+    (the kernel reads the input columns in order), or its rows not E * N."""
+    from pagellm.kernels.quant import quantize
+
+    inputs = _inputs(w13=torch.zeros(4, 12, 64), w2=torch.zeros(4, 8, 6), x=torch.zeros(3, 64))
+    w13 = quantize(torch.randn(4 * 12, 64), 4, 32)
+    with pytest.raises(ValueError, match=r"w13.s scales must be contiguous torch\.float32"):
+        tm.fused_moe(**{**inputs, "w13": quantize(torch.randn(48, 64), 4, 32, torch.bfloat16)})
+    with pytest.raises(ValueError, match="without act-order"):
+        tm.fused_moe(**{**inputs, "w13": tm.PackedWeight(
+            w13.qweight, w13.scales, w13.zeros, 4, 32, torch.arange(64))})
+    with pytest.raises(ValueError, match="w13 must be"):
+        tm.fused_moe(**{**inputs, "w13": quantize(torch.randn(4 * 12, 32), 4, 32)})
+
+
 def test_no_tokens_launch_nothing(monkeypatch):
     for name in ("_moe_align_count_kernel", "_moe_align_place_kernel",
                  "_moe_gate_up_kernel", "_moe_down_kernel"):
