@@ -47,7 +47,7 @@ def block(experts: int, top_k: int, hidden: int, inter: int, quantization: str
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
     if quantization != "fp32":
-        quantize_experts(layer, QUANTIZATIONS[quantization])
+        quantize_experts(layer, QUANTIZATIONS[quantization], triton=False)
     return layer.eval()
 
 
