@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
@@ -51,7 +52,8 @@ def block(experts: int, top_k: int, hidden: int, inter: int, quantization: str
     return layer.eval()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Print the rows (module docstring); return them."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
@@ -61,7 +63,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quantization", nargs="+", default=["fp32"],
                         choices=["fp32", "int8", "int4"])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    rows: list[dict[str, Any]] = []
     print(f"{torch.get_num_threads()} threads, H={args.hidden}, I={args.inter}, "
           f"top-{args.top_k}")
     print(f"{'experts':>7} {'T':>4} {'E':>5} {'chosen':>7} {'ms':>8} {'ms/chosen':>10}")
@@ -82,6 +85,9 @@ def main() -> None:
                 ms = 1e3 * statistics.median(times)
                 print(f"{quantization:>7} {tokens:>4} {experts:>5} {chosen:>7} {ms:>8.2f} "
                       f"{ms / chosen:>10.3f}")
+                rows.append(dict(quantization=quantization, tokens=tokens, experts=experts,
+                                 chosen=chosen, ms=ms))
+    return rows
 
 
 if __name__ == "__main__":

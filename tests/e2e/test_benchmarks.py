@@ -29,6 +29,7 @@ import engine_overhead  # noqa: E402
 import gguf_convert  # noqa: E402
 import gpu_suite  # noqa: E402
 import kernel_bench  # noqa: E402
+import moe_layer  # noqa: E402
 import parallel  # noqa: E402
 import profile_decode  # noqa: E402
 import quant_quality  # noqa: E402
@@ -387,6 +388,17 @@ def test_cpu_quantized_smoke_times_every_variant_side_by_side(tmp_path):
         assert best["batch1_tokens_per_s"] > 0 and best["offline_output_tokens_per_s"] > 0
     assert results["vs_fp32"]["fp32"] == {"batch1_tokens_per_s": 1.0,
                                           "offline_output_tokens_per_s": 1.0}
+
+
+def test_moe_layer_times_each_scheme_on_the_same_routing():
+    rows = moe_layer.main(["--experts", "8", "--tokens", "1", "5", "--top-k", "2",
+                           "--hidden", "64", "--inter", "32", "--repeats", "1",
+                           "--quantization", "fp32", "int8", "int4"])
+    assert [(r["quantization"], r["tokens"]) for r in rows] == [
+        (q, t) for t in (1, 5) for q in ("fp32", "int8", "int4")]
+    assert all(r["ms"] > 0 for r in rows)
+    for t in (1, 5):  # the router stays full precision: the same experts chosen
+        assert len({r["chosen"] for r in rows if r["tokens"] == t}) == 1
 
 
 def test_async_scheduling_smoke_times_both_arms_on_every_workload(tmp_path):
