@@ -67,8 +67,8 @@ def quantize_projections(model: nn.Module, quantization: str, triton: bool = Tru
     """Replace every projection's weight by its packed form (`module.quant`); returns the
     modules quantized, by their placeholder weight's id (the model's `quantized`).
     Without the Triton kernels (`triton` False: the CPU's own path) the integers take
-    the CPU kernel's layout (kernels/cpu_int_gemm.py; the experts too:
-    moe.quantize_experts). Raises ValueError naming a projection that cannot be."""
+    the CPU kernel's layout (kernels/cpu_int_gemm.py). The experts are
+    moe.quantize_experts'. Raises ValueError naming a projection that cannot be."""
     bits = QUANTIZATIONS[quantization]
     quantized: dict[int, nn.Module] = {}
     for name, module in model.named_modules():
