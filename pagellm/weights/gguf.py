@@ -75,8 +75,8 @@ _PERMUTED = ("llama", "mistral")  # families whose q and k rows llama.cpp permut
 # the file says not to add.
 TRANSFORMERS_FLOOR = (5, 18)
 # The converted directory's layout, part of its cache key: 3 writes quantized MoE experts
-# as codes an expert at a time (2 wrote them stacked in fp32 and unlisted in `ignore`,
-# which the loader would now requantize) and Qwen3-MoE's expert width from the file; 2
+# as codes an expert at a time (2 wrote them stacked in fp32: a converted file is
+# converted again to get them) and Qwen3-MoE's expert width from the file; 2
 # keeps quantized projections as the "gguf" quantization method (1 kept Q8_0 / Q4_0 as
 # compressed-tensors).
 FORMAT = 3
