@@ -30,8 +30,9 @@ one of them is stored unquantized (F32, F16, BF16). The CPU's int kernel and the
 kernels then compute with the file's own weights. A MoE layer's experts, one stacked
 tensor per projection in the file, are written an expert at a time under the
 checkpoint's per-expert names (model.layers.N.mlp.experts.E.gate_proj, ...), as codes
-the same way, which load packed (moe.ExpertCodes); stored unquantized, they are written as
-transformers stacks them, and the quantization_config ignores them.
+the same way, which load packed (moe.ExpertCodes); stored unquantized, as fp32 weights
+that the quantization_config ignores by a pattern per layer. A llama file with experts
+(Mixtral's, as convert_hf_to_gguf.py writes it) converts as a Mixtral.
 """
 
 from __future__ import annotations
@@ -63,13 +64,12 @@ _PROJECTIONS = frozenset({"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_p
 # An expert's projection, as transformers names a checkpoint's (qwen3_moe's)
 _EXPERT_PROJECTION = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.\d+\.(gate|up|down)_proj"
                                 r"\.weight")
-# llama.cpp's stacked experts [E, N, K] in a file, and transformers' in a model [E, N, K]
+# llama.cpp's stacked experts [E, N, K] in a file
 _FILE_EXPERTS = re.compile(r"(blk\.(\d+)\.ffn_(gate|up|down)_exps)\.weight")
-_MODEL_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.(gate_up|down)_proj")
 # Modules computed as one (their storage must agree): a layer's (or an expert's) q/k/v
 # and gate/up.
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-_PERMUTED = ("llama", "mistral")  # families whose q and k rows llama.cpp permutes
+_PERMUTED = ("llama", "mistral", "mixtral")  # families whose q/k rows llama.cpp permutes
 # The oldest transformers whose GGUF reader this was tested with: 5.0-5.17 fail on a
 # file with an EOS and no BOS token id (as llama.cpp writes Qwen's), and 5.0 adds a BOS
 # the file says not to add.
@@ -167,7 +167,7 @@ def convert(path: Path, out: Path, dequantized: bool = False) -> None:
         reader = GGUFReader(str(path))
     except (ValueError, KeyError, OSError, RuntimeError) as e:
         raise ValueError(f"cannot read the GGUF file {path}: {e}") from e
-    _as_llama_cpp_runs_it(config, reader)
+    config = _as_llama_cpp_runs_it(config, reader)
     out.mkdir(parents=True, exist_ok=True)
     try:
         quantization = _write_weights(reader, config, out, dequantized)
@@ -182,20 +182,31 @@ def convert(path: Path, out: Path, dequantized: bool = False) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _as_llama_cpp_runs_it(config: Any, reader: Any) -> None:
-    """Set in `config` what llama.cpp takes from the file, or assumes of its
-    architecture, and transformers' GGUF reader leaves at the config class's default:
-    Gemma 2 and 3 at 27B scale queries by 1 / sqrt(hidden / heads) (_QUERY_SCALE_BY_WIDTH);
-    Qwen3-MoE's experts are `expert_feed_forward_length` wide (the reader keeps the
-    config class's 768, only Qwen3-30B-A3B's: Qwen3-235B-A22B's are 1536)."""
+def _as_llama_cpp_runs_it(config: Any, reader: Any) -> Any:
+    """`config` with what llama.cpp takes from the file, or assumes of its architecture,
+    and transformers' GGUF reader leaves at the config class's default: a llama file
+    with experts (`llama.expert_count`: Mixtral's, as convert_hf_to_gguf.py writes it) is
+    a Mixtral, which the reader reads as a dense Llama; Gemma 2 and 3 at 27B scale
+    queries by 1 / sqrt(hidden / heads) (_QUERY_SCALE_BY_WIDTH); Qwen3-MoE's experts are
+    `expert_feed_forward_length` wide (the reader keeps the config class's 768, only
+    Qwen3-30B-A3B's: Qwen3-235B-A22B's are 1536)."""
+    from transformers import MixtralConfig
     from transformers.modeling_gguf_pytorch_utils import read_field
 
+    experts = read_field(reader, "llama.expert_count")
+    if config.model_type == "llama" and experts and int(experts[0]) > 0:
+        fields = {k: v for k, v in config.to_dict().items()
+                  if k not in ("model_type", "architectures", "transformers_version")}
+        config = MixtralConfig(**fields, num_local_experts=int(experts[0]),
+                               num_experts_per_tok=int(read_field(
+                                   reader, "llama.expert_used_count")[0]))
     if _QUERY_SCALE_BY_WIDTH.get(config.model_type) == config.num_hidden_layers:
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
     if config.model_type == "qwen3_moe":
         width = read_field(reader, "qwen3moe.expert_feed_forward_length")
         if width:
             config.moe_intermediate_size = int(width[0])
+    return config
 
 
 def _write_weights(reader: Any, config: Any, out: Path, dequantized: bool
@@ -206,7 +217,7 @@ def _write_weights(reader: Any, config: Any, out: Path, dequantized: bool
     tied = getattr(config, "tie_word_embeddings", False)
     shards = _Shards(out)
     projections = _Projections(config)
-    tensors, expected = _file_tensors(reader, config, expert_codes=not dequantized)
+    tensors, expected = _file_tensors(reader, config)
     seen = set()
     for name, weight, tensor in tensors:
         if tied and name == "lm_head.weight":
@@ -226,16 +237,20 @@ def _write_weights(reader: Any, config: Any, out: Path, dequantized: bool
         raise ValueError(f"it has no tensor for {', '.join(missing[:4])}"
                          f"{' ...' if len(missing) > 4 else ''}")
     shards.close()
-    ignore = sorted(n.removesuffix(".weight") for n in shards.where if n.endswith("_proj.weight"))
-    for name in shards.where:  # experts written stacked: every expert's modules
-        if stacked := _MODEL_EXPERTS.fullmatch(name):
-            parts = "(gate|up)" if stacked[2] == "gate_up" else "down"
-            ignore.append(f"re:{re.escape(stacked[1])}\\.experts\\.\\d+\\.{parts}_proj$")
+    ignore, plain_experts = [], set()
+    for name in sorted(n for n in shards.where if n.endswith("_proj.weight")):
+        if expert := _EXPERT_PROJECTION.fullmatch(name):
+            plain_experts.add((expert[1], "down" if expert[2] == "down" else "(gate|up)"))
+        else:
+            ignore.append(name.removesuffix(".weight"))
+    # A layer's experts are one packed weight per projection: a pattern for all of them
+    ignore += [f"re:{re.escape(mlp)}\\.experts\\.\\d+\\.{parts}_proj$"
+               for mlp, parts in sorted(plain_experts)]
     return projections.quantization(ignore)
 
 
-def _file_tensors(reader: Any, config: Any, expert_codes: bool
-                  ) -> tuple[Iterator[tuple[str, Any, Any]], set[str]]:
+def _file_tensors(reader: Any, config: Any) -> tuple[Iterator[tuple[str, Any, Any]],
+                                                     set[str]]:
     """The file's tensors as transformers loads them, one at a time: each (its name in
     transformers' model, its fp32 weight [numpy], the file's tensor, None for a tensor
     a TensorProcessor assembled from several), transformers' own per-architecture steps
@@ -243,9 +258,10 @@ def _file_tensors(reader: Any, config: Any, expert_codes: bool
     1, MoE experts stacked) on the gguf package's dequantized tensor; and the names the
     model expects. transformers' loader does the same over the whole file at once, and
     every family pagellm serves goes through it (its newer GGUF path covers none).
-    `expert_codes`: stacked experts stored as blocks come an expert at a time instead,
-    each under the checkpoint's per-expert name with its slice of the file's tensor
-    (what transformers' processor stacks, unstacked: the same values)."""
+    A layer's stacked experts come an expert at a time instead, each under the
+    checkpoint's per-expert name with its slice of the file's tensor (what transformers'
+    Qwen-MoE processor stacks, unstacked: the same values; its llama processor, which
+    Mixtral's files take, stacks none)."""
     import torch
     from gguf import MODEL_ARCH_NAMES, dequantize, get_tensor_name_map
     from transformers import AutoModelForCausalLM
@@ -277,8 +293,7 @@ def _file_tensors(reader: Any, config: Any, expert_codes: bool
         assembled: dict[str, Any] = {"tensors": {}}  # what a processor stacks (experts)
         for tensor in reader.tensors:
             experts = _FILE_EXPERTS.fullmatch(tensor.name)
-            if (expert_codes and experts is not None and experts[1] in to_model
-                    and tensor.tensor_type.name not in FULL_PRECISION):
+            if experts is not None:
                 stacked = dequantize(tensor.data, tensor.tensor_type)  # [E, N, K]
                 for e, weight in enumerate(stacked):
                     yield (f"model.layers.{experts[2]}.mlp.experts.{e}.{experts[3]}_proj.weight",

@@ -63,7 +63,7 @@ def _k_scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
 def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
                types: dict[str, str] | None = None, omit: tuple[str, ...] = (),
                state: dict[str, np.ndarray] | None = None) -> Path:
-    """`model_dir`'s model (llama, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3) as a
+    """`model_dir`'s model (llama, mixtral, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3) as a
     GGUF file, as convert_hf_to_gguf.py writes each (Gemma's norms as 1 + w, a layer's
     experts stacked), its tensors named by the gguf package's own table for the
     architecture; its projections stored as
@@ -79,8 +79,8 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
     if state is None:
         state = load_file(str(model_dir / "model.safetensors"))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}.get(config["model_type"],
-                                                               config["model_type"])
+    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(
+        config["model_type"], config["model_type"])  # (Mixtral: a llama with experts)
     names = gguf.get_tensor_name_map(
         next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
         config["num_hidden_layers"])
@@ -125,13 +125,17 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
     if experts := config.get("num_experts") or config.get("num_local_experts"):
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
-        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if "moe_intermediate_size" in config:
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, tensor in state.items():
         tensor = tensor.astype(np.float32)
-        if expert := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight",
-                                  name):  # llama.cpp stacks a layer's experts: [E, N, K]
-            stacks.setdefault((expert[1], expert[3]), {})[int(expert[2])] = tensor
+        if expert := re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts"
+                                  r"\.(\d+)\.(\w+)\.weight", name):
+            # llama.cpp stacks a layer's experts: [E, N, K] (Mixtral's w1/w3/w2 too)
+            proj = {"w1": "gate", "w3": "up", "w2": "down"}.get(expert[3],
+                                                                 expert[3].removesuffix("_proj"))
+            stacks.setdefault((expert[1], proj), {})[int(expert[2])] = tensor
             continue
         base, _, kind = name.rpartition(".")
         gguf_name = f"{names.get_name(base)}.{kind}"

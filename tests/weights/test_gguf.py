@@ -122,6 +122,38 @@ def test_other_families_files_give_transformers_tokens(arch, projections, tp,
     _assert_greedy_equal(llm, as_cpu_int_kernel(reference))
 
 
+def test_a_mixtral_file_is_a_mixtral_with_its_experts_as_codes(tmp_path_factory, tmp_path,
+                                                               make_llm):
+    """convert_hf_to_gguf.py writes Mixtral as a llama with experts (llama.expert_count,
+    stacked ffn_*_exps), which transformers' reader takes for a dense Llama. The
+    conversion makes it a Mixtral (q and k unpermuted as llama's), its Q8_0 experts
+    codes; the reference is transformers on the model's own directory with every
+    projection's weights rounded through Q8_0, as the file holds them."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_model(tmp_path_factory.mktemp("gguf-mixtral") / "m", ModelSpec(
+        arch="mixtral", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        intermediate_size=64, vocab_size=1024, init_std=0.2, seed=13,
+        config_extra=dict(num_local_experts=4, num_experts_per_tok=2)))
+    path = write_gguf(model_dir, tmp_path / "mixtral.gguf", "Q8_0")
+    config = json.loads((gguf_model_dir(path) / "config.json").read_text())
+    assert (config["model_type"], config["num_local_experts"]) == ("mixtral", 4)
+    llm = make_llm(str(path), dtype="float32")
+    experts = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers[
+        1].mlp.experts
+    assert experts.down_codes.quant.bits == 8 and experts.gate_up_proj.is_meta
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for name, weight in reference.named_parameters():
+            if "_proj" in name and weight.dim() >= 2:
+                rows = weight.reshape(-1, weight.shape[-1]).numpy()
+                weight.copy_(torch.from_numpy(gguf.dequantize(gguf.quantize(rows, q8), q8))
+                             .reshape(weight.shape))
+    _assert_greedy_equal(llm, as_cpu_int_kernel(with_packed_experts(reference, None)))
+
+
 def test_a_moe_files_unquantized_experts_load_as_weights(tmp_path_factory, tmp_path,
                                                         make_llm):
     """Layer 0's experts stored in F32 among Q8_0 attention: written stacked, as

@@ -568,15 +568,22 @@ def _prepare_experts(model: nn.Module, quant: CheckpointQuant, dtype: torch.dtyp
     from pagellm.executor.model.moe import stacked_experts
     from pagellm.executor.model.weight_map import moe_names
 
-    module_name, (gate, up, down) = moe_names(model.spec)  # type: ignore[arg-type]
+    # The family's spelling of its experts' names, or transformers' own (a GGUF file's
+    # Mixtral experts: weights/gguf.py writes transformers' names for every family)
+    spellings = (moe_names(model.spec),  # type: ignore[arg-type]
+                 ("mlp", ("gate_proj", "up_proj", "down_proj")))
     modules: dict[int, nn.Module] = {}
     for experts, attr, shards in stacked_experts(model, cpu=not triton):
         count, rows, k = getattr(experts, attr).shape
         layer = next(n for n, m in model.named_modules() if m is experts).rsplit(".", 2)[0]
-        parts = [f"{layer}.{module_name}.experts.{e}.{p}" for e in range(count)
-                 for p in ((gate, up) if attr == "gate_up_proj" else (down,))]
-        if _ignored(quant, parts) or (names is not None
-                                      and not quant.holds_codes(parts[0], names)):
+        for module_name, (gate, up, down) in spellings:
+            parts = [f"{layer}.{module_name}.experts.{e}.{p}" for e in range(count)
+                     for p in ((gate, up) if attr == "gate_up_proj" else (down,))]
+            if names is None or quant.holds_codes(parts[0], names):
+                break
+        else:
+            continue  # stored as plain weights
+        if _ignored(quant, parts):
             continue
         bits, group = quant.bits_of(parts), _target_group(quant, k, k * shards)
         with torch.device("meta"):
