@@ -331,23 +331,9 @@ def shaped_gguf(shape: Path, out: Path) -> Path:
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     rng = np.random.default_rng(0)
-
-    def weight(shape: tuple[int, ...]) -> Any:
-        return rng.standard_normal(shape, np.float32) * np.float32(0.02)
-
-    state = {}
-    for name, dims in shapes.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            # transformers stacks a layer's experts [E, N, K]; a checkpoint (what the
-            # writer reads) has a tensor per expert and projection
-            prefix, _, stacked = name.rpartition(".")
-            projs = ("gate_proj", "up_proj") if stacked == "gate_up_proj" else ("down_proj",)
-            rows = dims[1] // len(projs)
-            state.update({f"{prefix}.{e}.{proj}.weight": weight((rows, dims[2]))
-                          for e in range(dims[0]) for proj in projs})
-        else:
-            state[name] = np.ones(dims, np.float32) if name.endswith("norm.weight") \
-                else weight(dims)
+    state = {n: np.ones(s, np.float32) if n.endswith("norm.weight")
+             else rng.standard_normal(s, np.float32) * np.float32(0.02)
+             for n, s in shapes.items()}
     params = sum(map(np.size, state.values()))
     print(f"writing a random-weight GGUF of {shape} ({params / 1e6:.0f}M parameters, "
           f"vocabulary {config.vocab_size})", flush=True)

@@ -423,14 +423,15 @@ def _check(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Tenso
         if w.dim() != 3 or not w.is_contiguous():
             raise ValueError(f"{name} must be a contiguous [E, ., .] tensor, got "
                              f"{tuple(w.shape)} with strides {w.stride()}")
-    num_experts, two_inter, w13_hidden = _stacked_shape(w13, w2, hidden)
+    experts = _num_experts(w2, hidden)
+    num_experts, two_inter, w13_hidden = _stacked_shape(w13, experts)
     if two_inter % 2 or w13_hidden != hidden:
         raise ValueError(f"w13 must be [E, 2 * I, H] with H = {hidden} (x's), got "
                          f"{(num_experts, two_inter, w13_hidden)}")
-    if _stacked_shape(w2, w2, hidden) != (num_experts, hidden, two_inter // 2):
+    if _stacked_shape(w2, experts) != (num_experts, hidden, two_inter // 2):
         raise ValueError(f"w2 must be [E, H, I] = {(num_experts, hidden, two_inter // 2)} "
                          f"for w13 {(num_experts, two_inter, w13_hidden)}, got "
-                         f"{_stacked_shape(w2, w2, hidden)}")
+                         f"{_stacked_shape(w2, experts)}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or not topk_ids.is_contiguous():
         raise ValueError(f"topk_ids must be a contiguous [T, K] tensor with T = {tokens}, "
                          f"got {tuple(topk_ids.shape)}")
@@ -457,12 +458,16 @@ def _data(w: Weights) -> torch.Tensor:
     return w.qweight if isinstance(w, PackedWeight) else w
 
 
-def _stacked_shape(w: Weights, w2: Weights, hidden: int) -> tuple[int, int, int]:
-    """(E, N, K) of a stacked weight; a packed one's E from w2's E * H rows (hidden H)."""
+def _num_experts(w2: Weights, hidden: int) -> int:
+    """E: w2's first dimension, or its E * H packed rows over x's hidden size H."""
+    return w2.out_features // hidden if isinstance(w2, PackedWeight) else w2.shape[0]
+
+
+def _stacked_shape(w: Weights, experts: int) -> tuple[int, int, int]:
+    """(E, N, K) of a stacked weight (a packed one: its E * N rows over E)."""
     if not isinstance(w, PackedWeight):
         e, n, k = w.shape
         return e, n, k
-    experts = w2.shape[0] if not isinstance(w2, PackedWeight) else w2.out_features // hidden
     return experts, w.out_features // max(experts, 1), w.in_features
 
 
@@ -496,7 +501,7 @@ def fused_moe(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Te
     """
     _check(x, w13, w2, topk_weights, topk_ids)
     tokens, hidden = x.shape
-    num_experts, two_inter, _ = _stacked_shape(w13, w2, hidden)
+    num_experts, two_inter, _ = _stacked_shape(w13, _num_experts(w2, hidden))
     inter_size = two_inter // 2
     top_k = topk_ids.shape[1]
     if tokens == 0:

@@ -7,33 +7,20 @@ activations rounded as the kernel rounds them."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.executor.model.moe import SparseMoeBlock, experts_grouped, quantize_experts
-from pagellm.executor.model.parallel import TensorParallel
-from pagellm.executor.model.rope import RopeSpec
-from pagellm.executor.model.spec import DecoderSpec, MoeSpec
+from pagellm.executor.model.moe import experts_grouped, quantize_experts
 from pagellm.kernels import cpu_int_gemm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from moe_layer import block  # (benchmarks/ is scripts: the layer moe_layer.py times)
+
 HIDDEN, INTER, EXPERTS, TOP_K = 64, 32, 8, 2
-
-
-def block() -> SparseMoeBlock:
-    moe = MoeSpec(num_experts=EXPERTS, top_k=TOP_K, intermediate_size=INTER,
-                  renormalize=True, sparse_layers=(True,))
-    spec = DecoderSpec(vocab_size=128, hidden_size=HIDDEN, intermediate_size=INTER,
-                       num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
-                       rms_norm_eps=1e-6, qkv_bias=False, o_bias=False, qk_norm=None,
-                       tie_word_embeddings=False, max_position=128,
-                       rope=RopeSpec("default", 10000.0), moe=moe)
-    layer = SparseMoeBlock(spec, TensorParallel.layout(spec))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    return layer.eval()
 
 
 def reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -52,7 +39,7 @@ def reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
 
 @pytest.mark.parametrize("packed", [False, True], ids=["fp32", "int4"])
 def test_a_batch_and_each_token_alone_give_the_reference(packed):
-    layer = block()
+    layer = block(EXPERTS, TOP_K, HIDDEN, INTER, "fp32")
     x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         weights, ids = layer.route(x)

@@ -71,7 +71,8 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
     (llama.cpp's mixes), the rest as F32, and the tensors `omit` names left out (a broken
     file). K-quant projections hold random blocks (RANDOM_BLOCKS), not the model's
     weights. `state`: the weights, if not model_dir's model.safetensors; a vocabulary
-    larger than the tokenizer's is padded with unused tokens."""
+    larger than the tokenizer's is padded with unused tokens. Experts come per expert, as
+    checkpoints name them, or stacked, as transformers holds them in memory."""
     import gguf
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -130,6 +131,13 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
     stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, tensor in state.items():
         tensor = tensor.astype(np.float32)
+        if stacked := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj",
+                                   name):  # transformers' in-memory [E, N, K] (gate, up)
+            halves = np.split(tensor, 2, axis=1) if stacked[2] == "gate_up" else [tensor]
+            for proj, part in zip(("gate", "up") if len(halves) == 2 else ("down",), halves,
+                                  strict=True):
+                stacks[(stacked[1], proj)] = dict(enumerate(part))
+            continue
         if expert := re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts"
                                   r"\.(\d+)\.(\w+)\.weight", name):
             # llama.cpp stacks a layer's experts: [E, N, K] (Mixtral's w1/w3/w2 too)

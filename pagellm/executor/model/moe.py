@@ -177,9 +177,11 @@ class SparseMoeBlock(nn.Module):
         return self.tp.all_reduce(out)
 
 
-def stacked_experts(model: nn.Module, cpu: bool) -> Iterator[tuple[Experts, str, int]]:
-    """(module, attr, shards) for each MoE layer's stacked weights, `shards` the
-    tensor-parallel slices of their K (row-parallel down_proj). For the CPU's int kernel
+def stacked_experts(model: nn.Module, cpu: bool
+                    ) -> Iterator[tuple[str, Experts, str, int]]:
+    """(layer, module, attr, shards) for each MoE layer's stacked weights: the layer's
+    name (model.layers.N), `shards` the tensor-parallel slices of their K (row-parallel
+    down_proj). For the CPU's int kernel
     (`cpu`), ValueError where the experts' rows do not fill whole tiles (each expert's
     weight must be a slice of the packed one)."""
     for name, module in model.named_modules():
@@ -190,7 +192,7 @@ def stacked_experts(model: nn.Module, cpu: bool) -> Iterator[tuple[Experts, str,
             if cpu and rows % cpu_int_gemm.TILE:
                 raise ValueError(f"{name}.{attr}: experts of {rows} rows (not a multiple of "
                                  f"{cpu_int_gemm.TILE}) cannot take the CPU's int kernel")
-            yield module, attr, shards
+            yield name.rsplit(".", 2)[0], module, attr, shards
 
 
 def quantize_experts(model: nn.Module, bits: int, triton: bool) -> dict[int, nn.Module]:
@@ -200,7 +202,7 @@ def quantize_experts(model: nn.Module, bits: int, triton: bool) -> dict[int, nn.
     the fused MoE kernel (kernels/triton_moe.py). Returns the ExpertCodes by their
     placeholder's id."""
     quantized: dict[int, nn.Module] = {}
-    for experts, attr, shards in stacked_experts(model, cpu=not triton):
+    for _, experts, attr, shards in stacked_experts(model, cpu=not triton):
         weight = getattr(experts, attr)  # [E, N, K]
         group = group_size_for(weight.shape[2], shards)
         if triton:

@@ -573,9 +573,8 @@ def _prepare_experts(model: nn.Module, quant: CheckpointQuant, dtype: torch.dtyp
     spellings = (moe_names(model.spec),  # type: ignore[arg-type]
                  ("mlp", ("gate_proj", "up_proj", "down_proj")))
     modules: dict[int, nn.Module] = {}
-    for experts, attr, shards in stacked_experts(model, cpu=not triton):
+    for layer, experts, attr, shards in stacked_experts(model, cpu=not triton):
         count, rows, k = getattr(experts, attr).shape
-        layer = next(n for n, m in model.named_modules() if m is experts).rsplit(".", 2)[0]
         for module_name, (gate, up, down) in spellings:
             parts = [f"{layer}.{module_name}.experts.{e}.{p}" for e in range(count)
                      for p in ((gate, up) if attr == "gate_up_proj" else (down,))]
