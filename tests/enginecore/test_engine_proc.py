@@ -443,11 +443,17 @@ def test_a_stream_left_after_its_request_finished_spares_a_new_request_with_its_
     engine = AsyncLLM(str(model_dirs["llama"]), kv_cache_memory_bytes=KV)
     delta = dict(temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
+    async def until(condition) -> None:
+        """Poll with a deadline: a missed state fails here instead of hanging."""
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline, "the state the test waits for never came"
+            await asyncio.sleep(0.01)
+
     async def run() -> tuple[str | None, int]:
         first = engine.generate("a", SamplingParams(max_tokens=4, **delta), "job")
         await first.__anext__()
-        while "job" in engine.output_processor.requests:  # finished in the engine
-            await asyncio.sleep(0.01)
+        await until(lambda: "job" not in engine.output_processor.requests)  # A finished
 
         async def second() -> tuple[str | None, int]:
             tokens, reason = 0, None
@@ -457,10 +463,14 @@ def test_a_stream_left_after_its_request_finished_spares_a_new_request_with_its_
                 reason = out.outputs[0].finish_reason
             return reason, tokens
 
+        # Paused with "keep", the new request stays in flight while A's consumer leaves:
+        # it finished in 40 quick steps before A's cleanup on a loaded machine (the
+        # wait for it to appear then never ended).
+        await engine.pause_generation(mode="keep", clear_cache=False)
         task = asyncio.create_task(second())
-        while "job" not in engine.output_processor.requests:
-            await asyncio.sleep(0.01)
+        await until(lambda: "job" in engine.output_processor.requests)
         await first.aclose()  # A's consumer leaves without its final output
+        await engine.resume_generation()
         return await task
 
     try:
