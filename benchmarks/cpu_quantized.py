@@ -272,8 +272,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         variants["gguf"], models["gguf"] = {**VARIANTS["fp32"],
                                             "kv_cache_dtype": args.kv_cache_dtype}, model
     if args.variants:
-        variants = {name: v for name, v in variants.items()
-                    if name in args.variants or name == "fp32"}
+        variants = {name: v for name, v in variants.items()  # ("int4 unfused": int4's)
+                    if name.split()[0] in args.variants or name == "fp32"}
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     peers: dict[str, Path] = {}
     if args.llama_cpp:

@@ -14,9 +14,10 @@ import torch
 from pagellm.executor.model import linear as cpu_linear
 from pagellm.executor.model.attention import AttentionMetadata, TorchAttention
 from pagellm.executor.model.decoder import DecoderForCausalLM
-from pagellm.executor.model.quantize import quantize_projections
+from pagellm.executor.model.moe import quantize_experts
+from pagellm.executor.model.quantize import QUANTIZATIONS, quantize_projections
 from pagellm.executor.model.rope import RopeSpec
-from pagellm.executor.model.spec import DecoderSpec
+from pagellm.executor.model.spec import DecoderSpec, MoeSpec
 from pagellm.executor.worker.cpu_decode import DENSE_ROWS, CpuDecodeStep, unsupported
 from pagellm.kernels import cpu_ops
 
@@ -40,6 +41,16 @@ SPECS = {
     # a 5-token window in the first layer, full attention in the second (Mistral, Qwen2)
     "sliding": dataclasses.replace(LLAMA, layer_windows=(5, None)),
 }
+# Mixtures of experts (8 experts of 32, top 2): Qwen3-MoE's (head norms; weights rounded
+# to the model's dtype; its first layer dense, as mlp_only_layers makes it) and
+# Mixtral's (weights in fp32, every layer sparse).
+MOE = MoeSpec(num_experts=8, top_k=2, intermediate_size=32, renormalize=True,
+              sparse_layers=(False, True))
+MOE_SPECS = {
+    "qwen3_moe": dataclasses.replace(LLAMA, qk_norm="head", moe=MOE),
+    "mixtral": dataclasses.replace(LLAMA, moe=dataclasses.replace(
+        MOE, sparse_layers=(True, True), weights_in_model_dtype=False)),
+}
 
 
 def _model(spec: DecoderSpec, quantization: str | None, dtype: torch.dtype = torch.float32,
@@ -59,6 +70,7 @@ def _model(spec: DecoderSpec, quantization: str | None, dtype: torch.dtype = tor
                 p.copy_(p.bfloat16().float())
     if quantization is not None:
         quantize_projections(model, quantization, triton=False)
+        quantize_experts(model, QUANTIZATIONS[quantization], triton=False)
     if dtype != torch.float32:
         model = model.to(dtype)
         model.model.rotary_emb.reset_cache()
@@ -205,6 +217,43 @@ def test_an_integer_decode_step_equals_the_torch_path(quantization, batch):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5 * float(theirs.abs().max()))
 
 
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("batch", [1, 3, DENSE_ROWS + 3])
+@pytest.mark.parametrize("name", MOE_SPECS)
+def test_a_mixture_of_experts_decode_step_equals_the_torch_path(name, batch, quantization):
+    """The router's top 2 of 8 experts per token, each expert over the tokens that
+    chose it (one token: itself; seven: several tokens to most experts), summed in
+    expert order: fp32 up to the order of the dense experts' sums, the int kernel's
+    experts as the torch path runs them (the bound of the integer test above)."""
+    prompt_lens = [3 + 2 * i for i in range(batch)]
+    got, expected, caches, torch_caches = _decode_both_ways(MOE_SPECS[name], quantization,
+                                                            prompt_lens)
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * scale)
+    for mine, theirs in zip(caches, torch_caches, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5 * float(theirs.abs().max()))
+
+
+@pytest.mark.parametrize("batch", [1, DENSE_ROWS + 3])
+@pytest.mark.parametrize("name", MOE_SPECS)
+def test_a_bf16_mixture_of_experts_rounds_where_the_torch_path_does(name, batch):
+    """bf16 experts: rounded as the torch path's bf16 tensors round (the logits, each
+    expert's output times its weight, each partial sum). One sparse layer: a rounding
+    tipped in a first layer can change a token's experts in the second (Mixtral's, 7
+    tokens: one token 0.45 apart, the rest 0.006 at most). 93-100% of the outputs agree
+    bit for bit; Mixtral's fp32 weights rounded to bf16 (Qwen3-MoE's rule) leave 77-78%."""
+    spec = dataclasses.replace(MOE_SPECS[name], num_layers=1, moe=dataclasses.replace(
+        MOE_SPECS[name].moe, sparse_layers=(True,)))
+    got, expected, _, _ = _decode_both_ways(spec, None, BATCHES["gemm"][:batch],
+                                            dtype=torch.bfloat16)
+    _, exact, _, _ = _decode_both_ways(spec, None, BATCHES["gemm"][:batch], fused=False,
+                                       bf16_weights=True)
+    assert (got == expected).double().mean() > 0.85
+    ours = (got.double() - expected.double()).abs()
+    rounding = (exact.double() - expected.double()).abs()
+    assert ours.mean() < 0.25 * rounding.mean(), (ours.mean(), rounding.mean())
+
+
 def test_a_window_hides_the_keys_before_it():
     """Mutation check of the window: with it removed the fused step's answer moves
     (the torch path's reference would not catch a window ignored both ways)."""
@@ -236,6 +285,10 @@ def test_what_it_does_not_compute_takes_the_torch_path(monkeypatch):
     assert unsupported(model, fp32, fp32, "torch", lora=True) is not None
     softcapped = _model(dataclasses.replace(LLAMA, attn_softcap=30.0), None)
     assert unsupported(softcapped, fp32, fp32, "torch", lora=False) is not None
+    olmoe = dataclasses.replace(MOE_SPECS["mixtral"], qk_norm="full")  # over all heads
+    assert unsupported(_model(olmoe, None), fp32, fp32, "torch", lora=False) is not None
+    for spec in MOE_SPECS.values():
+        assert unsupported(_model(spec, "int4"), fp32, fp32, "torch", lora=False) is None
     monkeypatch.setenv("PAGELLM_CPU_DECODE", "0")
     assert unsupported(model, fp32, fp32, "torch", lora=False) == "PAGELLM_CPU_DECODE=0"
 

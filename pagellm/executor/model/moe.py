@@ -20,7 +20,8 @@ The experts compute only for the tokens that chose them:
   decode steps run in CUDA graphs);
 - CPU: the (token, slot) pairs grouped by expert, each chosen expert's rows one GEMM per
   projection (`linear`, the CPU's choice of kernel), summed in expert order as
-  transformers does (its `index_add_` per expert), so fp32 outputs match it.
+  transformers does (its `index_add_` per expert), so fp32 outputs match it. Decode
+  steps run the same arithmetic in C++ (executor/worker/cpu_decode.py's fused step).
 
 `quantization="int4"` / `"int8"` packs the experts too (`quantize_experts`; an integer
 checkpoint's quantized experts load packed: quantized_checkpoint.py): each stacked

@@ -14,8 +14,9 @@ prompt chunks), for models it computes exactly as the torch path does: the decod
 family (Llama, Mistral, Qwen2/2.5/3, Phi-3) in fp32 with an fp32 KV cache (dense fp32
 or the CPU int kernel's int4 / int8 projections), or in bf16 with a bf16 KV cache
 (dense bf16 projections: the C++ rounds to bf16 wherever the torch path holds a bf16
-tensor), without tensor parallelism, LoRA, mixture-of-experts layers, OLMoE's q/k
-clipping and norms or soft-capping (Gemma's own classes). A dense projection is a GEMV
+tensor), mixture-of-experts layers included (Qwen3-MoE, Mixtral: dense or int experts),
+without tensor parallelism, LoRA, OLMoE's q/k clipping and norms or soft-capping
+(Gemma's own classes). A dense projection is a GEMV
 for up to `DENSE_ROWS` tokens and the torch path's GEMM above (oneDNN's for fp32,
 at::linear for bf16, oneDNN's on the loader's packed copies where it made them), where
 the fused step saved 15-18% of a 48-request run against the torch path (fp32 and bf16,
@@ -48,6 +49,7 @@ from pagellm.executor.model.decoder import (
     DecoderModel,
 )
 from pagellm.executor.model.layers import Linear, RMSNorm, RowParallelLinear
+from pagellm.executor.model.moe import ExpertCodes, SparseMoeBlock
 from pagellm.kernels import cpu_ops
 from pagellm.kernels.cpu_int_gemm import CpuIntWeight
 
@@ -55,9 +57,12 @@ logger = logging.getLogger("pagellm")
 
 DENSE_ROWS = 4  # tokens up to which dense projections run as the C++ GEMV (cpu_decode.cpp)
 _NONE = torch.empty(0)  # an absent bias or q/k norm
-# weights, linear_meta, norms, biases: decode_layers' per-layer lists
+# weights, linear_meta, norms, biases, routers, moe_meta: decode_layers' per-layer lists
 Projection = Linear | RowParallelLinear
-_Operands = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[torch.Tensor]]
+_Operands = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[torch.Tensor],
+                  list[torch.Tensor], list[int]]
+# moe_meta's flags (cpu_decode.cpp's kRenormalize, kWeightsInModelDtype)
+RENORMALIZE, WEIGHTS_IN_MODEL_DTYPE = 1, 2
 DTYPES = (torch.float32, torch.bfloat16)  # a model's; its KV cache's is it or bf16
 
 
@@ -76,20 +81,23 @@ def unsupported(model: nn.Module, dtype: torch.dtype, cache_dtype: torch.dtype,
     spec = model.spec
     if model.tp.size != 1 or lora:
         return "tensor parallelism and LoRA take the torch path"
-    if (spec.moe is not None or spec.clip_qkv is not None or spec.qk_norm not in (None, "head")
+    if (spec.clip_qkv is not None or spec.qk_norm not in (None, "head")
             or spec.attn_softcap is not None or spec.hidden_act != "silu"):
-        return "a mixture of experts, q/k clipping or norms over all heads, soft-capping or GeGLU"
+        return "q/k clipping or norms over all heads, soft-capping or GeGLU"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if (type(layer) is not DecoderLayer or type(attn) is not DecoderAttention
-                or type(mlp) is not DecoderMLP
+                or type(mlp) not in (DecoderMLP, SparseMoeBlock)
                 or type(layer.input_layernorm) is not RMSNorm
                 or type(layer.post_attention_layernorm) is not RMSNorm):
             return "a layer of another kind"
-        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if not ((proj.quant is None and proj.weight.dtype == dtype)
-                    or (isinstance(proj.quant, CpuIntWeight) and dtype == torch.float32)):
-                return f"a {type(proj.quant).__name__} projection in {dtype}"
+        if isinstance(mlp, SparseMoeBlock) and mlp.gate.quant is not None:
+            return "a quantized router"
+        weights = [(proj.quant, proj.weight) for proj in (attn.qkv_proj, attn.o_proj)]
+        for quant, weight in weights + _mlp_weights(mlp):
+            if not ((quant is None and weight.dtype == dtype)
+                    or (isinstance(quant, CpuIntWeight) and dtype == torch.float32)):
+                return f"a {type(quant).__name__} projection in {dtype}"
     return None
 
 
@@ -100,12 +108,14 @@ class CpuDecodeStep:
         self.model = model
         self.ops = ops
         layers = [cast(DecoderLayer, layer) for layer in model.model.layers]
-        # Per layer: its norms' module, attention block and MLP (`unsupported` checked
-        # their types).
+        # Per layer: its norms' module, attention block and MLP, dense or sparse
+        # (`unsupported` checked their types).
         self.layers = [(layer, cast(DecoderAttention, layer.self_attn),
-                        cast(DecoderMLP, layer.mlp)) for layer in layers]
-        self.projections: list[tuple[Projection, ...]] = [
-            (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                        cast(DecoderMLP | SparseMoeBlock, layer.mlp)) for layer in layers]
+        # Per layer, its projections qkv, o, gate_up, down (None: a MoE layer's experts)
+        self.projections: list[tuple[Projection | None, ...]] = [
+            (a.qkv_proj, a.o_proj) + ((mlp.gate_up_proj, mlp.down_proj)
+                                      if isinstance(mlp, DecoderMLP) else (None, None))
             for _, a, mlp in self.layers]
         # Dense projections of more tokens than the GEMV takes run as the torch path runs
         # them (linear.py): fp32 through oneDNN's GEMM, bf16 through at::linear or, where
@@ -113,9 +123,10 @@ class CpuDecodeStep:
         # the packed copies, looked up at every such step (`PACKED_WEIGHTS.get` packs
         # again a weight written in place since).
         dtype = model.model.norm.weight.dtype  # the model's
+        packs = cpu_linear.packs_weights(dtype, torch.device("cpu"))
         self.packable = [  # (index in decode_layers' weights, projection)
             (3 * i, proj) for i, proj in enumerate(p for ps in self.projections for p in ps)
-            if proj.quant is None] if cpu_linear.packs_weights(dtype, torch.device("cpu")) else []
+            if packs and proj is not None and proj.quant is None]
         self.windows = [a.attn.sliding_window or 0 for _, a, _ in self.layers]
         self.scales = [a.attn.scale for _, a, _ in self.layers]
         first = self.layers[0][1]
@@ -154,8 +165,11 @@ class CpuDecodeStep:
         meta: list[int] = []
         norms: list[torch.Tensor] = []
         biases: list[torch.Tensor] = []
-        for (layer, attn, _), projections in zip(self.layers, self.projections, strict=True):
-            for proj in projections:
+        routers: list[torch.Tensor] = []
+        moe_meta: list[int] = []
+        for (layer, attn, mlp), projections in zip(self.layers, self.projections, strict=True):
+            for proj in projections[:2] if isinstance(mlp, SparseMoeBlock) else projections:
+                assert proj is not None
                 quant = proj.quant
                 if isinstance(quant, CpuIntWeight):
                     weights += (quant.codes, quant.scales, quant.zeros)
@@ -163,11 +177,25 @@ class CpuDecodeStep:
                 else:
                     weights += (proj.weight, _NONE, _NONE)
                     meta += (0, 0, proj.weight.shape[0])
+            if isinstance(mlp, SparseMoeBlock):
+                experts, moe = mlp.experts, mlp.moe
+                for codes, stacked in ((experts.gate_up_codes, experts.gate_up_proj),
+                                       (experts.down_codes, experts.down_proj)):
+                    weights += _experts(codes, stacked)
+                    meta += ((0, 0, stacked.shape[1]) if codes is None else
+                             (codes.quant.bits, codes.quant.group_size, codes.rows))
+                routers.append(mlp.gate.weight)
+                moe_meta += (moe.num_experts, moe.top_k,
+                             RENORMALIZE * moe.renormalize
+                             + WEIGHTS_IN_MODEL_DTYPE * moe.weights_in_model_dtype)
+            else:
+                routers.append(_NONE)
+                moe_meta += (0, 0, 0)
             norms += (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                       _NONE if attn.q_norm is None else attn.q_norm.weight,
                       _NONE if attn.k_norm is None else attn.k_norm.weight)
             biases += (_bias(attn.qkv_proj), _bias(attn.o_proj))
-        return weights, meta, norms, biases
+        return weights, meta, norms, biases, routers, moe_meta
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -178,7 +206,7 @@ class CpuDecodeStep:
         rope = decoder.rotary_emb
         if self._operands is None:
             self._operands = self.operands()
-        weights, linear_meta, norms, biases = self._operands
+        weights, linear_meta, norms, biases, routers, moe_meta = self._operands
         if len(input_ids) > DENSE_ROWS and self.packable:  # packed copies in scales' slot
             weights = list(weights)
             for i, proj in self.packable:
@@ -187,8 +215,8 @@ class CpuDecodeStep:
         num_heads, num_kv_heads, head_dim = self.heads
         hidden: torch.Tensor = self.ops.decode_layers(
             x, positions, rope.cos_cache, rope.sin_cache, meta.slot_mapping,
-            meta.block_tables, meta.seq_lens, weights, linear_meta, norms, biases,
-            kv_caches[:len(self.windows)],  # (a draft model's layers follow the model's)
+            meta.block_tables, meta.seq_lens, weights, linear_meta, norms, biases, routers,
+            moe_meta, kv_caches[:len(self.windows)],  # (a draft model's layers follow the model's)
             self.windows, self.scales, num_heads, num_kv_heads, head_dim,
             self.model.spec.rms_norm_eps, decoder.norm.weight)
         return hidden
@@ -196,3 +224,25 @@ class CpuDecodeStep:
 
 def _bias(proj: Projection) -> torch.Tensor:
     return _NONE if proj.bias is None else proj.bias
+
+
+def _mlp_weights(mlp: DecoderMLP | SparseMoeBlock) -> list[tuple[object, torch.Tensor]]:
+    """(packed form or None, weight) of each of the MLP's weights: gate_up and down, a
+    MoE layer's stacked experts' (their ExpertCodes' `quant`) and router."""
+    if isinstance(mlp, DecoderMLP):
+        return [(p.quant, p.weight) for p in (mlp.gate_up_proj, mlp.down_proj)]
+    experts = mlp.experts
+    return [(mlp.gate.quant, mlp.gate.weight)] + [
+        (None if codes is None else codes.quant, stacked)
+        for codes, stacked in ((experts.gate_up_codes, experts.gate_up_proj),
+                               (experts.down_codes, experts.down_proj))]
+
+
+def _experts(codes: ExpertCodes | None, stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A stacked expert weight as decode_layers takes it: its codes, scales and zeros
+    (all E * N rows) where packed, else the dense [E, N, K] weight."""
+    if codes is None:
+        return stacked, _NONE, _NONE
+    quant = codes.quant
+    assert isinstance(quant, CpuIntWeight)
+    return quant.codes, quant.scales, quant.zeros

@@ -18,6 +18,13 @@
 //   residual = o + residual; a = rms(residual) * w_post
 //   h   = (silu(a @ Wg^T) * (a @ Wu^T)) @ Wd^T   (an int [gate | up]: int_gemm_silu_and_mul)
 //
+// or, in a mixture-of-experts layer (executor/model/moe.py), the router's softmax over
+// its experts and their top k (ATen's own softmax and topk, as the torch path calls
+// them: the same experts, the same weights), each chosen expert's SwiGLU MLP over the
+// rows of the tokens that chose it (its rows of the stacked weights: a slice of the
+// codes, or one [N, K] of the dense [E, N, K]), and h[t] the sum of token t's experts'
+// outputs times their weights, in ascending expert order (moe.experts_grouped's).
+//
 // and rms(h + residual) * w_final at the end. Projections are dense fp32 (a GEMV for up
 // to 4 rows, else oneDNN's linear: `dense_gemm`) or the int kernel's tiled int4/int8
 // (int_gemm).
@@ -35,7 +42,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/div.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -46,6 +57,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -58,6 +70,9 @@ constexpr int64_t kPrefetch = 1024;
 constexpr int64_t kLinears = 4;  // per layer: qkv, o, gate_up, down
 constexpr int64_t kNorms = 4;  // per layer: input, post-attention, q (per head), k
 constexpr int64_t kBiases = 2;  // per layer: qkv, o
+constexpr int64_t kMoe = 3;  // per layer: experts (0: a dense MLP), top k, flags below
+constexpr int64_t kRenormalize = 1;  // the top k weights divided by their sum
+constexpr int64_t kWeightsInModelDtype = 2;  // and rounded to the model's dtype
 // Tokens per task of the per-token loops (norms, rotary, the activation): at batch 1-3
 // one thread does them all (a parallel region costs more than a row of 576 floats).
 constexpr int64_t kRowsPerTask = 4;
@@ -146,6 +161,34 @@ struct Projection {
   const at::Tensor& scales;
   const at::Tensor& zeros;
   int64_t bits, group_size, out_features;
+};
+
+// Expert e's rows of a mixture-of-experts layer's stacked projection `p` (bits 0: a
+// dense [E, N, K] weight, out_features N; else the int kernel's codes, scales and zeros
+// of all E * N rows, out_features N, expert e's the tiles from e * N / 16): views that
+// `get` returns as a Projection while this lives.
+struct ExpertSlice {
+  at::Tensor weight, scales, zeros;
+  int64_t bits, group_size, out_features;
+
+  ExpertSlice(const Projection& p, int64_t e, int64_t E)
+      : bits(p.bits), group_size(p.group_size), out_features(p.out_features) {
+    if (p.bits == 0) {
+      TORCH_CHECK(p.weight.dim() == 3 && p.weight.size(0) == E &&
+                      p.weight.size(1) == p.out_features,
+                  "dense experts must be a stacked [", E, ", ", p.out_features, ", K] weight");
+      weight = p.weight.select(0, e);
+      return;
+    }
+    const int64_t tiles = p.out_features / 16;
+    TORCH_CHECK(p.out_features % 16 == 0 && p.weight.dim() == 3 && p.weight.size(0) == E * tiles,
+                "integer experts must be ", E, " experts of whole tiles of 16 rows");
+    weight = p.weight.narrow(0, e * tiles, tiles);
+    scales = p.scales.narrow(0, e * tiles, tiles);
+    zeros = p.zeros.narrow(0, e * tiles, tiles);
+  }
+
+  Projection get() const { return {weight, scales, zeros, bits, group_size, out_features}; }
 };
 
 // x [M, K] @ w [N, K]^T (+ bias), for more rows than the GEMV takes: oneDNN's linear,
@@ -273,13 +316,17 @@ namespace PAGELLM_NS {
 // linear_meta[12 l + 3 p + i] for projection p (qkv, o, gate_up, down) as (weight or
 // codes, scales, zeros) and (bits, group_size, out_features); norms[4 l + i] (input,
 // post-attention, q, k: the last two empty without per-head norms); biases[2 l + i]
-// (qkv, o; empty: none); windows[l] (0: full attention); scales[l].
+// (qkv, o; empty: none); routers[l] [E, hidden] and moe_meta[3 l + i] (E, top k, the
+// kRenormalize and kWeightsInModelDtype flags) in a mixture-of-experts layer, whose
+// gate_up and down projections are then its stacked experts (ExpertSlice), else an
+// empty router and E 0; windows[l] (0: full attention); scales[l].
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
                          const at::Tensor& cos_cache, const at::Tensor& sin_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, at::TensorList weights,
                          at::IntArrayRef linear_meta, at::TensorList norms,
-                         at::TensorList biases, at::TensorList kv_caches,
+                         at::TensorList biases, at::TensorList routers,
+                         at::IntArrayRef moe_meta, at::TensorList kv_caches,
                          at::IntArrayRef windows, at::ArrayRef<double> scales,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          double eps, const at::Tensor& final_norm) {
@@ -298,6 +345,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
                   static_cast<int64_t>(linear_meta.size()) == L * kLinears * 3 &&
                   static_cast<int64_t>(norms.size()) == L * kNorms &&
                   static_cast<int64_t>(biases.size()) == L * kBiases &&
+                  static_cast<int64_t>(routers.size()) == L &&
+                  static_cast<int64_t>(moe_meta.size()) == L * kMoe &&
                   static_cast<int64_t>(windows.size()) == L &&
                   static_cast<int64_t>(scales.size()) == L,
               "per-layer lists of the wrong length for ", L, " layers");
@@ -367,23 +416,73 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     return Projection{weights[i], weights[i + 1], weights[i + 2], linear_meta[i],
                       linear_meta[i + 1], linear_meta[i + 2]};
   };
-  // a -> silu(a @ Wg^T) * (a @ Wu^T) [T, inter] through the [gate | up] projection: in
-  // one pass for an int one of an fp32 model (int_gemm_silu_and_mul, the same values)
-  auto gated = [&](const Projection& p) {
+  // x [M, hidden] -> silu(x @ Wg^T) * (x @ Wu^T) [M, inter] through the [gate | up]
+  // projection: in one pass for an int one of an fp32 model (int_gemm_silu_and_mul, the
+  // same values)
+  auto gated = [&](const Projection& p, const at::Tensor& x) {
     if (p.bits != 0 && !round.bf16 && PAGELLM_NS::pairs_gate_and_up(p.out_features))
-      return PAGELLM_NS::int_gemm_silu_and_mul(a, p.weight, p.scales, p.zeros, p.bits,
+      return PAGELLM_NS::int_gemm_silu_and_mul(x, p.weight, p.scales, p.zeros, p.bits,
                                                p.group_size, p.out_features);
-    const at::Tensor gate_up = project(p, a, at::Tensor(), round);
-    const int64_t inter = gate_up.size(1) / 2;
-    at::Tensor act = at::empty({T, inter}, fp32);
+    const at::Tensor gate_up = project(p, x, at::Tensor(), round);
+    const int64_t M = x.size(0), inter = gate_up.size(1) / 2;
+    at::Tensor act = at::empty({M, inter}, fp32);
     const float* gu = gate_up.data_ptr<float>();
     float* actp = act.data_ptr<float>();
-    at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, M, kRowsPerTask, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
         PAGELLM_NS::silu_and_mul_row(gu + t * 2 * inter, gu + t * 2 * inter + inter,
                                      actp + t * inter, inter, round.bf16);
     });
     return act;
+  };
+  // a -> layer l's experts' sum [T, hidden] (the header's mixture-of-experts layer). A
+  // bf16 model rounds where the torch path's bf16 tensors do: the logits, each expert's
+  // output times its weight, and each partial sum.
+  auto sparse = [&](int64_t l) {
+    const int64_t E = moe_meta[l * kMoe], top_k = moe_meta[l * kMoe + 1];
+    const int64_t flags = moe_meta[l * kMoe + 2];
+    TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k ", top_k, " of ", E, " experts");
+    const at::Tensor& router = routers[l];
+    TORCH_CHECK(router.dim() == 2 && router.size(0) == E && router.size(1) == hidden,
+                "a router must be [", E, ", ", hidden, "]");
+    const at::Tensor none;
+    const at::Tensor logits = project(Projection{router, none, none, 0, 0, E}, a, none, round);
+    auto [weights, ids] = at::topk(at::softmax(logits, -1), top_k, -1);  // [T, k]
+    if (flags & kRenormalize) weights = at::div(weights, weights.sum(-1, true));
+    if ((flags & kWeightsInModelDtype) && round.bf16)
+      weights = weights.to(at::kBFloat16).to(at::kFloat);
+    weights = weights.contiguous();
+    ids = ids.contiguous();
+    const float* wp = weights.data_ptr<float>();
+    const int64_t* ip = ids.data_ptr<int64_t>();
+    std::vector<std::vector<std::pair<int64_t, float>>> chosen(E);  // (token, weight)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < top_k; ++j) chosen[ip[t * top_k + j]].emplace_back(t, wp[t * top_k + j]);
+    at::Tensor out = at::zeros({T, hidden}, fp32);
+    float* outp = out.data_ptr<float>();
+    for (int64_t e = 0; e < E; ++e) {
+      const auto& rows = chosen[e];
+      if (rows.empty()) continue;
+      const int64_t n = static_cast<int64_t>(rows.size());
+      at::Tensor xe = a;  // the rows of the tokens that chose e (all of them: a itself)
+      if (n != T) {
+        xe = at::empty({n, hidden}, fp32);
+        for (int64_t r = 0; r < n; ++r)
+          std::memcpy(xe.data_ptr<float>() + r * hidden, ap + rows[r].first * hidden,
+                      hidden * sizeof(float));
+      }
+      const ExpertSlice gate_up(projection(l, 2), e, E), down(projection(l, 3), e, E);
+      const at::Tensor y = project(down.get(), gated(gate_up.get(), xe), none, round);
+      TORCH_CHECK(y.size(1) == hidden, "an expert's down projection must have ", hidden,
+                  " outputs");
+      const float* yp = y.data_ptr<float>();
+      for (int64_t r = 0; r < n; ++r) {
+        float* o = outp + rows[r].first * hidden;
+        const float w = rows[r].second;
+        for (int64_t i = 0; i < hidden; ++i) o[i] = round(o[i] + round(yp[r * hidden + i] * w));
+      }
+    }
+    return out;
   };
 
   for (int64_t l = 0; l < L; ++l) {
@@ -442,7 +541,9 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     h = project(projection(l, 1), attn, biases[l * kBiases + 1], round);
 
     add_norm(norms[l * kNorms + 1], false);
-    h = project(projection(l, 3), gated(projection(l, 2)), at::Tensor(), round);
+    h = routers[l].numel() != 0
+            ? sparse(l)
+            : project(projection(l, 3), gated(projection(l, 2), a), at::Tensor(), round);
   }
   add_norm(final_norm, L == 0);
   return round.bf16 ? a.to(at::kBFloat16) : a;
@@ -464,7 +565,8 @@ TORCH_LIBRARY_FRAGMENT(PAGELLM_NS, m) {
   m.impl("dense_linear", c10::DispatchKey::CPU, &PAGELLM_NS::dense_linear);
   m.def("decode_layers(Tensor x, Tensor positions, Tensor cos_cache, Tensor sin_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor[] weights, "
-        "int[] linear_meta, Tensor[] norms, Tensor[] biases, Tensor[] kv_caches, "
+        "int[] linear_meta, Tensor[] norms, Tensor[] biases, Tensor[] routers, int[] moe_meta, "
+        "Tensor[] kv_caches, "
         "int[] windows, float[] scales, int num_heads, int num_kv_heads, int head_dim, "
         "float eps, Tensor final_norm) -> Tensor");
   m.impl("decode_layers", c10::DispatchKey::CPU, &PAGELLM_NS::decode_layers);
