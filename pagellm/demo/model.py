@@ -54,8 +54,8 @@ __all__ = [
     "train_tokenizer",
 ]
 
-ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral",
-                          "olmoe", "gemma2", "gemma3_text", "phi3")
+ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe",
+                          "mixtral", "olmoe", "gemma2", "gemma3_text", "phi3")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 
@@ -233,7 +233,7 @@ def _build_config(spec: ModelSpec) -> PretrainedConfig:
         common["rope_parameters"] = {
             "full_attention": common["rope_parameters"],
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
-    if spec.arch not in ("qwen2", "olmoe", "phi3"):  # these derive head_dim themselves
+    if spec.arch not in ("qwen2", "qwen2_moe", "olmoe", "phi3"):  # these derive head_dim
         extra.setdefault("head_dim", spec.effective_head_dim)
     return AutoConfig.for_model(spec.arch, **common, **extra)
 

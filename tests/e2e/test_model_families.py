@@ -45,6 +45,13 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
                                 config_extra=dict(num_experts=16, num_experts_per_tok=1,
                                                   moe_intermediate_size=16,
                                                   norm_topk_prob=False)),
+    # Qwen2-MoE: q/k/v biases, top-2 of 8 not renormalised, and a shared expert of its
+    # own width (48) gated by sigmoid(shared_expert_gate(x)); layer 0 dense
+    "qwen2_moe": ModelSpec(arch="qwen2_moe", **_SMALL, num_kv_heads=2, intermediate_size=80,
+                           init_std=0.3, seed=19, config_extra=dict(
+                               num_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                               norm_topk_prob=False, mlp_only_layers=[0])),
     "mixtral": ModelSpec(arch="mixtral", **_SMALL, num_kv_heads=2, intermediate_size=48,
                          init_std=0.2, seed=13,
                          config_extra=dict(num_local_experts=4, num_experts_per_tok=2)),
@@ -159,7 +166,7 @@ def test_experts_no_token_picks_are_skipped_and_the_output_still_matches(
     assert _tokens(outputs) == [hf_greedy(hf_models(name), p, 8) for p in prompts]
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_bf16_logprobs_track_transformers(name, family_dirs, make_llm):
     """bf16: every prompt and sampled token's logprob within 1.5x transformers' own bf16
     error against fp32 on the same bf16-rounded weights (as tests/e2e/test_correctness.py
@@ -198,7 +205,7 @@ def test_bf16_logprobs_track_transformers(name, family_dirs, make_llm):
         (ours_max, hf_max, ours_mean, hf_mean)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
 def test_each_ranks_experts_are_its_slice_of_the_checkpoint(name, family_dirs, hf_models):
     """Two ranks' stacked experts, router and (OLMoE) all-head q/k norms, loaded from the
     per-expert checkpoint, put back together equal transformers' stacked parameters."""
@@ -227,7 +234,7 @@ def test_each_ranks_experts_are_its_slice_of_the_checkpoint(name, family_dirs, h
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe", "qwen2_moe"])
 def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make_llm):
     """Each rank holds half of every expert (and, for OLMoE, half of the all-head q/k
     norms, their statistic summed over the ranks): greedy tokens equal transformers',

@@ -239,8 +239,18 @@ MOE = ModelSpec(arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num
                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                     norm_topk_prob=True, mlp_only_layers=[1]))
 
+# Qwen2-MoE: the same with q/k/v biases, top-2 not renormalised and a shared expert of
+# 64 columns (packed as a dense MLP's projections; its gate stays in full precision)
+QWEN2_MOE = ModelSpec(arch="qwen2_moe", hidden_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, vocab_size=1024, tie_word_embeddings=False,
+                      intermediate_size=96, init_std=0.3, seed=19, config_extra=dict(
+                          num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=64, norm_topk_prob=False,
+                          mlp_only_layers=[1]))
 
-def test_the_cpus_int4_packs_moe_experts_and_takes_their_updates(make_llm, tmp_path):
+
+@pytest.mark.parametrize("spec", [MOE, QWEN2_MOE], ids=["qwen3_moe", "qwen2_moe"])
+def test_the_cpus_int4_packs_moe_experts_and_takes_their_updates(spec, make_llm, tmp_path):
     """On the CPU's path the experts are packed too (moe.ExpertCodes: in a MoE model
     they are nearly all the bytes): the tokens are transformers' with every expert's
     weights quantized the same way and their inputs per token and block of 32. A
@@ -252,7 +262,7 @@ def test_the_cpus_int4_packs_moe_experts_and_takes_their_updates(make_llm, tmp_p
 
     from pagellm.executor.model.moe import ExpertCodes
 
-    model_dir = make_model(tmp_path / "moe", MOE)
+    model_dir = make_model(tmp_path / "moe", spec)
 
     def reference(model):
         return with_packed_experts(fake_quantize(model, "cpu_int4"), 4)

@@ -28,7 +28,6 @@ from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.executor.model import weight_map
@@ -41,13 +40,13 @@ from pagellm.executor.model.layers import (
     VocabParallelEmbedding,
 )
 from pagellm.executor.model.linear import linear
+from pagellm.executor.model.mlp import DecoderMLP
 from pagellm.executor.model.moe import SparseMoeBlock
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.quantize import requantizing
 from pagellm.executor.model.rope import RotaryEmbedding, apply_rotary
 from pagellm.executor.model.spec import DecoderSpec
 from pagellm.executor.model.weight_map import Destination
-from pagellm.kernels import fused_for
 
 
 class DecoderAttention(nn.Module):
@@ -100,33 +99,6 @@ class DecoderAttention(nn.Module):
             q, k = qk[:, :heads], qk[:, heads:]
         out = self.attn(q, k, v, meta, kv_caches)  # [T, H, D]
         return self.o_proj(out.reshape(tokens, self.q_size))
-
-
-class DecoderMLP(nn.Module):
-    """The gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or GELU with the tanh
-    approximation (GeGLU: Gemma's gelu_pytorch_tanh, torch's own op as transformers')."""
-
-    def __init__(self, spec: DecoderSpec, tp: TensorParallel) -> None:
-        super().__init__()
-        self.intermediate_size = tp.intermediate_size
-        self.act = spec.hidden_act
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * tp.intermediate_size, bias=False)
-        self.down_proj = RowParallelLinear(tp.intermediate_size, spec.hidden_size, False, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act == "gelu_pytorch_tanh":
-            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        act = self.gate_up_proj.silu_and_mul(x)  # the projection's kernel fuses it, or None
-        if act is None:
-            gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-            fused = fused_for(gate_up)
-            if fused is not None:  # one kernel instead of two (kernels/triton_fused.py)
-                act = fused.silu_and_mul(gate_up)
-            else:
-                gate, up = gate_up.split(self.intermediate_size, dim=-1)
-                act = F.silu(gate) * up
-        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):

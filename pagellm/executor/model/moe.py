@@ -1,6 +1,7 @@
-"""The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE): a router picks each
-token's top-k experts, each a SwiGLU MLP, and their outputs are summed with the routing
-weights.
+"""The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE): a router
+picks each token's top-k experts, each a SwiGLU MLP, and their outputs are summed with
+the routing weights; Qwen2-MoE adds a shared expert every token runs, gated by
+sigmoid(shared_expert_gate(x)).
 
 The experts' weights are stacked, as transformers 5 holds them in memory and as vLLM's
 fused MoE reads them:
@@ -45,6 +46,7 @@ from torch import nn
 
 from pagellm.executor.model.layers import Linear
 from pagellm.executor.model.linear import linear
+from pagellm.executor.model.mlp import DecoderMLP
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.quantize import (
     group_size_for,
@@ -152,6 +154,13 @@ class SparseMoeBlock(nn.Module):
         self.tp = tp
         self.gate = Linear(spec.hidden_size, spec.moe.num_experts, bias=False)  # the router
         self.experts = Experts(spec.moe, spec.hidden_size, tp)
+        # Qwen2-MoE's shared expert: a gated MLP every token runs (this rank's columns;
+        # its down projection all-reduces itself), scaled by sigmoid(shared_expert_gate)
+        self.shared_expert: DecoderMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if spec.moe.shared_expert_size:
+            self.shared_expert = DecoderMLP(spec, tp, spec.moe.shared_expert_size // tp.size)
+            self.shared_expert_gate = Linear(spec.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, K] float32, or x's dtype where the family rounds
@@ -175,7 +184,11 @@ class SparseMoeBlock(nn.Module):
             out = fused_moe(x.contiguous(), w13, w2, weights.float(), ids)
         else:
             out = experts_grouped(x, self.experts, weights, ids)
-        return self.tp.all_reduce(out)
+        out = self.tp.all_reduce(out)
+        if self.shared_expert is not None:  # transformers' order: experts + shared
+            assert self.shared_expert_gate is not None
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 def stacked_experts(model: nn.Module, cpu: bool

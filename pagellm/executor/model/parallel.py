@@ -101,6 +101,9 @@ def check_divisible(spec: Any, size: int) -> None:
     if moe is not None and moe.intermediate_size % size:
         problems.append(f"moe_intermediate_size={moe.intermediate_size} is not divisible "
                         "by it")
+    if moe is not None and moe.shared_expert_size % size:
+        problems.append(f"shared_expert_intermediate_size={moe.shared_expert_size} is not "
+                        "divisible by it")
     if problems:
         raise ValueError(f"tensor_parallel_size={size} cannot split this model: "
                          + "; ".join(problems))

@@ -54,7 +54,9 @@ def _moe(config: Any, num_experts: int, renormalize: bool,
                    intermediate_size=getattr(config, "moe_intermediate_size", None)
                    or config.intermediate_size,
                    renormalize=renormalize, sparse_layers=_sparse_layers(config),
-                   weights_in_model_dtype=weights_in_model_dtype)
+                   weights_in_model_dtype=weights_in_model_dtype,
+                   shared_expert_size=getattr(config, "shared_expert_intermediate_size", 0)
+                   or 0)
 
 
 def _llama(config: Any, arch: str) -> DecoderSpec:
@@ -68,6 +70,14 @@ def _qwen2(config: Any, arch: str) -> DecoderSpec:
 
 def _qwen3(config: Any, arch: str) -> DecoderSpec:
     return read_decoder_spec(config, arch, qk_norm="head")
+
+
+def _qwen2_moe(config: Any, arch: str) -> DecoderSpec:
+    # Qwen2's attention (q/k/v biases where `qkv_bias`, the default; no o_proj bias) and
+    # Qwen3-MoE's routing, with a shared expert in every sparse layer.
+    return read_decoder_spec(config, arch, qkv_bias=bool(getattr(config, "qkv_bias", True)),
+                             o_bias=False, moe=_moe(config, config.num_experts,
+                                                    bool(config.norm_topk_prob)))
 
 
 def _qwen3_moe(config: Any, arch: str) -> DecoderSpec:
@@ -148,6 +158,7 @@ FAMILIES: dict[str, Family] = {
     "MistralForCausalLM": Family("mistral", _llama, _decoder),
     "Qwen2ForCausalLM": Family("qwen2", _qwen2, _decoder),
     "Qwen3ForCausalLM": Family("qwen3", _qwen3, _decoder),
+    "Qwen2MoeForCausalLM": Family("qwen2_moe", _qwen2_moe, _decoder),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", _qwen3_moe, _decoder),
     "MixtralForCausalLM": Family("mixtral", _mixtral, _decoder),
     "OlmoeForCausalLM": Family("olmoe", _olmoe, _decoder),

@@ -28,7 +28,7 @@ SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 class MoeSpec:
     """A sparse mixture-of-experts MLP: a router picks `top_k` of `num_experts` SwiGLU
     experts per token (softmax over all experts, then top-k), their outputs summed with
-    the routing weights."""
+    the routing weights (and a gated shared expert's, where the family has one)."""
 
     num_experts: int
     top_k: int
@@ -40,6 +40,9 @@ class MoeSpec:
     # Routing weights rounded to the model's dtype before they scale the experts' outputs
     # (Qwen3-MoE, OLMoE); Mixtral keeps them in float32.
     weights_in_model_dtype: bool = True
+    # A shared expert's intermediate size (Qwen2-MoE: a SwiGLU MLP every token runs, its
+    # output scaled by sigmoid(shared_expert_gate(x)) and added); 0: none.
+    shared_expert_size: int = 0
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ that goes there:
 
     q_proj / k_proj / v_proj    -> rows of qkv_proj: this rank's heads (KV heads may
                                    be replicated across ranks)
-    gate_proj / up_proj         -> rows of gate_up_proj: this rank's MLP columns
+    gate_proj / up_proj         -> rows of gate_up_proj: this rank's MLP columns (a
+                                   Qwen2-MoE shared expert's of its own width)
     o_proj / down_proj          -> columns (row parallel: the input dimension)
     embed_tokens / lm_head      -> this rank's vocabulary rows (the tail rank's padding
                                    rows load nothing)
@@ -22,13 +23,15 @@ that goes there:
                                    `experts.down_proj` [E, H, I] (transformers 5's
                                    in-memory names, which RL trainers send) load whole
     everything else             -> the whole parameter (norms, the row-parallel
-                                   layers' biases, the MoE router)
+                                   layers' biases, the MoE router, a shared expert's
+                                   gate)
 
 A mixture-of-experts checkpoint names its experts one way per family (`moe_names`):
-Qwen3-MoE and OLMoE `mlp.experts.{e}.gate_proj`, Mixtral `block_sparse_moe.experts.{e}.w1`
-(w1 gate, w3 up, w2 down). Either spelling and the stacked names load; what counts as
-loaded (`canonical_keys`, for the loader's completeness check and the weights a sleep
-dropped) is always the family's own per-expert names.
+Qwen3-MoE, Qwen2-MoE and OLMoE `mlp.experts.{e}.gate_proj`, Mixtral
+`block_sparse_moe.experts.{e}.w1` (w1 gate, w3 up, w2 down). Either spelling and the
+stacked names load; what counts as loaded (`canonical_keys`, for the loader's
+completeness check and the weights a sleep dropped) is always the family's own
+per-expert names.
 
 Phi-3 checkpoints (`DecoderSpec.fused_checkpoint`) store q/k/v and gate/up fused, under
 our own parameter names; theirs are the only names such a model loads (and the ones its
@@ -256,6 +259,15 @@ def _fused_destination(name: str, param: nn.Parameter, spec: DecoderSpec,
     return Destination(param, full_shape, parts=parts)
 
 
+def _mlp_sizes(name: str, spec: DecoderSpec, tp: TensorParallel) -> tuple[int, int]:
+    """(the whole intermediate size, this rank's columns) of the gated MLP that tensor
+    `name` belongs to: a Qwen2-MoE layer's shared expert, else the dense MLP."""
+    if spec.moe is not None and ".shared_expert." in name:
+        full = spec.moe.shared_expert_size
+        return full, full // tp.size
+    return spec.intermediate_size, tp.intermediate_size
+
+
 def destination(name: str, params: Mapping[str, nn.Parameter], spec: DecoderSpec,
                 tp: TensorParallel, tied: bool) -> Destination | None:
     """Where checkpoint tensor `name` loads on rank `tp` of a model with parameters
@@ -289,15 +301,14 @@ def destination(name: str, params: Mapping[str, nn.Parameter], spec: DecoderSpec
         if spec.qk_norm == "full" and target.endswith(("q_norm.weight", "k_norm.weight")):
             return _full_norm_destination(target, param, spec, tp)
         if target.endswith(("o_proj.weight", "down_proj.weight")):  # row parallel
-            full = spec.num_heads * d if "o_proj" in target else spec.intermediate_size
+            full = spec.num_heads * d if "o_proj" in target else _mlp_sizes(target, spec, tp)[0]
             width = param.shape[1]
             return Destination(param, (param.shape[0], full), 1, tp.rank * width, width)
         return Destination(param, tuple(param.shape))  # replicated
     if isinstance(shard, int):  # gate (0) / up (1): column parallel
-        size = tp.intermediate_size
+        full, size = _mlp_sizes(target, spec, tp)
         return Destination(param[shard * size:(shard + 1) * size],
-                           (spec.intermediate_size, *param.shape[1:]), 0,
-                           tp.rank * size, size)
+                           (full, *param.shape[1:]), 0, tp.rank * size, size)
     q_size, kv_size = tp.num_heads * d, tp.num_kv_heads * d
     offset, size, full, start = {
         "q": (0, q_size, spec.num_heads * d, tp.rank * q_size),

@@ -15,8 +15,8 @@ family (Llama, Mistral, Qwen2/2.5/3, Phi-3) in fp32 with an fp32 KV cache (dense
 or the CPU int kernel's int4 / int8 projections), or in bf16 with a bf16 KV cache
 (dense bf16 projections: the C++ rounds to bf16 wherever the torch path holds a bf16
 tensor), mixture-of-experts layers included (Qwen3-MoE, Mixtral: dense or int experts),
-without tensor parallelism, LoRA, OLMoE's q/k clipping and norms or soft-capping
-(Gemma's own classes). A dense projection is a GEMV
+without tensor parallelism, LoRA, OLMoE's q/k clipping and norms, Qwen2-MoE's shared
+experts or soft-capping (Gemma's own classes). A dense projection is a GEMV
 for up to `DENSE_ROWS` tokens and the torch path's GEMM above (oneDNN's for fp32,
 at::linear for bf16, oneDNN's on the loader's packed copies where it made them), where
 the fused step saved 15-18% of a 48-request run against the torch path (fp32 and bf16,
@@ -82,8 +82,9 @@ def unsupported(model: nn.Module, dtype: torch.dtype, cache_dtype: torch.dtype,
     if model.tp.size != 1 or lora:
         return "tensor parallelism and LoRA take the torch path"
     if (spec.clip_qkv is not None or spec.qk_norm not in (None, "head")
-            or spec.attn_softcap is not None or spec.hidden_act != "silu"):
-        return "q/k clipping or norms over all heads, soft-capping or GeGLU"
+            or spec.attn_softcap is not None or spec.hidden_act != "silu"
+            or (spec.moe is not None and spec.moe.shared_expert_size)):
+        return "q/k clipping or norms over all heads, soft-capping, GeGLU or a shared expert"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if (type(layer) is not DecoderLayer or type(attn) is not DecoderAttention
@@ -93,8 +94,9 @@ def unsupported(model: nn.Module, dtype: torch.dtype, cache_dtype: torch.dtype,
             return "a layer of another kind"
         if isinstance(mlp, SparseMoeBlock) and mlp.gate.quant is not None:
             return "a quantized router"
-        weights = [(proj.quant, proj.weight) for proj in (attn.qkv_proj, attn.o_proj)]
-        for quant, weight in weights + _mlp_weights(mlp):
+        weights: list[tuple[object, torch.Tensor]] = [
+            (proj.quant, proj.weight) for proj in (attn.qkv_proj, attn.o_proj)]
+        for quant, weight in weights + _mlp_weights(cast(DecoderMLP | SparseMoeBlock, mlp)):
             if not ((quant is None and weight.dtype == dtype)
                     or (isinstance(quant, CpuIntWeight) and dtype == torch.float32)):
                 return f"a {type(quant).__name__} projection in {dtype}"
@@ -229,10 +231,13 @@ def _bias(proj: Projection) -> torch.Tensor:
 def _mlp_weights(mlp: DecoderMLP | SparseMoeBlock) -> list[tuple[object, torch.Tensor]]:
     """(packed form or None, weight) of each of the MLP's weights: gate_up and down, a
     MoE layer's stacked experts' (their ExpertCodes' `quant`) and router."""
+    weights: list[tuple[object, torch.Tensor]]
     if isinstance(mlp, DecoderMLP):
-        return [(p.quant, p.weight) for p in (mlp.gate_up_proj, mlp.down_proj)]
+        weights = [(p.quant, p.weight) for p in (mlp.gate_up_proj, mlp.down_proj)]
+        return weights
     experts = mlp.experts
-    return [(mlp.gate.quant, mlp.gate.weight)] + [
+    weights = [(mlp.gate.quant, mlp.gate.weight)]
+    return weights + [
         (None if codes is None else codes.quant, stacked)
         for codes, stacked in ((experts.gate_up_codes, experts.gate_up_proj),
                                (experts.down_codes, experts.down_proj))]
