@@ -42,14 +42,18 @@ SPECS = {
     "sliding": dataclasses.replace(LLAMA, layer_windows=(5, None)),
 }
 # Mixtures of experts (8 experts of 32, top 2): Qwen3-MoE's (head norms; weights rounded
-# to the model's dtype; its first layer dense, as mlp_only_layers makes it) and
-# Mixtral's (weights in fp32, every layer sparse).
+# to the model's dtype; its first layer dense, as mlp_only_layers makes it), Mixtral's
+# (weights in fp32, every layer sparse) and Qwen2-MoE's.
 MOE = MoeSpec(num_experts=8, top_k=2, intermediate_size=32, renormalize=True,
               sparse_layers=(False, True))
 MOE_SPECS = {
     "qwen3_moe": dataclasses.replace(LLAMA, qk_norm="head", moe=MOE),
     "mixtral": dataclasses.replace(LLAMA, moe=dataclasses.replace(
         MOE, sparse_layers=(True, True), weights_in_model_dtype=False)),
+    # Qwen2-MoE's: q/k/v biases, top 2 not renormalised, a shared expert of 32 columns
+    # gated by sigmoid(shared_expert_gate(x))
+    "qwen2_moe": dataclasses.replace(LLAMA, qkv_bias=True, moe=dataclasses.replace(
+        MOE, renormalize=False, shared_expert_size=32)),
 }
 
 
@@ -224,8 +228,10 @@ def test_a_mixture_of_experts_decode_step_equals_the_torch_path(name, batch, qua
     """The router's top 2 of 8 experts per token, each expert over the tokens that
     chose it (one token: itself; seven: several tokens to most experts), summed in
     expert order: fp32 up to the order of the dense experts' sums, the int kernel's
-    experts as the torch path runs them (the bound of the integer test above)."""
-    prompt_lens = [3 + 2 * i for i in range(batch)]
+    experts as the torch path runs them (the bound of the integer test above: on these
+    prompts no activation's rounding tips; with prompts one token shorter one of
+    Qwen2-MoE's seven tokens tips at int4, 1e-2 apart where the rest are 1e-6)."""
+    prompt_lens = [4 + 2 * i for i in range(batch)]
     got, expected, caches, torch_caches = _decode_both_ways(MOE_SPECS[name], quantization,
                                                             prompt_lens)
     scale = float(expected.abs().max())

@@ -14,9 +14,9 @@ prompt chunks), for models it computes exactly as the torch path does: the decod
 family (Llama, Mistral, Qwen2/2.5/3, Phi-3) in fp32 with an fp32 KV cache (dense fp32
 or the CPU int kernel's int4 / int8 projections), or in bf16 with a bf16 KV cache
 (dense bf16 projections: the C++ rounds to bf16 wherever the torch path holds a bf16
-tensor), mixture-of-experts layers included (Qwen3-MoE, Mixtral: dense or int experts),
-without tensor parallelism, LoRA, OLMoE's q/k clipping and norms, Qwen2-MoE's shared
-experts or soft-capping (Gemma's own classes). A dense projection is a GEMV
+tensor), mixture-of-experts layers included (Qwen3-MoE, Mixtral, Qwen2-MoE's shared
+experts: dense or int experts), without tensor parallelism, LoRA, OLMoE's q/k clipping
+and norms or soft-capping (Gemma's own classes). A dense projection is a GEMV
 for up to `DENSE_ROWS` tokens and the torch path's GEMM above (oneDNN's for fp32,
 at::linear for bf16, oneDNN's on the loader's packed copies where it made them), where
 the fused step saved 15-18% of a 48-request run against the torch path (fp32 and bf16,
@@ -82,9 +82,8 @@ def unsupported(model: nn.Module, dtype: torch.dtype, cache_dtype: torch.dtype,
     if model.tp.size != 1 or lora:
         return "tensor parallelism and LoRA take the torch path"
     if (spec.clip_qkv is not None or spec.qk_norm not in (None, "head")
-            or spec.attn_softcap is not None or spec.hidden_act != "silu"
-            or (spec.moe is not None and spec.moe.shared_expert_size)):
-        return "q/k clipping or norms over all heads, soft-capping, GeGLU or a shared expert"
+            or spec.attn_softcap is not None or spec.hidden_act != "silu"):
+        return "q/k clipping or norms over all heads, soft-capping or GeGLU"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if (type(layer) is not DecoderLayer or type(attn) is not DecoderAttention
@@ -92,8 +91,9 @@ def unsupported(model: nn.Module, dtype: torch.dtype, cache_dtype: torch.dtype,
                 or type(layer.input_layernorm) is not RMSNorm
                 or type(layer.post_attention_layernorm) is not RMSNorm):
             return "a layer of another kind"
-        if isinstance(mlp, SparseMoeBlock) and mlp.gate.quant is not None:
-            return "a quantized router"
+        if isinstance(mlp, SparseMoeBlock) and (mlp.gate.quant is not None or (
+                mlp.shared_expert_gate is not None and mlp.shared_expert_gate.quant is not None)):
+            return "a quantized router or shared expert gate"
         weights: list[tuple[object, torch.Tensor]] = [
             (proj.quant, proj.weight) for proj in (attn.qkv_proj, attn.o_proj)]
         for quant, weight in weights + _mlp_weights(cast(DecoderMLP | SparseMoeBlock, mlp)):
@@ -115,10 +115,9 @@ class CpuDecodeStep:
         self.layers = [(layer, cast(DecoderAttention, layer.self_attn),
                         cast(DecoderMLP | SparseMoeBlock, layer.mlp)) for layer in layers]
         # Per layer, its projections qkv, o, gate_up, down (None: a MoE layer's experts)
+        # and a shared expert's gate_up and down (None: none)
         self.projections: list[tuple[Projection | None, ...]] = [
-            (a.qkv_proj, a.o_proj) + ((mlp.gate_up_proj, mlp.down_proj)
-                                      if isinstance(mlp, DecoderMLP) else (None, None))
-            for _, a, mlp in self.layers]
+            (a.qkv_proj, a.o_proj, *_mlp_projections(mlp)) for _, a, mlp in self.layers]
         # Dense projections of more tokens than the GEMV takes run as the torch path runs
         # them (linear.py): fp32 through oneDNN's GEMM, bf16 through at::linear or, where
         # the loader packed the weights (CPUs with AMX or AVX512-BF16), oneDNN's GEMM on
@@ -170,28 +169,32 @@ class CpuDecodeStep:
         routers: list[torch.Tensor] = []
         moe_meta: list[int] = []
         for (layer, attn, mlp), projections in zip(self.layers, self.projections, strict=True):
-            for proj in projections[:2] if isinstance(mlp, SparseMoeBlock) else projections:
-                assert proj is not None
-                quant = proj.quant
-                if isinstance(quant, CpuIntWeight):
+            for slot, proj in enumerate(projections):
+                if isinstance(mlp, SparseMoeBlock) and slot in (2, 3):  # the experts
+                    experts = mlp.experts
+                    codes, stacked = ((experts.gate_up_codes, experts.gate_up_proj)
+                                      if slot == 2 else (experts.down_codes, experts.down_proj))
+                    weights += _experts(codes, stacked)
+                    meta += ((0, 0, stacked.shape[1]) if codes is None else
+                             (codes.quant.bits, codes.quant.group_size, codes.rows))
+                elif proj is None:  # no shared expert
+                    weights += (_NONE, _NONE, _NONE)
+                    meta += (0, 0, 0)
+                elif isinstance(quant := proj.quant, CpuIntWeight):
                     weights += (quant.codes, quant.scales, quant.zeros)
                     meta += (quant.bits, quant.group_size, quant.out_features)
                 else:
                     weights += (proj.weight, _NONE, _NONE)
                     meta += (0, 0, proj.weight.shape[0])
             if isinstance(mlp, SparseMoeBlock):
-                experts, moe = mlp.experts, mlp.moe
-                for codes, stacked in ((experts.gate_up_codes, experts.gate_up_proj),
-                                       (experts.down_codes, experts.down_proj)):
-                    weights += _experts(codes, stacked)
-                    meta += ((0, 0, stacked.shape[1]) if codes is None else
-                             (codes.quant.bits, codes.quant.group_size, codes.rows))
-                routers.append(mlp.gate.weight)
+                moe = mlp.moe
+                routers += (mlp.gate.weight, _NONE if mlp.shared_expert_gate is None
+                            else mlp.shared_expert_gate.weight)
                 moe_meta += (moe.num_experts, moe.top_k,
                              RENORMALIZE * moe.renormalize
                              + WEIGHTS_IN_MODEL_DTYPE * moe.weights_in_model_dtype)
             else:
-                routers.append(_NONE)
+                routers += (_NONE, _NONE)
                 moe_meta += (0, 0, 0)
             norms += (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                       _NONE if attn.q_norm is None else attn.q_norm.weight,
@@ -228,6 +231,16 @@ def _bias(proj: Projection) -> torch.Tensor:
     return _NONE if proj.bias is None else proj.bias
 
 
+def _mlp_projections(mlp: DecoderMLP | SparseMoeBlock) -> tuple[Projection | None, ...]:
+    """gate_up, down (None: a MoE layer's experts) and a shared expert's gate_up, down
+    (None: none)."""
+    if isinstance(mlp, DecoderMLP):
+        return mlp.gate_up_proj, mlp.down_proj, None, None
+    shared = mlp.shared_expert
+    return (None, None) + ((None, None) if shared is None
+                           else (shared.gate_up_proj, shared.down_proj))
+
+
 def _mlp_weights(mlp: DecoderMLP | SparseMoeBlock) -> list[tuple[object, torch.Tensor]]:
     """(packed form or None, weight) of each of the MLP's weights: gate_up and down, a
     MoE layer's stacked experts' (their ExpertCodes' `quant`) and router."""
@@ -236,7 +249,10 @@ def _mlp_weights(mlp: DecoderMLP | SparseMoeBlock) -> list[tuple[object, torch.T
         weights = [(p.quant, p.weight) for p in (mlp.gate_up_proj, mlp.down_proj)]
         return weights
     experts = mlp.experts
-    weights = [(mlp.gate.quant, mlp.gate.weight)]
+    weights = [(p.quant, p.weight) for p in _mlp_projections(mlp) if p is not None]
+    weights.append((mlp.gate.quant, mlp.gate.weight))
+    if mlp.shared_expert_gate is not None:
+        weights.append((mlp.shared_expert_gate.quant, mlp.shared_expert_gate.weight))
     return weights + [
         (None if codes is None else codes.quant, stacked)
         for codes, stacked in ((experts.gate_up_codes, experts.gate_up_proj),

@@ -23,7 +23,8 @@
 // them: the same experts, the same weights), each chosen expert's SwiGLU MLP over the
 // rows of the tokens that chose it (its rows of the stacked weights: a slice of the
 // codes, or one [N, K] of the dense [E, N, K]), and h[t] the sum of token t's experts'
-// outputs times their weights, in ascending expert order (moe.experts_grouped's).
+// outputs times their weights, in ascending expert order (moe.experts_grouped's), plus
+// sigmoid(a @ Wsg^T) times a shared expert's SwiGLU where the layer has one (Qwen2-MoE).
 //
 // and rms(h + residual) * w_final at the end. Projections are dense fp32 (a GEMV for up
 // to 4 rows, else oneDNN's linear: `dense_gemm`) or the int kernel's tiled int4/int8
@@ -67,7 +68,9 @@ constexpr int64_t kGemvRows = 4;  // rows of x up to which a dense projection is
 // SmolLM2's projections as fast as torch's W @ x^T (15.4 against 15.8 ms for 30
 // layers), without it 8% slower.
 constexpr int64_t kPrefetch = 1024;
-constexpr int64_t kLinears = 4;  // per layer: qkv, o, gate_up, down
+// per layer: qkv, o, gate_up, down, and a MoE layer's shared expert's gate_up and down
+// (empty without one)
+constexpr int64_t kLinears = 6;
 constexpr int64_t kNorms = 4;  // per layer: input, post-attention, q (per head), k
 constexpr int64_t kBiases = 2;  // per layer: qkv, o
 constexpr int64_t kMoe = 3;  // per layer: experts (0: a dense MLP), top k, flags below
@@ -312,14 +315,16 @@ namespace PAGELLM_NS {
 
 // The layers of a decode step: x [T, hidden] (the embeddings) -> the final norm's output
 // [T, hidden]; writes each layer's keys and values into kv_caches[l]
-// [2, num_blocks, block_size, H_kv, D]. Per layer l: weights[12 l + 3 p + i] and
-// linear_meta[12 l + 3 p + i] for projection p (qkv, o, gate_up, down) as (weight or
-// codes, scales, zeros) and (bits, group_size, out_features); norms[4 l + i] (input,
-// post-attention, q, k: the last two empty without per-head norms); biases[2 l + i]
-// (qkv, o; empty: none); routers[l] [E, hidden] and moe_meta[3 l + i] (E, top k, the
-// kRenormalize and kWeightsInModelDtype flags) in a mixture-of-experts layer, whose
-// gate_up and down projections are then its stacked experts (ExpertSlice), else an
-// empty router and E 0; windows[l] (0: full attention); scales[l].
+// [2, num_blocks, block_size, H_kv, D]. Per layer l: weights[18 l + 3 p + i] and
+// linear_meta[18 l + 3 p + i] for projection p (qkv, o, gate_up, down, shared gate_up,
+// shared down) as (weight or codes, scales, zeros) and (bits, group_size,
+// out_features); norms[4 l + i] (input, post-attention, q, k: the last two empty
+// without per-head norms); biases[2 l + i] (qkv, o; empty: none); in a
+// mixture-of-experts layer routers[2 l] [E, hidden] and moe_meta[3 l + i] (E, top k,
+// the kRenormalize and kWeightsInModelDtype flags), its gate_up and down projections
+// then its stacked experts (ExpertSlice), and where it has a shared expert (Qwen2-MoE)
+// routers[2 l + 1] its gate [1, hidden] and projections 4 and 5 its gate_up and down
+// (else empty, and E 0 in a dense layer); windows[l] (0: full attention); scales[l].
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
                          const at::Tensor& cos_cache, const at::Tensor& sin_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -345,7 +350,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
                   static_cast<int64_t>(linear_meta.size()) == L * kLinears * 3 &&
                   static_cast<int64_t>(norms.size()) == L * kNorms &&
                   static_cast<int64_t>(biases.size()) == L * kBiases &&
-                  static_cast<int64_t>(routers.size()) == L &&
+                  static_cast<int64_t>(routers.size()) == 2 * L &&
                   static_cast<int64_t>(moe_meta.size()) == L * kMoe &&
                   static_cast<int64_t>(windows.size()) == L &&
                   static_cast<int64_t>(scales.size()) == L,
@@ -442,7 +447,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     const int64_t E = moe_meta[l * kMoe], top_k = moe_meta[l * kMoe + 1];
     const int64_t flags = moe_meta[l * kMoe + 2];
     TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k ", top_k, " of ", E, " experts");
-    const at::Tensor& router = routers[l];
+    const at::Tensor& router = routers[2 * l];
     TORCH_CHECK(router.dim() == 2 && router.size(0) == E && router.size(1) == hidden,
                 "a router must be [", E, ", ", hidden, "]");
     const at::Tensor none;
@@ -456,8 +461,10 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     const float* wp = weights.data_ptr<float>();
     const int64_t* ip = ids.data_ptr<int64_t>();
     std::vector<std::vector<std::pair<int64_t, float>>> chosen(E);  // (token, weight)
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < top_k; ++j) chosen[ip[t * top_k + j]].emplace_back(t, wp[t * top_k + j]);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t j = 0; j < top_k; ++j)
+        chosen[ip[t * top_k + j]].emplace_back(t, wp[t * top_k + j]);
+    }
     at::Tensor out = at::zeros({T, hidden}, fp32);
     float* outp = out.data_ptr<float>();
     for (int64_t e = 0; e < E; ++e) {
@@ -480,6 +487,22 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
         float* o = outp + rows[r].first * hidden;
         const float w = rows[r].second;
         for (int64_t i = 0; i < hidden; ++i) o[i] = round(o[i] + round(yp[r * hidden + i] * w));
+      }
+    }
+    const at::Tensor& shared_gate = routers[2 * l + 1];
+    if (shared_gate.numel() != 0) {  // + sigmoid(gate(a)) * shared(a), transformers' order
+      TORCH_CHECK(shared_gate.dim() == 2 && shared_gate.size(0) == 1 &&
+                      shared_gate.size(1) == hidden,
+                  "a shared expert's gate must be [1, ", hidden, "]");
+      const at::Tensor g = project(Projection{shared_gate, none, none, 0, 0, 1}, a, none, round);
+      const at::Tensor y = project(projection(l, 5), gated(projection(l, 4), a), none, round);
+      TORCH_CHECK(y.size(1) == hidden, "a shared expert must have ", hidden, " outputs");
+      const float* gp = g.data_ptr<float>();
+      const float* yp = y.data_ptr<float>();
+      for (int64_t t = 0; t < T; ++t) {
+        const float sig = round(1.f / (1.f + std::exp(-gp[t])));
+        for (int64_t i = 0; i < hidden; ++i)
+          outp[t * hidden + i] = round(outp[t * hidden + i] + round(sig * yp[t * hidden + i]));
       }
     }
     return out;
@@ -541,7 +564,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     h = project(projection(l, 1), attn, biases[l * kBiases + 1], round);
 
     add_norm(norms[l * kNorms + 1], false);
-    h = routers[l].numel() != 0
+    h = routers[2 * l].numel() != 0
             ? sparse(l)
             : project(projection(l, 3), gated(projection(l, 2), a), at::Tensor(), round);
   }
