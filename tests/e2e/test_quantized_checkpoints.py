@@ -212,10 +212,11 @@ def _stacked(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize(("tp", "backend"), [
-    (1, "torch"), pytest.param(2, "torch", marks=pytest.mark.slow),
-    pytest.param(1, "triton", marks=runs_triton_kernels)])
-def test_a_moe_checkpoints_experts_stay_packed(tp, backend, make_llm, tmp_path):
+@pytest.mark.parametrize(("arch", "tp", "backend"), [
+    ("qwen3_moe", 1, "torch"), pytest.param("qwen3_moe", 2, "torch", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", 1, "triton", marks=runs_triton_kernels),
+    ("qwen2_moe", 1, "torch"), pytest.param("qwen2_moe", 2, "torch", marks=pytest.mark.slow)])
+def test_a_moe_checkpoints_experts_stay_packed(arch, tp, backend, make_llm, tmp_path):
     """A GPTQ Qwen3-MoE checkpoint (every expert's projections quantized, as GPTQModel
     writes them) keeps its experts packed (moe.ExpertCodes: no full-precision copy),
     each expert's tensors into its rows: in the CPU int kernel's layout, or with the
@@ -223,18 +224,23 @@ def test_a_moe_checkpoints_experts_stay_packed(tp, backend, make_llm, tmp_path):
     CUDA). Two ranks narrow the experts' rows, and down_proj's input columns in whole
     groups (32 of each rank's 64). Tokens: transformers on the weights the codes stand
     for; on the CPU's path every projection's input (the experts' too) quantized per
-    token and block of 32."""
+    token and block of 32. A Qwen2-MoE's shared expert (64 columns, each rank 32) is
+    quantized as the dense projections are; its gate stays in full precision."""
     from pagellm.executor.model.moe import ExpertCodes
 
     model_dir = make_model(tmp_path / "moe", ModelSpec(
-        arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
         vocab_size=1024, intermediate_size=96, init_std=0.3, seed=21, config_extra=dict(
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-            norm_topk_prob=True)))
+            norm_topk_prob=True,
+            **(dict(shared_expert_intermediate_size=64) if arch == "qwen2_moe" else {}))))
     directory, reference = write_int_checkpoint(model_dir, tmp_path / "gptq", "gptq",
                                                 bits=4, group=32)
-    assert "model.layers.1.mlp.experts.2.down_proj.qweight" in load_file(
-        directory / "model.safetensors")
+    tensors = load_file(directory / "model.safetensors")
+    assert "model.layers.1.mlp.experts.2.down_proj.qweight" in tensors
+    if arch == "qwen2_moe":
+        assert {"model.layers.1.mlp.shared_expert.down_proj.qweight",
+                "model.layers.1.mlp.shared_expert_gate.weight"} <= tensors.keys()
     llm = make_llm(str(directory), dtype="float32", tensor_parallel_size=tp,
                    attention_backend=backend)
     if tp == 1:
