@@ -64,6 +64,9 @@ _PROJECTIONS = frozenset({"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_p
 # An expert's projection, as transformers names a checkpoint's (qwen3_moe's)
 _EXPERT_PROJECTION = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.\d+\.(gate|up|down)_proj"
                                 r"\.weight")
+# A Qwen2-MoE layer's shared expert's projection (a gated MLP's, of its own width)
+_SHARED_EXPERT_PROJECTION = re.compile(r"model\.layers\.\d+\.mlp\.shared_expert\."
+                                       r"(gate|up|down)_proj\.weight")
 # llama.cpp's stacked experts [E, N, K] in a file
 _FILE_EXPERTS = re.compile(r"(blk\.(\d+)\.ffn_(gate|up|down)_exps)\.weight")
 # Modules computed as one (their storage must agree): a layer's (or an expert's) q/k/v
@@ -74,12 +77,13 @@ _PERMUTED = ("llama", "mistral", "mixtral")  # families whose q/k rows llama.cpp
 # file with an EOS and no BOS token id (as llama.cpp writes Qwen's), and 5.0 adds a BOS
 # the file says not to add.
 TRANSFORMERS_FLOOR = (5, 18)
-# The converted directory's layout, part of its cache key: 3 writes quantized MoE experts
-# as codes an expert at a time (2 wrote them stacked in fp32: a converted file is
-# converted again to get them) and Qwen3-MoE's expert width from the file; 2
-# keeps quantized projections as the "gguf" quantization method (1 kept Q8_0 / Q4_0 as
-# compressed-tensors).
-FORMAT = 3
+# The converted directory's layout, part of its cache key: 4 reads Qwen2-MoE files (the
+# widths of their experts and shared expert, the shared expert as codes); 3 writes
+# quantized MoE experts as codes an expert at a time (2 wrote them stacked in fp32: a
+# converted file is converted again to get them) and Qwen3-MoE's expert width from the
+# file; 2 keeps quantized projections as the "gguf" quantization method (1 kept Q8_0 /
+# Q4_0 as compressed-tensors).
+FORMAT = 4
 # What llama.cpp derives from a file's shape and transformers' GGUF reader leaves at its
 # default (one of `_as_llama_cpp_runs_it`'s): Gemma 2 and 3 at 27B (46 and 62 layers)
 # scale queries by 1 / sqrt(hidden / heads), 144 and 168, not by 1 / sqrt(head_dim)
@@ -187,9 +191,11 @@ def _as_llama_cpp_runs_it(config: Any, reader: Any) -> Any:
     and transformers' GGUF reader leaves at the config class's default: a llama file
     with experts (`llama.expert_count`: Mixtral's, as convert_hf_to_gguf.py writes it) is
     a Mixtral, which the reader reads as a dense Llama; Gemma 2 and 3 at 27B scale
-    queries by 1 / sqrt(hidden / heads) (_QUERY_SCALE_BY_WIDTH); Qwen3-MoE's experts are
-    `expert_feed_forward_length` wide (the reader keeps the config class's 768, only
-    Qwen3-30B-A3B's: Qwen3-235B-A22B's are 1536)."""
+    queries by 1 / sqrt(hidden / heads) (_QUERY_SCALE_BY_WIDTH); Qwen3-MoE's and
+    Qwen2-MoE's experts are `expert_feed_forward_length` wide and Qwen2-MoE's shared
+    expert `expert_shared_feed_forward_length` (the reader keeps the config classes'
+    768, 1408 and 5632: Qwen3-30B-A3B's and Qwen1.5-MoE-A2.7B's only; Qwen3-235B-A22B's
+    experts are 1536, Qwen2-57B-A14B's 2560 and its shared expert 20480)."""
     from transformers import MixtralConfig
     from transformers.modeling_gguf_pytorch_utils import read_field
 
@@ -202,10 +208,14 @@ def _as_llama_cpp_runs_it(config: Any, reader: Any) -> Any:
                                    reader, "llama.expert_used_count")[0]))
     if _QUERY_SCALE_BY_WIDTH.get(config.model_type) == config.num_hidden_layers:
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
-    if config.model_type == "qwen3_moe":
-        width = read_field(reader, "qwen3moe.expert_feed_forward_length")
-        if width:
-            config.moe_intermediate_size = int(width[0])
+    if config.model_type in ("qwen3_moe", "qwen2_moe"):
+        arch = config.model_type.replace("_", "")
+        for field, attr in (("expert_feed_forward_length", "moe_intermediate_size"),
+                            ("expert_shared_feed_forward_length",
+                             "shared_expert_intermediate_size")):
+            width = read_field(reader, f"{arch}.{field}")
+            if width and hasattr(config, attr):
+                setattr(config, attr, int(width[0]))
     return config
 
 
@@ -312,11 +322,12 @@ def _file_tensors(reader: Any, config: Any) -> tuple[Iterator[tuple[str, Any, An
 
 
 def _is_projection(name: str) -> bool:
-    """A layer's attention or MLP projection weight, or an expert's, one a file may store
-    as blocks."""
+    """A layer's attention or MLP projection weight, or an expert's (a shared one's too),
+    one a file may store as blocks."""
     parts = name.split(".")
     return (len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[5] == "weight"
-            and ".".join(parts[3:5]) in _PROJECTIONS) or bool(_EXPERT_PROJECTION.fullmatch(name))
+            and ".".join(parts[3:5]) in _PROJECTIONS) or bool(
+                _EXPERT_PROJECTION.fullmatch(name) or _SHARED_EXPERT_PROJECTION.fullmatch(name))
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,8 @@ def _k_scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
 def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
                types: dict[str, str] | None = None, omit: tuple[str, ...] = (),
                state: dict[str, np.ndarray] | None = None) -> Path:
-    """`model_dir`'s model (llama, mixtral, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3) as a
+    """`model_dir`'s model (llama, mixtral, qwen2, qwen3, qwen3_moe, qwen2_moe, phi3, gemma2,
+    gemma3) as a
     GGUF file, as convert_hf_to_gguf.py writes each (Gemma's norms as 1 + w, a layer's
     experts stacked), its tensors named by the gguf package's own table for the
     architecture; its projections stored as
@@ -80,8 +81,9 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
     if state is None:
         state = load_file(str(model_dir / "model.safetensors"))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(
-        config["model_type"], config["model_type"])  # (Mixtral: a llama with experts)
+    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
+            "mixtral": "llama"}.get(config["model_type"], config["model_type"])
+    # (Mixtral: a llama with experts)
     names = gguf.get_tensor_name_map(
         next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
         config["num_hidden_layers"])
@@ -128,6 +130,9 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
         writer.add_expert_used_count(config["num_experts_per_tok"])
         if "moe_intermediate_size" in config:
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(
+                config["shared_expert_intermediate_size"])
     stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, tensor in state.items():
         tensor = tensor.astype(np.float32)
@@ -149,6 +154,8 @@ def write_gguf(model_dir: Path, path: Path, projection_type: str = "F32",
         gguf_name = f"{names.get_name(base)}.{kind}"
         if gguf_name in omit:
             continue
+        if name.endswith("shared_expert_gate.weight"):
+            tensor = tensor[0]  # [1, hidden] -> [hidden], as convert_hf_to_gguf.py stores it
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             tensor = tensor + 1  # convert_hf_to_gguf.py's Gemma: llama.cpp's norms scale by w
         if arch == "llama" and name.endswith("q_proj.weight"):

@@ -90,12 +90,19 @@ FAMILY_FIELDS: dict[str, dict] = {
     "qwen3": dict(head_dim=128),
     "qwen3_moe": dict(head_dim=32, config_extra=dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768,
-        norm_topk_prob=True))}
+        norm_topk_prob=True)),
+    # Qwen2-MoE: Qwen1.5-MoE-A2.7B's widths, 1408 for the experts and 5632 for the shared
+    # expert (the reader skips both fields too), unnormalised top-2; every layer sparse
+    # (llama.cpp's qwen2moe has no dense MLP tensors)
+    "qwen2_moe": dict(config_extra=dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, norm_topk_prob=False))}
 
 
 @pytest.mark.parametrize(("arch", "projections", "tp"), [
     ("qwen2", "Q8_0", 1), ("qwen3", "Q4_1", 1), ("phi3", "Q8_0", 1), ("phi3", "Q4_0", 2),
-    ("gemma2", "Q8_0", 1), ("gemma3_text", "Q4_1", 1), ("qwen3_moe", "Q8_0", 1)])
+    ("gemma2", "Q8_0", 1), ("gemma3_text", "Q4_1", 1), ("qwen3_moe", "Q8_0", 1),
+    ("qwen2_moe", "Q4_0", 1)])
 def test_other_families_files_give_transformers_tokens(arch, projections, tp,
                                                       tmp_path_factory, tmp_path, make_llm):
     """The families most GGUF files on the hub hold beside llama, their projections kept
@@ -103,7 +110,8 @@ def test_other_families_files_give_transformers_tokens(arch, projections, tp,
     norms, a head_dim of its own), Phi-3, whose q/k/v and gate/up are one tensor each
     in the file and in the model (split by rows between two ranks), Gemma 2 and 3
     (norms stored as 1 + w, sliding windows, soft caps), and Qwen3-MoE, whose experts
-    llama.cpp stacks (kept as codes an expert at a time: their inputs quantized too)."""
+    llama.cpp stacks (kept as codes an expert at a time: their inputs quantized too), and
+    Qwen2-MoE, whose shared expert is codes as the dense projections are."""
     model_dir = make_model(tmp_path_factory.mktemp("gguf-family") / arch, ModelSpec(
         arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
         intermediate_size=128, vocab_size=1024, init_std=0.1, seed=7,
@@ -112,12 +120,14 @@ def test_other_families_files_give_transformers_tokens(arch, projections, tp,
     llm = make_llm(str(path), dtype="float32", tensor_parallel_size=tp)
     if tp == 1:
         model = llm.llm_engine.model_executor.driver_worker.model_runner.model
-        assert len(model.quantized) == 4 * 2  # a MoE layer's: qkv, o and its experts'
+        # a layer's qkv, o, gate_up and down (a MoE layer's experts'), and a shared
+        # expert's two
+        assert len(model.quantized) == 4 * 2 + 2 * 2 * (arch == "qwen2_moe")
     assert json.loads((gguf_model_dir(path) / "config.json").read_text())[
         "quantization_config"]["ignore"] == ["lm_head"]  # every projection kept
     reference = _transformers(path)
     assert reference.config.model_type == arch
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "qwen2_moe"):
         with_packed_experts(reference, None)
     _assert_greedy_equal(llm, as_cpu_int_kernel(reference))
 
@@ -327,22 +337,36 @@ def test_a_27b_gemma_file_scales_queries_as_llama_cpp(arch, layers, tmp_path_fac
         model_dir, dtype=torch.float32).eval())
 
 
-def test_a_qwen3_moe_files_experts_take_the_files_width(tmp_path_factory, tmp_path,
-                                                         make_llm):
-    """llama.cpp takes Qwen3-MoE's expert width from the file (expert_feed_forward_length);
-    transformers' reader leaves 768 (Qwen3-30B-A3B's; Qwen3-235B-A22B's are 1536), and
-    fails on any other. The reference is transformers on the model's own directory (an
-    F32 file: the same weights)."""
+# Widths apart from the config classes' defaults: Qwen3-MoE's experts (768), Qwen2-MoE's
+# experts (1408) and shared expert (5632)
+WIDTHS = {"qwen3_moe": dict(head_dim=32, config_extra=dict(
+              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+              norm_topk_prob=True)),
+          "qwen2_moe": dict(config_extra=dict(
+              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+              shared_expert_intermediate_size=96, norm_topk_prob=False))}
+
+
+@pytest.mark.parametrize("arch", WIDTHS)
+def test_a_moe_files_experts_take_the_files_width(arch, tmp_path_factory, tmp_path,
+                                                  make_llm):
+    """llama.cpp takes Qwen3-MoE's and Qwen2-MoE's expert widths from the file
+    (expert_feed_forward_length, and expert_shared_feed_forward_length for Qwen2-MoE's
+    shared expert); transformers' reader leaves its config classes' (768 and 1408, 5632:
+    Qwen3-30B-A3B's and Qwen1.5-MoE-A2.7B's), and fails on any other. The reference is
+    transformers on the model's own directory (an F32 file: the same weights)."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = make_model(tmp_path_factory.mktemp("gguf-qwen3-moe") / "m", ModelSpec(
-        arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-        head_dim=32, intermediate_size=128, vocab_size=1024, init_std=0.3, seed=10,
-        config_extra=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                          norm_topk_prob=True)))
-    path = write_gguf(model_dir, tmp_path / "qwen3_moe.gguf")
+    model_dir = make_model(tmp_path_factory.mktemp("gguf-moe") / arch, ModelSpec(
+        arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        intermediate_size=128, vocab_size=1024, init_std=0.3, seed=10, **WIDTHS[arch]))
+    path = write_gguf(model_dir, tmp_path / f"{arch}.gguf")
     config = json.loads((gguf_model_dir(path) / "config.json").read_text())
-    assert (config["norm_topk_prob"], config["moe_intermediate_size"]) == (True, 64)
+    extra = WIDTHS[arch]["config_extra"]
+    assert (config["norm_topk_prob"], config["moe_intermediate_size"]) == (
+        extra["norm_topk_prob"], 64)
+    assert config.get("shared_expert_intermediate_size") == extra.get(
+        "shared_expert_intermediate_size")
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # transformers alone
         _transformers(path)
     llm = make_llm(str(path), dtype="float32")
