@@ -159,13 +159,16 @@ def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(rows * per_int, n)
 
 
-def quantize(weight: torch.Tensor, bits: int, group_size: int,
-             dtype: torch.dtype | None = None) -> PackedWeight:
+def quantize_codes(weight: torch.Tensor, bits: int, group_size: int,
+                   dtype: torch.dtype | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest, asymmetric, group-wise: each group of `group_size` input
     columns of each output row maps its [min, max] (widened to include 0) onto the
-    2^bits codes. weight [N, K] -> PackedWeight with scales and zeros in `dtype`
-    (default: weight's). Computed in fp32; every element lands within half a step
-    (scale / 2) of its value, plus the rounding of scales and zeros to `dtype`."""
+    2^bits codes. weight [N, K] -> (codes [N, K] uint8, scales [N, K / G] and zeros
+    [N, K / G] in `dtype`, default weight's). Computed in fp32; every element lands
+    within half a step (scale / 2) of its value, plus the rounding of scales and zeros
+    to `dtype`. `quantize` packs them in GPTQ's layout, cpu_int_gemm.quantize in the CPU
+    kernel's."""
     out_features, in_features = weight.shape
     check_shape(out_features, in_features, bits, group_size)
     dtype = dtype or weight.dtype
@@ -177,9 +180,17 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int,
     scales = scales.to(dtype).float()  # the scale the kernel will use
     zeros = (-low / scales).round().clamp(0, levels).to(dtype).float()
     codes = (groups / scales.unsqueeze(-1) + zeros.unsqueeze(-1)).round().clamp(0, levels)
-    codes = codes.reshape(out_features, in_features).t()  # [K, N]
-    return PackedWeight(pack(codes, bits), scales.t().contiguous().to(dtype),
-                        zeros.t().contiguous().to(dtype), bits, group_size)
+    return (codes.to(torch.uint8).reshape(out_features, in_features), scales.to(dtype),
+            zeros.to(dtype))
+
+
+def quantize(weight: torch.Tensor, bits: int, group_size: int,
+             dtype: torch.dtype | None = None) -> PackedWeight:
+    """`quantize_codes` in GPTQ's layout: weight [N, K] -> PackedWeight with scales and
+    zeros in `dtype` (default: weight's)."""
+    codes, scales, zeros = quantize_codes(weight, bits, group_size, dtype)
+    return PackedWeight(pack(codes.t(), bits), scales.t().contiguous(),
+                        zeros.t().contiguous(), bits, group_size)
 
 
 def dequantize(packed: PackedWeight) -> torch.Tensor:

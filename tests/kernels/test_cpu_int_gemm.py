@@ -59,6 +59,23 @@ def test_packing_keeps_the_weight_exactly(bits, group):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 128])
+def test_quantizing_on_load_lands_within_half_a_step_in_the_kernels_layout(bits, group):
+    """cpu_int_gemm.quantize (codes straight into the tiled layout) holds the weight the
+    GPTQ-layout quantize does, every element within half its group's step of the
+    original (plus fp32 rounding); a group size that is not a multiple of 32 is
+    refused."""
+    w = torch.randn(37, 256) * torch.linspace(0.1, 3, 256)
+    ours = cpu_int_gemm.quantize(w, bits, group)
+    assert torch.equal(cpu_int_gemm.dequantize(ours), dequantize(quantize(w, bits, group)))
+    step = ours.scales.transpose(1, 2).reshape(-1, 256 // group)[:37].repeat_interleave(
+        group, dim=1)
+    assert ((cpu_int_gemm.dequantize(ours) - w).abs() <= step / 2 + 1e-6).all()
+    with pytest.raises(ValueError, match="multiples of 32"):
+        cpu_int_gemm.quantize(torch.randn(16, 48), bits, 16)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("n", "k", "group"), [(16, 64, 32), (50, 128, 64), (200, 384, 128),
                                                (7, 96, 32)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 11, 16])

@@ -69,7 +69,6 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.kernels import cpu_int_gemm, cpu_ops
-from pagellm.kernels.quant import quantize
 
 logger = logging.getLogger("pagellm")
 
@@ -236,8 +235,8 @@ def _int8_copy(weight: torch.Tensor) -> cpu_int_gemm.CpuIntWeight:
     # (quantize imports us)
     from pagellm.executor.model.quantize import group_size_for, in_huge_pages
 
-    return in_huge_pages(cpu_int_gemm.pack(quantize(
-        weight.float(), 8, group_size_for(weight.shape[1]), torch.float32)))
+    return in_huge_pages(cpu_int_gemm.quantize(weight.float(), 8,
+                                               group_size_for(weight.shape[1])))
 
 
 PACKED_WEIGHTS = PackedWeights(REORDER_WEIGHT)

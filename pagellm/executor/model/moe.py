@@ -227,8 +227,7 @@ def quantize_experts(model: nn.Module, bits: int, triton: bool) -> dict[int, nn.
                 torch.cat([p.zeros for p in parts], dim=1), bits, group)
         else:
             quant = in_huge_pages(cpu_int_gemm.concatenated([
-                cpu_int_gemm.pack(quantize(w.detach(), bits, group, torch.float32))
-                for w in weight]))
+                cpu_int_gemm.quantize(w.detach(), bits, group) for w in weight]))
         quantized.update([experts.pack(attr, quant)])
     return quantized
 

@@ -79,10 +79,12 @@ def quantize_projections(model: nn.Module, quantization: str, triton: bool = Tru
         shards = module.tp.size if hasattr(module, "tp") else 1  # row-parallel: K sliced
         if quantization == "fp8":
             module.quant = fp8.quantize_weight(weight.detach())
+        elif triton:
+            module.quant = quantize(weight.detach(), bits,
+                                    group_size_for(weight.shape[1], shards))
         else:
-            packed = quantize(weight.detach(), bits, group_size_for(weight.shape[1], shards),
-                              None if triton else torch.float32)
-            module.quant = packed if triton else in_huge_pages(cpu_int_gemm.pack(packed))
+            module.quant = in_huge_pages(cpu_int_gemm.quantize(
+                weight.detach(), bits, group_size_for(weight.shape[1], shards)))
         module.weight = placeholder(weight)
         quantized[id(module.weight)] = module
     return quantized
