@@ -153,14 +153,16 @@ def _check_model_config(config: Any) -> None:
     reads them (the frontend for the tokenizer, the engine for the model): a zero or a
     fraction would otherwise surface as a ZeroDivisionError or a shape error deep in
     config or model construction, and a size beyond int32 (or layers beyond
-    `MAX_NUM_LAYERS`) as an allocator error. The RoPE fields are checked too. Whether
+    `MAX_NUM_LAYERS`) as an allocator error; a mixture of experts' counts and widths
+    likewise (top-k within the experts). The RoPE fields are checked too. Whether
     the weights fit in memory is the loader's check (executor/model/loader.py)."""
     if not isinstance(config, dict):
         raise ValueError("config.json must hold a JSON object")
     sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "max_position_embeddings"]
-    sizes += [name for name in ("num_key_value_heads", "head_dim")
-              if config.get(name) is not None]
+    sizes += [name for name in ("num_key_value_heads", "head_dim", "num_experts",
+                                "num_local_experts", "num_experts_per_tok",
+                                "moe_intermediate_size") if config.get(name) is not None]
     for name in sizes:
         value = config.get(name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -168,6 +170,15 @@ def _check_model_config(config: Any) -> None:
         limit = MAX_NUM_LAYERS if name == "num_hidden_layers" else INT32_MAX
         if value > limit:
             raise ValueError(_out_of_range(name, f"<= {limit}", 1, limit, "[", value))
+    shared = config.get("shared_expert_intermediate_size")
+    if shared is not None and (not isinstance(shared, int) or isinstance(shared, bool)
+                               or not 0 <= shared <= INT32_MAX):
+        raise ValueError("shared_expert_intermediate_size must be an integer in [0, "
+                         f"{INT32_MAX}], got {_short_repr(shared)}")
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts and config.get("num_experts_per_tok", 0) > experts:
+        raise ValueError(f"num_experts_per_tok ({config['num_experts_per_tok']}) must be "
+                         f"at most the number of experts ({experts})")
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
     if kv_heads is not None and heads % kv_heads:
         raise ValueError(f"num_attention_heads ({heads}) must be a multiple of "

@@ -250,6 +250,11 @@ _CONFIG = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidde
     ({"num_hidden_layers": 100000}, "num_hidden_layers"),
     ({"vocab_size": 10**12}, "vocab_size"),
     ({"hidden_size": 2**40}, "hidden_size"),
+    ({"num_experts": 8, "num_experts_per_tok": 0}, "num_experts_per_tok"),
+    ({"num_local_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok"),
+    ({"num_experts": -1, "num_experts_per_tok": 2}, "num_experts"),
+    ({"num_experts": 8, "moe_intermediate_size": 0.5}, "moe_intermediate_size"),
+    ({"shared_expert_intermediate_size": -64}, "shared_expert_intermediate_size"),
 ])
 def test_check_model_config_refuses_garbage_naming_the_field(extra: dict, field: str) -> None:
     from pagellm.protocol.validation import check_model_config
