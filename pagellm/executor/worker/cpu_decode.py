@@ -242,21 +242,19 @@ def _mlp_projections(mlp: DecoderMLP | SparseMoeBlock) -> tuple[Projection | Non
 
 
 def _mlp_weights(mlp: DecoderMLP | SparseMoeBlock) -> list[tuple[object, torch.Tensor]]:
-    """(packed form or None, weight) of each of the MLP's weights: gate_up and down, a
-    MoE layer's stacked experts' (their ExpertCodes' `quant`) and router."""
-    weights: list[tuple[object, torch.Tensor]]
-    if isinstance(mlp, DecoderMLP):
-        weights = [(p.quant, p.weight) for p in (mlp.gate_up_proj, mlp.down_proj)]
-        return weights
-    experts = mlp.experts
-    weights = [(p.quant, p.weight) for p in _mlp_projections(mlp) if p is not None]
-    weights.append((mlp.gate.quant, mlp.gate.weight))
-    if mlp.shared_expert_gate is not None:
-        weights.append((mlp.shared_expert_gate.quant, mlp.shared_expert_gate.weight))
-    return weights + [
-        (None if codes is None else codes.quant, stacked)
-        for codes, stacked in ((experts.gate_up_codes, experts.gate_up_proj),
-                               (experts.down_codes, experts.down_proj))]
+    """(packed form or None, weight) of each of the MLP's weights: its projections and,
+    in a MoE layer, its router, shared expert's gate and stacked experts (their
+    ExpertCodes' `quant`)."""
+    weights: list[tuple[object, torch.Tensor]] = [
+        (p.quant, p.weight) for p in _mlp_projections(mlp) if p is not None]
+    if isinstance(mlp, SparseMoeBlock):
+        experts = mlp.experts
+        gates = (mlp.gate, mlp.shared_expert_gate)
+        weights += [(g.quant, g.weight) for g in gates if g is not None]
+        weights += [(None if codes is None else codes.quant, stacked)
+                    for codes, stacked in ((experts.gate_up_codes, experts.gate_up_proj),
+                                           (experts.down_codes, experts.down_proj))]
+    return weights
 
 
 def _experts(codes: ExpertCodes | None, stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
