@@ -176,9 +176,10 @@ def _check_model_config(config: Any) -> None:
         raise ValueError("shared_expert_intermediate_size must be an integer in [0, "
                          f"{INT32_MAX}], got {_short_repr(shared)}")
     experts = config.get("num_experts") or config.get("num_local_experts")
-    if experts and config.get("num_experts_per_tok", 0) > experts:
-        raise ValueError(f"num_experts_per_tok ({config['num_experts_per_tok']}) must be "
-                         f"at most the number of experts ({experts})")
+    top_k = config.get("num_experts_per_tok")
+    if experts and top_k is not None and top_k > experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must be at most the number of "
+                         f"experts ({experts})")
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
     if kv_heads is not None and heads % kv_heads:
         raise ValueError(f"num_attention_heads ({heads}) must be a multiple of "
