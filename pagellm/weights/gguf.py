@@ -57,16 +57,16 @@ from pagellm.weights.gguf_blocks import BLOCKS, FULL_PRECISION, Codes, as_codes,
 logger = logging.getLogger("pagellm")
 
 # A layer's projections (transformers' names) a file may store as blocks: Phi-3's q/k/v
-# and gate/up are one tensor each in the file and the model alike.
+# and gate/up are one tensor each in the file and the model alike; a Qwen2-MoE layer's
+# shared expert is a gated MLP of its own.
 _PROJECTIONS = frozenset({"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                           "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-                          "self_attn.qkv_proj", "mlp.gate_up_proj"})
+                          "self_attn.qkv_proj", "mlp.gate_up_proj",
+                          "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+                          "mlp.shared_expert.down_proj"})
 # An expert's projection, as transformers names a checkpoint's (qwen3_moe's)
 _EXPERT_PROJECTION = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.\d+\.(gate|up|down)_proj"
                                 r"\.weight")
-# A Qwen2-MoE layer's shared expert's projection (a gated MLP's, of its own width)
-_SHARED_EXPERT_PROJECTION = re.compile(r"model\.layers\.\d+\.mlp\.shared_expert\."
-                                       r"(gate|up|down)_proj\.weight")
 # llama.cpp's stacked experts [E, N, K] in a file
 _FILE_EXPERTS = re.compile(r"(blk\.(\d+)\.ffn_(gate|up|down)_exps)\.weight")
 # Modules computed as one (their storage must agree): a layer's (or an expert's) q/k/v
@@ -325,9 +325,8 @@ def _is_projection(name: str) -> bool:
     """A layer's attention or MLP projection weight, or an expert's (a shared one's too),
     one a file may store as blocks."""
     parts = name.split(".")
-    return (len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[5] == "weight"
-            and ".".join(parts[3:5]) in _PROJECTIONS) or bool(
-                _EXPERT_PROJECTION.fullmatch(name) or _SHARED_EXPERT_PROJECTION.fullmatch(name))
+    return (len(parts) > 5 and parts[:2] == ["model", "layers"] and parts[-1] == "weight"
+            and ".".join(parts[3:-1]) in _PROJECTIONS) or bool(_EXPERT_PROJECTION.fullmatch(name))
 
 
 @dataclass(frozen=True)
