@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe",
-                          "mixtral", "olmoe", "gemma2", "gemma3_text", "phi3")
+                          "mixtral", "olmoe", "gemma2", "gemma3_text", "phi3", "gpt_oss")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 
@@ -268,6 +268,8 @@ def _reinit_weights(model: torch.nn.Module, spec: ModelSpec) -> None:
                     values = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
                 elif kind.endswith(("Experts", "Router")):  # stacked experts, MoE router
                     values = torch.randn(param.shape, generator=gen) * spec.init_std
+                elif param_name == "sinks":  # gpt-oss: a logit per head, near the scores'
+                    values = torch.randn(param.shape, generator=gen)
                 else:
                     raise RuntimeError(
                         f"don't know how to initialise {module_name}.{param_name} ({kind})"

@@ -33,6 +33,15 @@ Two per-layer options (Mistral, Gemma 2/3, gpt-oss):
 - `softcap` c: Gemma 2's logit soft-capping, s = c * tanh(q.k * scale / c) before the
   mask and the softmax (transformers' eager attention). SDPA cannot apply it: those
   layers compute their scores explicitly, in fp32.
+
+And one per-layer tensor: `sinks` [num_heads] (gpt-oss's attention sinks), a learned
+logit per head that joins every query's softmax as one more "key" with no value:
+
+    o = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink_h - m)),  m = max(s, sink_h)
+
+so a head may attend to nothing (transformers' eager attention concatenates the sink to
+the scores and drops its column after the softmax). SDPA has no such term either: those
+layers also compute their scores explicitly.
 """
 
 from __future__ import annotations
@@ -298,8 +307,8 @@ def _ranges(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: list[int], seq_lens: list[int], scale: float,
-                    sliding_window: int | None = None, softcap: float | None = None
-                    ) -> torch.Tensor:
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each request's query rows over its paged context.
 
     query:           [num_tokens, num_heads, head_dim]
@@ -309,6 +318,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     seq_lens:        num_reqs context lengths, this step's tokens included (host ints)
     sliding_window:  W: a query at position p sees keys p - W < j <= p; None: all j <= p
     softcap:         c: scores become c * tanh(score / c) before the mask; None: off
+    sinks:           [num_heads] attention sinks (module docstring); None: off
     returns          [num_tokens, num_heads, head_dim], query's dtype
 
     Single-token queries (decodes) are computed together in one padded batch; longer
@@ -318,31 +328,35 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     assert query_start_loc[-1] == query.shape[0]
     plan = plan_attention(block_tables, query_start_loc, seq_lens, kv_cache.shape[2],
                           sliding_window=sliding_window)
-    return planned_attention(query, kv_cache, plan, scale, softcap=softcap)
+    return planned_attention(query, kv_cache, plan, scale, softcap=softcap, sinks=sinks)
 
 
 def planned_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan,
                       scale: float, key: torch.Tensor | None = None,
                       value: torch.Tensor | None = None, softcap: float | None = None,
-                      prefill: PrefillAttention | None = None) -> torch.Tensor:
+                      prefill: PrefillAttention | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention` with the index work done (`plan_attention`, which fixed the
     sliding window). key, value: [num_tokens, num_kv_heads, head_dim], this step's own
     (already in the cache); a fresh prompt attends to them directly instead of
     gathering them back. `prefill`: what attends a prompt's queries causally (the CPU's
-    C++ op, fp32 and bf16) in place of SDPA, where there is no window or softcap."""
+    C++ op, fp32 and bf16) in place of SDPA, where there is no window, softcap or
+    sinks."""
     _, num_heads, head_dim = query.shape
     num_kv_heads, kv_head_dim = kv_cache.shape[3:]
     assert kv_head_dim == head_dim and num_heads % num_kv_heads == 0
     assert softcap is None or softcap > 0, softcap
+    assert sinks is None or sinks.shape == (num_heads,), (None if sinks is None
+                                                          else sinks.shape)
     if len(plan.decodes) == 1 and plan.decodes[0].rows is None:  # a decode-only step
         return _decode_attention(query, kv_cache, plan.decodes[0], plan.scratch, scale,
-                                 softcap)
+                                 softcap, sinks)
     out = torch.empty_like(query)
     for group in plan.decodes:
         assert group.rows is not None
         out.index_copy_(0, group.rows, _decode_attention(
             query.index_select(0, group.rows), kv_cache, group, plan.scratch, scale,
-            softcap))
+            softcap, sinks))
     window = plan.sliding_window
     for p in plan.prefills:
         if p.fresh and key is not None and value is not None:
@@ -352,13 +366,14 @@ def planned_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: Attenti
         else:
             k, v = (t.view(-1, num_kv_heads, head_dim)[:p.seq_len - p.key_start]
                     .to(query.dtype) for t in _gather(kv_cache, p.blocks, plan.scratch))
-        if window is None and softcap is None:
+        if window is None and softcap is None and sinks is None:
             attend = (prefill if prefill is not None and query.dtype in PREFILL_DTYPES
                       else _prefill_attention)
             out[p.start:p.end] = attend(query[p.start:p.end], k, v, scale)
         else:
             out[p.start:p.end] = _tiled_prefill_attention(query[p.start:p.end], k, v, scale,
-                                                          p.key_start, window, softcap)
+                                                          p.key_start, window, softcap,
+                                                          sinks)
     return out
 
 
@@ -419,14 +434,14 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
-                      scratch: GatherScratch, scale: float, softcap: float | None = None
-                      ) -> torch.Tensor:
+                      scratch: GatherScratch, scale: float, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [Bg, H, D], one query per request at its last position -> [Bg, H, D].
 
     Grouped-query attention without repeating K/V: the G = H / H_kv query heads that
     share a KV head become G query rows of that head's attention ([Bg, H_kv, G, D]
-    against [Bg, H_kv, L, D]); one mask row serves them all. Soft-capped scores are
-    computed explicitly (`_softcapped_attention`)."""
+    against [Bg, H_kv, L, D]); one mask row serves them all. Soft-capped scores and
+    sinks are computed explicitly (`_explicit_attention`)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     length = group.bias.shape[-1]
@@ -441,8 +456,9 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGrou
     # q may be a view into the step's fused q/k rows: SDPA is ~20% slower on it strided.
     groups = _sdpa_input(q).contiguous().view(batch, num_kv_heads, num_heads // num_kv_heads,
                                         head_dim)
-    if softcap is not None:
-        o = _softcapped_attention(groups, k, v, group.bias, scale, softcap)
+    if softcap is not None or sinks is not None:
+        o = _explicit_attention(groups, k, v, group.bias, scale, softcap,
+                                None if sinks is None else sinks.view(num_kv_heads, -1, 1))
         return o.reshape(batch, num_heads, head_dim).to(q.dtype)
     group.bias = _mask_like(group.bias, groups)  # once per step: the plan serves every layer
     o = F.scaled_dot_product_attention(groups, k, v, attn_mask=group.bias, scale=scale)
@@ -460,19 +476,20 @@ SOFTCAP_SCORES = 1 << 24
 
 def _tiled_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              scale: float, key_start: int, window: int | None,
-                             softcap: float | None) -> torch.Tensor:
-    """Windowed or soft-capped attention of a prompt or chunk, a tile of query rows at
-    a time. q: [Q, H, D], the last Q positions of the context; k, v: [L - key_start,
+                             softcap: float | None, sinks: torch.Tensor | None = None
+                             ) -> torch.Tensor:
+    """Windowed, soft-capped or sinking attention of a prompt or chunk, a tile of query
+    rows at a time. q: [Q, H, D], the last Q positions of the context; k, v: [L - key_start,
     H_kv, D], its keys from position key_start on -> [Q, H, D].
 
     A query at p sees keys j <= p and, under a window W, j > p - W: each tile takes only
     the keys from its first row's first one to its last row, so long prompts with small
     windows cost window-sized work; soft-capped tiles are also kept under
-    SOFTCAP_SCORES scores."""
+    SOFTCAP_SCORES scores (as are tiles with sinks: both materialize their scores)."""
     q_len, num_heads = q.shape[0], q.shape[1]
     seq_len = key_start + k.shape[0]
     rows = q_len if window is None else max(window, PREFILL_TILE_ROWS)
-    if softcap is not None:
+    if softcap is not None or sinks is not None:
         span = seq_len if window is None else rows + window  # keys a tile sees, at most
         rows = max(1, min(rows, SOFTCAP_SCORES // (num_heads * span)))
     out = torch.empty_like(q)
@@ -487,20 +504,20 @@ def _tiled_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             hidden |= pos_k <= pos_q - window
         keys = slice(j0 - key_start, p1 - key_start)
         out[r0:r1] = _masked_prefill_attention(q[r0:r1], k[keys], v[keys], hidden, scale,
-                                               softcap)
+                                               softcap, sinks)
     return out
 
 
 def _masked_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              hidden: torch.Tensor, scale: float, softcap: float | None
-                              ) -> torch.Tensor:
+                              hidden: torch.Tensor, scale: float, softcap: float | None,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [Q, H, D]; k, v: [K, H_kv, D]; hidden: [Q, K] bool, the pairs masked out ->
-    [Q, H, D]. SDPA with an additive mask, or explicit scores when soft-capped (the G
-    query heads of a KV head as [H_kv, G, Q, D] against [H_kv, 1, K, D]: no repeated
-    K/V)."""
+    [Q, H, D]. SDPA with an additive mask, or explicit scores when soft-capped or with
+    sinks (the G query heads of a KV head as [H_kv, G, Q, D] against [H_kv, 1, K, D]:
+    no repeated K/V)."""
     q_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if softcap is None:
+    if softcap is None and sinks is None:
         qt, kt, vt = (_sdpa_input(t.transpose(0, 1)).unsqueeze(0) for t in (q, k, v))
         bias = torch.zeros(hidden.shape, dtype=qt.dtype, device=q.device).masked_fill_(
             hidden, -math.inf)  # in the query's dtype: see `_mask_like`
@@ -512,18 +529,30 @@ def _masked_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kt, vt = (t.transpose(0, 1).unsqueeze(1) for t in (k, v))  # [H_kv, 1, K, D]
     bias = torch.zeros(hidden.shape, dtype=torch.float32, device=q.device).masked_fill_(
         hidden, -math.inf)
-    o = _softcapped_attention(groups, kt, vt, bias, scale, softcap)  # [H_kv, G, Q, D]
+    o = _explicit_attention(groups, kt, vt, bias, scale, softcap,  # [H_kv, G, Q, D]
+                            None if sinks is None else sinks.view(num_kv_heads, -1, 1, 1))
     return o.reshape(num_heads, q_len, head_dim).transpose(0, 1).to(q.dtype)
 
 
-def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          bias: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
-    """Gemma 2's soft-capped attention as transformers' eager path computes it, in fp32:
-    s = q k^T * scale; s = softcap * tanh(s / softcap); s += bias; softmax; @ v. SDPA
-    has no hook between the scores and the mask, so the scores are materialized.
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        bias: torch.Tensor, scale: float, softcap: float | None,
+                        sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention with its scores materialized, in fp32, as transformers' eager path
+    computes Gemma 2's soft-capping (s = q k^T * scale; s = softcap * tanh(s /
+    softcap); s += bias; softmax; @ v) and gpt-oss's sinks (one more logit per head in
+    each softmax's denominator, module docstring): SDPA has no hook for either.
     q: [..., M, D]; k, v: [..., L, D] (broadcast); bias: additive 0 / -inf,
-    broadcastable to [..., M, L] -> [..., M, D] fp32. Every row sees at least one key
-    (its own), so no row is all -inf."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale / softcap)
-    scores = scores.tanh_().mul_(softcap).add_(bias)
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float())
+    broadcastable to [..., M, L]; sinks: broadcastable to [..., M, 1] -> [..., M, D]
+    fp32. Every row sees at least one key (its own), so no row is all -inf."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2))  # [..., M, L]
+    if softcap is not None:
+        scores = scores.mul_(scale / softcap).tanh_().mul_(softcap).add_(bias)
+    else:
+        scores = scores.mul_(scale).add_(bias)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v.float())
+    sink = sinks.float()  # [..., 1]
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)  # [..., M, 1]
+    weights = torch.exp(scores - top)
+    total = weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top)
+    return torch.matmul(weights / total, v.float())

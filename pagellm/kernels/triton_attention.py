@@ -144,8 +144,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     max_query_len: int, num_segments: int = 1,
                     out: torch.Tensor | None = None, tile: int | None = None,
-                    sliding_window: int | None = None, softcap: float | None = None
-                    ) -> torch.Tensor:
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention for a mixed batch in one launch (see module docstring).
 
     query:           [num_tokens, num_heads, head_dim], head_dim contiguous
@@ -162,6 +162,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
                      cache manager may have freed them: their table entries name any
                      block)
     softcap:         c: scores s become c * tanh(s / c) before the mask (None: off)
+    sinks:           [num_heads] attention sinks (gpt-oss: a logit per head in every
+                     softmax's denominator, kernels/reference.py; None: off)
     returns          [num_tokens, num_heads, head_dim], query's dtype
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -184,6 +186,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     assert sliding_window is None or (isinstance(sliding_window, int)
                                       and 1 <= sliding_window < 2**31), sliding_window
     assert softcap is None or softcap > 0, softcap
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.device == query.device, sinks.shape
+        sinks = sinks.float().contiguous()
     if out is None:
         out = torch.empty_like(query)
     assert out.shape == query.shape and out.stride(-1) == 1
@@ -212,14 +217,17 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         # The flags below say whether these are read: unused values are never looked at.
         0 if sliding_window is None else sliding_window,
         1.0 if softcap is None else float(softcap),
+        out if sinks is None else sinks,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, TILE=tile, NUM_SEGMENTS=num_segments, CAST_FP32=cast_fp32,
         PRECISION="ieee" if cast_fp32 else None,
-        USE_SLIDING_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None)
+        USE_SLIDING_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
+        USE_SINKS=sinks is not None)
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
-            out, segm_out, segm_max, segm_sum, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SEGMENTS=num_segments)
+            out, segm_out, segm_max, segm_sum, out if sinks is None else sinks, num_heads,
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+            NUM_SEGMENTS=num_segments, USE_SINKS=sinks is not None)
     return out

@@ -141,6 +141,7 @@ def _paged_attention_kernel(
     num_reqs,
     sliding_window,  # W: keys p - W < j <= p (read only under USE_SLIDING_WINDOW)
     softcap,  # c: s -> c * tanh(s / c) (read only under USE_SOFTCAP)
+    sinks_ptr,  # [num_heads] fp32 attention sinks (read only under USE_SINKS)
     stride_q_tok, stride_q_head,
     stride_o_tok, stride_o_head,
     stride_cache_block, stride_cache_slot, stride_cache_head,
@@ -157,6 +158,7 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs (no TF32)
     USE_SLIDING_WINDOW: tl.constexpr,  # a query sees only the last sliding_window keys
     USE_SOFTCAP: tl.constexpr,  # Gemma 2's logit soft-capping
+    USE_SINKS: tl.constexpr,  # gpt-oss: a logit per head in the denominator only
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -236,6 +238,12 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if NUM_SEGMENTS == 1:
+        if USE_SINKS:  # the sink joins the sum as one more term: exp(sink - m)
+            sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0)  # [BLOCK_M] fp32
+            m_all = tl.maximum(m_i, sink)
+            alpha = tl.exp(m_i - m_all)  # 0 for a row that saw no key
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp(sink - m_all)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_offsets = (q_start + query_pos)[:, None] * stride_o_tok \
             + head[:, None] * stride_o_head + dims[None, :]
@@ -256,11 +264,13 @@ def _merge_segments_kernel(
     segm_out_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, DIM_PAD] fp32
     segm_max_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] fp32
     segm_sum_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] fp32
+    sinks_ptr,  # [num_heads] fp32 attention sinks (read only under USE_SINKS)
     num_heads,
     stride_o_tok, stride_o_head,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -269,12 +279,17 @@ def _merge_segments_kernel(
     m = tl.load(segm_max_ptr + base + segments)  # [NUM_SEGMENTS]; -inf: empty segment
     l = tl.load(segm_sum_ptr + base + segments)  # noqa: E741
     m_all = tl.max(m, axis=0)
+    if USE_SINKS:  # a segment of its own: max `sink`, sum 1, no values
+        sink = tl.load(sinks_ptr + head)
+        m_all = tl.maximum(m_all, sink)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # every segment empty
     weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
     dims = tl.arange(0, DIM_PAD)
     acc = tl.load(segm_out_ptr + (base + segments)[:, None] * DIM_PAD + dims[None, :])
     total = tl.sum(acc * weight[:, None], axis=0)
     norm = tl.sum(l * weight, axis=0)
+    if USE_SINKS:
+        norm += tl.exp(sink - m_all)
     norm = tl.where(norm == 0.0, 1.0, norm)  # no keys at all (a CUDA-graph padding row): 0
     tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims,
              (total / norm).to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)

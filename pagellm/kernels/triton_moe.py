@@ -40,6 +40,11 @@ codes (BITS > 0) and dequantize each [BLOCK_K, BLOCK_N] tile in registers as
 triton_quant.py does, the reduction tile inside one group (BLOCK_K at most the group
 size, so a tile takes one row of scales and zeros), and multiply in x's dtype.
 
+gpt-oss's experts (executor/model/gpt_oss.py) add a bias to each projection (b13 [E, 2I]
+after the gate-up GEMM, b2 [E, H] after the down GEMM, before the routing weight) and
+take a clamped SwiGLU instead of SiLU-and-mul (SWIGLU: (up + 1) * gate * sigmoid(alpha *
+gate), gate <= limit, |up| <= limit), both in the fp32 epilogues.
+
 Everything accumulates in fp32; fp32 inputs use an "ieee" `tl.dot` (no TF32). The
 intermediate and the per-pair outputs are rounded to x's dtype, as vLLM's caches are.
 Under TRITON_INTERPRET=1 (CPU tests) every load is cast to fp32 first (CAST_FP32): the
@@ -272,6 +277,7 @@ def _moe_gate_up_kernel(
     s13_ptr,  # packed: scales [H / G, E * 2I] (else unused)
     z13_ptr,  # packed: zeros [H / G, E * 2I] (else unused)
     inter_ptr,  # [P, I] out: silu(gate) * up of each pair
+    b13_ptr,  # [E, 2 * I] gate then up biases (read only under HAS_BIAS)
     sorted_token_ids_ptr,  # [max_blocks * BLOCK_M] int32: pair, or P for padding
     expert_ids_ptr,  # [max_blocks] int32
     num_tokens_post_padded_ptr,  # [1] int32
@@ -279,6 +285,8 @@ def _moe_gate_up_kernel(
     hidden,
     inter_size,
     num_experts,
+    alpha,  # SWIGLU: the sigmoid's gain
+    limit,  # SWIGLU: the clamp
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,  # sorted rows per program: all of one expert
     BLOCK_N: tl.constexpr,  # gate columns (and as many up columns) per program
@@ -287,6 +295,8 @@ def _moe_gate_up_kernel(
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs (no TF32)
     BITS: tl.constexpr,  # 0: w13 in x's dtype; 4 or 8: packed integer codes
     GROUP: tl.constexpr,  # packed: the group size along H
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,  # gpt-oss's clamped SwiGLU instead of silu(gate) * up
 ):
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
@@ -330,7 +340,16 @@ def _moe_gate_up_kernel(
         acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
-    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    if HAS_BIAS:
+        bias = b13_ptr + expert * 2 * inter_size + cols
+        acc_gate += tl.load(bias, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(bias + inter_size, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU:
+        gate = tl.minimum(acc_gate, limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        h = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+    else:
+        h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     dest = inter_ptr + pair.to(tl.int64)[:, None] * inter_size + cols[None, :]
     tl.store(dest, h.to(inter_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -342,6 +361,7 @@ def _moe_down_kernel(
     s2_ptr,  # packed: scales [I / G, E * H] (else unused)
     z2_ptr,  # packed: zeros [I / G, E * H] (else unused)
     out_ptr,  # [P, H] out: topk_weights * (inter @ w2[e]^T) of each pair
+    b2_ptr,  # [E, H] biases (read only under HAS_BIAS)
     topk_weights_ptr,  # [P] fp32
     sorted_token_ids_ptr,  # [max_blocks * BLOCK_M] int32: pair, or P for padding
     expert_ids_ptr,  # [max_blocks] int32
@@ -357,6 +377,7 @@ def _moe_down_kernel(
     PRECISION: tl.constexpr,
     BITS: tl.constexpr,  # as the gate-up kernel's
     GROUP: tl.constexpr,  # packed: the group size along I
+    HAS_BIAS: tl.constexpr,
 ):
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
@@ -389,6 +410,9 @@ def _moe_down_kernel(
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b2_ptr + expert * hidden + cols, mask=col_mask,
+                       other=0.0).to(tl.float32)[None, :]
     weight = tl.load(topk_weights_ptr + rows, mask=row_mask, other=0.0)
     acc = acc * weight[:, None]
     tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -483,7 +507,9 @@ def _packing(w: Weights, block_k: int
 
 
 def fused_moe(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, tiles: MoeTiles | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, tiles: MoeTiles | None = None,
+              bias13: torch.Tensor | None = None, bias2: torch.Tensor | None = None,
+              swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """The routed experts' SwiGLU MLPs, weighted and summed (see the module docstring).
 
     x:            [T, H] fp32/fp16/bf16, contiguous
@@ -494,6 +520,10 @@ def fused_moe(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Te
     topk_weights: [T, K] fp32, contiguous: routing weights, applied as given
     topk_ids:     [T, K] int32/int64, contiguous: experts in [0, E)
     tiles:        tile sizes (None: `moe_tiles`), for tests and benchmarks
+    bias13:       [E, 2 * I] (gate's, then up's) or None: added to the gate-up product
+    bias2:        [E, H] or None: added to the down product, before the routing weight
+    swiglu:       (alpha, limit): gpt-oss's clamped SwiGLU (module docstring) in place
+                  of silu(gate) * up; None: SiLU
     returns       [T, H] x's dtype
 
     Reads nothing back to the host: its launches are fixed by the shapes, so it can be
@@ -503,6 +533,12 @@ def fused_moe(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Te
     tokens, hidden = x.shape
     num_experts, two_inter, _ = _stacked_shape(w13, _num_experts(w2, hidden))
     inter_size = two_inter // 2
+    for bias, shape in ((bias13, (num_experts, two_inter)), (bias2, (num_experts, hidden))):
+        if bias is not None and (tuple(bias.shape) != shape or not bias.is_contiguous()
+                                 or bias.device != x.device):
+            raise ValueError(f"an expert bias must be contiguous {shape} on {x.device}, "
+                             f"got {tuple(bias.shape)} on {bias.device}")
+    alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
     top_k = topk_ids.shape[1]
     if tokens == 0:
         return torch.empty_like(x)
@@ -517,16 +553,19 @@ def fused_moe(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Te
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     w, scales, zeros, packing = _packing(w13, tiles.block_k)
     _moe_gate_up_kernel[(align.max_blocks, triton.cdiv(inter_size, tiles.block_n))](
-        x, w, scales, zeros, inter, align.sorted_token_ids, align.expert_ids,
-        align.num_tokens_post_padded, num_pairs, hidden, inter_size, num_experts,
-        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **packing, **common)
+        x, w, scales, zeros, inter, x if bias13 is None else bias13, align.sorted_token_ids,
+        align.expert_ids, align.num_tokens_post_padded, num_pairs, hidden, inter_size,
+        num_experts, float(alpha), float(limit), TOP_K=top_k, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, HAS_BIAS=bias13 is not None, SWIGLU=swiglu is not None,
+        **packing, **common)
     down_n = 2 * tiles.block_n
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     w, scales, zeros, packing = _packing(w2, tiles.block_k)
     _moe_down_kernel[(align.max_blocks, triton.cdiv(hidden, down_n))](
-        inter, w, scales, zeros, per_pair, topk_weights, align.sorted_token_ids,
-        align.expert_ids, align.num_tokens_post_padded, num_pairs, hidden, inter_size,
-        num_experts, BLOCK_M=tiles.block_m, BLOCK_N=down_n, **packing, **common)
+        inter, w, scales, zeros, per_pair, x if bias2 is None else bias2, topk_weights,
+        align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, num_pairs,
+        hidden, inter_size, num_experts, BLOCK_M=tiles.block_m, BLOCK_N=down_n,
+        HAS_BIAS=bias2 is not None, **packing, **common)
     if top_k == 1:
         return per_pair
     # torch sums 16-bit inputs in fp32 and rounds once

@@ -187,8 +187,8 @@ def _check_model_config(config: Any) -> None:
     if config.get("head_dim") is None and config["hidden_size"] % heads:
         raise ValueError(f"hidden_size ({config['hidden_size']}) must be a multiple of "
                          f"num_attention_heads ({heads}) when there is no head_dim")
-    for name in ("rope_theta", "rms_norm_eps"):
-        if config.get(name) is not None:
+    for name in ("rope_theta", "rms_norm_eps", "swiglu_alpha", "swiglu_limit"):
+        if config.get(name) is not None:  # (the last two: gpt-oss's experts)
             try:
                 check_float(name, config[name], minimum=0.0, min_exclusive=True)
             except TypeError as e:

@@ -5,7 +5,9 @@ classes).
 Greedy tokens equal transformers' in fp32 with chunked prefill and prefix caching on;
 bf16 logprobs within transformers' own bf16 error; mixture-of-experts with top-k 1, 2
 and 8 and experts no token picks; two tensor-parallel ranks equal one; and a trainer's
-weights pushed by transformers 5's in-memory names (stacked experts) land."""
+weights pushed by transformers 5's in-memory names (stacked experts) land. gpt-oss adds
+attention sinks, alternating windows, YaRN, biased experts with a clamped SwiGLU and a
+checkpoint of its own layout."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PROMPTS
+from conftest import PROMPTS, runs_triton_kernels
 
 from pagellm import SamplingParams
 from pagellm.demo.model import ModelSpec, make_model
@@ -73,6 +75,16 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
                               init_std=0.2, seed=18,
                               config_extra=dict(use_sliding_window=True, sliding_window=12,
                                                 max_window_layers=1)),
+    # gpt-oss: top-2 of 8 biased experts, their SwiGLU clamped at 1.5 (so the clamps
+    # bite at init_std 0.3), sinks, layer 0 a 20-key window (the prompts are longer),
+    # layer 1 full, YaRN RoPE, 8 query heads per KV head
+    "gpt_oss": ModelSpec(arch="gpt_oss", **{**_SMALL, "num_heads": 8}, num_kv_heads=1,
+                         head_dim=16, intermediate_size=32, init_std=0.3, seed=21,
+                         rope_scaling=dict(rope_type="yarn", factor=4.0, beta_fast=32.0,
+                                           beta_slow=1.0, truncate=False,
+                                           original_max_position_embeddings=512),
+                         config_extra=dict(num_local_experts=8, num_experts_per_tok=2,
+                                           sliding_window=20, swiglu_limit=1.5)),
     "olmoe_top2": ModelSpec(arch="olmoe", **_SMALL, num_kv_heads=2, intermediate_size=32,
                             init_std=0.3, seed=16,
                             config_extra=dict(num_experts=4, num_experts_per_tok=2,
@@ -166,7 +178,7 @@ def test_experts_no_token_picks_are_skipped_and_the_output_still_matches(
     assert _tokens(outputs) == [hf_greedy(hf_models(name), p, 8) for p in prompts]
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"])
 def test_bf16_logprobs_track_transformers(name, family_dirs, make_llm):
     """bf16: every prompt and sampled token's logprob within 1.5x transformers' own bf16
     error against fp32 on the same bf16-rounded weights (as tests/e2e/test_correctness.py
@@ -233,8 +245,51 @@ def test_each_ranks_experts_are_its_slice_of_the_checkpoint(name, family_dirs, h
                 assert torch.equal(torch.cat([r[key] for r in ranks]), hf[key])
 
 
+def test_gpt_oss_ranks_hold_their_slices_in_the_shared_layout(family_dirs, hf_models):
+    """gpt-oss's checkpoint stores its experts as x @ W with gate and up columns
+    interleaved ([E, H, 2I], [E, I, H]): two ranks' stacked experts (the shared
+    [E, 2I, H] gate-rows-first layout), expert biases and attention sinks, put back
+    together, equal transformers' parameters; the down bias is whole on each rank."""
+    config = resolve_model_config(EngineArgs(model=str(family_dirs["gpt_oss"])))
+    ranks = [dict(load_model(config, torch.device("cpu"),
+                             TensorParallel.layout(config.spec, rank, 2)).named_parameters())
+             for rank in range(2)]
+    hf = dict(hf_models("gpt_oss").named_parameters())
+    size = config.spec.moe.intermediate_size // 2
+    for layer in range(config.spec.num_layers):
+        p = f"model.layers.{layer}"
+        whole = hf[f"{p}.mlp.experts.gate_up_proj"]  # [E, H, 2I]
+        ours = [r[f"{p}.mlp.experts.gate_up_proj"] for r in ranks]  # [E, 2 * I/2, H]
+        gate = torch.cat([w[:, :size] for w in ours], 1).transpose(1, 2)
+        up = torch.cat([w[:, size:] for w in ours], 1).transpose(1, 2)
+        assert torch.equal(gate, whole[..., ::2]) and torch.equal(up, whole[..., 1::2])
+        bias = hf[f"{p}.mlp.experts.gate_up_proj_bias"]
+        ours_bias = [r[f"{p}.mlp.experts.gate_up_proj_bias"] for r in ranks]
+        assert torch.equal(torch.cat([b[:, :size] for b in ours_bias], 1), bias[:, ::2])
+        assert torch.equal(torch.cat([b[:, size:] for b in ours_bias], 1), bias[:, 1::2])
+        down = torch.cat([r[f"{p}.mlp.experts.down_proj"] for r in ranks], 2)
+        assert torch.equal(down, hf[f"{p}.mlp.experts.down_proj"].transpose(1, 2))
+        sinks = torch.cat([r[f"{p}.self_attn.sinks"] for r in ranks])
+        assert torch.equal(sinks, hf[f"{p}.self_attn.sinks"])
+        for r in ranks:
+            for name in ("mlp.experts.down_proj_bias", "mlp.router.weight", "mlp.router.bias"):
+                assert torch.equal(r[f"{p}.{name}"], hf[f"{p}.{name}"])
+
+
+@runs_triton_kernels
+def test_gpt_oss_on_the_triton_kernels_matches_transformers(family_dirs, hf_models, make_llm):
+    """The Triton attention kernels (Triton's interpreter on the CPU) apply the sinks,
+    in prompts and decodes, on both layer kinds: transformers' greedy tokens."""
+    llm = make_llm(family_dirs["gpt_oss"], attention_backend="triton", block_size=16)
+    prompts = FAMILY_PROMPTS[:3]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12),
+                           use_tqdm=False)
+    assert _tokens(outputs) == [hf_greedy(hf_models("gpt_oss"), o.prompt_token_ids, 12)
+                                for o in outputs]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss"])
 def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make_llm):
     """Each rank holds half of every expert (and, for OLMoE, half of the all-head q/k
     norms, their statistic summed over the ranks): greedy tokens equal transformers',
@@ -252,22 +307,23 @@ def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make
             assert all(abs(lp.logprob - lb[t].logprob) < 1e-4 for t, lp in la.items())
 
 
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
 def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
-        family_dirs, make_llm):
+        name, family_dirs, make_llm):
     """RL trainers on transformers 5 send `model.named_parameters()`: the experts as
-    `mlp.experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]. After a training
-    step (here: a perturbation), those names load into the engine, which then generates
-    the trained model's tokens."""
+    `mlp.experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] (gpt-oss: its own
+    layout and biases). After a training step (here: a perturbation), those names load
+    into the engine, which then generates the trained model's tokens. (Mixtral's
+    checkpoint spells its experts w1/w2/w3 under block_sparse_moe.)"""
     from transformers import AutoModelForCausalLM
 
-    name = "mixtral"  # its checkpoint spells experts w1/w2/w3 under block_sparse_moe
     llm = make_llm(family_dirs[name])
     trained = AutoModelForCausalLM.from_pretrained(family_dirs[name],
                                                    dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for pname, p in trained.named_parameters():
-            if ".experts." in pname or pname.endswith("mlp.gate.weight"):
+            if ".experts." in pname or pname.endswith(("mlp.gate.weight", "router.weight")):
                 p.add_(0.2 * torch.randn(p.shape, generator=generator))
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     loaded = model.load_weights(trained.named_parameters())
@@ -285,8 +341,9 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
 @pytest.mark.parametrize(("extra", "match"), [
     (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
     (dict(sliding_window=-4), "sliding_window must be a positive integer, got -4"),
-    (dict(architectures=["GptOssForCausalLM"], model_type="mixtral"),
-     "unsupported architecture 'GptOssForCausalLM'"),
+    (dict(architectures=["DeepseekV3ForCausalLM"], model_type="mixtral"),
+     "unsupported architecture 'DeepseekV3ForCausalLM'"),
+    (dict(swiglu_limit=float("inf")), "swiglu_limit must be a finite number"),
 ])
 def test_a_config_the_engine_cannot_serve_is_refused_naming_the_field(tmp_path, extra, match):
     import json

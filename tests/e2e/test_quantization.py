@@ -315,6 +315,47 @@ def unstacked(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+# gpt-oss: biased experts (I = 32) with the clamped SwiGLU, attention sinks
+GPT_OSS = ModelSpec(arch="gpt_oss", hidden_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=16, vocab_size=1024, tie_word_embeddings=False,
+                    intermediate_size=32, init_std=0.3, seed=21, config_extra=dict(
+                        num_local_experts=8, num_experts_per_tok=2, sliding_window=20,
+                        swiglu_limit=1.5))
+
+
+def test_the_cpus_int4_packs_gpt_oss_experts_and_takes_their_updates(make_llm, tmp_path):
+    """gpt-oss's experts, stored x @ W with gate and up interleaved, are packed like
+    any MoE's (their biases kept): the tokens are transformers' with each expert's
+    weights quantized the same way and their inputs per token and block of 32; a
+    trainer's update by the checkpoint's names is requantized as it lands."""
+    from transformers import AutoModelForCausalLM
+
+    from pagellm.executor.model.moe import ExpertCodes
+
+    model_dir = make_model(tmp_path / "gpt_oss", GPT_OSS)
+
+    def reference(model):
+        return with_packed_experts(fake_quantize(model, "cpu_int4"), 4)
+
+    def assert_tokens(llm, model) -> list[list[int]]:
+        outputs = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+        for out in outputs:
+            ours = out.outputs[0].token_ids
+            assert argmax_along(model, out.prompt_token_ids, ours) == ours
+        return [o.outputs[0].token_ids for o in outputs]
+
+    llm = make_llm(model_dir, quantization="int4", dtype="float32")
+    experts = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers[
+        1].mlp.experts
+    assert isinstance(experts.gate_up_codes, ExpertCodes) and experts.gate_up_proj.is_meta
+    first = assert_tokens(llm, reference(AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32).eval()))
+    trained, state = perturbed(model_dir, seed=14)
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)  # [E, H, 2I]
+    llm.update_weights(list(state.items()))
+    assert assert_tokens(llm, reference(trained)) != first
+
+
 @runs_triton_kernels
 def test_int4_packs_moe_experts_for_the_triton_kernels(make_llm, tmp_path):
     """With the Triton kernels the experts are packed too, as one PackedWeight per

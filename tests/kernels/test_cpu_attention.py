@@ -37,10 +37,10 @@ def ops(request):
 
 
 def _attend(ops, batch: Batch, scale: float, window: int | None = None,
-            softcap: float | None = None) -> torch.Tensor:
+            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     return ops.paged_decode_attention(batch.query, batch.kv_cache, batch.block_tables,
                                       torch.tensor(batch.seq_lens, dtype=torch.int32),
-                                      scale, window, softcap)
+                                      scale, window, softcap, sinks)
 
 
 # Requests a step: with 2 threads (the conftest's), 1 splits its heads one by one over
@@ -74,6 +74,24 @@ def test_a_window_and_a_softcap_match_float64_attention(ops, window: int | None,
     torch.testing.assert_close(out.double(), naive_attention(batch, 0.5, window, softcap),
                                rtol=1e-5, atol=1e-5)
     assert not torch.allclose(out, _attend(ops, batch, 0.5), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("requests", ["1", "5", "10"])  # each of the three work splits
+@pytest.mark.parametrize("window", [None, 7])
+def test_sinks_match_float64_attention(ops, window: int | None, requests: str):
+    """gpt-oss's attention sinks: one logit per head in the softmax's denominator (a
+    large one takes most of head 0's weight, a small one leaves the last head as it
+    was), per head under every way the op splits its work."""
+    heads = 3 * NUM_KV_HEADS
+    batch = make_batch(heads, 32, 16, torch.float32, seed=11, shapes=BATCHES[requests])
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(2))
+    sinks[0], sinks[-1] = 4.0, -30.0
+    out = _attend(ops, batch, 0.5, window, None, sinks)
+    torch.testing.assert_close(out.double(), naive_attention(batch, 0.5, window, None, sinks),
+                               rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out[:, 0], _attend(ops, batch, 0.5, window)[:, 0], atol=1e-3)
+    with pytest.raises(RuntimeError, match="sinks must be"):
+        _attend(ops, batch, 0.5, window, None, sinks[:-1])
 
 
 def test_bf16_weighs_the_values_with_bf16_weights(ops):

@@ -113,17 +113,17 @@ def test_write_kv_cache_keys_and_values_go_to_their_own_halves() -> None:
 
 
 def _check_against_naive(batch: Batch, block_size: int, dtype: torch.dtype,
-                         sliding_window: int | None = None, softcap: float | None = None
-                         ) -> None:
+                         sliding_window: int | None = None, softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> None:
     scale = batch.query.shape[-1] ** -0.5
 
     out = paged_attention(batch.query, batch.kv_cache, batch.block_tables,
                           batch.query_start_loc, batch.seq_lens, scale,
-                          sliding_window=sliding_window, softcap=softcap).cpu()
+                          sliding_window=sliding_window, softcap=softcap, sinks=sinks).cpu()
 
     assert out.dtype == dtype
     assert out.shape == batch.query.shape
-    expected = naive_attention(batch, scale, sliding_window, softcap)
+    expected = naive_attention(batch, scale, sliding_window, softcap, sinks)
     rtol, atol = TOLERANCES[dtype]
     for r in range(len(batch.seq_lens)):  # per request, so a failure names the case
         start, end = batch.query_start_loc[r], batch.query_start_loc[r + 1]
@@ -363,6 +363,46 @@ def test_long_prompts_attend_tile_by_tile_exactly(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(reference, "SOFTCAP_SCORES", 300)
     batch = make_batch(2 * NUM_KV_HEADS, 32, 16, torch.float32, seed=3)
     _check_against_naive(batch, 16, torch.float32, sliding_window, softcap)
+
+
+def _sinks(num_heads: int, seed: int) -> torch.Tensor:
+    """gpt-oss-like sinks: around the scores' own size (N(0, 1) here), one large enough
+    to take most of its head's weight and one far below every score."""
+    sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(seed))
+    sinks[0], sinks[-1] = 4.0, -30.0
+    return sinks
+
+
+@pytest.mark.parametrize(("sliding_window", "dtype"), [
+    (None, torch.float32), (5, torch.float32), (37, torch.float32), (None, torch.bfloat16)],
+    ids=str)
+def test_sinks_match_a_naive_softmax_with_a_sink_column(sliding_window: int | None,
+                                                        dtype: torch.dtype) -> None:
+    """gpt-oss's attention sinks, on decodes, fresh prompts and chunks alike, against
+    transformers' formula (the sink a column of the scores, dropped after the softmax);
+    with and without a window; and not a no-op."""
+    batch = make_batch(2 * NUM_KV_HEADS, 32, 16, dtype, seed=41)
+    sinks = _sinks(2 * NUM_KV_HEADS, 5)
+    _check_against_naive(batch, 16, dtype, sliding_window, None, sinks)
+    scale = 32 ** -0.5
+    without = paged_attention(batch.query, batch.kv_cache, batch.block_tables,
+                              batch.query_start_loc, batch.seq_lens, scale,
+                              sliding_window=sliding_window)
+    with_sinks = paged_attention(batch.query, batch.kv_cache, batch.block_tables,
+                                 batch.query_start_loc, batch.seq_lens, scale,
+                                 sliding_window=sliding_window, sinks=sinks)
+    assert not torch.allclose(with_sinks[:, 0].float(), without[:, 0].float(), atol=1e-2)
+    torch.testing.assert_close(with_sinks[:, -1].float(), without[:, -1].float(),
+                               rtol=0, atol=1e-2)  # a sink far below: no change
+
+
+def test_sinks_in_long_prompts_attend_tile_by_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles of a few rows and scores give the same attention with sinks."""
+    monkeypatch.setattr(reference, "PREFILL_TILE_ROWS", 2)
+    monkeypatch.setattr(reference, "SOFTCAP_SCORES", 300)
+    batch = make_batch(2 * NUM_KV_HEADS, 32, 16, torch.float32, seed=43)
+    _check_against_naive(batch, 16, torch.float32, 3, None, _sinks(2 * NUM_KV_HEADS, 6))
+    _check_against_naive(batch, 16, torch.float32, None, 2.0, _sinks(2 * NUM_KV_HEADS, 7))
 
 
 def _first_window_block(q_len: int, seq_len: int, window: int, block_size: int) -> int:

@@ -51,18 +51,19 @@ def make_batch(requests: list[tuple[int, int]], num_heads: int, head_dim: int,
 
 
 def run_both(query, cache, tables, qsl, seq_lens, num_segments=1, tile=None,
-             sliding_window=None, softcap=None, reference_cache=None):
+             sliding_window=None, softcap=None, reference_cache=None, sinks=None):
     """(Triton's output, the reference's), the reference on `reference_cache` if given."""
     scale = query.shape[-1] ** -0.5
     expected = reference.paged_attention(
         query, cache if reference_cache is None else reference_cache, tables, qsl, seq_lens,
-        scale, sliding_window=sliding_window, softcap=softcap)
+        scale, sliding_window=sliding_window, softcap=softcap,
+        sinks=None if sinks is None else sinks.cpu())
     got = tk.paged_attention(
         query, cache, tables, torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
         torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale,
         max_query_len=max(b - a for a, b in itertools.pairwise(qsl)),
         num_segments=num_segments, tile=tile, sliding_window=sliding_window,
-        softcap=softcap)
+        softcap=softcap, sinks=sinks)
     return got, expected
 
 
@@ -152,6 +153,26 @@ def test_split_kv_decode_with_a_window_matches_reference(sliding_window, softcap
 
 
 @runs_triton_kernels
+@pytest.mark.parametrize(("requests", "num_segments", "sliding_window", "dtype"), [
+    (MIXED, 1, None, torch.float32), (MIXED, 1, 20, torch.bfloat16),
+    (DECODES, 4, None, torch.float32), (DECODES, 4, 40, torch.float32)], ids=str)
+def test_sinks_match_reference(requests, num_segments, sliding_window, dtype):
+    """gpt-oss's attention sinks, in the one-pass kernel and in the split-KV merge (some
+    segments empty), against the reference (itself checked against transformers'
+    formula); a large sink changes head 0, a small one leaves the last head alone."""
+    heads = NUM_KV_HEADS * 2
+    batch = make_batch(requests, heads, 64, 16, dtype, seed=8)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(3))
+    sinks[0], sinks[-1] = 4.0, -30.0
+    sinks = sinks.to(DEVICE)
+    got, expected = run_both(*batch, num_segments=num_segments, sliding_window=sliding_window,
+                             sinks=sinks)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=TOLERANCE[dtype])
+    without, _ = run_both(*batch, num_segments=num_segments, sliding_window=sliding_window)
+    assert not torch.allclose(got[:, 0].float(), without[:, 0].float(), atol=1e-2)
+
+
+@runs_triton_kernels
 @pytest.mark.parametrize("stale", [float("nan"), float("inf")])
 @pytest.mark.parametrize(("requests", "num_segments", "softcap"), [(MIXED, 1, None),
                                                                    (DECODES, 2, 1.5)],
@@ -177,7 +198,8 @@ def test_blocks_wholly_outside_the_window_are_never_read(requests, num_segments,
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
-def test_triton_backend_passes_each_layers_window_and_cap_to_the_kernel(monkeypatch):
+def test_triton_backend_passes_each_layers_window_cap_and_sinks_to_the_kernel(
+        monkeypatch):
     """The step's split-KV count is sized for its longest context; a windowed layer's
     contexts are the window long, so it gets fewer slices (each still >= 256 keys)."""
     from types import SimpleNamespace
@@ -193,12 +215,14 @@ def test_triton_backend_passes_each_layers_window_and_cap_to_the_kernel(monkeypa
         slot_mapping=torch.zeros(1), block_tables=torch.zeros(1, 1), query_start_loc=None,
         seq_lens=None, query_start_loc_cpu=None, seq_lens_cpu=None, max_query_len=1,
         backend=backend, num_segments=16)
-    for window, softcap in [(None, None), (4096, 50.0), (1024, None), (128, None)]:
-        backend(None, None, None, None, meta, 0.1, window, softcap)
-    assert calls == [(16, dict(sliding_window=None, softcap=None)),
-                     (16, dict(sliding_window=4096, softcap=50.0)),
-                     (4, dict(sliding_window=1024, softcap=None)),
-                     (1, dict(sliding_window=128, softcap=None))]
+    sinks = torch.zeros(4)
+    for window, softcap, sink in [(None, None, None), (4096, 50.0, None), (1024, None, None),
+                                  (128, None, sinks)]:
+        backend(None, None, None, None, meta, 0.1, window, softcap, sink)
+    assert calls == [(16, dict(sliding_window=None, softcap=None, sinks=None)),
+                     (16, dict(sliding_window=4096, softcap=50.0, sinks=None)),
+                     (4, dict(sliding_window=1024, softcap=None, sinks=None)),
+                     (1, dict(sliding_window=128, softcap=None, sinks=sinks))]
 
 
 @pytest.mark.parametrize(("num_kv_heads", "head_dim", "dtype"),

@@ -24,9 +24,13 @@ HIDDEN, INTER = 80, 72  # neither a multiple of 32 or 64: every tile is ragged s
 
 
 def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                  swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """out[t] = sum_k w[t, k] * W2_e (silu(G_e x_t) * (U_e x_t)), one token and one
-    expert at a time, in fp32 on the CPU."""
+    expert at a time, in fp32 on the CPU. With biases and `swiglu` (alpha, limit):
+    gpt-oss's experts as transformers writes them, W2_e h + b2_e with h = (u + 1) * g *
+    sigmoid(alpha * g), g = min(G_e x_t + bg_e, limit), u = clamp(U_e x_t + bu_e)."""
     x, w13, w2 = x.float().cpu(), w13.float().cpu(), w2.float().cpu()
     inter = w2.shape[2]
     out = torch.zeros(x.shape)
@@ -34,7 +38,18 @@ def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         for k in range(topk_ids.shape[1]):
             e = int(topk_ids[t, k])
             gate, up = w13[e, :inter] @ x[t], w13[e, inter:] @ x[t]
-            out[t] += float(topk_weights[t, k]) * (w2[e] @ (F.silu(gate) * up))
+            if b13 is not None:
+                gate, up = gate + b13[e, :inter].float().cpu(), up + b13[e, inter:].float().cpu()
+            if swiglu is None:
+                h = F.silu(gate) * up
+            else:
+                alpha, limit = swiglu
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                h = (up + 1) * gate * torch.sigmoid(alpha * gate)
+            y = w2[e] @ h
+            if b2 is not None:
+                y = y + b2[e].float().cpu()
+            out[t] += float(topk_weights[t, k]) * y
     return out
 
 
@@ -132,6 +147,33 @@ def test_packed_experts_match_the_reference_on_their_dequantized_weights(bits, t
     r13 = dequantized(q13, 8) if isinstance(q13, tm.PackedWeight) else w13
     r2 = dequantized(q2, 8) if isinstance(q2, tm.PackedWeight) else w2
     assert_matches(got, reference_moe(x, r13, r2, topk_weights, topk_ids))
+
+
+@runs_triton_kernels
+@pytest.mark.parametrize(("tokens", "dtype", "bits"), [(37, torch.float32, 0),
+                                                       (1, torch.bfloat16, 0),
+                                                       (5, torch.float32, 4)])
+def test_gpt_oss_biases_and_clamped_swiglu_match_the_reference(tokens, dtype, bits):
+    """gpt-oss's experts: a bias on each projection and (up + 1) * gate *
+    sigmoid(alpha * gate) with the clamps biting (limit 0.7 on values ~ N(0, 1)), dense
+    and packed; without either, the output is another."""
+    x, w13, w2, topk_weights, topk_ids = make_moe(tokens, 2, 8, dtype, seed=5, hidden=96,
+                                                  inter=64)
+    gen = torch.Generator().manual_seed(6)
+    b13 = (0.5 * torch.randn(8, 128, generator=gen)).to(DEVICE, dtype)
+    b2 = (0.5 * torch.randn(8, 96, generator=gen)).to(DEVICE, dtype)
+    swiglu = (1.702, 0.7)
+    q13, q2 = (w13, w2) if not bits else (packed(w13, bits, 32), packed(w2, bits, 32))
+    got = tm.fused_moe(x, q13, q2, topk_weights, topk_ids, bias13=b13, bias2=b2,
+                       swiglu=swiglu)
+    r13, r2 = (w13, w2) if not bits else (dequantized(q13, 8), dequantized(q2, 8))
+    expected = reference_moe(x, r13, r2, topk_weights, topk_ids, b13, b2, swiglu)
+    assert_matches(got, expected)
+    for plain in (dict(bias13=b13, bias2=b2), dict(swiglu=swiglu)):
+        other = tm.fused_moe(x, q13, q2, topk_weights, topk_ids, **plain)
+        assert not torch.allclose(other.float().cpu(), expected, atol=0.05)
+    with pytest.raises(ValueError, match="an expert bias must be contiguous"):
+        tm.fused_moe(x, q13, q2, topk_weights, topk_ids, bias13=b2)
 
 
 @runs_triton_kernels

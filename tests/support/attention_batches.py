@@ -79,13 +79,16 @@ def make_batch(num_heads: int, head_dim: int, block_size: int, dtype: torch.dtyp
 
 
 def naive_attention(batch: Batch, scale: float, sliding_window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, sinks: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) v in float64, one request and head at a time.
 
     Query row i of a request with q_len rows and context seq_len sits at position
     p = seq_len - q_len + i and sees positions 0..p, or under a sliding window W only
     p - W < j <= p (transformers' sliding_window_overlay). Soft-capping as transformers'
-    eager attention: scores s -> softcap * tanh(s / softcap), then the mask.
+    eager attention: scores s -> softcap * tanh(s / softcap), then the mask. Sinks
+    [num_heads] as gpt-oss's eager attention: each head's sink a column appended to its
+    scores before the softmax and dropped after it.
     """
     num_tokens, num_heads, head_dim = batch.query.shape
     group = num_heads // batch.keys[0].shape[1]
@@ -106,7 +109,12 @@ def naive_attention(batch: Batch, scale: float, sliding_window: int | None = Non
             if softcap is not None:
                 scores = softcap * torch.tanh(scores / softcap)
             scores = scores.masked_fill(masked, float("-inf"))
-            out[start:end, h] = scores.softmax(dim=-1) @ v[:, kv_head]
+            if sinks is not None:
+                sink = torch.full((q_len, 1), float(sinks[h]), dtype=torch.float64)
+                probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[:, :-1]
+            else:
+                probs = scores.softmax(dim=-1)
+            out[start:end, h] = probs @ v[:, kv_head]
     return out
 
 

@@ -121,6 +121,12 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
     cases.append(("attention", dict(dtype=torch.bfloat16, head_dim=128, group=7,
                                     block_size=16, segments=8, sliding_window=4096,
                                     softcap=50.0)))
+    # gpt-oss's attention sinks (USE_SINKS) on its alternating 128-key windows, head 64,
+    # 8 query heads per KV head; split-KV merges them too.
+    for window, segments in ((128, 1), (None, 1), (None, 8)):
+        cases.append(("attention", dict(dtype=torch.bfloat16, head_dim=64, group=8,
+                                        block_size=16, segments=segments,
+                                        sliding_window=window, sinks=True)))
     # kv_cache_dtype="fp8": an e4m3 cache read by bf16 queries, written from bf16 keys
     # (Ada and Hopper only: sm_80 has no e4m3 conversion; the engine refuses it there).
     for head_dim in (64, 128):
@@ -161,6 +167,13 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
                               group_size=128)))
     cases.append(("moe", dict(QWEN3_MOE, dtype=torch.float16, tokens=1, bits=4,
                               group_size=32)))
+    # gpt-oss-20b's experts (32 of I = 2880, top-4): biases and the clamped SwiGLU, in
+    # bf16 at a decode and 256 tokens, and int4-packed at a decode.
+    for tokens in (1, 256):
+        cases.append(("moe", dict(GPT_OSS_MOE, dtype=torch.bfloat16, tokens=tokens,
+                                  gpt_oss=True)))
+    cases.append(("moe", dict(GPT_OSS_MOE, dtype=torch.bfloat16, tokens=1, gpt_oss=True,
+                              bits=4, group_size=32)))
     # LoRA shrink/expand at rank 16 on Llama-3-8B's fused qkv (4096 -> 6144, three
     # parts): decode (1 row, K split 4 ways), 64 rows (the last split size, 32-row
     # tiles) and a 512-row prompt chunk (64-row tiles, no split); its down projection
@@ -194,6 +207,7 @@ LLAMA3_DOWN = dict(model="llama3-8b-down", in_features=14336, out_features=4096,
 
 QWEN3_MOE = dict(model="qwen3-30b-a3b", hidden=2048, inter=768, experts=128, top_k=8)
 MIXTRAL_MOE = dict(model="mixtral-8x7b", hidden=4096, inter=14336, experts=8, top_k=2)
+GPT_OSS_MOE = dict(model="gpt-oss-20b", hidden=2880, inter=2880, experts=32, top_k=4)
 
 
 def _packed(p: dict[str, Any], n: int, k: int) -> PackedWeight:
@@ -225,8 +239,12 @@ def _launch(kind: str, p: dict[str, Any]) -> None:
             w13, w2 = (_packed(p, p["experts"] * n, k) for n, k in (
                 (2 * p["inter"], p["hidden"]), (p["hidden"], p["inter"])))
         routing = torch.empty(p["tokens"], p["top_k"], device=meta)
+        biases: dict[str, Any] = {} if not p.get("gpt_oss") else dict(
+            bias13=torch.empty(p["experts"], 2 * p["inter"], dtype=p["dtype"], device=meta),
+            bias2=torch.empty(p["experts"], p["hidden"], dtype=p["dtype"], device=meta),
+            swiglu=(1.702, 7.0))
         tm.fused_moe(x, w13, w2, routing,
-                     torch.empty_like(routing, dtype=p.get("ids", torch.int32)))
+                     torch.empty_like(routing, dtype=p.get("ids", torch.int32)), **biases)
         return
     if kind == "lora":
         slots, width = 4, p["parts"] * p["max_rank"]
@@ -262,7 +280,9 @@ def _launch(kind: str, p: dict[str, Any]) -> None:
                        torch.empty(num_reqs + 1, dtype=torch.int32, device=meta),
                        torch.empty(num_reqs, dtype=torch.int32, device=meta), 0.125,
                        max_query_len=1 if p["segments"] > 1 else 5, num_segments=p["segments"],
-                       sliding_window=p.get("sliding_window"), softcap=p.get("softcap"))
+                       sliding_window=p.get("sliding_window"), softcap=p.get("softcap"),
+                       sinks=torch.empty(heads, dtype=torch.float32, device=meta)
+                       if p.get("sinks") else None)
 
 
 def main() -> None:

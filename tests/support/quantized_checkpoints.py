@@ -275,7 +275,8 @@ def with_packed_experts(model: Any, bits: int | None, shards: int = 1,
     transformers' own per-expert loop, its "eager" experts implementation; the default
     grouped_mm calls no F.linear: for `model` a part of one, the caller sets it). Only
     the stacked weights `packed` names are taken so (a file's experts may keep gate/up
-    in full precision and down as codes)."""
+    in full precision and down as codes). gpt-oss's experts compute x @ W ([E, K, N]:
+    each expert's transpose is quantized; their inputs are quantized at `@`)."""
     from unittest import mock
 
     from pagellm.executor.model.quantize import group_size_for
@@ -305,22 +306,43 @@ def with_packed_experts(model: Any, bits: int | None, shards: int = 1,
 
         return run
 
+    def matmul_quantizing(stacked: list[torch.Tensor]) -> Any:
+        """Tensor.__matmul__ with its left side quantized where the right one is a
+        slice of `stacked` (gpt-oss's experts)."""
+        linear = quantizing(stacked)
+
+        def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return linear(x, w.t()) if w.dim() == 2 else torch.matmul(x, w)
+
+        return matmul
+
     count = 0
     for module in model.modules():
         stacked = getattr(module, "gate_up_proj", None)
         if not isinstance(stacked, torch.nn.Parameter) or stacked.dim() != 3:
             continue
+        transposed = hasattr(module, "gate_up_proj_bias")  # gpt-oss: [E, K, N], x @ W
         with torch.no_grad():
             for weight, k_shards in ((module.gate_up_proj, 1), (module.down_proj, shards)):
                 if bits is None or not any(weight is getattr(module, p) for p in packed):
                     continue
-                k = weight.shape[2] // k_shards
+                k = weight.shape[1 if transposed else 2] // k_shards
                 group = group_size_for(k, k_shards)
                 for expert in weight:
-                    expert.copy_(torch.cat([dequantize(quantize(part, bits, group))
-                                            for part in expert.split(k, dim=1)], dim=1))
+                    rows = expert.t() if transposed else expert  # [N, K]
+                    rows.copy_(torch.cat([dequantize(quantize(part, bits, group))
+                                          for part in rows.split(k, dim=1)], dim=1))
 
-        if activations:
+        if activations and transposed:
+            matmul = matmul_quantizing([getattr(module, p) for p in packed])
+            forward = module.forward
+
+            def run(*args: Any, forward: Any = forward, matmul: Any = matmul) -> Any:
+                with mock.patch.object(torch.Tensor, "__matmul__", matmul):
+                    return forward(*args)
+
+            module.forward = run
+        elif activations:
             module.forward = wrapped(module.forward,
                                      quantizing([getattr(module, p) for p in packed]))
         count += 1

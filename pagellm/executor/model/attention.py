@@ -8,7 +8,9 @@ The backend travels in the metadata, so the model code never branches on it.
 
 Each layer carries its own `sliding_window` (Mistral; Gemma 2/3 alternate local and
 global layers) and `softcap` (Gemma 2's attention logit soft-capping) and hands them to
-the backend with every call: one step's metadata serves layers of either kind.
+the backend with every call: one step's metadata serves layers of either kind; a
+family with attention sinks (gpt-oss: a learned logit per head in each softmax's
+denominator, kernels/reference.py) hands its layer's `sinks` [heads] in with the call.
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ class AttentionBackend(Protocol):
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                 sliding_window: int | None = None, softcap: float | None = None
-                 ) -> torch.Tensor:
+                 sliding_window: int | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write k, v into kv_cache and attend: q [T, H, D]; k, v [T, H_kv, D] ->
         [T, H, D]. A query at position p sees keys p - sliding_window < j <= p (None:
-        j <= p); softcap c turns scores s into c * tanh(s / c) before the mask."""
+        j <= p); softcap c turns scores s into c * tanh(s / c) before the mask; sinks
+        [H]: one more logit per head in every softmax's denominator (None: none)."""
         ...
 
 
@@ -128,29 +131,31 @@ class TorchAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                 sliding_window: int | None = None, softcap: float | None = None
-                 ) -> torch.Tensor:
+                 sliding_window: int | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         assert meta.plan is not None, "prepare(meta) runs before the first layer"
         reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         decodes = self._decodes
         if decodes is not None and decodes.rows is None:  # a decode-only step
-            return self._attend_decodes(q, kv_cache, decodes, scale, sliding_window, softcap)
+            return self._attend_decodes(q, kv_cache, decodes, scale, sliding_window, softcap,
+                                        sinks)
         plan = meta.plan if sliding_window is None else self._window_plan(meta, sliding_window)
         out = reference.planned_attention(q, kv_cache, plan, scale, k, v, softcap,
-                                          self.prefill_attention)
+                                          self.prefill_attention, sinks)
         if decodes is not None and decodes.rows is not None and len(decodes.rows):
             out.index_copy_(0, decodes.rows, self._attend_decodes(
                 q.index_select(0, decodes.rows), kv_cache, decodes, scale, sliding_window,
-                softcap))
+                softcap, sinks))
         return out
 
     def _attend_decodes(self, q: torch.Tensor, kv_cache: torch.Tensor, decodes: PagedDecodes,
-                        scale: float, window: int | None, softcap: float | None
-                        ) -> torch.Tensor:
+                        scale: float, window: int | None, softcap: float | None,
+                        sinks: torch.Tensor | None) -> torch.Tensor:
         """q [B, H, D], the decodes' queries -> [B, H, D]."""
         assert self.decode_attention is not None
         return self.decode_attention(q, kv_cache, decodes.block_tables, decodes.seq_lens,
-                                     scale, window, softcap)
+                                     scale, window, softcap,
+                                     None if sinks is None else sinks.float())
 
     def _window_plan(self, meta: AttentionMetadata, window: int) -> reference.AttentionPlan:
         """The step's plan under `window`, built once per step. A window that holds every
@@ -187,8 +192,8 @@ class TritonAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                 sliding_window: int | None = None, softcap: float | None = None
-                 ) -> torch.Tensor:
+                 sliding_window: int | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         segments = meta.num_segments
         if sliding_window is not None:  # a window is every context's length here: its
@@ -198,7 +203,8 @@ class TritonAttention:
         return self.kernels.paged_attention(q, kv_cache, meta.block_tables,
                                             meta.query_start_loc, meta.seq_lens, scale,
                                             meta.max_query_len, segments,
-                                            sliding_window=sliding_window, softcap=softcap)
+                                            sliding_window=sliding_window, softcap=softcap,
+                                            sinks=sinks)
 
 
 def get_attention_backend(name: str, device: torch.device, block_size: int,
@@ -287,8 +293,10 @@ class Attention(nn.Module):
         self.softcap = softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, H_kv, D] -> [T, H, D]."""
+                meta: AttentionMetadata, kv_caches: list[torch.Tensor],
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, H_kv, D]; sinks: [H] (the layer's attention sinks,
+        a parameter of its attention block) or None -> [T, H, D]."""
         kv_cache = kv_caches[self.layer_idx]  # [2, num_blocks, block_size, H_kv, D]
         return meta.backend(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
-                            self.softcap)
+                            self.softcap, sinks)

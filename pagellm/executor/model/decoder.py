@@ -76,6 +76,8 @@ class DecoderAttention(nn.Module):
         scale = spec.head_dim ** -0.5 if spec.attn_scale is None else spec.attn_scale
         self.attn = Attention(layer_idx, scale, sliding_window=spec.window(layer_idx),
                               softcap=spec.attn_softcap)
+        # gpt-oss's attention sinks: this rank's heads' (weight_map.py slices them)
+        self.sinks = nn.Parameter(torch.empty(tp.num_heads)) if spec.attn_sinks else None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -97,7 +99,7 @@ class DecoderAttention(nn.Module):
         else:  # q and k side by side: one rotation for both
             qk = apply_rotary(qkv[:, :qk_size].view(tokens, -1, self.head_dim), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
-        out = self.attn(q, k, v, meta, kv_caches)  # [T, H, D]
+        out = self.attn(q, k, v, meta, kv_caches, self.sinks)  # [T, H, D]
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -247,12 +249,18 @@ class DecoderForCausalLM(nn.Module):
         tensors we compute or share; None for a name the model does not have. Into a
         projection quantized on load, the tensor is quantized as it lands
         (quantize.RequantizingDestination)."""
-        dest = weight_map.destination(
-            name, params if params is not None else dict(self.named_parameters()),
-            self.spec, self.tp, tied=self.lm_head is None)
+        dest = self.family_destination(
+            name, params if params is not None else dict(self.named_parameters()))
         if self.quantized and dest is not None and dest.tensor is not None:
             base = dest.tensor if dest.tensor._base is None else dest.tensor._base
             module = self.quantized.get(id(base))
             if module is not None:
                 return requantizing(dest, module)
         return dest
+
+    def family_destination(self, name: str, params: dict[str, nn.Parameter]
+                           ) -> Destination | None:
+        """`destination` before quantization: the shared weight map's. A family whose
+        checkpoint lays a tensor out differently maps it here (gpt_oss.py)."""
+        return weight_map.destination(name, params, self.spec, self.tp,
+                                      tied=self.lm_head is None)

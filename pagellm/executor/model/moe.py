@@ -125,8 +125,16 @@ class Experts(nn.Module):
         h = None if self.gate_up_codes is None else \
             quantized_silu_and_mul(x, self.gate_up_codes.expert(e))  # None: cannot fuse
         if h is None:
-            gate_up = _project(x, self.gate_up_codes, self.gate_up_proj, e)  # [n, 2I]
+            gate_up = self.gate_up(e, x)  # [n, 2I]
             h = F.silu(gate_up[:, :size]) * gate_up[:, size:]  # [n, I]
+        return self.down(e, h)
+
+    def gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x [n, H] @ expert e's gate_up [2I, H]^T -> [n, 2I] (gate's columns first)."""
+        return _project(x, self.gate_up_codes, self.gate_up_proj, e)
+
+    def down(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """h [n, I] @ expert e's down [H, I]^T -> [n, H]."""
         return _project(h, self.down_codes, self.down_proj, e)
 
 

@@ -212,7 +212,7 @@ def requantizing(dest: Destination, module: nn.Module) -> RequantizingDestinatio
     """`dest` (and its parts) as requantizing destinations into `module`."""
     parts = tuple(requantizing(p, module) for p in dest.parts)
     fields = {f: getattr(dest, f) for f in ("tensor", "shape", "dim", "start", "length",
-                                            "as_shape")}
+                                            "as_shape", "layout")}
     return RequantizingDestination(**fields, parts=parts, module=module)
 
 

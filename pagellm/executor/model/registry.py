@@ -4,7 +4,7 @@ which model class it builds.
 Families that differ from Llama only in data are a reader here and the shared decoder
 (decoder.py, whose MLP is the sparse MoE block of moe.py where the spec has experts); a
 family whose computation differs brings its own module with a reader and a model class
-(gemma.py). Adding a family is that module and one row of `FAMILIES`.
+(gemma.py, gpt_oss.py). Adding a family is that module and one row of `FAMILIES`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,12 @@ def _gemma() -> type[DecoderForCausalLM]:
     from pagellm.executor.model.gemma import GemmaForCausalLM
 
     return GemmaForCausalLM
+
+
+def _gpt_oss() -> type[DecoderForCausalLM]:
+    from pagellm.executor.model.gpt_oss import GptOssForCausalLM
+
+    return GptOssForCausalLM
 
 
 def _sparse_layers(config: Any) -> tuple[bool, ...]:
@@ -143,6 +149,19 @@ def _gemma3(config: Any, arch: str) -> DecoderSpec:
                          sliding_rope=RopeSpec.from_hf(sliding, None, None))
 
 
+def _gpt_oss_spec(config: Any, arch: str) -> DecoderSpec:
+    """gpt-oss: every layer a MoE of clamped-SwiGLU experts with biases (the top-k
+    softmax is over the k chosen logits: renormalised), attention sinks, stacked
+    experts in its checkpoint (gpt_oss.py). OpenAI's MXFP4 experts are refused by name
+    (the quantization_config check)."""
+    moe = MoeSpec(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+                  intermediate_size=config.intermediate_size, renormalize=True,
+                  sparse_layers=(True,) * config.num_hidden_layers,
+                  swiglu=(float(config.swiglu_alpha), float(config.swiglu_limit)),
+                  checkpoint_stacked=True)
+    return read_decoder_spec(config, arch, moe=moe, attn_sinks=True)
+
+
 def _phi3(config: Any, arch: str) -> DecoderSpec:
     """Phi-3 / Phi-4: Llama's computation from fused qkv/gate_up checkpoint tensors, with
     a partial rotary factor (Phi-4-mini) and LongRoPE (rope.py) read from
@@ -165,6 +184,7 @@ FAMILIES: dict[str, Family] = {
     "Gemma2ForCausalLM": Family("gemma2", _gemma2, _gemma),
     "Gemma3ForCausalLM": Family("gemma3_text", _gemma3, _gemma),
     "Phi3ForCausalLM": Family("phi3", _phi3, _decoder),
+    "GptOssForCausalLM": Family("gpt_oss", _gpt_oss_spec, _gpt_oss),
 }
 
 

@@ -3,8 +3,9 @@
 Most families differ only in data: qkv bias (Qwen2), q/k RMSNorm per head (Qwen3) or over
 all heads (OLMoE), a head_dim independent of hidden_size, tied embeddings, the RoPE
 variant (a second one for sliding layers: Gemma 3), sliding-window attention per layer,
-the MLP's activation, the attention scale and logit soft-capping (Gemma 2), checkpoints
-storing q/k/v and gate/up fused (Phi-3), and a mixture-of-experts MLP (`MoeSpec`).
+the MLP's activation, the attention scale and logit soft-capping (Gemma 2), attention
+sinks (gpt-oss), checkpoints storing q/k/v and gate/up fused (Phi-3), and a
+mixture-of-experts MLP (`MoeSpec`).
 Each family's reader (executor/model/registry.py's table) fills these from a transformers
 config and refuses, naming the field, what the engine cannot serve. Apart from the
 modules because more than the model reads it: the model config, the tensor-parallel
@@ -43,6 +44,12 @@ class MoeSpec:
     # A shared expert's intermediate size (Qwen2-MoE: a SwiGLU MLP every token runs, its
     # output scaled by sigmoid(shared_expert_gate(x)) and added); 0: none.
     shared_expert_size: int = 0
+    # gpt-oss's clamped SwiGLU experts (alpha, limit): gate clamped above at limit, up to
+    # [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate); None: SiLU(gate) * up.
+    swiglu: tuple[float, float] | None = None
+    # The checkpoint stores each layer's experts stacked, under the model's own parameter
+    # names (gpt-oss, whose module maps its layout), not one tensor per expert.
+    checkpoint_stacked: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,9 @@ class DecoderSpec:
     # The checkpoint stores self_attn.qkv_proj and mlp.gate_up_proj fused, as this model
     # holds them (Phi-3), not q/k/v_proj and gate/up_proj apart (weight_map.py).
     fused_checkpoint: bool = False
+    # A learned logit per query head in every softmax's denominator (gpt-oss's
+    # `self_attn.sinks`; kernels/reference.py).
+    attn_sinks: bool = False
 
     def window(self, layer_idx: int) -> int | None:
         """Layer `layer_idx`'s sliding window, or None for full attention."""

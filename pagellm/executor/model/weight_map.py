@@ -22,6 +22,7 @@ that goes there:
                                    as `experts.gate_up_proj` [E, 2I, H] and
                                    `experts.down_proj` [E, H, I] (transformers 5's
                                    in-memory names, which RL trainers send) load whole
+    self_attn.sinks             -> this rank's heads' entries (gpt-oss)
     everything else             -> the whole parameter (norms, the row-parallel
                                    layers' biases, the MoE router, a shared expert's
                                    gate)
@@ -46,8 +47,8 @@ any family with Llama's tensor names reuses it whole.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -68,7 +69,9 @@ class Destination:
     `dim` is None). `shape` is the checkpoint tensor's full shape. `tensor` is None
     for tensors loaded into nothing (computed, or tied). `as_shape`: the checkpoint
     tensor is viewed as this shape first, and `dim` counts in it (the stacked experts'
-    gate and up halves: [E, 2I, H] as [E, 2, I, H], narrowed on I). `parts`: when one
+    gate and up halves: [E, 2I, H] as [E, 2, I, H], narrowed on I). `layout`: what turns
+    the checkpoint tensor into the model's layout before that, where they differ
+    (gpt-oss's experts: transposed, gate and up interleaved; gpt_oss.py). `parts`: when one
     narrow cannot say it (a fused qkv checkpoint tensor under tensor parallelism: the
     rank's q, k and v rows lie apart in it, and GQA sizes them unequally), the
     destinations, each over the same checkpoint tensor, whose union this is; `tensor`
@@ -81,6 +84,7 @@ class Destination:
     length: int = 0
     as_shape: tuple[int, ...] | None = None
     parts: tuple[Destination, ...] = ()
+    layout: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
 
     def load(self, checkpoint: torch.Tensor, non_blocking: bool = False) -> None:
         """Copy this rank's part of the full `checkpoint` tensor in (shape checked)."""
@@ -92,6 +96,8 @@ class Destination:
             for piece in self.parts:
                 piece.load(checkpoint, non_blocking)
             return
+        if self.layout is not None:
+            checkpoint = self.layout(checkpoint)
         if self.as_shape is not None:
             checkpoint = checkpoint.view(self.as_shape)
         part = checkpoint if self.dim is None else checkpoint.narrow(self.dim, self.start,
@@ -112,8 +118,8 @@ class Destination:
         full = self.as_shape or self.shape
         whole = not self.parts and (self.dim is None or (self.start == 0 and
                                                          self.length == full[self.dim]))
-        if t is None or not whole or t.dtype != dtype or t.device != device \
-                or not t.is_contiguous():
+        if t is None or not whole or self.layout is not None or t.dtype != dtype \
+                or t.device != device or not t.is_contiguous():
             return None
         return t
 
@@ -141,7 +147,7 @@ def moe_names(spec: DecoderSpec) -> tuple[str, tuple[str, str, str]]:
 def canonical_keys(name: str, spec: DecoderSpec) -> list[str]:
     """The checkpoint keys (the family's own names) that checkpoint tensor `name`
     fills: itself, except for the experts' other spellings and the stacked tensors."""
-    if spec.moe is None:
+    if spec.moe is None or spec.moe.checkpoint_stacked:
         return [name]
     module, (gate, up, down) = moe_names(spec)
     if m := _EXPERT.fullmatch(name):
@@ -300,6 +306,9 @@ def destination(name: str, params: Mapping[str, nn.Parameter], spec: DecoderSpec
                                tp.vocab_start, rows)
         if spec.qk_norm == "full" and target.endswith(("q_norm.weight", "k_norm.weight")):
             return _full_norm_destination(target, param, spec, tp)
+        if target.endswith("self_attn.sinks"):  # one per head: this rank's heads'
+            return Destination(param, (spec.num_heads,), 0, tp.rank * tp.num_heads,
+                               tp.num_heads)
         if target.endswith(("o_proj.weight", "down_proj.weight")):  # row parallel
             full = spec.num_heads * d if "o_proj" in target else _mlp_sizes(target, spec, tp)[0]
             width = param.shape[1]

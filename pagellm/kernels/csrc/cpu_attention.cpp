@@ -15,8 +15,10 @@
 // query heads per KV head:
 //
 //   s_j = scale * q_b[h] . k_j[h / G]          (softcap c: c * tanh(s_j / c))
-//   o_b[h] = sum_j exp(s_j - max s) v_j[h / G] / sum_j exp(s_j - max s)
+//   o_b[h] = sum_j exp(s_j - m) v_j[h / G] / (sum_j exp(s_j - m) [+ exp(sink_h - m)])
 //
+// with m = max s (and sink_h: gpt-oss's attention sinks, a learned logit per head that
+// joins the denominator only, so a head may attend to nothing; none by default),
 // over keys first <= j < L_b (first = L_b - window under a sliding window, else 0),
 // key j at cache[table_b[j / block_size], j % block_size]. In fp32 throughout; a bf16
 // cache's weights exp(...) are rounded to bf16 before they weigh the values (SDPA's
@@ -259,7 +261,7 @@ std::vector<int64_t> balanced_runs(int64_t count, int64_t parts, F&& work) {
 template <typename T>
 void attend(const float* q_all, int64_t q_stride, bool bf16_queries, const PagedKV& kv,
             int64_t B, int64_t H, int64_t H_kv, int64_t D, std::optional<int64_t> window,
-            float scale, std::optional<float> softcap, float* out) {
+            float scale, std::optional<float> softcap, const float* sinks, float* out) {
   const T* cache = static_cast<const T*>(kv.cache);
   const int64_t group = H / H_kv, row = H_kv * D, block_size = kv.block_size;
   const int64_t enough = 4 * at::get_num_threads();
@@ -344,8 +346,10 @@ void attend(const float* q_all, int64_t q_stride, bool bf16_queries, const Paged
       });
       for (int64_t i = 0; i < per_item; ++i) {
         float* s = p.data() + i * n;
-        const float top = softcap ? capped_max(s, n, scale, *softcap) : scaled_max(s, n, scale);
+        float top = softcap ? capped_max(s, n, scale, *softcap) : scaled_max(s, n, scale);
+        if (sinks != nullptr) top = std::max(top, sinks[h0 + i]);
         sums[i] = exp_sum(s, n, top);
+        if (sinks != nullptr) sums[i] += std::exp(sinks[h0 + i] - top);
         if (bf16_queries)  // a bf16 model's SDPA weighs the values with bf16 weights
           PAGELLM_NS::round_to_bf16(s, n);
       }
@@ -535,9 +539,9 @@ namespace PAGELLM_NS {
 void attend_decodes(const float* q, int64_t q_stride, bool bf16_queries, const PagedKV& kv,
                     int64_t B, int64_t H, int64_t H_kv, int64_t D,
                     std::optional<int64_t> window, float scale, std::optional<float> softcap,
-                    float* out) {
+                    const float* sinks, float* out) {
   const auto run = kv.bf16 ? attend<bf16> : attend<float>;
-  run(q, q_stride, bf16_queries, kv, B, H, H_kv, D, window, scale, softcap, out);
+  run(q, q_stride, bf16_queries, kv, B, H, H_kv, D, window, scale, softcap, sinks, out);
 }
 
 void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t B,
@@ -566,11 +570,12 @@ void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_le
 // q [B, H, D] fp32 or bf16 (one query per request; heads contiguous), kv_cache
 // [2, num_blocks, block_size, H_kv, D] of q's dtype (or bf16 under fp32 queries:
 // kv_cache_dtype="bfloat16"), block_tables [>= B, max_blocks] int32, seq_lens [B] int32
-// -> [B, H, D] of q's dtype (the file's header).
+// and sinks [H] fp32 or none -> [B, H, D] of q's dtype (the file's header).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   double scale, std::optional<int64_t> window,
-                                  std::optional<double> softcap) {
+                                  std::optional<double> softcap,
+                                  const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
                   q.dim() == 3 && q.device().is_cpu(),
               "q must be an fp32 or bf16 CPU tensor [B, H, D]");
@@ -586,6 +591,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
               H_kv, " KV heads");
   TORCH_CHECK(!window || *window >= 1, "a sliding window must be at least 1, got ", *window);
   TORCH_CHECK(!softcap || *softcap > 0, "softcap must be positive, got ", *softcap);
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                         sinks->size(0) == H && sinks->is_contiguous() &&
+                         sinks->device().is_cpu()),
+              "sinks must be a contiguous fp32 CPU tensor [", H, "]");
   check_block_tables(block_tables, seq_lens, B, kv_cache.size(1), kv_cache.size(2));
   const at::Tensor q32 = q.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({B, H, D}, q32.options());
@@ -597,7 +606,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                  H_kv, D, window,
                  static_cast<float>(scale),
                  softcap ? std::optional<float>(static_cast<float>(*softcap)) : std::nullopt,
-                 out.data_ptr<float>());
+                 sinks ? sinks->data_ptr<float>() : nullptr, out.data_ptr<float>());
   return out.to(q.scalar_type());
 }
 
@@ -639,6 +648,7 @@ TORCH_LIBRARY_FRAGMENT(PAGELLM_NS, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   m.impl("prefill_attention", c10::DispatchKey::CPU, &PAGELLM_NS::prefill_attention);
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, int? window, float? softcap) -> Tensor");
+        "Tensor seq_lens, float scale, int? window, float? softcap, Tensor? sinks=None) "
+        "-> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &PAGELLM_NS::paged_decode_attention);
 }

@@ -559,7 +559,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     PAGELLM_NS::attend_decodes(
         qp, qkv_size, round.bf16, kv, T, s.H, s.H_kv, s.D,
         windows[l] > 0 ? std::optional<int64_t>(windows[l]) : std::nullopt,
-        static_cast<float>(scales[l]), std::nullopt, attn.data_ptr<float>());
+        static_cast<float>(scales[l]), std::nullopt, nullptr, attn.data_ptr<float>());
     round.all(attn.data_ptr<float>(), T * q_size);
     h = project(projection(l, 1), attn, biases[l * kBiases + 1], round);
 

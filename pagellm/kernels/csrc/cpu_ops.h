@@ -119,14 +119,15 @@ struct PagedKV {
 // out [B, H * D] fp32 = softmax(q k^T * scale) v for each request b's one query q[b]
 // (row b of q [B, q_stride], heads of D contiguous) over its keys j with
 // seq_len - window <= j < seq_len (all j < seq_len without a window); with a softcap c,
-// scores s become c * tanh(s / c) first. bf16_queries (a bf16 model: q holds bf16
+// scores s become c * tanh(s / c) first; sinks [H] (or nullptr): one more logit per head
+// in the softmax's denominator (gpt-oss). bf16_queries (a bf16 model: q holds bf16
 // values, and so does the cache): the attention weights are rounded to bf16 before they
 // weigh the values, as torch's SDPA and transformers do. An fp32 model's queries may
 // read a bf16 cache (kv_cache_dtype="bfloat16"): widened, in fp32 throughout.
 void attend_decodes(const float* q, int64_t q_stride, bool bf16_queries, const PagedKV& kv,
                     int64_t B, int64_t H, int64_t H_kv, int64_t D,
                     std::optional<int64_t> window, float scale, std::optional<float> softcap,
-                    float* out);
+                    const float* sinks, float* out);
 
 // Checks every block id of B requests' tables [>= B, max_blocks] int32 against a cache of
 // num_blocks, and their seq_lens [B] int32 (>= 1, within the table): the attention's
