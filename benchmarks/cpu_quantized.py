@@ -259,8 +259,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = str(default_gguf())
     if args.load_format == "dummy" and args.llama_cpp:
         parser.error("--llama-cpp runs llama.cpp on the model's GGUF: not with dummy weights")
+    # (a config-only shape has no tokenizer: some families' configs name a tokenizer
+    # class that cannot be built from nothing, gpt-oss's among them)
     variants = {name: {**options, "load_format": args.load_format,
-                       "kv_cache_dtype": args.kv_cache_dtype}
+                       "kv_cache_dtype": args.kv_cache_dtype,
+                       "skip_tokenizer_init": args.load_format == "dummy"}
                 for name, options in {**VARIANTS, **(UNFUSED if args.unfused else {})}.items()}
     models = dict.fromkeys(variants, model)
     if model.endswith(".gguf"):

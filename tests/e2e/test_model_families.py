@@ -288,6 +288,51 @@ def test_gpt_oss_on_the_triton_kernels_matches_transformers(family_dirs, hf_mode
                                 for o in outputs]
 
 
+def test_gpt_oss_mxfp4_checkpoint_loads_as_transformers_reads_it(family_dirs, make_llm,
+                                                                tmp_path):
+    """OpenAI's checkpoints store the experts as MXFP4 blocks and scales: the engine
+    gives transformers' greedy tokens on the same file (transformers dequantizes it on
+    the CPU); with quantization="int4" the experts it stands for are packed on load
+    (tokens: transformers' with those weights quantized so); a blocks tensor without
+    its scales is named."""
+    from quantized_checkpoints import with_packed_experts, write_mxfp4_gpt_oss
+    from safetensors.torch import load_file, save_file
+    from test_quantization import fake_quantize
+    from transformers import AutoModelForCausalLM
+
+    from pagellm.executor.model.moe import ExpertCodes
+
+    directory = write_mxfp4_gpt_oss(family_dirs["gpt_oss"], tmp_path / "mxfp4")
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompts = FAMILY_PROMPTS[:3]
+    outputs = make_llm(directory).generate(prompts, SamplingParams(temperature=0.0,
+                                                                   max_tokens=16),
+                                           use_tqdm=False)
+    assert _tokens(outputs) == [hf_greedy(hf, o.prompt_token_ids, 16) for o in outputs]
+    original = AutoModelForCausalLM.from_pretrained(family_dirs["gpt_oss"],
+                                                    dtype=torch.float32).eval()
+    assert _tokens(outputs) != [hf_greedy(original, o.prompt_token_ids, 16)
+                                for o in outputs]  # MXFP4 moved the weights
+    llm = make_llm(directory, quantization="int4")
+    experts = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers[
+        0].mlp.experts
+    assert isinstance(experts.down_codes, ExpertCodes)
+    reference = with_packed_experts(fake_quantize(hf, "cpu_int4"), 4)
+    for out in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8),
+                            use_tqdm=False):
+        tokens = out.prompt_token_ids + out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = reference(torch.tensor([tokens[:-1]])).logits[0]
+        assert logits[len(out.prompt_token_ids) - 1:].argmax(-1).tolist() == \
+            out.outputs[0].token_ids
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, directory / "model.safetensors")
+    with pytest.raises(ValueError, match="without their blocks or scales: "
+                       r"\['model.layers.1.mlp.experts.down_proj_blocks'\]"):
+        make_llm(directory)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss"])
 def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make_llm):
@@ -344,6 +389,8 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
     (dict(architectures=["DeepseekV3ForCausalLM"], model_type="mixtral"),
      "unsupported architecture 'DeepseekV3ForCausalLM'"),
     (dict(swiglu_limit=float("inf")), "swiglu_limit must be a finite number"),
+    (dict(quantization_config={"quant_method": "mxfp4"}),  # gpt-oss's experts only
+     "quantization_config.quant_method='mxfp4'"),
 ])
 def test_a_config_the_engine_cannot_serve_is_refused_naming_the_field(tmp_path, extra, match):
     import json

@@ -348,3 +348,47 @@ def with_packed_experts(model: Any, bits: int | None, shards: int = 1,
         count += 1
     assert count, "no stacked experts in the model"
     return model
+
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def mxfp4_quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., N, K] -> (blocks [..., N, K / 32, 16] uint8, scales [..., N, K / 32]
+    uint8) as OpenAI's gpt-oss checkpoints store MXFP4, written from the OCP format's
+    definition: per block of 32 along K the power of two 2^e with e = ceil(log2(amax /
+    6)) (the largest magnitude then fits e2m1's 6), each value its nearest e2m1 code
+    (sign in bit 3), two codes a byte, the even element in the low nibble; scale e + 127."""
+    w = weight.float().reshape(*weight.shape[:-1], -1, 32)  # [..., N, G, 32]
+    amax = w.abs().amax(dim=-1).clamp(min=2.0 ** -120)
+    exponent = torch.ceil(torch.log2(amax / 6.0))  # [..., N, G]
+    scaled = w / torch.exp2(exponent)[..., None]
+    magnitudes = torch.tensor(E2M1_MAGNITUDES)
+    nearest = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)  # [..., 32]
+    codes = (nearest + 8 * (scaled < 0)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def write_mxfp4_gpt_oss(source: Path, out: Path) -> Path:
+    """A copy of gpt-oss model directory `source` as OpenAI ships the model: every
+    expert weight MXFP4 (`<name>_blocks`, `<name>_scales`, in the [E, N, K] orientation:
+    the bf16 tensors transposed), the rest as it was, and config.json's
+    quantization_config {"quant_method": "mxfp4"}."""
+    shutil.copytree(source, out)
+    tensors = load_file(source / "model.safetensors")
+    written: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            blocks, scales = mxfp4_quantized(tensor.transpose(1, 2))
+            written[f"{name}_blocks"], written[f"{name}_scales"] = blocks, scales
+        else:
+            written[name] = tensor
+    save_file(written, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -110,14 +110,29 @@ def resolve_draft_config(args: EngineArgs, target: ModelConfig) -> ModelConfig |
     return draft
 
 
+def _mxfp4_experts(quantization_config: Any, hf_config: Any) -> bool:
+    """Whether config.json says MXFP4 of gpt-oss's kind (OpenAI's own checkpoints):
+    its experts load dequantized, everything else as it is; `quantization` may then
+    pack them on load as for any full-precision checkpoint."""
+    if quantization_config is None:
+        return False
+    if not isinstance(quantization_config, dict):
+        quantization_config = quantization_config.to_dict()
+    return (quantization_config.get("quant_method") == "mxfp4"
+            and getattr(hf_config, "model_type", None) == "gpt_oss")
+
+
 def _quantization(asked: str | None, hf_config: Any, path: Path
                   ) -> tuple[CheckpointQuant | None, str | None]:
     """(the checkpoint's format, the quantization to apply on load), as vLLM settles
     `quantization`: unset follows config.json; a checkpoint format's name must be the
     checkpoint's; "fp8" of a full-precision checkpoint (and "int4", "int8") quantizes
     on load."""
+    quantization_config = getattr(hf_config, "quantization_config", None)
+    if _mxfp4_experts(quantization_config, hf_config):
+        return None, asked  # gpt-oss's experts load dequantized (gpt_oss.py)
     try:
-        found = read_quantization_config(getattr(hf_config, "quantization_config", None))
+        found = read_quantization_config(quantization_config)
     except ValueError as e:
         raise ValueError(f"{path / 'config.json'}: {e}") from None
     if found is None:

@@ -28,14 +28,17 @@ with the gate's rows first, [E, H, I]) as they load, this rank's I-slice of each
 these names) work on them as on any MoE. The down projection's bias is added by rank 0
 only: the ranks' partial outputs are summed by the layer's all-reduce.
 
-OpenAI's own checkpoints store the experts as MXFP4 (`*_blocks`, `*_scales`); those are
-not read yet (the bf16 conversions of the same weights are).
+OpenAI's own checkpoints store the experts as MXFP4 (`quant_method: "mxfp4"`: each
+stacked weight as `<name>_blocks` and `<name>_scales` in the [E, N, K] orientation;
+weights/mxfp4.py). `load_weights` pairs the two and loads the weight they stand for
+(exact in bf16 and fp32), in the bf16 checkpoints' layout, so everything above applies;
+`quantization="int8"` / `"int4"` then packs it on load.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -47,6 +50,7 @@ from pagellm.executor.model.moe import Experts, experts_grouped
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.spec import DecoderSpec, MoeSpec
 from pagellm.executor.model.weight_map import Destination
+from pagellm.weights import mxfp4
 
 
 class GptOssRMSNorm(RMSNorm):
@@ -160,6 +164,38 @@ class GptOssForCausalLM(DecoderForCausalLM):
                            ) -> Destination | None:
         dest = expert_destination(name, params, self.spec, self.tp)
         return dest if dest is not None else super().family_destination(name, params)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The shared `load_weights`, an MXFP4 checkpoint's experts dequantized first
+        (`dequantized_experts`)."""
+        dtype = self.model.embed_tokens.weight.dtype
+        return super().load_weights(dequantized_experts(weights, dtype))
+
+
+_MXFP4 = re.compile(r"(.+\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)")
+
+
+def dequantized_experts(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` with each MXFP4 expert weight's blocks and scales (in either order,
+    anywhere in the stream) replaced by the weight they stand for, in `dtype` and the
+    bf16 checkpoints' layout ([E, N, K] transposed: x @ W). ValueError naming what is
+    left unpaired at the end."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        m = _MXFP4.fullmatch(name)
+        if m is None:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(m[1], {})
+        parts[m[2]] = tensor
+        if len(parts) == 2:
+            del pending[m[1]]
+            yield m[1], mxfp4.dequantize(parts["blocks"], parts["scales"], dtype,
+                                         m[1]).transpose(1, 2)
+    if pending:
+        unpaired = [f"{name}_{next(iter(parts))}" for name, parts in pending.items()]
+        raise ValueError(f"MXFP4 experts without their blocks or scales: {unpaired[:4]}")
 
 
 _EXPERTS = re.compile(r".+\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
