@@ -16,6 +16,7 @@ from pagellm.executor.model.attention import AttentionMetadata, TorchAttention
 from pagellm.executor.model.decoder import DecoderForCausalLM
 from pagellm.executor.model.moe import quantize_experts
 from pagellm.executor.model.quantize import QUANTIZATIONS, quantize_projections
+from pagellm.executor.model.registry import model_class
 from pagellm.executor.model.rope import RopeSpec
 from pagellm.executor.model.spec import DecoderSpec, MoeSpec
 from pagellm.executor.worker.cpu_decode import DENSE_ROWS, CpuDecodeStep, unsupported
@@ -55,6 +56,13 @@ MOE_SPECS = {
     "qwen2_moe": dataclasses.replace(LLAMA, qkv_bias=True, moe=dataclasses.replace(
         MOE, renormalize=False, shared_expert_size=32)),
 }
+# gpt-oss's: attention sinks, q/k/v/o biases, a 5-token window in the first layer, a
+# router with a bias (softmax over its top 2 logits), experts with biases and a SwiGLU
+# clamped at 1.5 (the gate projections' values spread past it)
+GPT_OSS = dataclasses.replace(
+    LLAMA, architecture="GptOssForCausalLM", attn_sinks=True, qkv_bias=True, o_bias=True,
+    layer_windows=(5, None), moe=dataclasses.replace(
+        MOE, sparse_layers=(True, True), swiglu=(1.702, 1.5), checkpoint_stacked=True))
 
 
 def _model(spec: DecoderSpec, quantization: str | None, dtype: torch.dtype = torch.float32,
@@ -62,7 +70,7 @@ def _model(spec: DecoderSpec, quantization: str | None, dtype: torch.dtype = tor
     """Seeded weights (bf16, or `bf16_weights` in fp32: the same ones rounded), the RoPE
     tables in fp32 whatever the dtype, as the loader leaves them."""
     torch.manual_seed(0)
-    model = DecoderForCausalLM(spec, max_model_len=128).eval()
+    model = model_class(spec)(spec, max_model_len=128).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -260,6 +268,28 @@ def test_a_bf16_mixture_of_experts_rounds_where_the_torch_path_does(name, batch)
     assert ours.mean() < 0.25 * rounding.mean(), (ours.mean(), rounding.mean())
 
 
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("batch", [1, DENSE_ROWS + 3])
+def test_a_gpt_oss_decode_step_equals_the_torch_path(batch, quantization):
+    """gpt-oss (fp32): the sinks in the attention's sum, the router's bias and softmax
+    over its top k, each expert's biases and clamped SwiGLU, as gpt_oss.py computes
+    them; and none of them a no-op (each left out moves the answer)."""
+    prompt_lens = [4 + 2 * i for i in range(batch)]
+    got, expected, caches, torch_caches = _decode_both_ways(GPT_OSS, quantization,
+                                                            prompt_lens)
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * scale)
+    for mine, theirs in zip(caches, torch_caches, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5 * float(theirs.abs().max()))
+    if quantization is not None or batch != 1:
+        return
+    for change in (dict(attn_sinks=False), dict(moe=dataclasses.replace(
+            GPT_OSS.moe, swiglu=(1.702, 100.0)))):
+        other, _, _, _ = _decode_both_ways(dataclasses.replace(GPT_OSS, **change), None,
+                                           prompt_lens)
+        assert not torch.allclose(other, got, rtol=1e-3, atol=1e-3), change
+
+
 def test_a_window_hides_the_keys_before_it():
     """Mutation check of the window: with it removed the fused step's answer moves
     (the torch path's reference would not catch a window ignored both ways)."""
@@ -293,8 +323,10 @@ def test_what_it_does_not_compute_takes_the_torch_path(monkeypatch):
     assert unsupported(softcapped, fp32, fp32, "torch", lora=False) is not None
     olmoe = dataclasses.replace(MOE_SPECS["mixtral"], qk_norm="full")  # over all heads
     assert unsupported(_model(olmoe, None), fp32, fp32, "torch", lora=False) is not None
-    for spec in MOE_SPECS.values():
+    for spec in [*MOE_SPECS.values(), GPT_OSS]:
         assert unsupported(_model(spec, "int4"), fp32, fp32, "torch", lora=False) is None
+    gpt_oss = _model(GPT_OSS, None, bf16)  # its norms round its own way in bf16
+    assert unsupported(gpt_oss, bf16, bf16, "torch", lora=False) == "gpt-oss in fp32 only"
     monkeypatch.setenv("PAGELLM_CPU_DECODE", "0")
     assert unsupported(model, fp32, fp32, "torch", lora=False) == "PAGELLM_CPU_DECODE=0"
 

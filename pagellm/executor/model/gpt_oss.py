@@ -33,6 +33,11 @@ stacked weight as `<name>_blocks` and `<name>_scales` in the [E, N, K] orientati
 weights/mxfp4.py). `load_weights` pairs the two and loads the weight they stand for
 (exact in bf16 and fp32), in the bf16 checkpoints' layout, so everything above applies;
 `quantization="int8"` / `"int4"` then packs it on load.
+
+On the CPU an fp32 model's decode steps run in the fused C++ step
+(executor/worker/cpu_decode.py: sinks, biases and the clamped SwiGLU there too); a bf16
+one takes the torch path (its norms and experts round where the shared decoder's do
+not).
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ family (Llama, Mistral, Qwen2/2.5/3, Phi-3) in fp32 with an fp32 KV cache (dense
 or the CPU int kernel's int4 / int8 projections), or in bf16 with a bf16 KV cache
 (dense bf16 projections: the C++ rounds to bf16 wherever the torch path holds a bf16
 tensor), mixture-of-experts layers included (Qwen3-MoE, Mixtral, Qwen2-MoE's shared
-experts: dense or int experts), without tensor parallelism, LoRA, OLMoE's q/k clipping
-and norms or soft-capping (Gemma's own classes). A dense projection is a GEMV
+experts: dense or int experts), and gpt-oss in fp32 (its sinks, router and expert
+biases and clamped SwiGLU; dense or int experts), without tensor parallelism, LoRA,
+OLMoE's q/k clipping and norms or soft-capping (Gemma's own classes). A dense projection is a GEMV
 for up to `DENSE_ROWS` tokens and the torch path's GEMM above (oneDNN's for fp32,
 at::linear for bf16, oneDNN's on the loader's packed copies where it made them), where
 the fused step saved 15-18% of a 48-request run against the torch path (fp32 and bf16,
@@ -48,6 +49,13 @@ from pagellm.executor.model.decoder import (
     DecoderMLP,
     DecoderModel,
 )
+from pagellm.executor.model.gpt_oss import (
+    GptOssDecoderLayer,
+    GptOssForCausalLM,
+    GptOssModel,
+    GptOssMoeBlock,
+    GptOssRMSNorm,
+)
 from pagellm.executor.model.layers import Linear, RMSNorm, RowParallelLinear
 from pagellm.executor.model.moe import ExpertCodes, SparseMoeBlock
 from pagellm.kernels import cpu_ops
@@ -57,12 +65,16 @@ logger = logging.getLogger("pagellm")
 
 DENSE_ROWS = 4  # tokens up to which dense projections run as the C++ GEMV (cpu_decode.cpp)
 _NONE = torch.empty(0)  # an absent bias or q/k norm
-# weights, linear_meta, norms, biases, routers, moe_meta: decode_layers' per-layer lists
+# weights, linear_meta, norms, biases, routers, moe_meta, sinks, expert_biases, swiglu:
+# decode_layers' per-layer lists
 Projection = Linear | RowParallelLinear
+Moe = SparseMoeBlock | GptOssMoeBlock
+Mlp = DecoderMLP | Moe
 _Operands = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[torch.Tensor],
-                  list[torch.Tensor], list[int]]
-# moe_meta's flags (cpu_decode.cpp's kRenormalize, kWeightsInModelDtype)
-RENORMALIZE, WEIGHTS_IN_MODEL_DTYPE = 1, 2
+                  list[torch.Tensor], list[int], list[torch.Tensor], list[torch.Tensor],
+                  list[float]]
+# moe_meta's flags (cpu_decode.cpp's kRenormalize, kWeightsInModelDtype, kTopkSoftmax)
+RENORMALIZE, WEIGHTS_IN_MODEL_DTYPE, TOPK_SOFTMAX = 1, 2, 4
 DTYPES = (torch.float32, torch.bfloat16)  # a model's; its KV cache's is it or bf16
 
 
@@ -75,9 +87,14 @@ def unsupported(model: nn.Module, dtype: torch.dtype, cache_dtype: torch.dtype,
                                                                           torch.bfloat16):
         return ("only fp32 or bf16 models, a KV cache of the model's dtype or bf16, torch "
                 "attention")
-    if (type(model) is not DecoderForCausalLM or type(model.model) is not DecoderModel
-            or type(model.model.norm) is not RMSNorm):
+    gpt_oss = type(model) is GptOssForCausalLM and type(model.model) is GptOssModel
+    if not gpt_oss and (type(model) is not DecoderForCausalLM
+                        or type(model.model) is not DecoderModel
+                        or type(model.model.norm) is not RMSNorm):
         return f"{type(model).__name__} computes more than the decoder family"
+    if gpt_oss and dtype != torch.float32:  # its norms and experts round as the shared
+        return "gpt-oss in fp32 only"  # decoder's do not (GptOssRMSNorm)
+    assert isinstance(model, DecoderForCausalLM)
     spec = model.spec
     if model.tp.size != 1 or lora:
         return "tensor parallelism and LoRA take the torch path"
@@ -86,17 +103,18 @@ def unsupported(model: nn.Module, dtype: torch.dtype, cache_dtype: torch.dtype,
         return "q/k clipping or norms over all heads, soft-capping or GeGLU"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if (type(layer) is not DecoderLayer or type(attn) is not DecoderAttention
-                or type(mlp) not in (DecoderMLP, SparseMoeBlock)
-                or type(layer.input_layernorm) is not RMSNorm
-                or type(layer.post_attention_layernorm) is not RMSNorm):
+        norm = GptOssRMSNorm if gpt_oss else RMSNorm  # (the same in fp32)
+        if (type(layer) is not (GptOssDecoderLayer if gpt_oss else DecoderLayer)
+                or type(attn) is not DecoderAttention
+                or type(mlp) not in (DecoderMLP, SparseMoeBlock, GptOssMoeBlock)
+                or type(layer.input_layernorm) is not norm
+                or type(layer.post_attention_layernorm) is not norm):
             return "a layer of another kind"
-        if isinstance(mlp, SparseMoeBlock) and (mlp.gate.quant is not None or (
-                mlp.shared_expert_gate is not None and mlp.shared_expert_gate.quant is not None)):
+        if any(g.quant is not None for g in _gates(cast(Mlp, mlp))):
             return "a quantized router or shared expert gate"
         weights: list[tuple[object, torch.Tensor]] = [
             (proj.quant, proj.weight) for proj in (attn.qkv_proj, attn.o_proj)]
-        for quant, weight in weights + _mlp_weights(cast(DecoderMLP | SparseMoeBlock, mlp)):
+        for quant, weight in weights + _mlp_weights(cast(Mlp, mlp)):
             if not ((quant is None and weight.dtype == dtype)
                     or (isinstance(quant, CpuIntWeight) and dtype == torch.float32)):
                 return f"a {type(quant).__name__} projection in {dtype}"
@@ -112,8 +130,8 @@ class CpuDecodeStep:
         layers = [cast(DecoderLayer, layer) for layer in model.model.layers]
         # Per layer: its norms' module, attention block and MLP, dense or sparse
         # (`unsupported` checked their types).
-        self.layers = [(layer, cast(DecoderAttention, layer.self_attn),
-                        cast(DecoderMLP | SparseMoeBlock, layer.mlp)) for layer in layers]
+        self.layers = [(layer, cast(DecoderAttention, layer.self_attn), cast(Mlp, layer.mlp))
+                       for layer in layers]
         # Per layer, its projections qkv, o, gate_up, down (None: a MoE layer's experts)
         # and a shared expert's gate_up and down (None: none)
         self.projections: list[tuple[Projection | None, ...]] = [
@@ -168,9 +186,12 @@ class CpuDecodeStep:
         biases: list[torch.Tensor] = []
         routers: list[torch.Tensor] = []
         moe_meta: list[int] = []
+        sinks: list[torch.Tensor] = []
+        expert_biases: list[torch.Tensor] = []
+        swiglu: list[float] = []
         for (layer, attn, mlp), projections in zip(self.layers, self.projections, strict=True):
             for slot, proj in enumerate(projections):
-                if isinstance(mlp, SparseMoeBlock) and slot in (2, 3):  # the experts
+                if isinstance(mlp, Moe) and slot in (2, 3):  # the experts
                     experts = mlp.experts
                     codes, stacked = ((experts.gate_up_codes, experts.gate_up_proj)
                                       if slot == 2 else (experts.down_codes, experts.down_proj))
@@ -193,14 +214,26 @@ class CpuDecodeStep:
                 moe_meta += (moe.num_experts, moe.top_k,
                              RENORMALIZE * moe.renormalize
                              + WEIGHTS_IN_MODEL_DTYPE * moe.weights_in_model_dtype)
+            elif isinstance(mlp, GptOssMoeBlock):
+                routers += (mlp.router.weight, _NONE)
+                moe_meta += (mlp.moe.num_experts, mlp.moe.top_k, TOPK_SOFTMAX)
             else:
                 routers += (_NONE, _NONE)
                 moe_meta += (0, 0, 0)
+            if isinstance(mlp, GptOssMoeBlock):
+                experts = mlp.experts
+                expert_biases += (_bias(mlp.router), experts.gate_up_proj_bias,
+                                  experts.down_proj_bias)
+                swiglu += (experts.alpha, experts.limit)
+            else:
+                expert_biases += (_NONE, _NONE, _NONE)
+                swiglu += (0.0, 0.0)
+            sinks.append(_NONE if attn.sinks is None else attn.sinks.float())
             norms += (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                       _NONE if attn.q_norm is None else attn.q_norm.weight,
                       _NONE if attn.k_norm is None else attn.k_norm.weight)
             biases += (_bias(attn.qkv_proj), _bias(attn.o_proj))
-        return weights, meta, norms, biases, routers, moe_meta
+        return weights, meta, norms, biases, routers, moe_meta, sinks, expert_biases, swiglu
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -211,7 +244,8 @@ class CpuDecodeStep:
         rope = decoder.rotary_emb
         if self._operands is None:
             self._operands = self.operands()
-        weights, linear_meta, norms, biases, routers, moe_meta = self._operands
+        (weights, linear_meta, norms, biases, routers, moe_meta, sinks, expert_biases,
+         swiglu) = self._operands
         if len(input_ids) > DENSE_ROWS and self.packable:  # packed copies in scales' slot
             weights = list(weights)
             for i, proj in self.packable:
@@ -223,7 +257,7 @@ class CpuDecodeStep:
             meta.block_tables, meta.seq_lens, weights, linear_meta, norms, biases, routers,
             moe_meta, kv_caches[:len(self.windows)],  # (a draft model's layers follow the model's)
             self.windows, self.scales, num_heads, num_kv_heads, head_dim,
-            self.model.spec.rms_norm_eps, decoder.norm.weight)
+            self.model.spec.rms_norm_eps, decoder.norm.weight, sinks, expert_biases, swiglu)
         return hidden
 
 
@@ -231,26 +265,36 @@ def _bias(proj: Projection) -> torch.Tensor:
     return _NONE if proj.bias is None else proj.bias
 
 
-def _mlp_projections(mlp: DecoderMLP | SparseMoeBlock) -> tuple[Projection | None, ...]:
+def _mlp_projections(mlp: Mlp) -> tuple[Projection | None, ...]:
     """gate_up, down (None: a MoE layer's experts) and a shared expert's gate_up, down
     (None: none)."""
     if isinstance(mlp, DecoderMLP):
         return mlp.gate_up_proj, mlp.down_proj, None, None
+    if isinstance(mlp, GptOssMoeBlock):
+        return None, None, None, None
     shared = mlp.shared_expert
     return (None, None) + ((None, None) if shared is None
                            else (shared.gate_up_proj, shared.down_proj))
 
 
-def _mlp_weights(mlp: DecoderMLP | SparseMoeBlock) -> list[tuple[object, torch.Tensor]]:
+def _gates(mlp: Mlp) -> list[Linear]:
+    """A MoE layer's router and shared expert's gate (where it has one)."""
+    if isinstance(mlp, GptOssMoeBlock):
+        return [mlp.router]
+    if isinstance(mlp, SparseMoeBlock):
+        return [g for g in (mlp.gate, mlp.shared_expert_gate) if g is not None]
+    return []
+
+
+def _mlp_weights(mlp: Mlp) -> list[tuple[object, torch.Tensor]]:
     """(packed form or None, weight) of each of the MLP's weights: its projections and,
     in a MoE layer, its router, shared expert's gate and stacked experts (their
     ExpertCodes' `quant`)."""
     weights: list[tuple[object, torch.Tensor]] = [
         (p.quant, p.weight) for p in _mlp_projections(mlp) if p is not None]
-    if isinstance(mlp, SparseMoeBlock):
+    if isinstance(mlp, Moe):
         experts = mlp.experts
-        gates = (mlp.gate, mlp.shared_expert_gate)
-        weights += [(g.quant, g.weight) for g in gates if g is not None]
+        weights += [(g.quant, g.weight) for g in _gates(mlp)]
         weights += [(None if codes is None else codes.quant, stacked)
                     for codes, stacked in ((experts.gate_up_codes, experts.gate_up_proj),
                                            (experts.down_codes, experts.down_proj))]

@@ -57,6 +57,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -76,6 +77,9 @@ constexpr int64_t kBiases = 2;  // per layer: qkv, o
 constexpr int64_t kMoe = 3;  // per layer: experts (0: a dense MLP), top k, flags below
 constexpr int64_t kRenormalize = 1;  // the top k weights divided by their sum
 constexpr int64_t kWeightsInModelDtype = 2;  // and rounded to the model's dtype
+// gpt-oss: top k of the router's logits, then the softmax over those k (not over all)
+constexpr int64_t kTopkSoftmax = 4;
+constexpr int64_t kExpertBiases = 3;  // per layer: router [E], gate_up [E, 2I], down [E, H]
 // Tokens per task of the per-token loops (norms, rotary, the activation): at batch 1-3
 // one thread does them all (a parallel region costs more than a row of 576 floats).
 constexpr int64_t kRowsPerTask = 4;
@@ -324,7 +328,12 @@ namespace PAGELLM_NS {
 // the kRenormalize and kWeightsInModelDtype flags), its gate_up and down projections
 // then its stacked experts (ExpertSlice), and where it has a shared expert (Qwen2-MoE)
 // routers[2 l + 1] its gate [1, hidden] and projections 4 and 5 its gate_up and down
-// (else empty, and E 0 in a dense layer); windows[l] (0: full attention); scales[l].
+// (else empty, and E 0 in a dense layer); windows[l] (0: full attention); scales[l];
+// sinks[l] the attention sinks [H] fp32 (gpt-oss; empty: none); expert_biases[3 l + i]
+// the router's, the experts' gate_up and down biases (gpt-oss; empty: none) and
+// swiglu[2 l], swiglu[2 l + 1] the experts' clamped SwiGLU's alpha and limit (gpt-oss:
+// (up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit; limit 0:
+// silu(gate) * up).
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
                          const at::Tensor& cos_cache, const at::Tensor& sin_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -334,7 +343,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
                          at::IntArrayRef moe_meta, at::TensorList kv_caches,
                          at::IntArrayRef windows, at::ArrayRef<double> scales,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         double eps, const at::Tensor& final_norm) {
+                         double eps, const at::Tensor& final_norm, at::TensorList sinks,
+                         at::TensorList expert_biases, at::ArrayRef<double> swiglu) {
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous fp32 or bf16 CPU tensor");
@@ -353,7 +363,10 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
                   static_cast<int64_t>(routers.size()) == 2 * L &&
                   static_cast<int64_t>(moe_meta.size()) == L * kMoe &&
                   static_cast<int64_t>(windows.size()) == L &&
-                  static_cast<int64_t>(scales.size()) == L,
+                  static_cast<int64_t>(scales.size()) == L &&
+                  static_cast<int64_t>(sinks.size()) == L &&
+                  static_cast<int64_t>(expert_biases.size()) == L * kExpertBiases &&
+                  static_cast<int64_t>(swiglu.size()) == 2 * L,
               "per-layer lists of the wrong length for ", L, " layers");
   const int64_t R = cos_cache.size(1);
   TORCH_CHECK(cos_cache.dim() == 2 && sin_cache.sizes() == cos_cache.sizes() && R % 2 == 0 &&
@@ -440,6 +453,23 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     });
     return act;
   };
+  // gate_up [M, 2I] (gate's columns, then up's) -> gpt-oss's clamped SwiGLU [M, I], in
+  // transformers' order of operations (fp32 models only)
+  auto clamped = [&](const at::Tensor& gate_up, float alpha, float limit) {
+    const int64_t M = gate_up.size(0), inter = gate_up.size(1) / 2;
+    at::Tensor act = at::empty({M, inter}, fp32);
+    const float* gu = gate_up.data_ptr<float>();
+    float* actp = act.data_ptr<float>();
+    at::parallel_for(0, M, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t i = 0; i < inter; ++i) {
+          const float g = std::min(gu[t * 2 * inter + i], limit);
+          const float u = std::clamp(gu[t * 2 * inter + inter + i], -limit, limit);
+          actp[t * inter + i] = (u + 1.f) * (g * (1.f / (1.f + std::exp(-(g * alpha)))));
+        }
+    });
+    return act;
+  };
   // a -> layer l's experts' sum [T, hidden] (the header's mixture-of-experts layer). A
   // bf16 model rounds where the torch path's bf16 tensors do: the logits, each expert's
   // output times its weight, and each partial sum.
@@ -447,12 +477,30 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     const int64_t E = moe_meta[l * kMoe], top_k = moe_meta[l * kMoe + 1];
     const int64_t flags = moe_meta[l * kMoe + 2];
     TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k ", top_k, " of ", E, " experts");
+    const float alpha = static_cast<float>(swiglu[2 * l]);
+    const float limit = static_cast<float>(swiglu[2 * l + 1]);
+    TORCH_CHECK(!round.bf16 || (limit <= 0.f && !(flags & kTopkSoftmax)),
+                "gpt-oss's experts run in fp32 only");
+    // Expert e's row of expert_biases[3 l + i] (i 1: gate_up, 2: down), or none.
+    auto expert_bias = [&](int64_t i, int64_t e) {
+      const at::Tensor& b = expert_biases[l * kExpertBiases + i];
+      if (b.numel() == 0) return at::Tensor();
+      TORCH_CHECK(b.dim() == 2 && b.size(0) == E, "an expert bias must be [", E, ", N]");
+      return b.select(0, e);
+    };
     const at::Tensor& router = routers[2 * l];
     TORCH_CHECK(router.dim() == 2 && router.size(0) == E && router.size(1) == hidden,
                 "a router must be [", E, ", ", hidden, "]");
     const at::Tensor none;
-    const at::Tensor logits = project(Projection{router, none, none, 0, 0, E}, a, none, round);
-    auto [weights, ids] = at::topk(at::softmax(logits, -1), top_k, -1);  // [T, k]
+    const at::Tensor logits = project(Projection{router, none, none, 0, 0, E}, a,
+                                      expert_biases[l * kExpertBiases], round);  // (+ bias)
+    at::Tensor weights, ids;  // [T, k]
+    if (flags & kTopkSoftmax) {
+      std::tie(weights, ids) = at::topk(logits, top_k, -1);
+      weights = at::softmax(weights, -1);
+    } else {
+      std::tie(weights, ids) = at::topk(at::softmax(logits, -1), top_k, -1);
+    }
     if (flags & kRenormalize) weights = at::div(weights, weights.sum(-1, true));
     if ((flags & kWeightsInModelDtype) && round.bf16)
       weights = weights.to(at::kBFloat16).to(at::kFloat);
@@ -479,7 +527,12 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
                       hidden * sizeof(float));
       }
       const ExpertSlice gate_up(projection(l, 2), e, E), down(projection(l, 3), e, E);
-      const at::Tensor y = project(down.get(), gated(gate_up.get(), xe), none, round);
+      const at::Tensor y =
+          limit > 0.f
+              ? project(down.get(), clamped(project(gate_up.get(), xe, expert_bias(1, e),
+                                                    round), alpha, limit),
+                        expert_bias(2, e), round)
+              : project(down.get(), gated(gate_up.get(), xe), none, round);
       TORCH_CHECK(y.size(1) == hidden, "an expert's down projection must have ", hidden,
                   " outputs");
       const float* yp = y.data_ptr<float>();
@@ -508,6 +561,14 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     return out;
   };
 
+  // Layer l's attention sinks (gpt-oss), or nullptr.
+  auto sink_of = [&](int64_t l) -> const float* {
+    const at::Tensor& t = sinks[l];
+    if (t.numel() == 0) return nullptr;
+    check_fp32(t, "sinks");
+    TORCH_CHECK(t.numel() == s.H, "sinks must be [", s.H, "]");
+    return t.data_ptr<float>();
+  };
   for (int64_t l = 0; l < L; ++l) {
     add_norm(norms[l * kNorms], l == 0);
     at::Tensor qkv = project(projection(l, 0), a, biases[l * kBiases], round);
@@ -559,7 +620,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     PAGELLM_NS::attend_decodes(
         qp, qkv_size, round.bf16, kv, T, s.H, s.H_kv, s.D,
         windows[l] > 0 ? std::optional<int64_t>(windows[l]) : std::nullopt,
-        static_cast<float>(scales[l]), std::nullopt, nullptr, attn.data_ptr<float>());
+        static_cast<float>(scales[l]), std::nullopt, sink_of(l), attn.data_ptr<float>());
     round.all(attn.data_ptr<float>(), T * q_size);
     h = project(projection(l, 1), attn, biases[l * kBiases + 1], round);
 
@@ -591,7 +652,8 @@ TORCH_LIBRARY_FRAGMENT(PAGELLM_NS, m) {
         "int[] linear_meta, Tensor[] norms, Tensor[] biases, Tensor[] routers, int[] moe_meta, "
         "Tensor[] kv_caches, "
         "int[] windows, float[] scales, int num_heads, int num_kv_heads, int head_dim, "
-        "float eps, Tensor final_norm) -> Tensor");
+        "float eps, Tensor final_norm, Tensor[] sinks, Tensor[] expert_biases, float[] swiglu) "
+        "-> Tensor");
   m.impl("decode_layers", c10::DispatchKey::CPU, &PAGELLM_NS::decode_layers);
   // A bf16 model's weights may hold oneDNN's packed copies (opaque MkldnnCPU tensors).
   m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, &PAGELLM_NS::decode_layers);
