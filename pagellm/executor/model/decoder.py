@@ -104,13 +104,16 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    norm_cls: ClassVar[type[RMSNorm]] = RMSNorm  # of the input and post-attention norms
+    moe_cls: ClassVar[type[nn.Module]] = SparseMoeBlock  # of the sparse layers' MLP
+
     def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(spec, layer_idx, tp)
         sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
-        self.mlp: nn.Module = SparseMoeBlock(spec, tp) if sparse else DecoderMLP(spec, tp)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp: nn.Module = self.moe_cls(spec, tp) if sparse else DecoderMLP(spec, tp)
+        self.input_layernorm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 residual: torch.Tensor | None, meta: AttentionMetadata,

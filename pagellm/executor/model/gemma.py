@@ -67,10 +67,7 @@ class GemmaRMSNorm(RMSNorm):
 
     def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h, x = self.normalized(x, residual)
         return (h * (1.0 + self.weight.float())).to(x.dtype), x
 
 

@@ -30,7 +30,7 @@ only: the ranks' partial outputs are summed by the layer's all-reduce.
 
 OpenAI's own checkpoints store the experts as MXFP4 (`quant_method: "mxfp4"`: each
 stacked weight as `<name>_blocks` and `<name>_scales` in the [E, N, K] orientation;
-weights/mxfp4.py). `load_weights` pairs the two and loads the weight they stand for
+kernels/mxfp4.py). `load_weights` pairs the two and loads the weight they stand for
 (exact in bf16 and fp32), in the bf16 checkpoints' layout, so everything above applies;
 `quantization="int8"` / `"int4"` then packs it on load.
 
@@ -48,14 +48,13 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from pagellm.executor.model.attention import AttentionMetadata
-from pagellm.executor.model.decoder import DecoderAttention, DecoderForCausalLM, DecoderModel
+from pagellm.executor.model.decoder import DecoderForCausalLM, DecoderLayer, DecoderModel
 from pagellm.executor.model.layers import Linear, RMSNorm
 from pagellm.executor.model.moe import Experts, experts_grouped
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.spec import DecoderSpec, MoeSpec
 from pagellm.executor.model.weight_map import Destination
-from pagellm.weights import mxfp4
+from pagellm.kernels import mxfp4
 
 
 class GptOssRMSNorm(RMSNorm):
@@ -69,10 +68,7 @@ class GptOssRMSNorm(RMSNorm):
 
     def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h, x = self.normalized(x, residual)
         return (self.weight.float() * h).to(x.dtype), x
 
 
@@ -137,21 +133,12 @@ class GptOssMoeBlock(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class GptOssDecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
-        super().__init__()
-        self.self_attn = DecoderAttention(spec, layer_idx, tp)  # sinks from the spec
-        self.mlp = GptOssMoeBlock(spec, tp)
-        self.input_layernorm = GptOssRMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = GptOssRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+class GptOssDecoderLayer(DecoderLayer):
+    """The shared layer (its attention block takes the sinks from the spec) with
+    gpt-oss's norms and MoE block."""
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                residual: torch.Tensor | None, meta: AttentionMetadata,
-                kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(rope, h, meta, kv_caches)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+    norm_cls = GptOssRMSNorm
+    moe_cls = GptOssMoeBlock
 
 
 class GptOssModel(DecoderModel):

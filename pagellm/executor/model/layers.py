@@ -70,11 +70,17 @@ class RMSNorm(nn.Module):
     def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` in torch ops: the CPU path and the fused kernel's reference."""
+        h, x = self.normalized(x, residual)
+        return self.weight * h.to(x.dtype), x
+
+    def normalized(self, x: torch.Tensor, residual: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual normalised, in fp32 and not yet scaled; x + residual): what
+        every family's RMSNorm shares before it scales and rounds its own way."""
         if residual is not None:
             x = x + residual
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype), x
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps), x
 
 
 class ShardedRMSNorm(nn.Module):

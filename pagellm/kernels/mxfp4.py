@@ -13,8 +13,9 @@ A weight [..., N, K] is stored as two tensors:
 
 Every such value is exact in bf16 and fp32 (a 2-bit significand; exponents within
 range), so dequantizing loses nothing. `dequantize` is written from that definition
-(tests check it against transformers' own reader of gpt-oss checkpoints). Like all of
-weights/, it imports neither side of the socket.
+(tests check it against transformers' own reader of gpt-oss checkpoints). Beside
+kernels/quant.py's integer formats: the model's loading imports it (executor/model/
+gpt_oss.py), and models import kernels, not weights/.
 """
 
 from __future__ import annotations

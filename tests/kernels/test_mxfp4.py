@@ -1,4 +1,4 @@
-"""MXFP4 blocks and scales (weights/mxfp4.py) against transformers' own reader of
+"""MXFP4 blocks and scales (kernels/mxfp4.py) against transformers' own reader of
 gpt-oss checkpoints, on every code and a spread of exponents; and the errors that name a
 malformed pair."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagellm.weights import mxfp4
+from pagellm.kernels import mxfp4
 
 
 def _random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
