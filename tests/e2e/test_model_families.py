@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PROMPTS, runs_triton_kernels
+from conftest import PROMPTS, gpt_oss_reference, runs_triton_kernels
 
 from pagellm import SamplingParams
 from pagellm.demo.model import ModelSpec, make_model
@@ -92,6 +92,11 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
 }
 
 
+def _names(*names: str) -> list[Any]:
+    """Parameters of the families `names`, gpt-oss's marked `gpt_oss_reference`."""
+    return [pytest.param(n, marks=gpt_oss_reference) if n == "gpt_oss" else n for n in names]
+
+
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
@@ -126,7 +131,7 @@ def _tokens(outputs: list[Any]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("name", list(FAMILY_SPECS))
+@pytest.mark.parametrize("name", _names(*FAMILY_SPECS))
 def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_caching(
         name, family_dirs, hf_models, make_llm):
     """A step budget of 32 tokens splits the long prompts across steps; the batch runs
@@ -178,7 +183,7 @@ def test_experts_no_token_picks_are_skipped_and_the_output_still_matches(
     assert _tokens(outputs) == [hf_greedy(hf_models(name), p, 8) for p in prompts]
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", _names("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"))
 def test_bf16_logprobs_track_transformers(name, family_dirs, make_llm):
     """bf16: every prompt and sampled token's logprob within 1.5x transformers' own bf16
     error against fp32 on the same bf16-rounded weights (as tests/e2e/test_correctness.py
@@ -277,6 +282,7 @@ def test_gpt_oss_ranks_hold_their_slices_in_the_shared_layout(family_dirs, hf_mo
 
 
 @runs_triton_kernels
+@gpt_oss_reference
 def test_gpt_oss_on_the_triton_kernels_matches_transformers(family_dirs, hf_models, make_llm):
     """The Triton attention kernels (Triton's interpreter on the CPU) apply the sinks,
     in prompts and decodes, on both layer kinds: transformers' greedy tokens."""
@@ -288,6 +294,7 @@ def test_gpt_oss_on_the_triton_kernels_matches_transformers(family_dirs, hf_mode
                                 for o in outputs]
 
 
+@gpt_oss_reference
 def test_gpt_oss_mxfp4_checkpoint_loads_as_transformers_reads_it(family_dirs, make_llm,
                                                                 tmp_path):
     """OpenAI's checkpoints store the experts as MXFP4 blocks and scales: the engine
@@ -334,7 +341,7 @@ def test_gpt_oss_mxfp4_checkpoint_loads_as_transformers_reads_it(family_dirs, ma
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", _names("qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss"))
 def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make_llm):
     """Each rank holds half of every expert (and, for OLMoE, half of the all-head q/k
     norms, their statistic summed over the ranks): greedy tokens equal transformers',
@@ -352,7 +359,7 @@ def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make
             assert all(abs(lp.logprob - lb[t].logprob) < 1e-4 for t, lp in la.items())
 
 
-@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("name", _names("mixtral", "gpt_oss"))
 def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
         name, family_dirs, make_llm):
     """RL trainers on transformers 5 send `model.named_parameters()`: the experts as

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROMPTS, runs_triton_kernels
+from conftest import PROMPTS, gpt_oss_reference, runs_triton_kernels
 from peft_adapters import argmax_along
 from quantized_checkpoints import as_cpu_int_kernel, with_packed_experts
 
@@ -323,6 +323,7 @@ GPT_OSS = ModelSpec(arch="gpt_oss", hidden_size=64, num_layers=2, num_heads=4,
                         swiglu_limit=1.5))
 
 
+@gpt_oss_reference
 def test_the_cpus_int4_packs_gpt_oss_experts_and_takes_their_updates(make_llm, tmp_path):
     """gpt-oss's experts, stored x @ W with gate and up interleaved, are packed like
     any MoE's (their biases kept): the tokens are transformers' with each expert's

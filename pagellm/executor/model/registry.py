@@ -152,12 +152,14 @@ def _gemma3(config: Any, arch: str) -> DecoderSpec:
 def _gpt_oss_spec(config: Any, arch: str) -> DecoderSpec:
     """gpt-oss: every layer a MoE of clamped-SwiGLU experts with biases (the top-k
     softmax is over the k chosen logits: renormalised), attention sinks, stacked
-    experts in its checkpoint (gpt_oss.py). OpenAI's MXFP4 experts are refused by name
-    (the quantization_config check)."""
+    experts in its checkpoint (gpt_oss.py). The SwiGLU's alpha and limit default to
+    the values transformers 5.0 hard-coded (its config has no such fields; OpenAI's
+    config.json gives swiglu_limit, which later releases and vLLM read)."""
     moe = MoeSpec(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
                   intermediate_size=config.intermediate_size, renormalize=True,
                   sparse_layers=(True,) * config.num_hidden_layers,
-                  swiglu=(float(config.swiglu_alpha), float(config.swiglu_limit)),
+                  swiglu=(float(getattr(config, "swiglu_alpha", 1.702)),
+                          float(getattr(config, "swiglu_limit", 7.0))),
                   checkpoint_stacked=True)
     return read_decoder_spec(config, arch, moe=moe, attn_sinks=True)
 
