@@ -25,6 +25,7 @@ import torch
 # e2m1's 16 codes: the sign bit is bit 3.
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 32  # values per scale
+CHUNK = 1 << 22  # values decoded at once (`dequantize`)
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
@@ -40,8 +41,17 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
                          f"{tuple(scales.shape)} do not fit ([..., N, K/32, 16] and "
                          "[..., N, K/32])")
     lut = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
-    low, high = lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]  # [..., G, 16]
-    values = torch.stack((low, high), dim=-1).flatten(-2)  # [..., N, K / 32, 32]
-    exponents = scales.to(torch.int32) - 127
-    out = torch.ldexp(values, exponents.unsqueeze(-1).to(torch.float32))
-    return out.flatten(-2).to(dtype)  # [..., N, K]
+    *lead, groups, _ = blocks.shape
+    rows = blocks.reshape(-1, groups, BLOCK // 2)  # [R, G, 16]
+    exponents = scales.reshape(-1, groups).to(torch.int32) - 127  # [R, G]
+    out = torch.empty(rows.shape[0], groups * BLOCK, dtype=dtype, device=blocks.device)
+    # A few rows at a time: the fp32 intermediates of a whole stacked weight would be
+    # several times its size (gpt-oss-120b's gate_up: 2.1e9 values).
+    step = max(1, CHUNK // (groups * BLOCK))
+    for r0 in range(0, rows.shape[0], step):
+        part = rows[r0:r0 + step]
+        low, high = lut[(part & 0x0F).long()], lut[(part >> 4).long()]  # [r, G, 16]
+        values = torch.stack((low, high), dim=-1).flatten(-2)  # [r, G, 32]
+        values = torch.ldexp(values, exponents[r0:r0 + step, :, None].to(torch.float32))
+        out[r0:r0 + step] = values.flatten(-2)
+    return out.reshape(*lead, groups * BLOCK)  # [..., N, K]

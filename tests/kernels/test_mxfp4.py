@@ -20,9 +20,14 @@ def _random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torc
     return blocks, scales
 
 
+@pytest.mark.parametrize("chunk", [mxfp4.CHUNK, 3 * 128], ids=["whole", "rows-of-3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dequantize_equals_transformers_reader(dtype: torch.dtype) -> None:
+def test_dequantize_equals_transformers_reader(dtype: torch.dtype, chunk: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Decoded a few rows at a time too: 72 rows of 128 values, 3 a chunk.)"""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    monkeypatch.setattr(mxfp4, "CHUNK", chunk)
 
     blocks, scales = _random_mxfp4((3, 24, 4), seed=1)  # 3 experts, N 24, K 128
     ours = mxfp4.dequantize(blocks, scales, dtype)

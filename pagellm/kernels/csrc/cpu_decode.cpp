@@ -434,6 +434,19 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     return Projection{weights[i], weights[i + 1], weights[i + 2], linear_meta[i],
                       linear_meta[i + 1], linear_meta[i + 2]};
   };
+  // gate_up [M, 2I] (gate's columns, then up's) -> [M, I], row by row through
+  // row(gate, up, out, I): the one loop both activations below share
+  auto activate = [&](const at::Tensor& gate_up, auto&& row) {
+    const int64_t M = gate_up.size(0), inter = gate_up.size(1) / 2;
+    at::Tensor act = at::empty({M, inter}, fp32);
+    const float* gu = gate_up.data_ptr<float>();
+    float* actp = act.data_ptr<float>();
+    at::parallel_for(0, M, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        row(gu + t * 2 * inter, gu + t * 2 * inter + inter, actp + t * inter, inter);
+    });
+    return act;
+  };
   // x [M, hidden] -> silu(x @ Wg^T) * (x @ Wu^T) [M, inter] through the [gate | up]
   // projection: in one pass for an int one of an fp32 model (int_gemm_silu_and_mul, the
   // same values)
@@ -441,34 +454,20 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions,
     if (p.bits != 0 && !round.bf16 && PAGELLM_NS::pairs_gate_and_up(p.out_features))
       return PAGELLM_NS::int_gemm_silu_and_mul(x, p.weight, p.scales, p.zeros, p.bits,
                                                p.group_size, p.out_features);
-    const at::Tensor gate_up = project(p, x, at::Tensor(), round);
-    const int64_t M = x.size(0), inter = gate_up.size(1) / 2;
-    at::Tensor act = at::empty({M, inter}, fp32);
-    const float* gu = gate_up.data_ptr<float>();
-    float* actp = act.data_ptr<float>();
-    at::parallel_for(0, M, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        PAGELLM_NS::silu_and_mul_row(gu + t * 2 * inter, gu + t * 2 * inter + inter,
-                                     actp + t * inter, inter, round.bf16);
-    });
-    return act;
+    return activate(project(p, x, at::Tensor(), round),
+                    [&](const float* gate, const float* up, float* out, int64_t n) {
+                      PAGELLM_NS::silu_and_mul_row(gate, up, out, n, round.bf16);
+                    });
   };
-  // gate_up [M, 2I] (gate's columns, then up's) -> gpt-oss's clamped SwiGLU [M, I], in
-  // transformers' order of operations (fp32 models only)
+  // gate_up -> gpt-oss's clamped SwiGLU, in transformers' order of operations (fp32
+  // models only)
   auto clamped = [&](const at::Tensor& gate_up, float alpha, float limit) {
-    const int64_t M = gate_up.size(0), inter = gate_up.size(1) / 2;
-    at::Tensor act = at::empty({M, inter}, fp32);
-    const float* gu = gate_up.data_ptr<float>();
-    float* actp = act.data_ptr<float>();
-    at::parallel_for(0, M, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        for (int64_t i = 0; i < inter; ++i) {
-          const float g = std::min(gu[t * 2 * inter + i], limit);
-          const float u = std::clamp(gu[t * 2 * inter + inter + i], -limit, limit);
-          actp[t * inter + i] = (u + 1.f) * (g * (1.f / (1.f + std::exp(-(g * alpha)))));
-        }
+    return activate(gate_up, [&](const float* gate, const float* up, float* out, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = std::min(gate[i], limit), u = std::clamp(up[i], -limit, limit);
+        out[i] = (u + 1.f) * (g * (1.f / (1.f + std::exp(-(g * alpha)))));
+      }
     });
-    return act;
   };
   // a -> layer l's experts' sum [T, hidden] (the header's mixture-of-experts layer). A
   // bf16 model rounds where the torch path's bf16 tensors do: the logits, each expert's
