@@ -52,6 +52,32 @@ def _transformers_reads_swiglu_limit() -> bool:
     return hasattr(GptOssConfig(), "swiglu_limit")
 
 
+def _transformers_routes_deepseek_v2_groups() -> bool:
+    """transformers 5.0's DeepSeek-V2 router fails on group_limited_greedy (it reads an
+    attribute its MoE block never sets); later releases route it."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2
+
+    config = DeepseekV2Config(hidden_size=8, num_attention_heads=2, moe_intermediate_size=4,
+                              n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=2, topk_group=1,
+                              n_shared_experts=1, topk_method="group_limited_greedy")
+    moe = modeling_deepseek_v2.DeepseekV2Moe(config)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.zero_()
+        try:
+            moe(torch.zeros(1, 2, 8))
+        except AttributeError:
+            return False
+    return True
+
+
+# Tests that compare DeepSeek-V2's grouped routing with transformers' (not 5.0's).
+deepseek_v2_reference = pytest.mark.skipif(
+    not _transformers_routes_deepseek_v2_groups(),
+    reason="this transformers cannot route DeepSeek-V2's group_limited_greedy")
+
 # Tests that compare gpt-oss with transformers: their models clamp the experts' SwiGLU
 # at 1.5 (config.json's swiglu_limit) so that the clamp bites; transformers 5.0
 # hard-codes 7.0 (and alpha 1.702) and ignores the field, later releases read it.

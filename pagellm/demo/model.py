@@ -55,7 +55,8 @@ __all__ = [
 ]
 
 ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe",
-                          "mixtral", "olmoe", "gemma2", "gemma3_text", "phi3", "gpt_oss")
+                          "mixtral", "olmoe", "gemma2", "gemma3_text", "phi3", "gpt_oss",
+                          "deepseek_v2", "deepseek_v3")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 
@@ -233,7 +234,8 @@ def _build_config(spec: ModelSpec) -> PretrainedConfig:
         common["rope_parameters"] = {
             "full_attention": common["rope_parameters"],
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
-    if spec.arch not in ("qwen2", "qwen2_moe", "olmoe", "phi3"):  # these derive head_dim
+    # these derive head_dim (DeepSeek's is its rotary part, qk_rope_head_dim)
+    if spec.arch not in ("qwen2", "qwen2_moe", "olmoe", "phi3", "deepseek_v2", "deepseek_v3"):
         extra.setdefault("head_dim", spec.effective_head_dim)
     return AutoConfig.for_model(spec.arch, **common, **extra)
 
@@ -266,7 +268,8 @@ def _reinit_weights(model: torch.nn.Module, spec: ModelSpec) -> None:
                     values = torch.randn(param.shape, generator=gen) * spec.init_std
                 elif param_name == "weight" and kind.endswith("RMSNorm"):
                     values = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
-                elif kind.endswith(("Experts", "Router")):  # stacked experts, MoE router
+                elif kind.endswith(("Experts", "Router", "NaiveMoe")):  # stacked experts
+                    # (DeepSeek-V3's "NaiveMoe" in transformers 5.0), MoE router
                     values = torch.randn(param.shape, generator=gen) * spec.init_std
                 elif param_name == "sinks":  # gpt-oss: a logit per head, near the scores'
                     values = torch.randn(param.shape, generator=gen)
@@ -275,6 +278,9 @@ def _reinit_weights(model: torch.nn.Module, spec: ModelSpec) -> None:
                         f"don't know how to initialise {module_name}.{param_name} ({kind})"
                     )
                 param.copy_(values)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: choice offsets
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
 
 
 @contextlib.contextmanager

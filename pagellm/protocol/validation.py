@@ -162,7 +162,11 @@ def _check_model_config(config: Any) -> None:
              "num_attention_heads", "max_position_embeddings"]
     sizes += [name for name in ("num_key_value_heads", "head_dim", "num_experts",
                                 "num_local_experts", "num_experts_per_tok",
-                                "moe_intermediate_size") if config.get(name) is not None]
+                                "moe_intermediate_size",
+                                # DeepSeek's latent attention and experts
+                                "n_routed_experts", "kv_lora_rank", "q_lora_rank",
+                                "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                                "n_group", "topk_group") if config.get(name) is not None]
     for name in sizes:
         value = config.get(name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -170,12 +174,14 @@ def _check_model_config(config: Any) -> None:
         limit = MAX_NUM_LAYERS if name == "num_hidden_layers" else INT32_MAX
         if value > limit:
             raise ValueError(_out_of_range(name, f"<= {limit}", 1, limit, "[", value))
-    shared = config.get("shared_expert_intermediate_size")
-    if shared is not None and (not isinstance(shared, int) or isinstance(shared, bool)
-                               or not 0 <= shared <= INT32_MAX):
-        raise ValueError("shared_expert_intermediate_size must be an integer in [0, "
-                         f"{INT32_MAX}], got {_short_repr(shared)}")
-    experts = config.get("num_experts") or config.get("num_local_experts")
+    for name in ("shared_expert_intermediate_size", "n_shared_experts",
+                 "first_k_dense_replace"):
+        value = config.get(name)
+        if value is not None and (not _is_int(value) or not 0 <= value <= INT32_MAX):
+            raise ValueError(f"{name} must be an integer in [0, {INT32_MAX}], got "
+                             f"{_short_repr(value)}")
+    experts = (config.get("num_experts") or config.get("num_local_experts")
+               or config.get("n_routed_experts"))
     top_k = config.get("num_experts_per_tok")
     if experts and top_k is not None and top_k > experts:
         raise ValueError(f"num_experts_per_tok ({top_k}) must be at most the number of "
@@ -187,8 +193,9 @@ def _check_model_config(config: Any) -> None:
     if config.get("head_dim") is None and config["hidden_size"] % heads:
         raise ValueError(f"hidden_size ({config['hidden_size']}) must be a multiple of "
                          f"num_attention_heads ({heads}) when there is no head_dim")
-    for name in ("rope_theta", "rms_norm_eps", "swiglu_alpha", "swiglu_limit"):
-        if config.get(name) is not None:  # (the last two: gpt-oss's experts)
+    for name in ("rope_theta", "rms_norm_eps", "swiglu_alpha", "swiglu_limit",
+                 "routed_scaling_factor"):
+        if config.get(name) is not None:  # (gpt-oss's experts, DeepSeek's routing)
             try:
                 check_float(name, config[name], minimum=0.0, min_exclusive=True)
             except TypeError as e:

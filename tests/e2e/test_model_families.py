@@ -7,7 +7,8 @@ bf16 logprobs within transformers' own bf16 error; mixture-of-experts with top-k
 and 8 and experts no token picks; two tensor-parallel ranks equal one; and a trainer's
 weights pushed by transformers 5's in-memory names (stacked experts) land. gpt-oss adds
 attention sinks, alternating windows, YaRN, biased experts with a clamped SwiGLU and a
-checkpoint of its own layout."""
+checkpoint of its own layout; DeepSeek-V2/V3 latent attention and grouped routing with
+shared experts."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PROMPTS, gpt_oss_reference, runs_triton_kernels
+from conftest import PROMPTS, deepseek_v2_reference, gpt_oss_reference, runs_triton_kernels
 
 from pagellm import SamplingParams
 from pagellm.demo.model import ModelSpec, make_model
@@ -33,6 +34,9 @@ FAMILY_PROMPTS = [*PROMPTS[1:6], PROMPTS[4] + "tail"]
 
 _SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, vocab_size=1024,
               tie_word_embeddings=False)
+# DeepSeek's latent attention, small: a latent of 32 (the cache's head_dim with the
+# rotary 16), queries and keys of 16 + 16 per head, values of 24
+DEEPSEEK_MLA = dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24)
 FAMILY_SPECS: dict[str, ModelSpec] = {
     # top-2 of 8, renormalised; layer 1 dense (mlp_only_layers); one KV head replicated
     # under tensor parallelism; head_dim apart from hidden_size / heads
@@ -85,6 +89,33 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
                                            original_max_position_embeddings=512),
                          config_extra=dict(num_local_experts=8, num_experts_per_tok=2,
                                            sliding_window=20, swiglu_limit=1.5)),
+    # DeepSeek-V3: latent attention (q through its own latent, rotary pairs interleaved,
+    # YaRN with mscale_all_dim in the scores' scale), layer 0 dense, then top-2 of 8
+    # sigmoid-scored experts chosen within the best 2 of 4 groups with a choice bias,
+    # renormalised and scaled by 2.5, plus a shared expert
+    "deepseek_v3": ModelSpec(arch="deepseek_v3", **_SMALL, num_kv_heads=4,
+                             intermediate_size=96, init_std=0.3, seed=23,
+                             rope_scaling=dict(rope_type="yarn", factor=4.0, beta_fast=32.0,
+                                               beta_slow=1.0, mscale=0.9, mscale_all_dim=0.8,
+                                               original_max_position_embeddings=512),
+                             config_extra=dict(DEEPSEEK_MLA, q_lora_rank=64,
+                                               n_routed_experts=8, num_experts_per_tok=2,
+                                               moe_intermediate_size=32, n_shared_experts=1,
+                                               n_group=4, topk_group=2,
+                                               routed_scaling_factor=2.5,
+                                               norm_topk_prob=True, first_k_dense_replace=1)),
+    # DeepSeek-V2: queries straight from q_proj, softmax-scored top-3 of 8 experts within
+    # the best 2 of 4 groups (each scored by its best expert), not renormalised, scaled
+    # by 1.5; two shared experts (one MLP twice as wide)
+    "deepseek_v2": ModelSpec(arch="deepseek_v2", **_SMALL, num_kv_heads=4,
+                             intermediate_size=96, init_std=0.3, seed=24,
+                             config_extra=dict(DEEPSEEK_MLA, q_lora_rank=None,
+                                               n_routed_experts=8, num_experts_per_tok=3,
+                                               moe_intermediate_size=32, n_shared_experts=2,
+                                               n_group=4, topk_group=2,
+                                               topk_method="group_limited_greedy",
+                                               routed_scaling_factor=1.5,
+                                               norm_topk_prob=False, first_k_dense_replace=1)),
     "olmoe_top2": ModelSpec(arch="olmoe", **_SMALL, num_kv_heads=2, intermediate_size=32,
                             init_std=0.3, seed=16,
                             config_extra=dict(num_experts=4, num_experts_per_tok=2,
@@ -92,9 +123,14 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
 }
 
 
+_REFERENCE_MARKS = {"gpt_oss": gpt_oss_reference, "deepseek_v2": deepseek_v2_reference}
+
+
 def _names(*names: str) -> list[Any]:
-    """Parameters of the families `names`, gpt-oss's marked `gpt_oss_reference`."""
-    return [pytest.param(n, marks=gpt_oss_reference) if n == "gpt_oss" else n for n in names]
+    """Parameters of the families `names`, those transformers 5.0 cannot serve as a
+    reference marked to skip there (conftest)."""
+    return [pytest.param(n, marks=_REFERENCE_MARKS[n]) if n in _REFERENCE_MARKS else n
+            for n in names]
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +219,8 @@ def test_experts_no_token_picks_are_skipped_and_the_output_still_matches(
     assert _tokens(outputs) == [hf_greedy(hf_models(name), p, 8) for p in prompts]
 
 
-@pytest.mark.parametrize("name", _names("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"))
+@pytest.mark.parametrize("name", _names("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss",
+                                         "deepseek_v3"))
 def test_bf16_logprobs_track_transformers(name, family_dirs, make_llm):
     """bf16: every prompt and sampled token's logprob within 1.5x transformers' own bf16
     error against fp32 on the same bf16-rounded weights (as tests/e2e/test_correctness.py
@@ -341,7 +378,8 @@ def test_gpt_oss_mxfp4_checkpoint_loads_as_transformers_reads_it(family_dirs, ma
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", _names("qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss"))
+@pytest.mark.parametrize("name", _names("qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss",
+                                         "deepseek_v3", "deepseek_v2"))
 def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make_llm):
     """Each rank holds half of every expert (and, for OLMoE, half of the all-head q/k
     norms, their statistic summed over the ranks): greedy tokens equal transformers',
@@ -359,14 +397,15 @@ def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make
             assert all(abs(lp.logprob - lb[t].logprob) < 1e-4 for t, lp in la.items())
 
 
-@pytest.mark.parametrize("name", _names("mixtral", "gpt_oss"))
+@pytest.mark.parametrize("name", _names("mixtral", "gpt_oss", "deepseek_v3"))
 def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
         name, family_dirs, make_llm):
     """RL trainers on transformers 5 send `model.named_parameters()`: the experts as
     `mlp.experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] (gpt-oss: its own
     layout and biases). After a training step (here: a perturbation), those names load
     into the engine, which then generates the trained model's tokens. (Mixtral's
-    checkpoint spells its experts w1/w2/w3 under block_sparse_moe.)"""
+    checkpoint spells its experts w1/w2/w3 under block_sparse_moe; DeepSeek's latent
+    up-projection is perturbed too, and its choice bias, a buffer, is not sent.)"""
     from transformers import AutoModelForCausalLM
 
     llm = make_llm(family_dirs[name])
@@ -375,11 +414,13 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for pname, p in trained.named_parameters():
-            if ".experts." in pname or pname.endswith(("mlp.gate.weight", "router.weight")):
+            if ".experts." in pname or pname.endswith(("mlp.gate.weight", "router.weight",
+                                                       "kv_b_proj.weight")):
                 p.add_(0.2 * torch.randn(p.shape, generator=generator))
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     loaded = model.load_weights(trained.named_parameters())
-    assert loaded == model.checkpoint_keys()  # the family's names, all of them
+    buffers = {b for b, _ in trained.named_buffers()}
+    assert loaded == model.checkpoint_keys() - buffers  # the family's names, all of them
     prompts = FAMILY_PROMPTS[:3]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16),
                            use_tqdm=False)
@@ -393,8 +434,8 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
 @pytest.mark.parametrize(("extra", "match"), [
     (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
     (dict(sliding_window=-4), "sliding_window must be a positive integer, got -4"),
-    (dict(architectures=["DeepseekV3ForCausalLM"], model_type="mixtral"),
-     "unsupported architecture 'DeepseekV3ForCausalLM'"),
+    (dict(architectures=["Glm4MoeForCausalLM"], model_type="mixtral"),
+     "unsupported architecture 'Glm4MoeForCausalLM'"),
     (dict(swiglu_limit=float("inf")), "swiglu_limit must be a finite number"),
     (dict(quantization_config={"quant_method": "mxfp4"}),  # gpt-oss's experts only
      "quantization_config.quant_method='mxfp4'"),
@@ -409,3 +450,114 @@ def test_a_config_the_engine_cannot_serve_is_refused_naming_the_field(tmp_path, 
     (directory / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=match):
         resolve_model_config(EngineArgs(model=str(directory)))
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    (dict(n_group=3), r"n_routed_experts \(8\) must be a multiple of n_group \(3\)"),
+    (dict(topk_group=5), r"topk_group \(5\) must be at most n_group \(4\)"),
+    (dict(topk_group=1, num_experts_per_tok=3),
+     r"num_experts_per_tok \(3\) must be at most the experts of topk_group \(1\) groups"),
+    (dict(n_group=8, topk_group=2), "fewer than two experts per group"),
+    (dict(kv_lora_rank=0), "kv_lora_rank must be a positive integer, got 0"),
+    (dict(routed_scaling_factor=-1.0), "routed_scaling_factor must be"),
+    (dict(n_shared_experts=-1), r"n_shared_experts must be an integer in \[0, "),
+])
+def test_a_deepseek_config_the_engine_cannot_route_is_refused_naming_the_field(
+        tmp_path, extra, match):
+    import json
+
+    directory = make_model(tmp_path / "m", FAMILY_SPECS["deepseek_v3"])
+    raw = json.loads((directory / "config.json").read_text())
+    raw.update(extra)
+    (directory / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=match):
+        resolve_model_config(EngineArgs(model=str(directory)))
+
+
+def test_deepseek_v2s_unknown_topk_method_is_refused(tmp_path):
+    import json
+
+    directory = make_model(tmp_path / "m", FAMILY_SPECS["deepseek_v2"])
+    raw = json.loads((directory / "config.json").read_text())
+    raw["topk_method"] = "noaux_tc"
+    (directory / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="unsupported topk_method 'noaux_tc'"):
+        resolve_model_config(EngineArgs(model=str(directory)))
+
+
+def test_a_deepseek_v3_checkpoints_multi_token_prediction_layer_is_not_loaded(
+        tmp_path, family_dirs, hf_models, make_llm):
+    """DeepSeek-V3 checkpoints append their multi-token-prediction module as layer
+    num_hidden_layers (transformers ignores it): the engine loads the rest and serves
+    the same tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "with_mtp"
+    shutil.copytree(family_dirs["deepseek_v3"], directory)
+    weights = load_file(directory / "model.safetensors")
+    mtp = {name.replace("layers.1.", "layers.2."): t.clone() for name, t in weights.items()
+           if name.startswith("model.layers.1.")}
+    mtp["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file({**weights, **mtp}, directory / "model.safetensors", metadata={"format": "pt"})
+    llm = make_llm(directory)
+    prompts = FAMILY_PROMPTS[:2]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8),
+                           use_tqdm=False)
+    assert _tokens(outputs) == [hf_greedy(hf_models("deepseek_v3"), o.prompt_token_ids, 8)
+                                for o in outputs]
+
+
+def test_deepseek_v3s_own_fp8_checkpoint_loads_as_the_weights_its_codes_stand_for(
+        tmp_path, family_dirs, make_llm):
+    """DeepSeek-V3's release format: every projection, the latent attention's (kv_b_proj
+    included) and each expert's, e4m3 with a scale per 16 x 16 block
+    (weight_scale_inv); loaded dequantized, greedy tokens equal transformers' on the
+    weights those codes and scales stand for (the experts stacked as it holds them)."""
+    import re
+
+    from quantized_checkpoints import PROJECTIONS, write_fp8_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    directory, reference = write_fp8_checkpoint(
+        family_dirs["deepseek_v3"], tmp_path / "fp8", (16, 16),
+        projections=(*PROJECTIONS, "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"))
+    state: dict[str, Any] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in reference.items():
+        m = re.fullmatch(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        if m is None:
+            state[name] = tensor
+        else:
+            experts.setdefault((m[1], m[3]), {})[int(m[2])] = tensor
+    for prefix in {prefix for prefix, _ in experts}:
+        gate, up, down = (experts[prefix, p] for p in ("gate", "up", "down"))
+        state[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([gate[e], up[e]])
+                                                      for e in sorted(gate)])
+        state[f"{prefix}.down_proj"] = torch.stack([down[e] for e in sorted(down)])
+    outputs = make_llm(directory).generate(FAMILY_PROMPTS[:4], SamplingParams(
+        temperature=0.0, max_tokens=16), use_tqdm=False)
+    original = AutoModelForCausalLM.from_pretrained(family_dirs["deepseek_v3"],
+                                                    dtype=torch.float32).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(family_dirs["deepseek_v3"],
+                                                  dtype=torch.float32).eval()
+    assert not theirs.load_state_dict(state, strict=False).missing_keys
+    assert _tokens(outputs) == [hf_greedy(theirs, o.prompt_token_ids, 16) for o in outputs]
+    # the rounding to e4m3 shows
+    assert _tokens(outputs) != [hf_greedy(original, o.prompt_token_ids, 16) for o in outputs]
+
+
+def test_deepseek_v3s_choice_bias_stays_float32_in_a_bf16_model(family_dirs):
+    """e_score_correction_bias decides which experts run; neighbouring experts' biases
+    differ by less than bf16 resolves: a bf16 model keeps it in float32, to the
+    checkpoint's bit (as transformers and vLLM do)."""
+    from safetensors.torch import load_file
+
+    directory = family_dirs["deepseek_v3"]
+    config = resolve_model_config(EngineArgs(model=str(directory), dtype="bfloat16"))
+    params = dict(load_model(config, torch.device("cpu")).named_parameters())
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert params[name].dtype == torch.float32
+    assert torch.equal(params[name], load_file(directory / "model.safetensors")[name])
+    assert params["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16

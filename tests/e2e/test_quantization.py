@@ -30,7 +30,8 @@ pytestmark = pytest.mark.own_code
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
-HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")  # (DeepSeek's)
 
 
 def fake_quantized(model_dir: Path, quantization: str, tp: int = 1):
@@ -355,6 +356,63 @@ def test_the_cpus_int4_packs_gpt_oss_experts_and_takes_their_updates(make_llm, t
     assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)  # [E, H, 2I]
     llm.update_weights(list(state.items()))
     assert assert_tokens(llm, reference(trained)) != first
+
+
+# DeepSeek-V3: latent attention (q through a latent of 64), grouped sigmoid routing,
+# a shared expert; layer 0 dense
+DEEPSEEK_V3 = ModelSpec(arch="deepseek_v3", hidden_size=64, num_layers=2, num_heads=4,
+                        num_kv_heads=4, vocab_size=1024, tie_word_embeddings=False,
+                        intermediate_size=96, init_std=0.3, seed=23, config_extra=dict(
+                            kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                            v_head_dim=32, q_lora_rank=64, n_routed_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=32,
+                            n_shared_experts=1, n_group=4, topk_group=2,
+                            routed_scaling_factor=2.5, norm_topk_prob=True,
+                            first_k_dense_replace=1))
+
+
+def test_the_cpus_int4_packs_deepseek_and_takes_its_updates(make_llm, tmp_path):
+    """DeepSeek's experts, shared expert, MLP and latent attention's projections
+    (q_a/q_b, kv_a, o) are packed, its per-head up-projection kv_b_proj kept: every
+    prompt token's logprob tracks transformers' with those weights quantized the same way
+    and their inputs per token and block of 32, before and after a trainer's full
+    update (requantized as it lands). Logprobs, not greedy tokens: the absorbed latent
+    attention sums in another order than transformers' (~1e-6), and an activation
+    rounded to the other int8 step moves a later logprob by up to ~0.1; a projection
+    quantized on one side only moves them by ~1 on average."""
+    from transformers import AutoModelForCausalLM
+
+    from pagellm.executor.model.moe import ExpertCodes
+
+    model_dir = make_model(tmp_path / "deepseek", DEEPSEEK_V3)
+
+    def assert_tracks(llm, model) -> None:
+        reference = with_packed_experts(fake_quantize(model, "cpu_int4"), 4)
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        errors = []
+        for out in llm.generate(PROMPTS[:6], params, use_tqdm=False):
+            ids = out.prompt_token_ids
+            with torch.no_grad():
+                expected = reference(torch.tensor([ids])).logits[0].log_softmax(-1)
+            errors += [abs(pos[ids[i + 1]].logprob - float(expected[i, ids[i + 1]]))
+                       for i, pos in enumerate(out.prompt_logprobs[1:])]
+        error = torch.tensor(errors)
+        assert len(error) > 200 and error.mean() < 0.03 and error.max() < 0.5, \
+            (error.mean(), error.max())
+
+    llm = make_llm(model_dir, quantization="int4", dtype="float32")
+    layer = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers[1]
+    assert isinstance(layer.mlp.experts.gate_up_codes, ExpertCodes)
+    for proj in (layer.self_attn.q_a_proj, layer.self_attn.q_b_proj,
+                 layer.self_attn.kv_a_proj_with_mqa, layer.self_attn.o_proj,
+                 layer.mlp.shared_experts.down_proj):
+        assert isinstance(proj.quant, cpu_int_gemm.CpuIntWeight) and proj.weight.is_meta
+    assert not layer.self_attn.kv_b_proj.weight.is_meta
+    assert_tracks(llm, AutoModelForCausalLM.from_pretrained(model_dir,
+                                                            dtype=torch.float32).eval())
+    trained, state = perturbed(model_dir, seed=15)
+    llm.update_weights(list(state.items()))
+    assert_tracks(llm, trained)
 
 
 @runs_triton_kernels

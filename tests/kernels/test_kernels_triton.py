@@ -304,6 +304,18 @@ def test_a_faulty_interpreter_is_refused_by_name(monkeypatch):
         attention.get_attention_backend("triton", torch.device("cpu"), 16)
 
 
+@pytest.mark.parametrize("head_dim", [576, 48])
+def test_auto_attends_with_torch_ops_on_cuda_where_the_kernels_lack_the_head_size(head_dim):
+    """DeepSeek's latent attention (one head of 576) on CUDA: "auto" chooses the torch
+    path, which takes any head size, instead of a kernel that cannot run it."""
+    from pagellm.executor.model import attention
+
+    assert head_dim not in tk.SUPPORTED_HEAD_SIZES
+    backend = attention.get_attention_backend("auto", torch.device("cuda"), 16,
+                                              head_dim=head_dim)
+    assert backend.name == "torch"
+
+
 @runs_triton_kernels
 @pytest.mark.parametrize("num_segments", [1, 2])
 def test_an_fp8_cache_is_attended_as_the_values_it_holds(num_segments):

@@ -183,19 +183,20 @@ def _int_config(method: str, bits: int, group: int | None, symmetric: bool, act_
 
 
 def write_fp8_checkpoint(model_dir: Path, out: Path, block: tuple[int, int] | None,
-                         per_tensor: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
+                         per_tensor: bool = False, projections: Collection[str] = PROJECTIONS
+                         ) -> tuple[Path, dict[str, torch.Tensor]]:
     """FP8 weights: block-wise (quant_method fp8, weight_block_size, weight_scale_inv,
     as DeepSeek's and Qwen's FP8 releases); with `block` None, per channel
     (compressed-tensors float-quantized, dynamic per-token activations, as
     llm-compressor's FP8_DYNAMIC) or `per_tensor` (quant_method fp8 with one weight
-    scale and a static input scale, as AutoFP8 wrote). Returns (the directory, the
-    reference state dict)."""
+    scale and a static input scale, as AutoFP8 wrote). The modules `projections` names
+    are quantized. Returns (the directory, the reference state dict)."""
     state = load_file(str(model_dir / "model.safetensors"))
     tensors, reference = {}, dict(state)
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
     for name, weight in state.items():
         prefix, _, last = name.rpartition(".")
-        if last != "weight" or prefix.rsplit(".", 1)[-1] not in PROJECTIONS:
+        if last != "weight" or prefix.rsplit(".", 1)[-1] not in projections:
             tensors[name] = weight
             continue
         n, k = weight.shape
@@ -255,7 +256,8 @@ def as_cpu_int_kernel(model: Any, full_precision: Collection[str] = ()) -> Any:
             weight, 8, group_size_for(weight.shape[1]))), requires_grad=False)
         head.register_forward_pre_hook(hook)
         for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in (*PROJECTIONS, "qkv_proj", "gate_up_proj") \
+            if name.rsplit(".", 1)[-1] in (*PROJECTIONS, "qkv_proj", "gate_up_proj",
+                                           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa") \
                     and name not in full_precision:  # (Phi-3's are fused in the model)
                 module.register_forward_pre_hook(hook)
     return model

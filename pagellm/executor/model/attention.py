@@ -208,9 +208,11 @@ class TritonAttention:
 
 
 def get_attention_backend(name: str, device: torch.device, block_size: int,
-                          cache_dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    """"auto" is Triton on CUDA and torch on the CPU; "triton" on the CPU runs the
-    kernels through Triton's interpreter (slow: for tests). The torch path on the CPU
+                          cache_dtype: torch.dtype = torch.float32,
+                          head_dim: int | None = None) -> AttentionBackend:
+    """"auto" is Triton on CUDA (torch where its kernels have no `head_dim`: DeepSeek's
+    latent attention, 576, with a warning) and torch on the CPU; "triton" on the CPU runs
+    the kernels through Triton's interpreter (slow: for tests). The torch path on the CPU
     attends one-token queries with pagellm's C++ op where the cache is fp32 or bf16, and
     fp32 and bf16 prompts with another, where the ops build (else, with a warning, on
     torch's ops alone)."""
@@ -219,6 +221,14 @@ def get_attention_backend(name: str, device: torch.device, block_size: int,
                          f"{name!r}")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
+        if name == "triton" and head_dim is not None:
+            from pagellm.kernels.triton_attention import SUPPORTED_HEAD_SIZES
+
+            if head_dim not in SUPPORTED_HEAD_SIZES:
+                logger.warning("head_dim=%d: the Triton attention kernels have no such "
+                               "head size (%s); attending with torch's ops", head_dim,
+                               SUPPORTED_HEAD_SIZES)
+                name = "torch"
     if name == "torch":
         ops = _cpu_ops(device)
         return TorchAttention(

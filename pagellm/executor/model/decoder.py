@@ -12,8 +12,9 @@ separate tensors (or Phi-3's fused ones) into them.
 This module is the family's own part: its attention block, MLP, layer and model, built
 from the shared layers (layers.py: linear, norm, tensor-parallel layers) and loaded
 through the shared weight map (weight_map.py). A family whose computation differs
-(gemma.py) subclasses these, choosing its norm, layer and model classes through the
-`norm_cls` / `layer_cls` / `model_cls` class attributes. Under tensor parallelism
+(gemma.py, gpt_oss.py, deepseek.py) subclasses these, choosing its norm, attention,
+MoE, layer and model classes through the `norm_cls` / `attention_cls` / `moe_cls` /
+`layer_cls` / `model_cls` class attributes. Under tensor parallelism
 (executor/model/parallel.py) each rank builds the same modules with its slice's sizes:
 `destination` says which slice of which checkpoint tensor loads into which parameter,
 and the two row-parallel projections and the embedding all-reduce.
@@ -106,10 +107,12 @@ class DecoderAttention(nn.Module):
 class DecoderLayer(nn.Module):
     norm_cls: ClassVar[type[RMSNorm]] = RMSNorm  # of the input and post-attention norms
     moe_cls: ClassVar[type[nn.Module]] = SparseMoeBlock  # of the sparse layers' MLP
+    # (spec, layer_idx, tp); forward(rope, x, meta, kv_caches): DeepSeek's latent one
+    attention_cls: ClassVar[type[nn.Module]] = DecoderAttention
 
     def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(spec, layer_idx, tp)
+        self.self_attn = self.attention_cls(spec, layer_idx, tp)
         sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
         self.mlp: nn.Module = self.moe_cls(spec, tp) if sparse else DecoderMLP(spec, tp)
         self.input_layernorm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps)

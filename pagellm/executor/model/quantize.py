@@ -1,8 +1,9 @@
 """Quantize on load: `quantization="int4"` / `"int8"` keeps the decoder's projections
-(qkv_proj, o_proj, gate_up_proj, down_proj) as weight-only integers with group-wise
-scales (kernels/quant.py), computed by the fused-dequantize Triton GEMM
-(kernels/triton_quant.py): a decode step then reads 4 or 8 bits per weight instead of
-16 or 32. `quantization="fp8"` keeps them in e4m3 with a scale per output channel and
+(qkv_proj, o_proj, gate_up_proj, down_proj; DeepSeek's latent attention's) as
+weight-only integers with group-wise scales (kernels/quant.py), computed by the
+fused-dequantize Triton GEMM (kernels/triton_quant.py): a decode step then reads 4 or 8
+bits per weight instead of 16 or 32. `quantization="fp8"` keeps them in e4m3 with a
+scale per output channel and
 quantizes activations per token at each call (kernels/fp8.py: W8A8, vLLM's dynamic
 fp8). Without the Triton kernels (the CPU's own path) `"int4"` and `"int8"` run the CPU's
 int kernel (kernels/cpu_int_gemm.py: the same group-wise codes in its tiled layout,
@@ -44,7 +45,10 @@ from pagellm.kernels.quant import PackedWeight, RowScaledWeight, quantize
 Quantized = PackedWeight | CpuIntWeight | RowScaledWeight
 # quantize-on-load names -> bits of a weight-only integer scheme, or 8 for fp8
 QUANTIZATIONS = {"int4": 4, "int8": 8, "fp8": 8}
-PROJECTIONS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
+PROJECTIONS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj",
+                         # DeepSeek's latent attention (its kv_b_proj, applied per head in
+                         # the absorbed form, stays in the model's dtype: deepseek.py)
+                         "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"})
 
 
 def group_size_for(in_features: int, shards: int = 1) -> int:

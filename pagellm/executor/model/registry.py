@@ -4,17 +4,24 @@ which model class it builds.
 Families that differ from Llama only in data are a reader here and the shared decoder
 (decoder.py, whose MLP is the sparse MoE block of moe.py where the spec has experts); a
 family whose computation differs brings its own module with a reader and a model class
-(gemma.py, gpt_oss.py). Adding a family is that module and one row of `FAMILIES`.
+(gemma.py, gpt_oss.py, deepseek.py). Adding a family is that module and one row of `FAMILIES`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagellm.executor.model.rope import RopeSpec
-from pagellm.executor.model.spec import DecoderSpec, MoeSpec, read_decoder_spec
+from pagellm.executor.model.spec import (
+    DecoderSpec,
+    GroupedRouting,
+    MlaSpec,
+    MoeSpec,
+    read_decoder_spec,
+)
 
 if TYPE_CHECKING:  # the model modules import torch's layers: only when a model is built
     from pagellm.executor.model.decoder import DecoderForCausalLM
@@ -43,6 +50,12 @@ def _gpt_oss() -> type[DecoderForCausalLM]:
     from pagellm.executor.model.gpt_oss import GptOssForCausalLM
 
     return GptOssForCausalLM
+
+
+def _deepseek() -> type[DecoderForCausalLM]:
+    from pagellm.executor.model.deepseek import DeepseekForCausalLM
+
+    return DeepseekForCausalLM
 
 
 def _sparse_layers(config: Any) -> tuple[bool, ...]:
@@ -164,6 +177,85 @@ def _gpt_oss_spec(config: Any, arch: str) -> DecoderSpec:
     return read_decoder_spec(config, arch, moe=moe, attn_sinks=True)
 
 
+def _deepseek_spec(config: Any, arch: str, routing: GroupedRouting,
+                   rope_interleave: bool) -> DecoderSpec:
+    """DeepSeek-V2/V3 (and their kin: Kimi K2, Moonlight): latent attention (`MlaSpec`)
+    and, from layer first_k_dense_replace on, experts with shared experts and the
+    family's routing (`routing`). The scale of the scores is qk_head_dim ** -0.5, times
+    YaRN's mscale(factor, mscale_all_dim) squared where the RoPE is YaRN (the
+    attention's own temperature; the tables carry mscale / mscale_all_dim)."""
+    experts = config.n_routed_experts
+    moe_size = config.moe_intermediate_size
+    if experts % routing.n_group:
+        raise ValueError(f"n_routed_experts ({experts}) must be a multiple of n_group "
+                         f"({routing.n_group})")
+    per_group = experts // routing.n_group
+    if routing.topk_group > routing.n_group:
+        raise ValueError(f"topk_group ({routing.topk_group}) must be at most n_group "
+                         f"({routing.n_group})")
+    if config.num_experts_per_tok > routing.topk_group * per_group:
+        raise ValueError(f"num_experts_per_tok ({config.num_experts_per_tok}) must be at "
+                         f"most the experts of topk_group ({routing.topk_group}) groups")
+    if routing.group_score == "top2" and per_group < 2:
+        raise ValueError(f"n_group ({routing.n_group}) leaves fewer than two experts per "
+                         "group, which V3's group scores (the best two summed) need")
+    first_dense = getattr(config, "first_k_dense_replace", 0) or 0
+    moe = MoeSpec(num_experts=experts, top_k=config.num_experts_per_tok,
+                  intermediate_size=moe_size, renormalize=bool(config.norm_topk_prob),
+                  sparse_layers=tuple(i >= first_dense
+                                      for i in range(config.num_hidden_layers)),
+                  weights_in_model_dtype=False,
+                  shared_expert_size=moe_size * (config.n_shared_experts or 0),
+                  grouped=routing)
+    mla = MlaSpec(q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
+                  qk_nope_head_dim=config.qk_nope_head_dim,
+                  qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+                  rope_interleave=rope_interleave)
+    rope = RopeSpec.from_hf(getattr(config, "rope_parameters", None),
+                            getattr(config, "rope_theta", None),
+                            getattr(config, "rope_scaling", None))
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    mscale_all_dim = rope.params.get("mscale_all_dim")
+    if rope.rope_type != "default" and mscale_all_dim and rope.params.get("factor", 1) > 1:
+        scale *= (0.1 * mscale_all_dim * math.log(rope.params["factor"]) + 1.0) ** 2
+    return read_decoder_spec(config, arch, num_kv_heads=1,
+                             head_dim=mla.kv_lora_rank + mla.qk_rope_head_dim, rope=rope,
+                             attn_scale=scale, moe=moe, mla=mla)
+
+
+def _deepseek_v2(config: Any, arch: str) -> DecoderSpec:
+    """DeepSeek-V2 / V2-Lite / V2.5: softmax scores, greedy or group-limited (groups
+    scored by their best expert) top-k, weights scaled by routed_scaling_factor and
+    renormalised where norm_topk_prob (DeepSeek's and vLLM's code; transformers' ignores
+    the field, false in DeepSeek's configs); rotary pairs interleaved."""
+    method = getattr(config, "topk_method", "greedy") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"unsupported topk_method {method!r} (supported: greedy, "
+                         "group_limited_greedy)")
+    grouped = method == "group_limited_greedy"
+    routing = GroupedRouting(
+        scoring="softmax", score_bias=False, group_score="max" if grouped else None,
+        n_group=config.n_group if grouped else 1,
+        topk_group=config.topk_group if grouped else 1,
+        scaling=float(config.routed_scaling_factor))
+    return _deepseek_spec(config, arch, routing, rope_interleave=True)
+
+
+def _deepseek_v3(config: Any, arch: str) -> DecoderSpec:
+    """DeepSeek-V3 / R1, Kimi K2, Moonlight: sigmoid scores, a learned bias for the
+    choice (e_score_correction_bias), the choice within the topk_group best of n_group
+    groups (each scored by its best two experts), weights from the unbiased scores,
+    renormalised (norm_topk_prob) and scaled; rope_interleave as the config says. The
+    multi-token-prediction layer some checkpoints carry (layer num_hidden_layers) is
+    not loaded (deepseek.py)."""
+    routing = GroupedRouting(
+        scoring="sigmoid", score_bias=True, group_score="top2",
+        n_group=config.n_group or 1, topk_group=config.topk_group or 1,
+        scaling=float(config.routed_scaling_factor))
+    return _deepseek_spec(config, arch, routing,
+                          rope_interleave=bool(getattr(config, "rope_interleave", True)))
+
+
 def _phi3(config: Any, arch: str) -> DecoderSpec:
     """Phi-3 / Phi-4: Llama's computation from fused qkv/gate_up checkpoint tensors, with
     a partial rotary factor (Phi-4-mini) and LongRoPE (rope.py) read from
@@ -187,6 +279,8 @@ FAMILIES: dict[str, Family] = {
     "Gemma3ForCausalLM": Family("gemma3_text", _gemma3, _gemma),
     "Phi3ForCausalLM": Family("phi3", _phi3, _decoder),
     "GptOssForCausalLM": Family("gpt_oss", _gpt_oss_spec, _gpt_oss),
+    "DeepseekV2ForCausalLM": Family("deepseek_v2", _deepseek_v2, _deepseek),
+    "DeepseekV3ForCausalLM": Family("deepseek_v3", _deepseek_v3, _deepseek),
 }
 
 

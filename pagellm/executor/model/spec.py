@@ -4,8 +4,9 @@ Most families differ only in data: qkv bias (Qwen2), q/k RMSNorm per head (Qwen3
 all heads (OLMoE), a head_dim independent of hidden_size, tied embeddings, the RoPE
 variant (a second one for sliding layers: Gemma 3), sliding-window attention per layer,
 the MLP's activation, the attention scale and logit soft-capping (Gemma 2), attention
-sinks (gpt-oss), checkpoints storing q/k/v and gate/up fused (Phi-3), and a
-mixture-of-experts MLP (`MoeSpec`).
+sinks (gpt-oss), checkpoints storing q/k/v and gate/up fused (Phi-3), a
+mixture-of-experts MLP (`MoeSpec`, with DeepSeek's grouped routing: `GroupedRouting`) and
+DeepSeek's multi-head latent attention (`MlaSpec`).
 Each family's reader (executor/model/registry.py's table) fills these from a transformers
 config and refuses, naming the field, what the engine cannot serve. Apart from the
 modules because more than the model reads it: the model config, the tensor-parallel
@@ -23,6 +24,43 @@ from pagellm.executor.model.rope import RopeSpec
 # The gated MLP's activations: SwiGLU (silu) and GeGLU with the tanh approximation
 # (Gemma's gelu_pytorch_tanh). The MoE experts compute SwiGLU only.
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek's router (deepseek.py): scores by `scoring` ("softmax" over all experts:
+    DeepSeek-V2; "sigmoid" per expert: V3), a learned bias added to choose (V3's
+    e_score_correction_bias, not to weigh), the choice limited to the `topk_group` best
+    of `n_group` expert groups (a group scored by its best expert, "max": V2's
+    group_limited_greedy, or its best two summed, "top2": V3; None: every expert may be
+    chosen), the chosen experts weighted by their scores (renormalised where
+    `MoeSpec.renormalize`) times `scaling`."""
+
+    scoring: str  # "softmax" | "sigmoid"
+    score_bias: bool
+    group_score: str | None  # "max" | "top2" | None (greedy over all experts)
+    n_group: int
+    topk_group: int
+    scaling: float  # routed_scaling_factor
+
+
+@dataclass(frozen=True)
+class MlaSpec:
+    """DeepSeek's multi-head latent attention: keys and values of every head are
+    up-projected (kv_b_proj) from one normalised latent of `kv_lora_rank` per token, plus
+    one shared `qk_rope_head_dim` rotary key; queries come from q_proj, or from a
+    `q_lora_rank` latent (q_a_proj, its norm, q_b_proj). The KV cache holds the latent and
+    the rotary key: one "KV head" of kv_lora_rank + qk_rope_head_dim (the spec's
+    head_dim; deepseek.py)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # The rotary dimensions pair up interleaved, (x0, x1), (x2, x3), ... (DeepSeek's own
+    # layout; V3's rope_interleave), not as halves.
+    rope_interleave: bool
 
 
 @dataclass(frozen=True)
@@ -50,6 +88,9 @@ class MoeSpec:
     # The checkpoint stores each layer's experts stacked, under the model's own parameter
     # names (gpt-oss, whose module maps its layout), not one tensor per expert.
     checkpoint_stacked: bool = False
+    # DeepSeek's routing (scores, groups, scaling), its shared experts ungated; None: the
+    # softmax-then-top-k router above.
+    grouped: GroupedRouting | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +130,9 @@ class DecoderSpec:
     # A learned logit per query head in every softmax's denominator (gpt-oss's
     # `self_attn.sinks`; kernels/reference.py).
     attn_sinks: bool = False
+    # DeepSeek's latent attention (num_kv_heads 1 and head_dim the latent's width: what
+    # the KV cache holds per token); None: q/k/v projections of heads of head_dim.
+    mla: MlaSpec | None = None
 
     def window(self, layer_idx: int) -> int | None:
         """Layer `layer_idx`'s sliding window, or None for full attention."""
@@ -166,7 +210,8 @@ def read_decoder_spec(config: Any, architecture: str, **fields: Any) -> DecoderS
                                           getattr(config, "rope_scaling", None))
     common.update(fields)
     spec = DecoderSpec(**common)
+    rotated = spec.head_dim if spec.mla is None else spec.mla.qk_rope_head_dim
     for rope in (spec.rope, spec.sliding_rope):
         if rope is not None:
-            rope.validate(spec.head_dim)
+            rope.validate(rotated)
     return spec

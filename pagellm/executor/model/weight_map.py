@@ -9,7 +9,7 @@ that goes there:
     q_proj / k_proj / v_proj    -> rows of qkv_proj: this rank's heads (KV heads may
                                    be replicated across ranks)
     gate_proj / up_proj         -> rows of gate_up_proj: this rank's MLP columns (a
-                                   Qwen2-MoE shared expert's of its own width)
+                                   shared expert's of its own width: Qwen2-MoE, DeepSeek)
     o_proj / down_proj          -> columns (row parallel: the input dimension)
     embed_tokens / lm_head      -> this rank's vocabulary rows (the tail rank's padding
                                    rows load nothing)
@@ -267,8 +267,9 @@ def _fused_destination(name: str, param: nn.Parameter, spec: DecoderSpec,
 
 def _mlp_sizes(name: str, spec: DecoderSpec, tp: TensorParallel) -> tuple[int, int]:
     """(the whole intermediate size, this rank's columns) of the gated MLP that tensor
-    `name` belongs to: a Qwen2-MoE layer's shared expert, else the dense MLP."""
-    if spec.moe is not None and ".shared_expert." in name:
+    `name` belongs to: a MoE layer's shared expert (Qwen2-MoE's `shared_expert`,
+    DeepSeek's `shared_experts`, all of them one MLP), else the dense MLP."""
+    if spec.moe is not None and (".shared_expert." in name or ".shared_experts." in name):
         full = spec.moe.shared_expert_size
         return full, full // tp.size
     return spec.intermediate_size, tp.intermediate_size

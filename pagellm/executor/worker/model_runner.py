@@ -93,7 +93,8 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.attention = get_attention_backend(attention_backend, device, block_size,
-                                               model_config.cache_dtype)
+                                               model_config.cache_dtype,
+                                               model_config.spec.head_dim)
         if self.attention.name == "triton":
             from pagellm.kernels.triton_attention import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_SIZES
 
