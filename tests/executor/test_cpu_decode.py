@@ -14,8 +14,7 @@ import torch
 from pagellm.executor.model import linear as cpu_linear
 from pagellm.executor.model.attention import AttentionMetadata, TorchAttention
 from pagellm.executor.model.decoder import DecoderForCausalLM
-from pagellm.executor.model.moe import quantize_experts
-from pagellm.executor.model.quantize import QUANTIZATIONS, quantize_projections
+from pagellm.executor.model.loader import quantize_on_load
 from pagellm.executor.model.registry import model_class
 from pagellm.executor.model.rope import RopeSpec
 from pagellm.executor.model.spec import DecoderSpec, MoeSpec
@@ -81,8 +80,7 @@ def _model(spec: DecoderSpec, quantization: str | None, dtype: torch.dtype = tor
             for p in model.parameters():
                 p.copy_(p.bfloat16().float())
     if quantization is not None:
-        quantize_projections(model, quantization, triton=False)
-        quantize_experts(model, QUANTIZATIONS[quantization], triton=False)
+        model.quantized = quantize_on_load(model, quantization, triton=False)
     if dtype != torch.float32:
         model = model.to(dtype)
         model.model.rotary_emb.reset_cache()

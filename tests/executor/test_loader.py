@@ -830,3 +830,83 @@ def test_rope_tables_have_max_model_len_rows(built: Built) -> None:
     assert rotary.cos_cache.shape == rotary.sin_cache.shape == (100, 16)
     cos, sin = LlamaRotaryEmbedding(config.hf_config)(torch.zeros(1), torch.arange(100)[None])
     assert torch.equal(rotary.cos_cache, cos[0]) and torch.equal(rotary.sin_cache, sin[0])
+
+
+# --------------------------------------------------------------------------- quantize on load
+
+# top-2 of 8 experts of 32 columns (whole tiles of the CPU int kernel's 16 rows)
+QUANT_SPECS = {"llama": (SPECS["llama"], "float32"),
+               # a bf16 file into an fp32 model, an fp32 file into a bf16 model: each
+               # tensor in the model's dtype before it is quantized
+               "llama-bf16-file": (ModelSpec(arch="llama", seed=11, dtype="bfloat16"),
+                                   "float32"),
+               "llama-bf16-model": (SPECS["llama"], "bfloat16"),
+               "qwen3_moe": (ModelSpec(arch="qwen3_moe", seed=16, config_extra=dict(
+                   num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
+                   "float32")}
+
+
+def _packed_tensors(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
+    """Every packed form's tensors, by their module's name and field."""
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        quant = getattr(module, "quant", None)
+        if quant is not None and id(module) in {id(m) for m in model.quantized.values()}:
+            for f in dataclasses.fields(quant):
+                value = getattr(quant, f.name)
+                if isinstance(value, torch.Tensor):
+                    out[f"{name}.{f.name}"] = value
+    return out
+
+
+@pytest.mark.parametrize("name", list(QUANT_SPECS))
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("triton", [False, True], ids=["cpu-kernel", "triton-layout"])
+def test_quantize_on_load_packs_each_tensor_as_it_arrives_as_quantizing_after_would(
+        built: Built, name: str, quantization: str, triton: bool) -> None:
+    """quantization= quantizes while loading (each checkpoint tensor into its rows of
+    the packed forms laid out on the meta model): every packed tensor equals what
+    quantizing the whole loaded full-precision model gives, for the projections (q, k
+    and v arriving apart into one qkv_proj) and the experts (one per tensor), in the
+    CPU int kernel's layout and the Triton kernels'."""
+    from pagellm.executor.model.loader import quantize_on_load
+
+    spec, dtype = QUANT_SPECS[name]
+    model_dir = built(spec)
+    streamed = load_model(_config(model_dir, quantization=quantization, dtype=dtype), CPU,
+                          kernels=triton)
+    whole = _load(model_dir, dtype=dtype)
+    whole.quantized = quantize_on_load(whole, quantization, triton)
+    ours, expected = _packed_tensors(streamed), _packed_tensors(whole)
+    assert ours.keys() == expected.keys() and any(".experts." in k for k in ours) == (
+        name == "qwen3_moe")
+    for key, tensor in expected.items():
+        assert torch.equal(ours[key], tensor), key
+    placeholders = {id(p) for p in streamed.parameters() if p.is_meta}
+    assert placeholders == set(streamed.quantized)
+
+
+def test_a_model_that_fits_only_quantized_loads_with_quantization(
+        built: Built, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory check counts the packed forms: with less memory than the fp32 weights
+    take, the fp32 model is refused naming its bytes, the int4 one loads; what it
+    allocates (through host_memory.empty) stays below the fp32 weights' bytes: they
+    never all exist at once."""
+    from pagellm.executor.model import host_memory, loader
+
+    model_dir = built(QUANT_SPECS["qwen3_moe"][0])
+    full = loader.weight_bytes(_config(model_dir))
+    monkeypatch.setattr(loader, "available_memory", lambda device: int(0.8 * full))
+    with pytest.raises(ValueError, match="the model's weights need"):
+        _load(model_dir)
+    made: list[int] = []
+    real = host_memory.empty
+
+    def recording(shape, dtype, device="cpu"):  # type: ignore[no-untyped-def]
+        out = real(shape, dtype, device)
+        made.append(out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(host_memory, "empty", recording)
+    model = _load(model_dir, quantization="int4")
+    assert model.quantized and sum(made) < 0.8 * full

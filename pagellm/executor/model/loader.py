@@ -6,10 +6,14 @@ memory free on the device before anything is allocated: a config.json claiming a
 vocabulary or thousands of layers is refused naming its fields, instead of exhausting
 memory (check_model_config bounds each field; this bounds their product). Loading
 adds little to those bytes: dummy weights are drawn 16 MiB at a time, safetensors are
-copied one tensor at a time from a memory map. On a CPU whose bf16 GEMMs run on
-packed weights (cpu_linear.packs_weights), those copies are made here, before the
-engine measures what memory is left for the KV cache, if weights and copies fit in half
-of this worker's share of the memory available.
+copied one tensor at a time from a memory map. Quantize-on-load (`quantization=`)
+quantizes while loading: the packed forms are laid out on the meta model (their bytes
+are what is checked), and each checkpoint tensor is quantized into its rows as it
+arrives, so a model whose full-precision weights would not fit loads in int4
+(quantize.py; dummy weights are drawn in full precision, then quantized). On a CPU
+whose bf16 GEMMs run on packed weights (cpu_linear.packs_weights), those copies are
+made here, before the engine measures what memory is left for the KV cache, if weights
+and copies fit in half of this worker's share of the memory available.
 """
 
 from __future__ import annotations
@@ -30,8 +34,13 @@ from pagellm.executor.model import host_memory, quantized_checkpoint
 from pagellm.executor.model.config import ModelConfig
 from pagellm.executor.model.decoder import DecoderForCausalLM
 from pagellm.executor.model.linear import PACKED_WEIGHTS, packs_weights
+from pagellm.executor.model.moe import quantize_experts
 from pagellm.executor.model.parallel import TensorParallel
-from pagellm.executor.model.quantize import RequantizingDestination
+from pagellm.executor.model.quantize import (
+    QUANTIZATIONS,
+    RequantizingDestination,
+    quantize_projections,
+)
 from pagellm.executor.model.registry import model_class
 
 logger = logging.getLogger("pagellm")
@@ -190,6 +199,8 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
         model.quantized = quantized_checkpoint.prepare(
             model, quant, model.checkpoint_parts, config.dtype, triton=kernels,
             names=None if config.load_format == "dummy" else tensor_names(Path(config.model)))
+    elif config.quantization is not None and config.load_format != "dummy":
+        model.quantized = quantize_on_load(model, config.quantization, kernels, on_meta=True)
     _check_memory(config, _bytes_of(model), device, tp)
     # (A quantized model keeps no copies of the weights it replaces.)
     copies = 0 if config.quantization or model.quantized else \
@@ -206,6 +217,10 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
             raise ValueError("load_format='dummy' draws full-precision weights: it cannot "
                              f"fill a {quant.method} checkpoint's packed ones")
         _init_dummy(model, config.seed)
+        if config.quantization is not None:
+            model.quantized = quantize_on_load(model, config.quantization, kernels)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the replaced weights' memory
     else:
         weights: Iterable[tuple[str, Any]] = iterate_safetensors(
             safetensors_files(Path(config.model)))
@@ -227,6 +242,20 @@ def load_model(config: ModelConfig, device: torch.device, tp: TensorParallel | N
                     str(config.dtype).removeprefix("torch."), copies / 2**30,
                     time.perf_counter() - start)
     return model.eval()
+
+
+def quantize_on_load(model: DecoderForCausalLM, quantization: str, triton: bool,
+                     on_meta: bool = False) -> dict[int, nn.Module]:
+    """`quantization` (int4, int8, fp8) of every projection and, but for fp8 (no fp8
+    fused MoE kernel: fp8 experts keep the model's dtype), every MoE layer's experts:
+    for the Triton kernels, or (`triton` False) the CPU's int kernel. `on_meta`: laid out
+    empty on the meta model, filled as the checkpoint loads (module docstring). Returns
+    the modules packed, by their placeholder's id (the model's `quantized`)."""
+    quantized = quantize_projections(model, quantization, triton, on_meta)
+    if quantization != "fp8":
+        quantized.update(quantize_experts(model, QUANTIZATIONS[quantization], triton,
+                                          on_meta))
+    return quantized
 
 
 def _init_dummy(model: nn.Module, seed: int) -> None:

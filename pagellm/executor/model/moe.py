@@ -49,6 +49,8 @@ from pagellm.executor.model.linear import linear
 from pagellm.executor.model.mlp import DecoderMLP
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.quantize import (
+    empty_cpu_int,
+    empty_packed,
     group_size_for,
     in_huge_pages,
     placeholder,
@@ -217,19 +219,26 @@ def stacked_experts(model: nn.Module, cpu: bool
             yield name.rsplit(".", 2)[0], module, attr, shards
 
 
-def quantize_experts(model: nn.Module, bits: int, triton: bool) -> dict[int, nn.Module]:
+def quantize_experts(model: nn.Module, bits: int, triton: bool, on_meta: bool = False
+                     ) -> dict[int, nn.Module]:
     """Quantize on load (quantize.py) every MoE layer's experts, an expert at a time, in
     groups as `group_size_for` gives a projection: for the CPU's int kernel, or
     (`triton`) as one PackedWeight per stacked weight, scales in the model's dtype, for
-    the fused MoE kernel (kernels/triton_moe.py). Returns the ExpertCodes by their
-    placeholder's id."""
+    the fused MoE kernel (kernels/triton_moe.py); `on_meta` (before loading): empty, on
+    the meta device, filled an expert's tensor at a time as they load (as
+    quantize_projections'). Returns the ExpertCodes by their placeholder's id."""
     quantized: dict[int, nn.Module] = {}
     for _, experts, attr, shards in stacked_experts(model, cpu=not triton):
         weight = getattr(experts, attr)  # [E, N, K]
         group = group_size_for(weight.shape[2], shards)
-        if triton:
+        count, rows, k = weight.shape
+        if on_meta:
+            quant: CpuIntWeight | PackedWeight = (
+                empty_packed(count * rows, k, bits, group, weight.dtype) if triton
+                else empty_cpu_int(count * rows, k, bits, group))
+        elif triton:
             parts = [quantize(w.detach(), bits, group) for w in weight]
-            quant: CpuIntWeight | PackedWeight = PackedWeight(
+            quant = PackedWeight(
                 torch.cat([p.qweight for p in parts], dim=1),
                 torch.cat([p.scales for p in parts], dim=1),
                 torch.cat([p.zeros for p in parts], dim=1), bits, group)

@@ -66,13 +66,17 @@ def group_size_for(in_features: int, shards: int = 1) -> int:
                      "128, 64, 32) cannot be quantized group-wise")
 
 
-def quantize_projections(model: nn.Module, quantization: str, triton: bool = True
-                         ) -> dict[int, nn.Module]:
+def quantize_projections(model: nn.Module, quantization: str, triton: bool = True,
+                         on_meta: bool = False) -> dict[int, nn.Module]:
     """Replace every projection's weight by its packed form (`module.quant`); returns the
     modules quantized, by their placeholder weight's id (the model's `quantized`).
     Without the Triton kernels (`triton` False: the CPU's own path) the integers take
     the CPU kernel's layout (kernels/cpu_int_gemm.py). The experts are
-    moe.quantize_experts'. Raises ValueError naming a projection that cannot be."""
+    moe.quantize_experts'. `on_meta`: the model is still on the meta device, before
+    loading: the packed forms are made empty there (`empty_quantized`), the loader
+    allocates them and each checkpoint tensor is quantized into its rows as it loads
+    (`RequantizingDestination`), so the full-precision model never exists. Raises
+    ValueError naming a projection that cannot be."""
     bits = QUANTIZATIONS[quantization]
     quantized: dict[int, nn.Module] = {}
     for name, module in model.named_modules():
@@ -81,7 +85,9 @@ def quantize_projections(model: nn.Module, quantization: str, triton: bool = Tru
         assert hasattr(module, "quant"), f"{name} is not a layers.Linear / RowParallelLinear"
         weight = module.weight
         shards = module.tp.size if hasattr(module, "tp") else 1  # row-parallel: K sliced
-        if quantization == "fp8":
+        if on_meta:
+            module.quant = empty_quantized(weight, quantization, triton, shards)
+        elif quantization == "fp8":
             module.quant = fp8.quantize_weight(weight.detach())
         elif triton:
             module.quant = quantize(weight.detach(), bits,
@@ -92,6 +98,41 @@ def quantize_projections(model: nn.Module, quantization: str, triton: bool = Tru
         module.weight = placeholder(weight)
         quantized[id(module.weight)] = module
     return quantized
+
+
+def empty_quantized(weight: torch.Tensor, quantization: str, triton: bool, shards: int = 1
+                    ) -> Quantized:
+    """The packed form quantizing `weight` [N, K] (a projection's; `shards`: the
+    tensor-parallel slices of its K) would give, empty, on the meta device."""
+    n, k = weight.shape
+    if quantization == "fp8":
+        with torch.device("meta"):
+            return fp8.Fp8Weight(torch.empty(n, k, dtype=fp8.FP8),
+                                 torch.empty(1, n, dtype=torch.float32))
+    bits, group = QUANTIZATIONS[quantization], group_size_for(k, shards)
+    return (empty_packed(n, k, bits, group, weight.dtype) if triton
+            else empty_cpu_int(n, k, bits, group))
+
+
+def empty_packed(n: int, k: int, bits: int, group: int, dtype: torch.dtype,
+                 act_order: bool = False) -> PackedWeight:
+    """A PackedWeight [n, k] on the meta device, scales and zeros in `dtype` (and an
+    act-order permutation, `act_order`)."""
+    with torch.device("meta"):
+        return PackedWeight(torch.empty(k * bits // 32, n, dtype=torch.int32),
+                            torch.empty(k // group, n, dtype=dtype),
+                            torch.empty(k // group, n, dtype=dtype), bits, group,
+                            torch.empty(k, dtype=torch.int64) if act_order else None)
+
+
+def empty_cpu_int(n: int, k: int, bits: int, group: int) -> CpuIntWeight:
+    """A CpuIntWeight [n, k] on the meta device."""
+    tiles = -(-n // cpu_int_gemm.TILE)
+    with torch.device("meta"):
+        return CpuIntWeight(
+            torch.empty(tiles, k // 4, cpu_int_gemm.TILE * bits // 2, dtype=torch.uint8),
+            torch.empty(tiles, k // group, cpu_int_gemm.TILE),
+            torch.empty(tiles, k // group, cpu_int_gemm.TILE), bits, group, n)
 
 
 def placeholder(weight: torch.Tensor) -> nn.Parameter:
@@ -205,8 +246,8 @@ class RequantizingDestination(Destination):
                 raise ValueError(f"a packed part of {tuple(part.shape)} for rows of "
                                  f"{tuple(view.shape)}")
             place(self.module, first, part)
-        else:
-            requantize_rows(self.module, first, part.reshape(rows, width))
+        else:  # in the model's dtype first, as the weight quantized after loading was
+            requantize_rows(self.module, first, part.reshape(rows, width).to(view.dtype))
 
     def receiver(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         return None  # never written straight into: the placeholder holds no memory

@@ -57,8 +57,8 @@ import torch
 from torch import nn
 
 from pagellm.executor.model import host_memory
-from pagellm.executor.model.quantize import PROJECTIONS
-from pagellm.kernels.cpu_int_gemm import TILE, CpuIntWeight
+from pagellm.executor.model.quantize import PROJECTIONS, empty_cpu_int, empty_packed
+from pagellm.kernels.cpu_int_gemm import CpuIntWeight
 from pagellm.kernels.fp8 import FP8, Fp8Weight
 from pagellm.kernels.quant import GROUP_SIZES, PackedWeight, dequantize, pack, unpack
 
@@ -508,12 +508,12 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
         with torch.device("meta"):
             if not triton:
                 group = k if quant.w8a8 and k % 32 == 0 else _target_group(quant, k, k * shards)
-                module.quant = _empty_cpu_int(n, k, bits, group)
+                module.quant = empty_cpu_int(n, k, bits, group)
             elif quant.kind is Kind.FP8:
                 module.quant = Fp8Weight(torch.empty(n, k, dtype=FP8),
                                          torch.empty(1, n, dtype=torch.float32))
             else:
-                module.quant = _empty_packed(n, k, bits, _target_group(quant, k, k * shards),
+                module.quant = empty_packed(n, k, bits, _target_group(quant, k, k * shards),
                                              dtype, act_order=quant.act_order and shards == 1)
             module.weight = nn.Parameter(torch.empty(n, k, dtype=module.weight.dtype),
                                          requires_grad=False)
@@ -533,24 +533,6 @@ def _ignored(quant: CheckpointQuant, parts: list[str]) -> bool:
         raise ValueError(f"quantization_config ignores some of {parts} but not all; "
                          "pagellm computes them as one projection")
     return ignored.pop()
-
-
-def _empty_packed(n: int, k: int, bits: int, group: int, dtype: torch.dtype,
-                  act_order: bool = False) -> PackedWeight:
-    """A PackedWeight [n, k] on the current (meta) device, scales and zeros in `dtype`
-    (and an act-order permutation, `act_order`)."""
-    return PackedWeight(torch.empty(k * bits // 32, n, dtype=torch.int32),
-                        torch.empty(k // group, n, dtype=dtype),
-                        torch.empty(k // group, n, dtype=dtype), bits, group,
-                        torch.empty(k, dtype=torch.int64) if act_order else None)
-
-
-def _empty_cpu_int(n: int, k: int, bits: int, group: int) -> CpuIntWeight:
-    """A CpuIntWeight [n, k] on the current (meta) device."""
-    tiles = -(-n // TILE)
-    return CpuIntWeight(torch.empty(tiles, k // 4, TILE * bits // 2, dtype=torch.uint8),
-                        torch.empty(tiles, k // group, TILE),
-                        torch.empty(tiles, k // group, TILE), bits, group, n)
 
 
 def _prepare_experts(model: nn.Module, quant: CheckpointQuant, dtype: torch.dtype,
@@ -586,8 +568,8 @@ def _prepare_experts(model: nn.Module, quant: CheckpointQuant, dtype: torch.dtyp
             continue
         bits, group = quant.bits_of(parts), _target_group(quant, k, k * shards)
         with torch.device("meta"):
-            empty = _empty_packed(count * rows, k, bits, group, dtype) if triton else \
-                _empty_cpu_int(count * rows, k, bits, group)
+            empty = empty_packed(count * rows, k, bits, group, dtype) if triton else \
+                empty_cpu_int(count * rows, k, bits, group)
         modules.update([experts.pack(attr, empty)])
     return modules
 
@@ -600,4 +582,7 @@ def materialize(module: nn.Module, device: torch.device) -> None:
                for f in fields(quant) if isinstance(getattr(quant, f.name), torch.Tensor)}
     if tensors.get("perm") is not None:
         tensors["perm"].fill_(-1)
+    if isinstance(quant, CpuIntWeight):  # the last tile's rows past N are never loaded:
+        for t in tensors.values():  # zeros, not whatever the pages held
+            t.zero_()
     module.quant = replace(quant, **tensors)  # type: ignore[arg-type,assignment]

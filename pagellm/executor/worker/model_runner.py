@@ -28,9 +28,7 @@ from pagellm.executor.model.attention import (
 from pagellm.executor.model.config import ModelConfig
 from pagellm.executor.model.linear import INT_WEIGHTS, drop_packed
 from pagellm.executor.model.loader import load_model
-from pagellm.executor.model.moe import quantize_experts
 from pagellm.executor.model.parallel import TensorParallel
-from pagellm.executor.model.quantize import QUANTIZATIONS, quantize_projections
 from pagellm.executor.worker.cpu_decode import CpuDecodeStep
 from pagellm.executor.worker.cpu_threads import ThreadTuner, tunable_threads
 from pagellm.executor.worker.cuda_graphs import DecodeGraphs, capture_sizes
@@ -113,6 +111,8 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype='fp8' needs an Ada or Hopper GPU (compute "
                              f"capability 8.9 or newer: e4m3 conversions); this one is "
                              f"{major}.{minor}")
+        if model_config.quantization is not None:
+            self._check_quantization(model_config.quantization)
         self.model = load_model(model_config, device, self.tp, host_ranks,
                                 kernels=self.attention.name == "triton")
         if model_config.checkpoint_quant is not None:
@@ -121,7 +121,8 @@ class ModelRunner:
                         if self.model.quantized else "loaded dequantized (its kernels are "
                         "Triton's: CUDA, or attention_backend='triton')")
         if model_config.quantization is not None:
-            self._quantize(model_config.quantization)
+            logger.info("quantization=%s: %d weights quantized on load",
+                        model_config.quantization, len(self.model.quantized))
         if self.attention.name != "triton" and self.model.quantized:
             # An int8 copy of the LM head (the CPU int kernel's), as llama.cpp's Q4_0 /
             # Q8_0 files keep theirs: at batch 1 the fp32 head was a fifth of an int4 step.
@@ -176,16 +177,16 @@ class ModelRunner:
         if self.cpu_decode is not None:
             self.cpu_decode.forget()
 
-    def _quantize(self, quantization: str) -> None:
-        """Quantize the projections on load (executor/model/quantize.py), where the
-        attention runs Triton's: on CUDA (on the CPU attention_backend='triton' runs
-        the kernels anyway, for tests). The CPU's own path takes int4 and int8, through
-        its C++ int kernel (kernels/cpu_int_gemm.py: faster than fp32 where the CPU has
-        AVX-512 VNNI's int8 dot products), the MoE experts packed on both paths (moe.py;
-        not for fp8), and, as
-        for an integer checkpoint there, the LM head from an int8 copy of its weight
+    def _check_quantization(self, quantization: str) -> None:
+        """Quantize-on-load (the loader quantizes while loading: executor/model/
+        quantize.py) runs the Triton kernels where the attention runs Triton's: on CUDA
+        (on the CPU attention_backend='triton' runs them anyway, for tests). The CPU's
+        own path takes int4 and int8, through its C++ int kernel
+        (kernels/cpu_int_gemm.py: faster than fp32 where the CPU has AVX-512 VNNI's int8
+        dot products), the MoE experts packed on both paths (moe.py; not for fp8), and,
+        as for an integer checkpoint there, the LM head from an int8 copy of its weight
         (linear.INT_WEIGHTS, made again after weight updates; registered in __init__);
-        it has no fp8 GEMM faster than fp32's."""
+        it has no fp8 GEMM faster than fp32's: refused before anything loads."""
         triton = self.attention.name == "triton"
         if not triton and quantization == "fp8":
             raise ValueError("quantization='fp8' needs CUDA (the CPU has no fp8 GEMM faster "
@@ -194,14 +195,6 @@ class ModelRunner:
         if not triton and not cpu_int_gemm.fast_on_this_cpu():
             logger.warning("quantization=%r on a CPU without AVX-512 VNNI: less memory "
                            "than fp32, but slower", quantization)
-        self.model.quantized = quantize_projections(self.model, quantization, triton)
-        if quantization != "fp8":  # (no fp8 fused MoE kernel: fp8 experts keep the dtype)
-            self.model.quantized.update(quantize_experts(
-                self.model, QUANTIZATIONS[quantization], triton))
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the replaced weights' memory
-        logger.info("quantization=%s: %d weights quantized on load", quantization,
-                    len(self.model.quantized))
 
     # -- KV cache ------------------------------------------------------------------
 
