@@ -561,3 +561,17 @@ def test_deepseek_v3s_choice_bias_stays_float32_in_a_bf16_model(family_dirs):
     assert params[name].dtype == torch.float32
     assert torch.equal(params[name], load_file(directory / "model.safetensors")[name])
     assert params["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+
+
+def test_deepseeks_cache_holds_the_latent_once(family_dirs, make_llm):
+    """The latent is its own value: each layer's cache is one plane (kv_lora_rank +
+    qk_rope_head_dim per token), its K and V halves views of the same memory, so a
+    block costs half what a key-and-value cache of that width would (the greedy tests
+    above run on it)."""
+    llm = make_llm(family_dirs["deepseek_v3"])
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
+    spec = runner.model_config.spec
+    assert spec.head_dim == 32 + 16 and spec.num_kv_heads == 1
+    for layer in runner.kv_caches:
+        assert layer.shape[0] == 2 and layer[0].data_ptr() == layer[1].data_ptr()
+    assert runner.kv_cache_bytes_per_block() == spec.num_layers * 16 * spec.head_dim * 4

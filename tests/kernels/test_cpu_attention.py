@@ -65,6 +65,20 @@ def test_decodes_match_float64_attention(ops, gqa_ratio: int, head_dim: int,
                                atol=atol)
 
 
+@pytest.mark.parametrize("requests", ["1", "10"])
+def test_one_plane_expanded_to_keys_and_values_reads_each_key_as_its_value(ops, requests):
+    """DeepSeek's latent is its own value: the cache's V half is a stride-0 view of its
+    K half (executor/worker/model_runner.py); the op reads values at the keys' memory,
+    as attention whose values are the keys (float64)."""
+    batch = make_batch(16, 48, 16, torch.float32, seed=5, shapes=BATCHES[requests])
+    one = batch.kv_cache[:1].clone()
+    shared = dataclasses.replace(batch, kv_cache=one.expand(2, *one.shape[1:]))
+    out = _attend(ops, shared, 0.2)
+    expected = naive_attention(dataclasses.replace(batch, values=batch.keys), 0.2)
+    rtol, atol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("window, softcap", [(5, None), (16, None), (None, 2.0), (7, 1.5)])
 def test_a_window_and_a_softcap_match_float64_attention(ops, window: int | None,
                                                        softcap: float | None):

@@ -11,14 +11,15 @@ q_lora_rank), split per head into q_nope and q_pe. Since
     q_h . k_h = (W_UK[h]^T q_nope) . c + q_pe . k_pe      and      o_h = W_UV[h] (sum_j p_j c_j)
 
 the cache holds only [c ; k_pe] per token, one "KV head" of R + rope (the spec's
-head_dim; 576 for V2/V3 against 128 heads x 320 without it), and attention runs as
+head_dim), and attention runs as
 multi-query attention over it: each head's query is [W_UK[h]^T q_nope ; q_pe] (the
 up-projection "absorbed" into the query), its output's first R entries are the
 weighted latents, which W_UV[h] turns into the head's value (`LatentProjection`). The
-shared attention layer and every backend serve it unchanged (the value is the key
-entry itself, written to both halves of the cache: twice the latent's bytes, still a
-seventeenth of V3's full keys and values). Softmax scale: qk_head_dim ** -0.5 (times
-YaRN's mscale squared, registry.py), as transformers'.
+shared attention layer and every backend serve it unchanged: the value is the key
+entry itself, and the cache holds it once (`DecoderSpec.kv_planes`: the K and V halves
+of each layer's cache are views of one tensor; 576 numbers a token and layer, against
+V3's 128 heads x 320 of full keys and values). Softmax scale: qk_head_dim ** -0.5
+(times YaRN's mscale squared, registry.py), as transformers'.
 
 RoPE: DeepSeek pairs rotary dimensions interleaved, (x0, x1), (x2, x3), ...;
 `rotate_pe` de-interleaves them (evens, then odds: the layout transformers' V3 outputs)

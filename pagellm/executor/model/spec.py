@@ -139,6 +139,13 @@ class DecoderSpec:
         return self.layer_windows[layer_idx] if self.layer_windows else None
 
     @property
+    def kv_planes(self) -> int:
+        """What a layer's cache holds per token: keys and values (2), or one entry that
+        is its own value (1: DeepSeek's latent, deepseek.py; the K and V halves of the
+        layer's cache are then views of one tensor: executor/worker/model_runner.py)."""
+        return 1 if self.mla is not None else 2
+
+    @property
     def kv_window(self) -> int | None:
         """The window when every layer slides (the engine core then frees KV blocks older
         than it), else None: one full-attention layer reads every block."""

@@ -199,14 +199,16 @@ class ModelRunner:
     # -- KV cache ------------------------------------------------------------------
 
     def _kv_cache_shapes(self, num_blocks: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """Each model's cache, [layers, K|V, blocks, block_size, kv_heads, head_dim], and
+        """Each model's cache, [layers, K|V (or one plane), blocks, block_size, kv_heads,
+        head_dim], and
         its dtype: the target's, then the draft model's (speculative decoding), which
         shares the target's block ids."""
         models = [(self.model_config, self.num_kv_heads)]
         if self.drafter is not None:
             models.append((self.drafter.config, self.drafter.tp.num_kv_heads))
-        return [((config.spec.num_layers, 2, num_blocks, self.block_size, kv_heads,
-                  config.spec.head_dim), config.cache_dtype) for config, kv_heads in models]
+        return [((config.spec.num_layers, config.spec.kv_planes, num_blocks, self.block_size,
+                  kv_heads, config.spec.head_dim), config.cache_dtype)
+                for config, kv_heads in models]
 
     def kv_cache_bytes_per_block(self) -> int:
         return sum(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
@@ -216,7 +218,11 @@ class ModelRunner:
         # One list of layers: the target's, then the draft's (`drafter.num_layers`). Not
         # zeroed (on the CPU pages are committed as blocks get used): no kernel reads a
         # slot its request has not written.
-        self.kv_caches = [layer for shape, dtype in self._kv_cache_shapes(num_blocks)
+        # Each layer's [K|V, ...]: a cache of one plane (spec.kv_planes: DeepSeek's
+        # latent is its own value) is expanded to two views of the same memory, so that
+        # every backend reads and writes it as any cache.
+        self.kv_caches = [layer.expand(2, *layer.shape[1:])
+                          for shape, dtype in self._kv_cache_shapes(num_blocks)
                           for layer in torch.empty(shape, dtype=dtype,
                                                    device=self.device).unbind(0)]
 

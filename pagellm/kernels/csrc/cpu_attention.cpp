@@ -580,12 +580,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                   q.dim() == 3 && q.device().is_cpu(),
               "q must be an fp32 or bf16 CPU tensor [B, H, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  // (values at kv_cache.stride(0) from the keys: 0 where one plane is its own value,
+  // DeepSeek's latent, expanded to two views)
   TORCH_CHECK((kv_cache.scalar_type() == q.scalar_type() ||
-               kv_cache.scalar_type() == at::kBFloat16) && kv_cache.is_contiguous() &&
+               kv_cache.scalar_type() == at::kBFloat16) &&
                   kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
-                  kv_cache.size(4) == D,
+                  kv_cache.size(4) == D && kv_cache.select(0, 0).is_contiguous() &&
+                  (kv_cache.stride(0) == 0 || kv_cache.is_contiguous()),
               "kv_cache must be a contiguous CPU tensor [2, num_blocks, block_size, H_kv, ", D,
-              "] of q's dtype or bf16");
+              "] of q's dtype or bf16 (or one plane expanded to two)");
   const int64_t H_kv = kv_cache.size(3);
   TORCH_CHECK(H_kv > 0 && H % H_kv == 0, "q's ", H, " heads must be a multiple of the ",
               H_kv, " KV heads");
