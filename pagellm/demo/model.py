@@ -56,7 +56,7 @@ __all__ = [
 
 ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe",
                           "mixtral", "olmoe", "gemma2", "gemma3_text", "phi3", "gpt_oss",
-                          "deepseek_v2", "deepseek_v3")
+                          "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 
@@ -235,7 +235,8 @@ def _build_config(spec: ModelSpec) -> PretrainedConfig:
             "full_attention": common["rope_parameters"],
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     # these derive head_dim (DeepSeek's is its rotary part, qk_rope_head_dim)
-    if spec.arch not in ("qwen2", "qwen2_moe", "olmoe", "phi3", "deepseek_v2", "deepseek_v3"):
+    if spec.arch not in ("qwen2", "qwen2_moe", "olmoe", "phi3", "deepseek_v2", "deepseek_v3",
+                         "glm4_moe_lite"):
         extra.setdefault("head_dim", spec.effective_head_dim)
     return AutoConfig.for_model(spec.arch, **common, **extra)
 

@@ -8,7 +8,7 @@ and 8 and experts no token picks; two tensor-parallel ranks equal one; and a tra
 weights pushed by transformers 5's in-memory names (stacked experts) land. gpt-oss adds
 attention sinks, alternating windows, YaRN, biased experts with a clamped SwiGLU and a
 checkpoint of its own layout; DeepSeek-V2/V3 latent attention and grouped routing with
-shared experts."""
+shared experts; GLM-4.5's partial RoPE with them."""
 
 from __future__ import annotations
 
@@ -116,6 +116,27 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
                                                topk_method="group_limited_greedy",
                                                routed_scaling_factor=1.5,
                                                norm_topk_prob=False, first_k_dense_replace=1)),
+    # GLM-4.5: 2 KV heads, q/k/v biases, per-head q/k norms, RoPE on half of each head,
+    # DeepSeek-V3's experts and routing
+    "glm4_moe": ModelSpec(arch="glm4_moe", **_SMALL, num_kv_heads=2, head_dim=32,
+                          intermediate_size=96, init_std=0.3, seed=25,
+                          rope_scaling=dict(rope_type="default", partial_rotary_factor=0.5),
+                          config_extra=dict(attention_bias=True, use_qk_norm=True,
+                                            n_routed_experts=8, num_experts_per_tok=2,
+                                            moe_intermediate_size=32, n_shared_experts=1,
+                                            n_group=4, topk_group=2,
+                                            routed_scaling_factor=2.5, norm_topk_prob=True,
+                                            first_k_dense_replace=1)),
+    # GLM-4.7-Flash: DeepSeek-V3's architecture, its dense layers by mlp_layer_types
+    "glm4_moe_lite": ModelSpec(arch="glm4_moe_lite", **_SMALL, num_kv_heads=4,
+                               intermediate_size=96, init_std=0.3, seed=26,
+                               config_extra=dict(DEEPSEEK_MLA, q_lora_rank=64,
+                                                 n_routed_experts=8, num_experts_per_tok=2,
+                                                 moe_intermediate_size=32,
+                                                 n_shared_experts=1, n_group=1,
+                                                 topk_group=1, routed_scaling_factor=1.8,
+                                                 norm_topk_prob=True,
+                                                 mlp_layer_types=["sparse", "dense"])),
     "olmoe_top2": ModelSpec(arch="olmoe", **_SMALL, num_kv_heads=2, intermediate_size=32,
                             init_std=0.3, seed=16,
                             config_extra=dict(num_experts=4, num_experts_per_tok=2,
@@ -379,7 +400,7 @@ def test_gpt_oss_mxfp4_checkpoint_loads_as_transformers_reads_it(family_dirs, ma
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _names("qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss",
-                                         "deepseek_v3", "deepseek_v2"))
+                                         "deepseek_v3", "deepseek_v2", "glm4_moe"))
 def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make_llm):
     """Each rank holds half of every expert (and, for OLMoE, half of the all-head q/k
     norms, their statistic summed over the ranks): greedy tokens equal transformers',
@@ -434,8 +455,8 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
 @pytest.mark.parametrize(("extra", "match"), [
     (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
     (dict(sliding_window=-4), "sliding_window must be a positive integer, got -4"),
-    (dict(architectures=["Glm4MoeForCausalLM"], model_type="mixtral"),
-     "unsupported architecture 'Glm4MoeForCausalLM'"),
+    (dict(architectures=["Qwen3NextForCausalLM"], model_type="mixtral"),
+     "unsupported architecture 'Qwen3NextForCausalLM'"),
     (dict(swiglu_limit=float("inf")), "swiglu_limit must be a finite number"),
     (dict(quantization_config={"quant_method": "mxfp4"}),  # gpt-oss's experts only
      "quantization_config.quant_method='mxfp4'"),

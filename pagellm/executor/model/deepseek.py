@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -244,14 +244,15 @@ class DeepseekForCausalLM(DecoderForCausalLM):
     """The shared causal LM around `DeepseekModel`, with the latent attention's tensors
     sliced by head (`family_destination`)."""
 
-    model_cls = DeepseekModel
+    model_cls: ClassVar[type[DecoderModel]] = DeepseekModel
 
     def family_destination(self, name: str, params: dict[str, nn.Parameter]
                            ) -> Destination | None:
         m = _LAYER.fullmatch(name)
         if m is not None and int(m[1]) >= self.spec.num_layers:
             return SKIP  # V3's multi-token-prediction layer (module docstring)
-        dest = latent_attention_destination(name, params, self.spec, self.tp)
+        dest = (latent_attention_destination(name, params, self.spec, self.tp)
+                if self.spec.mla is not None else None)  # (GLM-4.5's is the shared one)
         return dest if dest is not None else super().family_destination(name, params)
 
 

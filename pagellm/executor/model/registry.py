@@ -4,7 +4,8 @@ which model class it builds.
 Families that differ from Llama only in data are a reader here and the shared decoder
 (decoder.py, whose MLP is the sparse MoE block of moe.py where the spec has experts); a
 family whose computation differs brings its own module with a reader and a model class
-(gemma.py, gpt_oss.py, deepseek.py). Adding a family is that module and one row of `FAMILIES`.
+(gemma.py, gpt_oss.py, deepseek.py, glm4_moe.py). Adding a family is that module and
+one row of `FAMILIES`.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ def _deepseek() -> type[DecoderForCausalLM]:
     from pagellm.executor.model.deepseek import DeepseekForCausalLM
 
     return DeepseekForCausalLM
+
+
+def _glm4_moe_model() -> type[DecoderForCausalLM]:
+    from pagellm.executor.model.glm4_moe import Glm4MoeForCausalLM
+
+    return Glm4MoeForCausalLM
 
 
 def _sparse_layers(config: Any) -> tuple[bool, ...]:
@@ -177,15 +184,11 @@ def _gpt_oss_spec(config: Any, arch: str) -> DecoderSpec:
     return read_decoder_spec(config, arch, moe=moe, attn_sinks=True)
 
 
-def _deepseek_spec(config: Any, arch: str, routing: GroupedRouting,
-                   rope_interleave: bool) -> DecoderSpec:
-    """DeepSeek-V2/V3 (and their kin: Kimi K2, Moonlight): latent attention (`MlaSpec`)
-    and, from layer first_k_dense_replace on, experts with shared experts and the
-    family's routing (`routing`). The scale of the scores is qk_head_dim ** -0.5, times
-    YaRN's mscale(factor, mscale_all_dim) squared where the RoPE is YaRN (the
-    attention's own temperature; the tables carry mscale / mscale_all_dim)."""
+def _deepseek_moe(config: Any, routing: GroupedRouting) -> MoeSpec:
+    """DeepSeek's experts (also GLM-4.5's): `routing`, shared experts of n_shared_experts
+    times an expert's width, dense MLPs in the first first_k_dense_replace layers (or
+    where `mlp_layer_types` says "dense": GLM-4.7-Flash)."""
     experts = config.n_routed_experts
-    moe_size = config.moe_intermediate_size
     if experts % routing.n_group:
         raise ValueError(f"n_routed_experts ({experts}) must be a multiple of n_group "
                          f"({routing.n_group})")
@@ -199,14 +202,40 @@ def _deepseek_spec(config: Any, arch: str, routing: GroupedRouting,
     if routing.group_score == "top2" and per_group < 2:
         raise ValueError(f"n_group ({routing.n_group}) leaves fewer than two experts per "
                          "group, which V3's group scores (the best two summed) need")
-    first_dense = getattr(config, "first_k_dense_replace", 0) or 0
-    moe = MoeSpec(num_experts=experts, top_k=config.num_experts_per_tok,
-                  intermediate_size=moe_size, renormalize=bool(config.norm_topk_prob),
-                  sparse_layers=tuple(i >= first_dense
-                                      for i in range(config.num_hidden_layers)),
-                  weights_in_model_dtype=False,
-                  shared_expert_size=moe_size * (config.n_shared_experts or 0),
-                  grouped=routing)
+    layers = config.num_hidden_layers
+    types = getattr(config, "mlp_layer_types", None)
+    if types:
+        if len(types) != layers or set(types) - {"dense", "sparse"}:
+            raise ValueError(f"mlp_layer_types must list 'dense' or 'sparse' for each of the "
+                             f"{layers} layers, got {types!r}")
+        sparse = tuple(t == "sparse" for t in types)
+    else:
+        first_dense = getattr(config, "first_k_dense_replace", 0) or 0
+        sparse = tuple(i >= first_dense for i in range(layers))
+    moe_size = config.moe_intermediate_size
+    return MoeSpec(num_experts=experts, top_k=config.num_experts_per_tok,
+                   intermediate_size=moe_size, renormalize=bool(config.norm_topk_prob),
+                   sparse_layers=sparse, weights_in_model_dtype=False,
+                   shared_expert_size=moe_size * (config.n_shared_experts or 0),
+                   grouped=routing)
+
+
+def _v3_routing(config: Any) -> GroupedRouting:
+    """DeepSeek-V3's router: sigmoid scores, a learned bias for the choice
+    (e_score_correction_bias), the choice within the topk_group best of n_group groups
+    (each scored by its best two experts), weights from the unbiased scores."""
+    return GroupedRouting(scoring="sigmoid", score_bias=True, group_score="top2",
+                          n_group=config.n_group or 1, topk_group=config.topk_group or 1,
+                          scaling=float(config.routed_scaling_factor))
+
+
+def _deepseek_spec(config: Any, arch: str, routing: GroupedRouting,
+                   rope_interleave: bool) -> DecoderSpec:
+    """DeepSeek-V2/V3 (and their kin: Kimi K2, Moonlight, GLM-4.7-Flash): latent
+    attention (`MlaSpec`) and experts with shared experts and the family's routing
+    (`_deepseek_moe`). The scale of the scores is qk_head_dim ** -0.5, times YaRN's
+    mscale(factor, mscale_all_dim) squared where the RoPE is YaRN (the attention's own
+    temperature; the tables carry mscale / mscale_all_dim)."""
     mla = MlaSpec(q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
                   qk_nope_head_dim=config.qk_nope_head_dim,
                   qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
@@ -220,7 +249,7 @@ def _deepseek_spec(config: Any, arch: str, routing: GroupedRouting,
         scale *= (0.1 * mscale_all_dim * math.log(rope.params["factor"]) + 1.0) ** 2
     return read_decoder_spec(config, arch, num_kv_heads=1,
                              head_dim=mla.kv_lora_rank + mla.qk_rope_head_dim, rope=rope,
-                             attn_scale=scale, moe=moe, mla=mla)
+                             attn_scale=scale, moe=_deepseek_moe(config, routing), mla=mla)
 
 
 def _deepseek_v2(config: Any, arch: str) -> DecoderSpec:
@@ -242,18 +271,26 @@ def _deepseek_v2(config: Any, arch: str) -> DecoderSpec:
 
 
 def _deepseek_v3(config: Any, arch: str) -> DecoderSpec:
-    """DeepSeek-V3 / R1, Kimi K2, Moonlight: sigmoid scores, a learned bias for the
-    choice (e_score_correction_bias), the choice within the topk_group best of n_group
-    groups (each scored by its best two experts), weights from the unbiased scores,
-    renormalised (norm_topk_prob) and scaled; rope_interleave as the config says. The
-    multi-token-prediction layer some checkpoints carry (layer num_hidden_layers) is
-    not loaded (deepseek.py)."""
-    routing = GroupedRouting(
-        scoring="sigmoid", score_bias=True, group_score="top2",
-        n_group=config.n_group or 1, topk_group=config.topk_group or 1,
-        scaling=float(config.routed_scaling_factor))
-    return _deepseek_spec(config, arch, routing,
+    """DeepSeek-V3 / R1, Kimi K2, Moonlight, GLM-4.7-Flash: V3's routing
+    (`_v3_routing`), renormalised (norm_topk_prob) and scaled; rope_interleave as the
+    config says. The multi-token-prediction layer some checkpoints carry (layer
+    num_hidden_layers) is not loaded (deepseek.py)."""
+    return _deepseek_spec(config, arch, _v3_routing(config),
                           rope_interleave=bool(getattr(config, "rope_interleave", True)))
+
+
+def _glm4_moe(config: Any, arch: str) -> DecoderSpec:
+    """GLM-4.5 / 4.5-Air / 4.6: grouped-query attention with q/k/v biases, per-head q/k
+    norms where use_qk_norm, RoPE on the first partial_rotary_factor of each head (0.5;
+    halves, as Llama's), and DeepSeek-V3's experts and routing (glm4_moe.py)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.setdefault("partial_rotary_factor",
+                      getattr(config, "partial_rotary_factor", None) or 1.0)
+    rope = RopeSpec.from_hf(params, getattr(config, "rope_theta", None),
+                            getattr(config, "rope_scaling", None), partial_rotary=True)
+    return read_decoder_spec(config, arch, o_bias=False, rope=rope,
+                             qk_norm="head" if getattr(config, "use_qk_norm", False) else None,
+                             moe=_deepseek_moe(config, _v3_routing(config)))
 
 
 def _phi3(config: Any, arch: str) -> DecoderSpec:
@@ -281,6 +318,8 @@ FAMILIES: dict[str, Family] = {
     "GptOssForCausalLM": Family("gpt_oss", _gpt_oss_spec, _gpt_oss),
     "DeepseekV2ForCausalLM": Family("deepseek_v2", _deepseek_v2, _deepseek),
     "DeepseekV3ForCausalLM": Family("deepseek_v3", _deepseek_v3, _deepseek),
+    "Glm4MoeLiteForCausalLM": Family("glm4_moe_lite", _deepseek_v3, _deepseek),
+    "Glm4MoeForCausalLM": Family("glm4_moe", _glm4_moe, _glm4_moe_model),
 }
 
 
