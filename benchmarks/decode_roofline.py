@@ -87,6 +87,8 @@ def bytes_per_decode_step(model_dir: str, element_size: int, context: float,
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim
+    if getattr(text, "kv_lora_rank", None):  # DeepSeek's latent, cached once
+        kv_per_token = text.num_hidden_layers * (text.kv_lora_rank + text.qk_rope_head_dim)
     weight_bytes = read * element_size
     if quantization is not None:
         from pagellm.executor.model.quantize import QUANTIZATIONS, group_size_for
