@@ -241,3 +241,28 @@ def test_lora_on_the_gpu_with_and_without_graphs(model_dirs, make_llm, tmp_path)
                 ours = out.outputs[0].token_ids
                 assert argmax_along(references[name], out.prompt_token_ids, ours) == ours, \
                     (name, enforce_eager)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2", "glm4_moe"])
+def test_deepseek_and_glm_on_the_gpu_match_transformers(name, make_llm, tmp_path):
+    """DeepSeek's latent attention on CUDA (its one 48-wide latent head: "auto" takes
+    torch's attention ops, eager), and GLM-4.5's GQA heads on the Triton kernels in
+    CUDA graphs; both with the fused MoE kernel under DeepSeek's float32 routing weights
+    and the fused rotary and norms: fp32 greedy tokens equal transformers' on the CPU."""
+    from family_specs import FAMILY_SPECS
+    from transformers import AutoModelForCausalLM
+
+    from pagellm.demo.model import make_model
+
+    directory = make_model(tmp_path / name, FAMILY_SPECS[name])
+    llm = make_llm(directory, device="cuda", dtype="float32",
+                   kv_cache_memory_bytes=64 * 2**20)
+    runner = llm.engine_core.core.executor.runner
+    assert runner.attention.name == ("triton" if name == "glm4_moe" else "torch")
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    for output in llm.generate(PROMPTS, GREEDY, use_tqdm=False):
+        ids = output.prompt_token_ids
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32,
+                                   attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        assert output.outputs[0].token_ids == expected[0, len(ids):].tolist()

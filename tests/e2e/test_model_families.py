@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 import torch
 from conftest import PROMPTS, deepseek_v2_reference, gpt_oss_reference, runs_triton_kernels
+from family_specs import FAMILY_SPECS
 
 from pagellm import SamplingParams
-from pagellm.demo.model import ModelSpec, make_model
+from pagellm.demo.model import make_model
 from pagellm.executor.model.config import resolve_model_config
 from pagellm.executor.model.loader import load_model
 from pagellm.executor.model.parallel import TensorParallel
@@ -31,118 +32,6 @@ MAX_TOKENS = 32
 # Prompts of many lengths; two share a 40-token prefix, so the second run of the batch
 # hits the prefix cache mid-prompt.
 FAMILY_PROMPTS = [*PROMPTS[1:6], PROMPTS[4] + "tail"]
-
-_SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, vocab_size=1024,
-              tie_word_embeddings=False)
-# DeepSeek's latent attention, small: a latent of 32 (the cache's head_dim with the
-# rotary 16), queries and keys of 16 + 16 per head, values of 24
-DEEPSEEK_MLA = dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24)
-FAMILY_SPECS: dict[str, ModelSpec] = {
-    # top-2 of 8, renormalised; layer 1 dense (mlp_only_layers); one KV head replicated
-    # under tensor parallelism; head_dim apart from hidden_size / heads
-    "qwen3_moe": ModelSpec(arch="qwen3_moe", **_SMALL, num_kv_heads=1, head_dim=32,
-                           intermediate_size=96, init_std=0.3, seed=11, config_extra=dict(
-                               num_experts=8, num_experts_per_tok=2,
-                               moe_intermediate_size=32, norm_topk_prob=True,
-                               mlp_only_layers=[1])),
-    # top-1 of 16, not renormalised: most experts see no token of a short batch
-    "qwen3_moe_top1": ModelSpec(arch="qwen3_moe", **_SMALL, num_kv_heads=2,
-                                intermediate_size=64, init_std=0.3, seed=12,
-                                config_extra=dict(num_experts=16, num_experts_per_tok=1,
-                                                  moe_intermediate_size=16,
-                                                  norm_topk_prob=False)),
-    # Qwen2-MoE: q/k/v biases, top-2 of 8 not renormalised, and a shared expert of its
-    # own width (48) gated by sigmoid(shared_expert_gate(x)); layer 0 dense
-    "qwen2_moe": ModelSpec(arch="qwen2_moe", **_SMALL, num_kv_heads=2, intermediate_size=80,
-                           init_std=0.3, seed=19, config_extra=dict(
-                               num_experts=8, num_experts_per_tok=2,
-                               moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                               norm_topk_prob=False, mlp_only_layers=[0])),
-    "mixtral": ModelSpec(arch="mixtral", **_SMALL, num_kv_heads=2, intermediate_size=48,
-                         init_std=0.2, seed=13,
-                         config_extra=dict(num_local_experts=4, num_experts_per_tok=2)),
-    # top-8 of 8: every expert for every token
-    "mixtral_top8": ModelSpec(arch="mixtral", **_SMALL, num_kv_heads=4,
-                              intermediate_size=32, init_std=0.2, seed=14,
-                              config_extra=dict(num_local_experts=8, num_experts_per_tok=8)),
-    # q/k norms over all heads, q/k/v clipped, top-8 of 16 not renormalised
-    "olmoe": ModelSpec(arch="olmoe", **_SMALL, num_kv_heads=4, intermediate_size=32,
-                       init_std=0.3, seed=15,
-                       config_extra=dict(num_experts=16, num_experts_per_tok=8,
-                                         norm_topk_prob=False, clip_qkv=3.0)),
-    # sliding window on every layer, shorter than most prompts and crossing blocks of
-    # 16 (the KV cache manager frees the blocks behind it as the requests run)
-    "mistral": ModelSpec(arch="mistral", **_SMALL, num_kv_heads=2, intermediate_size=128,
-                         init_std=0.2, seed=17, config_extra=dict(sliding_window=20)),
-    # Qwen2's layers from max_window_layers on slide: layer 0 full, layer 1 a window
-    "qwen2_window": ModelSpec(arch="qwen2", **_SMALL, num_kv_heads=2, intermediate_size=96,
-                              init_std=0.2, seed=18,
-                              config_extra=dict(use_sliding_window=True, sliding_window=12,
-                                                max_window_layers=1)),
-    # gpt-oss: top-2 of 8 biased experts, their SwiGLU clamped at 1.5 (so the clamps
-    # bite at init_std 0.3), sinks, layer 0 a 20-key window (the prompts are longer),
-    # layer 1 full, YaRN RoPE, 8 query heads per KV head
-    "gpt_oss": ModelSpec(arch="gpt_oss", **{**_SMALL, "num_heads": 8}, num_kv_heads=1,
-                         head_dim=16, intermediate_size=32, init_std=0.3, seed=21,
-                         rope_scaling=dict(rope_type="yarn", factor=4.0, beta_fast=32.0,
-                                           beta_slow=1.0, truncate=False,
-                                           original_max_position_embeddings=512),
-                         config_extra=dict(num_local_experts=8, num_experts_per_tok=2,
-                                           sliding_window=20, swiglu_limit=1.5)),
-    # DeepSeek-V3: latent attention (q through its own latent, rotary pairs interleaved,
-    # YaRN with mscale_all_dim in the scores' scale), layer 0 dense, then top-2 of 8
-    # sigmoid-scored experts chosen within the best 2 of 4 groups with a choice bias,
-    # renormalised and scaled by 2.5, plus a shared expert
-    "deepseek_v3": ModelSpec(arch="deepseek_v3", **_SMALL, num_kv_heads=4,
-                             intermediate_size=96, init_std=0.3, seed=23,
-                             rope_scaling=dict(rope_type="yarn", factor=4.0, beta_fast=32.0,
-                                               beta_slow=1.0, mscale=0.9, mscale_all_dim=0.8,
-                                               original_max_position_embeddings=512),
-                             config_extra=dict(DEEPSEEK_MLA, q_lora_rank=64,
-                                               n_routed_experts=8, num_experts_per_tok=2,
-                                               moe_intermediate_size=32, n_shared_experts=1,
-                                               n_group=4, topk_group=2,
-                                               routed_scaling_factor=2.5,
-                                               norm_topk_prob=True, first_k_dense_replace=1)),
-    # DeepSeek-V2: queries straight from q_proj, softmax-scored top-3 of 8 experts within
-    # the best 2 of 4 groups (each scored by its best expert), not renormalised, scaled
-    # by 1.5; two shared experts (one MLP twice as wide)
-    "deepseek_v2": ModelSpec(arch="deepseek_v2", **_SMALL, num_kv_heads=4,
-                             intermediate_size=96, init_std=0.3, seed=24,
-                             config_extra=dict(DEEPSEEK_MLA, q_lora_rank=None,
-                                               n_routed_experts=8, num_experts_per_tok=3,
-                                               moe_intermediate_size=32, n_shared_experts=2,
-                                               n_group=4, topk_group=2,
-                                               topk_method="group_limited_greedy",
-                                               routed_scaling_factor=1.5,
-                                               norm_topk_prob=False, first_k_dense_replace=1)),
-    # GLM-4.5: 2 KV heads, q/k/v biases, per-head q/k norms, RoPE on half of each head,
-    # DeepSeek-V3's experts and routing
-    "glm4_moe": ModelSpec(arch="glm4_moe", **_SMALL, num_kv_heads=2, head_dim=32,
-                          intermediate_size=96, init_std=0.3, seed=25,
-                          rope_scaling=dict(rope_type="default", partial_rotary_factor=0.5),
-                          config_extra=dict(attention_bias=True, use_qk_norm=True,
-                                            n_routed_experts=8, num_experts_per_tok=2,
-                                            moe_intermediate_size=32, n_shared_experts=1,
-                                            n_group=4, topk_group=2,
-                                            routed_scaling_factor=2.5, norm_topk_prob=True,
-                                            first_k_dense_replace=1)),
-    # GLM-4.7-Flash: DeepSeek-V3's architecture, its dense layers by mlp_layer_types
-    "glm4_moe_lite": ModelSpec(arch="glm4_moe_lite", **_SMALL, num_kv_heads=4,
-                               intermediate_size=96, init_std=0.3, seed=26,
-                               config_extra=dict(DEEPSEEK_MLA, q_lora_rank=64,
-                                                 n_routed_experts=8, num_experts_per_tok=2,
-                                                 moe_intermediate_size=32,
-                                                 n_shared_experts=1, n_group=1,
-                                                 topk_group=1, routed_scaling_factor=1.8,
-                                                 norm_topk_prob=True,
-                                                 mlp_layer_types=["sparse", "dense"])),
-    "olmoe_top2": ModelSpec(arch="olmoe", **_SMALL, num_kv_heads=2, intermediate_size=32,
-                            init_std=0.3, seed=16,
-                            config_extra=dict(num_experts=4, num_experts_per_tok=2,
-                                              norm_topk_prob=True)),
-}
-
 
 _REFERENCE_MARKS = {"gpt_oss": gpt_oss_reference, "deepseek_v2": deepseek_v2_reference}
 
