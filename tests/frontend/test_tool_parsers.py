@@ -1,4 +1,5 @@
-"""frontend/tool_parsers: the hermes, llama3_json and pythonic formats turned into OpenAI
+"""frontend/tool_parsers: the hermes, llama3_json, pythonic and DeepSeek (V3, V3.1) formats
+turned into OpenAI
 tool calls and content. The reference is the expected results written by hand below;
 streaming is checked against the whole-output result for every string, fed in random
 pieces, one character at a time and all at once."""
@@ -14,6 +15,8 @@ import pytest
 
 from pagellm.frontend.tool_parsers import (
     TOOL_PARSERS,
+    DeepSeekV3ToolParser,
+    DeepSeekV31ToolParser,
     HermesToolParser,
     Llama3JsonToolParser,
     PythonicToolParser,
@@ -137,10 +140,61 @@ PYTHONIC_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
     ("", [], None),
 ]
 
+# DeepSeek's tokens
+CALLS, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+
+def v3_block(name: str, arguments: str) -> str:
+    return f"{CALL}function{SEP}{name}\n```json\n{arguments}\n```{CALL_END}"
+
+
+DEEPSEEK_V3_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
+    (CALLS + v3_block("get_weather", '{"city": "Paris"}') + CALLS_END,
+     [("get_weather", '{"city": "Paris"}')], None),
+    # content before; two calls, arguments re-serialized, unicode kept; no content after
+    ("Let me look.\n\n" + CALLS + v3_block("a", '{"x":1}') + "\n" + v3_block("b", "{}")
+     + CALLS_END, [("a", '{"x": 1}'), ("b", "{}")], "Let me look.\n\n"),
+    (CALLS + v3_block("t", '{"s": "日本 \\u00e9"}') + CALLS_END, [("t", '{"s": "日本 é"}')],
+     None),
+    # arguments over several lines
+    (CALLS + v3_block("f", '{\n  "k": [1,\n 2]\n}') + CALLS_END, [("f", '{"k": [1, 2]}')],
+     None),
+    # an unterminated last block counts when complete (a cut tag after it is content,
+    # as any partial tag at the end)
+    (CALLS + f"{CALL}function{SEP}f\n```json\n{{}}\n```", [("f", "{}")], None),
+    (CALLS + v3_block("f", "{}") + "<｜tool▁calls", [("f", "{}")], "<｜tool▁calls"),
+    # bad blocks stay content (arguments no object, no fence, no name), tags and all
+    (CALLS + v3_block("f", "[1]") + CALLS_END, [], v3_block("f", "[1]")),
+    (CALLS + f"{CALL}function{SEP}f {{}}{CALL_END}" + CALLS_END, [],
+     f"{CALL}function{SEP}f {{}}{CALL_END}"),
+    (CALLS + v3_block(" ", "{}") + CALLS_END, [], v3_block(" ", "{}")),
+    # text after the section stays content; wrappers alone are no content
+    (CALLS + v3_block("f", "{}") + CALLS_END + "Done.", [("f", "{}")], "Done."),
+    (CALLS + CALLS_END, [], None),
+    ("Plain <｜tool▁ca", [], "Plain <｜tool▁ca"),
+    ("", [], None),
+]
+
+DEEPSEEK_V31_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
+    (f'{CALLS}{CALL}get_weather{SEP}{{"city": "Paris"}}{CALL_END}{CALLS_END}',
+     [("get_weather", '{"city": "Paris"}')], None),
+    (f'Sure.{CALLS}{CALL}a{SEP}{{"x":1}}{CALL_END}{CALL}b{SEP}{{}}{CALL_END}{CALLS_END}',
+     [("a", '{"x": 1}'), ("b", "{}")], "Sure."),
+    (f"{CALLS}{CALL}a{SEP}not json{CALL_END}{CALLS_END}", [],
+     f"{CALL}a{SEP}not json{CALL_END}"),
+    (f"{CALLS}{CALL}a{SEP}{{}}", [("a", "{}")], None),
+    (f"{CALLS}{CALL}{SEP}{{}}{CALL_END}", [], f"{CALL}{SEP}{{}}{CALL_END}"),
+    ("no calls here", [], "no calls here"),
+]
+
 CASES = [(HermesToolParser, *case) for case in HERMES_CASES] + \
         [(Llama3JsonToolParser, *case) for case in LLAMA3_CASES] + \
-        [(PythonicToolParser, *case) for case in PYTHONIC_CASES]
-ALL_TEXTS = sorted({case[0] for case in HERMES_CASES + LLAMA3_CASES + PYTHONIC_CASES})
+        [(PythonicToolParser, *case) for case in PYTHONIC_CASES] + \
+        [(DeepSeekV3ToolParser, *case) for case in DEEPSEEK_V3_CASES] + \
+        [(DeepSeekV31ToolParser, *case) for case in DEEPSEEK_V31_CASES]
+ALL_TEXTS = sorted({case[0] for case in HERMES_CASES + LLAMA3_CASES + PYTHONIC_CASES
+                    + DEEPSEEK_V3_CASES + DEEPSEEK_V31_CASES})
 
 
 @pytest.mark.parametrize(("parser_class", "text", "calls", "content"), CASES)
@@ -236,11 +290,12 @@ def test_tool_call_to_openai_and_registry() -> None:
     assert call.to_openai() == {"id": call.id, "type": "function",
                                 "function": {"name": "f", "arguments": '{"a": 1}'}}
     expected = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
-                "pythonic": PythonicToolParser}
+                "pythonic": PythonicToolParser, "deepseek_v3": DeepSeekV3ToolParser,
+                "deepseek_v31": DeepSeekV31ToolParser}
     assert expected == TOOL_PARSERS
     for name, parser_class in TOOL_PARSERS.items():
         assert get_tool_parser(name) is parser_class and parser_class.name == name
-    with pytest.raises(ValueError, match=r"hermes.*llama3_json.*pythonic"):
+    with pytest.raises(ValueError, match=r"deepseek_v3.*hermes.*llama3_json.*pythonic"):
         get_tool_parser("mistral")
 
 
@@ -250,7 +305,7 @@ def test_long_hostile_output_streams_in_bounded_work(name: str) -> None:
     time: work grows with the text, not with the text times the number of deltas (a
     rescan of everything held on each delta takes minutes here)."""
     size = 200_000
-    texts = ["<tool_call>" + "x" * size,
+    texts = ["<tool_call>" + "x" * size, CALLS + CALL + "x" * size,
              '{"name": "a", "parameters": {"s": "' + "y" * size + '"}}',
              "[f(s='" + "z" * size + "')]",
              " " * size + "end"]
@@ -270,7 +325,10 @@ FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "</tool", "<|python_tag|>"
              "{", "}", '"', "\\", ";", " ", "\n", "\u3000", "[f(a=1)]", "[", "]", "(", ")",
              "f(a=[1, 2])", ",", "a", "é", "<", ">", "x=", "'",
              '<tool_call>\n{"name": "f", "arguments": {"q": "<tool_call>"}}\n</tool_call>',
-             '<tool_call>{"name": "g", "arguments": {}}', "[f(a=1), g(b=']')]", "[g()]"]
+             '<tool_call>{"name": "g", "arguments": {}}', "[f(a=1), g(b=']')]", "[g()]",
+             CALLS, CALLS_END, CALL, CALL_END, SEP, "<｜tool▁call", "function", "f",
+             "\n```json\n", "\n```", '{"x": 1}', v3_block("f", '{"a": 1}'),
+             f"{CALL}g{SEP}{{}}{CALL_END}"]
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
@@ -280,7 +338,7 @@ def test_streaming_equals_extract_for_generated_texts(name: str) -> None:
     parser_class = get_tool_parser(name)
     rng = random.Random(0)
     called = 0
-    for _ in range(1500):
+    for _ in range(2500):
         text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 8)))
         expected = parser_class().extract_tool_calls(text)
         called += expected.tools_called

@@ -5,11 +5,14 @@ around them, whole or streamed, in one model family's format."""
 from __future__ import annotations
 
 from pagellm.frontend.tool_parsers.base import ExtractedToolCalls, ToolCall, ToolParser
+from pagellm.frontend.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from pagellm.frontend.tool_parsers.hermes import HermesToolParser
 from pagellm.frontend.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagellm.frontend.tool_parsers.pythonic import PythonicToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "deepseek_v3": DeepSeekV3ToolParser,
+    "deepseek_v31": DeepSeekV31ToolParser,
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "pythonic": PythonicToolParser,
@@ -26,5 +29,6 @@ def get_tool_parser(name: str) -> type[ToolParser]:
                          f"got {name!r}") from None
 
 
-__all__ = ["TOOL_PARSERS", "ExtractedToolCalls", "HermesToolParser", "Llama3JsonToolParser",
+__all__ = ["TOOL_PARSERS", "DeepSeekV3ToolParser", "DeepSeekV31ToolParser",
+           "ExtractedToolCalls", "HermesToolParser", "Llama3JsonToolParser",
            "PythonicToolParser", "ToolCall", "ToolParser", "get_tool_parser"]

@@ -112,6 +112,16 @@ def parse_call_object(text: str, argument_keys: Iterable[str]) -> ToolCall | Non
         return None
 
 
+def arguments_json(text: str) -> str | None:
+    """A JSON object's text as a call's arguments (re-serialized: json.dumps, unicode
+    kept), or None for anything else: not JSON, not an object, NaN/Infinity."""
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return None
+    return json.dumps(obj, ensure_ascii=False) if isinstance(obj, dict) else None
+
+
 def _reject_constant(constant: str) -> Any:
     """json's hook for NaN/Infinity/-Infinity: Python accepts them, JSON does not."""
     raise ValueError(f"{constant} is not JSON")
