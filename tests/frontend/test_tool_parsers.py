@@ -1,5 +1,5 @@
-"""frontend/tool_parsers: the hermes, llama3_json, pythonic and DeepSeek (V3, V3.1) formats
-turned into OpenAI
+"""frontend/tool_parsers: the hermes, llama3_json, pythonic, DeepSeek (V3, V3.1) and GLM-4.5
+formats turned into OpenAI
 tool calls and content. The reference is the expected results written by hand below;
 streaming is checked against the whole-output result for every string, fed in random
 pieces, one character at a time and all at once."""
@@ -17,6 +17,7 @@ from pagellm.frontend.tool_parsers import (
     TOOL_PARSERS,
     DeepSeekV3ToolParser,
     DeepSeekV31ToolParser,
+    Glm45ToolParser,
     HermesToolParser,
     Llama3JsonToolParser,
     PythonicToolParser,
@@ -188,13 +189,44 @@ DEEPSEEK_V31_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
     ("no calls here", [], "no calls here"),
 ]
 
+def glm_block(name: str, *pairs: tuple[str, str]) -> str:
+    return (f"<tool_call>{name}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}"
+                                             "</arg_value>\n" for k, v in pairs)
+            + "</tool_call>")
+
+
+GLM45_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
+    (glm_block("get_weather", ("city", "Paris"), ("days", "3")),
+     [("get_weather", '{"city": "Paris", "days": 3}')], None),
+    # values read as JSON, else Python literals, else kept as text (stripped)
+    ("Checking.\n" + glm_block("f", ("a", '{"k": [1, 2]}'), ("b", "True"), ("c", " hi there "),
+                                ("d", "None"), ("e", "'q'")) + "\n" + glm_block("g"),
+     [("f", '{"a": {"k": [1, 2]}, "b": true, "c": "hi there", "d": null, "e": "q"}'),
+      ("g", "{}")], "Checking.\n"),
+    ("<tool_call>f<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>", [("f", '{"x": 1}')],
+     None),
+    # an unterminated last block counts when its pairs are complete
+    ("<tool_call>f\n<arg_key>x</arg_key>\n<arg_value>日本</arg_value>\n",
+     [("f", '{"x": "日本"}')], None),
+    # bad blocks stay content: no name, text among the pairs, a repeated key, a pair cut
+    (glm_block(""), [], glm_block("")),
+    ("<tool_call>f\nsay <arg_key>x</arg_key><arg_value>1</arg_value></tool_call>", [],
+     "<tool_call>f\nsay <arg_key>x</arg_key><arg_value>1</arg_value></tool_call>"),
+    (glm_block("f", ("x", "1"), ("x", "2")), [], glm_block("f", ("x", "1"), ("x", "2"))),
+    ("<tool_call>f\n<arg_key>x</arg_key><arg_val", [],
+     "<tool_call>f\n<arg_key>x</arg_key><arg_val"),
+    (glm_block("f", ("x", "NaN")), [], glm_block("f", ("x", "NaN"))),
+    ("Nothing to call.", [], "Nothing to call."),
+]
+
 CASES = [(HermesToolParser, *case) for case in HERMES_CASES] + \
         [(Llama3JsonToolParser, *case) for case in LLAMA3_CASES] + \
         [(PythonicToolParser, *case) for case in PYTHONIC_CASES] + \
         [(DeepSeekV3ToolParser, *case) for case in DEEPSEEK_V3_CASES] + \
-        [(DeepSeekV31ToolParser, *case) for case in DEEPSEEK_V31_CASES]
+        [(DeepSeekV31ToolParser, *case) for case in DEEPSEEK_V31_CASES] + \
+        [(Glm45ToolParser, *case) for case in GLM45_CASES]
 ALL_TEXTS = sorted({case[0] for case in HERMES_CASES + LLAMA3_CASES + PYTHONIC_CASES
-                    + DEEPSEEK_V3_CASES + DEEPSEEK_V31_CASES})
+                    + DEEPSEEK_V3_CASES + DEEPSEEK_V31_CASES + GLM45_CASES})
 
 
 @pytest.mark.parametrize(("parser_class", "text", "calls", "content"), CASES)
@@ -291,12 +323,27 @@ def test_tool_call_to_openai_and_registry() -> None:
                                 "function": {"name": "f", "arguments": '{"a": 1}'}}
     expected = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
                 "pythonic": PythonicToolParser, "deepseek_v3": DeepSeekV3ToolParser,
-                "deepseek_v31": DeepSeekV31ToolParser}
+                "deepseek_v31": DeepSeekV31ToolParser, "glm45": Glm45ToolParser}
     assert expected == TOOL_PARSERS
     for name, parser_class in TOOL_PARSERS.items():
         assert get_tool_parser(name) is parser_class and parser_class.name == name
-    with pytest.raises(ValueError, match=r"deepseek_v3.*hermes.*llama3_json.*pythonic"):
+    with pytest.raises(ValueError, match=r"deepseek_v3.*glm45.*hermes.*llama3_json.*pythonic"):
         get_tool_parser("mistral")
+
+
+def test_glm45_keeps_the_values_the_tools_schema_types_as_strings() -> None:
+    """A value whose parameter the request's tool declares a string stays text ("3",
+    "True"); the same values of an undeclared parameter or another tool are read."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"},
+                                         "n": {"type": "integer"}}}}}]
+    text = glm_block("f", ("code", "3"), ("n", "3"), ("flag", "True")) + \
+        glm_block("g", ("code", "3"))
+    calls = Glm45ToolParser(tools).extract_tool_calls(text).tool_calls
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("f", {"code": "3", "n": 3, "flag": True}), ("g", {"code": 3})]
+    streamed = _stream(Glm45ToolParser(tools), list(text))[1]
+    assert [c["function"]["arguments"] for c in streamed] == [c.arguments for c in calls]
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
@@ -328,7 +375,8 @@ FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "</tool", "<|python_tag|>"
              '<tool_call>{"name": "g", "arguments": {}}', "[f(a=1), g(b=']')]", "[g()]",
              CALLS, CALLS_END, CALL, CALL_END, SEP, "<｜tool▁call", "function", "f",
              "\n```json\n", "\n```", '{"x": 1}', v3_block("f", '{"a": 1}'),
-             f"{CALL}g{SEP}{{}}{CALL_END}"]
+             f"{CALL}g{SEP}{{}}{CALL_END}", "<arg_key>", "</arg_key>", "<arg_value>",
+             "</arg_value>", "get\n", glm_block("f", ("x", "1")), "<tool_call>g\n"]
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_PARSERS))

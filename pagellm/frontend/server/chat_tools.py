@@ -44,6 +44,7 @@ class ToolMode:
 
     mode: str
     name: str | None = None  # the named function
+    tools: tuple[dict[str, Any], ...] = ()  # "auto": the request's, for its parser
 
     @property
     def calls_tools(self) -> bool:
@@ -76,7 +77,7 @@ def resolve_tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any,
         raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and '
                          '--tool-call-parser to be set (or send tool_choice "required", '
                          '"none" or a named function)')
-    return ToolMode(tool_choice)
+    return ToolMode(tool_choice, tools=tuple(tools or ()) if tool_choice == "auto" else ())
 
 
 def _tool_names(tools: list[dict[str, Any]] | None) -> list[str]:
@@ -145,7 +146,7 @@ def _reasoning(setup: ToolSetup, thinking: bool) -> ReasoningParser | None:
 def _tool_parser(setup: ToolSetup, mode: ToolMode) -> ToolParser | None:
     if mode.mode != "auto" or setup.tool_call_parser is None:
         return None
-    return get_tool_parser(setup.tool_call_parser)()
+    return get_tool_parser(setup.tool_call_parser)(mode.tools)
 
 
 def chat_message(text: str, finish_reason: str | None, mode: ToolMode, setup: ToolSetup,

@@ -13,7 +13,7 @@ import abc
 import json
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +64,10 @@ class ToolParser(abc.ABC):
 
     name: str = ""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        """`tools`: the request's (OpenAI's `{"type": "function", "function": {...}}`),
+        for a format whose arguments are typed by their schemas (GLM-4.5's)."""
+        self.tools = tools
         self._next_index = 0
 
     @abc.abstractmethod

@@ -7,6 +7,7 @@ content (DeepSeek's `<｜tool▁calls▁begin｜>` / `<｜tool▁calls▁end｜>
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from pagellm.frontend.tool_parsers.base import (
@@ -38,8 +39,8 @@ class BlockToolParser(ToolParser):
     END: ClassVar[str]
     WRAPPERS: ClassVar[tuple[str, ...]] = ()  # tags outside the blocks, dropped
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        super().__init__(tools)
         self._inside = False
         self._held = ""  # outside a block: a trailing partial START or wrapper tag
         self._body = TagSearch(self.END)

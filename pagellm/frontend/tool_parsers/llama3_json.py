@@ -8,6 +8,7 @@ decided as soon as its first visible character arrives."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagellm.frontend.tool_parsers.base import (
@@ -44,8 +45,8 @@ class Llama3JsonToolParser(ToolParser):
 
     name = "llama3_json"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        super().__init__(tools)
         self._phase = _LEAD
         self._lead = LeadMatcher(PYTHON_TAG, "{")
         self._held: list[str] = []  # text since the output began or the last call ended

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import json
 import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagellm.frontend.tool_parsers.base import (
@@ -81,8 +82,8 @@ class PythonicToolParser(ToolParser):
 
     name = "pythonic"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        super().__init__(tools)
         self._phase = _LEAD
         self._lead = LeadMatcher(PYTHON_START, "[")
         self._held: list[str] = []

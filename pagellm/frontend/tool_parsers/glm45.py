@@ -1,0 +1,86 @@
+"""GLM-4.5 / 4.6's tool calls: a `<tool_call>` block holding the function's name on its
+first line, then each argument as a key and a value in tags,
+
+    <tool_call>get_weather
+    <arg_key>city</arg_key>
+    <arg_value>Paris</arg_value>
+    <arg_key>days</arg_key>
+    <arg_value>3</arg_value>
+    </tool_call>
+
+(vLLM's `glm45`). The values are text: one whose parameter the request's tool schema
+types "string" is kept as written (stripped); any other is read as JSON, else as a
+Python literal (GLM writes True and None sometimes), else kept as text, as vLLM's
+parser does."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import warnings
+from typing import Any
+
+from pagellm.frontend.tool_parsers.base import ToolCall
+from pagellm.frontend.tool_parsers.blocks import BlockToolParser
+
+_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+_REST = re.compile(r"\s*")  # between and after the arguments: nothing but whitespace
+
+
+class Glm45ToolParser(BlockToolParser):
+    """`--tool-call-parser glm45`: a block is a call when its first line is a name and
+    the rest is nothing but key/value pairs (blocks.py: what is content)."""
+
+    name = "glm45"
+    START = "<tool_call>"
+    END = "</tool_call>"
+
+    def parse_body(self, body: str) -> ToolCall | None:
+        cut = body.find("<arg_key>")
+        head, rest = (body, "") if cut < 0 else (body[:cut], body[cut:])
+        name = head.strip()
+        if not name or "\n" in name or "<" in name:
+            return None
+        arguments: dict[str, Any] = {}
+        pos = 0
+        for m in _ARGUMENT.finditer(rest):
+            if not _REST.fullmatch(rest, pos, m.start()):
+                return None
+            key = m[1].strip()
+            if not key or key in arguments:
+                return None
+            arguments[key] = self._value(name, key, m[2].strip())
+            pos = m.end()
+        if not _REST.fullmatch(rest, pos):
+            return None
+        try:
+            return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False,
+                                                            allow_nan=False))
+        except (TypeError, ValueError):  # a literal JSON cannot carry (a set, NaN)
+            return None
+
+    def _value(self, tool: str, key: str, text: str) -> Any:
+        if self._declared_type(tool, key) == "string":
+            return text
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError):
+            pass
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", SyntaxWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return ast.literal_eval(text)
+        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+            return text
+
+    def _declared_type(self, tool: str, key: str) -> Any:
+        """The `type` the request's tool `tool` gives parameter `key`, or None."""
+        for spec in self.tools:
+            function = spec.get("function") or {}
+            if function.get("name") == tool:
+                properties = (function.get("parameters") or {}).get("properties") or {}
+                declared = properties.get(key)
+                return declared.get("type") if isinstance(declared, dict) else None
+        return None
