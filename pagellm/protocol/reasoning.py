@@ -11,6 +11,7 @@ from __future__ import annotations
 REASONING_TAGS: dict[str, tuple[str, str]] = {
     "qwen3": ("<think>", "</think>"),
     "deepseek_r1": ("<think>", "</think>"),
+    "glm45": ("<think>", "</think>"),
 }
 
 

@@ -1,4 +1,4 @@
-"""frontend/reasoning: qwen3 and deepseek_r1 split `<think>` reasoning from the answer.
+"""frontend/reasoning: qwen3, glm45 and deepseek_r1 split `<think>` reasoning from the answer.
 The reference is the expected results written by hand below (vLLM's rules: the text
 before `</think>` is reasoning, a missing start tag is fine, a missing end tag makes the
 output all reasoning, qwen3 with thinking disabled all content); streaming is checked
@@ -143,7 +143,7 @@ def test_registry_matches_the_protocol_tag_table() -> None:
         parser = parser_class()
         assert isinstance(parser, ThinkTagReasoningParser)
         assert (parser.start_tag, parser.end_tag) == REASONING_TAGS[name]
-    with pytest.raises(ValueError, match=r"deepseek_r1.*qwen3"):
+    with pytest.raises(ValueError, match=r"deepseek_r1.*glm45.*qwen3"):
         get_reasoning_parser("granite")
 
 

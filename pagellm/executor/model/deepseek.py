@@ -1,4 +1,5 @@
-"""DeepSeek-V2 / V3 (and the models built on them: DeepSeek-R1, Kimi K2, Moonlight):
+"""DeepSeek-V2 / V3 (and the models built on them: DeepSeek-R1, Kimi K2, Moonlight,
+GLM-4.7-Flash; glm4_moe.py's GLM-4.5 takes its MoE block):
 multi-head latent attention (MLA) and experts routed by groups, as transformers computes
 them.
 
@@ -11,10 +12,10 @@ q_lora_rank), split per head into q_nope and q_pe. Since
     q_h . k_h = (W_UK[h]^T q_nope) . c + q_pe . k_pe      and      o_h = W_UV[h] (sum_j p_j c_j)
 
 the cache holds only [c ; k_pe] per token, one "KV head" of R + rope (the spec's
-head_dim), and attention runs as
-multi-query attention over it: each head's query is [W_UK[h]^T q_nope ; q_pe] (the
-up-projection "absorbed" into the query), its output's first R entries are the
-weighted latents, which W_UV[h] turns into the head's value (`LatentProjection`). The
+head_dim), and attention runs as multi-query attention over it: each head's query is
+[W_UK[h]^T q_nope ; q_pe] (the up-projection "absorbed" into the query), its output's
+first R entries are the weighted latents, which W_UV[h] turns into the head's value
+(`LatentProjection`). The
 shared attention layer and every backend serve it unchanged: the value is the key
 entry itself, and the cache holds it once (`DecoderSpec.kv_planes`: the K and V halves
 of each layer's cache are views of one tensor; 576 numbers a token and layer, against

@@ -3,26 +3,28 @@
 weight-only integers with group-wise scales (kernels/quant.py), computed by the
 fused-dequantize Triton GEMM (kernels/triton_quant.py): a decode step then reads 4 or 8
 bits per weight instead of 16 or 32. `quantization="fp8"` keeps them in e4m3 with a
-scale per output channel and
-quantizes activations per token at each call (kernels/fp8.py: W8A8, vLLM's dynamic
-fp8). Without the Triton kernels (the CPU's own path) `"int4"` and `"int8"` run the CPU's
-int kernel (kernels/cpu_int_gemm.py: the same group-wise codes in its tiled layout,
-activations quantized per token and block of 32, VNNI's int8 dot products).
+scale per output channel and quantizes activations per token at each call
+(kernels/fp8.py: W8A8, vLLM's dynamic fp8). Without the Triton kernels (the CPU's own
+path) `"int4"` and `"int8"` run the CPU's int kernel (kernels/cpu_int_gemm.py: the same
+group-wise codes in its tiled layout, activations quantized per token and block of 32,
+VNNI's int8 dot products).
 
-Each rank quantizes its own slice after the checkpoint is loaded (so tensor
-parallelism shards nothing of its own: a row-parallel slice is quantized along its own
-K). Integer groups are 128 input columns, else 64 or 32 (`group_size_for`). The
-embedding, the LM head, norms and MoE routers stay in the model's dtype, as vLLM's
-weight-only schemes leave them (the CPU computes the LM head from an int8 copy:
-linear.INT_WEIGHTS, registered by the model runner). MoE experts are packed too
-(moe.quantize_experts: in a MoE model they are nearly all the bytes), but for fp8 (no
-fp8 fused MoE kernel). A quantized weight becomes a meta placeholder of its old shape (its
-memory freed; shapes still readable), and weight updates land through
-`RequantizingDestination`: the new rows of a projection, or of an expert (a checkpoint
-tensor's part on this rank), are quantized as loading did and written over the old
-ones' codes and scales. Every scheme here scales each output row
-on its own (per channel, or per group along that row's input columns), so quantizing a
-part of the rows gives exactly what quantizing the whole new weight would.
+Each rank quantizes its own slice (so tensor parallelism shards nothing of its own: a
+row-parallel slice is quantized along its own K), while the checkpoint loads
+(executor/model/loader.py: the packed forms laid out empty on the meta model, each
+checkpoint tensor quantized into its rows as it arrives, so the full-precision model
+never exists; dummy weights are quantized after they are drawn). Integer groups are
+128 input columns, else 64 or 32 (`group_size_for`). The embedding, the LM head, norms
+and MoE routers stay in the model's dtype, as vLLM's weight-only schemes leave them
+(the CPU computes the LM head from an int8 copy: linear.INT_WEIGHTS, registered by the
+model runner). MoE experts are packed too (moe.quantize_experts: in a MoE model they
+are nearly all the bytes), but for fp8 (no fp8 fused MoE kernel). A quantized weight
+becomes a meta placeholder of its old shape (its memory freed; shapes still readable),
+and loading and weight updates land through `RequantizingDestination`: the rows of a
+projection, or of an expert (a checkpoint tensor's part on this rank), are quantized
+and written over those rows' codes and scales. Every scheme here scales each output
+row on its own (per channel, or per group along that row's input columns), so
+quantizing a part of the rows gives exactly what quantizing the whole weight would.
 """
 
 from __future__ import annotations

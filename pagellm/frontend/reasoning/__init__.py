@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from pagellm.frontend.reasoning.base import ReasoningParser, ThinkTagReasoningParser
 from pagellm.frontend.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from pagellm.frontend.reasoning.glm45 import Glm45ReasoningParser
 from pagellm.frontend.reasoning.qwen3 import Qwen3ReasoningParser
 from pagellm.protocol.reasoning import check_reasoning_parser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": Qwen3ReasoningParser,
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "glm45": Glm45ReasoningParser,
 }
 
 
@@ -27,5 +29,6 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
                          f"{sorted(REASONING_PARSERS)}") from None
 
 
-__all__ = ["REASONING_PARSERS", "DeepSeekR1ReasoningParser", "Qwen3ReasoningParser",
+__all__ = ["REASONING_PARSERS", "DeepSeekR1ReasoningParser", "Glm45ReasoningParser",
+           "Qwen3ReasoningParser",
            "ReasoningParser", "ThinkTagReasoningParser", "get_reasoning_parser"]

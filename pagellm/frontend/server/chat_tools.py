@@ -16,7 +16,7 @@ delta by delta, with OpenAI's chunk format for tool-call deltas.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.frontend.reasoning import get_reasoning_parser
@@ -44,7 +44,8 @@ class ToolMode:
 
     mode: str
     name: str | None = None  # the named function
-    tools: tuple[dict[str, Any], ...] = ()  # "auto": the request's, for its parser
+    # "auto": the request's tools, for its parser (not part of the mode's identity)
+    tools: tuple[dict[str, Any], ...] = field(default=(), compare=False)
 
     @property
     def calls_tools(self) -> bool:
