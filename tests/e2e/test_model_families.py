@@ -341,57 +341,35 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
     assert expected != [hf_greedy(original, o.prompt_token_ids, 16) for o in outputs]
 
 
-@pytest.mark.parametrize(("extra", "match"), [
-    (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
-    (dict(sliding_window=-4), "sliding_window must be a positive integer, got -4"),
-    (dict(architectures=["Qwen3NextForCausalLM"], model_type="mixtral"),
+@pytest.mark.parametrize(("name", "extra", "match"), [
+    ("mixtral", dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
+    ("mixtral", dict(sliding_window=-4), "sliding_window must be a positive integer, got -4"),
+    ("mixtral", dict(architectures=["Qwen3NextForCausalLM"], model_type="mixtral"),
      "unsupported architecture 'Qwen3NextForCausalLM'"),
-    (dict(swiglu_limit=float("inf")), "swiglu_limit must be a finite number"),
-    (dict(quantization_config={"quant_method": "mxfp4"}),  # gpt-oss's experts only
+    ("mixtral", dict(swiglu_limit=float("inf")), "swiglu_limit must be a finite number"),
+    ("mixtral", dict(quantization_config={"quant_method": "mxfp4"}),  # gpt-oss's only
      "quantization_config.quant_method='mxfp4'"),
-])
-def test_a_config_the_engine_cannot_serve_is_refused_naming_the_field(tmp_path, extra, match):
-    import json
-
-    spec = FAMILY_SPECS["mixtral"]
-    directory = make_model(tmp_path / "m", spec)
-    raw = json.loads((directory / "config.json").read_text())
-    raw.update(extra)
-    (directory / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match=match):
-        resolve_model_config(EngineArgs(model=str(directory)))
-
-
-@pytest.mark.parametrize(("extra", "match"), [
-    (dict(n_group=3), r"n_routed_experts \(8\) must be a multiple of n_group \(3\)"),
-    (dict(topk_group=5), r"topk_group \(5\) must be at most n_group \(4\)"),
-    (dict(topk_group=1, num_experts_per_tok=3),
+    # DeepSeek's routing and latent sizes
+    ("deepseek_v3", dict(n_group=3), r"n_routed_experts \(8\) must be a multiple of n_group \(3\)"),
+    ("deepseek_v3", dict(topk_group=5), r"topk_group \(5\) must be at most n_group \(4\)"),
+    ("deepseek_v3", dict(topk_group=1, num_experts_per_tok=3),
      r"num_experts_per_tok \(3\) must be at most the experts of topk_group \(1\) groups"),
-    (dict(n_group=8, topk_group=2), "fewer than two experts per group"),
-    (dict(kv_lora_rank=0), "kv_lora_rank must be a positive integer, got 0"),
-    (dict(routed_scaling_factor=-1.0), "routed_scaling_factor must be"),
-    (dict(n_shared_experts=-1), r"n_shared_experts must be an integer in \[0, "),
+    ("deepseek_v3", dict(n_group=8, topk_group=2), "fewer than two experts per group"),
+    ("deepseek_v3", dict(kv_lora_rank=0), "kv_lora_rank must be a positive integer, got 0"),
+    ("deepseek_v3", dict(routed_scaling_factor=-1.0), "routed_scaling_factor must be"),
+    ("deepseek_v3", dict(n_shared_experts=-1), r"n_shared_experts must be an integer in \[0, "),
+    ("deepseek_v2", dict(topk_method="noaux_tc"), "unsupported topk_method 'noaux_tc'"),
 ])
-def test_a_deepseek_config_the_engine_cannot_route_is_refused_naming_the_field(
-        tmp_path, extra, match):
+def test_a_config_the_engine_cannot_serve_is_refused_naming_the_field(
+        tmp_path, family_dirs, name, extra, match):
     import json
+    import shutil
 
-    directory = make_model(tmp_path / "m", FAMILY_SPECS["deepseek_v3"])
+    directory = shutil.copytree(family_dirs[name], tmp_path / name)
     raw = json.loads((directory / "config.json").read_text())
     raw.update(extra)
     (directory / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=match):
-        resolve_model_config(EngineArgs(model=str(directory)))
-
-
-def test_deepseek_v2s_unknown_topk_method_is_refused(tmp_path):
-    import json
-
-    directory = make_model(tmp_path / "m", FAMILY_SPECS["deepseek_v2"])
-    raw = json.loads((directory / "config.json").read_text())
-    raw["topk_method"] = "noaux_tc"
-    (directory / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match="unsupported topk_method 'noaux_tc'"):
         resolve_model_config(EngineArgs(model=str(directory)))
 
 

@@ -849,9 +849,10 @@ QUANT_SPECS = {"llama": (SPECS["llama"], "float32"),
 def _packed_tensors(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
     """Every packed form's tensors, by their module's name and field."""
     out: dict[str, torch.Tensor] = {}
+    packed = {id(m) for m in model.quantized.values()}
     for name, module in model.named_modules():
         quant = getattr(module, "quant", None)
-        if quant is not None and id(module) in {id(m) for m in model.quantized.values()}:
+        if quant is not None and id(module) in packed:
             for f in dataclasses.fields(quant):
                 value = getattr(quant, f.name)
                 if isinstance(value, torch.Tensor):

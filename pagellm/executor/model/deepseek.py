@@ -55,7 +55,7 @@ from pagellm.executor.model.attention import Attention, AttentionMetadata
 from pagellm.executor.model.decoder import DecoderForCausalLM, DecoderLayer, DecoderModel
 from pagellm.executor.model.layers import Linear, RMSNorm, RowParallelLinear
 from pagellm.executor.model.mlp import DecoderMLP
-from pagellm.executor.model.moe import Experts, experts_grouped
+from pagellm.executor.model.moe import Experts
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.rope import RotaryEmbedding, apply_rotary
 from pagellm.executor.model.spec import DecoderSpec
@@ -210,14 +210,7 @@ class DeepseekMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden], summed over the ranks."""
         weights, ids = self.route(x)
-        if x.is_cuda:
-            from pagellm.kernels.triton_moe import fused_moe
-
-            w13, w2 = self.experts.fused_weights()
-            out = fused_moe(x.contiguous(), w13, w2, weights, ids)
-        else:
-            out = experts_grouped(x, self.experts, weights, ids)
-        out = self.tp.all_reduce(out)
+        out = self.tp.all_reduce(self.experts(x, weights, ids))
         if self.shared_experts is not None:  # transformers' order: experts + shared
             out = out + self.shared_experts(x)  # (its down projection all-reduces)
         return out

@@ -50,7 +50,7 @@ from torch import nn
 
 from pagellm.executor.model.decoder import DecoderForCausalLM, DecoderLayer, DecoderModel
 from pagellm.executor.model.layers import Linear, RMSNorm
-from pagellm.executor.model.moe import Experts, experts_grouped
+from pagellm.executor.model.moe import Experts
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.spec import DecoderSpec, MoeSpec
 from pagellm.executor.model.weight_map import Destination
@@ -95,7 +95,7 @@ class GptOssExperts(Experts):
         out = self.down(e, h)
         return out + self.down_proj_bias[e] if self.adds_down_bias else out
 
-    def fused_biases(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def fused_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(gate_up bias [E, 2I], down bias [E, H] or None off rank 0) for the fused
         MoE kernel."""
         return self.gate_up_proj_bias, self.down_proj_bias if self.adds_down_bias else None
@@ -121,16 +121,7 @@ class GptOssMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H], summed over the ranks."""
         weights, ids = self.route(x)
-        if x.is_cuda:
-            from pagellm.kernels.triton_moe import fused_moe
-
-            w13, w2 = self.experts.fused_weights()
-            b13, b2 = self.experts.fused_biases()
-            out = fused_moe(x.contiguous(), w13, w2, weights.float(), ids, bias13=b13,
-                            bias2=b2, swiglu=self.moe.swiglu)
-        else:
-            out = experts_grouped(x, self.experts, weights, ids)
-        return self.tp.all_reduce(out)
+        return self.tp.all_reduce(self.experts(x, weights, ids))
 
 
 class GptOssDecoderLayer(DecoderLayer):

@@ -103,6 +103,27 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden_size, size))
         self.gate_up_codes: ExpertCodes | None = None
         self.down_codes: ExpertCodes | None = None
+        self.swiglu = moe.swiglu  # gpt-oss's clamped SwiGLU, for the fused kernel
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                ) -> torch.Tensor:
+        """x [T, H]; weights [T, K] (the routing weights); ids [T, K] int64 -> this
+        rank's part of each token's weighted sum of its experts [T, H] (the block
+        all-reduces it): on CUDA the fused MoE kernel (module docstring), with the
+        family's biases and activation; on the CPU `experts_grouped`."""
+        if not x.is_cuda:
+            return experts_grouped(x, self, weights, ids)
+        from pagellm.kernels.triton_moe import fused_moe
+
+        w13, w2 = self.fused_weights()
+        b13, b2 = self.fused_biases()
+        return fused_moe(x.contiguous(), w13, w2, weights.float(), ids, bias13=b13,
+                         bias2=b2, swiglu=self.swiglu)
+
+    def fused_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(gate_up bias [E, 2I], down bias [E, H]) for the fused MoE kernel: none here
+        (gpt_oss.py's experts have them)."""
+        return None, None
 
     def pack(self, attr: str, quant: CpuIntWeight | PackedWeight) -> tuple[int, ExpertCodes]:
         """Compute stacked weight `attr` (gate_up_proj or down_proj) from `quant` (all
@@ -187,14 +208,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H], summed over the ranks."""
         weights, ids = self.route(x)
-        if x.is_cuda:
-            from pagellm.kernels.triton_moe import fused_moe
-
-            w13, w2 = self.experts.fused_weights()
-            out = fused_moe(x.contiguous(), w13, w2, weights.float(), ids)
-        else:
-            out = experts_grouped(x, self.experts, weights, ids)
-        out = self.tp.all_reduce(out)
+        out = self.tp.all_reduce(self.experts(x, weights, ids))
         if self.shared_expert is not None:  # transformers' order: experts + shared
             assert self.shared_expert_gate is not None
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -108,12 +108,17 @@ def empty_quantized(weight: torch.Tensor, quantization: str, triton: bool, shard
     tensor-parallel slices of its K) would give, empty, on the meta device."""
     n, k = weight.shape
     if quantization == "fp8":
-        with torch.device("meta"):
-            return fp8.Fp8Weight(torch.empty(n, k, dtype=fp8.FP8),
-                                 torch.empty(1, n, dtype=torch.float32))
+        return empty_fp8(n, k)
     bits, group = QUANTIZATIONS[quantization], group_size_for(k, shards)
     return (empty_packed(n, k, bits, group, weight.dtype) if triton
             else empty_cpu_int(n, k, bits, group))
+
+
+def empty_fp8(n: int, k: int) -> fp8.Fp8Weight:
+    """An Fp8Weight [n, k] (e4m3, a scale per output channel) on the meta device."""
+    with torch.device("meta"):
+        return fp8.Fp8Weight(torch.empty(n, k, dtype=fp8.FP8),
+                             torch.empty(1, n, dtype=torch.float32))
 
 
 def empty_packed(n: int, k: int, bits: int, group: int, dtype: torch.dtype,

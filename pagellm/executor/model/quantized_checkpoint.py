@@ -57,7 +57,12 @@ import torch
 from torch import nn
 
 from pagellm.executor.model import host_memory
-from pagellm.executor.model.quantize import PROJECTIONS, empty_cpu_int, empty_packed
+from pagellm.executor.model.quantize import (
+    PROJECTIONS,
+    empty_cpu_int,
+    empty_fp8,
+    empty_packed,
+)
 from pagellm.kernels.cpu_int_gemm import CpuIntWeight
 from pagellm.kernels.fp8 import FP8, Fp8Weight
 from pagellm.kernels.quant import GROUP_SIZES, PackedWeight, dequantize, pack, unpack
@@ -510,8 +515,7 @@ def prepare(model: nn.Module, quant: CheckpointQuant, part_names: Callable[[str]
                 group = k if quant.w8a8 and k % 32 == 0 else _target_group(quant, k, k * shards)
                 module.quant = empty_cpu_int(n, k, bits, group)
             elif quant.kind is Kind.FP8:
-                module.quant = Fp8Weight(torch.empty(n, k, dtype=FP8),
-                                         torch.empty(1, n, dtype=torch.float32))
+                module.quant = empty_fp8(n, k)
             else:
                 module.quant = empty_packed(n, k, bits, _target_group(quant, k, k * shards),
                                              dtype, act_order=quant.act_order and shards == 1)

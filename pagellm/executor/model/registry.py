@@ -10,12 +10,11 @@ one row of `FAMILIES`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pagellm.executor.model.rope import RopeSpec
+from pagellm.executor.model.rope import RopeSpec, yarn_mscale
 from pagellm.executor.model.spec import (
     DecoderSpec,
     GroupedRouting,
@@ -245,8 +244,8 @@ def _deepseek_spec(config: Any, arch: str, routing: GroupedRouting,
                             getattr(config, "rope_scaling", None))
     scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
     mscale_all_dim = rope.params.get("mscale_all_dim")
-    if rope.rope_type != "default" and mscale_all_dim and rope.params.get("factor", 1) > 1:
-        scale *= (0.1 * mscale_all_dim * math.log(rope.params["factor"]) + 1.0) ** 2
+    if rope.rope_type != "default" and mscale_all_dim:
+        scale *= yarn_mscale(rope.params.get("factor", 1.0), mscale_all_dim) ** 2
     return read_decoder_spec(config, arch, num_kv_heads=1,
                              head_dim=mla.kv_lora_rank + mla.qk_rope_head_dim, rope=rope,
                              attn_scale=scale, moe=_deepseek_moe(config, routing), mla=mla)

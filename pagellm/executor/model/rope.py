@@ -139,21 +139,23 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any], max_position: in
     return torch.where(is_medium, blended, scaled)
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's temperature for a context stretched `scale` times (DeepSeek's
+    yarn_get_mscale; registry.py squares it into the scores' scale)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_position: int
                    ) -> tuple[torch.Tensor, float]:
     """YaRN: interpolate low frequencies, extrapolate high ones, ramp in between, and
     scale attention by a log-of-factor temperature."""
     orig = p.get("original_max_position_embeddings") or max_position
     factor = p.get("factor") or max_position / orig
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention = p.get("attention_factor")
     if attention is None:
         m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-        attention = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all \
-            else mscale(factor)
+        attention = float(yarn_mscale(factor, m) / yarn_mscale(factor, m_all)) \
+            if m and m_all else yarn_mscale(factor)
     beta_fast = p.get("beta_fast") or 32
     beta_slow = p.get("beta_slow") or 1
 
