@@ -136,6 +136,7 @@ class IncrementalDetokenizer:
         if self.tokenizer is not None and getattr(tokenizer, "_tokenizer", None) is None:
             self.decode_kwargs["spaces_between_special_tokens"] = spaces_between_special_tokens
         self.token_ids: list[int] = []
+        self._shown = 0  # how many of token_ids are text (all but a silent stop token)
         self._parts: list[str] = []  # the text, in the pieces it was decoded in
         self._loose = 0  # pieces at the end of _parts not folded yet
         self.length = 0  # len(text)
@@ -158,6 +159,7 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int]) -> str:
         """Add tokens; return the text they completed (possibly empty)."""
         self.token_ids += new_token_ids
+        self._shown = len(self.token_ids)
         if self.tokenizer is None:
             return ""
         if self._pieces is not None:  # usually one token: no list, no join
@@ -180,12 +182,16 @@ class IncrementalDetokenizer:
                 if piece:
                     delta += piece
         else:  # a tokenizer without a fast backend: decode all, hold back partial chars
-            full = self.tokenizer.decode(self.token_ids, **self.decode_kwargs)
+            full = self.tokenizer.decode(self.token_ids[:self._shown], **self.decode_kwargs)
             if full.endswith("\ufffd"):
                 return ""
             delta = full[self.length:]
         self._append(delta)
         return delta
+
+    def add_silent(self, token_id: int) -> None:
+        """The stop token that ended the request: generated, not text (the last)."""
+        self.token_ids.append(token_id)
 
     def flush(self) -> str:
         """At the end of a request, emit what the stream still holds back (trailing
@@ -196,7 +202,7 @@ class IncrementalDetokenizer:
             delta = self._utf8.decode(b"", True)
             self._append(delta)
             return delta
-        full = self.tokenizer.decode(self.token_ids, **self.decode_kwargs)
+        full = self.tokenizer.decode(self.token_ids[:self._shown], **self.decode_kwargs)
         text = self.text
         if len(full) <= len(text) or not full.startswith(text):
             return ""

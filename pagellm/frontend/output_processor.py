@@ -66,6 +66,7 @@ class CompletionState:
         self.min_tokens = params.min_tokens
         self.stop = stop
         self.include_stop = params.include_stop_str_in_output
+        self.eos_token_id = request.eos_token_id
         # Streamed text holds back what could still turn out to start a stop string.
         self.stop_buffer = max((len(s) for s in self.stop), default=1) - 1
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
@@ -107,7 +108,17 @@ class CompletionState:
 
     def _update(self, output: EngineCoreOutput) -> bool:
         detokenizer = self.detokenizer
-        delta = detokenizer.update(output.new_token_ids)
+        tokens = output.new_token_ids
+        if tokens and output.finish_reason == FinishReason.STOP and not self.include_stop \
+                and (isinstance(output.stop_reason, int) or (
+                    output.stop_reason is None and tokens[-1] == self.eos_token_id)):
+            # The engine stopped on EOS or a stop token: its text is not output (vLLM's
+            # rule, whatever skip_special_tokens says), unless include_stop_str_in_output.
+            # (A grammar that completes without one stops on its last token: kept.)
+            delta = detokenizer.update(tokens[:-1])
+            detokenizer.add_silent(tokens[-1])
+        else:
+            delta = detokenizer.update(tokens)
         if self.logprobs is not None and output.new_logprobs:
             for position in output.new_logprobs:
                 self.logprobs.append(logprob_dict(position, self.token_text))

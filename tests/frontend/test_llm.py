@@ -126,6 +126,35 @@ def test_stop_token_id_stops_at_its_first_occurrence(llama):
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_token_is_no_text_unless_included(llama, include):
+    """vLLM's rule: the EOS or stop token that ended a request is in its token_ids, not
+    in its text, whatever skip_special_tokens says (Harmony's parsers keep special
+    tokens: gpt-oss's <|return|> and <|call|> must not reach the content), unless
+    include_stop_str_in_output. EOS here is the special <|endoftext|>, pushed up by a
+    logit bias so that sampling meets it."""
+    tokenizer = llama.tokenizer
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, logit_bias={eos: 4.0},
+                            skip_special_tokens=False, include_stop_str_in_output=include)
+    outs = llama.generate(["Hello"] * 6, params, use_tqdm=False)
+    ended = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert ended
+    for out in ended:
+        assert out.token_ids[-1] == eos and out.stop_reason is None
+        shown = out.token_ids if include else out.token_ids[:-1]
+        assert out.text == tokenizer.decode(shown, skip_special_tokens=False)
+        assert out.text.endswith("<|endoftext|>") is include
+    stop_id = llama.generate("The quick brown fox", GREEDY, use_tqdm=False)[0].outputs[
+        0].token_ids[5]  # an ordinary token, as a stop token
+    out = llama.generate("The quick brown fox", SamplingParams(
+        temperature=0, max_tokens=24, stop_token_ids=[stop_id],
+        include_stop_str_in_output=include), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[-1] == stop_id
+    shown = out.token_ids if include else out.token_ids[:-1]
+    assert out.text == tokenizer.decode(shown)
+
+
 def test_eos_stops_unless_ignored_and_not_before_min_tokens(llama):
     base = llama.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0]
     eos = base.token_ids[3]
