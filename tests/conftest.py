@@ -356,6 +356,40 @@ def agent_model_dir(model_dirs, tmp_path_factory) -> Path:
     return out
 
 
+HARMONY_TAGS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>",
+                "<|return|>", "<|constrain|>")
+# gpt-oss's turn layout (its real template adds a system and a developer message): the
+# generation prompt opens an assistant turn whose header the model writes.
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}{{ '<|start|>' + m['role'] + '<|message|>' + (m['content'] or "
+    "'') + '<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}"
+    "{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def harmony_model_dir(model_dirs, tmp_path_factory) -> Path:
+    """The llama test model with a tokenizer that has gpt-oss's Harmony tags as special
+    tokens, as gpt-oss's does (skip_special_tokens drops them from the text), within the
+    model's vocabulary, and a Harmony chat template."""
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    from pagellm.demo.model import SPECIAL_TOKENS, train_tokenizer
+
+    out = tmp_path_factory.mktemp("harmony-model")
+    shutil.copytree(model_dirs["llama"], out, dirs_exist_ok=True)
+    vocab = MODEL_SPECS["llama"].vocab_size
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(vocab - len(HARMONY_TAGS)),
+        eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0], bos_token=None,
+        chat_template=HARMONY_TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(HARMONY_TAGS)})
+    assert len(tokenizer) == vocab
+    tokenizer.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def agent_server(agent_model_dir, tmp_path_factory) -> Iterator[Server]:
     """`pagellm serve` as agents use it: tool calls ("auto" through the hermes parser),

@@ -34,6 +34,7 @@ from pagellm.protocol.messages import (
     UtilityMethod,
     message_for,
 )
+from pagellm.protocol.reasoning import effective_reasoning_parser
 from pagellm.protocol.sampling_params import ALL_LOGPROBS, MAX_STRINGS, check_token_ids
 from pagellm.protocol.scheduling import ModelRunnerOutput, SchedulerOutput
 from pagellm.protocol.stats import STEP_WINDOW, EngineStats, StepTimings
@@ -68,6 +69,10 @@ class EngineCore:
                 args.speculative, self.executor.device.type))
         # Requests hash their blocks only when the prefix cache can use the hashes.
         self._hash_block_size = args.block_size if args.enable_prefix_caching else None
+        reasoning_parser = effective_reasoning_parser(
+            args.structured_outputs("reasoning_parser", None),
+            getattr(model_config.hf_config, "model_type", None),
+            None if args.skip_tokenizer_init else (args.tokenizer or args.model))
         self.info = EngineInfo(
             model=args.model, max_model_len=model_config.max_model_len,
             vocab_size=model_config.vocab_size, block_size=args.block_size,
@@ -75,12 +80,12 @@ class EngineCore:
             max_num_batched_tokens=self.executor.max_num_batched_tokens,
             device=str(self.executor.device), dtype=str(model_config.dtype).removeprefix("torch."),
             max_logprobs=args.max_logprobs, max_num_seqs=args.max_num_seqs,
-            world_size=args.tensor_parallel_size, scheduling_policy=args.scheduling_policy)
+            world_size=args.tensor_parallel_size, scheduling_policy=args.scheduling_policy,
+            reasoning_parser=reasoning_parser)
         self.structured = StructuredOutputManager(
             None if args.skip_tokenizer_init else (args.tokenizer or args.model),
             model_config.vocab_size, args.structured_outputs("backend", "auto"),
-            not args.structured_outputs("disable_any_whitespace", False),
-            args.structured_outputs("reasoning_parser", None),
+            not args.structured_outputs("disable_any_whitespace", False), reasoning_parser,
             args.structured_outputs("enable_in_reasoning", False))
         # Outputs made outside a step (refused or aborted requests), sent with the next.
         self._outbox: dict[int, EngineCoreOutputs] = {}

@@ -180,8 +180,9 @@ class EngineArgs:
                 '(optional "disable_by_batch_size": no proposals above that many running '
                 'requests).'})
     reasoning_parser: str | None = _opt(
-        None, "Split <think> reasoning into reasoning_content (server), and apply "
-        "structured outputs after it ends.", (None, *REASONING_TAGS))
+        None, "Split reasoning (<think>, or gpt-oss's analysis) into reasoning_content "
+        "(server), and apply structured outputs after it ends. Default: openai_gptoss for "
+        "gpt-oss models, none otherwise.", (None, *REASONING_TAGS))
     worker_extension_cls: str | None = _opt(
         None, "'package.module.Class' whose public methods collective_rpc may call.")
     # -- vLLM options with one meaning here -------------------------------------------

@@ -201,6 +201,8 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):
     world_size: int = 1  # this core's workers (tensor-parallel ranks)
     data_parallel_size: int = 1  # engine cores behind this frontend (set by the DP client)
     scheduling_policy: str = "fcfs"  # "priority" honours requests' priority
+    # the reasoning parser in effect (configured, or the model family's: reasoning.py)
+    reasoning_parser: str | None = None
 
 
 class HandshakeRequest(msgspec.Struct, array_like=True, gc=False):

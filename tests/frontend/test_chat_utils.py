@@ -52,3 +52,38 @@ def test_llm_chat_renders_a_tool_conversation_as_the_server_does(model_dirs, mak
     assert '<call get_weather {"city": "Paris"}>' in text and "[tool#c1]sunny" in text
     assert out.prompt == text
     assert out.prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+REASONING_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}]{% if m.thinking %}<analysis {{ m.thinking }}>"
+    "{% endif %}{% if m.reasoning_content %}<think {{ m.reasoning_content }}>{% endif %}"
+    "{{ m['content'] or '' }}{% endfor %}")
+
+
+def test_earlier_reasoning_reaches_templates_under_their_names(model_dirs, make_llm):
+    """A client sends an assistant's reasoning back as `reasoning_content` (what the
+    server returned) or `reasoning`; gpt-oss's template reads `thinking`, Qwen3's
+    `reasoning_content`: both get it, offline and on the server alike. The reference is
+    apply_chat_template on the conversation with both names written by hand."""
+    from pagellm.frontend.server.api_models import ChatMessage
+
+    llm = make_llm(model_dirs["llama"])
+    for name in ("reasoning_content", "reasoning"):
+        history = [{"role": "user", "content": "Hi"},
+                   {"role": "assistant", "content": "Hello", name: "greet back"}]
+        by_hand = [history[0], {**history[1], "reasoning_content": "greet back",
+                                "thinking": "greet back"}]
+        expected = llm.tokenizer.apply_chat_template(
+            by_hand, chat_template=REASONING_TEMPLATE, tokenize=False)
+        assert "<analysis greet back><think greet back>Hello" in expected
+        out = llm.chat(history, SamplingParams(max_tokens=1), use_tqdm=False,
+                       chat_template=REASONING_TEMPLATE, add_generation_prompt=False)[0]
+        assert out.prompt == expected
+        server_side = [ChatMessage(**m).template_message() for m in history]
+        assert server_side == template_messages(history)
+        # given under both names here, not left to the template engine (transformers 5.0,
+        # the floor, does not map them; later releases do)
+        assert {k: server_side[1].get(k) for k in ("reasoning_content", "thinking")} == {
+            "reasoning_content": "greet back", "thinking": "greet back"}
+    plain = [{"role": "user", "content": "Hi"}]
+    assert template_messages(plain)[0] is plain[0]  # no reasoning: as given

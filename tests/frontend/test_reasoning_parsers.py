@@ -13,6 +13,7 @@ import pytest
 from pagellm.frontend.reasoning import (
     REASONING_PARSERS,
     DeepSeekR1ReasoningParser,
+    GptOssReasoningParser,
     Qwen3ReasoningParser,
     ReasoningParser,
     ThinkTagReasoningParser,
@@ -46,7 +47,9 @@ THINK_CASES: list[tuple[str, str | None, str | None]] = [
     ("思考 🤔</think>答え", "思考 🤔", "答え"),
 ]
 
-PARSERS = sorted(REASONING_PARSERS)
+# the think-tag parsers (gpt-oss's Harmony parser: test_harmony.py)
+PARSERS = sorted(name for name, parser_class in REASONING_PARSERS.items()
+                 if issubclass(parser_class, ThinkTagReasoningParser))
 
 
 @pytest.mark.parametrize("name", PARSERS)
@@ -138,12 +141,14 @@ def test_streaming_holds_back_only_a_possible_tag() -> None:
 
 def test_registry_matches_the_protocol_tag_table() -> None:
     assert set(REASONING_PARSERS) == set(REASONING_TAGS)
+    assert PARSERS == ["deepseek_r1", "glm45", "qwen3"]
+    assert REASONING_PARSERS["openai_gptoss"] is GptOssReasoningParser
     for name, parser_class in REASONING_PARSERS.items():
         assert get_reasoning_parser(name) is parser_class
-        parser = parser_class()
-        assert isinstance(parser, ThinkTagReasoningParser)
+    for name in PARSERS:
+        parser = REASONING_PARSERS[name]()
         assert (parser.start_tag, parser.end_tag) == REASONING_TAGS[name]
-    with pytest.raises(ValueError, match=r"deepseek_r1.*glm45.*qwen3"):
+    with pytest.raises(ValueError, match=r"deepseek_r1.*glm45.*openai_gptoss.*qwen3"):
         get_reasoning_parser("granite")
 
 

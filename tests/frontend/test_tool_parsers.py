@@ -1,6 +1,6 @@
-"""frontend/tool_parsers: the hermes, llama3_json, pythonic, DeepSeek (V3, V3.1) and GLM-4.5
-formats turned into OpenAI
-tool calls and content. The reference is the expected results written by hand below;
+"""frontend/tool_parsers: the hermes, llama3_json, pythonic, DeepSeek (V3, V3.1), GLM-4.5
+and 4.7 (glm45, glm47) and gpt-oss's Harmony (openai) formats turned into OpenAI tool
+calls and content. The reference is the expected results written by hand below;
 streaming is checked against the whole-output result for every string, fed in random
 pieces, one character at a time and all at once."""
 
@@ -18,8 +18,10 @@ from pagellm.frontend.tool_parsers import (
     DeepSeekV3ToolParser,
     DeepSeekV31ToolParser,
     Glm45ToolParser,
+    Glm47ToolParser,
     HermesToolParser,
     Llama3JsonToolParser,
+    OpenAIToolParser,
     PythonicToolParser,
     ToolCall,
     ToolParser,
@@ -219,14 +221,78 @@ GLM45_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
     ("Nothing to call.", [], "Nothing to call."),
 ]
 
+
+def harmony(channel: str, body: str, end: str = "<|end|>", *, first: bool = False) -> str:
+    """One Harmony message as gpt-oss writes it: the first of an output has no
+    `<|start|>assistant` (the prompt ends with it)."""
+    start = "" if first else "<|start|>assistant"
+    return f"{start}<|channel|>{channel}<|message|>{body}{end}"
+
+
+THINK = harmony("analysis", "User wants the weather. Use get_weather.", first=True)
+# gpt-oss's two spellings of a call: the recipient after the channel with a
+# <|constrain|> content type, or in the role's part with a bare one
+HARMONY_CALL = harmony("commentary to=functions.get_weather <|constrain|>json",
+                       '{"city":"Paris","days":3}', "<|call|>")
+ROLE_CALL = ('<|start|>assistant to=functions.lookup<|channel|>commentary json'
+             '<|message|>{"q": ["a", {"b": null}]}<|call|>')
+
+OPENAI_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
+    # reasoning is no content; the final message is (the stop token's text ends it)
+    (THINK + harmony("final", "It is sunny.", "<|return|>"), [], "It is sunny."),
+    (THINK + HARMONY_CALL, [("get_weather", '{"city": "Paris", "days": 3}')], None),
+    (THINK + ROLE_CALL, [("lookup", '{"q": ["a", {"b": null}]}')], None),
+    # a preamble (commentary to no one) is shown; calls in one output, in order
+    (harmony("commentary", "Checking two cities.", first=True) + HARMONY_CALL
+     + harmony("commentary to=functions.get_weather", '{"city": "Rome"}', "<|call|>"),
+     [("get_weather", '{"city": "Paris", "days": 3}'), ("get_weather", '{"city": "Rome"}')],
+     "Checking two cities."),
+    # preamble and final joined by a newline; unicode kept
+    (harmony("commentary", "Un moment…", first=True) + harmony("final", "日本 🙂"), [],
+     "Un moment…\n日本 🙂"),
+    # a body that is no JSON object is content; an empty function name too
+    (THINK + harmony("commentary to=functions.f <|constrain|>json", '{"a": ', "<|call|>"),
+     [], '{"a": '),
+    (harmony("commentary to=functions.f", "[1, 2]", "<|call|>", first=True), [], "[1, 2]"),
+    (harmony("commentary to=functions. json", "{}", "<|call|>", first=True), [], "{}"),
+    # built-in tools' calls are neither content nor calls (the chat API runs none)
+    (harmony("analysis to=browser.search code", '{"query": "x"}', "<|call|>", first=True)
+     + harmony("commentary to=python", "print(1)", "<|call|>"), [], None),
+    # cut off: in the reasoning, in a header, in the answer, in a complete call
+    (harmony("analysis", "Still thinking", "", first=True), [], None),
+    (THINK + "<|start|>assistant<|channel|>fin", [], None),
+    (THINK + harmony("final", "Partial ans", ""), [], "Partial ans"),
+    (harmony("commentary to=functions.f", '{"x": 1}', "", first=True), [("f", '{"x": 1}')],
+     None),
+    # a tag inside a body is its text; whitespace alone is no content
+    (harmony("final", "a <|channel|> b <|constrain|>", first=True), [],
+     "a <|channel|> b <|constrain|>"),
+    (THINK + harmony("final", " \n "), [], None),
+    # an output in no Harmony at all is the answer, whole
+    ("Plain answer, no tags.", [], "Plain answer, no tags."),
+    ("", [], None),
+]
+
+# GLM-4.7 writes the name straight into the first key (vLLM's glm47 template)
+GLM47_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
+    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+     "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>",
+     [("get_weather", '{"city": "Paris", "days": 3}')], None),
+    ("Sure.<tool_call>f<arg_key>q</arg_key>\n<arg_value>[1]</arg_value></tool_call>"
+     "<tool_call>g</tool_call>", [("f", '{"q": [1]}'), ("g", "{}")], "Sure."),
+]
+
 CASES = [(HermesToolParser, *case) for case in HERMES_CASES] + \
         [(Llama3JsonToolParser, *case) for case in LLAMA3_CASES] + \
         [(PythonicToolParser, *case) for case in PYTHONIC_CASES] + \
         [(DeepSeekV3ToolParser, *case) for case in DEEPSEEK_V3_CASES] + \
         [(DeepSeekV31ToolParser, *case) for case in DEEPSEEK_V31_CASES] + \
-        [(Glm45ToolParser, *case) for case in GLM45_CASES]
+        [(Glm45ToolParser, *case) for case in GLM45_CASES] + \
+        [(Glm47ToolParser, *case) for case in GLM45_CASES + GLM47_CASES] + \
+        [(OpenAIToolParser, *case) for case in OPENAI_CASES]
 ALL_TEXTS = sorted({case[0] for case in HERMES_CASES + LLAMA3_CASES + PYTHONIC_CASES
-                    + DEEPSEEK_V3_CASES + DEEPSEEK_V31_CASES + GLM45_CASES})
+                    + DEEPSEEK_V3_CASES + DEEPSEEK_V31_CASES + GLM45_CASES
+                    + GLM47_CASES + OPENAI_CASES})
 
 
 @pytest.mark.parametrize(("parser_class", "text", "calls", "content"), CASES)
@@ -323,7 +389,8 @@ def test_tool_call_to_openai_and_registry() -> None:
                                 "function": {"name": "f", "arguments": '{"a": 1}'}}
     expected = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
                 "pythonic": PythonicToolParser, "deepseek_v3": DeepSeekV3ToolParser,
-                "deepseek_v31": DeepSeekV31ToolParser, "glm45": Glm45ToolParser}
+                "deepseek_v31": DeepSeekV31ToolParser, "glm45": Glm45ToolParser,
+                "glm47": Glm47ToolParser, "openai": OpenAIToolParser}
     assert expected == TOOL_PARSERS
     for name, parser_class in TOOL_PARSERS.items():
         assert get_tool_parser(name) is parser_class and parser_class.name == name
@@ -355,7 +422,9 @@ def test_long_hostile_output_streams_in_bounded_work(name: str) -> None:
     texts = ["<tool_call>" + "x" * size, CALLS + CALL + "x" * size,
              '{"name": "a", "parameters": {"s": "' + "y" * size + '"}}',
              "[f(s='" + "z" * size + "')]",
-             " " * size + "end"]
+             " " * size + "end",
+             harmony("commentary to=functions.f", '{"s": "' + "w" * size, "", first=True),
+             "<|channel|>analysis" + " " * size, "<|" * size]
     parser_class = get_tool_parser(name)
     for text in texts:
         expected = parser_class().extract_tool_calls(text)
@@ -377,6 +446,12 @@ FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "</tool", "<|python_tag|>"
              "\n```json\n", "\n```", '{"x": 1}', v3_block("f", '{"a": 1}'),
              f"{CALL}g{SEP}{{}}{CALL_END}", "<arg_key>", "</arg_key>", "<arg_value>",
              "</arg_value>", "get\n", glm_block("f", ("x", "1")), "<tool_call>g\n"]
+# Harmony's pieces, for its parser only (among the others' they would thin out the
+# calls the other formats reach)
+HARMONY_FRAGMENTS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>",
+                     "<|return|>", "<|constrain|>", "<|", "|>", "<|chan", "assistant",
+                     "analysis", "final", "commentary", " to=functions.f", " to=browser.open",
+                     "json", THINK, HARMONY_CALL, ROLE_CALL, harmony("final", "ok")]
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
@@ -384,10 +459,11 @@ def test_streaming_equals_extract_for_generated_texts(name: str) -> None:
     """Texts glued from tags, calls, brackets, quotes and whitespace (fixed seed): the
     interleavings no hand-written case thinks of, the same streamed as whole."""
     parser_class = get_tool_parser(name)
+    fragments = FRAGMENTS + HARMONY_FRAGMENTS if name == "openai" else FRAGMENTS
     rng = random.Random(0)
     called = 0
     for _ in range(2500):
-        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 8)))
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 8)))
         expected = parser_class().extract_tool_calls(text)
         called += expected.tools_called
         for pieces in ([text], list(text), _random_pieces(text, rng)):

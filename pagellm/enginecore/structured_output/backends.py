@@ -193,16 +193,21 @@ class Backends:
                 self._built[name] = backend
             return backend
 
-    def token_id(self, text: str) -> int:
-        """The id of a special token (a reasoning tag), which must be one token."""
+    def token_ids(self, text: str) -> tuple[int, ...]:
+        """The ids a reasoning tag encodes to (one for a think tag, a few for Harmony's);
+        ValueError for a tag this tokenizer has no special token of (spelled out in
+        ordinary tokens it would take many, and a model would not write it so)."""
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = _load_tokenizer(self._path)
-            ids = self._tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) != 1:
-            raise ValueError(f"the reasoning tag {text!r} is not one token of this "
-                             f"model's tokenizer ({len(ids)} tokens)")
-        return int(ids[0])
+            tokenizer = self._tokenizer
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+        if not ids or ids[0] not in special:
+            raise ValueError(f"the reasoning tag {text!r} does not begin with a special "
+                             f"token of this model's tokenizer (encoded as {len(ids)} "
+                             f"tokens): is the reasoning parser the model's?")
+        return tuple(int(i) for i in ids)
 
 
 def _load_tokenizer(path: str) -> Any:

@@ -97,7 +97,7 @@ class StructuredOutputManager:
         matcher = backend.matcher(compiled, stop)
         if self.reasoning_tags is None:
             return RequestGrammar(matcher)
-        start, end = (self._backends.token_id(tag) for tag in self.reasoning_tags)
+        start, end = (self._backends.token_ids(tag) for tag in self.reasoning_tags)
         return RequestGrammar(matcher, end, not _reasoning_done(request.prompt_token_ids,
                                                                 start, end))
 
@@ -223,16 +223,20 @@ def _clear_bits(bitmask: np.ndarray, row: int, token_ids: Iterable[int]) -> None
         words[token_id >> 5] &= np.uint32(~(1 << (token_id & 31)) & 0xFFFFFFFF)
 
 
-def _reasoning_done(prompt: list[int], start: int, end: int) -> bool:
+def _reasoning_done(prompt: list[int], start: tuple[int, ...], end: tuple[int, ...]
+                    ) -> bool:
     """The prompt closes a reasoning block it opened (a template that turned thinking
-    off writes an empty one): the answer, and so the grammar, starts at once."""
+    off writes an empty one; a Harmony prompt prefilled to its final message): the
+    answer, and so the grammar, starts at once."""
     last_start = _last_index(prompt, start)
     return last_start >= 0 and _last_index(prompt, end) > last_start
 
 
-def _last_index(ids: list[int], token: int) -> int:
-    for i in range(len(ids) - 1, -1, -1):
-        if ids[i] == token:
+def _last_index(ids: list[int], seq: tuple[int, ...]) -> int:
+    """Where the last occurrence of `seq` in `ids` begins, or -1."""
+    n = len(seq)
+    for i in range(len(ids) - n, -1, -1):
+        if ids[i] == seq[0] and tuple(ids[i:i + n]) == seq:
             return i
     return -1
 

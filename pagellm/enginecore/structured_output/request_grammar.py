@@ -15,12 +15,15 @@ class RequestGrammar:
     Python: the scheduler calls `advance` for every sampled token."""
 
     __slots__ = ("dead_end", "in_reasoning", "matcher", "num_accepted", "reasoning_end",
-                 "terminated")
+                 "recent", "terminated")
 
-    def __init__(self, matcher: Matcher, reasoning_end: int | None = None,
+    def __init__(self, matcher: Matcher, reasoning_end: tuple[int, ...] = (),
                  in_reasoning: bool = False) -> None:
+        """`reasoning_end`: the token ids that end the reasoning (one for a think tag,
+        several for Harmony's `<|channel|>final<|message|>`)."""
         self.matcher = matcher
         self.reasoning_end = reasoning_end
+        self.recent: tuple[int, ...] = ()  # the last len(reasoning_end) reasoning tokens
         self.in_reasoning = in_reasoning
         self.terminated = False
         self.dead_end = False  # the last mask allowed nothing
@@ -33,7 +36,8 @@ class RequestGrammar:
     def advance(self, token_id: int) -> str | None:
         """Take the sampled token; an error message if the grammar refuses it."""
         if self.in_reasoning:
-            self.in_reasoning = token_id != self.reasoning_end
+            self.recent = (*self.recent, token_id)[-len(self.reasoning_end):]
+            self.in_reasoning = self.recent != self.reasoning_end
             return None
         if self.terminated:
             return None

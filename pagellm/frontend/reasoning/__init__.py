@@ -8,6 +8,7 @@ from __future__ import annotations
 from pagellm.frontend.reasoning.base import ReasoningParser, ThinkTagReasoningParser
 from pagellm.frontend.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
 from pagellm.frontend.reasoning.glm45 import Glm45ReasoningParser
+from pagellm.frontend.reasoning.gptoss import GptOssReasoningParser
 from pagellm.frontend.reasoning.qwen3 import Qwen3ReasoningParser
 from pagellm.protocol.reasoning import check_reasoning_parser
 
@@ -15,6 +16,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": Qwen3ReasoningParser,
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "glm45": Glm45ReasoningParser,
+    "openai_gptoss": GptOssReasoningParser,
 }
 
 
@@ -30,5 +32,5 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
 
 
 __all__ = ["REASONING_PARSERS", "DeepSeekR1ReasoningParser", "Glm45ReasoningParser",
-           "Qwen3ReasoningParser",
+           "GptOssReasoningParser", "Qwen3ReasoningParser",
            "ReasoningParser", "ThinkTagReasoningParser", "get_reasoning_parser"]

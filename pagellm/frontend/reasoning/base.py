@@ -27,6 +27,10 @@ class ReasoningParser(abc.ABC):
     flushes at the end of the stream. The pieces, joined per key, equal
     `extract_reasoning(full_text)` (with None as "")."""
 
+    # The format's tags are special tokens: the server decodes a request's output with
+    # them (skip_special_tokens false), or the parser would never see them.
+    special_tokens_in_text: ClassVar[bool] = False
+
     def __init__(self, *, thinking_enabled: bool = True) -> None:
         self.thinking_enabled = thinking_enabled
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
-from pagellm.frontend.chat_utils import template_tool_call
+from pagellm.frontend.chat_utils import template_reasoning, template_tool_call
 from pagellm.protocol.sampling_params import (
     MAX_TOKEN_IDS,
     RequestOutputKind,
@@ -275,19 +275,28 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # the call a tool message answers
+    # an assistant's earlier reasoning, as this server returned it (`reasoning` is the
+    # name newer vLLM and OpenAI-style clients send)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def template_message(self) -> dict[str, Any]:
         """The message as chat templates read it (vLLM's): role and text, plus name,
         tool_call_id and tool_calls when given, each call's JSON `arguments` parsed
-        (templates render them with tojson)."""
+        (templates render them with tojson), and earlier reasoning under the names the
+        templates read (chat_utils.template_reasoning)."""
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for name, value in (("reasoning_content", self.reasoning_content),
+                            ("reasoning", self.reasoning)):
+            if value is not None:
+                message[name] = value
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls is not None:
             message["tool_calls"] = [template_tool_call(call) for call in self.tool_calls]
-        return message
+        return template_reasoning(message)
 
     def text(self) -> str:
         """The message's text; content parts must all be text."""
@@ -319,9 +328,20 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     function_call: str | dict[str, Any] | None = None  # refused (UNSERVED_FIELDS)
     chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: how long a reasoning model thinks; a template variable (gpt-oss's
+    # template writes it into the system message), overridden by chat_template_kwargs
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: chat_template_kwargs, and
+        reasoning_effort where they do not set it."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def check_supported(self) -> None:
         self.check_served()

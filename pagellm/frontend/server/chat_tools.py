@@ -21,8 +21,10 @@ from typing import Any
 
 from pagellm.frontend.reasoning import get_reasoning_parser
 from pagellm.frontend.reasoning.base import ReasoningParser
+from pagellm.frontend.reasoning.gptoss import GptOssReasoningParser
 from pagellm.frontend.tool_parsers import get_tool_parser
 from pagellm.frontend.tool_parsers.base import ToolCall, ToolParser
+from pagellm.frontend.tool_parsers.openai import OpenAIToolParser
 from pagellm.protocol.sampling_params import StructuredOutputsParams
 
 MAX_TOOLS = 1024
@@ -137,17 +139,28 @@ def _required_calls(text: str) -> list[ToolCall] | None:
             for item in items if isinstance(item, dict) and "name" in item]
 
 
-def _reasoning(setup: ToolSetup, thinking: bool) -> ReasoningParser | None:
-    """`thinking`: the request's chat_template_kwargs enable_thinking (Qwen3's switch)."""
-    if setup.reasoning_parser is None:
-        return None
-    return get_reasoning_parser(setup.reasoning_parser)(thinking_enabled=thinking)
-
-
-def _tool_parser(setup: ToolSetup, mode: ToolMode) -> ToolParser | None:
+def _parsers(setup: ToolSetup, mode: ToolMode, thinking: bool
+             ) -> tuple[ReasoningParser | None, ToolParser | None]:
+    """One choice's reasoning parser and tool parser (None where the server or the
+    tool choice has none). `thinking`: the request's chat_template_kwargs
+    enable_thinking (Qwen3's switch). Harmony's two parsers (openai_gptoss, openai)
+    read the same messages: together, the tool parser alone reads the whole output and
+    reports the reasoning as well."""
+    reasoning = None if setup.reasoning_parser is None else \
+        get_reasoning_parser(setup.reasoning_parser)(thinking_enabled=thinking)
     if mode.mode != "auto" or setup.tool_call_parser is None:
-        return None
-    return get_tool_parser(setup.tool_call_parser)(mode.tools)
+        return reasoning, None
+    parser_class = get_tool_parser(setup.tool_call_parser)
+    if parser_class is OpenAIToolParser and isinstance(reasoning, GptOssReasoningParser):
+        return None, OpenAIToolParser(mode.tools, with_reasoning=True)
+    return reasoning, parser_class(mode.tools)
+
+
+def special_tokens_in_text(setup: ToolSetup, mode: ToolMode) -> bool:
+    """A parser this request uses reads tags that are special tokens: its output must
+    be decoded with them (skip_special_tokens false), whatever the request asked."""
+    return any(parser is not None and parser.special_tokens_in_text
+               for parser in _parsers(setup, mode, True))
 
 
 def chat_message(text: str, finish_reason: str | None, mode: ToolMode, setup: ToolSetup,
@@ -155,7 +168,7 @@ def chat_message(text: str, finish_reason: str | None, mode: ToolMode, setup: To
     """(the assistant message, the finish reason: "tool_calls" when an auto or required
     choice called tools) for one choice's whole text."""
     message: dict[str, Any] = {"role": "assistant"}
-    reasoning_parser = _reasoning(setup, thinking)
+    reasoning_parser, parser = _parsers(setup, mode, thinking)
     content: str | None = text
     if reasoning_parser is not None:
         reasoning, content = reasoning_parser.extract_reasoning(text)
@@ -169,9 +182,12 @@ def chat_message(text: str, finish_reason: str | None, mode: ToolMode, setup: To
         if parsed:
             calls, content = parsed, None
     elif mode.mode == "auto" and content is not None:
-        parser = _tool_parser(setup, mode)
         assert parser is not None
         extracted = parser.extract_tool_calls(content)
+        if isinstance(parser, OpenAIToolParser):  # Harmony's content never holds its tags
+            content = extracted.content
+            if parser.with_reasoning:
+                message["reasoning_content"] = extracted.reasoning
         if extracted.tools_called:
             calls, content = extracted.tool_calls, extracted.content
     message["content"] = content
@@ -188,8 +204,7 @@ class ChoiceStream:
 
     def __init__(self, mode: ToolMode, setup: ToolSetup, thinking: bool = True) -> None:
         self.mode = mode
-        self.reasoning = _reasoning(setup, thinking)
-        self.parser = _tool_parser(setup, mode)
+        self.reasoning, self.parser = _parsers(setup, mode, thinking)
         self.buffered = ""  # a required choice's array, parsed at the end
         self.called = False
         self._named_started = False

@@ -92,7 +92,7 @@ def vllm_config(args: EngineArgs, info: EngineInfo, served_model_name: str
             "backend": args.structured_outputs("backend", "auto"),
             "disable_any_whitespace": args.structured_outputs("disable_any_whitespace", False),
             "enable_in_reasoning": args.structured_outputs("enable_in_reasoning", False),
-            "reasoning_parser": args.structured_outputs("reasoning_parser", None) or "",
+            "reasoning_parser": info.reasoning_parser or "",  # the one in effect
         },
         "lora_config": None if not args.enable_lora else {
             "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,

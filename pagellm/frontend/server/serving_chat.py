@@ -14,6 +14,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from pagellm.frontend.input_processor import ProcessedRequest
 from pagellm.frontend.outputs import CompletionOutput, RequestOutput
 from pagellm.frontend.server.api_models import ChatCompletionRequest
@@ -23,6 +25,7 @@ from pagellm.frontend.server.chat_tools import (
     ToolSetup,
     chat_message,
     resolve_tool_mode,
+    special_tokens_in_text,
     tool_constraint,
 )
 from pagellm.frontend.server.edge import bad_request
@@ -48,11 +51,13 @@ class OpenAIServingChat(OpenAIServing):
             params = body.sampling_params(body.completion_limit, top, body.prompt_logprobs,
                                           self.engine.default_sampling_fields,
                                           implied or constraint)
+            if special_tokens_in_text(self.tool_setup, mode):  # the parser reads them
+                params = msgspec.structs.replace(params, skip_special_tokens=False)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
         thinking = bool((body.chat_template_kwargs or {}).get("enable_thinking", True))
         prompt_ids = await self._chat_prompt(
-            body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+            body.messages, body.add_generation_prompt, body.template_kwargs,
             body.chat_template, body.continue_final_message, body.add_special_tokens,
             body.tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -79,7 +84,7 @@ class OpenAIServingChat(OpenAIServing):
     @property
     def tool_setup(self) -> ToolSetup:
         return ToolSetup(self.options.enable_auto_tool_choice, self.options.tool_call_parser,
-                         self.engine.engine_args.structured_outputs("reasoning_parser", None))
+                         self.engine.info.reasoning_parser)
 
     def _chat_choices(self, final: RequestOutput, body: ChatCompletionRequest,
                       mode: ToolMode, thinking: bool) -> list[dict[str, Any]]:

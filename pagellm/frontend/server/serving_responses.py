@@ -278,6 +278,18 @@ def text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
                      f"got {str(kind)[:100]!r}")
 
 
+def _effort(reasoning: dict[str, Any] | None) -> Any:
+    """`reasoning.effort` low, medium or high, for the template (gpt-oss's); None for
+    none ("none" turns thinking off instead); ValueError for any other value."""
+    effort = (reasoning or {}).get("effort")
+    if effort in (None, "none"):
+        return None
+    if effort not in ("low", "medium", "high"):
+        raise ValueError(f'reasoning.effort must be "none", "low", "medium" or "high", '
+                         f"got {str(effort)[:50]!r}")
+    return effort
+
+
 def _thinking_off(reasoning: dict[str, Any] | None) -> bool:
     """`reasoning.effort` "none": the chat template's thinking switch off."""
     return (reasoning or {}).get("effort") == "none"
@@ -295,7 +307,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         parallel_tool_calls=body.parallel_tool_calls is not False,
         response_format=text_format(body.text),
         chat_template_kwargs={"enable_thinking": False} if _thinking_off(body.reasoning)
-        else None,
+        else None, reasoning_effort=_effort(body.reasoning),
         stream=stream, stream_options=StreamOptions(include_usage=True) if stream else None,
         user=body.user, top_k=body.top_k, min_p=body.min_p,
         repetition_penalty=body.repetition_penalty, seed=body.seed, stop=body.stop,

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 from pagellm.frontend.tool_parsers.base import ExtractedToolCalls, ToolCall, ToolParser
 from pagellm.frontend.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
-from pagellm.frontend.tool_parsers.glm45 import Glm45ToolParser
+from pagellm.frontend.tool_parsers.glm45 import Glm45ToolParser, Glm47ToolParser
 from pagellm.frontend.tool_parsers.hermes import HermesToolParser
 from pagellm.frontend.tool_parsers.llama3_json import Llama3JsonToolParser
+from pagellm.frontend.tool_parsers.openai import OpenAIToolParser
 from pagellm.frontend.tool_parsers.pythonic import PythonicToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV31ToolParser,
     "glm45": Glm45ToolParser,
+    "glm47": Glm47ToolParser,
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "openai": OpenAIToolParser,
     "pythonic": PythonicToolParser,
 }
 
@@ -32,5 +35,6 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 
 __all__ = ["TOOL_PARSERS", "DeepSeekV3ToolParser", "DeepSeekV31ToolParser",
-           "ExtractedToolCalls", "Glm45ToolParser", "HermesToolParser", "Llama3JsonToolParser",
-           "PythonicToolParser", "ToolCall", "ToolParser", "get_tool_parser"]
+           "ExtractedToolCalls", "Glm45ToolParser", "Glm47ToolParser", "HermesToolParser",
+           "Llama3JsonToolParser", "OpenAIToolParser", "PythonicToolParser", "ToolCall",
+           "ToolParser", "get_tool_parser"]

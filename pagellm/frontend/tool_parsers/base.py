@@ -15,7 +15,7 @@ import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 def make_tool_call_id() -> str:
@@ -48,6 +48,7 @@ class ExtractedToolCalls:
     tools_called: bool
     tool_calls: list[ToolCall]
     content: str | None
+    reasoning: str | None = None  # a format that also carries reasoning (Harmony)
 
 
 class ToolParser(abc.ABC):
@@ -63,6 +64,9 @@ class ToolParser(abc.ABC):
     and the calls sent are the calls extracted (ids apart)."""
 
     name: str = ""
+    # The format's tags are special tokens: the server decodes a request's output with
+    # them (skip_special_tokens false), or the parser would never see them.
+    special_tokens_in_text: ClassVar[bool] = False
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
         """`tools`: the request's (OpenAI's `{"type": "function", "function": {...}}`),

@@ -84,3 +84,13 @@ class Glm45ToolParser(BlockToolParser):
                 declared = properties.get(key)
                 return declared.get("type") if isinstance(declared, dict) else None
         return None
+
+
+class Glm47ToolParser(Glm45ToolParser):
+    """`--tool-call-parser glm47` (GLM-4.7, GLM-5: vLLM's name): the same blocks with
+    the name run straight into the first key (`<tool_call>get_weather<arg_key>city
+    </arg_key>...`), which glm45's parser already reads (the name ends at the first
+    `<arg_key>`, the line break is optional), as vLLM now serves both names with one
+    parser."""
+
+    name = "glm47"

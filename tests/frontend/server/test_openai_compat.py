@@ -93,13 +93,13 @@ def test_unknown_fields_are_accepted_and_logged_once(served):
         assert status == 200, response
     status, response = server.post("/v1/chat/completions", {
         "model": NAME, "max_tokens": 2, "frobnicate_level": 3,
-        "messages": [{"role": "user", "content": "x", "reasoning_content": "y"}],
+        "messages": [{"role": "user", "content": "x", "vendor_note": "y"}],
         "stream_options": None})
     assert status == 200, response
     lines = [line for line in log.read_text().splitlines() if "ignored" in line]
     assert sum("frobnicate_level" in line for line in lines) == 1, lines
     assert sum("reasoning_effort" in line for line in lines) == 1, lines
-    assert sum("messages[0].reasoning_content" in line for line in lines) == 1, lines
+    assert sum("messages[0].vendor_note" in line for line in lines) == 1, lines
     assert all("The following fields were present in the request but ignored" in line
                for line in lines)
 

@@ -108,6 +108,35 @@ TOOL_HISTORY = [
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
 
 
+EFFORT_TEMPLATE = "effort={{ reasoning_effort | default('unset') }}"
+
+
+def test_reasoning_effort_is_a_template_variable(guarded, model_dirs):
+    """OpenAI's reasoning_effort reaches the template as gpt-oss's reads it (its system
+    message), chat_template_kwargs win over it, and the Responses API's reasoning.effort
+    takes the same way; a value outside low/medium/high is a 400 naming the field.
+    Reference: the tokenizer's encoding of the text the template must render."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs["llama"])  # the server's model
+    for extra, rendered in (({}, "unset"), ({"reasoning_effort": "low"}, "low"),
+                            ({"reasoning_effort": "low",
+                              "chat_template_kwargs": {"reasoning_effort": "high"}}, "high")):
+        status, response = post(guarded, "/v1/chat/completions", {
+            "model": NAME, "messages": MESSAGES, "chat_template": EFFORT_TEMPLATE,
+            "max_tokens": 1, "return_token_ids": True, **extra})
+        assert status == 200, response
+        assert response["prompt_token_ids"] == tokenizer.encode(f"effort={rendered}",
+                                                                add_special_tokens=False)
+    status, response = post(guarded, "/v1/chat/completions", {
+        "model": NAME, "messages": MESSAGES, "max_tokens": 1, "reasoning_effort": "max"})
+    assert status == 400 and "reasoning_effort" in response["error"]["message"], response
+    status, response = post(guarded, "/v1/responses", {
+        "model": NAME, "input": "Hi", "max_output_tokens": 1,
+        "reasoning": {"effort": "minimal"}})
+    assert status == 400 and "reasoning.effort" in response["error"]["message"], response
+
+
 def test_a_tool_conversation_reaches_the_template_whole(guarded, model_dirs):
     """Issue 39: name, an assistant's tool_calls and a tool message's tool_call_id were
     dropped before the chat template (role and content alone reached it), and tools
