@@ -456,3 +456,75 @@ def test_vllms_import_path_gives_the_same_class():
             "import pagellm.protocol.lora as ours\n"
             "assert LoRARequest is ours.LoRARequest is pagellm.LoRARequest\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _hand_adapter(base_dir: Path, out: Path, modules: list[str], r: int, alpha: float,
+                  seed: int) -> dict[str, tuple[Any, Any]]:
+    """An adapter written as PEFT lays one out (adapter_config.json, lora_A/lora_B per
+    module), by hand: PEFT 0.21 turns gate/up/down targets of a transformers-5 MoE model
+    into its experts' parameters, so it cannot write one for a DeepSeek dense layer or
+    shared expert. Returns module -> (A, B)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(base_dir)
+    generator = torch.Generator().manual_seed(seed)
+    weights, updates = {}, {}
+    for module in modules:
+        proj = module.rsplit(".", 1)[-1]
+        hidden = config.hidden_size
+        inner = config.moe_intermediate_size * config.n_shared_experts \
+            if "shared_experts" in module else config.intermediate_size
+        in_f, out_f = (inner, hidden) if proj == "down_proj" else (hidden, inner)
+        a = 0.3 * torch.randn(r, in_f, generator=generator)
+        b = 0.3 * torch.randn(out_f, r, generator=generator)
+        weights[f"base_model.model.{module}.lora_A.weight"] = a
+        weights[f"base_model.model.{module}.lora_B.weight"] = b
+        updates[module] = (a, b)
+    out.mkdir(parents=True)
+    save_file(weights, out / "adapter_model.safetensors")
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": r, "lora_alpha": alpha, "bias": "none",
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules})}))
+    return updates
+
+
+def test_deepseek_adapters_on_its_mlps_are_served_and_on_its_latent_attention_refused(
+        tmp_path, make_llm):
+    """DeepSeek-V3: an adapter on the dense layer's MLP and the MoE layer's shared
+    expert equals transformers with each update merged by hand (W += alpha / r * B A);
+    one on o_proj (whose input the absorbed kv_b_proj changes) and PEFT's own adapter
+    on the experts (target_parameters) are refused, naming why."""
+    import torch
+    from family_specs import FAMILY_SPECS
+    from transformers import AutoModelForCausalLM
+
+    base = make_model(tmp_path / "deepseek_v3", FAMILY_SPECS["deepseek_v3"])
+    modules = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
+               "model.layers.0.mlp.down_proj", "model.layers.1.mlp.shared_experts.gate_proj",
+               "model.layers.1.mlp.shared_experts.down_proj"]
+    r, alpha = 4, 6.0
+    updates = _hand_adapter(base, tmp_path / "mlp", modules, r, alpha, seed=5)
+    reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for module, (a, b) in updates.items():
+            reference.get_submodule(module).weight += alpha / r * b @ a
+    llm = make_llm(base, enable_lora=True, max_lora_rank=8, dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    prompt = llm.get_tokenizer().encode(PROMPTS[0])
+    adapted = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False,
+                           lora_request=LoRARequest("mlp", 1, str(tmp_path / "mlp")))
+    plain = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    tokens = adapted[0].outputs[0].token_ids
+    assert tokens != plain[0].outputs[0].token_ids  # the adapter changes the output
+    assert argmax_along(reference, prompt, tokens) == tokens
+
+    refused = {"o_proj": (make_adapter(base, tmp_path / "o", ["o_proj"], 4, 1),
+                          "takes no adapter on"),
+               "experts": (make_adapter(base, tmp_path / "experts", ["gate_proj", "up_proj"], 4, 2),
+                           "target_parameters")}
+    for name, (path, why) in refused.items():
+        with pytest.raises(ValueError, match=why):
+            llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False,
+                         lora_request=LoRARequest(name, 2 + len(name), str(path)))

@@ -49,11 +49,15 @@ from pagellm.protocol.validation import read_json_object
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
-# Adapter tensors: `{prefix}model.layers.{i}.{block}.{proj}.lora_{A|B}.weight`.
-_TENSOR = re.compile(r"(?:base_model\.model\.)?(model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+))"
+# Adapter tensors: `{prefix}model.layers.{i}.{block}.{proj}.lora_{A|B}.weight`, the block
+# attention, the MLP or a MoE layer's shared expert(s) (DeepSeek's, Qwen2-MoE's).
+_TENSOR = re.compile(r"(?:base_model\.model\.)?(model\.layers\.(\d+)\."
+                     r"(self_attn|mlp|mlp\.shared_experts?)\.(\w+))"
                      r"\.lora_([AB])(?:\.[\w-]+)?\.weight")
 # PEFT config fields whose non-default values the engine does not serve: field -> why.
 _REFUSED = {
+    "target_parameters": "adapters on parameters (target_parameters: PEFT's form for a MoE "
+                         "model's fused experts) are not served",
     "use_dora": "DoRA adapters are not served",
     "modules_to_save": "adapters that replace whole modules (modules_to_save) are not served",
     "rank_pattern": "per-module ranks (rank_pattern) are not served",
@@ -77,16 +81,19 @@ class Target:
 
 def targets(spec: DecoderSpec) -> dict[str, Target]:
     """PEFT's projection names in this model -> the part of ours each updates."""
-    row = {"o_proj": Target("o_proj", 0, 1, True),
+    mlp = {"gate_proj": Target("gate_up_proj", 0, 2, False),
+           "up_proj": Target("gate_up_proj", 1, 2, False),
            "down_proj": Target("down_proj", 0, 1, True)}
+    if spec.mla is not None:  # DeepSeek's latent attention: kv_b_proj is absorbed into
+        return mlp  # the queries and o_proj's input (deepseek.py), so no adapter fits it
+    row = {"o_proj": Target("o_proj", 0, 1, True), "down_proj": mlp["down_proj"]}
     if spec.fused_checkpoint:  # Phi-3: the checkpoint's modules are ours
         return {**row, "qkv_proj": Target("qkv_proj", 0, 1, False),
                 "gate_up_proj": Target("gate_up_proj", 0, 1, False)}
-    return {**row, "q_proj": Target("qkv_proj", 0, 3, False),
+    return {**mlp, "o_proj": Target("o_proj", 0, 1, True),
+            "q_proj": Target("qkv_proj", 0, 3, False),
             "k_proj": Target("qkv_proj", 1, 3, False),
-            "v_proj": Target("qkv_proj", 2, 3, False),
-            "gate_proj": Target("gate_up_proj", 0, 2, False),
-            "up_proj": Target("gate_up_proj", 1, 2, False)}
+            "v_proj": Target("qkv_proj", 2, 3, False)}
 
 
 @dataclass(frozen=True)
@@ -180,8 +187,8 @@ def build(config: LoRAConfig, tensors: Iterable[tuple[str, torch.Tensor]],
         ours = f"model.layers.{layer}.{m[3]}.{target.module}" if target else ""
         if target is None or layer >= spec.num_layers or ours not in module_shapes:
             raise ValueError(f"adapter tensor {name!r} targets {peft_module!r}, which this "
-                             f"model ({spec.architecture}, {spec.num_layers} layers) does not "
-                             f"have (served: {', '.join(sorted(names))})")
+                             f"model ({spec.architecture}, {spec.num_layers} layers) takes no "
+                             f"adapter on (served: {', '.join(sorted(names))})")
         key = (peft_module, which)
         seen[key] = seen.get(key, 0) + 1
         if seen[key] > 1:
