@@ -78,6 +78,23 @@ deepseek_v2_reference = pytest.mark.skipif(
     not _transformers_routes_deepseek_v2_groups(),
     reason="this transformers cannot route DeepSeek-V2's group_limited_greedy")
 
+def _transformers_ropes_olmo3_per_layer_type() -> bool:
+    """transformers 5.0's OLMo 3 rotates every layer with one RoPE (YaRN on all of them
+    where configured); later releases give each layer type its own (YaRN on the full
+    layers only), as the models' nested rope_parameters say."""
+    import inspect
+
+    from transformers.models.olmo3 import modeling_olmo3
+
+    return "layer_type" in inspect.signature(
+        modeling_olmo3.Olmo3RotaryEmbedding.forward).parameters
+
+
+# Tests that compare OLMo 3 (a RoPE per layer type) with transformers' (not 5.0's).
+olmo3_reference = pytest.mark.skipif(
+    not _transformers_ropes_olmo3_per_layer_type(),
+    reason="this transformers rotates every OLMo 3 layer with one RoPE")
+
 # Tests that compare gpt-oss with transformers: their models clamp the experts' SwiGLU
 # at 1.5 (config.json's swiglu_limit) so that the clamp bites; transformers 5.0
 # hard-codes 7.0 (and alpha 1.702) and ignores the field, later releases read it.

@@ -56,7 +56,8 @@ __all__ = [
 
 ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe",
                           "mixtral", "olmoe", "gemma2", "gemma3_text", "phi3", "gpt_oss",
-                          "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
+                          "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "olmo2",
+                          "olmo3")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 
@@ -227,9 +228,9 @@ def _build_config(spec: ModelSpec) -> PretrainedConfig:
                            **{"max_window_layers": spec.num_layers, **extra})
     from transformers import AutoConfig
 
-    if spec.arch == "gemma3_text":
-        # Gemma 3 has a RoPE per layer type: `spec`'s for the global layers, Gemma 3's
-        # default (10k, unscaled) for the sliding ones. transformers 5.0 needs this
+    if spec.arch in ("gemma3_text", "olmo3"):
+        # Gemma 3 and OLMo 3 have a RoPE per layer type: `spec`'s for the global layers,
+        # the default (10k, unscaled) for the sliding ones. transformers 5.0 needs this
         # nested form (a flat dict is a KeyError there); later releases read it too.
         common["rope_parameters"] = {
             "full_attention": common["rope_parameters"],

@@ -243,12 +243,14 @@ def test_lora_on_the_gpu_with_and_without_graphs(model_dirs, make_llm, tmp_path)
                     (name, enforce_eager)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2", "glm4_moe"])
-def test_deepseek_and_glm_on_the_gpu_match_transformers(name, make_llm, tmp_path):
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2", "glm4_moe", "olmo3"])
+def test_newer_families_on_the_gpu_match_transformers(name, make_llm, tmp_path):
     """DeepSeek's latent attention on CUDA (its one 48-wide latent head: "auto" takes
-    torch's attention ops, eager), and GLM-4.5's GQA heads on the Triton kernels in
-    CUDA graphs; both with the fused MoE kernel under DeepSeek's float32 routing weights
-    and the fused rotary and norms: fp32 greedy tokens equal transformers' on the CPU."""
+    torch's attention ops, eager), GLM-4.5's GQA heads on the Triton kernels in CUDA
+    graphs, both with the fused MoE kernel under DeepSeek's float32 routing weights and
+    the fused rotary and norms; OLMo 3's sliding and full layers (its fp32-scaled norms
+    as torch ops) on the Triton kernels: fp32 greedy tokens equal transformers' on the
+    CPU."""
     from family_specs import FAMILY_SPECS
     from transformers import AutoModelForCausalLM
 
@@ -258,7 +260,7 @@ def test_deepseek_and_glm_on_the_gpu_match_transformers(name, make_llm, tmp_path
     llm = make_llm(directory, device="cuda", dtype="float32",
                    kv_cache_memory_bytes=64 * 2**20)
     runner = llm.engine_core.core.executor.runner
-    assert runner.attention.name == ("triton" if name == "glm4_moe" else "torch")
+    assert runner.attention.name == ("torch" if name.startswith("deepseek") else "triton")
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     for output in llm.generate(PROMPTS, GREEDY, use_tqdm=False):
         ids = output.prompt_token_ids

@@ -18,7 +18,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PROMPTS, deepseek_v2_reference, gpt_oss_reference, runs_triton_kernels
+from conftest import (
+    PROMPTS,
+    deepseek_v2_reference,
+    gpt_oss_reference,
+    olmo3_reference,
+    runs_triton_kernels,
+)
 from family_specs import FAMILY_SPECS
 
 from pagellm import SamplingParams
@@ -33,7 +39,8 @@ MAX_TOKENS = 32
 # hits the prefix cache mid-prompt.
 FAMILY_PROMPTS = [*PROMPTS[1:6], PROMPTS[4] + "tail"]
 
-_REFERENCE_MARKS = {"gpt_oss": gpt_oss_reference, "deepseek_v2": deepseek_v2_reference}
+_REFERENCE_MARKS = {"gpt_oss": gpt_oss_reference, "deepseek_v2": deepseek_v2_reference,
+                    "olmo3": olmo3_reference}
 
 
 def _names(*names: str) -> list[Any]:
@@ -130,7 +137,7 @@ def test_experts_no_token_picks_are_skipped_and_the_output_still_matches(
 
 
 @pytest.mark.parametrize("name", _names("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss",
-                                         "deepseek_v3"))
+                                         "deepseek_v3", "olmo3"))
 def test_bf16_logprobs_track_transformers(name, family_dirs, make_llm):
     """bf16: every prompt and sampled token's logprob within 1.5x transformers' own bf16
     error against fp32 on the same bf16-rounded weights (as tests/e2e/test_correctness.py
@@ -289,7 +296,7 @@ def test_gpt_oss_mxfp4_checkpoint_loads_as_transformers_reads_it(family_dirs, ma
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _names("qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss",
-                                         "deepseek_v3", "deepseek_v2", "glm4_moe"))
+                                         "deepseek_v3", "deepseek_v2", "glm4_moe", "olmo2"))
 def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make_llm):
     """Each rank holds half of every expert (and, for OLMoE, half of the all-head q/k
     norms, their statistic summed over the ranks): greedy tokens equal transformers',

@@ -115,4 +115,15 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
                             init_std=0.3, seed=16,
                             config_extra=dict(num_experts=4, num_experts_per_tok=2,
                                               norm_topk_prob=True)),
+    # OLMo 2: norms after the blocks, none before; q/k norms over all heads (2 KV heads,
+    # so sharded under tensor parallelism)
+    "olmo2": ModelSpec(arch="olmo2", **_SMALL, num_kv_heads=2, intermediate_size=96,
+                       init_std=0.3, seed=27),
+    # OLMo 3: three sliding layers (a 12-key window, crossing blocks of 16) and a full
+    # one, the full one with YaRN and the sliding ones with plain RoPE
+    "olmo3": ModelSpec(arch="olmo3", **{**_SMALL, "num_layers": 4}, num_kv_heads=2,
+                       intermediate_size=96, init_std=0.3, seed=28,
+                       rope_scaling=dict(rope_type="yarn", factor=4.0, beta_fast=32.0,
+                                         beta_slow=1.0, original_max_position_embeddings=512),
+                       config_extra=dict(sliding_window=12)),
 }

@@ -52,6 +52,7 @@ from pagellm.executor.model.weight_map import Destination
 
 class DecoderAttention(nn.Module):
     norm_cls: ClassVar[type[RMSNorm]] = RMSNorm  # of the per-head q/k norms
+    full_norm_cls: ClassVar[type[ShardedRMSNorm]] = ShardedRMSNorm  # of the all-head ones
 
     def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -69,10 +70,10 @@ class DecoderAttention(nn.Module):
             self.k_norm = self.norm_cls(spec.head_dim, spec.rms_norm_eps)
         elif spec.qk_norm == "full":  # over this rank's heads, the statistic over all
             replicas = max(1, tp.size // spec.num_kv_heads)  # ranks sharing a KV head
-            self.q_norm = ShardedRMSNorm(self.q_size, spec.num_heads * spec.head_dim,
-                                         spec.rms_norm_eps, tp, 1)
-            self.k_norm = ShardedRMSNorm(self.kv_size, spec.num_kv_heads * spec.head_dim,
-                                         spec.rms_norm_eps, tp, replicas)
+            self.q_norm = self.full_norm_cls(self.q_size, spec.num_heads * spec.head_dim,
+                                             spec.rms_norm_eps, tp, 1)
+            self.k_norm = self.full_norm_cls(self.kv_size, spec.num_kv_heads * spec.head_dim,
+                                             spec.rms_norm_eps, tp, replicas)
         self.clip_qkv = spec.clip_qkv
         scale = spec.head_dim ** -0.5 if spec.attn_scale is None else spec.attn_scale
         self.attn = Attention(layer_idx, scale, sliding_window=spec.window(layer_idx),

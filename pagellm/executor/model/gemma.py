@@ -123,29 +123,25 @@ class LayerTypeRotaryEmbedding(RotaryEmbedding):
             self.sliding.reset_cache()
 
 
-class GemmaModel(DecoderModel):
-    layer_cls = GemmaDecoderLayer
-    norm_cls = GemmaRMSNorm
-
-    def __init__(self, spec: DecoderSpec, tp: TensorParallel,
-                 max_model_len: int | None = None) -> None:
-        super().__init__(spec, tp, max_model_len)
-        self.embed_scale = spec.hidden_size ** 0.5  # transformers': a Python float
+class LayerTypeModel(DecoderModel):
+    """A decoder whose layers take both RoPE tables, (full-attention layers', sliding
+    layers'), and rotate with their type's (Gemma here, OLMo in olmo2.py); one table
+    for both where the spec has no sliding_rope."""
 
     def make_rotary(self, spec: DecoderSpec, max_model_len: int | None) -> RotaryEmbedding:
-        if spec.sliding_rope is None:  # Gemma 2: one RoPE for every layer
+        if spec.sliding_rope is None:  # one RoPE for every layer
             return super().make_rotary(spec, max_model_len)
         return LayerTypeRotaryEmbedding(spec.rope, spec.sliding_rope, spec.head_dim,
                                         spec.max_position, max_model_len)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the first layer's input [T, hidden]."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids [T], positions [T] -> hidden states [T, hidden_size]."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        # The scale as transformers rounds it: a float32 tensor cast to the model's dtype
-        # (sqrt(3072) = 55.43 is 55.5 in bf16); a Python float holding that value
-        # multiplies as that tensor does, and is a constant to a captured CUDA graph.
-        x = x * float(torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype))
+        x = self.embed(input_ids)  # [T, hidden]
         full = self.rotary_emb.cos_sin(positions, x.dtype)  # looked up once for all layers
         sliding = self.rotary_emb.sliding.cos_sin(positions, x.dtype) \
             if isinstance(self.rotary_emb, LayerTypeRotaryEmbedding) else full
@@ -154,6 +150,24 @@ class GemmaModel(DecoderModel):
             x, residual = layer((full, sliding), x, residual, meta, kv_caches)
         x, _ = self.norm(x, residual)
         return x
+
+
+class GemmaModel(LayerTypeModel):
+    layer_cls = GemmaDecoderLayer
+    norm_cls = GemmaRMSNorm
+
+    def __init__(self, spec: DecoderSpec, tp: TensorParallel,
+                 max_model_len: int | None = None) -> None:
+        super().__init__(spec, tp, max_model_len)
+        self.embed_scale = spec.hidden_size ** 0.5  # transformers': a Python float
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding times sqrt(hidden_size)."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        # The scale as transformers rounds it: a float32 tensor cast to the model's dtype
+        # (sqrt(3072) = 55.43 is 55.5 in bf16); a Python float holding that value
+        # multiplies as that tensor does, and is a constant to a captured CUDA graph.
+        return x * float(torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype))
 
 
 class GemmaForCausalLM(DecoderForCausalLM):

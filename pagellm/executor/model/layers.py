@@ -95,14 +95,20 @@ class ShardedRMSNorm(nn.Module):
         self.eps, self.full_size, self.tp, self.replicas = eps, full_size, tp, replicas
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, size] -> [T, size]."""
+        """x: [T, size] -> [T, size]: normalised, rounded to x's dtype, then scaled
+        (Llama's order, OLMoE's norms)."""
+        return self.weight * self.normalized(x).to(x.dtype)
+
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, size] -> [T, size] normalised by the mean square over the whole vector,
+        in fp32, not yet scaled."""
         h = x.float()
         if self.tp.size == 1:
             mean_square = h.pow(2).mean(-1, keepdim=True)
         else:
             total = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
             mean_square = total / (self.replicas * self.full_size)
-        return self.weight * (h * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
+        return h * torch.rsqrt(mean_square + self.eps)
 
 
 class RowParallelLinear(nn.Module):

@@ -4,8 +4,8 @@ which model class it builds.
 Families that differ from Llama only in data are a reader here and the shared decoder
 (decoder.py, whose MLP is the sparse MoE block of moe.py where the spec has experts); a
 family whose computation differs brings its own module with a reader and a model class
-(gemma.py, gpt_oss.py, deepseek.py, glm4_moe.py). Adding a family is that module and
-one row of `FAMILIES`.
+(gemma.py, gpt_oss.py, deepseek.py, glm4_moe.py, olmo2.py). Adding a family is that
+module and one row of `FAMILIES`.
 """
 
 from __future__ import annotations
@@ -56,6 +56,12 @@ def _deepseek() -> type[DecoderForCausalLM]:
     from pagellm.executor.model.deepseek import DeepseekForCausalLM
 
     return DeepseekForCausalLM
+
+
+def _olmo2_model() -> type[DecoderForCausalLM]:
+    from pagellm.executor.model.olmo2 import Olmo2ForCausalLM
+
+    return Olmo2ForCausalLM
 
 
 def _glm4_moe_model() -> type[DecoderForCausalLM]:
@@ -292,6 +298,22 @@ def _glm4_moe(config: Any, arch: str) -> DecoderSpec:
                              moe=_deepseek_moe(config, _v3_routing(config)))
 
 
+def _olmo2(config: Any, arch: str) -> DecoderSpec:
+    """OLMo 2 / OLMo 3: q and k norms over all heads; OLMo 3's rope_parameters per layer
+    type (transformers nests them: "full_attention", "sliding_attention") with its
+    sliding windows from layer_types."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if "full_attention" not in params:  # OLMo 2: one RoPE
+        return read_decoder_spec(config, arch, qk_norm="full")
+    full, sliding = params.get("full_attention"), params.get("sliding_attention")
+    if full is None or sliding is None:
+        raise ValueError(f"{config.model_type} rope_parameters must have 'full_attention' "
+                         f"and 'sliding_attention' entries, got {sorted(params)}")
+    return read_decoder_spec(config, arch, qk_norm="full",
+                             rope=RopeSpec.from_hf(full, None, None),
+                             sliding_rope=RopeSpec.from_hf(sliding, None, None))
+
+
 def _phi3(config: Any, arch: str) -> DecoderSpec:
     """Phi-3 / Phi-4: Llama's computation from fused qkv/gate_up checkpoint tensors, with
     a partial rotary factor (Phi-4-mini) and LongRoPE (rope.py) read from
@@ -319,6 +341,8 @@ FAMILIES: dict[str, Family] = {
     "DeepseekV3ForCausalLM": Family("deepseek_v3", _deepseek_v3, _deepseek),
     "Glm4MoeLiteForCausalLM": Family("glm4_moe_lite", _deepseek_v3, _deepseek),
     "Glm4MoeForCausalLM": Family("glm4_moe", _glm4_moe, _glm4_moe_model),
+    "Olmo2ForCausalLM": Family("olmo2", _olmo2, _olmo2_model),
+    "Olmo3ForCausalLM": Family("olmo3", _olmo2, _olmo2_model),
 }
 
 
