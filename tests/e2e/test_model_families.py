@@ -366,6 +366,10 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
     ("deepseek_v3", dict(routed_scaling_factor=-1.0), "routed_scaling_factor must be"),
     ("deepseek_v3", dict(n_shared_experts=-1), r"n_shared_experts must be an integer in \[0, "),
     ("deepseek_v2", dict(topk_method="noaux_tc"), "unsupported topk_method 'noaux_tc'"),
+    # SmolLM3's NoPE flags and MLP biases
+    ("smollm3", dict(no_rope_layers=[1, 0]), r"no_rope_layers must hold a 0 or 1 per layer"),
+    ("smollm3", dict(no_rope_layers=[1, 2, 1, 0]), "no_rope_layers must hold a 0 or 1"),
+    ("smollm3", dict(mlp_bias=True), "mlp_bias=True is not supported"),
 ])
 def test_a_config_the_engine_cannot_serve_is_refused_naming_the_field(
         tmp_path, family_dirs, name, extra, match):

@@ -126,4 +126,8 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
                        rope_scaling=dict(rope_type="yarn", factor=4.0, beta_fast=32.0,
                                          beta_slow=1.0, original_max_position_embeddings=512),
                        config_extra=dict(sliding_window=12)),
+    # SmolLM3: layers 1 and 3 of 4 attend without RoPE (no_rope_layers), GQA
+    "smollm3": ModelSpec(arch="smollm3", **{**_SMALL, "num_layers": 4}, num_kv_heads=2,
+                         intermediate_size=96, init_std=0.2, seed=29,
+                         config_extra=dict(no_rope_layers=[1, 0, 1, 0])),
 }

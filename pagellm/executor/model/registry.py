@@ -4,8 +4,8 @@ which model class it builds.
 Families that differ from Llama only in data are a reader here and the shared decoder
 (decoder.py, whose MLP is the sparse MoE block of moe.py where the spec has experts); a
 family whose computation differs brings its own module with a reader and a model class
-(gemma.py, gpt_oss.py, deepseek.py, glm4_moe.py, olmo2.py). Adding a family is that
-module and one row of `FAMILIES`.
+(gemma.py, gpt_oss.py, deepseek.py, glm4_moe.py, olmo2.py, smollm3.py). Adding a family
+is that module and one row of `FAMILIES`.
 """
 
 from __future__ import annotations
@@ -62,6 +62,12 @@ def _olmo2_model() -> type[DecoderForCausalLM]:
     from pagellm.executor.model.olmo2 import Olmo2ForCausalLM
 
     return Olmo2ForCausalLM
+
+
+def _smollm3_model() -> type[DecoderForCausalLM]:
+    from pagellm.executor.model.smollm3 import SmolLM3ForCausalLM
+
+    return SmolLM3ForCausalLM
 
 
 def _glm4_moe_model() -> type[DecoderForCausalLM]:
@@ -314,6 +320,22 @@ def _olmo2(config: Any, arch: str) -> DecoderSpec:
                              sliding_rope=RopeSpec.from_hf(sliding, None, None))
 
 
+def _smollm3(config: Any, arch: str) -> DecoderSpec:
+    """SmolLM3: Llama's fields, `no_rope_layers` (1: the layer rotates), sliding
+    windows only where `use_sliding_window`; MLP biases refused (its checkpoints have
+    none, and the shared MLP takes none)."""
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported (the MLP has no biases)")
+    flags = list(getattr(config, "no_rope_layers", None) or ())
+    if len(flags) != config.num_hidden_layers or any(f not in (0, 1) for f in flags):
+        raise ValueError(f"no_rope_layers must hold a 0 or 1 per layer "
+                         f"({config.num_hidden_layers}), got {str(flags)[:80]}")
+    fields: dict[str, Any] = {"rope_layers": tuple(bool(f) for f in flags)}
+    if not getattr(config, "use_sliding_window", False):
+        fields["layer_windows"] = ()
+    return read_decoder_spec(config, arch, **fields)
+
+
 def _phi3(config: Any, arch: str) -> DecoderSpec:
     """Phi-3 / Phi-4: Llama's computation from fused qkv/gate_up checkpoint tensors, with
     a partial rotary factor (Phi-4-mini) and LongRoPE (rope.py) read from
@@ -343,6 +365,7 @@ FAMILIES: dict[str, Family] = {
     "Glm4MoeForCausalLM": Family("glm4_moe", _glm4_moe, _glm4_moe_model),
     "Olmo2ForCausalLM": Family("olmo2", _olmo2, _olmo2_model),
     "Olmo3ForCausalLM": Family("olmo3", _olmo2, _olmo2_model),
+    "SmolLM3ForCausalLM": Family("smollm3", _smollm3, _smollm3_model),
 }
 
 

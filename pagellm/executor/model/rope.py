@@ -234,6 +234,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     back as transformers does). On CUDA one fused kernel with the same roundings
     (kernels/triton_fused.py), else `rotate`."""
     rotary_dim = cos.shape[-1]
+    if rotary_dim == 0:  # a table of width 0 rotates nothing (SmolLM3's NoPE layers)
+        return x
     if rotary_dim < x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :rotary_dim], cos, signed_sin),
                           x[..., rotary_dim:]), dim=-1)

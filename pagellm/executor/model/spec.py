@@ -130,9 +130,16 @@ class DecoderSpec:
     # A learned logit per query head in every softmax's denominator (gpt-oss's
     # `self_attn.sinks`; kernels/reference.py).
     attn_sinks: bool = False
+    # Which layers rotate q and k (SmolLM3's no_rope_layers: every fourth does not);
+    # empty: every layer.
+    rope_layers: tuple[bool, ...] = ()
     # DeepSeek's latent attention (num_kv_heads 1 and head_dim the latent's width: what
     # the KV cache holds per token); None: q/k/v projections of heads of head_dim.
     mla: MlaSpec | None = None
+
+    def rotates(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` applies RoPE (False: a NoPE layer)."""
+        return not self.rope_layers or self.rope_layers[layer_idx]
 
     def window(self, layer_idx: int) -> int | None:
         """Layer `layer_idx`'s sliding window, or None for full attention."""
