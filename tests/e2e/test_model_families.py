@@ -137,7 +137,7 @@ def test_experts_no_token_picks_are_skipped_and_the_output_still_matches(
 
 
 @pytest.mark.parametrize("name", _names("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss",
-                                         "deepseek_v3", "olmo3"))
+                                         "deepseek_v3", "olmo3", "granite"))
 def test_bf16_logprobs_track_transformers(name, family_dirs, make_llm):
     """bf16: every prompt and sampled token's logprob within 1.5x transformers' own bf16
     error against fp32 on the same bf16-rounded weights (as tests/e2e/test_correctness.py
@@ -370,6 +370,9 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
     ("smollm3", dict(no_rope_layers=[1, 0]), r"no_rope_layers must hold a 0 or 1 per layer"),
     ("smollm3", dict(no_rope_layers=[1, 2, 1, 0]), "no_rope_layers must hold a 0 or 1"),
     ("smollm3", dict(mlp_bias=True), "mlp_bias=True is not supported"),
+    # Granite's scalars
+    ("granite", dict(logits_scaling=0), "logits_scaling must be a positive number, got 0"),
+    ("granite", dict(residual_multiplier=-1.0), "residual_multiplier must be a positive"),
 ])
 def test_a_config_the_engine_cannot_serve_is_refused_naming_the_field(
         tmp_path, family_dirs, name, extra, match):

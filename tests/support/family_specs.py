@@ -130,4 +130,12 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
     "smollm3": ModelSpec(arch="smollm3", **{**_SMALL, "num_layers": 4}, num_kv_heads=2,
                          intermediate_size=96, init_std=0.2, seed=29,
                          config_extra=dict(no_rope_layers=[1, 0, 1, 0])),
+    # Granite 3: embedding x 12, block outputs x 0.22 before the residual add, scores
+    # scaled by 0.0078125 (not head_dim ** -0.5), logits / 8
+    "granite": ModelSpec(arch="granite", **_SMALL, num_kv_heads=2, intermediate_size=96,
+                         init_std=0.3, seed=30,
+                         config_extra=dict(embedding_multiplier=12.0,
+                                           residual_multiplier=0.22,
+                                           attention_multiplier=0.0078125,
+                                           logits_scaling=8.0)),
 }

@@ -148,9 +148,14 @@ class DecoderModel(nn.Module):
         its device)."""
         return RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position, max_model_len)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the first layer's input [T, hidden] (a family scales it:
+        Gemma, Granite)."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)  # looked up once for all layers
         residual = None
         for layer in self.layers:

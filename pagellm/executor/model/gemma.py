@@ -134,10 +134,6 @@ class LayerTypeModel(DecoderModel):
         return LayerTypeRotaryEmbedding(spec.rope, spec.sliding_rope, spec.head_dim,
                                         spec.max_position, max_model_len)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> the first layer's input [T, hidden]."""
-        return self.embed_tokens(input_ids)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids [T], positions [T] -> hidden states [T, hidden_size]."""

@@ -4,12 +4,13 @@ which model class it builds.
 Families that differ from Llama only in data are a reader here and the shared decoder
 (decoder.py, whose MLP is the sparse MoE block of moe.py where the spec has experts); a
 family whose computation differs brings its own module with a reader and a model class
-(gemma.py, gpt_oss.py, deepseek.py, glm4_moe.py, olmo2.py, smollm3.py). Adding a family
-is that module and one row of `FAMILIES`.
+(gemma.py, gpt_oss.py, deepseek.py, glm4_moe.py, olmo2.py, smollm3.py, granite.py).
+Adding a family is that module and one row of `FAMILIES`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from pagellm.executor.model.spec import (
     GroupedRouting,
     MlaSpec,
     MoeSpec,
+    Multipliers,
     read_decoder_spec,
 )
 
@@ -68,6 +70,12 @@ def _smollm3_model() -> type[DecoderForCausalLM]:
     from pagellm.executor.model.smollm3 import SmolLM3ForCausalLM
 
     return SmolLM3ForCausalLM
+
+
+def _granite_model() -> type[DecoderForCausalLM]:
+    from pagellm.executor.model.granite import GraniteForCausalLM
+
+    return GraniteForCausalLM
 
 
 def _glm4_moe_model() -> type[DecoderForCausalLM]:
@@ -336,6 +344,24 @@ def _smollm3(config: Any, arch: str) -> DecoderSpec:
     return read_decoder_spec(config, arch, **fields)
 
 
+def _granite(config: Any, arch: str) -> DecoderSpec:
+    """Granite 3.x: Llama's fields and four scalars (granite.py); MLP biases refused."""
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported (the MLP has no biases)")
+    values = {}
+    for field in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                  "logits_scaling"):
+        value = getattr(config, field, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{field} must be a positive number, got {value!r}")
+        values[field] = float(value)
+    return read_decoder_spec(config, arch, attn_scale=values["attention_multiplier"],
+                             multipliers=Multipliers(values["embedding_multiplier"],
+                                                     values["residual_multiplier"],
+                                                     values["logits_scaling"]))
+
+
 def _phi3(config: Any, arch: str) -> DecoderSpec:
     """Phi-3 / Phi-4: Llama's computation from fused qkv/gate_up checkpoint tensors, with
     a partial rotary factor (Phi-4-mini) and LongRoPE (rope.py) read from
@@ -366,6 +392,7 @@ FAMILIES: dict[str, Family] = {
     "Olmo2ForCausalLM": Family("olmo2", _olmo2, _olmo2_model),
     "Olmo3ForCausalLM": Family("olmo3", _olmo2, _olmo2_model),
     "SmolLM3ForCausalLM": Family("smollm3", _smollm3, _smollm3_model),
+    "GraniteForCausalLM": Family("granite", _granite, _granite_model),
 }
 
 

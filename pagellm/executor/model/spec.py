@@ -64,6 +64,17 @@ class MlaSpec:
 
 
 @dataclass(frozen=True)
+class Multipliers:
+    """Granite's scalars (granite.py): the embedding times `embedding`, each block's
+    output times `residual` before it joins the residual stream, the logits divided by
+    `logits_scaling`."""
+
+    embedding: float
+    residual: float
+    logits_scaling: float
+
+
+@dataclass(frozen=True)
 class MoeSpec:
     """A sparse mixture-of-experts MLP: a router picks `top_k` of `num_experts` SwiGLU
     experts per token (softmax over all experts, then top-k), their outputs summed with
@@ -130,6 +141,8 @@ class DecoderSpec:
     # A learned logit per query head in every softmax's denominator (gpt-oss's
     # `self_attn.sinks`; kernels/reference.py).
     attn_sinks: bool = False
+    # Granite's embedding, residual and logit scalars; None: all 1.
+    multipliers: Multipliers | None = None
     # Which layers rotate q and k (SmolLM3's no_rope_layers: every fourth does not);
     # empty: every layer.
     rope_layers: tuple[bool, ...] = ()
