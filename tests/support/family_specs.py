@@ -138,4 +138,8 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
                                            residual_multiplier=0.22,
                                            attention_multiplier=0.0078125,
                                            logits_scaling=8.0)),
+    # Seed-OSS: q/k/v biases, no o_proj bias (its own switch), GQA
+    "seed_oss": ModelSpec(arch="seed_oss", **_SMALL, num_kv_heads=2, intermediate_size=96,
+                          init_std=0.3, seed=31,
+                          config_extra=dict(attention_bias=True, attention_out_bias=False)),
 }

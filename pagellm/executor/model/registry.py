@@ -362,6 +362,15 @@ def _granite(config: Any, arch: str) -> DecoderSpec:
                                                      values["logits_scaling"]))
 
 
+def _seed_oss(config: Any, arch: str) -> DecoderSpec:
+    """Seed-OSS: Llama's computation with q/k/v biases (attention_bias) and an o_proj
+    bias of its own switch (attention_out_bias); MLP biases refused."""
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported (the MLP has no biases)")
+    return read_decoder_spec(config, arch,
+                             o_bias=bool(getattr(config, "attention_out_bias", False)))
+
+
 def _phi3(config: Any, arch: str) -> DecoderSpec:
     """Phi-3 / Phi-4: Llama's computation from fused qkv/gate_up checkpoint tensors, with
     a partial rotary factor (Phi-4-mini) and LongRoPE (rope.py) read from
@@ -393,6 +402,7 @@ FAMILIES: dict[str, Family] = {
     "Olmo3ForCausalLM": Family("olmo3", _olmo2, _olmo2_model),
     "SmolLM3ForCausalLM": Family("smollm3", _smollm3, _smollm3_model),
     "GraniteForCausalLM": Family("granite", _granite, _granite_model),
+    "SeedOssForCausalLM": Family("seed_oss", _seed_oss, _decoder),
 }
 
 
