@@ -163,7 +163,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how tool calls are found in the model's text: hermes (Qwen2.5, "
                         "Qwen3, Hermes), llama3_json (Llama 3.x), pythonic, deepseek_v3, "
-                        "deepseek_v31, glm45 (GLM-4.5/4.6), glm47 (GLM-4.7), openai (gpt-oss)")
+                        "deepseek_v31, glm45 (GLM-4.5/4.6), glm47 (GLM-4.7), qwen3_coder "
+                        "(Qwen3-Coder, Qwen3.5), qwen3_xml, seed_oss, openai (gpt-oss)")
     s.add_argument("--disable-log-requests", action="store_true",
                    help="accepted for vLLM compatibility: pagellm never logs requests' "
                         "contents, either way")

@@ -11,16 +11,17 @@ from pathlib import Path
 from typing import Any
 
 # name -> (start tag, end tag), as the model's tokenizer spells them: one token each for
-# the think tags; a token sequence each for gpt-oss's Harmony, where the reasoning is the
-# analysis messages of an assistant turn and the answer starts with its final message
-# (the turn's start is the "start tag": a prompt whose last turn reached `final` is past
-# its reasoning, one that opens a new turn is not). The engine core matches the ids the
-# tokenizer encodes them to.
+# the think tags (Seed-OSS's too); a token sequence each for gpt-oss's Harmony, where
+# the reasoning is the analysis messages of an assistant turn and the answer starts
+# with its final message (the turn's start is the "start tag": a prompt whose last turn
+# reached `final` is past its reasoning, one that opens a new turn is not). The engine
+# core matches the ids the tokenizer encodes them to.
 REASONING_TAGS: dict[str, tuple[str, str]] = {
     "qwen3": ("<think>", "</think>"),
     "deepseek_r1": ("<think>", "</think>"),
     "glm45": ("<think>", "</think>"),
     "openai_gptoss": ("<|start|>assistant", "<|channel|>final<|message|>"),
+    "seed_oss": ("<seed:think>", "</seed:think>"),
 }
 
 

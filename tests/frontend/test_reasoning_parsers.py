@@ -16,6 +16,7 @@ from pagellm.frontend.reasoning import (
     GptOssReasoningParser,
     Qwen3ReasoningParser,
     ReasoningParser,
+    SeedOssReasoningParser,
     ThinkTagReasoningParser,
     get_reasoning_parser,
 )
@@ -47,9 +48,20 @@ THINK_CASES: list[tuple[str, str | None, str | None]] = [
     ("思考 🤔</think>答え", "思考 🤔", "答え"),
 ]
 
-# the think-tag parsers (gpt-oss's Harmony parser: test_harmony.py)
+# the parsers of `<think>` tags (Seed-OSS's: SEED_CASES; gpt-oss's Harmony parser:
+# test_harmony.py)
 PARSERS = sorted(name for name, parser_class in REASONING_PARSERS.items()
-                 if issubclass(parser_class, ThinkTagReasoningParser))
+                 if issubclass(parser_class, ThinkTagReasoningParser)
+                 and REASONING_TAGS[name] == ("<think>", "</think>"))
+# Seed-OSS: its own tags; Qwen's are text to it; the budget reflections are reasoning
+SEED_CASES: list[tuple[str, str | None, str | None]] = [
+    ("<seed:think>Plan it.</seed:think>The answer.", "Plan it.", "The answer."),
+    ("<seed:think>a<seed:cot_budget_reflect>used 9 of 512</seed:cot_budget_reflect>b",
+     "a<seed:cot_budget_reflect>used 9 of 512</seed:cot_budget_reflect>b", None),
+    ("<think>x</think> then</seed:think>y", "<think>x</think> then", "y"),
+    ("no tags", "no tags", None),
+    ("</seed:thi", "</seed:thi", None),
+]
 
 
 @pytest.mark.parametrize("name", PARSERS)
@@ -139,16 +151,31 @@ def test_streaming_holds_back_only_a_possible_tag() -> None:
     assert parser.reasoning_ended
 
 
+@pytest.mark.parametrize(("text", "reasoning", "content"), SEED_CASES)
+def test_seed_oss_splits_at_its_own_tags(text: str, reasoning: str | None,
+                                         content: str | None) -> None:
+    assert SeedOssReasoningParser().extract_reasoning(text) == (reasoning, content)
+    rng = random.Random(1)
+    for pieces in [[text], list(text)] + [_random_pieces(text, rng) for _ in range(20)]:
+        streamed, shown, ended = _stream(SeedOssReasoningParser(), pieces)
+        assert (streamed or None, shown or None) == (reasoning, content), pieces
+        assert ended == ("</seed:think>" in text)
+
+
 def test_registry_matches_the_protocol_tag_table() -> None:
     assert set(REASONING_PARSERS) == set(REASONING_TAGS)
     assert PARSERS == ["deepseek_r1", "glm45", "qwen3"]
     assert REASONING_PARSERS["openai_gptoss"] is GptOssReasoningParser
+    seed = REASONING_PARSERS["seed_oss"]()
+    assert isinstance(seed, SeedOssReasoningParser)
+    assert (seed.start_tag, seed.end_tag) == REASONING_TAGS["seed_oss"]
     for name, parser_class in REASONING_PARSERS.items():
         assert get_reasoning_parser(name) is parser_class
     for name in PARSERS:
         parser = REASONING_PARSERS[name]()
         assert (parser.start_tag, parser.end_tag) == REASONING_TAGS[name]
-    with pytest.raises(ValueError, match=r"deepseek_r1.*glm45.*openai_gptoss.*qwen3"):
+    with pytest.raises(ValueError,
+                       match=r"deepseek_r1.*glm45.*openai_gptoss.*qwen3.*seed_oss"):
         get_reasoning_parser("granite")
 
 

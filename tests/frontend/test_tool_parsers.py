@@ -23,6 +23,9 @@ from pagellm.frontend.tool_parsers import (
     Llama3JsonToolParser,
     OpenAIToolParser,
     PythonicToolParser,
+    Qwen3CoderToolParser,
+    Qwen3XmlToolParser,
+    SeedOssToolParser,
     ToolCall,
     ToolParser,
     get_tool_parser,
@@ -282,6 +285,49 @@ GLM47_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
      "<tool_call>g</tool_call>", [("f", '{"q": [1]}'), ("g", "{}")], "Sure."),
 ]
 
+
+def xml_call(name: str, *pairs: tuple[str, str], start: str = "<tool_call>",
+             end: str = "</tool_call>") -> str:
+    """A Qwen3-Coder block as its chat template writes one: a line per tag and value."""
+    return (f"{start}\n<function={name}>\n" + "".join(
+        f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in pairs) + f"</function>\n{end}")
+
+
+# Without the request's tools every value is text (but null)
+QWEN3_CODER_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
+    (xml_call("get_weather", ("city", "Paris"), ("days", "3")),
+     [("get_weather", '{"city": "Paris", "days": "3"}')], None),
+    # content before; two calls; a value over several lines keeps its inner newlines
+    ("Let me check.\n" + xml_call("run", ("code", "def f():\n    return 1")) + "\n"
+     + xml_call("noop"),
+     [("run", '{"code": "def f():\\n    return 1"}'), ("noop", "{}")], "Let me check.\n"),
+    # null is null whatever the type; unicode kept; tags on one line
+    ("<tool_call><function=f><parameter=x>null</parameter><parameter=s>日本 🙂</parameter>"
+     "</function></tool_call>", [("f", '{"x": null, "s": "日本 🙂"}')], None),
+    # an unterminated last block counts when its function is complete
+    ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>",
+     [("f", '{"a": "1"}')], None),
+    # bad blocks stay content: no </function>, text among the parameters, a repeated
+    # key, no name, two functions in one block
+    ("<tool_call><function=f><parameter=a>1</parameter></tool_call>", [],
+     "<tool_call><function=f><parameter=a>1</parameter></tool_call>"),
+    ("<tool_call><function=f>say <parameter=a>1</parameter></function></tool_call>", [],
+     "<tool_call><function=f>say <parameter=a>1</parameter></function></tool_call>"),
+    (xml_call("f", ("a", "1"), ("a", "2")), [], xml_call("f", ("a", "1"), ("a", "2"))),
+    ("<tool_call><function= ></function></tool_call>", [],
+     "<tool_call><function= ></function></tool_call>"),
+    ("<tool_call><function=f></function><function=g></function></tool_call>", [],
+     "<tool_call><function=f></function><function=g></function></tool_call>"),
+    ("No tools needed.", [], "No tools needed."),
+]
+SEED_OSS_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
+    (xml_call("get_weather", ("city", "Rome"), start="<seed:tool_call>",
+              end="</seed:tool_call>"), [("get_weather", '{"city": "Rome"}')], None),
+    ("Sure." + xml_call("f", start="<seed:tool_call>", end="</seed:tool_call>"),
+     [("f", "{}")], "Sure."),
+    (xml_call("f"), [], xml_call("f")),  # Qwen's tags are not Seed's
+]
+
 CASES = [(HermesToolParser, *case) for case in HERMES_CASES] + \
         [(Llama3JsonToolParser, *case) for case in LLAMA3_CASES] + \
         [(PythonicToolParser, *case) for case in PYTHONIC_CASES] + \
@@ -289,10 +335,14 @@ CASES = [(HermesToolParser, *case) for case in HERMES_CASES] + \
         [(DeepSeekV31ToolParser, *case) for case in DEEPSEEK_V31_CASES] + \
         [(Glm45ToolParser, *case) for case in GLM45_CASES] + \
         [(Glm47ToolParser, *case) for case in GLM45_CASES + GLM47_CASES] + \
+        [(Qwen3CoderToolParser, *case) for case in QWEN3_CODER_CASES] + \
+        [(Qwen3XmlToolParser, *case) for case in QWEN3_CODER_CASES] + \
+        [(SeedOssToolParser, *case) for case in SEED_OSS_CASES] + \
         [(OpenAIToolParser, *case) for case in OPENAI_CASES]
 ALL_TEXTS = sorted({case[0] for case in HERMES_CASES + LLAMA3_CASES + PYTHONIC_CASES
                     + DEEPSEEK_V3_CASES + DEEPSEEK_V31_CASES + GLM45_CASES
-                    + GLM47_CASES + OPENAI_CASES})
+                    + GLM47_CASES + OPENAI_CASES + QWEN3_CODER_CASES
+                    + SEED_OSS_CASES})
 
 
 @pytest.mark.parametrize(("parser_class", "text", "calls", "content"), CASES)
@@ -390,7 +440,9 @@ def test_tool_call_to_openai_and_registry() -> None:
     expected = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
                 "pythonic": PythonicToolParser, "deepseek_v3": DeepSeekV3ToolParser,
                 "deepseek_v31": DeepSeekV31ToolParser, "glm45": Glm45ToolParser,
-                "glm47": Glm47ToolParser, "openai": OpenAIToolParser}
+                "glm47": Glm47ToolParser, "openai": OpenAIToolParser,
+                "qwen3_coder": Qwen3CoderToolParser, "qwen3_xml": Qwen3XmlToolParser,
+                "seed_oss": SeedOssToolParser}
     assert expected == TOOL_PARSERS
     for name, parser_class in TOOL_PARSERS.items():
         assert get_tool_parser(name) is parser_class and parser_class.name == name
@@ -411,6 +463,29 @@ def test_glm45_keeps_the_values_the_tools_schema_types_as_strings() -> None:
         ("f", {"code": "3", "n": 3, "flag": True}), ("g", {"code": 3})]
     streamed = _stream(Glm45ToolParser(tools), list(text))[1]
     assert [c["function"]["arguments"] for c in streamed] == [c.arguments for c in calls]
+
+
+def test_qwen3_coder_types_values_by_the_tools_schemas() -> None:
+    """vLLM's rules for Qwen3-Coder's text values: as the tool's schema types them, text
+    where they do not read as that type, text for a parameter the tool does not declare,
+    null for "null"."""
+    properties = {"s": {"type": "string"}, "i": {"type": "integer"},
+                  "i2": {"type": "integer"}, "n": {"type": "number"},
+                  "n2": {"type": "number"}, "n3": {"type": "number"},
+                  "b": {"type": "boolean"}, "b2": {"type": "boolean"},
+                  "o": {"type": "object"}, "a": {"type": "array"}, "u": {}, "z": {}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": properties}}}]
+    pairs = [("s", "3"), ("i", "42"), ("i2", "4x"), ("n", "2.0"), ("n2", "2.5"),
+             ("n3", "nan"), ("b", "True"), ("b2", "yes"), ("o", '{"k": [1]}'),
+             ("a", "[1, 'a']"), ("u", "7"), ("x", "5"), ("z", "NULL")]
+    text = xml_call("f", *pairs)
+    (call,) = Qwen3CoderToolParser(tools).extract_tool_calls(text).tool_calls
+    assert json.loads(call.arguments) == {
+        "s": "3", "i": 42, "i2": "4x", "n": 2, "n2": 2.5, "n3": "nan", "b": True,
+        "b2": False, "o": {"k": [1]}, "a": [1, "a"], "u": "7", "x": "5", "z": None}
+    streamed = _stream(Qwen3CoderToolParser(tools), list(text))[1]
+    assert [c["function"]["arguments"] for c in streamed] == [call.arguments]
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
@@ -435,6 +510,23 @@ def test_long_hostile_output_streams_in_bounded_work(name: str) -> None:
         assert len(calls) == len(expected.tool_calls)
 
 
+@pytest.mark.parametrize(("name", "body"), [
+    ("glm45", "f\n" + "<arg_key>" * 20_000), ("glm47", "f" + "<arg_key>k</arg_key>" * 12_000),
+    ("qwen3_coder", "<function=f>" + "<parameter=x>" * 15_000 + "</function>"),
+    ("qwen3_xml", "<function=f>" + ("</function>" + " " * 50) * 3_000),
+    ("seed_oss", "<function=f>" + "<parameter=x>" * 15_000 + "</function>")],
+    ids=["glm45", "glm47", "qwen3_coder", "qwen3_xml", "seed_oss"])
+def test_a_block_of_many_opening_tags_is_read_in_linear_time(name: str, body: str) -> None:
+    """A body read tag by tag: each tag's close found once (a regex looking for each
+    opening tag's close anew took 11-15 s on these ~200k characters here)."""
+    parser_class = get_tool_parser(name)
+    text = parser_class.START + body + parser_class.END  # type: ignore[attr-defined]
+    started = time.monotonic()
+    result = parser_class().extract_tool_calls(text)
+    assert time.monotonic() - started < 2
+    assert not result.tools_called and result.content == text
+
+
 FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "</tool", "<|python_tag|>",
              "<|python_start|>", "<|python_end|>", '{"name": "f", "arguments": {"x": 1}}',
              '{"name": "g", "parameters": {}}', '{"name": "h", "arguments": {"s": "}{"}}',
@@ -452,6 +544,12 @@ HARMONY_FRAGMENTS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|ca
                      "<|return|>", "<|constrain|>", "<|", "|>", "<|chan", "assistant",
                      "analysis", "final", "commentary", " to=functions.f", " to=browser.open",
                      "json", THINK, HARMONY_CALL, ROLE_CALL, harmony("final", "ok")]
+XML_FRAGMENTS = ["<tool_call>", "</tool_call>", "<seed:tool_call>", "</seed:tool_call>",
+                 "<function=f>", "<function=", "</function>", "<parameter=x>", "<parameter=",
+                 "</parameter>", "\n", "1", "null", xml_call("f", ("x", "1")),
+                 xml_call("g", start="<seed:tool_call>", end="</seed:tool_call>")]
+EXTRA_FRAGMENTS = {"openai": HARMONY_FRAGMENTS, "qwen3_coder": XML_FRAGMENTS,
+                   "qwen3_xml": XML_FRAGMENTS, "seed_oss": XML_FRAGMENTS}
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
@@ -459,7 +557,7 @@ def test_streaming_equals_extract_for_generated_texts(name: str) -> None:
     """Texts glued from tags, calls, brackets, quotes and whitespace (fixed seed): the
     interleavings no hand-written case thinks of, the same streamed as whole."""
     parser_class = get_tool_parser(name)
-    fragments = FRAGMENTS + HARMONY_FRAGMENTS if name == "openai" else FRAGMENTS
+    fragments = FRAGMENTS + EXTRA_FRAGMENTS.get(name, [])
     rng = random.Random(0)
     called = 0
     for _ in range(2500):

@@ -10,6 +10,7 @@ from pagellm.frontend.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
 from pagellm.frontend.reasoning.glm45 import Glm45ReasoningParser
 from pagellm.frontend.reasoning.gptoss import GptOssReasoningParser
 from pagellm.frontend.reasoning.qwen3 import Qwen3ReasoningParser
+from pagellm.frontend.reasoning.seed_oss import SeedOssReasoningParser
 from pagellm.protocol.reasoning import check_reasoning_parser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
@@ -17,6 +18,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "glm45": Glm45ReasoningParser,
     "openai_gptoss": GptOssReasoningParser,
+    "seed_oss": SeedOssReasoningParser,
 }
 
 
@@ -32,5 +34,5 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
 
 
 __all__ = ["REASONING_PARSERS", "DeepSeekR1ReasoningParser", "Glm45ReasoningParser",
-           "GptOssReasoningParser", "Qwen3ReasoningParser",
-           "ReasoningParser", "ThinkTagReasoningParser", "get_reasoning_parser"]
+           "GptOssReasoningParser", "Qwen3ReasoningParser", "ReasoningParser",
+           "SeedOssReasoningParser", "ThinkTagReasoningParser", "get_reasoning_parser"]

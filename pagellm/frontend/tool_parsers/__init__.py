@@ -11,6 +11,11 @@ from pagellm.frontend.tool_parsers.hermes import HermesToolParser
 from pagellm.frontend.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagellm.frontend.tool_parsers.openai import OpenAIToolParser
 from pagellm.frontend.tool_parsers.pythonic import PythonicToolParser
+from pagellm.frontend.tool_parsers.qwen3_coder import (
+    Qwen3CoderToolParser,
+    Qwen3XmlToolParser,
+    SeedOssToolParser,
+)
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v3": DeepSeekV3ToolParser,
@@ -21,6 +26,9 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "openai": OpenAIToolParser,
     "pythonic": PythonicToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
+    "qwen3_xml": Qwen3XmlToolParser,
+    "seed_oss": SeedOssToolParser,
 }
 
 
@@ -36,5 +44,6 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 __all__ = ["TOOL_PARSERS", "DeepSeekV3ToolParser", "DeepSeekV31ToolParser",
            "ExtractedToolCalls", "Glm45ToolParser", "Glm47ToolParser", "HermesToolParser",
-           "Llama3JsonToolParser", "OpenAIToolParser", "PythonicToolParser", "ToolCall",
+           "Llama3JsonToolParser", "OpenAIToolParser", "PythonicToolParser",
+           "Qwen3CoderToolParser", "Qwen3XmlToolParser", "SeedOssToolParser", "ToolCall",
            "ToolParser", "get_tool_parser"]

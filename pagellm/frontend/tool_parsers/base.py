@@ -87,6 +87,17 @@ class ToolParser(abc.ABC):
     def finish(self) -> list[dict[str, Any]]:
         """The deltas still held back when the output has ended."""
 
+    def declared(self, tool: str, key: str) -> Any:
+        """The schema the request's tool `tool` gives its parameter `key` (its entry in
+        `parameters.properties`), or None where the tools do not declare it: for the
+        formats whose values are text, typed by their schemas (GLM's, Qwen3-Coder's)."""
+        for spec in self.tools:
+            function = spec.get("function") or {}
+            if function.get("name") == tool:
+                properties = (function.get("parameters") or {}).get("properties") or {}
+                return properties.get(key) if isinstance(properties, dict) else None
+        return None
+
     def _call_delta(self, call: ToolCall) -> dict[str, Any]:
         """A streamed call's delta, numbered in the order the choice made its calls."""
         index = self._next_index
@@ -132,6 +143,28 @@ def arguments_json(text: str) -> str | None:
 def _reject_constant(constant: str) -> Any:
     """json's hook for NaN/Infinity/-Infinity: Python accepts them, JSON does not."""
     raise ValueError(f"{constant} is not JSON")
+
+
+_SPACE = re.compile(r"\s*")
+
+
+def tagged(text: str, pos: int, open_tag: str, close_tag: str) -> tuple[str, int] | None:
+    """After any whitespace from `pos`, `open_tag` ... `close_tag`: (the text between,
+    the position after close_tag), or None when the text there is not that. One find
+    per tag, so a body read tag by tag is read in linear time whatever it holds (a
+    regex finding each opening tag's close anew is quadratic in a run of opening
+    tags)."""
+    start = _SPACE.match(text, pos).end()  # type: ignore[union-attr]
+    if not text.startswith(open_tag, start):
+        return None
+    inner = start + len(open_tag)
+    end = text.find(close_tag, inner)
+    return None if end < 0 else (text[inner:end], end + len(close_tag))
+
+
+def only_space(text: str, pos: int) -> bool:
+    """Whether `text` from `pos` is nothing but whitespace."""
+    return _SPACE.match(text, pos).end() == len(text)  # type: ignore[union-attr]
 
 
 def content_or_none(text: str) -> str | None:

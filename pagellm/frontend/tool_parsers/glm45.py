@@ -17,15 +17,11 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 import warnings
 from typing import Any
 
-from pagellm.frontend.tool_parsers.base import ToolCall
+from pagellm.frontend.tool_parsers.base import ToolCall, only_space, tagged
 from pagellm.frontend.tool_parsers.blocks import BlockToolParser
-
-_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
-_REST = re.compile(r"\s*")  # between and after the arguments: nothing but whitespace
 
 
 class Glm45ToolParser(BlockToolParser):
@@ -44,16 +40,17 @@ class Glm45ToolParser(BlockToolParser):
             return None
         arguments: dict[str, Any] = {}
         pos = 0
-        for m in _ARGUMENT.finditer(rest):
-            if not _REST.fullmatch(rest, pos, m.start()):
+        while not only_space(rest, pos):  # key/value pairs, whitespace between
+            key_tag = tagged(rest, pos, "<arg_key>", "</arg_key>")
+            value_tag = None if key_tag is None else \
+                tagged(rest, key_tag[1], "<arg_value>", "</arg_value>")
+            if key_tag is None or value_tag is None:
                 return None
-            key = m[1].strip()
+            key = key_tag[0].strip()
             if not key or key in arguments:
                 return None
-            arguments[key] = self._value(name, key, m[2].strip())
-            pos = m.end()
-        if not _REST.fullmatch(rest, pos):
-            return None
+            arguments[key] = self._value(name, key, value_tag[0].strip())
+            pos = value_tag[1]
         try:
             return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False,
                                                             allow_nan=False))
@@ -77,13 +74,8 @@ class Glm45ToolParser(BlockToolParser):
 
     def _declared_type(self, tool: str, key: str) -> Any:
         """The `type` the request's tool `tool` gives parameter `key`, or None."""
-        for spec in self.tools:
-            function = spec.get("function") or {}
-            if function.get("name") == tool:
-                properties = (function.get("parameters") or {}).get("properties") or {}
-                declared = properties.get(key)
-                return declared.get("type") if isinstance(declared, dict) else None
-        return None
+        declared = self.declared(tool, key)
+        return declared.get("type") if isinstance(declared, dict) else None
 
 
 class Glm47ToolParser(Glm45ToolParser):

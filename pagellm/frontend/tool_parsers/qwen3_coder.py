@@ -1,0 +1,127 @@
+"""Qwen3-Coder's tool calls (also Qwen3.5's and Seed-OSS's): XML-like blocks with the
+function's name and each parameter in tags,
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    <parameter=days>
+    3
+    </parameter>
+    </function>
+    </tool_call>
+
+(vLLM's `qwen3_coder` and `qwen3_xml`; Seed-OSS writes the same body inside
+`<seed:tool_call>` ... `</seed:tool_call>`: `seed_oss`). A value is text, one newline
+after its opening tag and one before its closing tag not part of it; the request's tool
+schema types it as vLLM's parser does (`typed_value`): kept as text for a string (or
+an undeclared parameter), read as an integer, a number, a boolean, or JSON (else a
+Python literal) for an object or array, "null" as null; a value that does not read as
+its type stays text. A block that is not exactly a function with its parameters is
+content (blocks.py)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import warnings
+from typing import Any
+
+from pagellm.frontend.tool_parsers.base import ToolCall, only_space, tagged
+from pagellm.frontend.tool_parsers.blocks import BlockToolParser
+
+_STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
+_INTEGER_PREFIXES = ("int", "uint", "long", "short", "unsigned")
+
+
+def typed_value(text: str, declared: Any) -> Any:
+    """A parameter's text as the type its schema entry `declared` names (the rules of
+    vLLM's Qwen3CoderToolParser._convert_param_value; None: the tool does not declare
+    the parameter, kept as text)."""
+    if text.lower() == "null":
+        return None
+    if declared is None:
+        return text
+    kind = str(declared.get("type", "string")).strip().lower() \
+        if isinstance(declared, dict) else "string"
+    if kind in _STRING_TYPES:
+        return text
+    if kind.startswith(_INTEGER_PREFIXES):
+        try:
+            return int(text)
+        except ValueError:
+            return text
+    if kind.startswith(("num", "float")):
+        try:
+            number = float(text)
+        except ValueError:
+            return text
+        if not math.isfinite(number):  # JSON has no NaN or infinity
+            return text
+        return int(number) if number.is_integer() else number
+    if kind in ("boolean", "bool", "binary"):
+        return text.lower() == "true"
+    if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError):
+            pass
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SyntaxWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return ast.literal_eval(text)
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return text
+
+
+class Qwen3CoderToolParser(BlockToolParser):
+    """`--tool-call-parser qwen3_coder` (Qwen3-Coder, Qwen3.5): a block is a call when
+    its body is one `<function=NAME>` holding nothing but parameters."""
+
+    name = "qwen3_coder"
+    START = "<tool_call>"
+    END = "</tool_call>"
+
+    def parse_body(self, body: str) -> ToolCall | None:
+        body = body.strip()
+        if not body.startswith("<function=") or not body.endswith("</function>"):
+            return None
+        name, close, rest = body[len("<function="):-len("</function>")].partition(">")
+        name = name.strip()
+        if not close or not name or "\n" in name:
+            return None
+        arguments: dict[str, Any] = {}
+        pos = 0
+        while not only_space(rest, pos):  # parameters, whitespace between
+            parameter = tagged(rest, pos, "<parameter=", "</parameter>")
+            if parameter is None:
+                return None
+            key, close, value = parameter[0].partition(">")
+            key = key.strip()
+            if not close or not key or "\n" in key or key in arguments:
+                return None
+            value = value.removeprefix("\n").removesuffix("\n")
+            arguments[key] = typed_value(value, self.declared(name, key))
+            pos = parameter[1]
+        try:
+            return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False,
+                                                            allow_nan=False))
+        except (TypeError, ValueError):  # a literal JSON cannot carry (a set, bytes)
+            return None
+
+
+class Qwen3XmlToolParser(Qwen3CoderToolParser):
+    """`--tool-call-parser qwen3_xml`: vLLM's other name for the same format."""
+
+    name = "qwen3_xml"
+
+
+class SeedOssToolParser(Qwen3CoderToolParser):
+    """`--tool-call-parser seed_oss` (Seed-OSS): the same body in Seed's tags."""
+
+    name = "seed_oss"
+    START = "<seed:tool_call>"
+    END = "</seed:tool_call>"
