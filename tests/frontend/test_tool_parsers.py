@@ -514,17 +514,30 @@ def test_long_hostile_output_streams_in_bounded_work(name: str) -> None:
     ("glm45", "f\n" + "<arg_key>" * 20_000), ("glm47", "f" + "<arg_key>k</arg_key>" * 12_000),
     ("qwen3_coder", "<function=f>" + "<parameter=x>" * 15_000 + "</function>"),
     ("qwen3_xml", "<function=f>" + ("</function>" + " " * 50) * 3_000),
-    ("seed_oss", "<function=f>" + "<parameter=x>" * 15_000 + "</function>")],
-    ids=["glm45", "glm47", "qwen3_coder", "qwen3_xml", "seed_oss"])
+    ("seed_oss", "<function=f>" + "<parameter=x>" * 15_000 + "</function>"),
+    ("deepseek_v3", " " * 150_000)],
+    ids=["glm45", "glm47", "qwen3_coder", "qwen3_xml", "seed_oss", "deepseek_v3"])
 def test_a_block_of_many_opening_tags_is_read_in_linear_time(name: str, body: str) -> None:
     """A body read tag by tag: each tag's close found once (a regex looking for each
-    opening tag's close anew took 11-15 s on these ~200k characters here)."""
+    opening tag's close anew took 11-15 s on these ~200k characters here; DeepSeek-V3's
+    lazy type before its separator, 66 s on 150k spaces)."""
     parser_class = get_tool_parser(name)
     text = parser_class.START + body + parser_class.END  # type: ignore[attr-defined]
     started = time.monotonic()
     result = parser_class().extract_tool_calls(text)
     assert time.monotonic() - started < 2
     assert not result.tools_called and result.content == text
+
+
+def test_a_run_of_wrapper_tags_is_searched_in_linear_time() -> None:
+    """DeepSeek's section tags, 1.2M characters of them: each tag is searched for once
+    per occurrence (searching for the block tag anew after each wrapper took ~0.3 s on
+    150k characters and grows with the square)."""
+    text = CALLS * 60_000
+    started = time.monotonic()
+    result = DeepSeekV31ToolParser().extract_tool_calls(text)
+    assert time.monotonic() - started < 2
+    assert not result.tools_called and result.content is None
 
 
 FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "</tool", "<|python_tag|>",

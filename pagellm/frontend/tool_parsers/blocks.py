@@ -55,9 +55,10 @@ class BlockToolParser(ToolParser):
         calls: list[ToolCall] = []
         gaps: list[str] = []  # the current gap's pieces
         kept: list[str] = []  # finished gaps with visible text
+        ahead: dict[str, int] = {}  # each tag's next position found so far (-1: none)
         pos = 0
         while True:
-            found = self._next_tag(text, pos)
+            found = self._next_tag(text, pos, ahead)
             if found is None:
                 gaps.append(text[pos:])
                 break
@@ -127,11 +128,21 @@ class BlockToolParser(ToolParser):
         self._gap.close()
         return out.deltas
 
-    def _next_tag(self, text: str, pos: int) -> tuple[int, str] | None:
-        """The first START or wrapper tag in `text` from `pos`: (where, which)."""
-        found = [(at, tag) for tag in (self.START, *self.WRAPPERS)
-                 if (at := text.find(tag, pos)) >= 0]
-        return min(found) if found else None
+    def _next_tag(self, text: str, pos: int, ahead: dict[str, int] | None = None
+                  ) -> tuple[int, str] | None:
+        """The first START or wrapper tag in `text` from `pos`: (where, which).
+        `ahead` remembers where each tag was found (or that it is absent) across calls
+        with growing `pos`, so a text of many wrapper tags is searched once per tag
+        occurrence, not once per tag per occurrence of another."""
+        ahead = {} if ahead is None else ahead
+        best: tuple[int, str] | None = None
+        for tag in (self.START, *self.WRAPPERS):
+            at = ahead.get(tag, pos - 1)
+            if 0 <= at < pos or (tag not in ahead):
+                at = ahead[tag] = text.find(tag, pos)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, tag)
+        return best
 
     def _block_call(self, body: str, terminated: bool) -> ToolCall | None:
         if not terminated:
