@@ -354,20 +354,31 @@ def agent_model_dir(model_dirs, tmp_path_factory) -> Path:
     tokens (not special: they stay in the text, as Qwen's do), within the model's
     vocabulary (trained to 4 tokens less, then the tags added), and a chat template
     with Qwen3's enable_thinking switch."""
+    return _llama_with_tags(model_dirs, tmp_path_factory.mktemp("agent-model"), AGENT_TAGS,
+                            AGENT_TEMPLATE, special=False)
+
+
+def _llama_with_tags(model_dirs: dict[str, Path], out: Path, tags: tuple[str, ...],
+                     template: str, special: bool) -> Path:
+    """A copy of the llama test model in `out` whose tokenizer is trained to
+    len(tags) tokens less than the model's vocabulary, then given `tags` as single
+    tokens (special ones where `special`), with `template` as its chat template."""
     import shutil
 
     from transformers import PreTrainedTokenizerFast
 
     from pagellm.demo.model import SPECIAL_TOKENS, train_tokenizer
 
-    out = tmp_path_factory.mktemp("agent-model")
     shutil.copytree(model_dirs["llama"], out, dirs_exist_ok=True)
     vocab = MODEL_SPECS["llama"].vocab_size
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=train_tokenizer(vocab - len(AGENT_TAGS)),
+        tokenizer_object=train_tokenizer(vocab - len(tags)),
         eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0], bos_token=None,
-        chat_template=AGENT_TEMPLATE)
-    tokenizer.add_tokens(list(AGENT_TAGS))
+        chat_template=template)
+    if special:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(tags)})
+    else:
+        tokenizer.add_tokens(list(tags))
     assert len(tokenizer) == vocab
     tokenizer.save_pretrained(out)
     return out
@@ -388,23 +399,8 @@ def harmony_model_dir(model_dirs, tmp_path_factory) -> Path:
     """The llama test model with a tokenizer that has gpt-oss's Harmony tags as special
     tokens, as gpt-oss's does (skip_special_tokens drops them from the text), within the
     model's vocabulary, and a Harmony chat template."""
-    import shutil
-
-    from transformers import PreTrainedTokenizerFast
-
-    from pagellm.demo.model import SPECIAL_TOKENS, train_tokenizer
-
-    out = tmp_path_factory.mktemp("harmony-model")
-    shutil.copytree(model_dirs["llama"], out, dirs_exist_ok=True)
-    vocab = MODEL_SPECS["llama"].vocab_size
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=train_tokenizer(vocab - len(HARMONY_TAGS)),
-        eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0], bos_token=None,
-        chat_template=HARMONY_TEMPLATE)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(HARMONY_TAGS)})
-    assert len(tokenizer) == vocab
-    tokenizer.save_pretrained(out)
-    return out
+    return _llama_with_tags(model_dirs, tmp_path_factory.mktemp("harmony-model"),
+                            HARMONY_TAGS, HARMONY_TEMPLATE, special=True)
 
 
 @pytest.fixture(scope="session")

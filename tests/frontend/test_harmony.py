@@ -11,7 +11,14 @@ import random
 from typing import Any
 
 import pytest
-from test_tool_parsers import HARMONY_CALL, HARMONY_FRAGMENTS, ROLE_CALL, THINK, harmony
+from test_tool_parsers import (
+    HARMONY_CALL,
+    HARMONY_FRAGMENTS,
+    ROLE_CALL,
+    THINK,
+    _random_pieces,
+    harmony,
+)
 
 from pagellm.frontend.reasoning import GptOssReasoningParser, get_reasoning_parser
 from pagellm.frontend.server.chat_tools import (
@@ -66,15 +73,6 @@ def _stream(parser: GptOssReasoningParser, pieces: list[str]) -> tuple[str, str]
     return reasoning, content
 
 
-def _pieces(text: str, rng: random.Random) -> list[str]:
-    out, pos = [], 0
-    while pos < len(text):
-        size = rng.choice([0, 1, 2, 3, 5, 8, 13])
-        out.append(text[pos:pos + size])
-        pos += size
-    return out
-
-
 def test_streamed_reasoning_equals_whole_for_any_split() -> None:
     """The hand-written cases and texts glued from Harmony's tags and pieces (fixed
     seed), fed whole, a character at a time and in random pieces."""
@@ -84,7 +82,7 @@ def test_streamed_reasoning_equals_whole_for_any_split() -> None:
         for _ in range(1500)]
     for text in texts:
         reasoning, content = GptOssReasoningParser().extract_reasoning(text)
-        for pieces in ([text], list(text), _pieces(text, rng)):
+        for pieces in ([text], list(text), _random_pieces(text, rng)):
             assert _stream(GptOssReasoningParser(), pieces) == (reasoning or "",
                                                                 content or ""), text
 
@@ -108,7 +106,7 @@ HARMONY_SETUP = ToolSetup(enable_auto_tool_choice=True, tool_call_parser="openai
 def _streamed(text: str, setup: ToolSetup, tool_choice: str | None, seed: int
               ) -> tuple[str, str, list[dict[str, Any]], str | None]:
     stream = ChoiceStream(resolve_tool_mode(TOOLS, tool_choice, setup), setup)
-    deltas = [d for piece in _pieces(text, random.Random(seed)) for d in stream.feed(piece)]
+    deltas = [d for piece in _random_pieces(text, random.Random(seed)) for d in stream.feed(piece)]
     deltas += stream.finish()
     reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
     content = "".join(d.get("content", "") for d in deltas)

@@ -43,7 +43,7 @@ from pagellm.executor.model.decoder import (
     DecoderMLP,
     DecoderModel,
 )
-from pagellm.executor.model.layers import RMSNorm
+from pagellm.executor.model.layers import Fp32ScaledRMSNorm
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.rope import RopeSpec, RotaryEmbedding
 from pagellm.executor.model.spec import DecoderSpec
@@ -51,7 +51,7 @@ from pagellm.executor.model.spec import DecoderSpec
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin: [T, 1, rotary_dim]
 
 
-class GemmaRMSNorm(RMSNorm):
+class GemmaRMSNorm(Fp32ScaledRMSNorm):
     """RMSNorm with Gemma's (1 + w) scale, multiplied in fp32 and then rounded, as
     transformers' Gemma2RMSNorm/Gemma3RMSNorm (Llama's rounds first, then scales)."""
 
@@ -59,16 +59,8 @@ class GemmaRMSNorm(RMSNorm):
         super().__init__(size, eps)
         nn.init.zeros_(self.weight)  # (1 + 0): the identity scale
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(x + residual), x + residual); x: [..., size]. Torch ops on
-        every device (module docstring)."""
-        return self.reference(x, residual)
-
-    def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, x = self.normalized(x, residual)
-        return (h * (1.0 + self.weight.float())).to(x.dtype), x
+    def scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h * (1.0 + self.weight.float())
 
 
 class GemmaAttention(DecoderAttention):

@@ -83,6 +83,26 @@ class RMSNorm(nn.Module):
         return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps), x
 
 
+class Fp32ScaledRMSNorm(RMSNorm):
+    """RMSNorm scaled in fp32, then rounded (OLMo's order; Gemma's with its (1 + w)
+    scale), where Llama's rounds first: torch ops on every device (the fused CUDA kernel
+    rounds the Llama way)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual); x: [..., size]."""
+        return self.reference(x, residual)
+
+    def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, x = self.normalized(x, residual)
+        return self.scaled(h).to(x.dtype), x
+
+    def scaled(self, h: torch.Tensor) -> torch.Tensor:
+        """The normalised fp32 `h` times the weight, still in fp32."""
+        return self.weight * h
+
+
 class ShardedRMSNorm(nn.Module):
     """RMSNorm over a vector of which this rank holds a slice (OLMoE's q/k norms span all
     heads): the mean square is summed over the ranks (`replicas`: how many ranks hold

@@ -30,26 +30,15 @@ from torch import nn
 from pagellm.executor.model.attention import AttentionMetadata
 from pagellm.executor.model.decoder import DecoderAttention, DecoderForCausalLM, DecoderMLP
 from pagellm.executor.model.gemma import LayerTypeModel
-from pagellm.executor.model.layers import RMSNorm, ShardedRMSNorm
+from pagellm.executor.model.layers import Fp32ScaledRMSNorm, ShardedRMSNorm
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.spec import DecoderSpec
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin: [T, 1, rotary_dim]
 
 
-class OlmoRMSNorm(RMSNorm):
+class OlmoRMSNorm(Fp32ScaledRMSNorm):
     """RMSNorm scaled in fp32, then rounded (transformers' Olmo2RMSNorm/Olmo3RMSNorm)."""
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(x + residual), x + residual); x: [..., size]. Torch ops on
-        every device (module docstring)."""
-        return self.reference(x, residual)
-
-    def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, x = self.normalized(x, residual)
-        return (self.weight * h).to(x.dtype), x
 
 
 class OlmoShardedRMSNorm(ShardedRMSNorm):

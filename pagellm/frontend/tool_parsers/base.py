@@ -10,9 +10,11 @@ work proportional to the text fed, not to the text fed so far on every delta."""
 from __future__ import annotations
 
 import abc
+import ast
 import json
 import re
 import uuid
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -143,6 +145,26 @@ def arguments_json(text: str) -> str | None:
 def _reject_constant(constant: str) -> Any:
     """json's hook for NaN/Infinity/-Infinity: Python accepts them, JSON does not."""
     raise ValueError(f"{constant} is not JSON")
+
+
+def python_literal(text: str) -> Any:
+    """`text` as a Python literal (a model writes True, None, 'quoted' at times), else
+    the text itself; never raises, whatever the model wrote."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SyntaxWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return ast.literal_eval(text)
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return text
+
+
+def json_or_literal(text: str) -> Any:
+    """`text` as JSON, else as a Python literal, else the text itself."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return python_literal(text)
 
 
 _SPACE = re.compile(r"\s*")

@@ -15,12 +15,10 @@ parser does."""
 
 from __future__ import annotations
 
-import ast
 import json
-import warnings
 from typing import Any
 
-from pagellm.frontend.tool_parsers.base import ToolCall, only_space, tagged
+from pagellm.frontend.tool_parsers.base import ToolCall, json_or_literal, only_space, tagged
 from pagellm.frontend.tool_parsers.blocks import BlockToolParser
 
 
@@ -60,17 +58,7 @@ class Glm45ToolParser(BlockToolParser):
     def _value(self, tool: str, key: str, text: str) -> Any:
         if self._declared_type(tool, key) == "string":
             return text
-        try:
-            return json.loads(text)
-        except (ValueError, RecursionError):
-            pass
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", SyntaxWarning)
-                warnings.simplefilter("ignore", DeprecationWarning)
-                return ast.literal_eval(text)
-        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
-            return text
+        return json_or_literal(text)
 
     def _declared_type(self, tool: str, key: str) -> Any:
         """The `type` the request's tool `tool` gives parameter `key`, or None."""

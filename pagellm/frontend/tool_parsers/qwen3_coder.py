@@ -23,13 +23,17 @@ content (blocks.py)."""
 
 from __future__ import annotations
 
-import ast
 import json
 import math
-import warnings
 from typing import Any
 
-from pagellm.frontend.tool_parsers.base import ToolCall, only_space, tagged
+from pagellm.frontend.tool_parsers.base import (
+    ToolCall,
+    json_or_literal,
+    only_space,
+    python_literal,
+    tagged,
+)
 from pagellm.frontend.tool_parsers.blocks import BlockToolParser
 
 _STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
@@ -64,17 +68,8 @@ def typed_value(text: str, declared: Any) -> Any:
     if kind in ("boolean", "bool", "binary"):
         return text.lower() == "true"
     if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
-        try:
-            return json.loads(text)
-        except (ValueError, RecursionError):
-            pass
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", SyntaxWarning)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return ast.literal_eval(text)
-    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
-        return text
+        return json_or_literal(text)
+    return python_literal(text)
 
 
 class Qwen3CoderToolParser(BlockToolParser):
