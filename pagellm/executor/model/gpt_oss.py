@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from pagellm.executor.model.decoder import DecoderForCausalLM, DecoderLayer, DecoderModel
-from pagellm.executor.model.layers import Linear, RMSNorm
+from pagellm.executor.model.layers import Fp32ScaledRMSNorm, Linear
 from pagellm.executor.model.moe import Experts
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.spec import DecoderSpec, MoeSpec
@@ -57,19 +57,9 @@ from pagellm.executor.model.weight_map import Destination
 from pagellm.kernels import mxfp4
 
 
-class GptOssRMSNorm(RMSNorm):
+class GptOssRMSNorm(Fp32ScaledRMSNorm):
     """RMSNorm with the weight multiplied in fp32, then rounded (transformers'
-    GptOssRMSNorm; the shared one rounds first). Torch ops on every device: the fused
-    CUDA kernel rounds as Llama does."""
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.reference(x, residual)
-
-    def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, x = self.normalized(x, residual)
-        return (self.weight.float() * h).to(x.dtype), x
+    GptOssRMSNorm; the shared one rounds first)."""
 
 
 class GptOssExperts(Experts):

@@ -147,6 +147,16 @@ def _reject_constant(constant: str) -> Any:
     raise ValueError(f"{constant} is not JSON")
 
 
+def call_with(name: str, arguments: dict[str, Any]) -> ToolCall | None:
+    """A call of `name` with `arguments` read from a model's text, or None where JSON
+    cannot carry a value they hold (a set, bytes, NaN from a Python literal)."""
+    try:
+        return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False,
+                                                        allow_nan=False))
+    except (TypeError, ValueError):
+        return None
+
+
 def python_literal(text: str) -> Any:
     """`text` as a Python literal (a model writes True, None, 'quoted' at times), else
     the text itself; never raises, whatever the model wrote."""

@@ -15,10 +15,15 @@ parser does."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from pagellm.frontend.tool_parsers.base import ToolCall, json_or_literal, only_space, tagged
+from pagellm.frontend.tool_parsers.base import (
+    ToolCall,
+    call_with,
+    json_or_literal,
+    only_space,
+    tagged,
+)
 from pagellm.frontend.tool_parsers.blocks import BlockToolParser
 
 
@@ -49,11 +54,7 @@ class Glm45ToolParser(BlockToolParser):
                 return None
             arguments[key] = self._value(name, key, value_tag[0].strip())
             pos = value_tag[1]
-        try:
-            return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False,
-                                                            allow_nan=False))
-        except (TypeError, ValueError):  # a literal JSON cannot carry (a set, NaN)
-            return None
+        return call_with(name, arguments)
 
     def _value(self, tool: str, key: str, text: str) -> Any:
         if self._declared_type(tool, key) == "string":

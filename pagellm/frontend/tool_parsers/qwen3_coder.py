@@ -23,12 +23,12 @@ content (blocks.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 from pagellm.frontend.tool_parsers.base import (
     ToolCall,
+    call_with,
     json_or_literal,
     only_space,
     python_literal,
@@ -101,11 +101,7 @@ class Qwen3CoderToolParser(BlockToolParser):
             value = value.removeprefix("\n").removesuffix("\n")
             arguments[key] = typed_value(value, self.declared(name, key))
             pos = parameter[1]
-        try:
-            return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False,
-                                                            allow_nan=False))
-        except (TypeError, ValueError):  # a literal JSON cannot carry (a set, bytes)
-            return None
+        return call_with(name, arguments)
 
 
 class Qwen3XmlToolParser(Qwen3CoderToolParser):
