@@ -17,7 +17,9 @@ The tags are special tokens, so the text must be decoded with them
 (skip_special_tokens false: the parsers that read this format say so, and the server
 does it). vLLM parses the token ids with the openai-harmony library instead, whose
 tokenizer file is downloaded on first use; reading the text keeps the tags' meaning the
-same and needs nothing from the network. Several messages of one kind are joined with a
+same and needs nothing from the network, with one difference: a tag's characters
+written as ordinary tokens (an answer quoting `<|end|>`) read as the tag here, where
+the token ids tell them apart. Several messages of one kind are joined with a
 newline (vLLM's joining); a message's text streams as it comes, except a call's, which
 is sent whole when its message ends.
 
