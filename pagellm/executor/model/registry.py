@@ -10,6 +10,7 @@ Adding a family is that module and one row of `FAMILIES`.
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,52 +37,19 @@ class Family:
     model: Callable[[], type[DecoderForCausalLM]]  # imported when a model is built
 
 
-def _decoder() -> type[DecoderForCausalLM]:
-    from pagellm.executor.model.decoder import DecoderForCausalLM
+def _lazy(module: str, name: str) -> Callable[[], type[DecoderForCausalLM]]:
+    """Class `name` of executor/model/`module`.py, imported when a model is built (the
+    model modules import torch's layers; reading a config does not)."""
+    def load() -> type[DecoderForCausalLM]:
+        return getattr(importlib.import_module(f"pagellm.executor.model.{module}"), name)
 
-    return DecoderForCausalLM
-
-
-def _gemma() -> type[DecoderForCausalLM]:
-    from pagellm.executor.model.gemma import GemmaForCausalLM
-
-    return GemmaForCausalLM
+    return load
 
 
-def _gpt_oss() -> type[DecoderForCausalLM]:
-    from pagellm.executor.model.gpt_oss import GptOssForCausalLM
-
-    return GptOssForCausalLM
-
-
-def _deepseek() -> type[DecoderForCausalLM]:
-    from pagellm.executor.model.deepseek import DeepseekForCausalLM
-
-    return DeepseekForCausalLM
-
-
-def _olmo2_model() -> type[DecoderForCausalLM]:
-    from pagellm.executor.model.olmo2 import Olmo2ForCausalLM
-
-    return Olmo2ForCausalLM
-
-
-def _smollm3_model() -> type[DecoderForCausalLM]:
-    from pagellm.executor.model.smollm3 import SmolLM3ForCausalLM
-
-    return SmolLM3ForCausalLM
-
-
-def _granite_model() -> type[DecoderForCausalLM]:
-    from pagellm.executor.model.granite import GraniteForCausalLM
-
-    return GraniteForCausalLM
-
-
-def _glm4_moe_model() -> type[DecoderForCausalLM]:
-    from pagellm.executor.model.glm4_moe import Glm4MoeForCausalLM
-
-    return Glm4MoeForCausalLM
+_decoder = _lazy("decoder", "DecoderForCausalLM")
+_gemma = _lazy("gemma", "GemmaForCausalLM")
+_deepseek = _lazy("deepseek", "DeepseekForCausalLM")
+_olmo2 = _lazy("olmo2", "Olmo2ForCausalLM")
 
 
 def _sparse_layers(config: Any) -> tuple[bool, ...]:
@@ -312,7 +280,7 @@ def _glm4_moe(config: Any, arch: str) -> DecoderSpec:
                              moe=_deepseek_moe(config, _v3_routing(config)))
 
 
-def _olmo2(config: Any, arch: str) -> DecoderSpec:
+def _olmo2_spec(config: Any, arch: str) -> DecoderSpec:
     """OLMo 2 / OLMo 3: q and k norms over all heads; OLMo 3's rope_parameters per layer
     type (transformers nests them: "full_attention", "sliding_attention") with its
     sliding windows from layer_types."""
@@ -393,15 +361,15 @@ FAMILIES: dict[str, Family] = {
     "Gemma2ForCausalLM": Family("gemma2", _gemma2, _gemma),
     "Gemma3ForCausalLM": Family("gemma3_text", _gemma3, _gemma),
     "Phi3ForCausalLM": Family("phi3", _phi3, _decoder),
-    "GptOssForCausalLM": Family("gpt_oss", _gpt_oss_spec, _gpt_oss),
+    "GptOssForCausalLM": Family("gpt_oss", _gpt_oss_spec, _lazy("gpt_oss", "GptOssForCausalLM")),
     "DeepseekV2ForCausalLM": Family("deepseek_v2", _deepseek_v2, _deepseek),
     "DeepseekV3ForCausalLM": Family("deepseek_v3", _deepseek_v3, _deepseek),
     "Glm4MoeLiteForCausalLM": Family("glm4_moe_lite", _deepseek_v3, _deepseek),
-    "Glm4MoeForCausalLM": Family("glm4_moe", _glm4_moe, _glm4_moe_model),
-    "Olmo2ForCausalLM": Family("olmo2", _olmo2, _olmo2_model),
-    "Olmo3ForCausalLM": Family("olmo3", _olmo2, _olmo2_model),
-    "SmolLM3ForCausalLM": Family("smollm3", _smollm3, _smollm3_model),
-    "GraniteForCausalLM": Family("granite", _granite, _granite_model),
+    "Glm4MoeForCausalLM": Family("glm4_moe", _glm4_moe, _lazy("glm4_moe", "Glm4MoeForCausalLM")),
+    "Olmo2ForCausalLM": Family("olmo2", _olmo2_spec, _olmo2),
+    "Olmo3ForCausalLM": Family("olmo3", _olmo2_spec, _olmo2),
+    "SmolLM3ForCausalLM": Family("smollm3", _smollm3, _lazy("smollm3", "SmolLM3ForCausalLM")),
+    "GraniteForCausalLM": Family("granite", _granite, _lazy("granite", "GraniteForCausalLM")),
     "SeedOssForCausalLM": Family("seed_oss", _seed_oss, _decoder),
 }
 

@@ -159,8 +159,11 @@ def _parsers(setup: ToolSetup, mode: ToolMode, thinking: bool
 def special_tokens_in_text(setup: ToolSetup, mode: ToolMode) -> bool:
     """A parser this request uses reads tags that are special tokens: its output must
     be decoded with them (skip_special_tokens false), whatever the request asked."""
-    return any(parser is not None and parser.special_tokens_in_text
-               for parser in _parsers(setup, mode, True))
+    reasoning = setup.reasoning_parser is not None and \
+        get_reasoning_parser(setup.reasoning_parser).special_tokens_in_text
+    tool = mode.mode == "auto" and setup.tool_call_parser is not None and \
+        get_tool_parser(setup.tool_call_parser).special_tokens_in_text
+    return reasoning or tool
 
 
 def chat_message(text: str, finish_reason: str | None, mode: ToolMode, setup: ToolSetup,
