@@ -150,6 +150,14 @@ class ServerMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds",
                              "Histogram of e2e request latency in seconds.", LABELS,
                              buckets=_E2E_BUCKETS, registry=r)
+        # The model's series exist from the start, zero until observed, as vLLM's do (its
+        # logger creates each labelled child up front): a scrape never lacks one because
+        # no request has produced it yet (one request's tokens can arrive in one delta,
+        # with no inter-token interval to observe).
+        for metric in (self.prompt_tokens, self.generation_tokens,
+                       self.request_prompt_tokens, self.request_generation_tokens,
+                       self.request_params_n, self.ttft, self.itl, self.tpot, self.e2e):
+            metric.labels(*self.labels)
 
         # Per LoRA adapter (pagellm's own: vLLM has only a gauge of the adapters running).
         self.lora_requests = Counter("pagellm:lora_requests", "Completions finished, per "
