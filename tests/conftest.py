@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import background
 import psutil
 import pytest
-from helpers import KV, ROOT, Server, free_port, start_engine, stop
+from helpers import ROOT, Server, free_port, start_engine, stop
 
 from pagellm.demo.model import ModelSpec, make_model
 from pagellm.kernels.triton_attention import interpreter_fault, interpreting
@@ -231,14 +231,17 @@ def engine_at(model_dirs):
 
 
 # An engine core with small limits, so that the limits can be reached in a test
-# (tests/enginecore/test_input_receiver.py and test_output_sender.py).
+# (tests/enginecore/test_input_receiver.py and test_output_sender.py). OUTPUT_HWM stays
+# above what a reading client's 300-token request sends: at 20, an engine core whose
+# ZeroMQ I/O thread the 2-core machine did not run for 40 steps (~40 ms) dropped the
+# well-behaved frontend (test_identity_comes_from_the_connection, 1 run in ~12).
 TIGHT_ENGINE = textwrap.dedent("""
     import sys
     import pagellm.enginecore.output_sender as output_sender
     import pagellm.enginecore.input_receiver as input_receiver
     import pagellm.transport.sockets as transport
     output_sender.CONNECT_GRACE_S = 1.0
-    output_sender.OUTPUT_HWM = 20
+    output_sender.OUTPUT_HWM = 200
     input_receiver.MAX_CLIENTS = 8
     transport.MAX_MESSAGE_BYTES = 2**20  # the frontends' socket is bound there
     from pagellm.enginecore.__main__ import main
@@ -246,12 +249,17 @@ TIGHT_ENGINE = textwrap.dedent("""
 """)
 
 
+# Room for 64k tokens: a client that stops reading must be sent far more than the
+# kernel's socket buffers hold (~3 MB on loopback) before its queue can fill.
+TIGHT_KV = str(32 * 2**20)
+
+
 @pytest.fixture(scope="module")
 def tight_engine(model_dirs):
     address = f"tcp://127.0.0.1:{free_port()}"
     engine = subprocess.Popen([sys.executable, "-c", TIGHT_ENGINE, "--model",
-                               str(model_dirs["llama"]), "--kv-cache-memory-bytes", KV,
-                               "--address", address], cwd=ROOT)
+                               str(model_dirs["llama"]), "--kv-cache-memory-bytes",
+                               TIGHT_KV, "--address", address], cwd=ROOT)
     yield engine, address
     stop(engine)
 

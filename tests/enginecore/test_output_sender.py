@@ -114,21 +114,27 @@ def test_a_stranger_cannot_connect_to_a_clients_output_socket(tight_engine, atta
 def test_a_client_that_stops_reading_is_dropped_and_its_requests_aborted(tight_engine,
                                                                           attached):
     """Finding 9: a client that never read made the engine's memory grow without bound.
-    Its queue is bounded (OUTPUT_HWM, 20 here): past it, the client is dropped."""
+    Its queue is bounded (OUTPUT_HWM, 200 here): past it, the client is dropped and its
+    requests aborted. What the kernel buffers first (~3 MB) is a small part of what 32
+    requests with logprobs send over their 2,000 steps, so they end early: until the
+    sleeper was sent enough to notice (top-20 logprobs), its requests ran to their end
+    and this test passed without any drop."""
     _, address = tight_engine
     llm, _ = attached
     sleeper = RawEngineClient(address, rcvhwm=1)
+    first = llm.get_stats().num_steps
     try:
-        for i in range(8):
-            sleeper.send(RequestType.ADD, request(f"s{i}", [1, 2, 3], max_tokens=1500,
-                                                  ignore_eos=True))
+        for i in range(32):
+            sleeper.send(RequestType.ADD, request(f"s{i}", [1, 2, 3], max_tokens=2000,
+                                                  logprobs=20, ignore_eos=True))
         deadline = time.monotonic() + 60
         while True:  # the sleeper's requests run, then get aborted when it is dropped
             stats = llm.get_stats()
-            if stats.num_running_reqs == 0 and stats.num_steps > 30:
+            if stats.num_running_reqs == 0 and stats.num_steps > first + 30:
                 break
             assert time.monotonic() < deadline, stats
             time.sleep(0.1)
+        assert stats.num_steps - first < 1500, "the requests ran to their end: no drop"
         assert stats.num_free_blocks == stats.num_total_blocks
     finally:
         sleeper.close()
