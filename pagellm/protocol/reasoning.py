@@ -22,6 +22,8 @@ REASONING_TAGS: dict[str, tuple[str, str]] = {
     "glm45": ("<think>", "</think>"),
     "openai_gptoss": ("<|start|>assistant", "<|channel|>final<|message|>"),
     "seed_oss": ("<seed:think>", "</seed:think>"),
+    "minimax_m2": ("<think>", "</think>"),
+    "minimax_m2_append_think": ("<think>", "</think>"),
 }
 
 

@@ -137,7 +137,7 @@ def test_experts_no_token_picks_are_skipped_and_the_output_still_matches(
 
 
 @pytest.mark.parametrize("name", _names("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss",
-                                         "deepseek_v3", "olmo3", "granite"))
+                                         "deepseek_v3", "olmo3", "granite", "minimax_m2"))
 def test_bf16_logprobs_track_transformers(name, family_dirs, make_llm):
     """bf16: every prompt and sampled token's logprob within 1.5x transformers' own bf16
     error against fp32 on the same bf16-rounded weights (as tests/e2e/test_correctness.py
@@ -296,7 +296,8 @@ def test_gpt_oss_mxfp4_checkpoint_loads_as_transformers_reads_it(family_dirs, ma
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _names("qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss",
-                                         "deepseek_v3", "deepseek_v2", "glm4_moe", "olmo2"))
+                                         "deepseek_v3", "deepseek_v2", "glm4_moe", "olmo2",
+                                         "minimax_m2"))
 def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make_llm):
     """Each rank holds half of every expert (and, for OLMoE, half of the all-head q/k
     norms, their statistic summed over the ranks): greedy tokens equal transformers',
@@ -314,30 +315,34 @@ def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make
             assert all(abs(lp.logprob - lb[t].logprob) < 1e-4 for t, lp in la.items())
 
 
-@pytest.mark.parametrize("name", _names("mixtral", "gpt_oss", "deepseek_v3"))
+@pytest.mark.parametrize("name", _names("mixtral", "gpt_oss", "deepseek_v3", "minimax_m2"))
 def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
         name, family_dirs, make_llm):
     """RL trainers on transformers 5 send `model.named_parameters()`: the experts as
     `mlp.experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] (gpt-oss: its own
     layout and biases). After a training step (here: a perturbation), those names load
-    into the engine, which then generates the trained model's tokens. (Mixtral's
-    checkpoint spells its experts w1/w2/w3 under block_sparse_moe; DeepSeek's latent
-    up-projection is perturbed too, and its choice bias, a buffer, is not sent.)"""
+    into the engine, which then generates the trained model's tokens. (Mixtral's and
+    MiniMax-M2's checkpoints spell their experts w1/w2/w3 under block_sparse_moe;
+    DeepSeek's latent up-projection is perturbed too. The choice bias, a buffer, is sent
+    by its in-memory name as well: DeepSeek's `mlp.gate.e_score_correction_bias`,
+    MiniMax-M2's `mlp.e_score_correction_bias`.)"""
     from transformers import AutoModelForCausalLM
 
     llm = make_llm(family_dirs[name])
     trained = AutoModelForCausalLM.from_pretrained(family_dirs[name],
                                                    dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(0)
+    biases = [(b, t) for b, t in trained.named_buffers()
+              if b.endswith("e_score_correction_bias")]
     with torch.no_grad():
-        for pname, p in trained.named_parameters():
+        for pname, p in [*trained.named_parameters(), *biases]:
             if ".experts." in pname or pname.endswith(("mlp.gate.weight", "router.weight",
-                                                       "kv_b_proj.weight")):
+                                                       "kv_b_proj.weight",
+                                                       "e_score_correction_bias")):
                 p.add_(0.2 * torch.randn(p.shape, generator=generator))
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
-    loaded = model.load_weights(trained.named_parameters())
-    buffers = {b for b, _ in trained.named_buffers()}
-    assert loaded == model.checkpoint_keys() - buffers  # the family's names, all of them
+    loaded = model.load_weights([*trained.named_parameters(), *biases])
+    assert loaded == model.checkpoint_keys()  # the family's names, all of them
     prompts = FAMILY_PROMPTS[:3]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16),
                            use_tqdm=False)
@@ -373,6 +378,10 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
     # Granite's scalars
     ("granite", dict(logits_scaling=0), "logits_scaling must be a positive number, got 0"),
     ("granite", dict(residual_multiplier=-1.0), "residual_multiplier must be a positive"),
+    # MiniMax-M2's rotary part
+    ("minimax_m2", dict(rotary_dim=7), r"rotary_dim must be an even number in \(0, head_dim "
+                                       r"\(32\)\], got 7"),
+    ("minimax_m2", dict(rotary_dim=64), "rotary_dim must be an even number"),
 ])
 def test_a_config_the_engine_cannot_serve_is_refused_naming_the_field(
         tmp_path, family_dirs, name, extra, match):
@@ -387,17 +396,18 @@ def test_a_config_the_engine_cannot_serve_is_refused_naming_the_field(
         resolve_model_config(EngineArgs(model=str(directory)))
 
 
-def test_a_deepseek_v3_checkpoints_multi_token_prediction_layer_is_not_loaded(
-        tmp_path, family_dirs, hf_models, make_llm):
-    """DeepSeek-V3 checkpoints append their multi-token-prediction module as layer
-    num_hidden_layers (transformers ignores it): the engine loads the rest and serves
-    the same tokens."""
+@pytest.mark.parametrize("name", ["deepseek_v3", "minimax_m2"])
+def test_a_checkpoints_multi_token_prediction_layer_is_not_loaded(
+        name, tmp_path, family_dirs, hf_models, make_llm):
+    """DeepSeek-V3 (and MiniMax-M2) checkpoints append their multi-token-prediction
+    modules as layers from num_hidden_layers on (transformers ignores them): the engine
+    loads the rest and serves the same tokens."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     directory = tmp_path / "with_mtp"
-    shutil.copytree(family_dirs["deepseek_v3"], directory)
+    shutil.copytree(family_dirs[name], directory)
     weights = load_file(directory / "model.safetensors")
     mtp = {name.replace("layers.1.", "layers.2."): t.clone() for name, t in weights.items()
            if name.startswith("model.layers.1.")}
@@ -407,7 +417,7 @@ def test_a_deepseek_v3_checkpoints_multi_token_prediction_layer_is_not_loaded(
     prompts = FAMILY_PROMPTS[:2]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8),
                            use_tqdm=False)
-    assert _tokens(outputs) == [hf_greedy(hf_models("deepseek_v3"), o.prompt_token_ids, 8)
+    assert _tokens(outputs) == [hf_greedy(hf_models(name), o.prompt_token_ids, 8)
                                 for o in outputs]
 
 
@@ -477,3 +487,17 @@ def test_deepseeks_cache_holds_the_latent_once(family_dirs, make_llm):
     for layer in runner.kv_caches:
         assert layer.shape[0] == 2 and layer[0].data_ptr() == layer[1].data_ptr()
     assert runner.kv_cache_bytes_per_block() == spec.num_layers * 16 * spec.head_dim * 4
+
+
+@pytest.mark.parametrize("name", list(FAMILY_SPECS))
+def test_the_names_a_model_loads_from_are_its_checkpoints_own(name, family_dirs):
+    """`checkpoint_keys` (what the loader checks a checkpoint for, and what a wake from
+    level-2 sleep reads back from disk) is exactly the tensor names the family's
+    checkpoint holds: its spelling of the experts (Mixtral's and MiniMax-M2's
+    block_sparse_moe w1/w3/w2) and of the choice bias included."""
+    from safetensors import safe_open
+
+    config = resolve_model_config(EngineArgs(model=str(family_dirs[name])))
+    model = load_model(config, torch.device("cpu"))
+    with safe_open(str(family_dirs[name] / "model.safetensors"), "pt") as f:
+        assert model.checkpoint_keys() == set(f.keys())

@@ -1,4 +1,5 @@
-"""frontend/reasoning: qwen3, glm45 and deepseek_r1 split `<think>` reasoning from the answer.
+"""frontend/reasoning: qwen3, glm45, deepseek_r1 and minimax_m2 split `<think>` reasoning
+from the answer (minimax_m2_append_think keeps it all as content).
 The reference is the expected results written by hand below (vLLM's rules: the text
 before `</think>` is reasoning, a missing start tag is fine, a missing end tag makes the
 output all reasoning, qwen3 with thinking disabled all content); streaming is checked
@@ -14,6 +15,7 @@ from pagellm.frontend.reasoning import (
     REASONING_PARSERS,
     DeepSeekR1ReasoningParser,
     GptOssReasoningParser,
+    MiniMaxM2AppendThinkReasoningParser,
     Qwen3ReasoningParser,
     ReasoningParser,
     SeedOssReasoningParser,
@@ -126,7 +128,7 @@ def test_streaming_equals_extract_for_random_splits(name: str, thinking_enabled:
             parser = parser_class(thinking_enabled=thinking_enabled)
             reasoning, content, ended = _stream(parser, pieces)
             assert (reasoning or None, content or None) == expected, (text, pieces)
-            thinks = thinking_enabled or name == "deepseek_r1"
+            thinks = thinking_enabled or name not in ("qwen3", "glm45")  # their switch
             assert ended == (not thinks or "</think>" in text), (text, pieces)
 
 
@@ -164,7 +166,7 @@ def test_seed_oss_splits_at_its_own_tags(text: str, reasoning: str | None,
 
 def test_registry_matches_the_protocol_tag_table() -> None:
     assert set(REASONING_PARSERS) == set(REASONING_TAGS)
-    assert PARSERS == ["deepseek_r1", "glm45", "qwen3"]
+    assert PARSERS == ["deepseek_r1", "glm45", "minimax_m2", "qwen3"]
     assert REASONING_PARSERS["openai_gptoss"] is GptOssReasoningParser
     seed = REASONING_PARSERS["seed_oss"]()
     assert isinstance(seed, SeedOssReasoningParser)
@@ -175,7 +177,8 @@ def test_registry_matches_the_protocol_tag_table() -> None:
         parser = REASONING_PARSERS[name]()
         assert (parser.start_tag, parser.end_tag) == REASONING_TAGS[name]
     with pytest.raises(ValueError,
-                       match=r"deepseek_r1.*glm45.*openai_gptoss.*qwen3.*seed_oss"):
+                       match=r"deepseek_r1.*glm45.*minimax_m2.*minimax_m2_append_think"
+                             r".*openai_gptoss.*qwen3.*seed_oss"):
         get_reasoning_parser("granite")
 
 
@@ -192,3 +195,28 @@ def test_streaming_equals_extract_for_generated_texts(name: str, thinking_enable
         reasoning, content, _ = _stream(parser_class(thinking_enabled=thinking_enabled),
                                         _random_pieces(text, rng))
         assert (reasoning or None, content or None) == expected, text
+
+
+def test_minimax_m2_append_think_keeps_the_thinking_in_the_content() -> None:
+    """vLLM's minimax_m2_append_think: the whole output is content, `<think>` put back
+    in front (the model's template opened none in the prompt), whole and streamed; the
+    reasoning has ended when the last think tag written is `</think>` (where a grammar
+    or a tool parser takes over)."""
+    text = "Plan it.\n</think>\n\nThe answer."
+    parser = MiniMaxM2AppendThinkReasoningParser()
+    assert parser.extract_reasoning(text) == (None, "<think>" + text)
+    assert parser.extract_reasoning("") == (None, "<think>")
+    assert parser.feed("Plan it.\n</th") == {"content": "<think>Plan it.\n</th"}
+    assert not parser.reasoning_ended
+    assert parser.feed("ink>\n\nThe answer.") == {"content": "ink>\n\nThe answer."}
+    assert parser.reasoning_ended
+    assert parser.feed("") is None and parser.finish() is None
+    empty = MiniMaxM2AppendThinkReasoningParser()
+    assert empty.finish() == {"content": "<think>"} and empty.finish() is None
+    rng = random.Random(2)
+    for text in [t for t, _, _ in THINK_CASES]:
+        for pieces in [[text], list(text)] + [_random_pieces(text, rng) for _ in range(20)]:
+            reasoning, content, ended = _stream(MiniMaxM2AppendThinkReasoningParser(), pieces)
+            assert (reasoning, content) == ("", "<think>" + text), pieces
+            last_start, last_end = text.rfind("<think>"), text.rfind("</think>")
+            assert ended == (last_end > last_start), (text, pieces)

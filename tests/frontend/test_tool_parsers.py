@@ -1,6 +1,7 @@
 """frontend/tool_parsers: the hermes, llama3_json, pythonic, DeepSeek (V3, V3.1), GLM-4.5
-and 4.7 (glm45, glm47) and gpt-oss's Harmony (openai) formats turned into OpenAI tool
-calls and content. The reference is the expected results written by hand below;
+and 4.7 (glm45, glm47), Qwen3-Coder's and Seed-OSS's XML, MiniMax-M2's invokes
+(minimax_m2) and gpt-oss's Harmony (openai) formats turned into OpenAI tool calls and
+content. The reference is the expected results written by hand below;
 streaming is checked against the whole-output result for every string, fed in random
 pieces, one character at a time and all at once."""
 
@@ -21,6 +22,7 @@ from pagellm.frontend.tool_parsers import (
     Glm47ToolParser,
     HermesToolParser,
     Llama3JsonToolParser,
+    MiniMaxM2ToolParser,
     OpenAIToolParser,
     PythonicToolParser,
     Qwen3CoderToolParser,
@@ -328,6 +330,58 @@ SEED_OSS_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
     (xml_call("f"), [], xml_call("f")),  # Qwen's tags are not Seed's
 ]
 
+
+
+def invoke(name: str, *pairs: tuple[str, str], quote: str = '"') -> str:
+    """One MiniMax-M2 invoke as its chat template writes one: a line per parameter."""
+    return (f"<invoke name={quote}{name}{quote}>\n" + "".join(
+        f"<parameter name={quote}{k}{quote}>{v}</parameter>\n" for k, v in pairs)
+        + "</invoke>\n")
+
+
+def minimax_block(*invokes: str) -> str:
+    return "<minimax:tool_call>\n" + "".join(invokes) + "</minimax:tool_call>"
+
+
+# Without the request's tools every value is text (but null, none, nil)
+MINIMAX_M2_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
+    (minimax_block(invoke("get_weather", ("city", "Paris"), ("days", "3"))),
+     [("get_weather", '{"city": "Paris", "days": "3"}')], None),
+    # two invokes in one block, then another block; thinking and text before stay
+    ("<think>\nUse the tools.\n</think>\n\n" + minimax_block(
+        invoke("a", ("x", " 1 ")), invoke("b")) + "\n" + minimax_block(invoke("c")),
+     [("a", '{"x": "1"}'), ("b", "{}"), ("c", "{}")],
+     "<think>\nUse the tools.\n</think>\n\n"),
+    # single quotes, bare names; null/None/nil are null; a value over lines, unicode
+    (minimax_block(invoke("f", ("s", "日本 🙂"), ("n", "None"), quote="'"),
+                   '<invoke name=g><parameter name=k>nil</parameter></invoke>',
+                   invoke("h", ("code", "def f():\n    return 1"))),
+     [("f", '{"s": "日本 🙂", "n": null}'), ("g", '{"k": null}'),
+      ("h", '{"code": "def f():\\n    return 1"}')], None),
+    # an unterminated last block counts when its invokes are complete
+    ("<minimax:tool_call>\n" + invoke("f", ("a", "1")), [("f", '{"a": "1"}')], None),
+    # bad blocks stay content: an invoke cut off, text between invokes or among the
+    # parameters, a repeated key, no name, a name with a space, an empty block
+    ("<minimax:tool_call><invoke name=\"f\"><parameter name=\"a\">1</parameter>"
+     "</minimax:tool_call>", [],
+     "<minimax:tool_call><invoke name=\"f\"><parameter name=\"a\">1</parameter>"
+     "</minimax:tool_call>"),
+    (minimax_block(invoke("f"), "and ", invoke("g")), [],
+     minimax_block(invoke("f"), "and ", invoke("g"))),
+    (minimax_block('<invoke name="f">say <parameter name="a">1</parameter></invoke>'), [],
+     minimax_block('<invoke name="f">say <parameter name="a">1</parameter></invoke>')),
+    (minimax_block(invoke("f", ("a", "1"), ("a", "2"))), [],
+     minimax_block(invoke("f", ("a", "1"), ("a", "2")))),
+    (minimax_block('<invoke name=""></invoke>'), [],
+     minimax_block('<invoke name=""></invoke>')),
+    (minimax_block('<invoke name="get weather"></invoke>'), [],
+     minimax_block('<invoke name="get weather"></invoke>')),
+    (minimax_block(), [], minimax_block()),
+    # Qwen-style and Hermes-style blocks are no MiniMax calls
+    (xml_call("f"), [], xml_call("f")),
+    ("No tools needed.", [], "No tools needed."),
+]
+
 CASES = [(HermesToolParser, *case) for case in HERMES_CASES] + \
         [(Llama3JsonToolParser, *case) for case in LLAMA3_CASES] + \
         [(PythonicToolParser, *case) for case in PYTHONIC_CASES] + \
@@ -338,11 +392,12 @@ CASES = [(HermesToolParser, *case) for case in HERMES_CASES] + \
         [(Qwen3CoderToolParser, *case) for case in QWEN3_CODER_CASES] + \
         [(Qwen3XmlToolParser, *case) for case in QWEN3_CODER_CASES] + \
         [(SeedOssToolParser, *case) for case in SEED_OSS_CASES] + \
+        [(MiniMaxM2ToolParser, *case) for case in MINIMAX_M2_CASES] + \
         [(OpenAIToolParser, *case) for case in OPENAI_CASES]
 ALL_TEXTS = sorted({case[0] for case in HERMES_CASES + LLAMA3_CASES + PYTHONIC_CASES
                     + DEEPSEEK_V3_CASES + DEEPSEEK_V31_CASES + GLM45_CASES
                     + GLM47_CASES + OPENAI_CASES + QWEN3_CODER_CASES
-                    + SEED_OSS_CASES})
+                    + SEED_OSS_CASES + MINIMAX_M2_CASES})
 
 
 # The parsers whose code differs: glm47 and qwen3_xml are glm45's and qwen3_coder's
@@ -448,7 +503,7 @@ def test_tool_call_to_openai_and_registry() -> None:
                 "deepseek_v31": DeepSeekV31ToolParser, "glm45": Glm45ToolParser,
                 "glm47": Glm47ToolParser, "openai": OpenAIToolParser,
                 "qwen3_coder": Qwen3CoderToolParser, "qwen3_xml": Qwen3XmlToolParser,
-                "seed_oss": SeedOssToolParser}
+                "seed_oss": SeedOssToolParser, "minimax_m2": MiniMaxM2ToolParser}
     assert expected == TOOL_PARSERS
     for name, parser_class in TOOL_PARSERS.items():
         assert get_tool_parser(name) is parser_class and parser_class.name == name
@@ -494,6 +549,37 @@ def test_qwen3_coder_types_values_by_the_tools_schemas() -> None:
     assert [c["function"]["arguments"] for c in streamed] == [call.arguments]
 
 
+def test_minimax_m2_types_values_by_every_type_their_schemas_allow() -> None:
+    """vLLM's rules for MiniMax-M2's text values: every type the schema allows (a list,
+    an enum's values, anyOf / oneOf / allOf branches), tried as integer, number,
+    boolean (true/1/yes/on, false/0/no/off), object or array, then string; a value no
+    allowed type reads is JSON if it parses, else text; null/none/nil are null."""
+    properties = {
+        "s": {"type": "string"}, "i": {"type": "integer"}, "i2": {"type": "integer"},
+        "n": {"type": "number"}, "n2": {"type": "number"}, "n3": {"type": "number"},
+        "b": {"type": "boolean"}, "b2": {"type": "boolean"}, "b3": {"type": "boolean"},
+        "o": {"type": "object"}, "a": {"type": "array"},
+        "either": {"type": ["string", "integer"]}, "opt": {"anyOf": [{"type": "null"},
+                                                                    {"type": "number"}]},
+        "deep": {"oneOf": [{"allOf": [{"type": "boolean"}]}, {"type": "string"}]},
+        "enum": {"enum": [1, 2, 3]}, "nul": {"type": "null"}, "any": {}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": properties}}}]
+    pairs = [("s", "3"), ("i", "42"), ("i2", "4x"), ("n", "2.0"), ("n2", "2.5"),
+             ("n3", "inf"), ("b", "yes"), ("b2", "OFF"), ("b3", "maybe"),
+             ("o", '{"k": [1]}'), ("a", "[1, 2]"), ("either", "7"), ("opt", "1.5"),
+             ("deep", "on"), ("enum", "2"), ("nul", "[3]"), ("any", "5"), ("x", "9"),
+             ("z", "NIL")]
+    text = minimax_block(invoke("f", *pairs))
+    (call,) = MiniMaxM2ToolParser(tools).extract_tool_calls(text).tool_calls
+    assert json.loads(call.arguments) == {
+        "s": "3", "i": 42, "i2": "4x", "n": 2, "n2": 2.5, "n3": "inf", "b": True,
+        "b2": False, "b3": "maybe", "o": {"k": [1]}, "a": [1, 2], "either": 7,
+        "opt": 1.5, "deep": True, "enum": 2, "nul": [3], "any": "5", "x": "9", "z": None}
+    streamed = _stream(MiniMaxM2ToolParser(tools), list(text))[1]
+    assert [c["function"]["arguments"] for c in streamed] == [call.arguments]
+
+
 @pytest.mark.parametrize("name", DISTINCT_PARSERS)
 def test_long_hostile_output_streams_in_bounded_work(name: str) -> None:
     """An unterminated call, a long JSON answer and a long list, fed a character at a
@@ -521,8 +607,11 @@ def test_long_hostile_output_streams_in_bounded_work(name: str) -> None:
     ("qwen3_coder", "<function=f>" + "<parameter=x>" * 15_000 + "</function>"),
     ("qwen3_xml", "<function=f>" + ("</function>" + " " * 50) * 3_000),
     ("seed_oss", "<function=f>" + "<parameter=x>" * 15_000 + "</function>"),
-    ("deepseek_v3", " " * 150_000)],
-    ids=["glm45", "glm47", "qwen3_coder", "qwen3_xml", "seed_oss", "deepseek_v3"])
+    ("deepseek_v3", " " * 150_000),
+    ("minimax_m2", '<invoke name="f">' + '<parameter name="x">' * 12_000 + "</invoke>"),
+    ("minimax_m2", "<invoke name=" * 15_000)],
+    ids=["glm45", "glm47", "qwen3_coder", "qwen3_xml", "seed_oss", "deepseek_v3",
+         "minimax_m2-parameters", "minimax_m2-invokes"])
 def test_a_block_of_many_opening_tags_is_read_in_linear_time(name: str, body: str) -> None:
     """A body read tag by tag: each tag's close found once (a regex looking for each
     opening tag's close anew took 11-15 s on these ~200k characters here; DeepSeek-V3's
@@ -563,12 +652,18 @@ HARMONY_FRAGMENTS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|ca
                      "<|return|>", "<|constrain|>", "<|", "|>", "<|chan", "assistant",
                      "analysis", "final", "commentary", " to=functions.f", " to=browser.open",
                      "json", THINK, HARMONY_CALL, ROLE_CALL, harmony("final", "ok")]
+MINIMAX_FRAGMENTS = ["<minimax:tool_call>", "</minimax:tool_call>", "<minimax:",
+                     '<invoke name="f">', "<invoke name=", "</invoke>", '<parameter name="x">',
+                     "<parameter name=", "</parameter>", '"', "'", "\n", "1", "null", "<think>",
+                     "</think>",
+                     minimax_block(invoke("f", ("x", "1"))), invoke("g")]
 XML_FRAGMENTS = ["<tool_call>", "</tool_call>", "<seed:tool_call>", "</seed:tool_call>",
                  "<function=f>", "<function=", "</function>", "<parameter=x>", "<parameter=",
                  "</parameter>", "\n", "1", "null", xml_call("f", ("x", "1")),
                  xml_call("g", start="<seed:tool_call>", end="</seed:tool_call>")]
 EXTRA_FRAGMENTS = {"openai": HARMONY_FRAGMENTS, "qwen3_coder": XML_FRAGMENTS,
-                   "qwen3_xml": XML_FRAGMENTS, "seed_oss": XML_FRAGMENTS}
+                   "qwen3_xml": XML_FRAGMENTS, "seed_oss": XML_FRAGMENTS,
+                   "minimax_m2": MINIMAX_FRAGMENTS}
 
 
 @pytest.mark.parametrize("name", DISTINCT_PARSERS)

@@ -138,6 +138,15 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
                                            residual_multiplier=0.22,
                                            attention_multiplier=0.0078125,
                                            logits_scaling=8.0)),
+    # MiniMax-M2: q/k norms over all heads (2 KV heads: sharded under tensor
+    # parallelism), RoPE on 16 of each head's 32 dimensions (rotary_dim, and the
+    # partial_rotary_factor transformers 5.0 reads), top-2 of 8 experts by sigmoid score
+    # plus a choice bias, renormalised, in every layer, no shared expert
+    "minimax_m2": ModelSpec(arch="minimax_m2", **_SMALL, num_kv_heads=2, head_dim=32,
+                            intermediate_size=32, init_std=0.3, seed=32,
+                            rope_scaling=dict(rope_type="default", partial_rotary_factor=0.5),
+                            config_extra=dict(num_local_experts=8, num_experts_per_tok=2,
+                                              rotary_dim=16)),
     # Seed-OSS: q/k/v biases, no o_proj bias (its own switch), GQA
     "seed_oss": ModelSpec(arch="seed_oss", **_SMALL, num_kv_heads=2, intermediate_size=96,
                           init_std=0.3, seed=31,

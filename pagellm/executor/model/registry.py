@@ -4,7 +4,8 @@ which model class it builds.
 Families that differ from Llama only in data are a reader here and the shared decoder
 (decoder.py, whose MLP is the sparse MoE block of moe.py where the spec has experts); a
 family whose computation differs brings its own module with a reader and a model class
-(gemma.py, gpt_oss.py, deepseek.py, glm4_moe.py, olmo2.py, smollm3.py, granite.py).
+(gemma.py, gpt_oss.py, deepseek.py, glm4_moe.py, minimax_m2.py, olmo2.py, smollm3.py,
+granite.py).
 Adding a family is that module and one row of `FAMILIES`.
 """
 
@@ -280,6 +281,33 @@ def _glm4_moe(config: Any, arch: str) -> DecoderSpec:
                              moe=_deepseek_moe(config, _v3_routing(config)))
 
 
+def _minimax_m2(config: Any, arch: str) -> DecoderSpec:
+    """MiniMax-M2 / M2.1: grouped-query attention with q/k norms over all heads, RoPE on
+    the first `rotary_dim` of each head (its checkpoints' field; transformers 5.0 does
+    not read it, later releases turn it into partial_rotary_factor), and top-k of
+    sigmoid-scored experts chosen with a bias (DeepSeek-V3's rule without groups,
+    renormalised, unscaled) in every layer, no shared expert (minimax_m2.py)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    head_dim = getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    rotary_dim = getattr(config, "rotary_dim", None)
+    if rotary_dim is not None:
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) \
+                or not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be an even number in (0, head_dim "
+                             f"({head_dim})], got {rotary_dim!r}")
+        params["partial_rotary_factor"] = rotary_dim / head_dim
+    rope = RopeSpec.from_hf(params, getattr(config, "rope_theta", None),
+                            getattr(config, "rope_scaling", None), partial_rotary=True)
+    routing = GroupedRouting(scoring="sigmoid", score_bias=True, group_score=None,
+                             n_group=1, topk_group=1, scaling=1.0)
+    moe = MoeSpec(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+                  intermediate_size=config.intermediate_size, renormalize=True,
+                  sparse_layers=(True,) * config.num_hidden_layers,
+                  weights_in_model_dtype=False, grouped=routing)
+    return read_decoder_spec(config, arch, rope=rope, qk_norm="full", moe=moe)
+
+
 def _olmo2_spec(config: Any, arch: str) -> DecoderSpec:
     """OLMo 2 / OLMo 3: q and k norms over all heads; OLMo 3's rope_parameters per layer
     type (transformers nests them: "full_attention", "sliding_attention") with its
@@ -366,6 +394,8 @@ FAMILIES: dict[str, Family] = {
     "DeepseekV3ForCausalLM": Family("deepseek_v3", _deepseek_v3, _deepseek),
     "Glm4MoeLiteForCausalLM": Family("glm4_moe_lite", _deepseek_v3, _deepseek),
     "Glm4MoeForCausalLM": Family("glm4_moe", _glm4_moe, _lazy("glm4_moe", "Glm4MoeForCausalLM")),
+    "MiniMaxM2ForCausalLM": Family("minimax_m2", _minimax_m2,
+                                   _lazy("minimax_m2", "MiniMaxM2ForCausalLM")),
     "Olmo2ForCausalLM": Family("olmo2", _olmo2_spec, _olmo2),
     "Olmo3ForCausalLM": Family("olmo3", _olmo2_spec, _olmo2),
     "SmolLM3ForCausalLM": Family("smollm3", _smollm3, _lazy("smollm3", "SmolLM3ForCausalLM")),

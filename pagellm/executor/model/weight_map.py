@@ -28,7 +28,7 @@ that goes there:
                                    gate)
 
 A mixture-of-experts checkpoint names its experts one way per family (`moe_names`):
-Qwen3-MoE, Qwen2-MoE and OLMoE `mlp.experts.{e}.gate_proj`, Mixtral
+Qwen3-MoE, Qwen2-MoE and OLMoE `mlp.experts.{e}.gate_proj`, Mixtral and MiniMax-M2
 `block_sparse_moe.experts.{e}.w1` (w1 gate, w3 up, w2 down). Either spelling and the
 stacked names load; what counts as loaded (`canonical_keys`, for the loader's
 completeness check and the weights a sleep dropped) is always the family's own
@@ -137,9 +137,16 @@ _EXPERT_PART: dict[str, int | str] = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3
                                       "down_proj": "down", "w2": "down"}
 
 
+# The families whose checkpoints spell the block Mixtral's way.
+_BLOCK_SPARSE_MOE = ("MixtralForCausalLM", "MiniMaxM2ForCausalLM")
+# The experts' choice bias (DeepSeek-V3's router holds it: `mlp.gate.`; MiniMax-M2's
+# checkpoint has it on the block, `block_sparse_moe.`, transformers on `mlp.`).
+_SCORE_BIAS = re.compile(r"(.+)\.(?:block_sparse_moe|mlp)(?:\.gate)?\.e_score_correction_bias")
+
+
 def moe_names(spec: DecoderSpec) -> tuple[str, tuple[str, str, str]]:
     """The family's checkpoint spelling of its MoE block: (module, (gate, up, down))."""
-    if spec.architecture == "MixtralForCausalLM":
+    if spec.architecture in _BLOCK_SPARSE_MOE:
         return "block_sparse_moe", ("w1", "w3", "w2")
     return "mlp", ("gate_proj", "up_proj", "down_proj")
 
@@ -162,6 +169,9 @@ def canonical_keys(name: str, spec: DecoderSpec) -> list[str]:
                 for e in range(spec.moe.num_experts) for proj in projs]
     if m := _ROUTER.fullmatch(name) or re.fullmatch(r"(.+)\.mlp\.gate\.weight", name):
         return [f"{m[1]}.{module}.gate.weight"]
+    if m := _SCORE_BIAS.fullmatch(name):
+        where = "mlp.gate" if module == "mlp" else module
+        return [f"{m[1]}.{where}.e_score_correction_bias"]
     return [name]
 
 
@@ -285,6 +295,9 @@ def destination(name: str, params: Mapping[str, nn.Parameter], spec: DecoderSpec
         return SKIP  # older checkpoints store the RoPE table; we compute it
     if name == "lm_head.weight" and tied:
         return SKIP  # some tied checkpoints still carry a copy
+    if spec.moe is not None and (m := _SCORE_BIAS.fullmatch(name)):
+        param = params.get(f"{m[1]}.mlp.gate.e_score_correction_bias")
+        return None if param is None else Destination(param, tuple(param.shape))
     if spec.moe is not None and (".experts." in name or ".block_sparse_moe." in name):
         return _expert_destination(name, params, spec, tp)
     target, shard = name, None

@@ -9,6 +9,10 @@ from pagellm.frontend.reasoning.base import ReasoningParser, ThinkTagReasoningPa
 from pagellm.frontend.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
 from pagellm.frontend.reasoning.glm45 import Glm45ReasoningParser
 from pagellm.frontend.reasoning.gptoss import GptOssReasoningParser
+from pagellm.frontend.reasoning.minimax_m2 import (
+    MiniMaxM2AppendThinkReasoningParser,
+    MiniMaxM2ReasoningParser,
+)
 from pagellm.frontend.reasoning.qwen3 import Qwen3ReasoningParser
 from pagellm.frontend.reasoning.seed_oss import SeedOssReasoningParser
 from pagellm.protocol.reasoning import check_reasoning_parser
@@ -19,6 +23,8 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "glm45": Glm45ReasoningParser,
     "openai_gptoss": GptOssReasoningParser,
     "seed_oss": SeedOssReasoningParser,
+    "minimax_m2": MiniMaxM2ReasoningParser,
+    "minimax_m2_append_think": MiniMaxM2AppendThinkReasoningParser,
 }
 
 
@@ -34,5 +40,6 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
 
 
 __all__ = ["REASONING_PARSERS", "DeepSeekR1ReasoningParser", "Glm45ReasoningParser",
-           "GptOssReasoningParser", "Qwen3ReasoningParser", "ReasoningParser",
+           "GptOssReasoningParser", "MiniMaxM2AppendThinkReasoningParser",
+           "MiniMaxM2ReasoningParser", "Qwen3ReasoningParser", "ReasoningParser",
            "SeedOssReasoningParser", "ThinkTagReasoningParser", "get_reasoning_parser"]

@@ -12,10 +12,11 @@ from __future__ import annotations
 import abc
 import ast
 import json
+import math
 import re
 import uuid
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -113,7 +114,7 @@ def parse_call_object(text: str, argument_keys: Iterable[str]) -> ToolCall | Non
     anything else (an array, a double-encoded string, NaN/Infinity that JSON does not
     allow) is no call, so the server never sends arguments a client cannot parse."""
     try:
-        obj = json.loads(text, parse_constant=_reject_constant)
+        obj = json.loads(text, parse_constant=reject_json_constant)
         if not isinstance(obj, dict):
             return None
         name = obj.get("name")
@@ -136,13 +137,13 @@ def arguments_json(text: str) -> str | None:
     """A JSON object's text as a call's arguments (re-serialized: json.dumps, unicode
     kept), or None for anything else: not JSON, not an object, NaN/Infinity."""
     try:
-        obj = json.loads(text, parse_constant=_reject_constant)
+        obj = json.loads(text, parse_constant=reject_json_constant)
     except (ValueError, RecursionError):
         return None
     return json.dumps(obj, ensure_ascii=False) if isinstance(obj, dict) else None
 
 
-def _reject_constant(constant: str) -> Any:
+def reject_json_constant(constant: str) -> Any:
     """json's hook for NaN/Infinity/-Infinity: Python accepts them, JSON does not."""
     raise ValueError(f"{constant} is not JSON")
 
@@ -155,6 +156,26 @@ def call_with(name: str, arguments: dict[str, Any]) -> ToolCall | None:
                                                         allow_nan=False))
     except (TypeError, ValueError):
         return None
+
+
+def read_int(text: str) -> int | None:
+    """`text` as an integer (Python's int(): spaces and underscores allowed), or None."""
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def read_number(text: str) -> int | float | None:
+    """`text` as a number, an integral one as an int ("2.0" is 2), or None where it is
+    no number or not finite (JSON has no NaN or infinity)."""
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    if not math.isfinite(number):
+        return None
+    return int(number) if number.is_integer() else number
 
 
 def python_literal(text: str) -> Any:
@@ -192,6 +213,28 @@ def tagged(text: str, pos: int, open_tag: str, close_tag: str) -> tuple[str, int
     inner = start + len(open_tag)
     end = text.find(close_tag, inner)
     return None if end < 0 else (text[inner:end], end + len(close_tag))
+
+
+def tagged_parameters(text: str, open_tag: str, close_tag: str,
+                      key_of: Callable[[str], str | None],
+                      value_of: Callable[[str, str], Any]) -> dict[str, Any] | None:
+    """The parameters `text` holds as `open_tag KEY>VALUE close_tag`, whitespace
+    between them and nothing else (Qwen3-Coder's `<parameter=KEY>`, MiniMax-M2's
+    `<parameter name="KEY">`): {key_of(KEY): value_of(key, VALUE)}, or None when the
+    text holds anything else, a KEY that key_of refuses (None), or a key twice."""
+    arguments: dict[str, Any] = {}
+    pos = 0
+    while not only_space(text, pos):
+        parameter = tagged(text, pos, open_tag, close_tag)
+        if parameter is None:
+            return None
+        head, close, value = parameter[0].partition(">")
+        key = key_of(head) if close else None
+        if key is None or key in arguments:
+            return None
+        arguments[key] = value_of(key, value)
+        pos = parameter[1]
+    return arguments
 
 
 def only_space(text: str, pos: int) -> bool:

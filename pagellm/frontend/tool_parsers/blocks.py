@@ -50,6 +50,12 @@ class BlockToolParser(ToolParser):
     def parse_body(self, body: str) -> ToolCall | None:
         """The call a block's body (between START and END) spells, or None."""
 
+    def parse_calls(self, body: str) -> list[ToolCall] | None:
+        """The calls a block's body spells, or None: one (`parse_body`), unless the
+        format puts several in a block (MiniMax-M2's invokes)."""
+        call = self.parse_body(body)
+        return None if call is None else [call]
+
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         """See the class docstring for what is a call and what is content."""
         calls: list[ToolCall] = []
@@ -71,14 +77,14 @@ class BlockToolParser(ToolParser):
             end = text.find(self.END, body_start)
             terminated = end >= 0
             block_end = end + len(self.END) if terminated else len(text)
-            call = self._block_call(text[body_start:end if terminated else len(text)],
-                                    terminated)
-            if call is None:
+            block = self._block_calls(text[body_start:end if terminated else len(text)],
+                                      terminated)
+            if block is None:
                 gaps.append(text[start:block_end])
             else:
                 kept.append("".join(gaps))
                 gaps.clear()
-                calls.append(call)
+                calls.extend(block)
             pos = block_end
             if not terminated:
                 break
@@ -144,16 +150,17 @@ class BlockToolParser(ToolParser):
                 best = (at, tag)
         return best
 
-    def _block_call(self, body: str, terminated: bool) -> ToolCall | None:
+    def _block_calls(self, body: str, terminated: bool) -> list[ToolCall] | None:
         if not terminated:
             body = body[:len(body) - partial_tag_length(body, self.END)]
-        return self.parse_body(body)
+        return self.parse_calls(body)
 
     def _close_block(self, body: str, terminated: bool, out: DeltaList) -> None:
-        """A finished block: a call delta, or its text as content."""
-        call = self._block_call(body, terminated)
-        if call is None:
+        """A finished block: its calls' deltas, or its text as content."""
+        calls = self._block_calls(body, terminated)
+        if calls is None:
             self._gap.add(self.START + body + (self.END if terminated else ""), out)
         else:
             self._gap.close()
-            out.add(self._call_delta(call))
+            for call in calls:
+                out.add(self._call_delta(call))

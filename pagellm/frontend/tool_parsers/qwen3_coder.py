@@ -23,16 +23,16 @@ content (blocks.py)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from pagellm.frontend.tool_parsers.base import (
     ToolCall,
     call_with,
     json_or_literal,
-    only_space,
     python_literal,
-    tagged,
+    read_int,
+    read_number,
+    tagged_parameters,
 )
 from pagellm.frontend.tool_parsers.blocks import BlockToolParser
 
@@ -52,19 +52,9 @@ def typed_value(text: str, declared: Any) -> Any:
         if isinstance(declared, dict) else "string"
     if kind in _STRING_TYPES:
         return text
-    if kind.startswith(_INTEGER_PREFIXES):
-        try:
-            return int(text)
-        except ValueError:
-            return text
-    if kind.startswith(("num", "float")):
-        try:
-            number = float(text)
-        except ValueError:
-            return text
-        if not math.isfinite(number):  # JSON has no NaN or infinity
-            return text
-        return int(number) if number.is_integer() else number
+    if kind.startswith(_INTEGER_PREFIXES) or kind.startswith(("num", "float")):
+        number = read_int(text) if kind.startswith(_INTEGER_PREFIXES) else read_number(text)
+        return text if number is None else number
     if kind in ("boolean", "bool", "binary"):
         return text.lower() == "true"
     if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
@@ -88,20 +78,17 @@ class Qwen3CoderToolParser(BlockToolParser):
         name = name.strip()
         if not close or not name or "\n" in name:
             return None
-        arguments: dict[str, Any] = {}
-        pos = 0
-        while not only_space(rest, pos):  # parameters, whitespace between
-            parameter = tagged(rest, pos, "<parameter=", "</parameter>")
-            if parameter is None:
-                return None
-            key, close, value = parameter[0].partition(">")
-            key = key.strip()
-            if not close or not key or "\n" in key or key in arguments:
-                return None
-            value = value.removeprefix("\n").removesuffix("\n")
-            arguments[key] = typed_value(value, self.declared(name, key))
-            pos = parameter[1]
-        return call_with(name, arguments)
+        arguments = tagged_parameters(
+            rest, "<parameter=", "</parameter>", _key,
+            lambda key, value: typed_value(value.removeprefix("\n").removesuffix("\n"),
+                                           self.declared(name, key)))
+        return None if arguments is None else call_with(name, arguments)
+
+
+def _key(text: str) -> str | None:
+    """A parameter's name: one line, not empty."""
+    key = text.strip()
+    return key if key and "\n" not in key else None
 
 
 class Qwen3XmlToolParser(Qwen3CoderToolParser):
