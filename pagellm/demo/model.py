@@ -57,7 +57,8 @@ __all__ = [
 ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe",
                           "mixtral", "olmoe", "gemma2", "gemma3_text", "phi3", "gpt_oss",
                           "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "olmo2",
-                          "olmo3", "smollm3", "granite", "seed_oss", "minimax_m2")
+                          "olmo3", "smollm3", "granite", "seed_oss", "minimax_m2",
+                          "glm", "glm4")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 

@@ -337,15 +337,20 @@ def test_the_triton_kernels_on_the_graph_path_equal_peft(model_dirs, adapters, r
     assert len(graphs.replayed) > replayed
 
 
-def test_phi3_fused_projections_take_adapters_of_its_own_names(tmp_path, make_llm):
+@pytest.mark.parametrize(("arch", "modules", "extra"), [
+    ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], {}),
+    ("glm4", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
+     {"head_dim": 32, "config_extra": {"partial_rotary_factor": 0.5}})])
+def test_fused_projections_take_adapters_of_their_own_names(arch, modules, extra, tmp_path,
+                                                            make_llm):
     """Phi-3's checkpoint fuses q/k/v and gate/up, and so do its adapters (PEFT targets
-    qkv_proj and gate_up_proj)."""
-    spec = ModelSpec(arch="phi3", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+    qkv_proj and gate_up_proj); GLM-4's fuses gate/up only (its adapters target q_proj,
+    k_proj, v_proj apart, their queries and keys rotated in GLM's interleaved pairs)."""
+    spec = ModelSpec(arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                      intermediate_size=96, vocab_size=1024, init_std=0.2, seed=25,
-                     tie_word_embeddings=False)
-    base = make_model(tmp_path / "phi3", spec)
-    path = make_adapter(base, tmp_path / "adapter", ["qkv_proj", "o_proj", "gate_up_proj",
-                                                      "down_proj"], 8, 4)
+                     tie_word_embeddings=False, **extra)
+    base = make_model(tmp_path / arch, spec)
+    path = make_adapter(base, tmp_path / "adapter", modules, 8, 4)
     reference = {"fused": merged(base, path), None: merged(base, None)}
     llm = make_llm(base, enable_lora=True, max_lora_rank=8, dtype="float32")
     names: list[str | None] = ["fused", None, "fused"]

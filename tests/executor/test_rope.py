@@ -449,7 +449,7 @@ def test_phi3_config_reads_partial_rotary_longrope_and_the_fused_checkpoint() ->
     assert spec.rope.rope_type == "longrope" and spec.rope.partial_rotary_factor == 0.75
     assert spec.rope.rotary_dim(spec.head_dim) == 12
     assert spec.rope.params["original_max_position_embeddings"] == PHI_ORIGINAL
-    assert spec.fused_checkpoint
+    assert spec.fused_checkpoint == ("qkv_proj", "gate_up_proj")
 
 
 def test_rope_spec_refuses_what_cannot_rotate_the_heads_naming_the_field() -> None:

@@ -147,6 +147,13 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
                             rope_scaling=dict(rope_type="default", partial_rotary_factor=0.5),
                             config_extra=dict(num_local_experts=8, num_experts_per_tok=2,
                                               rotary_dim=16)),
+    # GLM-4: q/k/v biases, RoPE on half of each head with its pairs interleaved, gate
+    # and up fused in the checkpoint, GQA; GLM-4-0414 adds norms after both blocks
+    "glm": ModelSpec(arch="glm", **_SMALL, num_kv_heads=2, head_dim=32, intermediate_size=96,
+                     init_std=0.3, seed=33, config_extra=dict(partial_rotary_factor=0.5)),
+    "glm4": ModelSpec(arch="glm4", **_SMALL, num_kv_heads=2, head_dim=32,
+                      intermediate_size=96, init_std=0.3, seed=34,
+                      config_extra=dict(partial_rotary_factor=0.5)),
     # Seed-OSS: q/k/v biases, no o_proj bias (its own switch), GQA
     "seed_oss": ModelSpec(arch="seed_oss", **_SMALL, num_kv_heads=2, intermediate_size=96,
                           init_std=0.3, seed=31,

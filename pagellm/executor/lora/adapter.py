@@ -86,14 +86,17 @@ def targets(spec: DecoderSpec) -> dict[str, Target]:
            "down_proj": Target("down_proj", 0, 1, True)}
     if spec.mla is not None:  # DeepSeek's latent attention: kv_b_proj is absorbed into
         return mlp  # the queries and o_proj's input (deepseek.py), so no adapter fits it
-    row = {"o_proj": Target("o_proj", 0, 1, True), "down_proj": mlp["down_proj"]}
-    if spec.fused_checkpoint:  # Phi-3: the checkpoint's modules are ours
-        return {**row, "qkv_proj": Target("qkv_proj", 0, 1, False),
-                "gate_up_proj": Target("gate_up_proj", 0, 1, False)}
-    return {**mlp, "o_proj": Target("o_proj", 0, 1, True),
-            "q_proj": Target("qkv_proj", 0, 3, False),
+    attn = {"q_proj": Target("qkv_proj", 0, 3, False),
             "k_proj": Target("qkv_proj", 1, 3, False),
             "v_proj": Target("qkv_proj", 2, 3, False)}
+    # Modules the checkpoint stores fused are ours (Phi-3's qkv_proj and gate_up_proj,
+    # GLM-4's gate_up_proj): PEFT names them so, one part
+    if "qkv_proj" in spec.fused_checkpoint:
+        attn = {"qkv_proj": Target("qkv_proj", 0, 1, False)}
+    if "gate_up_proj" in spec.fused_checkpoint:
+        mlp = {"gate_up_proj": Target("gate_up_proj", 0, 1, False),
+               "down_proj": mlp["down_proj"]}
+    return {**mlp, **attn, "o_proj": Target("o_proj", 0, 1, True)}
 
 
 @dataclass(frozen=True)

@@ -92,17 +92,23 @@ class DecoderAttention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size:qk_size])
             if self.clip_qkv is not None:  # OLMoE clips after its norms
                 q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-            q = apply_rotary(q.view(tokens, heads, self.head_dim), cos, sin)
-            k = apply_rotary(k.view(tokens, -1, self.head_dim), cos, sin)
+            q = self.rotate(q.view(tokens, heads, self.head_dim), cos, sin)
+            k = self.rotate(k.view(tokens, -1, self.head_dim), cos, sin)
         elif self.q_norm is not None and self.k_norm is not None:
             q, _ = self.q_norm(qkv[:, :self.q_size].view(tokens, heads, self.head_dim))
             k, _ = self.k_norm(qkv[:, self.q_size:qk_size].view(tokens, -1, self.head_dim))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         else:  # q and k side by side: one rotation for both
-            qk = apply_rotary(qkv[:, :qk_size].view(tokens, -1, self.head_dim), cos, sin)
+            qk = self.rotate(qkv[:, :qk_size].view(tokens, -1, self.head_dim), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
         out = self.attn(q, k, v, meta, kv_caches, self.sinks)  # [T, H, D]
         return self.o_proj(out.reshape(tokens, self.q_size))
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+               ) -> torch.Tensor:
+        """x: [T, H, D] queries or keys -> rotated (RoPE on halves: rope.apply_rotary; a
+        family that pairs its dimensions otherwise reorders them here, glm4.py)."""
+        return apply_rotary(x, cos, signed_sin)
 
 
 class DecoderLayer(nn.Module):

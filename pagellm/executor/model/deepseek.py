@@ -57,7 +57,7 @@ from pagellm.executor.model.layers import Linear, RMSNorm, RowParallelLinear
 from pagellm.executor.model.mlp import DecoderMLP
 from pagellm.executor.model.moe import Experts
 from pagellm.executor.model.parallel import TensorParallel
-from pagellm.executor.model.rope import RotaryEmbedding, apply_rotary
+from pagellm.executor.model.rope import RotaryEmbedding, apply_rotary, halves_from_pairs
 from pagellm.executor.model.spec import DecoderSpec
 from pagellm.executor.model.weight_map import SKIP, Destination
 
@@ -126,7 +126,7 @@ class MlaAttention(nn.Module):
         """x [T, n, rope] -> rotated, pairs de-interleaved first where DeepSeek interleaves
         them (module docstring)."""
         if self.interleaved:
-            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+            x = halves_from_pairs(x, x.shape[-1])
         return apply_rotary(x.contiguous(), cos, sin)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,

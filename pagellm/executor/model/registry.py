@@ -4,8 +4,8 @@ which model class it builds.
 Families that differ from Llama only in data are a reader here and the shared decoder
 (decoder.py, whose MLP is the sparse MoE block of moe.py where the spec has experts); a
 family whose computation differs brings its own module with a reader and a model class
-(gemma.py, gpt_oss.py, deepseek.py, glm4_moe.py, minimax_m2.py, olmo2.py, smollm3.py,
-granite.py).
+(gemma.py, gpt_oss.py, deepseek.py, glm4.py, glm4_moe.py, minimax_m2.py, olmo2.py,
+smollm3.py, granite.py).
 Adding a family is that module and one row of `FAMILIES`.
 """
 
@@ -308,6 +308,22 @@ def _minimax_m2(config: Any, arch: str) -> DecoderSpec:
     return read_decoder_spec(config, arch, rope=rope, qk_norm="full", moe=moe)
 
 
+def _glm(config: Any, arch: str) -> DecoderSpec:
+    """GLM-4 and GLM-4-0414 / GLM-Z1: q/k/v biases where attention_bias (o_proj has
+    none), RoPE on the first partial_rotary_factor of each head, pairs interleaved
+    (glm4.py), the MLP's gate and up fused in the checkpoint; MLP biases refused."""
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported (the MLP has no biases)")
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.setdefault("partial_rotary_factor",
+                      getattr(config, "partial_rotary_factor", None) or 1.0)
+    rope = RopeSpec.from_hf(params, getattr(config, "rope_theta", None),
+                            getattr(config, "rope_scaling", None), partial_rotary=True)
+    return read_decoder_spec(config, arch, qkv_bias=bool(getattr(config, "attention_bias",
+                                                                  False)),
+                             o_bias=False, rope=rope, fused_checkpoint=("gate_up_proj",))
+
+
 def _olmo2_spec(config: Any, arch: str) -> DecoderSpec:
     """OLMo 2 / OLMo 3: q and k norms over all heads; OLMo 3's rope_parameters per layer
     type (transformers nests them: "full_attention", "sliding_attention") with its
@@ -374,7 +390,8 @@ def _phi3(config: Any, arch: str) -> DecoderSpec:
     rope = RopeSpec.from_hf(getattr(config, "rope_parameters", None),
                             getattr(config, "rope_theta", None),
                             getattr(config, "rope_scaling", None), partial_rotary=True)
-    return read_decoder_spec(config, arch, rope=rope, fused_checkpoint=True)
+    return read_decoder_spec(config, arch, rope=rope,
+                             fused_checkpoint=("qkv_proj", "gate_up_proj"))
 
 
 FAMILIES: dict[str, Family] = {
@@ -396,6 +413,8 @@ FAMILIES: dict[str, Family] = {
     "Glm4MoeForCausalLM": Family("glm4_moe", _glm4_moe, _lazy("glm4_moe", "Glm4MoeForCausalLM")),
     "MiniMaxM2ForCausalLM": Family("minimax_m2", _minimax_m2,
                                    _lazy("minimax_m2", "MiniMaxM2ForCausalLM")),
+    "GlmForCausalLM": Family("glm", _glm, _lazy("glm4", "GlmForCausalLM")),
+    "Glm4ForCausalLM": Family("glm4", _glm, _lazy("glm4", "Glm4ForCausalLM")),
     "Olmo2ForCausalLM": Family("olmo2", _olmo2_spec, _olmo2),
     "Olmo3ForCausalLM": Family("olmo3", _olmo2_spec, _olmo2),
     "SmolLM3ForCausalLM": Family("smollm3", _smollm3, _lazy("smollm3", "SmolLM3ForCausalLM")),

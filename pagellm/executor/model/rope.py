@@ -245,6 +245,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     return rotate(x, cos, signed_sin)
 
 
+def halves_from_pairs(x: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """x [..., D] whose first `rotary_dim` dimensions pair up interleaved, (x0, x1),
+    (x2, x3), ... (DeepSeek's and GLM's RoPE) -> those dimensions reordered as halves
+    (the evens, then the odds), the rest as they are. Rotating halves (apply_rotary)
+    then turns each pair by its own frequency, as the interleaved rotation does: with
+    queries and keys reordered alike, every dot product is the same."""
+    return torch.cat((x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2], x[..., rotary_dim:]),
+                     dim=-1)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """`apply_rotary` in torch ops: the CPU path and the fused kernel's reference."""
     half = x.shape[-1] // 2

@@ -135,9 +135,10 @@ class DecoderSpec:
     # The RoPE of the sliding-window layers where it differs from `rope` (Gemma 3's
     # rope_local_base_freq); None: every layer rotates with `rope`.
     sliding_rope: RopeSpec | None = None
-    # The checkpoint stores self_attn.qkv_proj and mlp.gate_up_proj fused, as this model
-    # holds them (Phi-3), not q/k/v_proj and gate/up_proj apart (weight_map.py).
-    fused_checkpoint: bool = False
+    # Our merged modules the checkpoint stores fused, as this model holds them, not apart
+    # (q/k/v_proj, gate/up_proj): Phi-3's "qkv_proj" and "gate_up_proj", GLM-4's
+    # "gate_up_proj" (weight_map.py).
+    fused_checkpoint: tuple[str, ...] = ()
     # A learned logit per query head in every softmax's denominator (gpt-oss's
     # `self_attn.sinks`; kernels/reference.py).
     attn_sinks: bool = False

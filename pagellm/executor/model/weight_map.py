@@ -35,8 +35,8 @@ completeness check and the weights a sleep dropped) is always the family's own
 per-expert names.
 
 Phi-3 checkpoints (`DecoderSpec.fused_checkpoint`) store q/k/v and gate/up fused, under
-our own parameter names; theirs are the only names such a model loads (and the ones its
-loader checks a checkpoint for).
+our own parameter names, GLM-4's gate/up only; theirs are the only names such a model
+loads for those modules (and the ones its loader checks a checkpoint for).
 
 Loading (the loader, `load_weights`, the weight-update paths of worker/weight_receiver.py)
 goes through these, so every path checks shapes alike, and a fused tensor loads by its
@@ -183,7 +183,7 @@ def checkpoint_keys(param_names: Iterable[str], spec: DecoderSpec) -> set[str]:
     for name in param_names:
         parts = [name.replace(merged, ckpt) for ckpt, merged, _ in _STACKED
                  if f".{merged}." in name and ".experts." not in name
-                 and not spec.fused_checkpoint]
+                 and merged not in spec.fused_checkpoint]
         for part in parts or [name]:
             keys.update(canonical_keys(part, spec))
     return keys
@@ -194,7 +194,7 @@ def checkpoint_parts(module: str, spec: DecoderSpec) -> list[str]:
     gate/up for gate_up_proj, unless the family stores them fused): itself otherwise."""
     prefix, _, last = module.rpartition(".")
     parts = [f"{prefix}.{ckpt}" for ckpt, merged, _ in _STACKED
-             if merged == last and not spec.fused_checkpoint]
+             if merged == last and merged not in spec.fused_checkpoint]
     return parts or [module]
 
 
@@ -303,14 +303,14 @@ def destination(name: str, params: Mapping[str, nn.Parameter], spec: DecoderSpec
     target, shard = name, None
     for ckpt, merged, shard_id in _STACKED:
         if f".{ckpt}." in name:
-            if spec.fused_checkpoint:  # its names are ours: the split ones are not its
+            if merged in spec.fused_checkpoint:  # its names are ours, not the split ones
                 return None
             target, shard = name.replace(ckpt, merged), shard_id
             break
     param = params.get(target)
     if param is None:
         return None
-    if spec.fused_checkpoint and target.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
+    if any(target.endswith(f".{fused}.weight") for fused in spec.fused_checkpoint):
         return _fused_destination(target, param, spec, tp)
     d = spec.head_dim
     if shard is None:
