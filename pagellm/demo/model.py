@@ -58,7 +58,7 @@ ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qw
                           "mixtral", "olmoe", "gemma2", "gemma3_text", "phi3", "gpt_oss",
                           "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "olmo2",
                           "olmo3", "smollm3", "granite", "seed_oss", "minimax_m2",
-                          "glm", "glm4")
+                          "glm", "glm4", "cohere", "cohere2")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 
@@ -269,7 +269,7 @@ def _reinit_weights(model: torch.nn.Module, spec: ModelSpec) -> None:
                     module, (torch.nn.Linear, torch.nn.Embedding)
                 ):
                     values = torch.randn(param.shape, generator=gen) * spec.init_std
-                elif param_name == "weight" and kind.endswith("RMSNorm"):
+                elif param_name == "weight" and kind.endswith(("RMSNorm", "LayerNorm")):
                     values = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
                 elif kind.endswith(("Experts", "Router", "NaiveMoe")):  # stacked experts
                     # (DeepSeek-V3's "NaiveMoe" in transformers 5.0), MoE router

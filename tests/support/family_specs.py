@@ -154,6 +154,19 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
     "glm4": ModelSpec(arch="glm4", **_SMALL, num_kv_heads=2, head_dim=32,
                       intermediate_size=96, init_std=0.3, seed=34,
                       config_extra=dict(partial_rotary_factor=0.5)),
+    # Command R (Cohere): attention and MLP side by side after one bias-free LayerNorm,
+    # interleaved RoPE pairs, tied embedding, logits times 0.3 (a scale no power of two)
+    "cohere": ModelSpec(arch="cohere", **{**_SMALL, "tie_word_embeddings": True},
+                        num_kv_heads=2, intermediate_size=96, init_std=0.3, seed=35,
+                        config_extra=dict(logit_scale=0.3)),
+    # Command R7B / A (Cohere2): three sliding layers (12 keys, crossing blocks of 16)
+    # with RoPE, the fourth full and without
+    "cohere2": ModelSpec(arch="cohere2", **{**_SMALL, "num_layers": 4,
+                                            "tie_word_embeddings": True},
+                         num_kv_heads=2, intermediate_size=96, init_std=0.3, seed=36,
+                         config_extra=dict(logit_scale=0.3, sliding_window=12,
+                                           layer_types=["sliding_attention"] * 3
+                                           + ["full_attention"])),
     # Seed-OSS: q/k/v biases, no o_proj bias (its own switch), GQA
     "seed_oss": ModelSpec(arch="seed_oss", **_SMALL, num_kv_heads=2, intermediate_size=96,
                           init_std=0.3, seed=31,

@@ -4,8 +4,8 @@ which model class it builds.
 Families that differ from Llama only in data are a reader here and the shared decoder
 (decoder.py, whose MLP is the sparse MoE block of moe.py where the spec has experts); a
 family whose computation differs brings its own module with a reader and a model class
-(gemma.py, gpt_oss.py, deepseek.py, glm4.py, glm4_moe.py, minimax_m2.py, olmo2.py,
-smollm3.py, granite.py).
+(gemma.py, gpt_oss.py, deepseek.py, glm4.py, glm4_moe.py, minimax_m2.py, cohere.py,
+olmo2.py, smollm3.py, granite.py).
 Adding a family is that module and one row of `FAMILIES`.
 """
 
@@ -324,6 +324,28 @@ def _glm(config: Any, arch: str) -> DecoderSpec:
                              o_bias=False, rope=rope, fused_checkpoint=("gate_up_proj",))
 
 
+def _cohere(config: Any, arch: str) -> DecoderSpec:
+    """Command R / Aya Expanse and Command R7B / A (cohere.py): LayerNorm eps
+    (layer_norm_eps), attention biases where attention_bias, logit_scale; Command R7B /
+    A's full-attention layers (layer_types) without RoPE. Per-head q/k LayerNorms
+    (use_qk_norm: Command R+) and MLP biases refused."""
+    if getattr(config, "use_qk_norm", False):
+        raise ValueError("use_qk_norm=True is not supported (Command R+'s per-head q/k "
+                         "LayerNorms)")
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported (the MLP has no biases)")
+    scale = getattr(config, "logit_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"logit_scale must be a positive number, got {scale!r}")
+    fields: dict[str, Any] = {"rms_norm_eps": config.layer_norm_eps,
+                              "logit_scale": float(scale)}
+    if arch == "Cohere2ForCausalLM":
+        fields["rope_layers"] = tuple(t == "sliding_attention"
+                                      for t in getattr(config, "layer_types", None) or ())
+    return read_decoder_spec(config, arch, **fields)
+
+
 def _olmo2_spec(config: Any, arch: str) -> DecoderSpec:
     """OLMo 2 / OLMo 3: q and k norms over all heads; OLMo 3's rope_parameters per layer
     type (transformers nests them: "full_attention", "sliding_attention") with its
@@ -415,6 +437,8 @@ FAMILIES: dict[str, Family] = {
                                    _lazy("minimax_m2", "MiniMaxM2ForCausalLM")),
     "GlmForCausalLM": Family("glm", _glm, _lazy("glm4", "GlmForCausalLM")),
     "Glm4ForCausalLM": Family("glm4", _glm, _lazy("glm4", "Glm4ForCausalLM")),
+    "CohereForCausalLM": Family("cohere", _cohere, _lazy("cohere", "CohereForCausalLM")),
+    "Cohere2ForCausalLM": Family("cohere2", _cohere, _lazy("cohere", "CohereForCausalLM")),
     "Olmo2ForCausalLM": Family("olmo2", _olmo2_spec, _olmo2),
     "Olmo3ForCausalLM": Family("olmo3", _olmo2_spec, _olmo2),
     "SmolLM3ForCausalLM": Family("smollm3", _smollm3, _lazy("smollm3", "SmolLM3ForCausalLM")),

@@ -144,6 +144,8 @@ class DecoderSpec:
     attn_sinks: bool = False
     # Granite's embedding, residual and logit scalars; None: all 1.
     multipliers: Multipliers | None = None
+    # The logits times this (Cohere's logit_scale, cohere.py); None: as they are.
+    logit_scale: float | None = None
     # Which layers rotate q and k (SmolLM3's no_rope_layers: every fourth does not);
     # empty: every layer.
     rope_layers: tuple[bool, ...] = ()
@@ -222,7 +224,6 @@ def read_decoder_spec(config: Any, architecture: str, **fields: Any) -> DecoderS
         num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
-        rms_norm_eps=config.rms_norm_eps,
         qkv_bias=attention_bias,
         o_bias=attention_bias,
         qk_norm=None,
@@ -232,6 +233,8 @@ def read_decoder_spec(config: Any, architecture: str, **fields: Any) -> DecoderS
         layer_windows=read_layer_windows(config),
         hidden_act=act,
     )
+    if "rms_norm_eps" not in fields:  # (Cohere's layer_norm_eps is its reader's)
+        common["rms_norm_eps"] = config.rms_norm_eps
     if "rope" not in fields:
         common["rope"] = RopeSpec.from_hf(getattr(config, "rope_parameters", None),
                                           getattr(config, "rope_theta", None),
