@@ -138,7 +138,7 @@ def test_experts_no_token_picks_are_skipped_and_the_output_still_matches(
 
 @pytest.mark.parametrize("name", _names("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss",
                                          "deepseek_v3", "olmo3", "granite", "minimax_m2",
-                                         "glm4", "cohere", "cohere2"))
+                                         "glm4", "cohere", "cohere2", "exaone4"))
 def test_bf16_logprobs_track_transformers(name, family_dirs, make_llm):
     """bf16: every prompt and sampled token's logprob within 1.5x transformers' own bf16
     error against fp32 on the same bf16-rounded weights (as tests/e2e/test_correctness.py
@@ -298,7 +298,7 @@ def test_gpt_oss_mxfp4_checkpoint_loads_as_transformers_reads_it(family_dirs, ma
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _names("qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss",
                                          "deepseek_v3", "deepseek_v2", "glm4_moe", "olmo2",
-                                         "minimax_m2", "glm4", "cohere2"))
+                                         "minimax_m2", "glm4", "cohere2", "exaone4"))
 def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make_llm):
     """Each rank holds half of every expert (and, for OLMoE, half of the all-head q/k
     norms, their statistic summed over the ranks): greedy tokens equal transformers',
@@ -387,6 +387,7 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
     # Cohere's
     ("cohere", dict(use_qk_norm=True), "use_qk_norm=True is not supported"),
     ("cohere2", dict(logit_scale=-0.5), "logit_scale must be a positive number, got -0.5"),
+    ("exaone4", dict(mlp_bias=True), "mlp_bias=True is not supported"),
     ("glm", dict(partial_rotary_factor=0.3, rope_parameters=dict(
         rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.3)),
      "partial_rotary_factor=0.3 gives rotary_dim"),

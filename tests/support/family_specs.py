@@ -167,6 +167,19 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
                          config_extra=dict(logit_scale=0.3, sliding_window=12,
                                            layer_types=["sliding_attention"] * 3
                                            + ["full_attention"])),
+    # EXAONE 4.0: norms after the blocks (Llama's), per-head q/k norms, three sliding
+    # layers (12 keys) with RoPE to one global layer without, llama3 RoPE scaling
+    "exaone4": ModelSpec(arch="exaone4", **{**_SMALL, "num_layers": 4}, num_kv_heads=2,
+                         intermediate_size=96, init_std=0.3, seed=37,
+                         rope_scaling={"rope_type": "llama3", "factor": 4.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 256},
+                         config_extra=dict(sliding_window=12, sliding_window_pattern=4)),
+    # EXAONE 4.0 1.2B's kind: no sliding window, every layer global and rotating
+    "exaone4_global": ModelSpec(arch="exaone4", **_SMALL, num_kv_heads=2,
+                                intermediate_size=96, init_std=0.3, seed=38,
+                                config_extra=dict(sliding_window=None,
+                                                  layer_types=["full_attention"] * 2)),
     # Seed-OSS: q/k/v biases, no o_proj bias (its own switch), GQA
     "seed_oss": ModelSpec(arch="seed_oss", **_SMALL, num_kv_heads=2, intermediate_size=96,
                           init_std=0.3, seed=31,

@@ -15,7 +15,8 @@ What differs from the shared decoder (decoder.py), as transformers computes it:
   added);
 - RoPE pairs each head's dimensions interleaved (GLM's: glm4.py `GlmAttention`);
   Command R7B / A's full-attention layers take no RoPE at all (every fourth layer; the
-  others are sliding-window layers): the spec's rope_layers, as SmolLM3's NoPE layers;
+  others are sliding-window layers): the spec's rope_layers, which the shared attention
+  reads (SmolLM3's NoPE layers);
 - the final norm is the same LayerNorm; the logits are multiplied by logit_scale (the
   spec's), the embedding tied.
 
@@ -62,7 +63,6 @@ class CohereDecoderLayer(nn.Module):
         self.self_attn = GlmAttention(spec, layer_idx, tp)
         self.mlp = DecoderMLP(spec, tp)
         self.input_layernorm = CohereLayerNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.rotates = spec.rotates(layer_idx)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 residual: torch.Tensor | None, meta: AttentionMetadata,
@@ -71,8 +71,6 @@ class CohereDecoderLayer(nn.Module):
         output not yet added to `residual` (None before the first layer) -> (the MLP's
         output, not yet added; the residual stream with the attention's added)."""
         h, residual = self.input_layernorm(x, residual)
-        if not self.rotates:
-            rope = (rope[0][..., :0], rope[1][..., :0])  # [T, 1, 0]: nothing rotates
         attn = self.self_attn(rope, h, meta, kv_caches)
         return self.mlp(h), residual + attn
 

@@ -75,6 +75,7 @@ class DecoderAttention(nn.Module):
             self.k_norm = self.full_norm_cls(self.kv_size, spec.num_kv_heads * spec.head_dim,
                                              spec.rms_norm_eps, tp, replicas)
         self.clip_qkv = spec.clip_qkv
+        self.rotates = spec.rotates(layer_idx)  # False: a NoPE layer (SmolLM3, Cohere 2)
         scale = spec.head_dim ** -0.5 if spec.attn_scale is None else spec.attn_scale
         self.attn = Attention(layer_idx, scale, sliding_window=spec.window(layer_idx),
                               softcap=spec.attn_softcap)
@@ -86,7 +87,7 @@ class DecoderAttention(nn.Module):
         tokens, heads, qk_size = x.shape[0], self.num_heads, self.q_size + self.kv_size
         qkv = self.qkv_proj(x)  # [T, (H + 2 * H_kv) * D]
         v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        cos, sin = rope
+        cos, sin = rope if self.rotates else (rope[0][..., :0], rope[1][..., :0])
         if isinstance(self.q_norm, ShardedRMSNorm) and isinstance(self.k_norm, ShardedRMSNorm):
             q = self.q_norm(qkv[:, :self.q_size])
             k = self.k_norm(qkv[:, self.q_size:qk_size])
@@ -107,7 +108,8 @@ class DecoderAttention(nn.Module):
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
                ) -> torch.Tensor:
         """x: [T, H, D] queries or keys -> rotated (RoPE on halves: rope.apply_rotary; a
-        family that pairs its dimensions otherwise reorders them here, glm4.py)."""
+        family that pairs its dimensions otherwise reorders them here, glm4.py). A NoPE
+        layer's tables have width 0: nothing turns."""
         return apply_rotary(x, cos, signed_sin)
 
 

@@ -24,13 +24,15 @@ stay torch ops: the fused RMSNorm kernel rounds as Llama does.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
 from pagellm.executor.model.attention import AttentionMetadata
 from pagellm.executor.model.decoder import DecoderAttention, DecoderForCausalLM, DecoderMLP
 from pagellm.executor.model.gemma import LayerTypeModel
-from pagellm.executor.model.layers import Fp32ScaledRMSNorm, ShardedRMSNorm
+from pagellm.executor.model.layers import Fp32ScaledRMSNorm, RMSNorm, ShardedRMSNorm
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.spec import DecoderSpec
 
@@ -55,30 +57,45 @@ class Olmo2Attention(DecoderAttention):
     full_norm_cls = OlmoShardedRMSNorm
 
 
-class Olmo2DecoderLayer(nn.Module):
-    """One layer with norms after its blocks (module docstring); rotates with its layer
-    type's RoPE."""
+class PostNormDecoderLayer(nn.Module):
+    """One layer with norms after its blocks and none before (module docstring), of the
+    family's norm and attention classes (EXAONE 4's are Llama's: exaone4.py)."""
+
+    norm_cls: ClassVar[type[RMSNorm]] = OlmoRMSNorm
+    attention_cls: ClassVar[type[DecoderAttention]] = Olmo2Attention
 
     def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
         self.sliding = spec.window(layer_idx) is not None
-        self.self_attn = Olmo2Attention(spec, layer_idx, tp)
+        self.self_attn = self.attention_cls(spec, layer_idx, tp)
         self.mlp = DecoderMLP(spec, tp)
-        self.post_attention_layernorm = OlmoRMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_feedforward_layernorm = OlmoRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps)
+        self.post_feedforward_layernorm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, ropes: tuple[Rope, Rope], x: torch.Tensor,
-                residual: torch.Tensor | None, meta: AttentionMetadata,
-                kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """ropes: (full-attention layers', sliding layers'); x: [T, hidden], the previous
-        layer's output not yet added to `residual` (None before the first layer) ->
-        (this layer's output, likewise not yet added; the residual stream)."""
+    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata, kv_caches: list[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope: this layer's cos, signed sin; x: [T, hidden], the previous layer's output
+        not yet added to `residual` (None before the first layer) -> (this layer's
+        output, likewise not yet added; the residual stream)."""
         h = x if residual is None else x + residual
-        attn = self.self_attn(ropes[1] if self.sliding else ropes[0], h, meta, kv_caches)
+        attn = self.self_attn(rope, h, meta, kv_caches)
         attn, _ = self.post_attention_layernorm(attn)
         h = h + attn
         out, _ = self.post_feedforward_layernorm(self.mlp(h))
         return out, h
+
+
+class Olmo2DecoderLayer(PostNormDecoderLayer):
+    """OLMo's layer; rotates with its layer type's RoPE."""
+
+    def forward(self, ropes: tuple[Rope, Rope], x: torch.Tensor,  # type: ignore[override]
+                residual: torch.Tensor | None, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """ropes: (full-attention layers', sliding layers'); see
+        PostNormDecoderLayer.forward."""
+        return super().forward(ropes[1] if self.sliding else ropes[0], x, residual, meta,
+                               kv_caches)
 
 
 class Olmo2Model(LayerTypeModel):

@@ -5,7 +5,7 @@ Families that differ from Llama only in data are a reader here and the shared de
 (decoder.py, whose MLP is the sparse MoE block of moe.py where the spec has experts); a
 family whose computation differs brings its own module with a reader and a model class
 (gemma.py, gpt_oss.py, deepseek.py, glm4.py, glm4_moe.py, minimax_m2.py, cohere.py,
-olmo2.py, smollm3.py, granite.py).
+olmo2.py, exaone4.py, granite.py).
 Adding a family is that module and one row of `FAMILIES`.
 """
 
@@ -346,6 +346,18 @@ def _cohere(config: Any, arch: str) -> DecoderSpec:
     return read_decoder_spec(config, arch, **fields)
 
 
+def _exaone4(config: Any, arch: str) -> DecoderSpec:
+    """EXAONE 4.0 (exaone4.py): per-head q/k norms; where it has a sliding window, its
+    global layers (layer_types "full_attention") take no RoPE; MLP biases refused."""
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported (the MLP has no biases)")
+    fields: dict[str, Any] = {"qk_norm": "head"}
+    if getattr(config, "sliding_window", None):
+        fields["rope_layers"] = tuple(t == "sliding_attention"
+                                      for t in getattr(config, "layer_types", None) or ())
+    return read_decoder_spec(config, arch, **fields)
+
+
 def _olmo2_spec(config: Any, arch: str) -> DecoderSpec:
     """OLMo 2 / OLMo 3: q and k norms over all heads; OLMo 3's rope_parameters per layer
     type (transformers nests them: "full_attention", "sliding_attention") with its
@@ -363,7 +375,10 @@ def _olmo2_spec(config: Any, arch: str) -> DecoderSpec:
 
 
 def _smollm3(config: Any, arch: str) -> DecoderSpec:
-    """SmolLM3: Llama's fields, `no_rope_layers` (1: the layer rotates), sliding
+    """SmolLM3 (Hugging Face's 3B): Llama's decoder whose every fourth layer attends
+    without RoPE (transformers' SmolLM3Attention skips the rotation there): Llama's
+    fields, `no_rope_layers` (1: the layer rotates; the spec's rope_layers, which the
+    shared attention reads: its RoPE tables of width 0 turn nothing), sliding
     windows only where `use_sliding_window`; MLP biases refused (its checkpoints have
     none, and the shared MLP takes none)."""
     if getattr(config, "mlp_bias", False):
@@ -439,9 +454,11 @@ FAMILIES: dict[str, Family] = {
     "Glm4ForCausalLM": Family("glm4", _glm, _lazy("glm4", "Glm4ForCausalLM")),
     "CohereForCausalLM": Family("cohere", _cohere, _lazy("cohere", "CohereForCausalLM")),
     "Cohere2ForCausalLM": Family("cohere2", _cohere, _lazy("cohere", "CohereForCausalLM")),
+    "Exaone4ForCausalLM": Family("exaone4", _exaone4,
+                                 _lazy("exaone4", "Exaone4ForCausalLM")),
     "Olmo2ForCausalLM": Family("olmo2", _olmo2_spec, _olmo2),
     "Olmo3ForCausalLM": Family("olmo3", _olmo2_spec, _olmo2),
-    "SmolLM3ForCausalLM": Family("smollm3", _smollm3, _lazy("smollm3", "SmolLM3ForCausalLM")),
+    "SmolLM3ForCausalLM": Family("smollm3", _smollm3, _decoder),
     "GraniteForCausalLM": Family("granite", _granite, _lazy("granite", "GraniteForCausalLM")),
     "SeedOssForCausalLM": Family("seed_oss", _seed_oss, _decoder),
 }

@@ -146,8 +146,9 @@ class DecoderSpec:
     multipliers: Multipliers | None = None
     # The logits times this (Cohere's logit_scale, cohere.py); None: as they are.
     logit_scale: float | None = None
-    # Which layers rotate q and k (SmolLM3's no_rope_layers: every fourth does not);
-    # empty: every layer.
+    # Which layers rotate q and k (SmolLM3's no_rope_layers: every fourth does not;
+    # Cohere 2's and EXAONE 4's global layers do not); empty: every layer. The shared
+    # attention reads it (decoder.py).
     rope_layers: tuple[bool, ...] = ()
     # DeepSeek's latent attention (num_kv_heads 1 and head_dim the latent's width: what
     # the KV cache holds per token); None: q/k/v projections of heads of head_dim.

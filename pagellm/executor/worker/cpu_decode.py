@@ -101,6 +101,8 @@ def unsupported(model: nn.Module, dtype: torch.dtype, cache_dtype: torch.dtype,
     if (spec.clip_qkv is not None or spec.qk_norm not in (None, "head")
             or spec.attn_softcap is not None or spec.hidden_act != "silu"):
         return "q/k clipping or norms over all heads, soft-capping or GeGLU"
+    if not all(spec.rotates(i) for i in range(spec.num_layers)):
+        return "layers without RoPE (the fused step rotates every layer)"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         norm = GptOssRMSNorm if gpt_oss else RMSNorm  # (the same in fp32)
