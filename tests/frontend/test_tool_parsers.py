@@ -1,9 +1,9 @@
 """frontend/tool_parsers: the hermes, llama3_json, pythonic, DeepSeek (V3, V3.1), GLM-4.5
 and 4.7 (glm45, glm47), Qwen3-Coder's and Seed-OSS's XML, MiniMax-M2's invokes
-(minimax_m2) and gpt-oss's Harmony (openai) formats turned into OpenAI tool calls and
-content. The reference is the expected results written by hand below;
-streaming is checked against the whole-output result for every string, fed in random
-pieces, one character at a time and all at once."""
+(minimax_m2), Mistral's [TOOL_CALLS] (mistral) and gpt-oss's Harmony (openai) formats
+turned into OpenAI tool calls and content. The reference is the expected results
+written by hand below; streaming is checked against the whole-output result for every
+string, fed in random pieces, one character at a time and all at once."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pagellm.frontend.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
     MiniMaxM2ToolParser,
+    MistralToolParser,
     OpenAIToolParser,
     PythonicToolParser,
     Qwen3CoderToolParser,
@@ -382,6 +383,41 @@ MINIMAX_M2_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
     ("No tools needed.", [], "No tools needed."),
 ]
 
+MISTRAL_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
+    # before v11: one JSON array of calls
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]',
+     [("get_weather", '{"city": "Paris", "days": 3}')], None),
+    ('Let me check. [TOOL_CALLS][{"name": "a", "arguments": {"x": "日本"}}, '
+     '{"name": "b", "arguments": {}}]', [("a", '{"x": "日本"}'), ("b", "{}")],
+     "Let me check. "),
+    # v11 and later: a name and its arguments per [TOOL_CALLS], with [ARGS] and
+    # [CALL_ID] where the tokenizer has them, or the name straight into the object
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+     [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")], None),
+    ('[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{"q": [1, {"k": "}"}]}\n\n[TOOL_CALLS]g{}',
+     [("f", '{"q": [1, {"k": "}"}]}'), ("g", "{}")], None),
+    # text after the calls is content; whitespace alone is not
+    ('[TOOL_CALLS]f[ARGS]{"a": 1}\nDone.', [("f", '{"a": 1}')], "\nDone."),
+    ('[TOOL_CALLS]f[ARGS]{}  \n', [("f", "{}")], None),
+    # calls read while well formed: the first that is not, and all after it, is content
+    ('[TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]bad name[ARGS]{}[TOOL_CALLS]g[ARGS]{}',
+     [("f", "{}")], "[TOOL_CALLS]bad name[ARGS]{}[TOOL_CALLS]g[ARGS]{}"),
+    ('[TOOL_CALLS]f[ARGS]{} then [TOOL_CALLS]g[ARGS]{}', [("f", "{}")],
+     " then [TOOL_CALLS]g[ARGS]{}"),
+    # no call at all: arguments no object, an array of no calls, NaN, a name missing,
+    # cut off (in the name, in the arguments), two tags, a partial tag
+    ('[TOOL_CALLS]f[ARGS][1, 2]', [], '[TOOL_CALLS]f[ARGS][1, 2]'),
+    ('[TOOL_CALLS] [{"name": "f"}]', [], '[TOOL_CALLS] [{"name": "f"}]'),
+    ('[TOOL_CALLS] []', [], '[TOOL_CALLS] []'),
+    ('[TOOL_CALLS]f[ARGS]{"x": NaN}', [], '[TOOL_CALLS]f[ARGS]{"x": NaN}'),
+    ('[TOOL_CALLS][ARGS]{}', [], '[TOOL_CALLS][ARGS]{}'),
+    ("  [TOOL_CALLS]get_wea", [], "  [TOOL_CALLS]get_wea"),
+    ('[TOOL_CALLS]f[ARGS]{"a": ', [], '[TOOL_CALLS]f[ARGS]{"a": '),
+    ("[TOOL_CALLS][TOOL_CALLS]f{}", [], "[TOOL_CALLS][TOOL_CALLS]f{}"),
+    ("Answer [TOOL_CA", [], "Answer [TOOL_CA"),
+    ("No tools needed.", [], "No tools needed."),
+]
+
 CASES = [(HermesToolParser, *case) for case in HERMES_CASES] + \
         [(Llama3JsonToolParser, *case) for case in LLAMA3_CASES] + \
         [(PythonicToolParser, *case) for case in PYTHONIC_CASES] + \
@@ -393,11 +429,12 @@ CASES = [(HermesToolParser, *case) for case in HERMES_CASES] + \
         [(Qwen3XmlToolParser, *case) for case in QWEN3_CODER_CASES] + \
         [(SeedOssToolParser, *case) for case in SEED_OSS_CASES] + \
         [(MiniMaxM2ToolParser, *case) for case in MINIMAX_M2_CASES] + \
+        [(MistralToolParser, *case) for case in MISTRAL_CASES] + \
         [(OpenAIToolParser, *case) for case in OPENAI_CASES]
 ALL_TEXTS = sorted({case[0] for case in HERMES_CASES + LLAMA3_CASES + PYTHONIC_CASES
                     + DEEPSEEK_V3_CASES + DEEPSEEK_V31_CASES + GLM45_CASES
                     + GLM47_CASES + OPENAI_CASES + QWEN3_CODER_CASES
-                    + SEED_OSS_CASES + MINIMAX_M2_CASES})
+                    + SEED_OSS_CASES + MINIMAX_M2_CASES + MISTRAL_CASES})
 
 
 # The parsers whose code differs: glm47 and qwen3_xml are glm45's and qwen3_coder's
@@ -435,7 +472,10 @@ def _stream(parser: ToolParser, pieces: list[str]) -> tuple[str, list[dict[str, 
             (call,) = delta["tool_calls"]
             assert set(call) == {"index", "id", "type", "function"}
             assert call["type"] == "function"
-            assert call["id"].startswith("chatcmpl-tool-")
+            if isinstance(parser, MistralToolParser):  # what its templates require
+                assert len(call["id"]) == 9 and call["id"].isalnum(), call["id"]
+            else:
+                assert call["id"].startswith("chatcmpl-tool-")
             assert set(call["function"]) == {"name", "arguments"}
             calls.append(call)
     assert [call["index"] for call in calls] == list(range(len(calls)))
@@ -503,12 +543,13 @@ def test_tool_call_to_openai_and_registry() -> None:
                 "deepseek_v31": DeepSeekV31ToolParser, "glm45": Glm45ToolParser,
                 "glm47": Glm47ToolParser, "openai": OpenAIToolParser,
                 "qwen3_coder": Qwen3CoderToolParser, "qwen3_xml": Qwen3XmlToolParser,
-                "seed_oss": SeedOssToolParser, "minimax_m2": MiniMaxM2ToolParser}
+                "seed_oss": SeedOssToolParser, "minimax_m2": MiniMaxM2ToolParser,
+                "mistral": MistralToolParser}
     assert expected == TOOL_PARSERS
     for name, parser_class in TOOL_PARSERS.items():
         assert get_tool_parser(name) is parser_class and parser_class.name == name
     with pytest.raises(ValueError, match=r"deepseek_v3.*glm45.*hermes.*llama3_json.*pythonic"):
-        get_tool_parser("mistral")
+        get_tool_parser("mistral_v7")
 
 
 def test_glm45_keeps_the_values_the_tools_schema_types_as_strings() -> None:
@@ -592,6 +633,10 @@ def test_long_hostile_output_streams_in_bounded_work(name: str) -> None:
              " " * size + "end",
              harmony("commentary to=functions.f", '{"s": "' + "w" * size, "", first=True),
              "<|channel|>analysis" + " " * size, "<|" * size]
+    if name == "mistral":  # its own tags: a long name, whitespace, arguments, many calls
+        texts += ["[TOOL_CALLS]" + "n" * size, "[TOOL_CALLS]" + " " * size + "x",
+                  '[TOOL_CALLS]f[ARGS]{"s": "' + "v" * size, "[TOOL_CALLS]f{}" + " " * size,
+                  "[TOOL_CALLS] [" + "{}, " * (size // 4), "[TOOL_CALLS]f{}" * (size // 15)]
     parser_class = get_tool_parser(name)
     for text in texts:
         expected = parser_class().extract_tool_calls(text)
@@ -661,7 +706,13 @@ XML_FRAGMENTS = ["<tool_call>", "</tool_call>", "<seed:tool_call>", "</seed:tool
                  "<function=f>", "<function=", "</function>", "<parameter=x>", "<parameter=",
                  "</parameter>", "\n", "1", "null", xml_call("f", ("x", "1")),
                  xml_call("g", start="<seed:tool_call>", end="</seed:tool_call>")]
+MISTRAL_FRAGMENTS = ["[TOOL_CALLS]", "[TOOL_CALLS] ", "[ARGS]", "[CALL_ID]",
+                     "[CALL_ID]abc123XYZ", "[TOOL_", "[AR", "get", " ", "\n", "{", "}", "[",
+                     "]", '{"a": 1}',
+                     '[{"name": "f", "arguments": {}}]', '{"name": "g", "arguments": {"x": 1}}',
+                     "[TOOL_CALLS]f[ARGS]{}", "NaN"]
 EXTRA_FRAGMENTS = {"openai": HARMONY_FRAGMENTS, "qwen3_coder": XML_FRAGMENTS,
+                   "mistral": MISTRAL_FRAGMENTS,
                    "qwen3_xml": XML_FRAGMENTS, "seed_oss": XML_FRAGMENTS,
                    "minimax_m2": MINIMAX_FRAGMENTS}
 

@@ -396,17 +396,18 @@ def strip_lead(text: str, marker: str) -> str:
     return text
 
 
-_JSON_OUTSIDE = re.compile(r'[{}"]')
 _JSON_INSIDE = re.compile(r'["\\]')
 
 
 class JsonObjectEnd:
-    """Finds where a JSON object that starts with "{" ends, fed in pieces: braces are
-    counted outside strings (escapes honoured), jumping between the characters that
-    matter with a regex, so each character is looked at once. It only delimits the
-    object; json.loads judges it."""
+    """Finds where a JSON object that starts with "{" ends (or, with `brackets` "[]", an
+    array that starts with "["), fed in pieces: the brackets are counted outside strings
+    (escapes honoured), jumping between the characters that matter with a regex, so each
+    character is looked at once. It only delimits the value; json.loads judges it."""
 
-    def __init__(self) -> None:
+    def __init__(self, brackets: str = "{}") -> None:
+        self._open = brackets[0]
+        self._outside = re.compile(f'[{re.escape(brackets)}"]')
         self._depth = 0
         self._in_string = False
         self._escape = False
@@ -431,14 +432,14 @@ class JsonObjectEnd:
                 else:
                     self._in_string = False
                 continue
-            match = _JSON_OUTSIDE.search(text, pos)
+            match = self._outside.search(text, pos)
             if match is None:
                 return None
             pos = match.end()
             char = match.group()
             if char == '"':
                 self._in_string = True
-            elif char == "{":
+            elif char == self._open:
                 self._depth += 1
             else:
                 self._depth -= 1
