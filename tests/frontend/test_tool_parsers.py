@@ -1,9 +1,10 @@
 """frontend/tool_parsers: the hermes, llama3_json, pythonic, DeepSeek (V3, V3.1), GLM-4.5
 and 4.7 (glm45, glm47), Qwen3-Coder's and Seed-OSS's XML, MiniMax-M2's invokes
-(minimax_m2), Mistral's [TOOL_CALLS] (mistral) and gpt-oss's Harmony (openai) formats
-turned into OpenAI tool calls and content. The reference is the expected results
-written by hand below; streaming is checked against the whole-output result for every
-string, fed in random pieces, one character at a time and all at once."""
+(minimax_m2), Mistral's [TOOL_CALLS] (mistral), OLMo 3's lines of Python calls (olmo3)
+and gpt-oss's Harmony (openai) formats turned into OpenAI tool calls and content. The
+reference is the expected results written by hand below; streaming is checked against
+the whole-output result for every string, fed in random pieces, one character at a time
+and all at once."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pagellm.frontend.tool_parsers import (
     Llama3JsonToolParser,
     MiniMaxM2ToolParser,
     MistralToolParser,
+    Olmo3ToolParser,
     OpenAIToolParser,
     PythonicToolParser,
     Qwen3CoderToolParser,
@@ -418,6 +420,30 @@ MISTRAL_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
     ("No tools needed.", [], "No tools needed."),
 ]
 
+OLMO3_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
+    ("<function_calls>\nget_weather(city='Paris', days=3)\nget_time(zone=null)\n"
+     "</function_calls>", [("get_weather", '{"city": "Paris", "days": 3}'),
+                           ("get_time", '{"zone": null}')], None),
+    # JSON's and Python's literals both; text before and after; blank lines skipped
+    ('Checking.<function_calls>f(a=true, b=False, c=[1, {"k": "日本"}])\n\n'
+     "</function_calls> Done.", [("f", '{"a": true, "b": false, "c": [1, {"k": "日本"}]}')],
+     "Checking. Done."),
+    # an unterminated last block counts when its lines are calls
+    ("<function_calls>\nf()\n", [("f", "{}")], None),
+    # bad blocks stay content: a line that is no call, a positional argument, a
+    # variable, two calls on a line, an empty block
+    ("<function_calls>\nf()\nsure\n</function_calls>", [],
+     "<function_calls>\nf()\nsure\n</function_calls>"),
+    ("<function_calls>f(1)</function_calls>", [], "<function_calls>f(1)</function_calls>"),
+    ("<function_calls>f(a=x)</function_calls>", [],
+     "<function_calls>f(a=x)</function_calls>"),
+    ("<function_calls>f(), g()</function_calls>", [],
+     "<function_calls>f(), g()</function_calls>"),
+    ("<function_calls>\n</function_calls>", [], "<function_calls>\n</function_calls>"),
+    # calls outside a block are an answer (vLLM reads them when not streaming)
+    ("get_weather(city='Paris')", [], "get_weather(city='Paris')"),
+]
+
 CASES = [(HermesToolParser, *case) for case in HERMES_CASES] + \
         [(Llama3JsonToolParser, *case) for case in LLAMA3_CASES] + \
         [(PythonicToolParser, *case) for case in PYTHONIC_CASES] + \
@@ -430,11 +456,13 @@ CASES = [(HermesToolParser, *case) for case in HERMES_CASES] + \
         [(SeedOssToolParser, *case) for case in SEED_OSS_CASES] + \
         [(MiniMaxM2ToolParser, *case) for case in MINIMAX_M2_CASES] + \
         [(MistralToolParser, *case) for case in MISTRAL_CASES] + \
+        [(Olmo3ToolParser, *case) for case in OLMO3_CASES] + \
         [(OpenAIToolParser, *case) for case in OPENAI_CASES]
 ALL_TEXTS = sorted({case[0] for case in HERMES_CASES + LLAMA3_CASES + PYTHONIC_CASES
                     + DEEPSEEK_V3_CASES + DEEPSEEK_V31_CASES + GLM45_CASES
                     + GLM47_CASES + OPENAI_CASES + QWEN3_CODER_CASES
-                    + SEED_OSS_CASES + MINIMAX_M2_CASES + MISTRAL_CASES})
+                    + SEED_OSS_CASES + MINIMAX_M2_CASES + MISTRAL_CASES
+                    + OLMO3_CASES})
 
 
 # The parsers whose code differs: glm47 and qwen3_xml are glm45's and qwen3_coder's
@@ -544,7 +572,7 @@ def test_tool_call_to_openai_and_registry() -> None:
                 "glm47": Glm47ToolParser, "openai": OpenAIToolParser,
                 "qwen3_coder": Qwen3CoderToolParser, "qwen3_xml": Qwen3XmlToolParser,
                 "seed_oss": SeedOssToolParser, "minimax_m2": MiniMaxM2ToolParser,
-                "mistral": MistralToolParser}
+                "mistral": MistralToolParser, "olmo3": Olmo3ToolParser}
     assert expected == TOOL_PARSERS
     for name, parser_class in TOOL_PARSERS.items():
         assert get_tool_parser(name) is parser_class and parser_class.name == name
@@ -654,9 +682,10 @@ def test_long_hostile_output_streams_in_bounded_work(name: str) -> None:
     ("seed_oss", "<function=f>" + "<parameter=x>" * 15_000 + "</function>"),
     ("deepseek_v3", " " * 150_000),
     ("minimax_m2", '<invoke name="f">' + '<parameter name="x">' * 12_000 + "</invoke>"),
-    ("minimax_m2", "<invoke name=" * 15_000)],
+    ("minimax_m2", "<invoke name=" * 15_000),
+    ("olmo3", "f()\n" * 20_000 + "x")],
     ids=["glm45", "glm47", "qwen3_coder", "qwen3_xml", "seed_oss", "deepseek_v3",
-         "minimax_m2-parameters", "minimax_m2-invokes"])
+         "minimax_m2-parameters", "minimax_m2-invokes", "olmo3"])
 def test_a_block_of_many_opening_tags_is_read_in_linear_time(name: str, body: str) -> None:
     """A body read tag by tag: each tag's close found once (a regex looking for each
     opening tag's close anew took 11-15 s on these ~200k characters here; DeepSeek-V3's
@@ -711,8 +740,10 @@ MISTRAL_FRAGMENTS = ["[TOOL_CALLS]", "[TOOL_CALLS] ", "[ARGS]", "[CALL_ID]",
                      "]", '{"a": 1}',
                      '[{"name": "f", "arguments": {}}]', '{"name": "g", "arguments": {"x": 1}}',
                      "[TOOL_CALLS]f[ARGS]{}", "NaN"]
+OLMO3_FRAGMENTS = ["<function_calls>", "</function_calls>", "<function_", "f(a=1)", "g()",
+                   "null", "(", ")", "=", "\n", "<function_calls>\nf(x=true)\n</function_calls>"]
 EXTRA_FRAGMENTS = {"openai": HARMONY_FRAGMENTS, "qwen3_coder": XML_FRAGMENTS,
-                   "mistral": MISTRAL_FRAGMENTS,
+                   "mistral": MISTRAL_FRAGMENTS, "olmo3": OLMO3_FRAGMENTS,
                    "qwen3_xml": XML_FRAGMENTS, "seed_oss": XML_FRAGMENTS,
                    "minimax_m2": MINIMAX_FRAGMENTS}
 

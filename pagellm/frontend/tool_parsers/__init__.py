@@ -11,6 +11,7 @@ from pagellm.frontend.tool_parsers.hermes import HermesToolParser
 from pagellm.frontend.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagellm.frontend.tool_parsers.minimax_m2 import MiniMaxM2ToolParser
 from pagellm.frontend.tool_parsers.mistral import MistralToolParser
+from pagellm.frontend.tool_parsers.olmo3 import Olmo3ToolParser
 from pagellm.frontend.tool_parsers.openai import OpenAIToolParser
 from pagellm.frontend.tool_parsers.pythonic import PythonicToolParser
 from pagellm.frontend.tool_parsers.qwen3_coder import (
@@ -28,6 +29,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "minimax_m2": MiniMaxM2ToolParser,
     "mistral": MistralToolParser,
+    "olmo3": Olmo3ToolParser,
     "openai": OpenAIToolParser,
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
@@ -49,6 +51,6 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 __all__ = ["TOOL_PARSERS", "DeepSeekV3ToolParser", "DeepSeekV31ToolParser",
            "ExtractedToolCalls", "Glm45ToolParser", "Glm47ToolParser", "HermesToolParser",
            "Llama3JsonToolParser", "MiniMaxM2ToolParser", "MistralToolParser",
-           "OpenAIToolParser", "PythonicToolParser", "Qwen3CoderToolParser",
+           "Olmo3ToolParser", "OpenAIToolParser", "PythonicToolParser", "Qwen3CoderToolParser",
            "Qwen3XmlToolParser", "SeedOssToolParser", "ToolCall", "ToolParser",
            "get_tool_parser"]

@@ -29,14 +29,25 @@ PYTHON_END = "<|python_end|>"
 _LEAD, _HOLD, _CONTENT = range(3)
 
 
-def _parse_calls(text: str) -> list[ToolCall] | None:
-    """The calls of a whole output, or None when it is not exactly a list of calls
-    `name(keyword=literal, ...)`: a positional argument, `**kwargs`, a repeated
+_JSON_NAMES = {"null": None, "true": True, "false": False}
+
+
+class _JsonNames(ast.NodeTransformer):
+    """JSON's null, true and false written as bare names (OLMo 3's calls) as the
+    constants they stand for."""
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id in _JSON_NAMES:
+            return ast.copy_location(ast.Constant(_JSON_NAMES[node.id]), node)
+        return node
+
+
+def python_calls(source: str, json_names: bool = False) -> list[ToolCall] | None:
+    """The calls of a Python list `[name(keyword=literal, ...), ...]`, or None when
+    `source` is not exactly that: a positional argument, `**kwargs`, a repeated
     keyword, a dotted name, or any value that is not a literal (a variable, an
-    expression, a call) makes the whole output content, as does a literal JSON cannot
-    carry (a set, bytes, a complex number, NaN)."""
-    source = strip_lead(text, PYTHON_START).rstrip()
-    source = source.removesuffix(PYTHON_END).strip()
+    expression, a call), as is a literal JSON cannot carry (a set, bytes, a complex
+    number, NaN). `json_names`: null, true and false are literals too."""
     if not source.startswith("["):
         return None
     try:
@@ -57,7 +68,8 @@ def _parse_calls(text: str) -> list[ToolCall] | None:
             for keyword in node.keywords:
                 if keyword.arg is None or keyword.arg in arguments:
                     return None
-                arguments[keyword.arg] = ast.literal_eval(keyword.value)
+                value = _JsonNames().visit(keyword.value) if json_names else keyword.value
+                arguments[keyword.arg] = ast.literal_eval(value)
             calls.append(ToolCall(name=node.func.id, arguments=json.dumps(
                 arguments, ensure_ascii=False, allow_nan=False)))
         return calls
@@ -67,6 +79,12 @@ def _parse_calls(text: str) -> list[ToolCall] | None:
         # (also oversized int strings); json.dumps: TypeError on sets, bytes, complex,
         # tuple keys, ValueError on NaN/Infinity.
         return None
+
+
+def _parse_calls(text: str) -> list[ToolCall] | None:
+    """The calls of a whole output (`python_calls` of it, without the wrapping tags)."""
+    source = strip_lead(text, PYTHON_START).rstrip()
+    return python_calls(source.removesuffix(PYTHON_END).strip())
 
 
 class PythonicToolParser(ToolParser):
