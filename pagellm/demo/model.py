@@ -58,7 +58,8 @@ ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qw
                           "mixtral", "olmoe", "gemma2", "gemma3_text", "phi3", "gpt_oss",
                           "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "olmo2",
                           "olmo3", "smollm3", "granite", "seed_oss", "minimax_m2",
-                          "glm", "glm4", "cohere", "cohere2", "exaone4")
+                          "glm", "glm4", "cohere", "cohere2", "exaone4",
+                          "ernie4_5")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 

@@ -388,6 +388,7 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
     ("cohere", dict(use_qk_norm=True), "use_qk_norm=True is not supported"),
     ("cohere2", dict(logit_scale=-0.5), "logit_scale must be a positive number, got -0.5"),
     ("exaone4", dict(mlp_bias=True), "mlp_bias=True is not supported"),
+    ("ernie4_5", dict(use_bias=True), "use_bias=True is not supported"),
     ("glm", dict(partial_rotary_factor=0.3, rope_parameters=dict(
         rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.3)),
      "partial_rotary_factor=0.3 gives rotary_dim"),

@@ -154,6 +154,10 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
     "glm4": ModelSpec(arch="glm4", **_SMALL, num_kv_heads=2, head_dim=32,
                       intermediate_size=96, init_std=0.3, seed=34,
                       config_extra=dict(partial_rotary_factor=0.5)),
+    # ERNIE 4.5 (dense): Llama's layers with GLM's interleaved RoPE pairs over whole
+    # heads, tied embedding
+    "ernie4_5": ModelSpec(arch="ernie4_5", **{**_SMALL, "tie_word_embeddings": True},
+                          num_kv_heads=2, intermediate_size=96, init_std=0.3, seed=39),
     # Command R (Cohere): attention and MLP side by side after one bias-free LayerNorm,
     # interleaved RoPE pairs, tied embedding, logits times 0.3 (a scale no power of two)
     "cohere": ModelSpec(arch="cohere", **{**_SMALL, "tie_word_embeddings": True},

@@ -1,6 +1,7 @@
 """GLM-4 (Zhipu's `GlmForCausalLM`: glm-4-9b-chat-hf, GLM-Edge) and GLM-4-0414
 (`Glm4ForCausalLM`: GLM-4-9B/32B-0414, GLM-Z1): the shared decoder with GLM's RoPE, and
-for GLM-4-0414 norms after the blocks as well.
+for GLM-4-0414 norms after the blocks as well. ERNIE 4.5's dense models are
+`GlmForCausalLM` with whole heads rotated (registry.py `_ernie4_5`).
 
 What differs, as transformers computes it:
 

@@ -324,6 +324,16 @@ def _glm(config: Any, arch: str) -> DecoderSpec:
                              o_bias=False, rope=rope, fused_checkpoint=("gate_up_proj",))
 
 
+def _ernie4_5(config: Any, arch: str) -> DecoderSpec:
+    """ERNIE 4.5 (dense: ERNIE-4.5-0.3B): Llama's decoder with GLM's interleaved RoPE
+    pairs over the whole head (glm4.py's attention; transformers rotates in fp32, here
+    in the model's dtype: the same in fp32). use_bias (biases on every projection, the
+    MLP's too) refused: the MLP has none."""
+    if getattr(config, "use_bias", False):
+        raise ValueError("use_bias=True is not supported (the MLP has no biases)")
+    return read_decoder_spec(config, arch)
+
+
 def _cohere(config: Any, arch: str) -> DecoderSpec:
     """Command R / Aya Expanse and Command R7B / A (cohere.py): LayerNorm eps
     (layer_norm_eps), attention biases where attention_bias, logit_scale; Command R7B /
@@ -452,6 +462,7 @@ FAMILIES: dict[str, Family] = {
                                    _lazy("minimax_m2", "MiniMaxM2ForCausalLM")),
     "GlmForCausalLM": Family("glm", _glm, _lazy("glm4", "GlmForCausalLM")),
     "Glm4ForCausalLM": Family("glm4", _glm, _lazy("glm4", "Glm4ForCausalLM")),
+    "Ernie4_5ForCausalLM": Family("ernie4_5", _ernie4_5, _lazy("glm4", "GlmForCausalLM")),
     "CohereForCausalLM": Family("cohere", _cohere, _lazy("cohere", "CohereForCausalLM")),
     "Cohere2ForCausalLM": Family("cohere2", _cohere, _lazy("cohere", "CohereForCausalLM")),
     "Exaone4ForCausalLM": Family("exaone4", _exaone4,
