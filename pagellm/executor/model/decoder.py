@@ -4,10 +4,10 @@ families.
 The families differ only in data, carried by `DecoderSpec` (spec.py): qkv bias (Qwen2),
 q/k RMSNorm per head (Qwen3) or over all heads (OLMoE), q/k/v clipping (OLMoE), a
 head_dim independent of hidden_size, tied embeddings, the RoPE variant (partial rotary and
-LongRoPE: Phi-3), per-layer sliding windows (Mistral), the MLP's activation, and a sparse
-mixture-of-experts MLP in the layers the spec marks (moe.py). q/k/v and gate/up
-projections are stored merged (one GEMM each); `load_weights` maps the checkpoint's
-separate tensors (or Phi-3's fused ones) into them.
+LongRoPE: Phi-3) and the layers without it (SmolLM3), per-layer sliding windows (Mistral),
+the MLP's activation, and a sparse mixture-of-experts MLP in the layers the spec marks
+(moe.py). q/k/v and gate/up projections are stored merged (one GEMM each);
+`load_weights` maps the checkpoint's separate tensors (or Phi-3's fused ones) into them.
 
 This module is the family's own part: its attention block, MLP, layer and model, built
 from the shared layers (layers.py: linear, norm, tensor-parallel layers) and loaded
