@@ -59,7 +59,7 @@ ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qw
                           "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "olmo2",
                           "olmo3", "smollm3", "granite", "seed_oss", "minimax_m2",
                           "glm", "glm4", "cohere", "cohere2", "exaone4",
-                          "ernie4_5")
+                          "ernie4_5", "ernie4_5_moe")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 
@@ -277,6 +277,8 @@ def _reinit_weights(model: torch.nn.Module, spec: ModelSpec) -> None:
                     values = torch.randn(param.shape, generator=gen) * spec.init_std
                 elif param_name == "sinks":  # gpt-oss: a logit per head, near the scores'
                     values = torch.randn(param.shape, generator=gen)
+                elif param_name == "e_score_correction_bias":  # ERNIE 4.5's, a parameter
+                    values = 0.1 * torch.randn(param.shape, generator=gen)
                 else:
                     raise RuntimeError(
                         f"don't know how to initialise {module_name}.{param_name} ({kind})"

@@ -389,6 +389,7 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
     ("cohere2", dict(logit_scale=-0.5), "logit_scale must be a positive number, got -0.5"),
     ("exaone4", dict(mlp_bias=True), "mlp_bias=True is not supported"),
     ("ernie4_5", dict(use_bias=True), "use_bias=True is not supported"),
+    ("ernie4_5_moe", dict(moe_layer_interval=0), "moe_layer_interval must be at least 1"),
     ("glm", dict(partial_rotary_factor=0.3, rope_parameters=dict(
         rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.3)),
      "partial_rotary_factor=0.3 gives rotary_dim"),
@@ -406,12 +407,13 @@ def test_a_config_the_engine_cannot_serve_is_refused_naming_the_field(
         resolve_model_config(EngineArgs(model=str(directory)))
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "minimax_m2"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "minimax_m2", "ernie4_5_moe"])
 def test_a_checkpoints_multi_token_prediction_layer_is_not_loaded(
         name, tmp_path, family_dirs, hf_models, make_llm):
     """DeepSeek-V3 (and MiniMax-M2) checkpoints append their multi-token-prediction
-    modules as layers from num_hidden_layers on (transformers ignores them): the engine
-    loads the rest and serves the same tokens."""
+    modules as layers from num_hidden_layers on, ERNIE 4.5's as `mtp_*` modules
+    (transformers ignores both): the engine loads the rest and serves the same
+    tokens."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -419,9 +421,12 @@ def test_a_checkpoints_multi_token_prediction_layer_is_not_loaded(
     directory = tmp_path / "with_mtp"
     shutil.copytree(family_dirs[name], directory)
     weights = load_file(directory / "model.safetensors")
-    mtp = {name.replace("layers.1.", "layers.2."): t.clone() for name, t in weights.items()
-           if name.startswith("model.layers.1.")}
-    mtp["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    last = FAMILY_SPECS[name].num_layers - 1
+    extra = "model.mtp_block.0." if name == "ernie4_5_moe" else f"model.layers.{last + 1}."
+    mtp = {key.replace(f"model.layers.{last}.", extra): t.clone()
+           for key, t in weights.items() if key.startswith(f"model.layers.{last}.")}
+    mtp[("model.mtp_linear_proj.0.weight" if name == "ernie4_5_moe"
+         else f"model.layers.{last + 1}.eh_proj.weight")] = torch.zeros(64, 128)
     save_file({**weights, **mtp}, directory / "model.safetensors", metadata={"format": "pt"})
     llm = make_llm(directory)
     prompts = FAMILY_PROMPTS[:2]
@@ -482,7 +487,8 @@ def test_deepseek_v3s_choice_bias_stays_float32_in_a_bf16_model(family_dirs):
     name = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert params[name].dtype == torch.float32
     assert torch.equal(params[name], load_file(directory / "model.safetensors")[name])
-    assert params["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    assert params["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # (ERNIE's)
+    assert params["model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
 
 
 def test_deepseeks_cache_holds_the_latent_once(family_dirs, make_llm):

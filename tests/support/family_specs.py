@@ -158,6 +158,15 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
     # heads, tied embedding
     "ernie4_5": ModelSpec(arch="ernie4_5", **{**_SMALL, "tie_word_embeddings": True},
                           num_kv_heads=2, intermediate_size=96, init_std=0.3, seed=39),
+    # ERNIE 4.5 MoE: layer 0 dense (moe_layer_start_index 1), then top-2 of 8 experts by
+    # softmax plus a choice bias, renormalised, and two ungated shared experts
+    "ernie4_5_moe": ModelSpec(arch="ernie4_5_moe", **{**_SMALL, "num_layers": 3,
+                                                      "tie_word_embeddings": True},
+                              num_kv_heads=2, intermediate_size=96, init_std=0.3, seed=40,
+                              config_extra=dict(moe_num_experts=8, moe_k=2,
+                                                moe_intermediate_size=32,
+                                                moe_num_shared_experts=2,
+                                                moe_layer_start_index=1)),
     # Command R (Cohere): attention and MLP side by side after one bias-free LayerNorm,
     # interleaved RoPE pairs, tied embedding, logits times 0.3 (a scale no power of two)
     "cohere": ModelSpec(arch="cohere", **{**_SMALL, "tie_word_embeddings": True},

@@ -153,9 +153,11 @@ class MlaAttention(nn.Module):
 
 class DeepseekRouter(nn.Module):
     """The router's weight [E, hidden] and, for V3, the bias added to the scores to
-    choose (e_score_correction_bias [E], kept in float32 whatever the model's dtype, as
-    transformers and vLLM keep it: neighbouring experts' biases differ by less than
-    bf16 resolves)."""
+    choose (e_score_correction_bias [E]), both kept in float32 whatever the model's
+    dtype: the bias as transformers and vLLM keep it (neighbouring experts' biases
+    differ by less than bf16 resolves), the weight as transformers keeps ERNIE 4.5's
+    (stored in float32) and vLLM MiniMax-M2's; a bf16 checkpoint's weight is exact in
+    float32, so its scores are the ones a bf16 router computes in float32."""
 
     def __init__(self, hidden_size: int, num_experts: int, score_bias: bool) -> None:
         super().__init__()
@@ -165,10 +167,10 @@ class DeepseekRouter(nn.Module):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
                ) -> DeepseekRouter:
-        bias = self.e_score_correction_bias
+        kept = (self.weight, self.e_score_correction_bias)
 
         def convert(t: torch.Tensor) -> torch.Tensor:
-            return fn(t).float() if bias is not None and t is bias else fn(t)
+            return fn(t).float() if any(t is k for k in kept) else fn(t)
 
         return super()._apply(convert, recurse)
 
@@ -187,8 +189,9 @@ class DeepseekMoeBlock(nn.Module):
                                if moe.shared_expert_size else None)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, K] float32, expert ids [T, K] int64), in float32
-        throughout as transformers' router."""
+        """x [T, hidden] -> (weights [T, K] float32, or x's dtype where the family rounds
+        them (ERNIE 4.5); expert ids [T, K] int64), in float32 throughout as
+        transformers' router."""
         r = self.routing
         logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
         scores = logits.sigmoid() if r.scoring == "sigmoid" else logits.softmax(dim=-1)
@@ -205,7 +208,8 @@ class DeepseekMoeBlock(nn.Module):
         weights = scores.gather(1, ids)
         if self.moe.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * r.scaling, ids
+        weights = weights * r.scaling
+        return (weights.to(x.dtype) if self.moe.weights_in_model_dtype else weights), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden], summed over the ranks."""

@@ -1,7 +1,8 @@
 """GLM-4 (Zhipu's `GlmForCausalLM`: glm-4-9b-chat-hf, GLM-Edge) and GLM-4-0414
 (`Glm4ForCausalLM`: GLM-4-9B/32B-0414, GLM-Z1): the shared decoder with GLM's RoPE, and
 for GLM-4-0414 norms after the blocks as well. ERNIE 4.5's dense models are
-`GlmForCausalLM` with whole heads rotated (registry.py `_ernie4_5`).
+`GlmForCausalLM` with whole heads rotated (registry.py `_ernie4_5`), its MoE models
+that attention with DeepSeek's experts (`Ernie45MoeForCausalLM`).
 
 What differs, as transformers computes it:
 
@@ -35,11 +36,13 @@ from pagellm.executor.model.decoder import (
     DecoderLayer,
     DecoderModel,
 )
+from pagellm.executor.model.deepseek import DeepseekMoeBlock
 from pagellm.executor.model.layers import RMSNorm
 from pagellm.executor.model.mlp import DecoderMLP
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.rope import apply_rotary, halves_from_pairs
 from pagellm.executor.model.spec import DecoderSpec
+from pagellm.executor.model.weight_map import SKIP, Destination
 
 
 class GlmAttention(DecoderAttention):
@@ -64,6 +67,29 @@ class GlmForCausalLM(DecoderForCausalLM):
     """GLM-4 (glm-4-9b-chat-hf): Llama's layers with GLM's attention."""
 
     model_cls = GlmModel
+
+
+class Ernie45MoeDecoderLayer(GlmDecoderLayer):
+    moe_cls = DeepseekMoeBlock
+
+
+class Ernie45MoeModel(DecoderModel):
+    layer_cls = Ernie45MoeDecoderLayer
+
+
+class Ernie45MoeForCausalLM(DecoderForCausalLM):
+    """ERNIE 4.5 MoE: GLM's attention over whole heads with DeepSeek's routed and shared
+    experts (softmax scores and a choice bias: registry.py `_ernie4_5_moe`); its
+    checkpoints' multi-token-prediction tensors (`mtp*`, which transformers ignores too)
+    are not loaded."""
+
+    model_cls = Ernie45MoeModel
+
+    def family_destination(self, name: str, params: dict[str, nn.Parameter]
+                           ) -> Destination | None:
+        if name.removeprefix("model.").startswith("mtp"):
+            return SKIP
+        return super().family_destination(name, params)
 
 
 class Glm4DecoderLayer(nn.Module):

@@ -334,6 +334,39 @@ def _ernie4_5(config: Any, arch: str) -> DecoderSpec:
     return read_decoder_spec(config, arch)
 
 
+def _ernie4_5_moe(config: Any, arch: str) -> DecoderSpec:
+    """ERNIE 4.5 MoE (ERNIE-4.5-21B-A3B, 300B-A47B): ERNIE 4.5's attention and, in the
+    layers from moe_layer_start_index to moe_layer_end_index (every moe_layer_interval-
+    th), top-k of the experts by softmax score plus a float32 choice bias (the statistics
+    module's e_score_correction_bias), weighted by the unbiased scores renormalised and
+    rounded to the model's dtype, plus moe_num_shared_experts ungated shared experts
+    (glm4.py `Ernie45MoeForCausalLM`). moe_norm_min, the renormalisation's floor
+    (1e-12), only matters for weights that sum below it; multi-token-prediction tensors
+    are not loaded."""
+    if getattr(config, "use_bias", False):
+        raise ValueError("use_bias=True is not supported (the MLP has no biases)")
+    layers = config.num_hidden_layers
+    start, end = config.moe_layer_start_index, config.moe_layer_end_index
+    interval = config.moe_layer_interval
+    for field, value in (("moe_layer_start_index", start), ("moe_layer_end_index", end),
+                         ("moe_layer_interval", interval)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{field} must be an integer, got {value!r}")
+    if interval < 1:
+        raise ValueError(f"moe_layer_interval must be at least 1, got {interval}")
+    end = layers - 1 if end == -1 else end
+    moe = MoeSpec(num_experts=config.moe_num_experts, top_k=config.moe_k,
+                  intermediate_size=config.moe_intermediate_size, renormalize=True,
+                  sparse_layers=tuple((i + 1) % interval == 0 and start <= i <= end
+                                      for i in range(layers)),
+                  shared_expert_size=config.moe_intermediate_size
+                  * (config.moe_num_shared_experts or 0),
+                  grouped=GroupedRouting(scoring="softmax", score_bias=True,
+                                         group_score=None, n_group=1, topk_group=1,
+                                         scaling=1.0))
+    return read_decoder_spec(config, arch, moe=moe)
+
+
 def _cohere(config: Any, arch: str) -> DecoderSpec:
     """Command R / Aya Expanse and Command R7B / A (cohere.py): LayerNorm eps
     (layer_norm_eps), attention biases where attention_bias, logit_scale; Command R7B /
@@ -463,6 +496,8 @@ FAMILIES: dict[str, Family] = {
     "GlmForCausalLM": Family("glm", _glm, _lazy("glm4", "GlmForCausalLM")),
     "Glm4ForCausalLM": Family("glm4", _glm, _lazy("glm4", "Glm4ForCausalLM")),
     "Ernie4_5ForCausalLM": Family("ernie4_5", _ernie4_5, _lazy("glm4", "GlmForCausalLM")),
+    "Ernie4_5_MoeForCausalLM": Family("ernie4_5_moe", _ernie4_5_moe,
+                                      _lazy("glm4", "Ernie45MoeForCausalLM")),
     "CohereForCausalLM": Family("cohere", _cohere, _lazy("cohere", "CohereForCausalLM")),
     "Cohere2ForCausalLM": Family("cohere2", _cohere, _lazy("cohere", "CohereForCausalLM")),
     "Exaone4ForCausalLM": Family("exaone4", _exaone4,

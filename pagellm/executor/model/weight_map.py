@@ -139,9 +139,15 @@ _EXPERT_PART: dict[str, int | str] = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3
 
 # The families whose checkpoints spell the block Mixtral's way.
 _BLOCK_SPARSE_MOE = ("MixtralForCausalLM", "MiniMaxM2ForCausalLM")
-# The experts' choice bias (DeepSeek-V3's router holds it: `mlp.gate.`; MiniMax-M2's
-# checkpoint has it on the block, `block_sparse_moe.`, transformers on `mlp.`).
-_SCORE_BIAS = re.compile(r"(.+)\.(?:block_sparse_moe|mlp)(?:\.gate)?\.e_score_correction_bias")
+# The experts' choice bias, which our router holds (`mlp.gate.e_score_correction_bias`
+# [E]), in any family's spelling: DeepSeek-V3's is ours; MiniMax-M2's checkpoint has it
+# on the block (`block_sparse_moe.`, transformers `mlp.`); ERNIE 4.5's in its statistics
+# module, [1, E] (`mlp.moe_statics.`, transformers `mlp.gate.moe_statics.`).
+_SCORE_BIAS = re.compile(r"(.+)\.(?:block_sparse_moe|mlp)(?:\.gate)?(?:\.moe_statics)?"
+                         r"\.e_score_correction_bias")
+# The family's own name of it (suffix after the layer's prefix), where not ours.
+_SCORE_BIAS_NAMES = {"MiniMaxM2ForCausalLM": "block_sparse_moe.e_score_correction_bias",
+                     "Ernie4_5_MoeForCausalLM": "mlp.moe_statics.e_score_correction_bias"}
 
 
 def moe_names(spec: DecoderSpec) -> tuple[str, tuple[str, str, str]]:
@@ -170,8 +176,8 @@ def canonical_keys(name: str, spec: DecoderSpec) -> list[str]:
     if m := _ROUTER.fullmatch(name) or re.fullmatch(r"(.+)\.mlp\.gate\.weight", name):
         return [f"{m[1]}.{module}.gate.weight"]
     if m := _SCORE_BIAS.fullmatch(name):
-        where = "mlp.gate" if module == "mlp" else module
-        return [f"{m[1]}.{where}.e_score_correction_bias"]
+        own = _SCORE_BIAS_NAMES.get(spec.architecture, "mlp.gate.e_score_correction_bias")
+        return [f"{m[1]}.{own}"]
     return [name]
 
 
@@ -297,7 +303,11 @@ def destination(name: str, params: Mapping[str, nn.Parameter], spec: DecoderSpec
         return SKIP  # some tied checkpoints still carry a copy
     if spec.moe is not None and (m := _SCORE_BIAS.fullmatch(name)):
         param = params.get(f"{m[1]}.mlp.gate.e_score_correction_bias")
-        return None if param is None else Destination(param, tuple(param.shape))
+        if param is None:
+            return None
+        if spec.architecture == "Ernie4_5_MoeForCausalLM":  # stored [1, E]
+            return Destination(param.view(1, -1), (1, param.shape[0]))
+        return Destination(param, tuple(param.shape))
     if spec.moe is not None and (".experts." in name or ".block_sparse_moe." in name):
         return _expert_destination(name, params, spec, tp)
     target, shard = name, None
