@@ -87,9 +87,15 @@ class Ernie45MoeForCausalLM(DecoderForCausalLM):
 
     def family_destination(self, name: str, params: dict[str, nn.Parameter]
                            ) -> Destination | None:
+        """The shared map's, but for the multi-token-prediction tensors (not loaded) and
+        the choice bias, which the checkpoint stores [1, E]."""
         if name.removeprefix("model.").startswith("mtp"):
             return SKIP
-        return super().family_destination(name, params)
+        dest = super().family_destination(name, params)
+        if dest is not None and dest.tensor is not None \
+                and name.endswith("e_score_correction_bias"):
+            return Destination(dest.tensor.view(1, -1), (1, dest.tensor.shape[0]))
+        return dest
 
 
 class Glm4DecoderLayer(nn.Module):

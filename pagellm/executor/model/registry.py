@@ -367,6 +367,12 @@ def _ernie4_5_moe(config: Any, arch: str) -> DecoderSpec:
     return read_decoder_spec(config, arch, moe=moe)
 
 
+def _rope_on_sliding_layers(config: Any) -> tuple[bool, ...]:
+    """Which layers rotate where only the sliding-window ones do (Command R7B / A; EXAONE
+    4 where it has a window): those `layer_types` names "sliding_attention"."""
+    return tuple(t == "sliding_attention" for t in getattr(config, "layer_types", None) or ())
+
+
 def _cohere(config: Any, arch: str) -> DecoderSpec:
     """Command R / Aya Expanse and Command R7B / A (cohere.py): LayerNorm eps
     (layer_norm_eps), attention biases where attention_bias, logit_scale; Command R7B /
@@ -384,8 +390,7 @@ def _cohere(config: Any, arch: str) -> DecoderSpec:
     fields: dict[str, Any] = {"rms_norm_eps": config.layer_norm_eps,
                               "logit_scale": float(scale)}
     if arch == "Cohere2ForCausalLM":
-        fields["rope_layers"] = tuple(t == "sliding_attention"
-                                      for t in getattr(config, "layer_types", None) or ())
+        fields["rope_layers"] = _rope_on_sliding_layers(config)
     return read_decoder_spec(config, arch, **fields)
 
 
@@ -395,9 +400,8 @@ def _exaone4(config: Any, arch: str) -> DecoderSpec:
     if getattr(config, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported (the MLP has no biases)")
     fields: dict[str, Any] = {"qk_norm": "head"}
-    if getattr(config, "sliding_window", None):
-        fields["rope_layers"] = tuple(t == "sliding_attention"
-                                      for t in getattr(config, "layer_types", None) or ())
+    if getattr(config, "sliding_window", None):  # (without one, every layer rotates)
+        fields["rope_layers"] = _rope_on_sliding_layers(config)
     return read_decoder_spec(config, arch, **fields)
 
 

@@ -142,7 +142,7 @@ _BLOCK_SPARSE_MOE = ("MixtralForCausalLM", "MiniMaxM2ForCausalLM")
 # The experts' choice bias, which our router holds (`mlp.gate.e_score_correction_bias`
 # [E]), in any family's spelling: DeepSeek-V3's is ours; MiniMax-M2's checkpoint has it
 # on the block (`block_sparse_moe.`, transformers `mlp.`); ERNIE 4.5's in its statistics
-# module, [1, E] (`mlp.moe_statics.`, transformers `mlp.gate.moe_statics.`).
+# module (`mlp.moe_statics.`, transformers `mlp.gate.moe_statics.`; [1, E]: glm4.py).
 _SCORE_BIAS = re.compile(r"(.+)\.(?:block_sparse_moe|mlp)(?:\.gate)?(?:\.moe_statics)?"
                          r"\.e_score_correction_bias")
 # The family's own name of it (suffix after the layer's prefix), where not ours.
@@ -303,11 +303,7 @@ def destination(name: str, params: Mapping[str, nn.Parameter], spec: DecoderSpec
         return SKIP  # some tied checkpoints still carry a copy
     if spec.moe is not None and (m := _SCORE_BIAS.fullmatch(name)):
         param = params.get(f"{m[1]}.mlp.gate.e_score_correction_bias")
-        if param is None:
-            return None
-        if spec.architecture == "Ernie4_5_MoeForCausalLM":  # stored [1, E]
-            return Destination(param.view(1, -1), (1, param.shape[0]))
-        return Destination(param, tuple(param.shape))
+        return None if param is None else Destination(param, tuple(param.shape))
     if spec.moe is not None and (".experts." in name or ".block_sparse_moe." in name):
         return _expert_destination(name, params, spec, tp)
     target, shard = name, None

@@ -115,22 +115,29 @@ def parse_call_object(text: str, argument_keys: Iterable[str]) -> ToolCall | Non
     allow) is no call, so the server never sends arguments a client cannot parse."""
     try:
         obj = json.loads(text, parse_constant=reject_json_constant)
-        if not isinstance(obj, dict):
-            return None
-        name = obj.get("name")
-        if not isinstance(name, str) or not name:
-            return None
-        for key in argument_keys:
-            if key in obj:
-                arguments = obj[key]
-                break
-        else:
-            return None
-        if not isinstance(arguments, dict):
-            return None
-        return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
     except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
         return None
+    return call_of_object(obj, argument_keys)
+
+
+def call_of_object(obj: Any, argument_keys: Iterable[str]) -> ToolCall | None:
+    """`parse_call_object` of an object already decoded (Mistral's array holds several):
+    a dict with a non-empty string `name` and an object under the first of
+    `argument_keys` present, else None."""
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    for key in argument_keys:
+        if key in obj:
+            arguments = obj[key]
+            break
+    else:
+        return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
 
 
 def arguments_json(text: str) -> str | None:
@@ -207,7 +214,7 @@ def tagged(text: str, pos: int, open_tag: str, close_tag: str) -> tuple[str, int
     per tag, so a body read tag by tag is read in linear time whatever it holds (a
     regex finding each opening tag's close anew is quadratic in a run of opening
     tags)."""
-    start = _SPACE.match(text, pos).end()  # type: ignore[union-attr]
+    start = skip_space(text, pos)
     if not text.startswith(open_tag, start):
         return None
     inner = start + len(open_tag)
@@ -237,9 +244,15 @@ def tagged_parameters(text: str, open_tag: str, close_tag: str,
     return arguments
 
 
+def skip_space(text: str, pos: int) -> int:
+    """The first position from `pos` that is not whitespace (len(text) if none): one
+    regex step, never a copy of the rest (as text[pos:].lstrip() would be)."""
+    return _SPACE.match(text, pos).end()  # type: ignore[union-attr]
+
+
 def only_space(text: str, pos: int) -> bool:
     """Whether `text` from `pos` is nothing but whitespace."""
-    return _SPACE.match(text, pos).end() == len(text)  # type: ignore[union-attr]
+    return skip_space(text, pos) == len(text)
 
 
 def content_or_none(text: str) -> str | None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import string
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -40,22 +39,17 @@ from pagellm.frontend.tool_parsers.base import (
     ToolCall,
     ToolParser,
     arguments_json,
-    call_with,
+    call_of_object,
     join_gaps,
     partial_tag_length,
     reject_json_constant,
+    skip_space,
 )
 
 BOT, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 _BEFORE, _CALL, _BETWEEN, _CONTENT = range(4)
-_SPACES = re.compile(r"\s*")
-
-
-def _skip_space(text: str, pos: int) -> int:
-    """The first position from `pos` that is not whitespace (len(text) if none)."""
-    return _SPACES.match(text, pos).end()  # type: ignore[union-attr]
 
 
 def mistral_call_id() -> str:
@@ -63,12 +57,13 @@ def mistral_call_id() -> str:
     return "".join(random.choices(_ALPHANUMERIC, k=9))
 
 
-def _with_id(call: ToolCall | None, call_id: str | None) -> ToolCall | None:
+def _with_id(call: ToolCall | None, call_id: str = "") -> ToolCall | None:
+    """`call` with Mistral's id: the model's `call_id` where it has that shape, else a
+    fresh one."""
     if call is None:
         return None
-    valid = call_id is not None and len(call_id) == 9 and call_id.isascii() \
-        and call_id.isalnum()
-    call.id = call_id if valid and call_id is not None else mistral_call_id()
+    valid = len(call_id) == 9 and call_id.isascii() and call_id.isalnum()
+    call.id = call_id if valid else mistral_call_id()
     return call
 
 
@@ -76,7 +71,7 @@ def _call_of_head(head: str, arguments: str) -> ToolCall | None:
     """A v11 call: `head` (NAME, then [CALL_ID]ID and [ARGS] where present) and the
     arguments' text (a JSON object), or None."""
     name, has_id, rest = head.partition(CALL_ID)
-    call_id = None
+    call_id = ""
     if has_id:
         call_id, _, rest = rest.partition(ARGS)
         call_id = call_id.strip()
@@ -109,10 +104,7 @@ def _calls_of_array(text: str) -> list[ToolCall] | None:
         return None
     calls = []
     for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str) \
-                or not item["name"] or not isinstance(item.get("arguments"), dict):
-            return None
-        call = _with_id(call_with(item["name"], item["arguments"]), None)
+        call = _with_id(call_of_object(item, ("arguments",)))
         if call is None:
             return None
         calls.append(call)
@@ -150,7 +142,7 @@ class MistralToolParser(ToolParser):
                 break
             calls.extend(found)
             gap_start = end
-            read = _skip_space(text, end)
+            read = skip_space(text, end)
         if not calls:
             return ExtractedToolCalls(tools_called=False, tool_calls=[],
                                       content=join_gaps([text]))
@@ -169,7 +161,7 @@ class MistralToolParser(ToolParser):
                 text = self._feed_call(text, out)
                 continue
             if self._phase == _BETWEEN and not self._held:  # whitespace: the gap's
-                visible = _skip_space(text, 0)
+                visible = skip_space(text, 0)
                 self._gap.add(text[:visible], out)
                 text = text[visible:]
                 if not text:
@@ -203,7 +195,7 @@ class MistralToolParser(ToolParser):
         if self._value is None:  # its JSON has not begun: the array's "[" or the "{"
             offset = self._call_len
             if self._first is None:
-                visible = _skip_space(text, 0)
+                visible = skip_space(text, 0)
                 if visible < len(text):
                     self._first = offset + visible
             if self._first is not None and len(self._lead) < len(CALL_ID):
@@ -255,7 +247,7 @@ class MistralToolParser(ToolParser):
 def _read_call(text: str, pos: int) -> tuple[int, list[ToolCall] | None]:
     """The call(s) after a [TOOL_CALLS] ending at `pos`: (where they end, the calls),
     or (pos, None) where the text there is none."""
-    first = _skip_space(text, pos)
+    first = skip_space(text, pos)
     mode = _mode(text[first:first + len(CALL_ID)])
     if mode is None:
         return pos, None
