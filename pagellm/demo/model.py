@@ -59,7 +59,7 @@ ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qw
                           "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "olmo2",
                           "olmo3", "smollm3", "granite", "seed_oss", "minimax_m2",
                           "glm", "glm4", "cohere", "cohere2", "exaone4",
-                          "ernie4_5", "ernie4_5_moe")
+                          "ernie4_5", "ernie4_5_moe", "lfm2")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 
@@ -239,7 +239,7 @@ def _build_config(spec: ModelSpec) -> PretrainedConfig:
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     # these derive head_dim (DeepSeek's is its rotary part, qk_rope_head_dim)
     if spec.arch not in ("qwen2", "qwen2_moe", "olmoe", "phi3", "deepseek_v2", "deepseek_v3",
-                         "glm4_moe_lite"):
+                         "glm4_moe_lite", "lfm2"):
         extra.setdefault("head_dim", spec.effective_head_dim)
     return AutoConfig.for_model(spec.arch, **common, **extra)
 
@@ -270,6 +270,10 @@ def _reinit_weights(model: torch.nn.Module, spec: ModelSpec) -> None:
                     module, (torch.nn.Linear, torch.nn.Embedding)
                 ):
                     values = torch.randn(param.shape, generator=gen) * spec.init_std
+                elif param_name == "weight" and isinstance(module, torch.nn.Conv1d):
+                    # LFM2's short convolutions, 3 taps: wide, so the tokens before
+                    # each one (a request's carried state) change its output
+                    values = 0.5 * torch.randn(param.shape, generator=gen)
                 elif param_name == "weight" and kind.endswith(("RMSNorm", "LayerNorm")):
                     values = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
                 elif kind.endswith(("Experts", "Router", "NaiveMoe")):  # stacked experts

@@ -56,19 +56,24 @@ class EngineCore:
         steps; the owner of the busy loop must then stop it."""
         self.executor = create_executor(args, on_failure)
         model_config = self.executor.model_config
+        # A layer's state per request (LFM2's convolutions) is in no KV block: a cached
+        # prefix cannot restore it, so such models compute every prompt whole.
+        prefix_caching = args.enable_prefix_caching and not model_config.spec.has_state
+        if args.enable_prefix_caching and not prefix_caching:
+            logger.info("prefix caching is off: %s keeps a state per request that no KV "
+                        "block holds", model_config.spec.architecture)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=self.executor.max_num_batched_tokens,
                             long_prefill_token_threshold=args.long_prefill_token_threshold,
                             policy=args.scheduling_policy,
                             max_loras=args.max_loras if args.enable_lora else 0),
-            KVCacheManager(self.executor.num_kv_blocks, args.block_size,
-                           args.enable_prefix_caching,
+            KVCacheManager(self.executor.num_kv_blocks, args.block_size, prefix_caching,
                            sliding_window=getattr(model_config.spec, "kv_window", None)),
             None if args.speculative is None else make_proposer(
                 args.speculative, self.executor.device.type))
         # Requests hash their blocks only when the prefix cache can use the hashes.
-        self._hash_block_size = args.block_size if args.enable_prefix_caching else None
+        self._hash_block_size = args.block_size if prefix_caching else None
         reasoning_parser = effective_reasoning_parser(
             args.structured_outputs("reasoning_parser", None),
             getattr(model_config.hf_config, "model_type", None),

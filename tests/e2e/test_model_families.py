@@ -88,13 +88,16 @@ def _tokens(outputs: list[Any]) -> list[list[int]]:
 def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_caching(
         name, family_dirs, hf_models, make_llm):
     """A step budget of 32 tokens splits the long prompts across steps; the batch runs
-    twice, the second time from the prefix cache."""
+    twice, the second time from the prefix cache (LFM2, whose convolutions keep a state
+    per request that no KV block holds, computes it again: the engine turns prefix
+    caching off for it)."""
     llm = make_llm(family_dirs[name], max_num_batched_tokens=32, block_size=16)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     first = llm.generate(FAMILY_PROMPTS, params, use_tqdm=False)
-    hits_before = llm.engine_core.core.scheduler.kv_cache_manager.prefix_cache_hits
+    cache = llm.engine_core.core.scheduler.kv_cache_manager
+    hits_before = cache.prefix_cache_hits
     second = llm.generate(FAMILY_PROMPTS, params, use_tqdm=False)
-    assert llm.engine_core.core.scheduler.kv_cache_manager.prefix_cache_hits > hits_before
+    assert (cache.prefix_cache_hits > hits_before) == (name != "lfm2")
     expected = [hf_greedy(hf_models(name), o.prompt_token_ids) for o in first]
     assert _tokens(first) == expected
     assert _tokens(second) == expected
@@ -138,7 +141,7 @@ def test_experts_no_token_picks_are_skipped_and_the_output_still_matches(
 
 @pytest.mark.parametrize("name", _names("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss",
                                          "deepseek_v3", "olmo3", "granite", "minimax_m2",
-                                         "cohere2", "exaone4"))
+                                         "cohere2", "exaone4", "lfm2"))
 def test_bf16_logprobs_track_transformers(name, family_dirs, make_llm):
     """bf16: every prompt and sampled token's logprob within 1.5x transformers' own bf16
     error against fp32 on the same bf16-rounded weights (as tests/e2e/test_correctness.py
@@ -298,7 +301,7 @@ def test_gpt_oss_mxfp4_checkpoint_loads_as_transformers_reads_it(family_dirs, ma
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _names("qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss",
                                          "deepseek_v3", "deepseek_v2", "glm4_moe", "olmo2",
-                                         "minimax_m2", "cohere2"))
+                                         "minimax_m2", "cohere2", "lfm2"))
 def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make_llm):
     """Each rank holds half of every expert (and, for OLMoE, half of the all-head q/k
     norms, their statistic summed over the ranks): greedy tokens equal transformers',
@@ -390,6 +393,9 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
     ("exaone4", dict(mlp_bias=True), "mlp_bias=True is not supported"),
     ("ernie4_5", dict(use_bias=True), "use_bias=True is not supported"),
     ("ernie4_5_moe", dict(moe_layer_interval=0), "moe_layer_interval must be at least 1"),
+    ("lfm2", dict(layer_types=["conv", "mamba", "full_attention", "conv"]),
+     "layer_types must list 'conv' or 'full_attention'"),
+    ("lfm2", dict(conv_L_cache=0), "conv_L_cache must be an integer from 1 to 64"),
     ("glm", dict(partial_rotary_factor=0.3, rope_parameters=dict(
         rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.3)),
      "partial_rotary_factor=0.3 gives rotary_dim"),
@@ -517,3 +523,36 @@ def test_the_names_a_model_loads_from_are_its_checkpoints_own(name, family_dirs)
     model = load_model(config, torch.device("cpu"))
     with safe_open(str(family_dirs[name] / "model.safetensors"), "pt") as f:
         assert model.checkpoint_keys() == set(f.keys())
+
+
+def test_lfm2_requests_preempted_and_recomputed_start_their_state_afresh(
+        family_dirs, hf_models, make_llm):
+    """LFM2's convolutions carry a state per request from step to step, which no KV
+    block holds. A KV cache too small for the batch (its budget less the states')
+    preempts requests mid-decode; each is recomputed from its first token (no cached
+    prefix: the runner refuses one) in whatever row of the batch it gets: the tokens
+    are still transformers'. (Rows reused after requests end: the greedy test's second
+    batch.)"""
+    probe = make_llm(family_dirs["lfm2"], block_size=16).engine_core.core.executor.runner
+    per_block, states = probe.kv_cache_bytes_per_block(), probe.state_bytes()
+    assert states == 3 * 256 * 2 * 64 * 4  # 3 layers, max_num_seqs rows, K - 1 = 2, fp32
+    llm = make_llm(family_dirs["lfm2"], block_size=16, max_num_batched_tokens=32,
+                   kv_cache_memory_bytes=states + 12 * per_block, max_model_len=192)
+    assert llm.info.num_kv_blocks == 12
+    prompts = FAMILY_PROMPTS[:4]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert llm.get_stats().num_preemptions > 0
+    for output in outputs:
+        assert output.outputs[0].token_ids == hf_greedy(hf_models("lfm2"),
+                                                        output.prompt_token_ids)
+
+
+def test_lfm2_refuses_speculative_decoding(family_dirs):
+    """Rejected proposals would have advanced the convolutions' states: refused at
+    start-up, naming the setting and why."""
+    with pytest.raises(ValueError, match="speculative_config is not supported for "
+                                         "Lfm2ForCausalLM"):
+        resolve_model_config(EngineArgs(
+            model=str(family_dirs["lfm2"]),
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2}))

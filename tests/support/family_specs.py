@@ -197,4 +197,13 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
     "seed_oss": ModelSpec(arch="seed_oss", **_SMALL, num_kv_heads=2, intermediate_size=96,
                           init_std=0.3, seed=31,
                           config_extra=dict(attention_bias=True, attention_out_bias=False)),
+    # LFM2: short convolutions (3 taps, biases) in layers 0, 1 and 3 around one
+    # attention layer with per-head q/k norms; the MLP's width derived (96 -> 64)
+    "lfm2": ModelSpec(arch="lfm2", **{**_SMALL, "num_layers": 4,
+                                      "tie_word_embeddings": True},
+                      num_kv_heads=2, intermediate_size=96, init_std=0.3, seed=39,
+                      config_extra=dict(layer_types=["conv", "conv", "full_attention",
+                                                     "conv"],
+                                        conv_L_cache=3, conv_bias=True, norm_eps=1e-5,
+                                        block_multiple_of=16)),
 }

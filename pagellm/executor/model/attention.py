@@ -65,6 +65,9 @@ class AttentionMetadata:
     backend: AttentionBackend
     num_segments: int = 1  # split-KV slices for decode-only batches (Triton)
     plan: reference.AttentionPlan | None = None  # the torch backend's per-step indices
+    # [num_reqs] int64, host: each request's row of the runner's batch, where layers that
+    # keep a state per request find theirs (lfm2.py); None in steps no such model runs.
+    request_rows: np.ndarray | None = None
 
 
 @dataclass

@@ -63,6 +63,10 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
         raise FileNotFoundError(f"model directory not found: {args.model}")
     hf_config = load_model_config(path)
     spec = read_spec(hf_config)
+    if spec.has_state and args.speculative is not None:
+        raise ValueError(f"speculative_config is not supported for {spec.architecture}: its "
+                         "short-convolution layers keep a state per request, which rejected "
+                         "proposals cannot be rolled back out of")
 
     if args.dtype == "auto":
         config_dtype = getattr(hf_config, "dtype", None) or torch.float32

@@ -174,6 +174,9 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     model_cls: ClassVar[type[DecoderModel]] = DecoderModel
+    # (ours, the checkpoint's): name fragments (".self_attn.o_proj.") a family's
+    # checkpoints spell their own way (lfm2.py); every name in and out is translated.
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def __init__(self, spec: DecoderSpec, tp: TensorParallel | None = None,
                  max_model_len: int | None = None) -> None:
@@ -250,12 +253,33 @@ class DecoderForCausalLM(nn.Module):
     def checkpoint_keys(self) -> set[str]:
         """The checkpoint names our parameters load from (merged ones split back, unless
         the family's checkpoints store them fused)."""
-        return weight_map.checkpoint_keys((name for name, _ in self.named_parameters()),
-                                          self.spec)
+        return {self.checkpoint_name(key) for key in weight_map.checkpoint_keys(
+            (name for name, _ in self.named_parameters()), self.spec)}
 
     def checkpoint_parts(self, module: str) -> list[str]:
         """The checkpoint modules our `module` (a projection's name) is made of."""
-        return weight_map.checkpoint_parts(module, self.spec)
+        return [self.checkpoint_name(part)
+                for part in weight_map.checkpoint_parts(module, self.spec)]
+
+    def checkpoint_name(self, ours: str) -> str:
+        """Our name `ours` as the family's checkpoints spell it (`checkpoint_renames`)."""
+        name = f".{ours}"
+        for fragment, theirs in self.checkpoint_renames:
+            name = name.replace(fragment, theirs)
+        return name[1:]
+
+    def our_name(self, checkpoint: str) -> str:
+        """Checkpoint name `checkpoint` as our parameters spell it."""
+        name = f".{checkpoint}"
+        for ours, fragment in self.checkpoint_renames:
+            name = name.replace(fragment, ours)
+        return name[1:]
+
+    def state_shapes(self, rows: int) -> dict[int, tuple[int, ...]]:
+        """The per-request state of each layer that keeps one instead of a KV cache, by
+        layer index, for `rows` requests: the runner allocates them beside the KV cache
+        (lfm2.py: a short convolution's last inputs). None here."""
+        return {}
 
     def mark_loaded(self, names: Iterable[str]) -> None:
         """Checkpoint tensors `names` now hold values (a wake from level 2 left them
@@ -270,7 +294,8 @@ class DecoderForCausalLM(nn.Module):
         projection quantized on load, the tensor is quantized as it lands
         (quantize.RequantizingDestination)."""
         dest = self.family_destination(
-            name, params if params is not None else dict(self.named_parameters()))
+            self.our_name(name) if self.checkpoint_renames else name,
+            params if params is not None else dict(self.named_parameters()))
         if self.quantized and dest is not None and dest.tensor is not None:
             base = dest.tensor if dest.tensor._base is None else dest.tensor._base
             module = self.quantized.get(id(base))
@@ -281,6 +306,7 @@ class DecoderForCausalLM(nn.Module):
     def family_destination(self, name: str, params: dict[str, nn.Parameter]
                            ) -> Destination | None:
         """`destination` before quantization: the shared weight map's. A family whose
-        checkpoint lays a tensor out differently maps it here (gpt_oss.py)."""
+        checkpoint lays a tensor out differently maps it here (gpt_oss.py). `name` is
+        in our spelling (`checkpoint_renames` applied)."""
         return weight_map.destination(name, params, self.spec, self.tp,
                                       tied=self.lm_head is None)

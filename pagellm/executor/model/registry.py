@@ -5,7 +5,7 @@ Families that differ from Llama only in data are a reader here and the shared de
 (decoder.py, whose MLP is the sparse MoE block of moe.py where the spec has experts); a
 family whose computation differs brings its own module with a reader and a model class
 (gemma.py, gpt_oss.py, deepseek.py, glm4.py, glm4_moe.py, minimax_m2.py, cohere.py,
-olmo2.py, exaone4.py, granite.py).
+olmo2.py, exaone4.py, granite.py, lfm2.py).
 Adding a family is that module and one row of `FAMILIES`.
 """
 
@@ -24,6 +24,7 @@ from pagellm.executor.model.spec import (
     MlaSpec,
     MoeSpec,
     Multipliers,
+    ShortConvSpec,
     read_decoder_spec,
 )
 
@@ -478,6 +479,37 @@ def _phi3(config: Any, arch: str) -> DecoderSpec:
                              fused_checkpoint=("qkv_proj", "gate_up_proj"))
 
 
+def _lfm2(config: Any, arch: str) -> DecoderSpec:
+    """LFM2 (lfm2.py): layer_types "conv" (a short convolution of conv_L_cache taps)
+    or "full_attention" (per-head q/k norms); the MLP's width derived from
+    intermediate_size as transformers' Lfm2MLP derives it (block_auto_adjust_ff_dim:
+    two thirds, times block_ffn_dim_multiplier, rounded up to block_multiple_of)."""
+    layers = config.num_hidden_layers
+    types = list(getattr(config, "layer_types", None) or ())
+    if len(types) != layers or set(types) - {"conv", "full_attention"}:
+        raise ValueError(f"layer_types must list 'conv' or 'full_attention' for each of the "
+                         f"{layers} layers, got {str(types)[:120]}")
+    kernel = config.conv_L_cache
+    if isinstance(kernel, bool) or not isinstance(kernel, int) or not 1 <= kernel <= 64:
+        raise ValueError(f"conv_L_cache must be an integer from 1 to 64, got {kernel!r}")
+    size = config.intermediate_size
+    if getattr(config, "block_auto_adjust_ff_dim", False):
+        size = int(2 * size / 3)
+        multiplier = getattr(config, "block_ffn_dim_multiplier", None)
+        if multiplier is not None:
+            of = config.block_multiple_of
+            if isinstance(of, bool) or not isinstance(of, int) or of < 1:
+                raise ValueError(f"block_multiple_of must be a positive integer, got {of!r}")
+            size = of * -(-int(multiplier * size) // of)
+    if size < 1:
+        raise ValueError(f"the MLP's width (from intermediate_size="
+                         f"{config.intermediate_size}) must be positive, got {size}")
+    return read_decoder_spec(config, arch, qk_norm="head", rms_norm_eps=config.norm_eps,
+                             intermediate_size=size,
+                             short_conv=ShortConvSpec(kernel, bool(config.conv_bias),
+                                                      tuple(t == "conv" for t in types)))
+
+
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("llama", _llama, _decoder),
     "MistralForCausalLM": Family("mistral", _llama, _decoder),
@@ -511,6 +543,7 @@ FAMILIES: dict[str, Family] = {
     "SmolLM3ForCausalLM": Family("smollm3", _smollm3, _decoder),
     "GraniteForCausalLM": Family("granite", _granite, _lazy("granite", "GraniteForCausalLM")),
     "SeedOssForCausalLM": Family("seed_oss", _seed_oss, _decoder),
+    "Lfm2ForCausalLM": Family("lfm2", _lfm2, _lazy("lfm2", "Lfm2ForCausalLM")),
 }
 
 

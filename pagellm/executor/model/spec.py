@@ -5,8 +5,9 @@ all heads (OLMoE), a head_dim independent of hidden_size, tied embeddings, the R
 variant (a second one for sliding layers: Gemma 3), sliding-window attention per layer,
 the MLP's activation, the attention scale and logit soft-capping (Gemma 2), attention
 sinks (gpt-oss), checkpoints storing q/k/v and gate/up fused (Phi-3), a
-mixture-of-experts MLP (`MoeSpec`, with DeepSeek's grouped routing: `GroupedRouting`) and
-DeepSeek's multi-head latent attention (`MlaSpec`).
+mixture-of-experts MLP (`MoeSpec`, with DeepSeek's grouped routing: `GroupedRouting`),
+DeepSeek's multi-head latent attention (`MlaSpec`) and LFM2's short-convolution layers,
+which keep a state per request instead of a KV cache (`ShortConvSpec`).
 Each family's reader (executor/model/registry.py's table) fills these from a transformers
 config and refuses, naming the field, what the engine cannot serve. Apart from the
 modules because more than the model reads it: the model config, the tensor-parallel
@@ -105,6 +106,18 @@ class MoeSpec:
 
 
 @dataclass(frozen=True)
+class ShortConvSpec:
+    """LFM2's gated short convolutions (lfm2.py) in the layers `layers` marks (True; the
+    others attend): each channel of B * x convolved causally over the request's last
+    `kernel` tokens (conv_L_cache), then gated by C. Such a layer keeps no KV cache but
+    a state per request: the last kernel - 1 inputs of its convolution."""
+
+    kernel: int
+    bias: bool  # conv_bias: in_proj, the convolution and out_proj all have biases
+    layers: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
 class DecoderSpec:
     vocab_size: int
     hidden_size: int
@@ -153,6 +166,24 @@ class DecoderSpec:
     # DeepSeek's latent attention (num_kv_heads 1 and head_dim the latent's width: what
     # the KV cache holds per token); None: q/k/v projections of heads of head_dim.
     mla: MlaSpec | None = None
+    # LFM2's short-convolution layers; None: every layer attends.
+    short_conv: ShortConvSpec | None = None
+
+    def has_kv(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` attends (a paged KV cache), rather than keeping a
+        state per request (a short-convolution layer)."""
+        return self.short_conv is None or not self.short_conv.layers[layer_idx]
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers with a paged KV cache (what a KV block holds a slice of per layer)."""
+        return sum(self.has_kv(i) for i in range(self.num_layers))
+
+    @property
+    def has_state(self) -> bool:
+        """Some layer keeps a state per request, which no KV block holds: it cannot be
+        restored from a cached prefix or rolled back after rejected proposals."""
+        return self.num_kv_layers < self.num_layers
 
     def rotates(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` applies RoPE (False: a NoPE layer)."""

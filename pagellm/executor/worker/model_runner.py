@@ -139,6 +139,9 @@ class ModelRunner:
             block_size, self.num_sms, max_num_seqs, max_num_batched_tokens)
         self.sampler = Sampler(device, seed)
         self.max_num_seqs = max_num_seqs
+        # Per layer that keeps a state per request (lfm2.py), its [max_num_seqs, ...]
+        # shape: a request's row of the batch is its row of the state.
+        self.state_shapes = self.model.state_shapes(max_num_seqs)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.batch = InputBatch(max_num_seqs, model_config.max_model_len, block_size,
                                 model_config.vocab_size)
@@ -206,9 +209,15 @@ class ModelRunner:
         models = [(self.model_config, self.num_kv_heads)]
         if self.drafter is not None:
             models.append((self.drafter.config, self.drafter.tp.num_kv_heads))
-        return [((config.spec.num_layers, config.spec.kv_planes, num_blocks, self.block_size,
-                  kv_heads, config.spec.head_dim), config.cache_dtype)
+        return [((config.spec.num_kv_layers, config.spec.kv_planes, num_blocks,
+                  self.block_size, kv_heads, config.spec.head_dim), config.cache_dtype)
                 for config, kv_heads in models]
+
+    def state_bytes(self) -> int:
+        """What the layers that keep a state per request (`state_shapes`) take, for every
+        row of the batch: allocated with the KV cache, out of its budget."""
+        size = torch.empty((), dtype=self.model_config.dtype).element_size()
+        return sum(int(np.prod(shape)) * size for shape in self.state_shapes.values())
 
     def kv_cache_bytes_per_block(self) -> int:
         return sum(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
@@ -221,10 +230,17 @@ class ModelRunner:
         # Each layer's [K|V, ...]: a cache of one plane (spec.kv_planes: DeepSeek's
         # latent is its own value) is expanded to two views of the same memory, so that
         # every backend reads and writes it as any cache.
-        self.kv_caches = [layer.expand(2, *layer.shape[1:])
-                          for shape, dtype in self._kv_cache_shapes(num_blocks)
-                          for layer in torch.empty(shape, dtype=dtype,
-                                                   device=self.device).unbind(0)]
+        # A layer that keeps a state per request instead (`state_shapes`) has that in its
+        # place, one row per batch row.
+        caches = iter([layer.expand(2, *layer.shape[1:])
+                       for shape, dtype in self._kv_cache_shapes(num_blocks)
+                       for layer in torch.empty(shape, dtype=dtype,
+                                                device=self.device).unbind(0)])
+        states = self.state_shapes
+        self.kv_caches = [torch.zeros(states[i], dtype=self.model_config.dtype,
+                                      device=self.device) if i in states else next(caches)
+                          for i in range(self.model_config.spec.num_layers)]
+        self.kv_caches += list(caches)  # the draft model's
 
     # -- start-up: profiling and CUDA graphs ---------------------------------------
 
@@ -460,11 +476,24 @@ class ModelRunner:
             batch.remove(req_id)
         for new in so.scheduled_new_reqs:
             row = batch.add(new)
+            if self.state_shapes:
+                self._start_state(row, new)
             if self.drafter is not None:
                 self.drafter.add_request(row, new.num_computed_tokens)
         rows = batch.rows
         for req_id, block_ids in so.scheduled_cached_reqs.new_block_ids.items():
             batch.append_blocks(rows[req_id], block_ids)
+
+    def _start_state(self, row: int, new: NewRequestData) -> None:
+        """Zero row `row` of every layer's state for request `new`, which starts from
+        its first token: no KV block holds a state, so the engine core runs such models
+        without prefix caching and recomputes preempted requests whole."""
+        if new.num_computed_tokens:
+            raise RuntimeError(f"request {new.req_id!r} starts at token "
+                               f"{new.num_computed_tokens}, but this model's per-request "
+                               "state starts at its first token (prefix caching must be off)")
+        for layer in self.state_shapes:
+            self.kv_caches[layer][row].zero_()
 
     def _logprobs_by_request(self, inputs: StepInputs, logprob_rows: torch.Tensor,
                              tensors: LogprobsTensors) -> dict[str, TokenLogprobs]:

@@ -171,7 +171,7 @@ class InputPreparer:
                                 if graph_size else query_start_loc),
             seq_lens=put("seq_lens", ends, 0, graph_size),
             query_start_loc_cpu=query_start_loc, seq_lens_cpu=ends,
-            max_query_len=max_query_len, backend=self.attention,
+            max_query_len=max_query_len, backend=self.attention, request_rows=rows,
             num_segments=num_kv_segments(num_reqs, self.num_kv_heads, max_query_len,
                                          int(ends.max()), self.num_sms)
             if self.num_sms else 1)

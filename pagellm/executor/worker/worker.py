@@ -95,8 +95,10 @@ class Worker:
                                         args.speculative.num_speculative_tokens
                                         if args.speculative is not None else 0)
         self.num_kv_blocks = 0
+        # (Not yet for models with per-request state: their steps index it by request.)
         self.use_cuda_graphs = (self.device.type == "cuda" and not args.enforce_eager
-                                and self.model_runner.attention.name == "triton")
+                                and self.model_runner.attention.name == "triton"
+                                and not self.model_runner.state_shapes)
         self.enable_sleep_mode = args.enable_sleep_mode
         self.sleeping: set[str] = set()  # tags ("weights", "kv_cache") now freed
         self._weight_shapes = memory.shapes(self.model_runner.model)
@@ -129,6 +131,8 @@ class Worker:
                 "gpu_memory_utilization after profiling")
         else:
             budget, source = self._cpu_budget(args), "available RAM"
+        # The per-request states of the layers that keep one (lfm2.py) come out of it.
+        budget -= self.model_runner.state_bytes()
         return budget, source, self.model_runner.kv_cache_bytes_per_block()
 
     def _check_step_fits(self, room: int, where: str) -> None:

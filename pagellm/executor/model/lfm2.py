@@ -1,0 +1,235 @@
+"""Liquid AI's LFM2 (`Lfm2ForCausalLM`: LFM2-350M, 700M, 1.2B, 2.6B): attention layers
+between gated short convolutions, a hybrid built for CPUs and phones.
+
+What differs from the shared decoder (decoder.py), as transformers computes it:
+
+- most layers (the spec's `short_conv.layers`) replace attention with a gated
+  depthwise convolution over the last `kernel` tokens (3 in every release):
+
+      B, C, x = in_proj(h).chunk(3)          # [T, hidden] each
+      y = C * conv(B * x)                    # causal per channel: tokens t-K+1 .. t
+      out = out_proj(y)
+
+  Such a layer reads no KV cache. It keeps, per request, the last kernel - 1 inputs of
+  its convolution (B * x): its *state*, [kernel - 1, hidden] per request, which the
+  runner allocates beside the KV cache, one row per request of its batch
+  (`state_shapes`), zeroed when a request starts. A step's chunk continues from it,
+  however the prompt was split; so the state cannot be rebuilt from a cached prefix
+  (the engine serves these models without prefix caching) or rolled back after
+  rejected proposals (no speculative decoding);
+- the attention layers are Qwen3's (per-head q/k RMSNorms), the MLP SwiGLU, the norms
+  Llama's, each layer pre-norm with the residual added after each block;
+- the checkpoint's own names (`checkpoint_renames`): `operator_norm` / `ffn_norm`,
+  `feed_forward.w1/w3/w2`, `self_attn.out_proj`, `q_layernorm`, `embedding_norm` (the
+  final norm). Under tensor parallelism each rank convolves its slice of the channels
+  (in_proj's B, C and x rows of them, out_proj's columns).
+
+How a step convolves many requests at once (`ConvBatch`): each request's state rows
+and its new tokens are laid end to end in one buffer,
+
+    ext = [ state_0 (K-1) | tokens of request 0 | state_1 (K-1) | tokens of 1 | ... ]
+
+so a token's window is the K entries of `ext` ending at it, whatever the request's
+chunk size (one decode token, a prompt chunk); the request's new state is the K-1
+entries ending at its last token. The indices are built once per step on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagellm.executor.model.attention import AttentionMetadata
+from pagellm.executor.model.decoder import (
+    DecoderAttention,
+    DecoderForCausalLM,
+    DecoderMLP,
+    DecoderModel,
+)
+from pagellm.executor.model.layers import Linear, RMSNorm, RowParallelLinear
+from pagellm.executor.model.parallel import TensorParallel
+from pagellm.executor.model.spec import DecoderSpec, ShortConvSpec
+from pagellm.executor.model.weight_map import Destination
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin: [T, 1, rotary_dim]
+
+
+@dataclass(frozen=True)
+class ConvBatch:
+    """One step's gather indices for every short-convolution layer (module docstring),
+    on the model's device. R requests, T tokens, K the kernel, P = K - 1."""
+
+    rows: torch.Tensor  # [R] int64: each request's state row
+    state_at: torch.Tensor  # [R * P] where each request's state entries go in ext
+    token_at: torch.Tensor  # [T] where each token goes in ext
+    taps: torch.Tensor  # [K, T] ext index of each token's k-th window entry (oldest first)
+    last: torch.Tensor  # [R * P] ext indices of each request's new state
+    size: int  # T + R * P: ext's rows
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, kernel: int, device: torch.device) -> ConvBatch:
+        assert meta.request_rows is not None, "the runner names each request's state row"
+        starts = meta.query_start_loc_cpu  # [R + 1]
+        num_reqs, tokens, p = len(starts) - 1, int(starts[-1]), kernel - 1
+        request = np.repeat(np.arange(num_reqs), np.diff(starts))  # [T]
+        token_at = np.arange(tokens) + (request + 1) * p
+        first = starts[:-1] + np.arange(num_reqs) * p  # [R] where each request's state goes
+        state_at = (first[:, None] + np.arange(p)).reshape(-1)
+        end = starts[1:] + (np.arange(num_reqs) + 1) * p  # [R] one past each request's last
+        last = (end[:, None] - p + np.arange(p)).reshape(-1)
+        taps = token_at[None, :] - p + np.arange(kernel)[:, None]  # [K, T]
+        flat = torch.from_numpy(np.concatenate((meta.request_rows, state_at, token_at,
+                                                taps.reshape(-1), last))).to(device)
+        rows, state, token, taps_flat, last_t = flat.split(
+            [num_reqs, num_reqs * p, tokens, kernel * tokens, num_reqs * p])
+        return cls(rows, state, token, taps_flat.view(kernel, tokens), last_t,
+                   tokens + num_reqs * p)
+
+    def convolve(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 state: torch.Tensor) -> torch.Tensor:
+        """x: [T, C] this step's inputs; weight: [C, 1, K]; bias: [C] or None; state:
+        [rows, K - 1, C], each request's row read and then advanced in place ->
+        [T, C], each token's causal convolution over its request's last K inputs
+        (accumulated in fp32, as the checkpoint's conv1d does, then rounded)."""
+        channels, p = x.shape[1], state.shape[1]
+        ext = x.new_empty(self.size, channels)
+        ext[self.state_at] = state[self.rows].reshape(-1, channels)
+        ext[self.token_at] = x
+        taps = weight.view(channels, -1).float()  # [C, K]
+        out = torch.zeros_like(x, dtype=torch.float32) if bias is None \
+            else bias.float().expand_as(x).clone()
+        for k in range(taps.shape[1]):
+            out += ext[self.taps[k]].float() * taps[:, k]
+        state[self.rows] = ext[self.last].view(-1, p, channels)
+        return out.to(x.dtype)
+
+
+class ShortConv(nn.Module):
+    """The gated short convolution (module docstring), over this rank's channels."""
+
+    def __init__(self, spec: DecoderSpec, conv: ShortConvSpec, tp: TensorParallel) -> None:
+        super().__init__()
+        if spec.hidden_size % tp.size:
+            raise ValueError(f"hidden_size ({spec.hidden_size}) must be a multiple of the "
+                             f"tensor-parallel size ({tp.size}): each rank convolves a "
+                             "slice of the channels")
+        self.channels = channels = spec.hidden_size // tp.size
+        self.in_proj = Linear(spec.hidden_size, 3 * channels, bias=conv.bias)
+        # Only its parameters, [C, 1, K] and [C]: the checkpoint's names and shapes.
+        self.conv = nn.Conv1d(channels, channels, conv.kernel, groups=channels,
+                              bias=conv.bias)
+        self.out_proj = RowParallelLinear(channels, spec.hidden_size, conv.bias, tp)
+
+    def forward(self, x: torch.Tensor, batch: ConvBatch, state: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]; `state`: this layer's [rows, K - 1, C]."""
+        b, c, h = self.in_proj(x).split(self.channels, dim=-1)  # [T, C] each
+        y = c * batch.convolve(b * h, self.conv.weight, self.conv.bias, state)
+        return self.out_proj(y)
+
+
+class Lfm2DecoderLayer(nn.Module):
+    """Pre-norm, residual after each block; the mixer attention or a short convolution."""
+
+    def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
+        super().__init__()
+        assert spec.short_conv is not None
+        self.layer_idx = layer_idx
+        self.conv: ShortConv | None = None
+        self.self_attn: DecoderAttention | None = None
+        if spec.short_conv.layers[layer_idx]:
+            self.conv = ShortConv(spec, spec.short_conv, tp)
+        else:
+            self.self_attn = DecoderAttention(spec, layer_idx, tp)
+        self.mlp = DecoderMLP(spec, tp)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata, caches: list[torch.Tensor], batch: ConvBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden], the previous layer's output not yet added to `residual` ->
+        (this layer's, likewise; the residual stream). `caches`: per layer its KV cache
+        or, for a convolution, its state."""
+        h, residual = self.input_layernorm(x, residual)
+        if self.conv is not None:
+            h = self.conv(h, batch, caches[self.layer_idx])
+        else:
+            assert self.self_attn is not None
+            h = self.self_attn(rope, h, meta, caches)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class Lfm2Model(DecoderModel):
+    layer_cls = Lfm2DecoderLayer
+
+    def __init__(self, spec: DecoderSpec, tp: TensorParallel,
+                 max_model_len: int | None = None) -> None:
+        super().__init__(spec, tp, max_model_len)
+        assert spec.short_conv is not None
+        self.kernel = spec.short_conv.kernel
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        x = self.embed(input_ids)
+        rope = self.rotary_emb.cos_sin(positions, x.dtype)
+        batch = ConvBatch.of(meta, self.kernel, x.device)  # once for every layer
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(rope, x, residual, meta, kv_caches, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class Lfm2ForCausalLM(DecoderForCausalLM):
+    """LFM2: the shared causal LM (LM head, loading) around `Lfm2Model`, its checkpoint's
+    names, and the convolutions' states and tensor-parallel slices."""
+
+    model_cls = Lfm2Model
+    checkpoint_renames = (
+        (".self_attn.o_proj.", ".self_attn.out_proj."),
+        (".self_attn.q_norm.", ".self_attn.q_layernorm."),
+        (".self_attn.k_norm.", ".self_attn.k_layernorm."),
+        (".mlp.gate_proj.", ".feed_forward.w1."),
+        (".mlp.up_proj.", ".feed_forward.w3."),
+        (".mlp.down_proj.", ".feed_forward.w2."),
+        (".input_layernorm.", ".operator_norm."),
+        (".post_attention_layernorm.", ".ffn_norm."),
+        (".model.norm.", ".model.embedding_norm."),
+    )
+
+    def state_shapes(self, rows: int) -> dict[int, tuple[int, ...]]:
+        """Each convolution layer's state: [rows, kernel - 1, this rank's channels]."""
+        conv = self.spec.short_conv
+        assert conv is not None
+        channels = self.spec.hidden_size // self.tp.size
+        return {i: (rows, conv.kernel - 1, channels)
+                for i, is_conv in enumerate(conv.layers) if is_conv}
+
+    def family_destination(self, name: str, params: dict[str, nn.Parameter]
+                           ) -> Destination | None:
+        """The convolutions' tensors under tensor parallelism: in_proj's B, C and x rows of
+        this rank's channels, the convolution's channels, out_proj's input columns (its
+        bias whole); the rest is the shared map's."""
+        tp = self.tp
+        if tp.size == 1 or ".conv." not in name:
+            return super().family_destination(name, params)
+        param = params.get(name)
+        if param is None:
+            return None
+        channels, hidden = param.shape[0] // 3, self.spec.hidden_size
+        if ".in_proj." in name:  # rows [B | C | x], each [hidden, ...] in the checkpoint
+            shape = (3 * hidden, *param.shape[1:])
+            return Destination(param, shape, parts=tuple(
+                Destination(param[i * channels:(i + 1) * channels], shape, 0,
+                            i * hidden + tp.rank * channels, channels) for i in range(3)))
+        if ".conv.conv." in name:  # [C, 1, K] / [C]
+            width = param.shape[0]
+            return Destination(param, (hidden, *param.shape[1:]), 0, tp.rank * width, width)
+        if name.endswith("out_proj.weight"):  # row parallel: this rank's input columns
+            width = param.shape[1]
+            return Destination(param, (hidden, hidden), 1, tp.rank * width, width)
+        return Destination(param, tuple(param.shape))  # out_proj's bias, added once
