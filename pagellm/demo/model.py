@@ -59,7 +59,7 @@ ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qw
                           "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "olmo2",
                           "olmo3", "smollm3", "granite", "seed_oss", "minimax_m2",
                           "glm", "glm4", "cohere", "cohere2", "exaone4",
-                          "ernie4_5", "ernie4_5_moe", "lfm2")
+                          "ernie4_5", "ernie4_5_moe", "lfm2", "lfm2_moe")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 
@@ -239,7 +239,7 @@ def _build_config(spec: ModelSpec) -> PretrainedConfig:
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     # these derive head_dim (DeepSeek's is its rotary part, qk_rope_head_dim)
     if spec.arch not in ("qwen2", "qwen2_moe", "olmoe", "phi3", "deepseek_v2", "deepseek_v3",
-                         "glm4_moe_lite", "lfm2"):
+                         "glm4_moe_lite", "lfm2", "lfm2_moe"):
         extra.setdefault("head_dim", spec.effective_head_dim)
     return AutoConfig.for_model(spec.arch, **common, **extra)
 
@@ -289,7 +289,8 @@ def _reinit_weights(model: torch.nn.Module, spec: ModelSpec) -> None:
                     )
                 param.copy_(values)
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: choice offsets
+            # DeepSeek-V3's and LFM2-MoE's choice offsets
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
 
 

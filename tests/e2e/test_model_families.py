@@ -97,7 +97,7 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_caching(
     cache = llm.engine_core.core.scheduler.kv_cache_manager
     hits_before = cache.prefix_cache_hits
     second = llm.generate(FAMILY_PROMPTS, params, use_tqdm=False)
-    assert (cache.prefix_cache_hits > hits_before) == (name != "lfm2")
+    assert (cache.prefix_cache_hits > hits_before) == (not name.startswith("lfm2"))
     expected = [hf_greedy(hf_models(name), o.prompt_token_ids) for o in first]
     assert _tokens(first) == expected
     assert _tokens(second) == expected
@@ -141,7 +141,7 @@ def test_experts_no_token_picks_are_skipped_and_the_output_still_matches(
 
 @pytest.mark.parametrize("name", _names("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss",
                                          "deepseek_v3", "olmo3", "granite", "minimax_m2",
-                                         "cohere2", "exaone4", "lfm2"))
+                                         "cohere2", "exaone4", "lfm2", "lfm2_moe"))
 def test_bf16_logprobs_track_transformers(name, family_dirs, make_llm):
     """bf16: every prompt and sampled token's logprob within 1.5x transformers' own bf16
     error against fp32 on the same bf16-rounded weights (as tests/e2e/test_correctness.py
@@ -319,7 +319,8 @@ def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make
             assert all(abs(lp.logprob - lb[t].logprob) < 1e-4 for t, lp in la.items())
 
 
-@pytest.mark.parametrize("name", _names("mixtral", "gpt_oss", "deepseek_v3", "minimax_m2"))
+@pytest.mark.parametrize("name", _names("mixtral", "gpt_oss", "deepseek_v3", "minimax_m2",
+                                         "lfm2_moe"))
 def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
         name, family_dirs, make_llm):
     """RL trainers on transformers 5 send `model.named_parameters()`: the experts as
@@ -329,7 +330,8 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
     MiniMax-M2's checkpoints spell their experts w1/w2/w3 under block_sparse_moe;
     DeepSeek's latent up-projection is perturbed too. The choice bias, a buffer, is sent
     by its in-memory name as well: DeepSeek's `mlp.gate.e_score_correction_bias`,
-    MiniMax-M2's `mlp.e_score_correction_bias`.)"""
+    MiniMax-M2's `mlp.e_score_correction_bias`; LFM2-MoE's names are its own:
+    `feed_forward.experts.gate_up_proj`, `feed_forward.gate`, `feed_forward.expert_bias`.)"""
     from transformers import AutoModelForCausalLM
 
     llm = make_llm(family_dirs[name])
@@ -337,12 +339,14 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
                                                    dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(0)
     biases = [(b, t) for b, t in trained.named_buffers()
-              if b.endswith("e_score_correction_bias")]
+              if b.endswith(("e_score_correction_bias", "expert_bias"))]
     with torch.no_grad():
         for pname, p in [*trained.named_parameters(), *biases]:
             if ".experts." in pname or pname.endswith(("mlp.gate.weight", "router.weight",
+                                                       "feed_forward.gate.weight",
                                                        "kv_b_proj.weight",
-                                                       "e_score_correction_bias")):
+                                                       "e_score_correction_bias",
+                                                       "expert_bias")):
                 p.add_(0.2 * torch.randn(p.shape, generator=generator))
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     loaded = model.load_weights([*trained.named_parameters(), *biases])
@@ -396,6 +400,7 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
     ("lfm2", dict(layer_types=["conv", "mamba", "full_attention", "conv"]),
      "layer_types must list 'conv' or 'full_attention'"),
     ("lfm2", dict(conv_L_cache=0), "conv_L_cache must be an integer from 1 to 64"),
+    ("lfm2_moe", dict(num_dense_layers=9), "num_dense_layers must be an integer from 0"),
     ("glm", dict(partial_rotary_factor=0.3, rope_parameters=dict(
         rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.3)),
      "partial_rotary_factor=0.3 gives rotary_dim"),

@@ -206,4 +206,15 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
                                                      "conv"],
                                         conv_L_cache=3, conv_bias=True, norm_eps=1e-5,
                                         block_multiple_of=16)),
+    # LFM2-MoE: layer 0 dense (96 wide as given), then top-2 of 8 experts by sigmoid
+    # score plus a choice bias, renormalised, scaled by 1.5; two convolutions, two
+    # attention layers
+    "lfm2_moe": ModelSpec(arch="lfm2_moe", **{**_SMALL, "num_layers": 4},
+                          num_kv_heads=2, intermediate_size=96, init_std=0.3, seed=40,
+                          config_extra=dict(layer_types=["conv", "full_attention", "conv",
+                                                         "full_attention"],
+                                            conv_L_cache=3, norm_eps=1e-5,
+                                            num_dense_layers=1, num_experts=8,
+                                            num_experts_per_tok=2, moe_intermediate_size=32,
+                                            routed_scaling_factor=1.5)),
 }

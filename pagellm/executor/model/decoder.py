@@ -243,7 +243,7 @@ class DecoderForCausalLM(nn.Module):
                 dest.load(tensor)
             except ValueError as e:
                 raise ValueError(f"shape mismatch for {name}: checkpoint {e}") from None
-            loaded.update(weight_map.canonical_keys(name, self.spec))
+            loaded.update(self.canonical_keys(name))
         self.unloaded -= loaded
         if unexpected:
             raise ValueError(f"no such weight in the model: {unexpected[:8]}"
@@ -260,6 +260,14 @@ class DecoderForCausalLM(nn.Module):
         """The checkpoint modules our `module` (a projection's name) is made of."""
         return [self.checkpoint_name(part)
                 for part in weight_map.checkpoint_parts(module, self.spec)]
+
+    def canonical_keys(self, name: str) -> list[str]:
+        """The checkpoint keys (the family's own names) that checkpoint tensor `name`
+        fills (weight_map.canonical_keys, in our spelling and back)."""
+        if not self.checkpoint_renames:
+            return weight_map.canonical_keys(name, self.spec)
+        return [self.checkpoint_name(key)
+                for key in weight_map.canonical_keys(self.our_name(name), self.spec)]
 
     def checkpoint_name(self, ours: str) -> str:
         """Our name `ours` as the family's checkpoints spell it (`checkpoint_renames`)."""
@@ -285,7 +293,7 @@ class DecoderForCausalLM(nn.Module):
         """Checkpoint tensors `names` now hold values (a wake from level 2 left them
         empty): their family keys leave `unloaded`."""
         for name in names:
-            self.unloaded.difference_update(weight_map.canonical_keys(name, self.spec))
+            self.unloaded.difference_update(self.canonical_keys(name))
 
     def destination(self, name: str, params: dict[str, nn.Parameter] | None = None
                     ) -> Destination | None:

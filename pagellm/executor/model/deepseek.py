@@ -207,7 +207,7 @@ class DeepseekMoeBlock(nn.Module):
         ids = torch.topk(choice, self.moe.top_k, dim=-1).indices  # [T, K]
         weights = scores.gather(1, ids)
         if self.moe.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + r.renorm_eps)
         weights = weights * r.scaling
         return (weights.to(x.dtype) if self.moe.weights_in_model_dtype else weights), ids
 

@@ -1,5 +1,6 @@
-"""Liquid AI's LFM2 (`Lfm2ForCausalLM`: LFM2-350M, 700M, 1.2B, 2.6B): attention layers
-between gated short convolutions, a hybrid built for CPUs and phones.
+"""Liquid AI's LFM2 (`Lfm2ForCausalLM`: LFM2-350M, 700M, 1.2B, 2.6B) and LFM2-MoE
+(`Lfm2MoeForCausalLM`: LFM2-8B-A1B): attention layers between gated short convolutions,
+a hybrid built for CPUs and phones.
 
 What differs from the shared decoder (decoder.py), as transformers computes it:
 
@@ -19,10 +20,16 @@ What differs from the shared decoder (decoder.py), as transformers computes it:
   rejected proposals (no speculative decoding);
 - the attention layers are Qwen3's (per-head q/k RMSNorms), the MLP SwiGLU, the norms
   Llama's, each layer pre-norm with the residual added after each block;
+- LFM2-MoE: after its first num_dense_layers, each layer's MLP is a mixture of experts
+  routed as DeepSeek-V3's without groups or shared experts (deepseek.py's block: top-k
+  by sigmoid score plus a float32 choice bias, the chosen scores renormalised with
+  1e-6 added to their sum, times routed_scaling_factor, rounded to the model's dtype);
 - the checkpoint's own names (`checkpoint_renames`): `operator_norm` / `ffn_norm`,
-  `feed_forward.w1/w3/w2`, `self_attn.out_proj`, `q_layernorm`, `embedding_norm` (the
-  final norm). Under tensor parallelism each rank convolves its slice of the channels
-  (in_proj's B, C and x rows of them, out_proj's columns).
+  `feed_forward.w1/w3/w2` (the experts' `feed_forward.experts.{e}.w1/w3/w2`, the router
+  `feed_forward.gate`, the choice bias `feed_forward.expert_bias`),
+  `self_attn.out_proj`, `q_layernorm`, `embedding_norm` (the final norm). Under tensor
+  parallelism each rank convolves its slice of the channels (in_proj's B, C and x rows
+  of them, out_proj's columns).
 
 How a step convolves many requests at once (`ConvBatch`): each request's state rows
 and its new tokens are laid end to end in one buffer,
@@ -49,6 +56,7 @@ from pagellm.executor.model.decoder import (
     DecoderMLP,
     DecoderModel,
 )
+from pagellm.executor.model.deepseek import DeepseekMoeBlock
 from pagellm.executor.model.layers import Linear, RMSNorm, RowParallelLinear
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.spec import DecoderSpec, ShortConvSpec
@@ -143,7 +151,8 @@ class Lfm2DecoderLayer(nn.Module):
             self.conv = ShortConv(spec, spec.short_conv, tp)
         else:
             self.self_attn = DecoderAttention(spec, layer_idx, tp)
-        self.mlp = DecoderMLP(spec, tp)
+        sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
+        self.mlp: nn.Module = DeepseekMoeBlock(spec, tp) if sparse else DecoderMLP(spec, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -185,17 +194,20 @@ class Lfm2Model(DecoderModel):
 
 
 class Lfm2ForCausalLM(DecoderForCausalLM):
-    """LFM2: the shared causal LM (LM head, loading) around `Lfm2Model`, its checkpoint's
-    names, and the convolutions' states and tensor-parallel slices."""
+    """LFM2 and LFM2-MoE: the shared causal LM (LM head, loading) around `Lfm2Model`,
+    its checkpoint's names, and the convolutions' states and tensor-parallel slices."""
 
     model_cls = Lfm2Model
     checkpoint_renames = (
         (".self_attn.o_proj.", ".self_attn.out_proj."),
         (".self_attn.q_norm.", ".self_attn.q_layernorm."),
         (".self_attn.k_norm.", ".self_attn.k_layernorm."),
-        (".mlp.gate_proj.", ".feed_forward.w1."),
-        (".mlp.up_proj.", ".feed_forward.w3."),
-        (".mlp.down_proj.", ".feed_forward.w2."),
+        # LFM2-MoE's choice bias (before the block's own rename)
+        (".mlp.gate.e_score_correction_bias", ".feed_forward.expert_bias"),
+        (".mlp.", ".feed_forward."),  # the MLP, or the MoE block: router, experts
+        (".gate_proj.", ".w1."),
+        (".up_proj.", ".w3."),
+        (".down_proj.", ".w2."),
         (".input_layernorm.", ".operator_norm."),
         (".post_attention_layernorm.", ".ffn_norm."),
         (".model.norm.", ".model.embedding_norm."),

@@ -479,11 +479,9 @@ def _phi3(config: Any, arch: str) -> DecoderSpec:
                              fused_checkpoint=("qkv_proj", "gate_up_proj"))
 
 
-def _lfm2(config: Any, arch: str) -> DecoderSpec:
-    """LFM2 (lfm2.py): layer_types "conv" (a short convolution of conv_L_cache taps)
-    or "full_attention" (per-head q/k norms); the MLP's width derived from
-    intermediate_size as transformers' Lfm2MLP derives it (block_auto_adjust_ff_dim:
-    two thirds, times block_ffn_dim_multiplier, rounded up to block_multiple_of)."""
+def _short_convs(config: Any) -> ShortConvSpec:
+    """LFM2's layer_types: "conv" (a short convolution of conv_L_cache taps, lfm2.py) or
+    "full_attention"."""
     layers = config.num_hidden_layers
     types = list(getattr(config, "layer_types", None) or ())
     if len(types) != layers or set(types) - {"conv", "full_attention"}:
@@ -492,6 +490,14 @@ def _lfm2(config: Any, arch: str) -> DecoderSpec:
     kernel = config.conv_L_cache
     if isinstance(kernel, bool) or not isinstance(kernel, int) or not 1 <= kernel <= 64:
         raise ValueError(f"conv_L_cache must be an integer from 1 to 64, got {kernel!r}")
+    return ShortConvSpec(kernel, bool(config.conv_bias), tuple(t == "conv" for t in types))
+
+
+def _lfm2(config: Any, arch: str) -> DecoderSpec:
+    """LFM2 (lfm2.py): short convolutions and attention layers with per-head q/k norms;
+    the MLP's width derived from intermediate_size as transformers' Lfm2MLP derives it
+    (block_auto_adjust_ff_dim: two thirds, times block_ffn_dim_multiplier, rounded up
+    to block_multiple_of)."""
     size = config.intermediate_size
     if getattr(config, "block_auto_adjust_ff_dim", False):
         size = int(2 * size / 3)
@@ -505,9 +511,31 @@ def _lfm2(config: Any, arch: str) -> DecoderSpec:
         raise ValueError(f"the MLP's width (from intermediate_size="
                          f"{config.intermediate_size}) must be positive, got {size}")
     return read_decoder_spec(config, arch, qk_norm="head", rms_norm_eps=config.norm_eps,
-                             intermediate_size=size,
-                             short_conv=ShortConvSpec(kernel, bool(config.conv_bias),
-                                                      tuple(t == "conv" for t in types)))
+                             intermediate_size=size, short_conv=_short_convs(config))
+
+
+def _lfm2_moe(config: Any, arch: str) -> DecoderSpec:
+    """LFM2-MoE (lfm2.py): LFM2's layers with experts after the first num_dense_layers
+    (whose MLPs are intermediate_size wide as given), routed by sigmoid score plus a
+    choice bias (use_expert_bias), renormalised with 1e-6 added to the sum where
+    norm_topk_prob, times routed_scaling_factor."""
+    layers, dense = config.num_hidden_layers, config.num_dense_layers
+    if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= layers:
+        raise ValueError(f"num_dense_layers must be an integer from 0 to num_hidden_layers "
+                         f"({layers}), got {dense!r}")
+    scaling = config.routed_scaling_factor
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) \
+            or not math.isfinite(scaling) or scaling <= 0:
+        raise ValueError(f"routed_scaling_factor must be a positive number, got {scaling!r}")
+    routing = GroupedRouting(scoring="sigmoid", score_bias=bool(config.use_expert_bias),
+                             group_score=None, n_group=1, topk_group=1,
+                             scaling=float(scaling), renorm_eps=1e-6)
+    moe = MoeSpec(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+                  intermediate_size=config.moe_intermediate_size,
+                  renormalize=bool(config.norm_topk_prob),
+                  sparse_layers=tuple(i >= dense for i in range(layers)), grouped=routing)
+    return read_decoder_spec(config, arch, qk_norm="head", rms_norm_eps=config.norm_eps,
+                             short_conv=_short_convs(config), moe=moe)
 
 
 FAMILIES: dict[str, Family] = {
@@ -544,6 +572,7 @@ FAMILIES: dict[str, Family] = {
     "GraniteForCausalLM": Family("granite", _granite, _lazy("granite", "GraniteForCausalLM")),
     "SeedOssForCausalLM": Family("seed_oss", _seed_oss, _decoder),
     "Lfm2ForCausalLM": Family("lfm2", _lfm2, _lazy("lfm2", "Lfm2ForCausalLM")),
+    "Lfm2MoeForCausalLM": Family("lfm2_moe", _lfm2_moe, _lazy("lfm2", "Lfm2ForCausalLM")),
 }
 
 

@@ -43,6 +43,8 @@ class GroupedRouting:
     n_group: int
     topk_group: int
     scaling: float  # routed_scaling_factor
+    # What the renormalisation adds to the chosen weights' sum (LFM2-MoE's 1e-6).
+    renorm_eps: float = 1e-20
 
 
 @dataclass(frozen=True)
