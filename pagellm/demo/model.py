@@ -59,7 +59,7 @@ ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qw
                           "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "olmo2",
                           "olmo3", "smollm3", "granite", "seed_oss", "minimax_m2",
                           "glm", "glm4", "cohere", "cohere2", "exaone4",
-                          "ernie4_5", "ernie4_5_moe", "lfm2", "lfm2_moe")
+                          "ernie4_5", "ernie4_5_moe", "lfm2", "lfm2_moe", "qwen3_5_text")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 
@@ -274,14 +274,19 @@ def _reinit_weights(model: torch.nn.Module, spec: ModelSpec) -> None:
                     # LFM2's short convolutions, 3 taps: wide, so the tokens before
                     # each one (a request's carried state) change its output
                     values = 0.5 * torch.randn(param.shape, generator=gen)
-                elif param_name == "weight" and kind.endswith(("RMSNorm", "LayerNorm")):
+                elif param_name == "weight" and kind.endswith(("RMSNorm", "LayerNorm",
+                                                                "RMSNormGated")):
                     values = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
                 elif kind.endswith(("Experts", "Router", "NaiveMoe")):  # stacked experts
                     # (DeepSeek-V3's "NaiveMoe" in transformers 5.0), MoE router
                     values = torch.randn(param.shape, generator=gen) * spec.init_std
                 elif param_name == "sinks":  # gpt-oss: a logit per head, near the scores'
                     values = torch.randn(param.shape, generator=gen)
-                elif param_name == "e_score_correction_bias":  # ERNIE 4.5's, a parameter
+                elif param_name == "A_log":  # Qwen3.5's linear attention: decays of
+                    # exp(-softplus(.) * A) with A ~ 0.14, a memory of ~10 tokens
+                    values = -2.0 + 0.5 * torch.randn(param.shape, generator=gen)
+                # Qwen3.5's dt_bias; ERNIE 4.5's e_score_correction_bias (a parameter)
+                elif param_name in ("dt_bias", "e_score_correction_bias"):
                     values = 0.1 * torch.randn(param.shape, generator=gen)
                 else:
                     raise RuntimeError(

@@ -23,6 +23,7 @@ from conftest import (
     deepseek_v2_reference,
     gpt_oss_reference,
     olmo3_reference,
+    qwen3_5_reference,
     runs_triton_kernels,
 )
 from family_specs import FAMILY_SPECS
@@ -39,8 +40,10 @@ MAX_TOKENS = 32
 # hits the prefix cache mid-prompt.
 FAMILY_PROMPTS = [*PROMPTS[1:6], PROMPTS[4] + "tail"]
 
+# The families whose layers keep a state per request beside (or instead of) a KV cache.
+STATEFUL = ("lfm2", "lfm2_moe", "qwen3_5")
 _REFERENCE_MARKS = {"gpt_oss": gpt_oss_reference, "deepseek_v2": deepseek_v2_reference,
-                    "olmo3": olmo3_reference}
+                    "olmo3": olmo3_reference, "qwen3_5": qwen3_5_reference}
 
 
 def _names(*names: str) -> list[Any]:
@@ -50,10 +53,22 @@ def _names(*names: str) -> list[Any]:
             for n in names]
 
 
+class _FamilyDirs(dict[str, Path]):
+    """Each family's checkpoint, written the first time a test asks for it (a run of
+    some tests builds only their models; transformers 5.0 has no Qwen3.5 to build)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> Path:
+        self[name] = directory = make_model(self.root / name, FAMILY_SPECS[name])
+        return directory
+
+
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("families")
-    return {name: make_model(root / name, spec) for name, spec in FAMILY_SPECS.items()}
+    return _FamilyDirs(tmp_path_factory.mktemp("families"))
 
 
 @pytest.fixture(scope="module")
@@ -88,16 +103,16 @@ def _tokens(outputs: list[Any]) -> list[list[int]]:
 def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_caching(
         name, family_dirs, hf_models, make_llm):
     """A step budget of 32 tokens splits the long prompts across steps; the batch runs
-    twice, the second time from the prefix cache (LFM2, whose convolutions keep a state
-    per request that no KV block holds, computes it again: the engine turns prefix
-    caching off for it)."""
+    twice, the second time from the prefix cache (LFM2 and Qwen3.5, whose convolutions
+    and linear attention keep a state per request that no KV block holds, compute it
+    again: the engine turns prefix caching off for them)."""
     llm = make_llm(family_dirs[name], max_num_batched_tokens=32, block_size=16)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     first = llm.generate(FAMILY_PROMPTS, params, use_tqdm=False)
     cache = llm.engine_core.core.scheduler.kv_cache_manager
     hits_before = cache.prefix_cache_hits
     second = llm.generate(FAMILY_PROMPTS, params, use_tqdm=False)
-    assert (cache.prefix_cache_hits > hits_before) == (not name.startswith("lfm2"))
+    assert (cache.prefix_cache_hits > hits_before) == (name not in STATEFUL)
     expected = [hf_greedy(hf_models(name), o.prompt_token_ids) for o in first]
     assert _tokens(first) == expected
     assert _tokens(second) == expected
@@ -141,7 +156,8 @@ def test_experts_no_token_picks_are_skipped_and_the_output_still_matches(
 
 @pytest.mark.parametrize("name", _names("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss",
                                          "deepseek_v3", "olmo3", "granite", "minimax_m2",
-                                         "cohere2", "exaone4", "lfm2", "lfm2_moe"))
+                                         "cohere2", "exaone4", "lfm2", "lfm2_moe",
+                                         "qwen3_5"))
 def test_bf16_logprobs_track_transformers(name, family_dirs, make_llm):
     """bf16: every prompt and sampled token's logprob within 1.5x transformers' own bf16
     error against fp32 on the same bf16-rounded weights (as tests/e2e/test_correctness.py
@@ -401,6 +417,9 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
      "layer_types must list 'conv' or 'full_attention'"),
     ("lfm2", dict(conv_L_cache=0), "conv_L_cache must be an integer from 1 to 64"),
     ("lfm2_moe", dict(num_dense_layers=9), "num_dense_layers must be an integer from 0"),
+    pytest.param("qwen3_5", dict(linear_num_value_heads=3),
+                 r"linear_num_value_heads \(3\) must be a multiple of linear_num_key_heads "
+                 r"\(2\)", marks=qwen3_5_reference),
     ("glm", dict(partial_rotary_factor=0.3, rope_parameters=dict(
         rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.3)),
      "partial_rotary_factor=0.3 gives rotary_dim"),
@@ -516,7 +535,7 @@ def test_deepseeks_cache_holds_the_latent_once(family_dirs, make_llm):
     assert runner.kv_cache_bytes_per_block() == spec.num_layers * 16 * spec.head_dim * 4
 
 
-@pytest.mark.parametrize("name", list(FAMILY_SPECS))
+@pytest.mark.parametrize("name", _names(*FAMILY_SPECS))
 def test_the_names_a_model_loads_from_are_its_checkpoints_own(name, family_dirs):
     """`checkpoint_keys` (what the loader checks a checkpoint for, and what a wake from
     level-2 sleep reads back from disk) is exactly the tensor names the family's
@@ -553,11 +572,20 @@ def test_lfm2_requests_preempted_and_recomputed_start_their_state_afresh(
                                                         output.prompt_token_ids)
 
 
-def test_lfm2_refuses_speculative_decoding(family_dirs):
-    """Rejected proposals would have advanced the convolutions' states: refused at
-    start-up, naming the setting and why."""
-    with pytest.raises(ValueError, match="speculative_config is not supported for "
-                                         "Lfm2ForCausalLM"):
+@pytest.mark.parametrize(("name", "arch"), [
+    ("lfm2", "Lfm2ForCausalLM"),
+    pytest.param("qwen3_5", "Qwen3_5ForCausalLM", marks=qwen3_5_reference)])
+def test_models_with_state_refuse_speculative_decoding(name, arch, family_dirs):
+    """Rejected proposals would have advanced the convolutions' (and the linear
+    attention's) states: refused at start-up, naming the setting and why."""
+    with pytest.raises(ValueError, match=f"speculative_config is not supported for {arch}"):
         resolve_model_config(EngineArgs(
-            model=str(family_dirs["lfm2"]),
+            model=str(family_dirs[name]),
             speculative_config={"method": "ngram", "num_speculative_tokens": 2}))
+
+
+@qwen3_5_reference
+def test_qwen3_5s_linear_attention_refuses_two_ranks(family_dirs, make_llm):
+    """Its heads are not sharded yet: two ranks are refused at start-up, by name."""
+    with pytest.raises(Exception, match="linear-attention layers are not sharded yet"):
+        make_llm(family_dirs["qwen3_5"], tensor_parallel_size=2)

@@ -217,4 +217,16 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
                                             num_dense_layers=1, num_experts=8,
                                             num_experts_per_tok=2, moe_intermediate_size=32,
                                             routed_scaling_factor=1.5)),
+    # Qwen3.5 (text): three linear-attention layers (2 key heads of 16, 4 value heads
+    # of 16, a 4-tap convolution) around one gated full-attention layer (head_dim 32,
+    # RoPE on a quarter of it), (1 + w) norms
+    "qwen3_5": ModelSpec(arch="qwen3_5_text", **{**_SMALL, "num_layers": 4},
+                         num_kv_heads=2, head_dim=32, intermediate_size=96, init_std=0.3,
+                         seed=41, rope_scaling={"rope_type": "default",
+                                                "partial_rotary_factor": 0.25},
+                         config_extra=dict(layer_types=["linear_attention"] * 3
+                                           + ["full_attention"],
+                                           linear_num_key_heads=2, linear_num_value_heads=4,
+                                           linear_key_head_dim=16, linear_value_head_dim=16,
+                                           linear_conv_kernel_dim=4)),
 }

@@ -283,10 +283,11 @@ class DecoderForCausalLM(nn.Module):
             name = name.replace(fragment, ours)
         return name[1:]
 
-    def state_shapes(self, rows: int) -> dict[int, tuple[int, ...]]:
-        """The per-request state of each layer that keeps one instead of a KV cache, by
-        layer index, for `rows` requests: the runner allocates them beside the KV cache
-        (lfm2.py: a short convolution's last inputs). None here."""
+    def state_shapes(self, rows: int) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
+        """The per-request state (shape, dtype) of each layer that keeps one instead of a
+        KV cache, by layer index, for `rows` requests: the runner allocates them beside
+        the KV cache (lfm2.py: a short convolution's last inputs; qwen3_5.py: the linear
+        attention's). None here."""
         return {}
 
     def mark_loaded(self, names: Iterable[str]) -> None:

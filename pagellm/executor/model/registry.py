@@ -5,7 +5,7 @@ Families that differ from Llama only in data are a reader here and the shared de
 (decoder.py, whose MLP is the sparse MoE block of moe.py where the spec has experts); a
 family whose computation differs brings its own module with a reader and a model class
 (gemma.py, gpt_oss.py, deepseek.py, glm4.py, glm4_moe.py, minimax_m2.py, cohere.py,
-olmo2.py, exaone4.py, granite.py, lfm2.py).
+olmo2.py, exaone4.py, granite.py, lfm2.py, qwen3_5.py).
 Adding a family is that module and one row of `FAMILIES`.
 """
 
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pagellm.executor.model.rope import RopeSpec, yarn_mscale
 from pagellm.executor.model.spec import (
     DecoderSpec,
+    GatedDeltaNetSpec,
     GroupedRouting,
     MlaSpec,
     MoeSpec,
@@ -538,6 +539,48 @@ def _lfm2_moe(config: Any, arch: str) -> DecoderSpec:
                              short_conv=_short_convs(config), moe=moe)
 
 
+def _positive_ints(config: Any, *fields: str) -> list[int]:
+    """The config's `fields`, each checked to be a positive integer (ValueError naming
+    the first that is not)."""
+    values: list[int] = []
+    for field in fields:
+        value = getattr(config, field, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        values.append(value)
+    return values
+
+
+def _qwen3_5(config: Any, arch: str) -> DecoderSpec:
+    """Qwen3.5's text model (qwen3_5.py): layer_types "linear_attention" (the gated
+    delta rule after a causal convolution of linear_conv_kernel_dim taps; value heads a
+    multiple of the key heads) or "full_attention" (per-head q/k norms, the output
+    gated); RoPE on partial_rotary_factor of each head (the multimodal sections of
+    rope_parameters coincide for text)."""
+    layers = config.num_hidden_layers
+    types = list(getattr(config, "layer_types", None) or ())
+    if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"layer_types must list 'linear_attention' or 'full_attention' for "
+                         f"each of the {layers} layers, got {str(types)[:120]}")
+    k_heads, v_heads, k_dim, v_dim, kernel = _positive_ints(
+        config, "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+        "linear_value_head_dim", "linear_conv_kernel_dim")
+    if v_heads % k_heads:
+        raise ValueError(f"linear_num_value_heads ({v_heads}) must be a multiple of "
+                         f"linear_num_key_heads ({k_heads})")
+    if kernel > 64:
+        raise ValueError(f"linear_conv_kernel_dim must be at most 64, got {kernel}")
+    params = {key: value for key, value in (getattr(config, "rope_parameters", None)
+                                            or {}).items()
+              if key not in ("mrope_section", "mrope_interleaved")}
+    rope = RopeSpec.from_hf(params, getattr(config, "rope_theta", None),
+                            getattr(config, "rope_scaling", None), partial_rotary=True)
+    linear = GatedDeltaNetSpec(k_heads, v_heads, k_dim, v_dim, kernel,
+                               tuple(t == "linear_attention" for t in types))
+    return read_decoder_spec(config, arch, qk_norm="head", rope=rope,
+                             linear_attention=linear, attn_output_gate=True)
+
+
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("llama", _llama, _decoder),
     "MistralForCausalLM": Family("mistral", _llama, _decoder),
@@ -573,6 +616,8 @@ FAMILIES: dict[str, Family] = {
     "SeedOssForCausalLM": Family("seed_oss", _seed_oss, _decoder),
     "Lfm2ForCausalLM": Family("lfm2", _lfm2, _lazy("lfm2", "Lfm2ForCausalLM")),
     "Lfm2MoeForCausalLM": Family("lfm2_moe", _lfm2_moe, _lazy("lfm2", "Lfm2ForCausalLM")),
+    "Qwen3_5ForCausalLM": Family("qwen3_5_text", _qwen3_5,
+                                 _lazy("qwen3_5", "Qwen3_5ForCausalLM")),
 }
 
 

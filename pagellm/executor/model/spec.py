@@ -6,8 +6,9 @@ variant (a second one for sliding layers: Gemma 3), sliding-window attention per
 the MLP's activation, the attention scale and logit soft-capping (Gemma 2), attention
 sinks (gpt-oss), checkpoints storing q/k/v and gate/up fused (Phi-3), a
 mixture-of-experts MLP (`MoeSpec`, with DeepSeek's grouped routing: `GroupedRouting`),
-DeepSeek's multi-head latent attention (`MlaSpec`) and LFM2's short-convolution layers,
-which keep a state per request instead of a KV cache (`ShortConvSpec`).
+DeepSeek's multi-head latent attention (`MlaSpec`), and LFM2's short-convolution layers
+and Qwen3.5's linear attention, which keep a state per request instead of a KV cache
+(`ShortConvSpec`, `GatedDeltaNetSpec`).
 Each family's reader (executor/model/registry.py's table) fills these from a transformers
 config and refuses, naming the field, what the engine cannot serve. Apart from the
 modules because more than the model reads it: the model config, the tensor-parallel
@@ -120,6 +121,28 @@ class ShortConvSpec:
 
 
 @dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    """Qwen3.5's linear attention (qwen3_5.py: the gated delta rule) in the layers `layers`
+    marks (True; the others attend, their output gated): keys and queries of
+    `num_k_heads` heads of `head_k_dim`, values of `num_v_heads` of `head_v_dim`, after a
+    causal convolution of `conv_kernel` taps. Such a layer keeps no KV cache but a state
+    per request: the convolution's last inputs and a [head_k_dim, head_v_dim] memory
+    per value head."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    layers: tuple[bool, ...]
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolved channels: queries, keys and values."""
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+
+@dataclass(frozen=True)
 class DecoderSpec:
     vocab_size: int
     hidden_size: int
@@ -168,13 +191,19 @@ class DecoderSpec:
     # DeepSeek's latent attention (num_kv_heads 1 and head_dim the latent's width: what
     # the KV cache holds per token); None: q/k/v projections of heads of head_dim.
     mla: MlaSpec | None = None
-    # LFM2's short-convolution layers; None: every layer attends.
+    # LFM2's short-convolution layers and Qwen3.5's linear-attention ones; None: every
+    # layer attends.
     short_conv: ShortConvSpec | None = None
+    linear_attention: GatedDeltaNetSpec | None = None
+    # The attention's output times sigmoid of a gate the query projection also computes
+    # (Qwen3.5: q_proj is twice as wide, each head's query then its gate).
+    attn_output_gate: bool = False
 
     def has_kv(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` attends (a paged KV cache), rather than keeping a
-        state per request (a short-convolution layer)."""
-        return self.short_conv is None or not self.short_conv.layers[layer_idx]
+        state per request (a short-convolution or linear-attention layer)."""
+        return not any(mixer is not None and mixer.layers[layer_idx]
+                       for mixer in (self.short_conv, self.linear_attention))
 
     @property
     def num_kv_layers(self) -> int:

@@ -139,8 +139,8 @@ class ModelRunner:
             block_size, self.num_sms, max_num_seqs, max_num_batched_tokens)
         self.sampler = Sampler(device, seed)
         self.max_num_seqs = max_num_seqs
-        # Per layer that keeps a state per request (lfm2.py), its [max_num_seqs, ...]
-        # shape: a request's row of the batch is its row of the state.
+        # Per layer that keeps a state per request (lfm2.py, qwen3_5.py), its
+        # [max_num_seqs, ...] shape and dtype: a request's batch row is its state's row.
         self.state_shapes = self.model.state_shapes(max_num_seqs)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.batch = InputBatch(max_num_seqs, model_config.max_model_len, block_size,
@@ -216,8 +216,8 @@ class ModelRunner:
     def state_bytes(self) -> int:
         """What the layers that keep a state per request (`state_shapes`) take, for every
         row of the batch: allocated with the KV cache, out of its budget."""
-        size = torch.empty((), dtype=self.model_config.dtype).element_size()
-        return sum(int(np.prod(shape)) * size for shape in self.state_shapes.values())
+        return sum(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+                   for shape, dtype in self.state_shapes.values())
 
     def kv_cache_bytes_per_block(self) -> int:
         return sum(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
@@ -237,8 +237,8 @@ class ModelRunner:
                        for layer in torch.empty(shape, dtype=dtype,
                                                 device=self.device).unbind(0)])
         states = self.state_shapes
-        self.kv_caches = [torch.zeros(states[i], dtype=self.model_config.dtype,
-                                      device=self.device) if i in states else next(caches)
+        self.kv_caches = [torch.zeros(states[i][0], dtype=states[i][1], device=self.device)
+                          if i in states else next(caches)
                           for i in range(self.model_config.spec.num_layers)]
         self.kv_caches += list(caches)  # the draft model's
 

@@ -1,0 +1,322 @@
+"""Qwen3.5 (`Qwen3_5ForCausalLM`, the text model): linear attention by the gated delta
+rule in three layers of four, gated full attention in the fourth.
+
+What differs from the shared decoder (decoder.py), as transformers computes it:
+
+- a linear-attention layer (`GatedDeltaNet`) projects the token to queries, keys and
+  values (`in_proj_qkv`), convolves them causally per channel over the request's last
+  `conv_kernel` tokens (causal_conv.py), applies SiLU, then reads and updates a memory
+  per value head, S [head_k_dim, head_v_dim], token by token:
+
+      S <- S * exp(g)                      g = -exp(A_log) * softplus(a + dt_bias) <= 0
+      S <- S + k (beta * (v - S^T k))^T    beta = sigmoid(b); q, k L2-normalised
+      o  = S^T q / sqrt(head_k_dim)
+
+  (query and key heads serve num_v_heads / num_k_heads value heads each), then
+  RMSNorm(o) * SiLU(z) and `out_proj`. A step computes a prompt chunk in blocks of 64
+  tokens (the delta rule's chunked form: one triangular solve per block, the memory
+  carried between blocks) and one-token requests together in the recurrent form. The
+  layer keeps, per request, the convolution's last inputs and S (`state_shapes`: one
+  float32 row per request of the runner's batch), so, as LFM2's, a request computes
+  from its first token: no prefix caching, no speculative decoding;
+- the full-attention layers' query projection is twice as wide: each head's query,
+  then its gate; the attention's output is multiplied by sigmoid(gate) before o_proj
+  (`GatedAttention`); per-head q/k norms; RoPE on a quarter of each head (text
+  positions: the multimodal RoPE's three sections coincide);
+- every RMSNorm but the linear attention's output norm scales by (1 + w) in fp32 and
+  then rounds (Gemma's, gemma.py).
+
+Checkpoint names are transformers' (`linear_attn.in_proj_qkv`, `conv1d`, `A_log`, ...);
+q_proj's rows (query and gate per head) load into the merged projection by
+`family_destination`. Tensor parallelism is refused for now (its slices of the linear
+attention's heads are not built).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.executor.model.attention import AttentionMetadata
+from pagellm.executor.model.causal_conv import ConvBatch
+from pagellm.executor.model.decoder import (
+    DecoderAttention,
+    DecoderForCausalLM,
+    DecoderMLP,
+    DecoderModel,
+)
+from pagellm.executor.model.gemma import GemmaRMSNorm
+from pagellm.executor.model.layers import Linear, RMSNorm, RowParallelLinear
+from pagellm.executor.model.parallel import TensorParallel
+from pagellm.executor.model.spec import DecoderSpec, GatedDeltaNetSpec
+from pagellm.executor.model.weight_map import Destination
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin: [T, 1, rotary_dim]
+CHUNK = 64  # tokens per block of the delta rule's chunked form
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x / ||x|| over the last dimension (1e-6 under the root, as the checkpoints' code)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def delta_rule_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+    """One token per request, the recurrent form (module docstring), float32. q, k: [R,
+    H, dk] (normalised, q scaled); v: [R, H, dv]; g, beta: [R, H]; memory: [R, H, dk, dv],
+    advanced in place -> o [R, H, dv]."""
+    s = memory * g.exp()[..., None, None]
+    recalled = (s * k[..., None]).sum(-2)  # [R, H, dv]: what S already says for k
+    s = s + k[..., None] * ((v - recalled) * beta[..., None])[..., None, :]
+    memory.copy_(s)
+    return (s * q[..., None]).sum(-2)
+
+
+def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+    """One request's L tokens in blocks of CHUNK, float32. q, k: [H, L, dk] (normalised,
+    q scaled); v: [H, L, dv]; g, beta: [H, L]; memory: [H, dk, dv], advanced in place ->
+    o [H, L, dv].
+
+    Within a block, the delta rule's updates are one lower-triangular system: with
+    W = K_beta K^T weighted by the decays between positions, U = (I + W)^-1 (V beta)
+    are the values each position writes and (I + W)^-1 (K_beta exp(G)) how much of the
+    block's starting memory S each one first erases; the block's outputs are its
+    queries read against S plus the in-block causal attention over the written values,
+    and S moves on to the block's end."""
+    heads, length = q.shape[:2]
+    pad = -length % CHUNK
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))  # g = 0, beta = 0: no update
+    blocks = (length + pad) // CHUNK
+    q, k, v = (t.reshape(heads, blocks, CHUNK, -1) for t in (q, k, v))
+    g, beta = g.reshape(heads, blocks, CHUNK), beta.reshape(heads, blocks, CHUNK, 1)
+    cum = g.cumsum(-1)  # [H, N, C] log-decay from the block's start
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # [H, N, C, C], lower triangle
+    written = torch.linalg.solve_triangular(system, v * beta, upper=False, unitriangular=True)
+    erased = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False,
+                                           unitriangular=True)
+    in_block = (q @ k.transpose(-1, -2)) * decay
+    q_start = q * cum.exp()[..., None]  # read S as decayed to each position
+    k_end = k * (cum[..., -1:] - cum).exp()[..., None]  # written values decayed to the end
+    block_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    out = torch.empty(written.shape, dtype=written.dtype, device=written.device)
+    s = memory
+    for i in range(blocks):
+        new = written[:, i] - erased[:, i] @ s  # [H, C, dv]
+        out[:, i] = q_start[:, i] @ s + in_block[:, i] @ new
+        s = s * block_decay[:, i] + k_end[:, i].transpose(-1, -2) @ new
+    memory.copy_(s)
+    return out.view(heads, blocks * CHUNK, -1)[:, :length]
+
+
+class GatedDeltaNet(nn.Module):
+    """The linear-attention layer (module docstring), its state one float32 row per
+    request: the convolution's last kernel - 1 inputs, then the memory of every head."""
+
+    def __init__(self, spec: DecoderSpec, la: GatedDeltaNetSpec, tp: TensorParallel) -> None:
+        super().__init__()
+        if tp.size > 1:
+            raise ValueError(f"tensor_parallel_size={tp.size}: {spec.architecture}'s "
+                             "linear-attention layers are not sharded yet (one rank only)")
+        self.la = la
+        self.key_dim = la.num_k_heads * la.head_k_dim
+        self.value_dim = la.num_v_heads * la.head_v_dim
+        self.in_proj_qkv = Linear(spec.hidden_size, la.conv_dim, bias=False)
+        self.in_proj_z = Linear(spec.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = Linear(spec.hidden_size, la.num_v_heads, bias=False)
+        self.in_proj_a = Linear(spec.hidden_size, la.num_v_heads, bias=False)
+        # Only its parameter, [conv_dim, 1, K]: the checkpoint's name and shape.
+        self.conv1d = nn.Conv1d(la.conv_dim, la.conv_dim, la.conv_kernel, groups=la.conv_dim,
+                                bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(la.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(la.num_v_heads))
+        self.norm = RMSNorm(la.head_v_dim, spec.rms_norm_eps)  # of each head's output
+        self.out_proj = RowParallelLinear(self.value_dim, spec.hidden_size, False, tp)
+
+    def state_size(self) -> int:
+        """A request's state: (kernel - 1) x conv_dim convolution inputs, then
+        num_v_heads x head_k_dim x head_v_dim of memory."""
+        la = self.la
+        return ((la.conv_kernel - 1) * la.conv_dim
+                + la.num_v_heads * la.head_k_dim * la.head_v_dim)
+
+    def forward(self, x: torch.Tensor, batch: ConvBatch, meta: AttentionMetadata,
+                state: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]; `state`: this layer's [rows, state_size()]."""
+        la, tokens = self.la, x.shape[0]
+        conv_size = (la.conv_kernel - 1) * la.conv_dim
+        conv_state = state[:, :conv_size].view(-1, la.conv_kernel - 1, la.conv_dim)
+        memory = state[:, conv_size:].view(-1, la.num_v_heads, la.head_k_dim, la.head_v_dim)
+        mixed = F.silu(batch.convolve(self.in_proj_qkv(x), self.conv1d.weight, None,
+                                      conv_state))
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        groups = la.num_v_heads // la.num_k_heads  # value heads per query/key head
+        q, k = (_l2norm(t.reshape(tokens, la.num_k_heads, la.head_k_dim).float())
+                .repeat_interleave(groups, dim=1) for t in (q, k))
+        q = q * la.head_k_dim ** -0.5
+        v32 = v.reshape(tokens, la.num_v_heads, la.head_v_dim).float()
+        beta = self.in_proj_b(x).sigmoid().float()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        out = self._delta_rule(q, k, v32, g, beta, memory, meta, batch)  # [T, Hv, dv]
+        normed, _ = self.norm(out.to(x.dtype).reshape(-1, la.head_v_dim))
+        z = self.in_proj_z(x).reshape(-1, la.head_v_dim)
+        gated = (normed.float() * F.silu(z.float())).to(x.dtype)
+        return self.out_proj(gated.reshape(tokens, self.value_dim))
+
+    @staticmethod
+    def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, memory: torch.Tensor, meta: AttentionMetadata,
+                    batch: ConvBatch) -> torch.Tensor:
+        """Every request's tokens from its memory (rows `batch.rows`): one-token requests
+        together, recurrently; longer chunks one by one, chunked. [T, Hv, *] -> [T, Hv,
+        dv] float32."""
+        starts = meta.query_start_loc_cpu
+        counts = starts[1:] - starts[:-1]
+        out = torch.empty_like(v)
+        assert meta.request_rows is not None
+        single = (counts == 1).nonzero()[0]
+        if len(single) == len(counts):  # a decode step: every token, in order
+            s = memory[batch.rows]
+            out = delta_rule_steps(q, k, v, g, beta, s)
+            memory[batch.rows] = s
+            return out
+        if len(single):
+            pick = torch.from_numpy(starts[single]).to(q.device)
+            rows = batch.rows[torch.from_numpy(single).to(q.device)]
+            s = memory[rows]
+            out[pick] = delta_rule_steps(q[pick], k[pick], v[pick], g[pick], beta[pick], s)
+            memory[rows] = s
+        for r in (counts > 1).nonzero()[0].tolist():
+            lo, hi = int(starts[r]), int(starts[r + 1])
+            s = memory[int(meta.request_rows[r])]  # [Hv, dk, dv], a view: advanced in place
+            out[lo:hi] = delta_rule_chunked(
+                q[lo:hi].transpose(0, 1), k[lo:hi].transpose(0, 1), v[lo:hi].transpose(0, 1),
+                g[lo:hi].t(), beta[lo:hi].t(), s).transpose(0, 1)
+        return out
+
+
+class GatedAttention(DecoderAttention):
+    """The shared attention with Qwen3.5's output gate: q_proj gives each head's query
+    and then its gate, and the attention's output is times sigmoid(gate); per-head q/k
+    norms scale by (1 + w)."""
+
+    norm_cls = GemmaRMSNorm
+
+    def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
+        super().__init__(spec, layer_idx, tp)
+        # [query | gate per head (2 H D), k (H_kv D), v (H_kv D)]
+        self.qkv_proj = Linear(spec.hidden_size, 2 * self.q_size + 2 * self.kv_size,
+                               bias=spec.qkv_bias)
+
+    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        tokens, heads, d = x.shape[0], self.num_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        q_gate = qkv[:, :2 * self.q_size].view(tokens, heads, 2 * d)
+        k = qkv[:, 2 * self.q_size:2 * self.q_size + self.kv_size].view(tokens, -1, d)
+        v = qkv[:, 2 * self.q_size + self.kv_size:].view(tokens, -1, d)
+        assert self.q_norm is not None and self.k_norm is not None
+        q, _ = self.q_norm(q_gate[..., :d])
+        k, _ = self.k_norm(k)
+        cos, sin = rope
+        out = self.attn(self.rotate(q, cos, sin), self.rotate(k, cos, sin), v, meta,
+                        kv_caches, self.sinks)  # [T, H, D]
+        gate = q_gate[..., d:].reshape(tokens, self.q_size)
+        return self.o_proj(out.reshape(tokens, self.q_size) * torch.sigmoid(gate))
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    """Pre-norm, residual after each block; the mixer linear or gated full attention."""
+
+    def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
+        super().__init__()
+        la = spec.linear_attention
+        assert la is not None
+        self.layer_idx = layer_idx
+        self.linear_attn: GatedDeltaNet | None = None
+        self.self_attn: GatedAttention | None = None
+        if la.layers[layer_idx]:
+            self.linear_attn = GatedDeltaNet(spec, la, tp)
+        else:
+            self.self_attn = GatedAttention(spec, layer_idx, tp)
+        self.mlp = DecoderMLP(spec, tp)
+        self.input_layernorm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata, caches: list[torch.Tensor], batch: ConvBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden], the previous layer's output not yet added to `residual` ->
+        (this layer's, likewise; the residual stream). `caches`: per layer its KV cache
+        or, for a linear-attention layer, its state."""
+        h, residual = self.input_layernorm(x, residual)
+        if self.linear_attn is not None:
+            h = self.linear_attn(h, batch, meta, caches[self.layer_idx])
+        else:
+            assert self.self_attn is not None
+            h = self.self_attn(rope, h, meta, caches)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class Qwen3_5Model(DecoderModel):
+    layer_cls = Qwen3_5DecoderLayer
+    norm_cls = GemmaRMSNorm
+
+    def __init__(self, spec: DecoderSpec, tp: TensorParallel,
+                 max_model_len: int | None = None) -> None:
+        super().__init__(spec, tp, max_model_len)
+        assert spec.linear_attention is not None
+        self.kernel = spec.linear_attention.conv_kernel
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        x = self.embed(input_ids)
+        rope = self.rotary_emb.cos_sin(positions, x.dtype)
+        batch = ConvBatch.of(meta, self.kernel, x.device)  # once for every layer
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(rope, x, residual, meta, kv_caches, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+_QKV = re.compile(r"(.+\.self_attn)\.(q|k|v)_proj\.(weight|bias)")
+
+
+class Qwen3_5ForCausalLM(DecoderForCausalLM):
+    """Qwen3.5's text model: the shared causal LM around `Qwen3_5Model`, the linear
+    attention's states, q_proj's gates placed in the merged projection."""
+
+    model_cls = Qwen3_5Model
+
+    def state_shapes(self, rows: int) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
+        """Each linear-attention layer's state: [rows, GatedDeltaNet.state_size()],
+        float32 (the memory accumulates; the convolution's inputs are exact in it)."""
+        return {i: ((rows, layer.linear_attn.state_size()), torch.float32)
+                for i, layer in enumerate(self.model.layers)
+                if isinstance(layer, Qwen3_5DecoderLayer) and layer.linear_attn is not None}
+
+    def family_destination(self, name: str, params: dict[str, nn.Parameter]
+                           ) -> Destination | None:
+        """q_proj (each head's query and gate: 2 H D rows), k_proj and v_proj: their rows
+        of the merged projection (one rank)."""
+        m = _QKV.fullmatch(name)
+        if m is None:
+            return super().family_destination(name, params)
+        param = params.get(f"{m[1]}.qkv_proj.{m[3]}")
+        if param is None:
+            return None
+        q_rows = 2 * self.spec.num_heads * self.spec.head_dim
+        kv_rows = self.spec.num_kv_heads * self.spec.head_dim
+        start, rows = {"q": (0, q_rows), "k": (q_rows, kv_rows),
+                       "v": (q_rows + kv_rows, kv_rows)}[m[2]]
+        return Destination(param[start:start + rows], (rows, *param.shape[1:]))
