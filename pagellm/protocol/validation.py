@@ -158,6 +158,13 @@ def _check_model_config(config: Any) -> None:
     the weights fit in memory is the loader's check (executor/model/loader.py)."""
     if not isinstance(config, dict):
         raise ValueError("config.json must hold a JSON object")
+    text = config.get("text_config")
+    if isinstance(text, dict) and "vocab_size" not in config:
+        try:  # a multimodal checkpoint's: the model built is its text model
+            _check_model_config(text)
+        except ValueError as e:
+            raise ValueError(f"text_config.{e}") from None
+        return
     sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "max_position_embeddings"]
     sizes += [name for name in ("num_key_value_heads", "head_dim", "num_experts",

@@ -589,3 +589,44 @@ def test_qwen3_5s_linear_attention_refuses_two_ranks(family_dirs, make_llm):
     """Its heads are not sharded yet: two ranks are refused at start-up, by name."""
     with pytest.raises(Exception, match="linear-attention layers are not sharded yet"):
         make_llm(family_dirs["qwen3_5"], tensor_parallel_size=2)
+
+
+@qwen3_5_reference
+def test_qwen3_5s_released_checkpoints_serve_their_text_model(
+        tmp_path, family_dirs, hf_models, make_llm):
+    """Qwen3.5 ships as Qwen3_5ForConditionalGeneration: the text model under
+    `model.language_model.`, a vision tower beside it. Written by transformers' own
+    class around the text model's weights, the checkpoint serves that model's tokens
+    (the vision tower is not loaded; a checkpoint missing a text tensor is refused)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
+
+    text_dir = family_dirs["qwen3_5"]
+    text = json.loads((text_dir / "config.json").read_text())
+    config = AutoConfig.for_model(
+        "qwen3_5", text_config=text, tie_word_embeddings=False,
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                           patch_size=4, out_hidden_size=text["hidden_size"]))
+    model = Qwen3_5ForConditionalGeneration(config)
+    model.model.language_model.load_state_dict(hf_models("qwen3_5").model.state_dict())
+    model.lm_head.load_state_dict(hf_models("qwen3_5").lm_head.state_dict())
+    directory = tmp_path / "released"
+    model.save_pretrained(directory)
+    for f in text_dir.iterdir():
+        if f.name.startswith(("tokenizer", "generation_config", "special_tokens",
+                              "chat_template")):
+            shutil.copy(f, directory / f.name)
+    names = load_file(directory / "model.safetensors")
+    assert any(n.startswith("model.visual.") for n in names)
+    llm = make_llm(directory)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    for output in llm.generate(FAMILY_PROMPTS[:3], params, use_tqdm=False):
+        assert output.outputs[0].token_ids == hf_greedy(hf_models("qwen3_5"),
+                                                        output.prompt_token_ids, 16)
+    del names["model.language_model.layers.0.linear_attn.A_log"]
+    save_file(names, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(Exception, match="model.language_model.layers.0.linear_attn.A_log"):
+        make_llm(directory)

@@ -263,6 +263,19 @@ def test_check_model_config_refuses_garbage_naming_the_field(extra: dict, field:
         check_model_config({**_CONFIG, **extra})
 
 
+def test_a_multimodal_config_is_checked_by_its_text_config() -> None:
+    """A checkpoint whose text model sits in text_config (Qwen3.5's released ones): its
+    sizes are checked there, the refusal naming text_config's field."""
+    from pagellm.protocol.validation import check_model_config
+
+    check_model_config({"text_config": _CONFIG, "vision_config": {"depth": 1}})
+    with pytest.raises(ValueError, match=r"text_config\.num_attention_heads must be a "
+                                         "positive integer, got 0"):
+        check_model_config({"text_config": {**_CONFIG, "num_attention_heads": 0}})
+    with pytest.raises(ValueError, match="vocab_size must be a positive integer"):
+        check_model_config({"text_config": "not an object"})
+
+
 def test_check_model_config_accepts_real_rope_scaling() -> None:
     from pagellm.protocol.validation import check_model_config
 

@@ -1,4 +1,5 @@
-"""Qwen3.5 (`Qwen3_5ForCausalLM`, the text model): linear attention by the gated delta
+"""Qwen3.5 (`Qwen3_5ForCausalLM`, the text model; `Qwen3_5ForConditionalGeneration`, the
+released checkpoints, served as their text model): linear attention by the gated delta
 rule in three layers of four, gated full attention in the fourth.
 
 What differs from the shared decoder (decoder.py), as transformers computes it:
@@ -28,7 +29,9 @@ What differs from the shared decoder (decoder.py), as transformers computes it:
 
 Checkpoint names are transformers' (`linear_attn.in_proj_qkv`, `conv1d`, `A_log`, ...);
 q_proj's rows (query and gate per head) load into the merged projection by
-`family_destination`. Tensor parallelism is refused for now (its slices of the linear
+`family_destination`. The released checkpoints hold the text model under
+`model.language_model.`, beside a vision tower (`model.visual.`) and a multi-token
+prediction head (`mtp.`), neither of which is loaded: the engine takes text only. Tensor parallelism is refused for now (its slices of the linear
 attention's heads are not built).
 """
 
@@ -52,7 +55,7 @@ from pagellm.executor.model.gemma import GemmaRMSNorm
 from pagellm.executor.model.layers import Linear, RMSNorm, RowParallelLinear
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.spec import DecoderSpec, GatedDeltaNetSpec
-from pagellm.executor.model.weight_map import Destination
+from pagellm.executor.model.weight_map import SKIP, Destination
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin: [T, 1, rotary_dim]
 CHUNK = 64  # tokens per block of the delta rule's chunked form
@@ -320,3 +323,15 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         start, rows = {"q": (0, q_rows), "k": (q_rows, kv_rows),
                        "v": (q_rows + kv_rows, kv_rows)}[m[2]]
         return Destination(param[start:start + rows], (rows, *param.shape[1:]))
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """Qwen3.5's released checkpoints, as their text model (module docstring)."""
+
+    checkpoint_renames = ((".model.", ".model.language_model."),)
+
+    def family_destination(self, name: str, params: dict[str, nn.Parameter]
+                           ) -> Destination | None:
+        if name.startswith(("model.visual.", "mtp.")):
+            return SKIP  # the vision tower and the speculative head: text only here
+        return super().family_destination(name, params)

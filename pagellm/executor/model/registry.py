@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pagellm.executor.model.rope import RopeSpec, yarn_mscale
@@ -581,6 +581,17 @@ def _qwen3_5(config: Any, arch: str) -> DecoderSpec:
                              linear_attention=linear, attn_output_gate=True)
 
 
+def _qwen3_5_released(config: Any, arch: str) -> DecoderSpec:
+    """Qwen3.5's released checkpoints (`Qwen3_5ForConditionalGeneration`): the text model
+    of text_config, served alone (images and video are not); the embedding tied where
+    the top-level config says (qwen3_5.py)."""
+    text = getattr(config, "text_config", None)
+    if text is None:
+        raise ValueError(f"{arch} config.json has no text_config")
+    return replace(_qwen3_5(text, arch),
+                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+
+
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("llama", _llama, _decoder),
     "MistralForCausalLM": Family("mistral", _llama, _decoder),
@@ -618,6 +629,8 @@ FAMILIES: dict[str, Family] = {
     "Lfm2MoeForCausalLM": Family("lfm2_moe", _lfm2_moe, _lazy("lfm2", "Lfm2ForCausalLM")),
     "Qwen3_5ForCausalLM": Family("qwen3_5_text", _qwen3_5,
                                  _lazy("qwen3_5", "Qwen3_5ForCausalLM")),
+    "Qwen3_5ForConditionalGeneration": Family(
+        "qwen3_5", _qwen3_5_released, _lazy("qwen3_5", "Qwen3_5ForConditionalGeneration")),
 }
 
 
