@@ -31,8 +31,9 @@ Checkpoint names are transformers' (`linear_attn.in_proj_qkv`, `conv1d`, `A_log`
 q_proj's rows (query and gate per head) load into the merged projection by
 `family_destination`. The released checkpoints hold the text model under
 `model.language_model.`, beside a vision tower (`model.visual.`) and a multi-token
-prediction head (`mtp.`), neither of which is loaded: the engine takes text only. Tensor parallelism is refused for now (its slices of the linear
-attention's heads are not built).
+prediction head (`mtp.`), neither of which is loaded: the engine takes text only.
+Tensor parallelism is refused for now (its slices of the linear attention's heads are
+not built).
 """
 
 from __future__ import annotations
