@@ -585,6 +585,15 @@ def test_models_with_state_refuse_speculative_decoding(name, arch, family_dirs):
 
 
 @qwen3_5_reference
+def test_qwen3_5_refuses_lora_adapters(family_dirs):
+    """q_proj holds each head's query and output gate: an adapter's q_proj update is
+    not placed as PEFT's, so LoRA is refused at start-up, by name."""
+    with pytest.raises(ValueError, match="enable_lora is not supported for "
+                                         "Qwen3_5ForCausalLM"):
+        resolve_model_config(EngineArgs(model=str(family_dirs["qwen3_5"]), enable_lora=True))
+
+
+@qwen3_5_reference
 def test_qwen3_5s_linear_attention_refuses_two_ranks(family_dirs, make_llm):
     """Its heads are not sharded yet: two ranks are refused at start-up, by name."""
     with pytest.raises(Exception, match="linear-attention layers are not sharded yet"):

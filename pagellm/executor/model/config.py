@@ -63,6 +63,10 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
         raise FileNotFoundError(f"model directory not found: {args.model}")
     hf_config = load_model_config(path)
     spec = read_spec(hf_config)
+    if spec.attn_output_gate and args.enable_lora:
+        raise ValueError(f"enable_lora is not supported for {spec.architecture} yet: its "
+                         "query projection also computes the attention's output gate, "
+                         "where a q_proj adapter's update would not land as PEFT's does")
     if spec.has_state and args.speculative is not None:
         raise ValueError(f"speculative_config is not supported for {spec.architecture}: its "
                          "short-convolution layers keep a state per request, which rejected "
