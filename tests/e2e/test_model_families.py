@@ -41,9 +41,10 @@ MAX_TOKENS = 32
 FAMILY_PROMPTS = [*PROMPTS[1:6], PROMPTS[4] + "tail"]
 
 # The families whose layers keep a state per request beside (or instead of) a KV cache.
-STATEFUL = ("lfm2", "lfm2_moe", "qwen3_5")
+STATEFUL = ("lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe")
 _REFERENCE_MARKS = {"gpt_oss": gpt_oss_reference, "deepseek_v2": deepseek_v2_reference,
-                    "olmo3": olmo3_reference, "qwen3_5": qwen3_5_reference}
+                    "olmo3": olmo3_reference, "qwen3_5": qwen3_5_reference,
+                    "qwen3_5_moe": qwen3_5_reference}
 
 
 def _names(*names: str) -> list[Any]:
@@ -336,7 +337,7 @@ def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make
 
 
 @pytest.mark.parametrize("name", _names("mixtral", "gpt_oss", "deepseek_v3", "minimax_m2",
-                                         "lfm2_moe"))
+                                         "lfm2_moe", "qwen3_5_moe"))
 def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
         name, family_dirs, make_llm):
     """RL trainers on transformers 5 send `model.named_parameters()`: the experts as

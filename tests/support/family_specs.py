@@ -229,4 +229,18 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
                                            linear_num_key_heads=2, linear_num_value_heads=4,
                                            linear_key_head_dim=16, linear_value_head_dim=16,
                                            linear_conv_kernel_dim=4)),
+    # Qwen3.5-MoE (text): the same layers with top-2 of 8 experts in every layer,
+    # renormalised, and a shared expert (48 wide) gated by sigmoid
+    "qwen3_5_moe": ModelSpec(arch="qwen3_5_moe_text", **{**_SMALL, "num_layers": 4},
+                             num_kv_heads=2, head_dim=32, intermediate_size=96,
+                             init_std=0.3, seed=42,
+                             rope_scaling={"rope_type": "default",
+                                           "partial_rotary_factor": 0.25},
+                             config_extra=dict(layer_types=["linear_attention", "full_attention"]
+                                               * 2,
+                                               linear_num_key_heads=2, linear_num_value_heads=2,
+                                               linear_key_head_dim=16, linear_value_head_dim=32,
+                                               linear_conv_kernel_dim=4, num_experts=8,
+                                               num_experts_per_tok=2, moe_intermediate_size=32,
+                                               shared_expert_intermediate_size=48)),
 }

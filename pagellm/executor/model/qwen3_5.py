@@ -1,6 +1,9 @@
-"""Qwen3.5 (`Qwen3_5ForCausalLM`, the text model; `Qwen3_5ForConditionalGeneration`, the
+"""Qwen3.5 and Qwen3.5-MoE (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`: the text
+models; `Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`: the
 released checkpoints, served as their text model): linear attention by the gated delta
-rule in three layers of four, gated full attention in the fourth.
+rule in three layers of four, gated full attention in the fourth; Qwen3.5-MoE's MLPs are
+Qwen2-MoE's block (moe.py: top-k of a softmax, renormalised, and a shared expert gated
+by sigmoid).
 
 What differs from the shared decoder (decoder.py), as transformers computes it:
 
@@ -54,6 +57,7 @@ from pagellm.executor.model.decoder import (
 )
 from pagellm.executor.model.gemma import GemmaRMSNorm
 from pagellm.executor.model.layers import Linear, RMSNorm, RowParallelLinear
+from pagellm.executor.model.moe import SparseMoeBlock
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.spec import DecoderSpec, GatedDeltaNetSpec
 from pagellm.executor.model.weight_map import SKIP, Destination
@@ -251,7 +255,8 @@ class Qwen3_5DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(spec, la, tp)
         else:
             self.self_attn = GatedAttention(spec, layer_idx, tp)
-        self.mlp = DecoderMLP(spec, tp)
+        sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
+        self.mlp: nn.Module = SparseMoeBlock(spec, tp) if sparse else DecoderMLP(spec, tp)
         self.input_layernorm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 

@@ -552,11 +552,12 @@ def _positive_ints(config: Any, *fields: str) -> list[int]:
 
 
 def _qwen3_5(config: Any, arch: str) -> DecoderSpec:
-    """Qwen3.5's text model (qwen3_5.py): layer_types "linear_attention" (the gated
+    """Qwen3.5's text model and Qwen3.5-MoE's (qwen3_5.py): layer_types "linear_attention" (the gated
     delta rule after a causal convolution of linear_conv_kernel_dim taps; value heads a
     multiple of the key heads) or "full_attention" (per-head q/k norms, the output
     gated); RoPE on partial_rotary_factor of each head (the multimodal sections of
-    rope_parameters coincide for text)."""
+    rope_parameters coincide for text); MoE: Qwen2-MoE's block in every layer (top-k
+    of the softmax, always renormalised, a shared expert gated by sigmoid)."""
     layers = config.num_hidden_layers
     types = list(getattr(config, "layer_types", None) or ())
     if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
@@ -577,8 +578,11 @@ def _qwen3_5(config: Any, arch: str) -> DecoderSpec:
                             getattr(config, "rope_scaling", None), partial_rotary=True)
     linear = GatedDeltaNetSpec(k_heads, v_heads, k_dim, v_dim, kernel,
                                tuple(t == "linear_attention" for t in types))
+    moe = None
+    if getattr(config, "num_experts", None):  # Qwen3.5-MoE: every layer's MLP; Qwen2-MoE's
+        moe = _moe(config, config.num_experts, renormalize=True)  # block, renormalised
     return read_decoder_spec(config, arch, qk_norm="head", rope=rope,
-                             linear_attention=linear, attn_output_gate=True)
+                             linear_attention=linear, attn_output_gate=True, moe=moe)
 
 
 def _qwen3_5_released(config: Any, arch: str) -> DecoderSpec:
@@ -631,6 +635,10 @@ FAMILIES: dict[str, Family] = {
                                  _lazy("qwen3_5", "Qwen3_5ForCausalLM")),
     "Qwen3_5ForConditionalGeneration": Family(
         "qwen3_5", _qwen3_5_released, _lazy("qwen3_5", "Qwen3_5ForConditionalGeneration")),
+    "Qwen3_5MoeForCausalLM": Family("qwen3_5_moe_text", _qwen3_5,
+                                    _lazy("qwen3_5", "Qwen3_5ForCausalLM")),
+    "Qwen3_5MoeForConditionalGeneration": Family(
+        "qwen3_5_moe", _qwen3_5_released, _lazy("qwen3_5", "Qwen3_5ForConditionalGeneration")),
 }
 
 
