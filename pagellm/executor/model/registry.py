@@ -552,9 +552,10 @@ def _positive_ints(config: Any, *fields: str) -> list[int]:
 
 
 def _qwen3_5(config: Any, arch: str) -> DecoderSpec:
-    """Qwen3.5's text model and Qwen3.5-MoE's (qwen3_5.py): layer_types "linear_attention" (the gated
-    delta rule after a causal convolution of linear_conv_kernel_dim taps; value heads a
-    multiple of the key heads) or "full_attention" (per-head q/k norms, the output
+    """Qwen3.5's text model and Qwen3.5-MoE's (qwen3_5.py): layer_types
+    "linear_attention" (the gated delta rule after a causal convolution of
+    linear_conv_kernel_dim taps; value heads a multiple of the key heads) or
+    "full_attention" (per-head q/k norms, the output
     gated); RoPE on partial_rotary_factor of each head (the multimodal sections of
     rope_parameters coincide for text); MoE: Qwen2-MoE's block in every layer (top-k
     of the softmax, always renormalised, a shared expert gated by sigmoid)."""
