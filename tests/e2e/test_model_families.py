@@ -318,7 +318,8 @@ def test_gpt_oss_mxfp4_checkpoint_loads_as_transformers_reads_it(family_dirs, ma
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _names("qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss",
                                          "deepseek_v3", "deepseek_v2", "glm4_moe", "olmo2",
-                                         "minimax_m2", "cohere2", "lfm2"))
+                                         "minimax_m2", "cohere2", "lfm2", "qwen3_5",
+                                         "qwen3_5_moe"))
 def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make_llm):
     """Each rank holds half of every expert (and, for OLMoE, half of the all-head q/k
     norms, their statistic summed over the ranks): greedy tokens equal transformers',
@@ -595,10 +596,14 @@ def test_qwen3_5_refuses_lora_adapters(family_dirs):
 
 
 @qwen3_5_reference
-def test_qwen3_5s_linear_attention_refuses_two_ranks(family_dirs, make_llm):
-    """Its heads are not sharded yet: two ranks are refused at start-up, by name."""
-    with pytest.raises(Exception, match="linear-attention layers are not sharded yet"):
-        make_llm(family_dirs["qwen3_5"], tensor_parallel_size=2)
+def test_qwen3_5s_linear_attention_splits_by_key_heads(family_dirs):
+    """Four ranks cannot split its two key heads: refused before any rank starts, by
+    name (parallel.check_divisible, the one check)."""
+    from pagellm.executor.model.parallel import check_divisible
+
+    config = resolve_model_config(EngineArgs(model=str(family_dirs["qwen3_5"])))
+    with pytest.raises(ValueError, match="linear_num_key_heads=2 is not divisible by it"):
+        check_divisible(config.spec, 4)
 
 
 @qwen3_5_reference

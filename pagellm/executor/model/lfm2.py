@@ -61,10 +61,6 @@ class ShortConv(nn.Module):
 
     def __init__(self, spec: DecoderSpec, conv: ShortConvSpec, tp: TensorParallel) -> None:
         super().__init__()
-        if spec.hidden_size % tp.size:
-            raise ValueError(f"hidden_size ({spec.hidden_size}) must be a multiple of the "
-                             f"tensor-parallel size ({tp.size}): each rank convolves a "
-                             "slice of the channels")
         self.channels = channels = spec.hidden_size // tp.size
         self.in_proj = Linear(spec.hidden_size, 3 * channels, bias=conv.bias)
         # Only its parameters, [C, 1, K] and [C]: the checkpoint's names and shapes.

@@ -104,6 +104,12 @@ def check_divisible(spec: Any, size: int) -> None:
     if moe is not None and moe.shared_expert_size % size:
         problems.append(f"shared_expert_intermediate_size={moe.shared_expert_size} is not "
                         "divisible by it")
+    linear = getattr(spec, "linear_attention", None)  # Qwen3.5: by key heads (and the
+    if linear is not None and linear.num_k_heads % size:  # value heads they serve)
+        problems.append(f"linear_num_key_heads={linear.num_k_heads} is not divisible by it")
+    if getattr(spec, "short_conv", None) is not None and spec.hidden_size % size:
+        problems.append(f"hidden_size={spec.hidden_size} is not divisible by it (LFM2's "
+                        "convolutions split their channels)")
     if problems:
         raise ValueError(f"tensor_parallel_size={size} cannot split this model: "
                          + "; ".join(problems))

@@ -35,13 +35,15 @@ q_proj's rows (query and gate per head) load into the merged projection by
 `family_destination`. The released checkpoints hold the text model under
 `model.language_model.`, beside a vision tower (`model.visual.`) and a multi-token
 prediction head (`mtp.`), neither of which is loaded: the engine takes text only.
-Tensor parallelism is refused for now (its slices of the linear attention's heads are
-not built).
+Under tensor parallelism each rank holds its share of the linear attention's key heads
+and of the value heads they serve (their rows of the projections and the convolution,
+their memories), and of the full attention's heads, as the shared decoder's.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -125,16 +127,22 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return out.view(heads, blocks * CHUNK, -1)[:, :length]
 
 
+def local_heads(la: GatedDeltaNetSpec, ranks: int) -> GatedDeltaNetSpec:
+    """One of `ranks` ranks' share of the linear attention: its key heads and the value
+    heads they serve (parallel.check_divisible: the key heads split evenly)."""
+    return replace(la, num_k_heads=la.num_k_heads // ranks,
+                   num_v_heads=la.num_v_heads // ranks)
+
+
 class GatedDeltaNet(nn.Module):
     """The linear-attention layer (module docstring), its state one float32 row per
     request: the convolution's last kernel - 1 inputs, then the memory of every head."""
 
     def __init__(self, spec: DecoderSpec, la: GatedDeltaNetSpec, tp: TensorParallel) -> None:
+        """On `tp`'s rank: its share of the key heads and of the value heads they serve
+        (`la` scaled down: `local_heads`)."""
         super().__init__()
-        if tp.size > 1:
-            raise ValueError(f"tensor_parallel_size={tp.size}: {spec.architecture}'s "
-                             "linear-attention layers are not sharded yet (one rank only)")
-        self.la = la
+        self.la = la = local_heads(la, tp.size)
         self.key_dim = la.num_k_heads * la.head_k_dim
         self.value_dim = la.num_v_heads * la.head_v_dim
         self.in_proj_qkv = Linear(spec.hidden_size, la.conv_dim, bias=False)
@@ -299,6 +307,8 @@ class Qwen3_5Model(DecoderModel):
 
 
 _QKV = re.compile(r"(.+\.self_attn)\.(q|k|v)_proj\.(weight|bias)")
+_LINEAR = re.compile(r".+\.linear_attn\.(in_proj_qkv|conv1d|in_proj_z|in_proj_b|in_proj_a|"
+                     r"dt_bias|A_log|out_proj)(\.weight)?")
 
 
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
@@ -316,19 +326,52 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     def family_destination(self, name: str, params: dict[str, nn.Parameter]
                            ) -> Destination | None:
-        """q_proj (each head's query and gate: 2 H D rows), k_proj and v_proj: their rows
-        of the merged projection (one rank)."""
+        """This rank's rows of q_proj (each head's query and gate: 2 D rows a head),
+        k_proj and v_proj in the merged projection; its heads of the linear attention
+        (`_linear_destination`); the rest is the shared map's."""
+        if (m := _LINEAR.fullmatch(name)) is not None:
+            param = params.get(name)
+            return None if param is None else self._linear_destination(m[1], param)
         m = _QKV.fullmatch(name)
         if m is None:
             return super().family_destination(name, params)
         param = params.get(f"{m[1]}.qkv_proj.{m[3]}")
         if param is None:
             return None
-        q_rows = 2 * self.spec.num_heads * self.spec.head_dim
-        kv_rows = self.spec.num_kv_heads * self.spec.head_dim
-        start, rows = {"q": (0, q_rows), "k": (q_rows, kv_rows),
-                       "v": (q_rows + kv_rows, kv_rows)}[m[2]]
-        return Destination(param[start:start + rows], (rows, *param.shape[1:]))
+        spec, tp, d = self.spec, self.tp, self.spec.head_dim
+        q_rows, kv_rows = 2 * tp.num_heads * d, tp.num_kv_heads * d  # this rank's
+        offset, rows, full, start = {
+            "q": (0, q_rows, 2 * spec.num_heads * d, tp.rank * q_rows),
+            "k": (q_rows, kv_rows, spec.num_kv_heads * d, tp.kv_head_start * d),
+            "v": (q_rows + kv_rows, kv_rows, spec.num_kv_heads * d, tp.kv_head_start * d),
+        }[m[2]]
+        return Destination(param[offset:offset + rows], (full, *param.shape[1:]), 0, start,
+                           rows)
+
+    def _linear_destination(self, module: str, param: nn.Parameter) -> Destination:
+        """A linear-attention tensor on this rank: in_proj_qkv's and conv1d's rows of its
+        query, key and value heads (three parts), in_proj_z's, in_proj_b's, in_proj_a's,
+        dt_bias's and A_log's of its value heads, out_proj's columns of them."""
+        full = self.spec.linear_attention
+        assert full is not None
+        ranks, rank = self.tp.size, self.tp.rank
+        if ranks == 1:
+            return Destination(param, tuple(param.shape))
+        key, value = full.num_k_heads * full.head_k_dim, full.num_v_heads * full.head_v_dim
+        rest = tuple(param.shape[1:])
+        if module in ("in_proj_qkv", "conv1d"):  # rows [q | k | v]
+            k_local, v_local = key // ranks, value // ranks
+            shape = (2 * key + value, *rest)
+            parts = ((0, 0, k_local), (k_local, key, k_local),
+                     (2 * k_local, 2 * key, v_local))
+            return Destination(param, shape, parts=tuple(
+                Destination(param[at:at + n], shape, 0, start + rank * n, n)
+                for at, start, n in parts))
+        if module == "out_proj":  # row parallel: its value heads' columns
+            width = param.shape[1]
+            return Destination(param, (param.shape[0], value), 1, rank * width, width)
+        rows = param.shape[0]  # per value head (z: head_v_dim rows each)
+        return Destination(param, (rows * ranks, *rest), 0, rank * rows, rows)
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
