@@ -31,7 +31,7 @@ What differs from the shared decoder (decoder.py), as transformers computes it:
   parallelism each rank convolves its slice of the channels (in_proj's B, C and x rows
   of them, out_proj's columns).
 
-A step convolves all its requests at once (causal_conv.py's `ConvBatch`).
+A step convolves all its requests at once (stateful.py's `ConvBatch`).
 """
 
 from __future__ import annotations
@@ -40,20 +40,13 @@ import torch
 from torch import nn
 
 from pagellm.executor.model.attention import AttentionMetadata
-from pagellm.executor.model.causal_conv import ConvBatch
-from pagellm.executor.model.decoder import (
-    DecoderAttention,
-    DecoderForCausalLM,
-    DecoderMLP,
-    DecoderModel,
-)
+from pagellm.executor.model.decoder import DecoderAttention, DecoderForCausalLM, DecoderMLP
 from pagellm.executor.model.deepseek import DeepseekMoeBlock
 from pagellm.executor.model.layers import Linear, RMSNorm, RowParallelLinear
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.spec import DecoderSpec, ShortConvSpec
+from pagellm.executor.model.stateful import ConvBatch, Rope, StatefulLayer, StatefulModel
 from pagellm.executor.model.weight_map import Destination
-
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin: [T, 1, rotary_dim]
 
 
 class ShortConv(nn.Module):
@@ -75,8 +68,8 @@ class ShortConv(nn.Module):
         return self.out_proj(y)
 
 
-class Lfm2DecoderLayer(nn.Module):
-    """Pre-norm, residual after each block; the mixer attention or a short convolution."""
+class Lfm2DecoderLayer(StatefulLayer):
+    """The mixer attention or a short convolution (stateful.py's layer)."""
 
     def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -93,41 +86,16 @@ class Lfm2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata, caches: list[torch.Tensor], batch: ConvBatch
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden], the previous layer's output not yet added to `residual` ->
-        (this layer's, likewise; the residual stream). `caches`: per layer its KV cache
-        or, for a convolution, its state."""
-        h, residual = self.input_layernorm(x, residual)
+    def mix(self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata,
+            caches: list[torch.Tensor], batch: ConvBatch) -> torch.Tensor:
         if self.conv is not None:
-            h = self.conv(h, batch, caches[self.layer_idx])
-        else:
-            assert self.self_attn is not None
-            h = self.self_attn(rope, h, meta, caches)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+            return self.conv(h, batch, caches[self.layer_idx])
+        assert self.self_attn is not None
+        return self.self_attn(rope, h, meta, caches)
 
 
-class Lfm2Model(DecoderModel):
+class Lfm2Model(StatefulModel):
     layer_cls = Lfm2DecoderLayer
-
-    def __init__(self, spec: DecoderSpec, tp: TensorParallel,
-                 max_model_len: int | None = None) -> None:
-        super().__init__(spec, tp, max_model_len)
-        assert spec.short_conv is not None
-        self.kernel = spec.short_conv.kernel
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        x = self.embed(input_ids)
-        rope = self.rotary_emb.cos_sin(positions, x.dtype)
-        batch = ConvBatch.of(meta, self.kernel, x.device)  # once for every layer
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, meta, kv_caches, batch)
-        x, _ = self.norm(x, residual)
-        return x
 
 
 class Lfm2ForCausalLM(DecoderForCausalLM):

@@ -9,7 +9,7 @@ What differs from the shared decoder (decoder.py), as transformers computes it:
 
 - a linear-attention layer (`GatedDeltaNet`) projects the token to queries, keys and
   values (`in_proj_qkv`), convolves them causally per channel over the request's last
-  `conv_kernel` tokens (causal_conv.py), applies SiLU, then reads and updates a memory
+  `conv_kernel` tokens (stateful.py), applies SiLU, then reads and updates a memory
   per value head, S [head_k_dim, head_v_dim], token by token:
 
       S <- S * exp(g)                      g = -exp(A_log) * softplus(a + dt_bias) <= 0
@@ -50,21 +50,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.executor.model.attention import AttentionMetadata
-from pagellm.executor.model.causal_conv import ConvBatch
-from pagellm.executor.model.decoder import (
-    DecoderAttention,
-    DecoderForCausalLM,
-    DecoderMLP,
-    DecoderModel,
-)
+from pagellm.executor.model.decoder import DecoderAttention, DecoderForCausalLM, DecoderMLP
 from pagellm.executor.model.gemma import GemmaRMSNorm
 from pagellm.executor.model.layers import Linear, RMSNorm, RowParallelLinear
 from pagellm.executor.model.moe import SparseMoeBlock
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.spec import DecoderSpec, GatedDeltaNetSpec
+from pagellm.executor.model.stateful import ConvBatch, Rope, StatefulLayer, StatefulModel
 from pagellm.executor.model.weight_map import SKIP, Destination
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin: [T, 1, rotary_dim]
 CHUNK = 64  # tokens per block of the delta rule's chunked form
 
 
@@ -249,8 +243,8 @@ class GatedAttention(DecoderAttention):
         return self.o_proj(out.reshape(tokens, self.q_size) * torch.sigmoid(gate))
 
 
-class Qwen3_5DecoderLayer(nn.Module):
-    """Pre-norm, residual after each block; the mixer linear or gated full attention."""
+class Qwen3_5DecoderLayer(StatefulLayer):
+    """The mixer linear or gated full attention (stateful.py's layer), (1 + w) norms."""
 
     def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -268,42 +262,17 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.input_layernorm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata, caches: list[torch.Tensor], batch: ConvBatch
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden], the previous layer's output not yet added to `residual` ->
-        (this layer's, likewise; the residual stream). `caches`: per layer its KV cache
-        or, for a linear-attention layer, its state."""
-        h, residual = self.input_layernorm(x, residual)
+    def mix(self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata,
+            caches: list[torch.Tensor], batch: ConvBatch) -> torch.Tensor:
         if self.linear_attn is not None:
-            h = self.linear_attn(h, batch, meta, caches[self.layer_idx])
-        else:
-            assert self.self_attn is not None
-            h = self.self_attn(rope, h, meta, caches)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+            return self.linear_attn(h, batch, meta, caches[self.layer_idx])
+        assert self.self_attn is not None
+        return self.self_attn(rope, h, meta, caches)
 
 
-class Qwen3_5Model(DecoderModel):
+class Qwen3_5Model(StatefulModel):
     layer_cls = Qwen3_5DecoderLayer
     norm_cls = GemmaRMSNorm
-
-    def __init__(self, spec: DecoderSpec, tp: TensorParallel,
-                 max_model_len: int | None = None) -> None:
-        super().__init__(spec, tp, max_model_len)
-        assert spec.linear_attention is not None
-        self.kernel = spec.linear_attention.conv_kernel
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        x = self.embed(input_ids)
-        rope = self.rotary_emb.cos_sin(positions, x.dtype)
-        batch = ConvBatch.of(meta, self.kernel, x.device)  # once for every layer
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, meta, kv_caches, batch)
-        x, _ = self.norm(x, residual)
-        return x
 
 
 _QKV = re.compile(r"(.+\.self_attn)\.(q|k|v)_proj\.(weight|bias)")

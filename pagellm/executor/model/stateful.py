@@ -1,6 +1,8 @@
-"""A causal depthwise convolution over each request's last tokens, for the layers that
-keep their recent inputs as a state per request (LFM2's short convolutions, lfm2.py;
-the convolution before Qwen3.5's linear attention, qwen3_5.py).
+"""What the models whose layers keep a state per request share (LFM2's short
+convolutions, lfm2.py; Qwen3.5's linear attention, qwen3_5.py): the causal depthwise
+convolution over each request's last tokens (`ConvBatch`), the pre-norm layer around a
+mixer that is attention or stateful (`StatefulLayer`), and the model that builds the
+step's convolution indices once for all its layers (`StatefulModel`).
 
 A step's requests are convolved at once: each request's state rows and its new tokens
 are laid end to end in one buffer,
@@ -18,8 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from pagellm.executor.model.attention import AttentionMetadata
+from pagellm.executor.model.decoder import DecoderModel
+from pagellm.executor.model.parallel import TensorParallel
+from pagellm.executor.model.spec import DecoderSpec
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin: [T, 1, rotary_dim]
 
 
 @dataclass(frozen=True)
@@ -71,3 +79,54 @@ class ConvBatch:
             out += ext[self.taps[k]].float() * taps[:, k]
         state[self.rows] = ext[self.last].view(-1, p, channels).to(state.dtype)
         return out.to(x.dtype)
+
+
+class StatefulLayer(nn.Module):
+    """Pre-norm, the residual added after each block: the family's mixer (`mix`:
+    attention, or a layer that reads and advances its state), then the MLP. A family
+    builds its norms, mixer and MLP; the order of the step is this."""
+
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata, caches: list[torch.Tensor], batch: ConvBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden], the previous layer's output not yet added to `residual` ->
+        (this layer's, likewise; the residual stream). `caches`: per layer its KV cache
+        or its state."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.mix(rope, h, meta, caches, batch)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+    def mix(self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata,
+            caches: list[torch.Tensor], batch: ConvBatch) -> torch.Tensor:
+        """h: [T, hidden] normalised -> the mixer's output [T, hidden]."""
+        raise NotImplementedError
+
+
+class StatefulModel(DecoderModel):
+    """The decoder model whose layers are `StatefulLayer`s convolving over `kernel`
+    taps: the step's `ConvBatch` is built once for all of them."""
+
+    def __init__(self, spec: DecoderSpec, tp: TensorParallel,
+                 max_model_len: int | None = None) -> None:
+        super().__init__(spec, tp, max_model_len)
+        if spec.short_conv is not None:
+            self.kernel = spec.short_conv.kernel
+        else:
+            assert spec.linear_attention is not None
+            self.kernel = spec.linear_attention.conv_kernel
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        x = self.embed(input_ids)
+        rope = self.rotary_emb.cos_sin(positions, x.dtype)
+        batch = ConvBatch.of(meta, self.kernel, x.device)  # once for every layer
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(rope, x, residual, meta, kv_caches, batch)
+        x, _ = self.norm(x, residual)
+        return x
