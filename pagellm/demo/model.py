@@ -60,7 +60,7 @@ ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qw
                           "olmo3", "smollm3", "granite", "seed_oss", "minimax_m2",
                           "glm", "glm4", "cohere", "cohere2", "exaone4",
                           "ernie4_5", "ernie4_5_moe", "lfm2", "lfm2_moe", "qwen3_5_text",
-                          "qwen3_5_moe_text")
+                          "qwen3_5_moe_text", "qwen3_next")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 

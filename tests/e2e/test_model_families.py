@@ -41,7 +41,7 @@ MAX_TOKENS = 32
 FAMILY_PROMPTS = [*PROMPTS[1:6], PROMPTS[4] + "tail"]
 
 # The families whose layers keep a state per request beside (or instead of) a KV cache.
-STATEFUL = ("lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe")
+STATEFUL = ("lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 _REFERENCE_MARKS = {"gpt_oss": gpt_oss_reference, "deepseek_v2": deepseek_v2_reference,
                     "olmo3": olmo3_reference, "qwen3_5": qwen3_5_reference,
                     "qwen3_5_moe": qwen3_5_reference}
@@ -319,7 +319,7 @@ def test_gpt_oss_mxfp4_checkpoint_loads_as_transformers_reads_it(family_dirs, ma
 @pytest.mark.parametrize("name", _names("qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss",
                                          "deepseek_v3", "deepseek_v2", "glm4_moe", "olmo2",
                                          "minimax_m2", "cohere2", "lfm2", "qwen3_5",
-                                         "qwen3_5_moe"))
+                                         "qwen3_next"))
 def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make_llm):
     """Each rank holds half of every expert (and, for OLMoE, half of the all-head q/k
     norms, their statistic summed over the ranks): greedy tokens equal transformers',

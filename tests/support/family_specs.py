@@ -243,4 +243,20 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
                                                linear_conv_kernel_dim=4, num_experts=8,
                                                num_experts_per_tok=2, moe_intermediate_size=32,
                                                shared_expert_intermediate_size=48)),
+    # Qwen3-Next: the same computation from projections fused per key head (2 key heads
+    # of 16, 4 value heads of 16: two value heads per key head), top-2 of 8 experts
+    # unnormalised, layer 2 dense (mlp_only_layers)
+    "qwen3_next": ModelSpec(arch="qwen3_next", **{**_SMALL, "num_layers": 4},
+                            num_kv_heads=2, head_dim=32, intermediate_size=96,
+                            init_std=0.3, seed=43,
+                            rope_scaling={"rope_type": "default",
+                                          "partial_rotary_factor": 0.25},
+                            config_extra=dict(layer_types=["linear_attention"] * 3
+                                              + ["full_attention"],
+                                              linear_num_key_heads=2, linear_num_value_heads=4,
+                                              linear_key_head_dim=16, linear_value_head_dim=16,
+                                              linear_conv_kernel_dim=4, num_experts=8,
+                                              num_experts_per_tok=2, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=48,
+                                              norm_topk_prob=False, mlp_only_layers=[2])),
 }

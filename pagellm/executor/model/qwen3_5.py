@@ -3,7 +3,8 @@ models; `Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`:
 released checkpoints, served as their text model): linear attention by the gated delta
 rule in three layers of four, gated full attention in the fourth; Qwen3.5-MoE's MLPs are
 Qwen2-MoE's block (moe.py: top-k of a softmax, renormalised, and a shared expert gated
-by sigmoid).
+by sigmoid). Qwen3-Next (`Qwen3NextForCausalLM`) computes as Qwen3.5-MoE from the
+linear attention's projections fused per key head (`Qwen3NextGatedDeltaNet`).
 
 What differs from the shared decoder (decoder.py), as transformers computes it:
 
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -139,10 +141,7 @@ class GatedDeltaNet(nn.Module):
         self.la = la = local_heads(la, tp.size)
         self.key_dim = la.num_k_heads * la.head_k_dim
         self.value_dim = la.num_v_heads * la.head_v_dim
-        self.in_proj_qkv = Linear(spec.hidden_size, la.conv_dim, bias=False)
-        self.in_proj_z = Linear(spec.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = Linear(spec.hidden_size, la.num_v_heads, bias=False)
-        self.in_proj_a = Linear(spec.hidden_size, la.num_v_heads, bias=False)
+        self.make_projections(spec.hidden_size)
         # Only its parameter, [conv_dim, 1, K]: the checkpoint's name and shape.
         self.conv1d = nn.Conv1d(la.conv_dim, la.conv_dim, la.conv_kernel, groups=la.conv_dim,
                                 bias=False)
@@ -150,6 +149,19 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(la.num_v_heads))
         self.norm = RMSNorm(la.head_v_dim, spec.rms_norm_eps)  # of each head's output
         self.out_proj = RowParallelLinear(self.value_dim, spec.hidden_size, False, tp)
+
+    def make_projections(self, hidden: int) -> None:
+        """Qwen3.5's four input projections: queries-keys-values, z, b and a."""
+        self.in_proj_qkv = Linear(hidden, self.la.conv_dim, bias=False)
+        self.in_proj_z = Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = Linear(hidden, self.la.num_v_heads, bias=False)
+        self.in_proj_a = Linear(hidden, self.la.num_v_heads, bias=False)
+
+    def project(self, x: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (the convolution's input [T, q | k | v], z [T, value_dim],
+        b [T, Hv], a [T, Hv])."""
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     def state_size(self) -> int:
         """A request's state: (kernel - 1) x conv_dim convolution inputs, then
@@ -165,19 +177,19 @@ class GatedDeltaNet(nn.Module):
         conv_size = (la.conv_kernel - 1) * la.conv_dim
         conv_state = state[:, :conv_size].view(-1, la.conv_kernel - 1, la.conv_dim)
         memory = state[:, conv_size:].view(-1, la.num_v_heads, la.head_k_dim, la.head_v_dim)
-        mixed = F.silu(batch.convolve(self.in_proj_qkv(x), self.conv1d.weight, None,
-                                      conv_state))
+        qkv, z, b, a = self.project(x)
+        mixed = F.silu(batch.convolve(qkv, self.conv1d.weight, None, conv_state))
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         groups = la.num_v_heads // la.num_k_heads  # value heads per query/key head
         q, k = (_l2norm(t.reshape(tokens, la.num_k_heads, la.head_k_dim).float())
                 .repeat_interleave(groups, dim=1) for t in (q, k))
         q = q * la.head_k_dim ** -0.5
         v32 = v.reshape(tokens, la.num_v_heads, la.head_v_dim).float()
-        beta = self.in_proj_b(x).sigmoid().float()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = b.sigmoid().float()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = self._delta_rule(q, k, v32, g, beta, memory, meta, batch)  # [T, Hv, dv]
         normed, _ = self.norm(out.to(x.dtype).reshape(-1, la.head_v_dim))
-        z = self.in_proj_z(x).reshape(-1, la.head_v_dim)
+        z = z.reshape(-1, la.head_v_dim)
         gated = (normed.float() * F.silu(z.float())).to(x.dtype)
         return self.out_proj(gated.reshape(tokens, self.value_dim))
 
@@ -213,6 +225,30 @@ class GatedDeltaNet(nn.Module):
         return out
 
 
+class Qwen3NextGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's linear attention: Qwen3.5's, its projections fused per key head as
+    its checkpoints store them: in_proj_qkvz, each key head's [q (dk) | k (dk) | v (g dv)
+    | z (g dv)] (g = value heads per key head), and in_proj_ba, each key head's [b (g) |
+    a (g)]; split here into the layout the convolution and the rule read. A rank's key
+    heads are a run of rows of each."""
+
+    def make_projections(self, hidden: int) -> None:
+        la = self.la
+        self.in_proj_qkvz = Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = Linear(hidden, 2 * la.num_v_heads, bias=False)
+
+    def project(self, x: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        la, tokens = self.la, x.shape[0]
+        g = la.num_v_heads // la.num_k_heads
+        dk, dv = la.head_k_dim, la.head_v_dim
+        q, k, v, z = self.in_proj_qkvz(x).view(tokens, la.num_k_heads, -1).split(
+            [dk, dk, g * dv, g * dv], dim=-1)
+        qkv = torch.cat([t.reshape(tokens, -1) for t in (q, k, v)], dim=-1)
+        b, a = self.in_proj_ba(x).view(tokens, la.num_k_heads, 2 * g).split([g, g], dim=-1)
+        return qkv, z.reshape(tokens, -1), b.reshape(tokens, -1), a.reshape(tokens, -1)
+
+
 class GatedAttention(DecoderAttention):
     """The shared attention with Qwen3.5's output gate: q_proj gives each head's query
     and then its gate, and the attention's output is times sigmoid(gate); per-head q/k
@@ -246,6 +282,8 @@ class GatedAttention(DecoderAttention):
 class Qwen3_5DecoderLayer(StatefulLayer):
     """The mixer linear or gated full attention (stateful.py's layer), (1 + w) norms."""
 
+    linear_cls: ClassVar[type[GatedDeltaNet]] = GatedDeltaNet
+
     def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
         la = spec.linear_attention
@@ -254,7 +292,7 @@ class Qwen3_5DecoderLayer(StatefulLayer):
         self.linear_attn: GatedDeltaNet | None = None
         self.self_attn: GatedAttention | None = None
         if la.layers[layer_idx]:
-            self.linear_attn = GatedDeltaNet(spec, la, tp)
+            self.linear_attn = self.linear_cls(spec, la, tp)
         else:
             self.self_attn = GatedAttention(spec, layer_idx, tp)
         sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
@@ -276,8 +314,8 @@ class Qwen3_5Model(StatefulModel):
 
 
 _QKV = re.compile(r"(.+\.self_attn)\.(q|k|v)_proj\.(weight|bias)")
-_LINEAR = re.compile(r".+\.linear_attn\.(in_proj_qkv|conv1d|in_proj_z|in_proj_b|in_proj_a|"
-                     r"dt_bias|A_log|out_proj)(\.weight)?")
+_LINEAR = re.compile(r".+\.linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|conv1d|in_proj_z|"
+                     r"in_proj_b|in_proj_a|dt_bias|A_log|out_proj)(\.weight)?")
 
 
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
@@ -320,7 +358,8 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     def _linear_destination(self, module: str, param: nn.Parameter) -> Destination:
         """A linear-attention tensor on this rank: in_proj_qkv's and conv1d's rows of its
         query, key and value heads (three parts), in_proj_z's, in_proj_b's, in_proj_a's,
-        dt_bias's and A_log's of its value heads, out_proj's columns of them."""
+        dt_bias's and A_log's of its value heads (Qwen3-Next's in_proj_qkvz's and
+        in_proj_ba's of its key heads), out_proj's columns of them."""
         full = self.spec.linear_attention
         assert full is not None
         ranks, rank = self.tp.size, self.tp.rank
@@ -339,7 +378,8 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         if module == "out_proj":  # row parallel: its value heads' columns
             width = param.shape[1]
             return Destination(param, (param.shape[0], value), 1, rank * width, width)
-        rows = param.shape[0]  # per value head (z: head_v_dim rows each)
+        rows = param.shape[0]  # per value head (z: head_v_dim rows each; Qwen3-Next's
+        # fused projections: each key head's run of rows)
         return Destination(param, (rows * ranks, *rest), 0, rank * rows, rows)
 
 
@@ -353,3 +393,18 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         if name.startswith(("model.visual.", "mtp.")):
             return SKIP  # the vision tower and the speculative head: text only here
         return super().family_destination(name, params)
+
+
+class Qwen3NextDecoderLayer(Qwen3_5DecoderLayer):
+    linear_cls = Qwen3NextGatedDeltaNet
+
+
+class Qwen3NextModel(Qwen3_5Model):
+    layer_cls = Qwen3NextDecoderLayer
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next (Qwen3-Next-80B-A3B): Qwen3.5-MoE's computation, the linear attention's
+    projections fused per key head (`Qwen3NextGatedDeltaNet`)."""
+
+    model_cls = Qwen3NextModel

@@ -580,8 +580,10 @@ def _qwen3_5(config: Any, arch: str) -> DecoderSpec:
     linear = GatedDeltaNetSpec(k_heads, v_heads, k_dim, v_dim, kernel,
                                tuple(t == "linear_attention" for t in types))
     moe = None
-    if getattr(config, "num_experts", None):  # Qwen3.5-MoE: every layer's MLP; Qwen2-MoE's
-        moe = _moe(config, config.num_experts, renormalize=True)  # block, renormalised
+    if getattr(config, "num_experts", None):  # Qwen3.5-MoE, Qwen3-Next: Qwen2-MoE's block
+        # (Qwen3.5-MoE's always renormalised; Qwen3-Next's where norm_topk_prob)
+        moe = _moe(config, config.num_experts,
+                   renormalize=bool(getattr(config, "norm_topk_prob", True)))
     return read_decoder_spec(config, arch, qk_norm="head", rope=rope,
                              linear_attention=linear, attn_output_gate=True, moe=moe)
 
@@ -636,6 +638,8 @@ FAMILIES: dict[str, Family] = {
                                  _lazy("qwen3_5", "Qwen3_5ForCausalLM")),
     "Qwen3_5ForConditionalGeneration": Family(
         "qwen3_5", _qwen3_5_released, _lazy("qwen3_5", "Qwen3_5ForConditionalGeneration")),
+    "Qwen3NextForCausalLM": Family("qwen3_next", _qwen3_5,
+                                   _lazy("qwen3_5", "Qwen3NextForCausalLM")),
     "Qwen3_5MoeForCausalLM": Family("qwen3_5_moe_text", _qwen3_5,
                                     _lazy("qwen3_5", "Qwen3_5ForCausalLM")),
     "Qwen3_5MoeForConditionalGeneration": Family(
