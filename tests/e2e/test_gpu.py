@@ -256,8 +256,8 @@ def test_newer_families_on_the_gpu_match_transformers(name, make_llm, tmp_path):
     interleaved rotary pairs and sandwich norms and Command A's parallel blocks (its
     LayerNorms as torch ops) and NoPE full layers, and EXAONE 4's post-norm layers on
     the Triton kernels, and LFM2's short convolutions and Qwen3.5's and Qwen3-Next's
-    linear attention (their states, one row per request, on the device; steps eager: no CUDA graphs for
-    them yet): fp32 greedy tokens equal transformers' on the CPU."""
+    linear attention (their states, one row per request, on the device; steps eager:
+    no CUDA graphs for them yet): fp32 greedy tokens equal transformers' on the CPU."""
     from family_specs import FAMILY_SPECS
     from transformers import AutoModelForCausalLM
 
