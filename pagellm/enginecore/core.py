@@ -126,6 +126,9 @@ class EngineCore:
                                                 self.loras.key(request.lora_request))
 
     def add_preprocessed(self, request: Request) -> None:
+        if self.state.unloaded_weights[0]:  # counted again: an in-process engine's model
+            # may have loaded them by its own load_weights, which no utility call saw
+            self.state.count_unloaded(self.executor.unloaded_weights())
         if self.state.refuses_requests():
             self._reject(request.client_index, request.request_id,
                          self.state.refusal(self.executor.sleeping), unavailable=True)

@@ -88,6 +88,28 @@ def test_a_level_2_wake_refuses_requests_until_every_weight_is_loaded(model_dirs
         assert_no_leaks(llm)
 
 
+def test_an_in_process_models_own_load_weights_after_a_level_2_wake_serves_again(
+        model_dirs):
+    """vLLM's in-process path (VLLM_ENABLE_V1_MULTIPROCESSING=0: multiprocess=False):
+    woken from level 2, a script loads the weights straight into the model
+    (`llm_engine...model_runner.model.load_weights`, as TRL's colocate mode does), which
+    no utility call sees; the next request counts them again and is served the new
+    weights' tokens, where it was refused as if nothing had been loaded."""
+    model_dir = model_dirs["llama"]
+    new = perturbed(model_dir, seed=6)
+    with LLM(str(model_dir), enable_sleep_mode=True, multiprocess=False,
+             kv_cache_memory_bytes=8 * 2**20) as llm:
+        llm.sleep(level=2)
+        llm.wake_up()
+        model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+        model.load_weights(list(new.items()))
+        out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        reference = hf_model(model_dir, new)
+        assert [o.outputs[0].token_ids for o in out] == [
+            hf_greedy(reference, o.prompt_token_ids, 10) for o in out]
+        assert_no_leaks(llm)
+
+
 def test_asleep_requests_fail_naming_the_state_and_waking_twice_is_harmless(model_dirs):
     with LLM(str(model_dirs["llama"]), enable_sleep_mode=True,
              kv_cache_memory_bytes=8 * 2**20) as llm:
