@@ -24,6 +24,7 @@ REASONING_TAGS: dict[str, tuple[str, str]] = {
     "seed_oss": ("<seed:think>", "</seed:think>"),
     "minimax_m2": ("<think>", "</think>"),
     "minimax_m2_append_think": ("<think>", "</think>"),
+    "ernie45": ("<think>", "</think>"),
 }
 
 

@@ -1,5 +1,6 @@
 """frontend/reasoning: qwen3, glm45, deepseek_r1 and minimax_m2 split `<think>` reasoning
-from the answer (minimax_m2_append_think keeps it all as content).
+from the answer (minimax_m2_append_think keeps it all as content; ernie45 unwraps the
+answer from `<response>` tags).
 The reference is the expected results written by hand below (vLLM's rules: the text
 before `</think>` is reasoning, a missing start tag is fine, a missing end tag makes the
 output all reasoning, qwen3 with thinking disabled all content); streaming is checked
@@ -14,6 +15,7 @@ import pytest
 from pagellm.frontend.reasoning import (
     REASONING_PARSERS,
     DeepSeekR1ReasoningParser,
+    Ernie45ReasoningParser,
     GptOssReasoningParser,
     MiniMaxM2AppendThinkReasoningParser,
     Qwen3ReasoningParser,
@@ -50,11 +52,25 @@ THINK_CASES: list[tuple[str, str | None, str | None]] = [
     ("思考 🤔</think>答え", "思考 🤔", "答え"),
 ]
 
-# the parsers of `<think>` tags (Seed-OSS's: SEED_CASES; gpt-oss's Harmony parser:
-# test_harmony.py)
+# the parsers of `<think>` tags that keep the answer as written (Seed-OSS's: SEED_CASES;
+# ERNIE 4.5's, which unwraps it: ERNIE_CASES; gpt-oss's Harmony parser: test_harmony.py)
 PARSERS = sorted(name for name, parser_class in REASONING_PARSERS.items()
                  if issubclass(parser_class, ThinkTagReasoningParser)
-                 and REASONING_TAGS[name] == ("<think>", "</think>"))
+                 and REASONING_TAGS[name] == ("<think>", "</think>") and name != "ernie45")
+# ERNIE 4.5: the think-tag rule, then the answer unwrapped (newlines after the end tag
+# dropped; a `<response>` opening it dropped, the answer ending at `</response>`)
+ERNIE_CASES: list[tuple[str, str | None, str | None]] = [
+    ("abc\n</think>\n\n<response>\ndef\n</response>\n", "abc\n", "\ndef\n"),
+    ("abc\n</think>\ndef", "abc\n", "def"),
+    ("<think>plan</think><response>4</response>", "plan", "4"),
+    ("plan</think>\n\n<response>cut off", "plan", "cut off"),
+    ("plan</think>\n\n<resp", "plan", "<resp"),
+    ("plan</think>\n\n", "plan", None),
+    ("plan</think>\nsee <response> here</response>", "plan", "see <response> here</response>"),
+    ("plan</think><response>a</response>b<response>c</response>", "plan", "a"),
+    ("plan</think><response>a</respon", "plan", "a</respon"),
+    ("still thinking", "still thinking", None),
+]
 # Seed-OSS: its own tags; Qwen's are text to it; the budget reflections are reasoning
 SEED_CASES: list[tuple[str, str | None, str | None]] = [
     ("<seed:think>Plan it.</seed:think>The answer.", "Plan it.", "The answer."),
@@ -164,6 +180,30 @@ def test_seed_oss_splits_at_its_own_tags(text: str, reasoning: str | None,
         assert ended == ("</seed:think>" in text)
 
 
+@pytest.mark.parametrize(("text", "reasoning", "content"), ERNIE_CASES)
+def test_ernie45_unwraps_the_answer_whole_and_streamed(text: str, reasoning: str | None,
+                                                      content: str | None) -> None:
+    assert Ernie45ReasoningParser().extract_reasoning(text) == (reasoning, content)
+    rng = random.Random(2)
+    for pieces in [[text], list(text)] + [_random_pieces(text, rng) for _ in range(40)]:
+        streamed, shown, ended = _stream(Ernie45ReasoningParser(), pieces)
+        assert (streamed or None, shown or None) == (reasoning, content), pieces
+        assert ended == ("</think>" in text)
+
+
+def test_ernie45_streaming_equals_extract_for_generated_texts() -> None:
+    """Texts glued from whole and partial think and response tags and newlines (fixed
+    seed), streamed in random pieces: the same split as the whole text's."""
+    fragments = ["</think>", "<response>", "</response>", "<resp", "</resp", "<", ">",
+                 "\n", "\n", "a", " "]
+    rng = random.Random(3)
+    for _ in range(2000):
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 10)))
+        expected = Ernie45ReasoningParser().extract_reasoning(text)
+        reasoning, content, _ = _stream(Ernie45ReasoningParser(), _random_pieces(text, rng))
+        assert (reasoning or None, content or None) == expected, text
+
+
 def test_registry_matches_the_protocol_tag_table() -> None:
     assert set(REASONING_PARSERS) == set(REASONING_TAGS)
     assert PARSERS == ["deepseek_r1", "glm45", "minimax_m2", "qwen3"]
@@ -177,7 +217,7 @@ def test_registry_matches_the_protocol_tag_table() -> None:
         parser = REASONING_PARSERS[name]()
         assert (parser.start_tag, parser.end_tag) == REASONING_TAGS[name]
     with pytest.raises(ValueError,
-                       match=r"deepseek_r1.*glm45.*minimax_m2.*minimax_m2_append_think"
+                       match=r"deepseek_r1.*ernie45.*glm45.*minimax_m2.*minimax_m2_append_think"
                              r".*openai_gptoss.*qwen3.*seed_oss"):
         get_reasoning_parser("granite")
 

@@ -19,6 +19,7 @@ from pagellm.frontend.tool_parsers import (
     TOOL_PARSERS,
     DeepSeekV3ToolParser,
     DeepSeekV31ToolParser,
+    Ernie45ToolParser,
     Glm45ToolParser,
     Glm47ToolParser,
     HermesToolParser,
@@ -444,7 +445,18 @@ OLMO3_CASES: list[tuple[str, list[tuple[str, str]], str | None]] = [
     ("get_weather(city='Paris')", [], "get_weather(city='Paris')"),
 ]
 
+# ERNIE 4.5 (what follows `</think>`, the reasoning parser having taken the thinking):
+# Hermes's blocks, one a line
+ERNIE45_CASES = [
+    ('\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Beijing"}}\n'
+     '</tool_call>\n', [("get_weather", '{"city": "Beijing"}')], None),
+    ('Checking.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "g", "arguments": {"n": 2}}\n</tool_call>', [("f", "{}"), ("g", '{"n": 2}')],
+     "Checking.\n"),
+]
+
 CASES = [(HermesToolParser, *case) for case in HERMES_CASES] + \
+        [(Ernie45ToolParser, *case) for case in HERMES_CASES + ERNIE45_CASES] + \
         [(Llama3JsonToolParser, *case) for case in LLAMA3_CASES] + \
         [(PythonicToolParser, *case) for case in PYTHONIC_CASES] + \
         [(DeepSeekV3ToolParser, *case) for case in DEEPSEEK_V3_CASES] + \
@@ -465,10 +477,11 @@ ALL_TEXTS = sorted({case[0] for case in HERMES_CASES + LLAMA3_CASES + PYTHONIC_C
                     + OLMO3_CASES})
 
 
-# The parsers whose code differs: glm47 and qwen3_xml are glm45's and qwen3_coder's
+# The parsers whose code differs: glm47, qwen3_xml and ernie45 are glm45's, qwen3_coder's
+# and hermes's
 # classes under vLLM's other names (their cases run in test_extract_tool_calls); the property tests
 # below would only run the same code twice.
-DISTINCT_PARSERS = sorted(set(TOOL_PARSERS) - {"glm47", "qwen3_xml"})
+DISTINCT_PARSERS = sorted(set(TOOL_PARSERS) - {"glm47", "qwen3_xml", "ernie45"})
 
 
 @pytest.mark.parametrize(("parser_class", "text", "calls", "content"), CASES)
@@ -572,7 +585,8 @@ def test_tool_call_to_openai_and_registry() -> None:
                 "glm47": Glm47ToolParser, "openai": OpenAIToolParser,
                 "qwen3_coder": Qwen3CoderToolParser, "qwen3_xml": Qwen3XmlToolParser,
                 "seed_oss": SeedOssToolParser, "minimax_m2": MiniMaxM2ToolParser,
-                "mistral": MistralToolParser, "olmo3": Olmo3ToolParser}
+                "mistral": MistralToolParser, "olmo3": Olmo3ToolParser,
+                "ernie45": Ernie45ToolParser}
     assert expected == TOOL_PARSERS
     for name, parser_class in TOOL_PARSERS.items():
         assert get_tool_parser(name) is parser_class and parser_class.name == name

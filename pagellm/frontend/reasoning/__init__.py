@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pagellm.frontend.reasoning.base import ReasoningParser, ThinkTagReasoningParser
 from pagellm.frontend.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from pagellm.frontend.reasoning.ernie45 import Ernie45ReasoningParser
 from pagellm.frontend.reasoning.glm45 import Glm45ReasoningParser
 from pagellm.frontend.reasoning.gptoss import GptOssReasoningParser
 from pagellm.frontend.reasoning.minimax_m2 import (
@@ -25,6 +26,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "seed_oss": SeedOssReasoningParser,
     "minimax_m2": MiniMaxM2ReasoningParser,
     "minimax_m2_append_think": MiniMaxM2AppendThinkReasoningParser,
+    "ernie45": Ernie45ReasoningParser,
 }
 
 
@@ -39,7 +41,8 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
                          f"{sorted(REASONING_PARSERS)}") from None
 
 
-__all__ = ["REASONING_PARSERS", "DeepSeekR1ReasoningParser", "Glm45ReasoningParser",
+__all__ = ["REASONING_PARSERS", "DeepSeekR1ReasoningParser", "Ernie45ReasoningParser",
+           "Glm45ReasoningParser",
            "GptOssReasoningParser", "MiniMaxM2AppendThinkReasoningParser",
            "MiniMaxM2ReasoningParser", "Qwen3ReasoningParser", "ReasoningParser",
            "SeedOssReasoningParser", "ThinkTagReasoningParser", "get_reasoning_parser"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pagellm.frontend.tool_parsers.base import ExtractedToolCalls, ToolCall, ToolParser
 from pagellm.frontend.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from pagellm.frontend.tool_parsers.glm45 import Glm45ToolParser, Glm47ToolParser
-from pagellm.frontend.tool_parsers.hermes import HermesToolParser
+from pagellm.frontend.tool_parsers.hermes import Ernie45ToolParser, HermesToolParser
 from pagellm.frontend.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagellm.frontend.tool_parsers.minimax_m2 import MiniMaxM2ToolParser
 from pagellm.frontend.tool_parsers.mistral import MistralToolParser
@@ -23,6 +23,7 @@ from pagellm.frontend.tool_parsers.qwen3_coder import (
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV31ToolParser,
+    "ernie45": Ernie45ToolParser,
     "glm45": Glm45ToolParser,
     "glm47": Glm47ToolParser,
     "hermes": HermesToolParser,
@@ -49,7 +50,8 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 
 __all__ = ["TOOL_PARSERS", "DeepSeekV3ToolParser", "DeepSeekV31ToolParser",
-           "ExtractedToolCalls", "Glm45ToolParser", "Glm47ToolParser", "HermesToolParser",
+           "Ernie45ToolParser", "ExtractedToolCalls", "Glm45ToolParser", "Glm47ToolParser",
+           "HermesToolParser",
            "Llama3JsonToolParser", "MiniMaxM2ToolParser", "MistralToolParser",
            "Olmo3ToolParser", "OpenAIToolParser", "PythonicToolParser", "Qwen3CoderToolParser",
            "Qwen3XmlToolParser", "SeedOssToolParser", "ToolCall", "ToolParser",

@@ -24,3 +24,12 @@ class HermesToolParser(BlockToolParser):
 
     def parse_body(self, body: str) -> ToolCall | None:
         return parse_call_object(body, ("arguments",))
+
+
+class Ernie45ToolParser(HermesToolParser):
+    """`--tool-call-parser ernie45` (ERNIE 4.5: vLLM's name): Hermes's blocks, which
+    ERNIE's thinking models write after `</think>`. The `<response>` tags around an
+    answer are the reasoning parser's to remove (`--reasoning-parser ernie45`), as the
+    content reaches this parser after it."""
+
+    name = "ernie45"
