@@ -551,6 +551,26 @@ def test_the_names_a_model_loads_from_are_its_checkpoints_own(name, family_dirs)
         assert model.checkpoint_keys() == set(f.keys())
 
 
+@qwen3_5_reference
+def test_states_too_large_for_the_memory_are_refused_naming_max_num_seqs(family_dirs,
+                                                                         make_llm):
+    """Qwen3.5's linear attention keeps a float32 state row per possible request
+    (max_num_seqs of them, allocated up front from the KV cache's budget): when they
+    leave no room for one request's KV blocks, start-up says so and what to lower,
+    and fewer rows fit."""
+    probe = make_llm(family_dirs["qwen3_5"], max_num_seqs=1).engine_core.core.executor.runner
+    per_row = probe.state_bytes()
+    budget = 64 * per_row
+    with pytest.raises(Exception, match=r"3 stateful layers take .* for max_num_seqs=256 "
+                                        rf"rows \({per_row} bytes a request\).*lower "
+                                        "max_num_seqs"):
+        make_llm(family_dirs["qwen3_5"], kv_cache_memory_bytes=budget, max_model_len=256)
+    llm = make_llm(family_dirs["qwen3_5"], kv_cache_memory_bytes=budget, max_model_len=256,
+                   max_num_seqs=32)
+    assert llm.info.num_kv_blocks == (budget - 32 * per_row) // \
+        llm.engine_core.core.executor.runner.kv_cache_bytes_per_block()
+
+
 def test_lfm2_requests_preempted_and_recomputed_start_their_state_afresh(
         family_dirs, hf_models, make_llm):
     """LFM2's convolutions carry a state per request from step to step, which no KV

@@ -131,9 +131,20 @@ class Worker:
                 "gpu_memory_utilization after profiling")
         else:
             budget, source = self._cpu_budget(args), "available RAM"
-        # The per-request states of the layers that keep one (lfm2.py) come out of it.
-        budget -= self.model_runner.state_bytes()
-        return budget, source, self.model_runner.kv_cache_bytes_per_block()
+        # The per-request states of the layers that keep one (lfm2.py, qwen3_5.py) come
+        # out of it: max_num_seqs rows of them, whatever the requests' lengths.
+        states, per_block = self.model_runner.state_bytes(), \
+            self.model_runner.kv_cache_bytes_per_block()
+        if states and budget - states < self.blocks_per_request * per_block:
+            rows = args.max_num_seqs
+            raise ValueError(
+                f"the per-request states of {self.model_config.spec.architecture}'s "
+                f"{len(self.model_runner.state_shapes)} stateful layers take "
+                f"{states / 2**30:.2f} GiB for max_num_seqs={rows} rows "
+                f"({states // rows} bytes a request), leaving less than one request of "
+                f"max_model_len={self.model_config.max_model_len} needs in the KV "
+                f"cache's {budget / 2**30:.2f} GiB ({source}); lower max_num_seqs")
+        return budget - states, source, per_block
 
     def _check_step_fits(self, room: int, where: str) -> None:
         """On the CPU, where no step is profiled: refuse a max_num_seqs whose logits (and
