@@ -56,8 +56,9 @@ class EngineCore:
         steps; the owner of the busy loop must then stop it."""
         self.executor = create_executor(args, on_failure)
         model_config = self.executor.model_config
-        # A layer's state per request (LFM2's convolutions) is in no KV block: a cached
-        # prefix cannot restore it, so such models compute every prompt whole.
+        # A layer's state per request (LFM2's convolutions, Qwen3.5's linear attention)
+        # is in no KV block: a cached prefix cannot restore it, so such models compute
+        # every prompt whole.
         prefix_caching = args.enable_prefix_caching and not model_config.spec.has_state
         if args.enable_prefix_caching and not prefix_caching:
             logger.info("prefix caching is off: %s keeps a state per request that no KV "

@@ -382,8 +382,8 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
 @pytest.mark.parametrize(("name", "extra", "match"), [
     ("mixtral", dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
     ("mixtral", dict(sliding_window=-4), "sliding_window must be a positive integer, got -4"),
-    ("mixtral", dict(architectures=["Qwen3NextForCausalLM"], model_type="mixtral"),
-     "unsupported architecture 'Qwen3NextForCausalLM'"),
+    ("mixtral", dict(architectures=["JambaForCausalLM"], model_type="mixtral"),
+     "unsupported architecture 'JambaForCausalLM'"),
     ("mixtral", dict(swiglu_limit=float("inf")), "swiglu_limit must be a finite number"),
     ("mixtral", dict(quantization_config={"quant_method": "mxfp4"}),  # gpt-oss's only
      "quantization_config.quant_method='mxfp4'"),
@@ -418,6 +418,8 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
     ("lfm2", dict(layer_types=["conv", "mamba", "full_attention", "conv"]),
      "layer_types must list 'conv' or 'full_attention'"),
     ("lfm2", dict(conv_L_cache=0), "conv_L_cache must be an integer from 1 to 64"),
+    ("lfm2", dict(layer_types=["conv"] * 4),
+     "layer_types must include at least one 'full_attention' layer"),
     ("lfm2_moe", dict(num_dense_layers=9), "num_dense_layers must be an integer from 0"),
     pytest.param("qwen3_5", dict(linear_num_value_heads=3),
                  r"linear_num_value_heads \(3\) must be a multiple of linear_num_key_heads "

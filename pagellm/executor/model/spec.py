@@ -304,6 +304,9 @@ def read_decoder_spec(config: Any, architecture: str, **fields: Any) -> DecoderS
                                           getattr(config, "rope_scaling", None))
     common.update(fields)
     spec = DecoderSpec(**common)
+    if not spec.num_kv_layers:  # (a model of LFM2's or Qwen3.5's stateful layers only)
+        raise ValueError("layer_types must include at least one 'full_attention' layer: "
+                         "the engine schedules requests by their KV cache blocks")
     rotated = spec.head_dim if spec.mla is None else spec.mla.qk_rope_head_dim
     for rope in (spec.rope, spec.sliding_rope):
         if rope is not None:
