@@ -359,6 +359,29 @@ def test_fused_projections_take_adapters_of_their_own_names(arch, modules, extra
     check(outputs, names, reference)
 
 
+def test_lfm2_adapters_name_its_modules_its_own_way(tmp_path, make_llm):
+    """LFM2's checkpoints, and so its PEFT adapters, call the attention's output
+    projection out_proj and the MLP's feed_forward.w1/w3/w2, and its short convolutions
+    have an in_proj and an out_proj of their own (PEFT's "out_proj" takes both): an
+    adapter on all of them is read in the model's spelling and serves PEFT's merged
+    model's tokens. Under tensor parallelism (in_proj's rows are three parts) adapters
+    are refused at start-up, by name."""
+    from family_specs import FAMILY_SPECS
+
+    base = make_model(tmp_path / "lfm2", FAMILY_SPECS["lfm2"])
+    path = make_adapter(base, tmp_path / "adapter", ["q_proj", "k_proj", "v_proj",
+                                                     "out_proj", "in_proj", "w1", "w2",
+                                                     "w3"], 8, 6)
+    reference = {"lfm2": merged(base, path), None: merged(base, None)}
+    llm = make_llm(base, enable_lora=True, max_lora_rank=8, dtype="float32")
+    names: list[str | None] = ["lfm2", None, "lfm2"]
+    outputs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False, lora_request=[
+        None if n is None else LoRARequest(n, 1, str(path)) for n in names])
+    check(outputs, names, reference)
+    with pytest.raises(Exception, match="LoRA adapters on LFM2 under tensor parallelism"):
+        make_llm(base, enable_lora=True, tensor_parallel_size=2)
+
+
 def test_async_adapters_keep_through_sleep_levels_1_and_2(model_dirs, adapters, references):
     """AsyncLLM with its engine core in a process (the LoRARequest travels the socket),
     started without weight_transfer_config: adapter and base requests run at once; after

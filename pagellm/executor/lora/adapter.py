@@ -52,7 +52,7 @@ MAX_CONFIG_BYTES = 1 << 20
 # Adapter tensors: `{prefix}model.layers.{i}.{block}.{proj}.lora_{A|B}.weight`, the block
 # attention, the MLP or a MoE layer's shared expert(s) (DeepSeek's, Qwen2-MoE's).
 _TENSOR = re.compile(r"(?:base_model\.model\.)?(model\.layers\.(\d+)\."
-                     r"(self_attn|mlp|mlp\.shared_experts?)\.(\w+))"
+                     r"(self_attn|mlp|mlp\.shared_experts?|conv)\.(\w+))"
                      r"\.lora_([AB])(?:\.[\w-]+)?\.weight")
 # PEFT config fields whose non-default values the engine does not serve: field -> why.
 _REFUSED = {
@@ -96,7 +96,11 @@ def targets(spec: DecoderSpec) -> dict[str, Target]:
     if "gate_up_proj" in spec.fused_checkpoint:
         mlp = {"gate_up_proj": Target("gate_up_proj", 0, 1, False),
                "down_proj": mlp["down_proj"]}
-    return {**mlp, **attn, "o_proj": Target("o_proj", 0, 1, True)}
+    conv = {}
+    if spec.short_conv is not None:  # LFM2's convolutions (one rank: manager.py)
+        conv = {"in_proj": Target("in_proj", 0, 1, False),
+                "out_proj": Target("out_proj", 0, 1, True)}
+    return {**mlp, **attn, **conv, "o_proj": Target("o_proj", 0, 1, True)}
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ fails the request that named it (or the add call), never a step.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,13 @@ class LoRAManager:
                  kernels: bool = False) -> None:
         """`kernels`: compute with the Triton kernels (lora_slots.py), as the model
         runner does wherever its attention runs Triton's."""
+        if spec.short_conv is not None and tp.size > 1:  # its slices of in_proj's three
+            raise ValueError("LoRA adapters on LFM2 under tensor parallelism are not "  # parts
+                             "served yet: serve them on one rank")
         self.spec, self.tp, self.dtype = spec, tp, dtype
+        # A family whose checkpoints name modules their own way (lfm2.py's out_proj,
+        # feed_forward.w1): its adapters name them so too; read in our spelling.
+        self.our_name: Callable[[str], str] = getattr(model, "our_name", lambda n: n)
         max_loras, max_rank = settings.max_loras, settings.max_rank
         self.max_loras = max_loras
         self.max_rank, self.max_cpu_loras = max_rank, settings.max_cpu_loras
@@ -179,7 +186,8 @@ class LoRAManager:
             config, tensors = source.config, source.tensors
         else:
             config, tensors = read_directory(source.request.lora_path, self.max_rank)
-        return build(config, tensors.items(), self.spec, self.tp, self.shapes, self.dtype)
+        return build(config, ((self.our_name(n), t) for n, t in tensors.items()),
+                     self.spec, self.tp, self.shapes, self.dtype)
 
     def _loaded(self, lora_id: int) -> LoadedAdapter:
         """The adapter's host copy, read again if the cache dropped it."""
