@@ -60,7 +60,9 @@ class DecoderAttention(nn.Module):
                                                             spec.head_dim)
         self.q_size = tp.num_heads * spec.head_dim
         self.kv_size = tp.num_kv_heads * spec.head_dim
-        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
+        # [queries (each head's query then, with an output gate, its gate) | k | v]
+        self.q_rows = self.q_size * (2 if spec.attn_output_gate else 1)
+        self.qkv_proj = Linear(spec.hidden_size, self.q_rows + 2 * self.kv_size,
                                bias=spec.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, spec.hidden_size, spec.o_bias, tp)
         self.q_norm: RMSNorm | ShardedRMSNorm | None = None

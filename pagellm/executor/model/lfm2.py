@@ -40,9 +40,9 @@ import torch
 from torch import nn
 
 from pagellm.executor.model.attention import AttentionMetadata
-from pagellm.executor.model.decoder import DecoderAttention, DecoderForCausalLM, DecoderMLP
+from pagellm.executor.model.decoder import DecoderAttention, DecoderForCausalLM
 from pagellm.executor.model.deepseek import DeepseekMoeBlock
-from pagellm.executor.model.layers import Linear, RMSNorm, RowParallelLinear
+from pagellm.executor.model.layers import Linear, RowParallelLinear
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.spec import DecoderSpec, ShortConvSpec
 from pagellm.executor.model.stateful import ConvBatch, Rope, StatefulLayer, StatefulModel
@@ -69,22 +69,20 @@ class ShortConv(nn.Module):
 
 
 class Lfm2DecoderLayer(StatefulLayer):
-    """The mixer attention or a short convolution (stateful.py's layer)."""
+    """The mixer attention or a short convolution (stateful.py's layer); LFM2-MoE's
+    experts DeepSeek's block."""
+
+    moe_cls = DeepseekMoeBlock
 
     def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
-        super().__init__()
+        super().__init__(spec, layer_idx, tp)
         assert spec.short_conv is not None
-        self.layer_idx = layer_idx
         self.conv: ShortConv | None = None
         self.self_attn: DecoderAttention | None = None
         if spec.short_conv.layers[layer_idx]:
             self.conv = ShortConv(spec, spec.short_conv, tp)
         else:
             self.self_attn = DecoderAttention(spec, layer_idx, tp)
-        sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
-        self.mlp: nn.Module = DeepseekMoeBlock(spec, tp) if sparse else DecoderMLP(spec, tp)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def mix(self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata,
             caches: list[torch.Tensor], batch: ConvBatch) -> torch.Tensor:

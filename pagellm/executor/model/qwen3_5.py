@@ -32,10 +32,11 @@ What differs from the shared decoder (decoder.py), as transformers computes it:
   then rounds (Gemma's, gemma.py).
 
 Checkpoint names are transformers' (`linear_attn.in_proj_qkv`, `conv1d`, `A_log`, ...);
-q_proj's rows (query and gate per head) load into the merged projection by
-`family_destination`. The released checkpoints hold the text model under
-`model.language_model.`, beside a vision tower (`model.visual.`) and a multi-token
-prediction head (`mtp.`), neither of which is loaded: the engine takes text only.
+q_proj's rows (query and gate per head) load into the merged projection as the shared
+weight map places them (`DecoderSpec.attn_output_gate`). The released checkpoints hold
+the text model under `model.language_model.`, beside a vision tower (`model.visual.`)
+and a multi-token prediction head (`mtp.`), neither of which is loaded: the engine
+takes text only.
 Under tensor parallelism each rank holds its share of the linear attention's key heads
 and of the value heads they serve (their rows of the projections and the convolution,
 their memories), and of the full attention's heads, as the shared decoder's.
@@ -52,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.executor.model.attention import AttentionMetadata
-from pagellm.executor.model.decoder import DecoderAttention, DecoderForCausalLM, DecoderMLP
+from pagellm.executor.model.decoder import DecoderAttention, DecoderForCausalLM
 from pagellm.executor.model.gemma import GemmaRMSNorm
 from pagellm.executor.model.layers import Linear, RMSNorm, RowParallelLinear
 from pagellm.executor.model.moe import SparseMoeBlock
@@ -256,19 +257,13 @@ class GatedAttention(DecoderAttention):
 
     norm_cls = GemmaRMSNorm
 
-    def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
-        super().__init__(spec, layer_idx, tp)
-        # [query | gate per head (2 H D), k (H_kv D), v (H_kv D)]
-        self.qkv_proj = Linear(spec.hidden_size, 2 * self.q_size + 2 * self.kv_size,
-                               bias=spec.qkv_bias)
-
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         tokens, heads, d = x.shape[0], self.num_heads, self.head_dim
-        qkv = self.qkv_proj(x)
-        q_gate = qkv[:, :2 * self.q_size].view(tokens, heads, 2 * d)
-        k = qkv[:, 2 * self.q_size:2 * self.q_size + self.kv_size].view(tokens, -1, d)
-        v = qkv[:, 2 * self.q_size + self.kv_size:].view(tokens, -1, d)
+        qkv = self.qkv_proj(x)  # [T, (2 H + 2 H_kv) D]: spec.attn_output_gate's rows
+        q_gate = qkv[:, :self.q_rows].view(tokens, heads, 2 * d)
+        k = qkv[:, self.q_rows:self.q_rows + self.kv_size].view(tokens, -1, d)
+        v = qkv[:, self.q_rows + self.kv_size:].view(tokens, -1, d)
         assert self.q_norm is not None and self.k_norm is not None
         q, _ = self.q_norm(q_gate[..., :d])
         k, _ = self.k_norm(k)
@@ -283,22 +278,19 @@ class Qwen3_5DecoderLayer(StatefulLayer):
     """The mixer linear or gated full attention (stateful.py's layer), (1 + w) norms."""
 
     linear_cls: ClassVar[type[GatedDeltaNet]] = GatedDeltaNet
+    norm_cls = GemmaRMSNorm
+    moe_cls = SparseMoeBlock
 
     def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
-        super().__init__()
+        super().__init__(spec, layer_idx, tp)
         la = spec.linear_attention
         assert la is not None
-        self.layer_idx = layer_idx
         self.linear_attn: GatedDeltaNet | None = None
         self.self_attn: GatedAttention | None = None
         if la.layers[layer_idx]:
             self.linear_attn = self.linear_cls(spec, la, tp)
         else:
             self.self_attn = GatedAttention(spec, layer_idx, tp)
-        sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
-        self.mlp: nn.Module = SparseMoeBlock(spec, tp) if sparse else DecoderMLP(spec, tp)
-        self.input_layernorm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def mix(self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata,
             caches: list[torch.Tensor], batch: ConvBatch) -> torch.Tensor:
@@ -313,7 +305,6 @@ class Qwen3_5Model(StatefulModel):
     norm_cls = GemmaRMSNorm
 
 
-_QKV = re.compile(r"(.+\.self_attn)\.(q|k|v)_proj\.(weight|bias)")
 _LINEAR = re.compile(r".+\.linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|conv1d|in_proj_z|"
                      r"in_proj_b|in_proj_a|dt_bias|A_log|out_proj)(\.weight)?")
 
@@ -333,27 +324,12 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     def family_destination(self, name: str, params: dict[str, nn.Parameter]
                            ) -> Destination | None:
-        """This rank's rows of q_proj (each head's query and gate: 2 D rows a head),
-        k_proj and v_proj in the merged projection; its heads of the linear attention
-        (`_linear_destination`); the rest is the shared map's."""
+        """This rank's heads of the linear attention (`_linear_destination`); the rest
+        is the shared map's (q_proj's 2 D rows a head: spec.attn_output_gate)."""
         if (m := _LINEAR.fullmatch(name)) is not None:
             param = params.get(name)
             return None if param is None else self._linear_destination(m[1], param)
-        m = _QKV.fullmatch(name)
-        if m is None:
-            return super().family_destination(name, params)
-        param = params.get(f"{m[1]}.qkv_proj.{m[3]}")
-        if param is None:
-            return None
-        spec, tp, d = self.spec, self.tp, self.spec.head_dim
-        q_rows, kv_rows = 2 * tp.num_heads * d, tp.num_kv_heads * d  # this rank's
-        offset, rows, full, start = {
-            "q": (0, q_rows, 2 * spec.num_heads * d, tp.rank * q_rows),
-            "k": (q_rows, kv_rows, spec.num_kv_heads * d, tp.kv_head_start * d),
-            "v": (q_rows + kv_rows, kv_rows, spec.num_kv_heads * d, tp.kv_head_start * d),
-        }[m[2]]
-        return Destination(param[offset:offset + rows], (full, *param.shape[1:]), 0, start,
-                           rows)
+        return super().family_destination(name, params)
 
     def _linear_destination(self, module: str, param: nn.Parameter) -> Destination:
         """A linear-attention tensor on this rank: in_proj_qkv's and conv1d's rows of its

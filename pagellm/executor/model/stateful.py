@@ -16,7 +16,9 @@ entries ending at its last token. The indices are built once per step on the hos
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -24,6 +26,8 @@ from torch import nn
 
 from pagellm.executor.model.attention import AttentionMetadata
 from pagellm.executor.model.decoder import DecoderModel
+from pagellm.executor.model.layers import RMSNorm
+from pagellm.executor.model.mlp import DecoderMLP
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.spec import DecoderSpec
 
@@ -81,14 +85,22 @@ class ConvBatch:
         return out.to(x.dtype)
 
 
-class StatefulLayer(nn.Module):
+class StatefulLayer(nn.Module, abc.ABC):
     """Pre-norm, the residual added after each block: the family's mixer (`mix`:
-    attention, or a layer that reads and advances its state), then the MLP. A family
-    builds its norms, mixer and MLP; the order of the step is this."""
+    attention, or a layer that reads and advances its state), then the MLP (the spec's
+    experts in its sparse layers, of the family's `moe_cls`). A family builds its mixer
+    and says how a step reaches it; the norms, the MLP and the order are these."""
 
-    input_layernorm: nn.Module
-    post_attention_layernorm: nn.Module
-    mlp: nn.Module
+    norm_cls: ClassVar[type[RMSNorm]] = RMSNorm
+    moe_cls: ClassVar[type[nn.Module]]
+
+    def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
+        self.mlp: nn.Module = self.moe_cls(spec, tp) if sparse else DecoderMLP(spec, tp)
+        self.input_layernorm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata, caches: list[torch.Tensor], batch: ConvBatch
@@ -101,10 +113,10 @@ class StatefulLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    @abc.abstractmethod
     def mix(self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata,
             caches: list[torch.Tensor], batch: ConvBatch) -> torch.Tensor:
         """h: [T, hidden] normalised -> the mixer's output [T, hidden]."""
-        raise NotImplementedError
 
 
 class StatefulModel(DecoderModel):

@@ -338,9 +338,10 @@ def destination(name: str, params: Mapping[str, nn.Parameter], spec: DecoderSpec
         full, size = _mlp_sizes(target, spec, tp)
         return Destination(param[shard * size:(shard + 1) * size],
                            (full, *param.shape[1:]), 0, tp.rank * size, size)
-    q_size, kv_size = tp.num_heads * d, tp.num_kv_heads * d
+    q_d = 2 * d if spec.attn_output_gate else d  # q_proj's rows a head (query, gate)
+    q_size, kv_size = tp.num_heads * q_d, tp.num_kv_heads * d
     offset, size, full, start = {
-        "q": (0, q_size, spec.num_heads * d, tp.rank * q_size),
+        "q": (0, q_size, spec.num_heads * q_d, tp.rank * q_size),
         "k": (q_size, kv_size, spec.num_kv_heads * d, tp.kv_head_start * d),
         "v": (q_size + kv_size, kv_size, spec.num_kv_heads * d, tp.kv_head_start * d),
     }[shard]

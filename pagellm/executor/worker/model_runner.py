@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -70,6 +71,12 @@ def verify_proposals(samples: np.ndarray, proposals: np.ndarray) -> np.ndarray:
     k = len(proposals)
     accepted = int((samples[:k] == proposals).cumprod().sum()) if k else 0
     return samples[:accepted + 1]
+
+
+def _bytes(tensors: Iterable[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """What tensors of these (shape, dtype) take."""
+    return sum(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+               for shape, dtype in tensors)
 
 
 class ModelRunner:
@@ -216,12 +223,10 @@ class ModelRunner:
     def state_bytes(self) -> int:
         """What the layers that keep a state per request (`state_shapes`) take, for every
         row of the batch: allocated with the KV cache, out of its budget."""
-        return sum(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-                   for shape, dtype in self.state_shapes.values())
+        return _bytes(self.state_shapes.values())
 
     def kv_cache_bytes_per_block(self) -> int:
-        return sum(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-                   for shape, dtype in self._kv_cache_shapes(1))
+        return _bytes(self._kv_cache_shapes(1))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         # One list of layers: the target's, then the draft's (`drafter.num_layers`). Not
