@@ -60,7 +60,7 @@ ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qw
                           "olmo3", "smollm3", "granite", "seed_oss", "minimax_m2",
                           "glm", "glm4", "cohere", "cohere2", "exaone4",
                           "ernie4_5", "ernie4_5_moe", "lfm2", "lfm2_moe", "qwen3_5_text",
-                          "qwen3_5_moe_text", "qwen3_next")
+                          "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 
@@ -240,7 +240,7 @@ def _build_config(spec: ModelSpec) -> PretrainedConfig:
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     # these derive head_dim (DeepSeek's is its rotary part, qk_rope_head_dim)
     if spec.arch not in ("qwen2", "qwen2_moe", "olmoe", "phi3", "deepseek_v2", "deepseek_v3",
-                         "glm4_moe_lite", "lfm2", "lfm2_moe"):
+                         "glm4_moe_lite", "lfm2", "lfm2_moe", "granitemoehybrid"):
         extra.setdefault("head_dim", spec.effective_head_dim)
     return AutoConfig.for_model(spec.arch, **common, **extra)
 
@@ -289,6 +289,8 @@ def _reinit_weights(model: torch.nn.Module, spec: ModelSpec) -> None:
                 # Qwen3.5's dt_bias; ERNIE 4.5's e_score_correction_bias (a parameter)
                 elif param_name in ("dt_bias", "e_score_correction_bias"):
                     values = 0.1 * torch.randn(param.shape, generator=gen)
+                elif param_name == "D":  # Mamba-2's skip connection, near its init of 1
+                    values = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
                 else:
                     raise RuntimeError(
                         f"don't know how to initialise {module_name}.{param_name} ({kind})"

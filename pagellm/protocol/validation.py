@@ -168,8 +168,10 @@ def _check_model_config(config: Any) -> None:
     sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "max_position_embeddings"]
     sizes += [name for name in ("num_key_value_heads", "head_dim", "num_experts",
-                                "num_local_experts", "num_experts_per_tok",
-                                "moe_intermediate_size",
+                                "num_experts_per_tok", "moe_intermediate_size",
+                                # Granite 4.0's shared MLP and Mamba-2 layers
+                                "shared_intermediate_size", "mamba_n_heads",
+                                "mamba_n_groups", "mamba_d_state", "mamba_d_conv",
                                 # DeepSeek's latent attention and experts
                                 "n_routed_experts", "kv_lora_rank", "q_lora_rank",
                                 "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
@@ -182,7 +184,7 @@ def _check_model_config(config: Any) -> None:
         if value > limit:
             raise ValueError(_out_of_range(name, f"<= {limit}", 1, limit, "[", value))
     for name in ("shared_expert_intermediate_size", "n_shared_experts",
-                 "first_k_dense_replace"):
+                 "first_k_dense_replace", "num_local_experts"):  # (Granite 4.0: 0, none)
         value = config.get(name)
         if value is not None and (not _is_int(value) or not 0 <= value <= INT32_MAX):
             raise ValueError(f"{name} must be an integer in [0, {INT32_MAX}], got "

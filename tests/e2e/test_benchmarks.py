@@ -221,8 +221,8 @@ GPU_SUITE_PARTS = ["tests", "kernel", "fused", "decode-qwen2.5-0.5b",
 # tests/e2e/test_gpu.py's cases, counted by hand: 3 models x (graphs, eager), speculative
 # decoding's 2 methods, async scheduling, graphs against eager, bf16 logprobs of 2
 # models, host syncs, profiled KV-cache size, structured outputs, LoRA, DeepSeek-V3/V2
-# and GLM-4.5.
-NUM_TEST_GPU_CASES = 3 * 2 + 2 + 1 + 1 + 2 + 1 + 1 + 1 + 1 + 11
+# and the newer families.
+NUM_TEST_GPU_CASES = 3 * 2 + 2 + 1 + 1 + 2 + 1 + 1 + 1 + 1 + 12
 # 30 s of work: started when collection ends, niced (tests/support/background.py).
 GPU_SUITE = Job("test_gpu_suite_smoke_runs_each_kind_of_part_in_a_subprocess",
                 background_json("gpu_suite.py", "--smoke", "--parts", *GPU_SUITE_PARTS))

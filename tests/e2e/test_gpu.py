@@ -246,7 +246,7 @@ def test_lora_on_the_gpu_with_and_without_graphs(model_dirs, make_llm, tmp_path)
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2", "glm4_moe", "olmo3",
                                   "minimax_m2", "glm4", "cohere2", "exaone4", "lfm2",
                                   pytest.param("qwen3_5", marks=qwen3_5_reference),
-                                  "qwen3_next"])
+                                  "qwen3_next", "granitemoehybrid"])
 def test_newer_families_on_the_gpu_match_transformers(name, make_llm, tmp_path):
     """DeepSeek's latent attention on CUDA (its one 48-wide latent head: "auto" takes
     torch's attention ops, eager), GLM-4.5's GQA heads on the Triton kernels in CUDA
@@ -255,9 +255,10 @@ def test_newer_families_on_the_gpu_match_transformers(name, make_llm, tmp_path):
     as torch ops), MiniMax-M2's all-head q/k norms and partial rotary, GLM-4-0414's
     interleaved rotary pairs and sandwich norms and Command A's parallel blocks (its
     LayerNorms as torch ops) and NoPE full layers, and EXAONE 4's post-norm layers on
-    the Triton kernels, and LFM2's short convolutions and Qwen3.5's and Qwen3-Next's
-    linear attention (their states, one row per request, on the device; steps eager:
-    no CUDA graphs for them yet): fp32 greedy tokens equal transformers' on the CPU."""
+    the Triton kernels, and LFM2's short convolutions, Qwen3.5's and Qwen3-Next's
+    linear attention and Granite 4.0-H's Mamba-2 layers (their states, one row per
+    request, on the device; steps eager: no CUDA graphs for them yet): fp32 greedy
+    tokens equal transformers' on the CPU."""
     from family_specs import FAMILY_SPECS
     from transformers import AutoModelForCausalLM
 

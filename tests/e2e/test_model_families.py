@@ -41,7 +41,7 @@ MAX_TOKENS = 32
 FAMILY_PROMPTS = [*PROMPTS[1:6], PROMPTS[4] + "tail"]
 
 # The families whose layers keep a state per request beside (or instead of) a KV cache.
-STATEFUL = ("lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+STATEFUL = ("lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid")
 _REFERENCE_MARKS = {"gpt_oss": gpt_oss_reference, "deepseek_v2": deepseek_v2_reference,
                     "olmo3": olmo3_reference, "qwen3_5": qwen3_5_reference,
                     "qwen3_5_moe": qwen3_5_reference}
@@ -158,7 +158,7 @@ def test_experts_no_token_picks_are_skipped_and_the_output_still_matches(
 @pytest.mark.parametrize("name", _names("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss",
                                          "deepseek_v3", "olmo3", "granite", "minimax_m2",
                                          "cohere2", "exaone4", "lfm2", "lfm2_moe",
-                                         "qwen3_5"))
+                                         "qwen3_5", "granitemoehybrid"))
 def test_bf16_logprobs_track_transformers(name, family_dirs, make_llm):
     """bf16: every prompt and sampled token's logprob within 1.5x transformers' own bf16
     error against fp32 on the same bf16-rounded weights (as tests/e2e/test_correctness.py
@@ -223,6 +223,48 @@ def test_each_ranks_experts_are_its_slice_of_the_checkpoint(name, family_dirs, h
             for norm in ("q_norm", "k_norm"):
                 key = f"{prefix}.self_attn.{norm}.weight"
                 assert torch.equal(torch.cat([r[key] for r in ranks]), hf[key])
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_each_ranks_mamba_heads_and_groups_are_its_slice_of_the_checkpoint(groups, tmp_path):
+    """Granite 4.0-H's Mamba-2 layers on two ranks: each holds its 4 of the 8 heads' rows
+    of in_proj (z, x, dt), of the convolution (x) and of dt_bias, A_log, D and the norm,
+    and the B and C rows of the groups those heads read: its own (4 groups: two each),
+    the one its heads lie in (2 groups), or the only one, on both (1). Put back
+    together, they equal transformers' parameters."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    base = FAMILY_SPECS["granitemoehybrid"]
+    directory = make_model(tmp_path / "granite", replace(base, config_extra={
+        **(base.config_extra or {}), "mamba_n_groups": groups}))
+    config = resolve_model_config(EngineArgs(model=str(directory)))
+    ranks = [dict(load_model(config, torch.device("cpu"),
+                             TensorParallel.layout(config.spec, rank, 2)).named_parameters())
+             for rank in range(2)]
+    hf = dict(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+              .named_parameters())
+    inner, n, heads = 128, 16, 8  # 8 heads of 16; B and C of 16 a group
+    p = "model.layers.0.mamba"
+    for rank, params in enumerate(ranks):
+        mine = slice(rank * inner // 2, (rank + 1) * inner // 2)
+        first = rank * groups // 2 if groups > 1 else 0
+        read = slice(first * n, (first + max(1, groups // 2)) * n)  # its groups' B / C
+        whole = hf[f"{p}.in_proj.weight"]  # [z | x | B | C | dt]
+        z, x, b, c, dt = whole.split([inner, inner, groups * n, groups * n, heads])
+        expected = torch.cat([z[mine], x[mine], b[read], c[read],
+                              dt[rank * heads // 2:(rank + 1) * heads // 2]])
+        assert torch.equal(params[f"{p}.in_proj.weight"], expected)
+        for conv in ("weight", "bias"):
+            cx, cb, cc = hf[f"{p}.conv1d.{conv}"].split([inner, groups * n, groups * n])
+            assert torch.equal(params[f"{p}.conv1d.{conv}"],
+                               torch.cat([cx[mine], cb[read], cc[read]]))
+        for name in ("dt_bias", "A_log", "D"):
+            assert torch.equal(params[f"{p}.{name}"],
+                               hf[f"{p}.{name}"][rank * heads // 2:(rank + 1) * heads // 2])
+        assert torch.equal(params[f"{p}.norm.weight"], hf[f"{p}.norm.weight"][mine])
+        assert torch.equal(params[f"{p}.out_proj.weight"], hf[f"{p}.out_proj.weight"][:, mine])
 
 
 def test_gpt_oss_ranks_hold_their_slices_in_the_shared_layout(family_dirs, hf_models):
@@ -319,7 +361,7 @@ def test_gpt_oss_mxfp4_checkpoint_loads_as_transformers_reads_it(family_dirs, ma
 @pytest.mark.parametrize("name", _names("qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss",
                                          "deepseek_v3", "deepseek_v2", "glm4_moe", "olmo2",
                                          "minimax_m2", "cohere2", "lfm2", "qwen3_5",
-                                         "qwen3_next"))
+                                         "qwen3_next", "granitemoehybrid"))
 def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make_llm):
     """Each rank holds half of every expert (and, for OLMoE, half of the all-head q/k
     norms, their statistic summed over the ranks): greedy tokens equal transformers',
@@ -338,7 +380,7 @@ def test_two_ranks_equal_one_and_transformers(name, family_dirs, hf_models, make
 
 
 @pytest.mark.parametrize("name", _names("mixtral", "gpt_oss", "deepseek_v3", "minimax_m2",
-                                         "lfm2_moe", "qwen3_5_moe"))
+                                         "lfm2_moe", "qwen3_5_moe", "granitemoehybrid"))
 def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
         name, family_dirs, make_llm):
     """RL trainers on transformers 5 send `model.named_parameters()`: the experts as
@@ -421,6 +463,13 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
     ("lfm2", dict(layer_types=["conv"] * 4),
      "layer_types must include at least one 'full_attention' layer"),
     ("lfm2_moe", dict(num_dense_layers=9), "num_dense_layers must be an integer from 0"),
+    ("granitemoehybrid", dict(layer_types=["mamba", "sliding_attention", "attention", "mamba"]),
+     "layer_types must list 'mamba' or 'attention'"),
+    ("granitemoehybrid", dict(mamba_n_groups=3), r"mamba_n_heads \(8\) must be a multiple "
+                                                 r"of mamba_n_groups \(3\)"),
+    ("granitemoehybrid", dict(time_step_limit=[0.001, 0.1]),
+     r"time_step_limit=\[0.001, 0.1\] is not supported"),
+    ("granitemoehybrid", dict(mamba_d_state=0), "mamba_d_state must be a positive integer"),
     pytest.param("qwen3_5", dict(linear_num_value_heads=3),
                  r"linear_num_value_heads \(3\) must be a multiple of linear_num_key_heads "
                  r"\(2\)", marks=qwen3_5_reference),
@@ -597,7 +646,7 @@ def test_lfm2_requests_preempted_and_recomputed_start_their_state_afresh(
 
 
 @pytest.mark.parametrize(("name", "arch"), [
-    ("lfm2", "Lfm2ForCausalLM"),
+    ("lfm2", "Lfm2ForCausalLM"), ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
     pytest.param("qwen3_5", "Qwen3_5ForCausalLM", marks=qwen3_5_reference)])
 def test_models_with_state_refuse_speculative_decoding(name, arch, family_dirs):
     """Rejected proposals would have advanced the convolutions' (and the linear
@@ -608,13 +657,17 @@ def test_models_with_state_refuse_speculative_decoding(name, arch, family_dirs):
             speculative_config={"method": "ngram", "num_speculative_tokens": 2}))
 
 
-@qwen3_5_reference
-def test_qwen3_5_refuses_lora_adapters(family_dirs):
-    """q_proj holds each head's query and output gate: an adapter's q_proj update is
-    not placed as PEFT's, so LoRA is refused at start-up, by name."""
-    with pytest.raises(ValueError, match="enable_lora is not supported for "
-                                         "Qwen3_5ForCausalLM"):
-        resolve_model_config(EngineArgs(model=str(family_dirs["qwen3_5"]), enable_lora=True))
+@pytest.mark.parametrize(("name", "match"), [
+    pytest.param("qwen3_5", "Qwen3_5ForCausalLM yet: its query projection",
+                 marks=qwen3_5_reference),
+    ("granitemoehybrid", "GraniteMoeHybridForCausalLM yet: adapters of its Mamba-2"),
+    ("granitemoehybrid_dense", "GraniteMoeHybridForCausalLM yet")])
+def test_models_whose_adapters_are_not_mapped_refuse_lora(name, match, family_dirs):
+    """Qwen3.5's q_proj holds each head's query and output gate (an adapter's q_proj
+    update would not land as PEFT's); Granite 4.0's Mamba-2 layers and fused shared MLP
+    have no adapter mapping yet: LoRA is refused at start-up, by name."""
+    with pytest.raises(ValueError, match=f"enable_lora is not supported for {match}"):
+        resolve_model_config(EngineArgs(model=str(family_dirs[name]), enable_lora=True))
 
 
 @qwen3_5_reference

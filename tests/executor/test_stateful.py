@@ -5,25 +5,13 @@ delta rule against a token-by-token loop written from the rule's definition."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from step_metadata import step_meta
 
-from pagellm.executor.model.attention import AttentionMetadata
 from pagellm.executor.model.qwen3_5 import CHUNK, delta_rule_chunked, delta_rule_steps
 from pagellm.executor.model.stateful import ConvBatch
-
-
-def _meta(counts: list[int], rows: list[int]) -> AttentionMetadata:
-    """The metadata ConvBatch reads: the step's query starts and each request's row."""
-    starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-    empty = torch.empty(0)
-    return AttentionMetadata(slot_mapping=empty, block_tables=empty, query_start_loc=empty,
-                             seq_lens=empty, query_start_loc_cpu=starts,
-                             seq_lens_cpu=np.zeros(len(counts), np.int64), max_query_len=1,
-                             backend=None,  # type: ignore[arg-type]
-                             request_rows=np.array(rows, np.int64))
 
 
 @pytest.mark.parametrize("kernel", [3, 4])
@@ -48,7 +36,7 @@ def test_the_convolution_over_carried_state_equals_conv1d_over_the_whole_sequenc
     got: list[list[torch.Tensor]] = [[] for _ in lengths]
     for step in steps:
         reqs = list(step)
-        meta = _meta([step[r] for r in reqs], [rows[r] for r in reqs])
+        meta = step_meta([step[r] for r in reqs], [rows[r] for r in reqs])
         x = torch.cat([seqs[r][done[r]:done[r] + step[r]] for r in reqs])
         out = ConvBatch.of(meta, kernel, torch.device("cpu")).convolve(x, weight, bias, state)
         for r, piece in zip(reqs, out.split([step[r] for r in reqs]), strict=True):

@@ -259,4 +259,26 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
                                               num_experts_per_tok=2, moe_intermediate_size=32,
                                               shared_expert_intermediate_size=48,
                                               norm_topk_prob=False, mlp_only_layers=[2])),
+    # Granite 4.0-H: Mamba-2 layers (8 heads of 16 reading one group's 16-wide B and C,
+    # as the releases; a 4-tap convolution with biases) around one attention layer
+    # without RoPE; Granite's scalars; top-2 of 4 experts beside a shared MLP (48 wide)
+    "granitemoehybrid": ModelSpec(arch="granitemoehybrid", **{**_SMALL, "num_layers": 4},
+                                  num_kv_heads=2, intermediate_size=32, init_std=0.3, seed=44,
+                                  config_extra=dict(
+                                      layer_types=["mamba", "mamba", "attention", "mamba"],
+                                      mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16,
+                                      mamba_d_head=16, mamba_d_conv=4, mamba_expand=2,
+                                      num_local_experts=4, num_experts_per_tok=2,
+                                      shared_intermediate_size=48,
+                                      position_embedding_type="nope",
+                                      embedding_multiplier=2.0, residual_multiplier=0.5,
+                                      attention_multiplier=0.2, logits_scaling=1.5)),
+    # Granite-4.0-Micro's kind: every layer attends, with RoPE; no experts, the shared
+    # MLP alone
+    "granitemoehybrid_dense": ModelSpec(
+        arch="granitemoehybrid", **_SMALL, num_kv_heads=2, intermediate_size=32,
+        init_std=0.3, seed=45, config_extra=dict(
+            layer_types=["attention"] * 2, num_local_experts=0, shared_intermediate_size=96,
+            position_embedding_type="rope", embedding_multiplier=2.0,
+            residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=1.5)),
 }

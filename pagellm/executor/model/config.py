@@ -56,6 +56,17 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _lora_unserved(spec: DecoderSpec) -> str | None:
+    """Why LoRA adapters cannot be served on this model yet (None: they can)."""
+    if spec.attn_output_gate:
+        return ("its query projection also computes the attention's output gate, where a "
+                "q_proj adapter's update would not land as PEFT's does")
+    if spec.architecture == "GraniteMoeHybridForCausalLM":
+        return ("adapters of its Mamba-2 layers and its fused shared MLP "
+                "(shared_mlp.input_linear) are not mapped")
+    return None
+
+
 def resolve_model_config(args: EngineArgs) -> ModelConfig:
     """Read config.json and settle dtype and max_model_len; errors name the problem."""
     path = Path(args.model)
@@ -63,13 +74,11 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
         raise FileNotFoundError(f"model directory not found: {args.model}")
     hf_config = load_model_config(path)
     spec = read_spec(hf_config)
-    if spec.attn_output_gate and args.enable_lora:
-        raise ValueError(f"enable_lora is not supported for {spec.architecture} yet: its "
-                         "query projection also computes the attention's output gate, "
-                         "where a q_proj adapter's update would not land as PEFT's does")
+    if args.enable_lora and (why := _lora_unserved(spec)):
+        raise ValueError(f"enable_lora is not supported for {spec.architecture} yet: {why}")
     if spec.has_state and args.speculative is not None:
-        raise ValueError(f"speculative_config is not supported for {spec.architecture}: its "
-                         "short-convolution layers keep a state per request, which rejected "
+        raise ValueError(f"speculative_config is not supported for {spec.architecture}: "
+                         "some of its layers keep a state per request, which rejected "
                          "proposals cannot be rolled back out of")
 
     if args.dtype == "auto":

@@ -15,7 +15,10 @@ parallelism are the shared decoder's.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
+from torch import nn
 
 from pagellm.executor.model.attention import AttentionMetadata
 from pagellm.executor.model.decoder import DecoderForCausalLM, DecoderLayer, DecoderModel
@@ -47,7 +50,7 @@ class GraniteDecoderLayer(DecoderLayer):
 
 
 class GraniteModel(DecoderModel):
-    layer_cls = GraniteDecoderLayer
+    layer_cls: ClassVar[type[nn.Module]] = GraniteDecoderLayer
 
     def __init__(self, spec: DecoderSpec, tp: TensorParallel,
                  max_model_len: int | None = None) -> None:

@@ -85,8 +85,9 @@ class Lfm2DecoderLayer(StatefulLayer):
             self.self_attn = DecoderAttention(spec, layer_idx, tp)
 
     def mix(self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata,
-            caches: list[torch.Tensor], batch: ConvBatch) -> torch.Tensor:
+            caches: list[torch.Tensor], batch: ConvBatch | None) -> torch.Tensor:
         if self.conv is not None:
+            assert batch is not None
             return self.conv(h, batch, caches[self.layer_idx])
         assert self.self_attn is not None
         return self.self_attn(rope, h, meta, caches)

@@ -107,6 +107,12 @@ def check_divisible(spec: Any, size: int) -> None:
     linear = getattr(spec, "linear_attention", None)  # Qwen3.5: by key heads (and the
     if linear is not None and linear.num_k_heads % size:  # value heads they serve)
         problems.append(f"linear_num_key_heads={linear.num_k_heads} is not divisible by it")
+    mamba = getattr(spec, "mamba", None)  # Mamba-2: by heads, groups split or shared
+    if mamba is not None and mamba.num_heads % size:
+        problems.append(f"mamba_n_heads={mamba.num_heads} is not divisible by it")
+    if mamba is not None and mamba.n_groups % size and size % mamba.n_groups:
+        problems.append(f"mamba_n_groups={mamba.n_groups} neither divides it nor is "
+                        "divisible by it")
     if getattr(spec, "short_conv", None) is not None and spec.hidden_size % size:
         problems.append(f"hidden_size={spec.hidden_size} is not divisible by it (LFM2's "
                         "convolutions split their channels)")

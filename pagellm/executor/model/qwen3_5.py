@@ -59,7 +59,13 @@ from pagellm.executor.model.layers import Linear, RMSNorm, RowParallelLinear
 from pagellm.executor.model.moe import SparseMoeBlock
 from pagellm.executor.model.parallel import TensorParallel
 from pagellm.executor.model.spec import DecoderSpec, GatedDeltaNetSpec
-from pagellm.executor.model.stateful import ConvBatch, Rope, StatefulLayer, StatefulModel
+from pagellm.executor.model.stateful import (
+    ConvBatch,
+    Rope,
+    StatefulLayer,
+    StatefulModel,
+    scan_requests,
+)
 from pagellm.executor.model.weight_map import SKIP, Destination
 
 CHUNK = 64  # tokens per block of the delta rule's chunked form
@@ -188,42 +194,12 @@ class GatedDeltaNet(nn.Module):
         v32 = v.reshape(tokens, la.num_v_heads, la.head_v_dim).float()
         beta = b.sigmoid().float()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = self._delta_rule(q, k, v32, g, beta, memory, meta, batch)  # [T, Hv, dv]
+        out = scan_requests(delta_rule_steps, delta_rule_chunked, (q, k, v32, g, beta),
+                            memory, meta, batch)  # [T, Hv, dv]
         normed, _ = self.norm(out.to(x.dtype).reshape(-1, la.head_v_dim))
         z = z.reshape(-1, la.head_v_dim)
         gated = (normed.float() * F.silu(z.float())).to(x.dtype)
         return self.out_proj(gated.reshape(tokens, self.value_dim))
-
-    @staticmethod
-    def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                    beta: torch.Tensor, memory: torch.Tensor, meta: AttentionMetadata,
-                    batch: ConvBatch) -> torch.Tensor:
-        """Every request's tokens from its memory (rows `batch.rows`): one-token requests
-        together, recurrently; longer chunks one by one, chunked. [T, Hv, *] -> [T, Hv,
-        dv] float32."""
-        starts = meta.query_start_loc_cpu
-        counts = starts[1:] - starts[:-1]
-        out = torch.empty_like(v)
-        assert meta.request_rows is not None
-        single = (counts == 1).nonzero()[0]
-        if len(single) == len(counts):  # a decode step: every token, in order
-            s = memory[batch.rows]
-            out = delta_rule_steps(q, k, v, g, beta, s)
-            memory[batch.rows] = s
-            return out
-        if len(single):
-            pick = torch.from_numpy(starts[single]).to(q.device)
-            rows = batch.rows[torch.from_numpy(single).to(q.device)]
-            s = memory[rows]
-            out[pick] = delta_rule_steps(q[pick], k[pick], v[pick], g[pick], beta[pick], s)
-            memory[rows] = s
-        for r in (counts > 1).nonzero()[0].tolist():
-            lo, hi = int(starts[r]), int(starts[r + 1])
-            s = memory[int(meta.request_rows[r])]  # [Hv, dk, dv], a view: advanced in place
-            out[lo:hi] = delta_rule_chunked(
-                q[lo:hi].transpose(0, 1), k[lo:hi].transpose(0, 1), v[lo:hi].transpose(0, 1),
-                g[lo:hi].t(), beta[lo:hi].t(), s).transpose(0, 1)
-        return out
 
 
 class Qwen3NextGatedDeltaNet(GatedDeltaNet):
@@ -293,8 +269,9 @@ class Qwen3_5DecoderLayer(StatefulLayer):
             self.self_attn = GatedAttention(spec, layer_idx, tp)
 
     def mix(self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata,
-            caches: list[torch.Tensor], batch: ConvBatch) -> torch.Tensor:
+            caches: list[torch.Tensor], batch: ConvBatch | None) -> torch.Tensor:
         if self.linear_attn is not None:
+            assert batch is not None
             return self.linear_attn(h, batch, meta, caches[self.layer_idx])
         assert self.self_attn is not None
         return self.self_attn(rope, h, meta, caches)

@@ -5,7 +5,7 @@ Families that differ from Llama only in data are a reader here and the shared de
 (decoder.py, whose MLP is the sparse MoE block of moe.py where the spec has experts); a
 family whose computation differs brings its own module with a reader and a model class
 (gemma.py, gpt_oss.py, deepseek.py, glm4.py, glm4_moe.py, minimax_m2.py, cohere.py,
-olmo2.py, exaone4.py, granite.py, lfm2.py, qwen3_5.py).
+olmo2.py, exaone4.py, granite.py, lfm2.py, qwen3_5.py, granitemoehybrid.py).
 Adding a family is that module and one row of `FAMILIES`.
 """
 
@@ -22,6 +22,7 @@ from pagellm.executor.model.spec import (
     DecoderSpec,
     GatedDeltaNetSpec,
     GroupedRouting,
+    Mamba2Spec,
     MlaSpec,
     MoeSpec,
     Multipliers,
@@ -75,6 +76,12 @@ def _moe(config: Any, num_experts: int, renormalize: bool,
                    or 0)
 
 
+def _local_experts(config: Any) -> int:
+    """num_local_experts, which config.json may give as 0 (Granite 4.0: none) but these
+    families' blocks need at least one of."""
+    return _positive_ints(config, "num_local_experts")[0]
+
+
 def _llama(config: Any, arch: str) -> DecoderSpec:
     return read_decoder_spec(config, arch)
 
@@ -103,7 +110,7 @@ def _qwen3_moe(config: Any, arch: str) -> DecoderSpec:
 
 
 def _mixtral(config: Any, arch: str) -> DecoderSpec:
-    return read_decoder_spec(config, arch, moe=_moe(config, config.num_local_experts,
+    return read_decoder_spec(config, arch, moe=_moe(config, _local_experts(config),
                                                     renormalize=True,
                                                     weights_in_model_dtype=False))
 
@@ -165,7 +172,7 @@ def _gpt_oss_spec(config: Any, arch: str) -> DecoderSpec:
     experts in its checkpoint (gpt_oss.py). The SwiGLU's alpha and limit default to
     the values transformers 5.0 hard-coded (its config has no such fields; OpenAI's
     config.json gives swiglu_limit, which later releases and vLLM read)."""
-    moe = MoeSpec(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+    moe = MoeSpec(num_experts=_local_experts(config), top_k=config.num_experts_per_tok,
                   intermediate_size=config.intermediate_size, renormalize=True,
                   sparse_layers=(True,) * config.num_hidden_layers,
                   swiglu=(float(getattr(config, "swiglu_alpha", 1.702)),
@@ -303,7 +310,7 @@ def _minimax_m2(config: Any, arch: str) -> DecoderSpec:
                             getattr(config, "rope_scaling", None), partial_rotary=True)
     routing = GroupedRouting(scoring="sigmoid", score_bias=True, group_score=None,
                              n_group=1, topk_group=1, scaling=1.0)
-    moe = MoeSpec(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+    moe = MoeSpec(num_experts=_local_experts(config), top_k=config.num_experts_per_tok,
                   intermediate_size=config.intermediate_size, renormalize=True,
                   sparse_layers=(True,) * config.num_hidden_layers,
                   weights_in_model_dtype=False, grouped=routing)
@@ -442,10 +449,8 @@ def _smollm3(config: Any, arch: str) -> DecoderSpec:
     return read_decoder_spec(config, arch, **fields)
 
 
-def _granite(config: Any, arch: str) -> DecoderSpec:
-    """Granite 3.x: Llama's fields and four scalars (granite.py); MLP biases refused."""
-    if getattr(config, "mlp_bias", False):
-        raise ValueError("mlp_bias=True is not supported (the MLP has no biases)")
+def _granite_scalars(config: Any) -> dict[str, Any]:
+    """Granite's four scalars as spec fields (granite.py), each checked positive."""
     values = {}
     for field in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                   "logits_scaling"):
@@ -454,10 +459,63 @@ def _granite(config: Any, arch: str) -> DecoderSpec:
                 or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{field} must be a positive number, got {value!r}")
         values[field] = float(value)
-    return read_decoder_spec(config, arch, attn_scale=values["attention_multiplier"],
-                             multipliers=Multipliers(values["embedding_multiplier"],
-                                                     values["residual_multiplier"],
-                                                     values["logits_scaling"]))
+    return dict(attn_scale=values["attention_multiplier"],
+                multipliers=Multipliers(values["embedding_multiplier"],
+                                        values["residual_multiplier"],
+                                        values["logits_scaling"]))
+
+
+def _granite(config: Any, arch: str) -> DecoderSpec:
+    """Granite 3.x: Llama's fields and four scalars (granite.py); MLP biases refused."""
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported (the MLP has no biases)")
+    return read_decoder_spec(config, arch, **_granite_scalars(config))
+
+
+# Layer kinds as configs spell them: transformers 5's names and the released configs'.
+_MAMBA_LAYER, _ATTENTION_LAYER = ("linear_attention", "mamba"), ("full_attention", "attention")
+
+
+def _granite_hybrid(config: Any, arch: str) -> DecoderSpec:
+    """Granite 4.0 (granitemoehybrid.py): layer_types (or the released configs'
+    layers_block_type) "mamba" / "linear_attention" (Mamba-2, mamba2.py) or
+    "attention" / "full_attention"; Granite's scalars; RoPE where
+    position_embedding_type is "rope", else none; the shared MLP of
+    shared_intermediate_size beside num_local_experts experts of intermediate_size
+    (none: the shared MLP alone)."""
+    layers = config.num_hidden_layers
+    types = list(getattr(config, "layer_types", None)
+                 or getattr(config, "layers_block_type", None) or ())
+    if len(types) != layers or set(types) - {*_MAMBA_LAYER, *_ATTENTION_LAYER}:
+        raise ValueError(f"layer_types must list 'mamba' or 'attention' for each of the "
+                         f"{layers} layers, got {str(types)[:120]}")
+    limit = tuple(getattr(config, "time_step_limit", None) or (0.0, math.inf))
+    if limit != (0.0, math.inf):
+        raise ValueError(f"time_step_limit={list(limit)} is not supported (only the "
+                         "default, no clamp on dt)")
+    heads, head_dim, groups, state, kernel = _positive_ints(
+        config, "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+        "mamba_d_conv")
+    if heads % groups:
+        raise ValueError(f"mamba_n_heads ({heads}) must be a multiple of mamba_n_groups "
+                         f"({groups})")
+    if kernel > 64:
+        raise ValueError(f"mamba_d_conv must be at most 64, got {kernel}")
+    mamba = Mamba2Spec(heads, head_dim, groups, state, kernel, bool(config.mamba_conv_bias),
+                       bool(config.mamba_proj_bias), tuple(t in _MAMBA_LAYER for t in types))
+    shared = _positive_ints(config, "shared_intermediate_size")[0]
+    experts = getattr(config, "num_local_experts", 0) or 0
+    moe = None
+    if experts:
+        moe = MoeSpec(num_experts=experts, top_k=config.num_experts_per_tok,
+                      intermediate_size=config.intermediate_size, renormalize=True,
+                      sparse_layers=(True,) * layers, shared_expert_size=shared,
+                      checkpoint_stacked=True)
+    rope = getattr(config, "position_embedding_type", None) == "rope"
+    return read_decoder_spec(config, arch, **_granite_scalars(config),
+                             intermediate_size=shared, fused_checkpoint=("gate_up_proj",),
+                             rope_layers=(rope,) * layers, moe=moe,
+                             mamba=mamba if any(mamba.layers) else None)
 
 
 def _seed_oss(config: Any, arch: str) -> DecoderSpec:
@@ -631,6 +689,9 @@ FAMILIES: dict[str, Family] = {
     "Olmo3ForCausalLM": Family("olmo3", _olmo2_spec, _olmo2),
     "SmolLM3ForCausalLM": Family("smollm3", _smollm3, _decoder),
     "GraniteForCausalLM": Family("granite", _granite, _lazy("granite", "GraniteForCausalLM")),
+    "GraniteMoeHybridForCausalLM": Family(
+        "granitemoehybrid", _granite_hybrid,
+        _lazy("granitemoehybrid", "GraniteMoeHybridForCausalLM")),
     "SeedOssForCausalLM": Family("seed_oss", _seed_oss, _decoder),
     "Lfm2ForCausalLM": Family("lfm2", _lfm2, _lazy("lfm2", "Lfm2ForCausalLM")),
     "Lfm2MoeForCausalLM": Family("lfm2_moe", _lfm2_moe, _lazy("lfm2", "Lfm2ForCausalLM")),

@@ -7,8 +7,9 @@ the MLP's activation, the attention scale and logit soft-capping (Gemma 2), atte
 sinks (gpt-oss), checkpoints storing q/k/v and gate/up fused (Phi-3), a
 mixture-of-experts MLP (`MoeSpec`, with DeepSeek's grouped routing: `GroupedRouting`),
 DeepSeek's multi-head latent attention (`MlaSpec`), and LFM2's short-convolution layers
-and Qwen3.5's linear attention, which keep a state per request instead of a KV cache
-(`ShortConvSpec`, `GatedDeltaNetSpec`).
+Qwen3.5's linear attention and the Mamba-2 mixers of the hybrids (Granite 4.0-H), which
+keep a state per request instead of a KV cache (`ShortConvSpec`, `GatedDeltaNetSpec`,
+`Mamba2Spec`).
 Each family's reader (executor/model/registry.py's table) fills these from a transformers
 config and refuses, naming the field, what the engine cannot serve. Apart from the
 modules because more than the model reads it: the model config, the tensor-parallel
@@ -143,6 +144,35 @@ class GatedDeltaNetSpec:
 
 
 @dataclass(frozen=True)
+class Mamba2Spec:
+    """Mamba-2's selective state-space mixer (mamba2.py) in the layers `layers` marks
+    (True; the others attend): `num_heads` heads of `head_dim` channels, each reading a
+    [d_state] key (B) and query (C) of one of `n_groups` groups, after a causal
+    convolution of `conv_kernel` taps over x, B and C. Such a layer keeps no KV cache but
+    a state per request: the convolution's last inputs and a [d_state, head_dim] memory
+    per head."""
+
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    conv_kernel: int
+    conv_bias: bool  # the convolution's bias
+    proj_bias: bool  # in_proj's and out_proj's biases
+    layers: tuple[bool, ...]
+
+    @property
+    def inner(self) -> int:
+        """The mixer's width: num_heads x head_dim channels (z, x and y each)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolved channels: x, then B and C of every group."""
+        return self.inner + 2 * self.n_groups * self.d_state
+
+
+@dataclass(frozen=True)
 class DecoderSpec:
     vocab_size: int
     hidden_size: int
@@ -195,15 +225,25 @@ class DecoderSpec:
     # layer attends.
     short_conv: ShortConvSpec | None = None
     linear_attention: GatedDeltaNetSpec | None = None
+    mamba: Mamba2Spec | None = None  # the Mamba-2 layers of a hybrid (Granite 4.0-H)
     # The attention's output times sigmoid of a gate the query projection also computes
     # (Qwen3.5: q_proj is twice as wide, each head's query then its gate).
     attn_output_gate: bool = False
 
     def has_kv(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` attends (a paged KV cache), rather than keeping a
-        state per request (a short-convolution or linear-attention layer)."""
+        state per request (a short-convolution, linear-attention or Mamba-2 layer)."""
         return not any(mixer is not None and mixer.layers[layer_idx]
-                       for mixer in (self.short_conv, self.linear_attention))
+                       for mixer in (self.short_conv, self.linear_attention, self.mamba))
+
+    @property
+    def conv_kernel(self) -> int | None:
+        """The taps of the stateful layers' causal convolution (each kind has one), or
+        None for a model whose every layer attends."""
+        for mixer in (self.short_conv, self.linear_attention, self.mamba):
+            if mixer is not None and any(mixer.layers):
+                return mixer.kernel if isinstance(mixer, ShortConvSpec) else mixer.conv_kernel
+        return None
 
     @property
     def num_kv_layers(self) -> int:
@@ -304,7 +344,7 @@ def read_decoder_spec(config: Any, architecture: str, **fields: Any) -> DecoderS
                                           getattr(config, "rope_scaling", None))
     common.update(fields)
     spec = DecoderSpec(**common)
-    if not spec.num_kv_layers:  # (a model of LFM2's or Qwen3.5's stateful layers only)
+    if not spec.num_kv_layers:  # (a model of stateful layers only: no block to schedule by)
         raise ValueError("layer_types must include at least one 'full_attention' layer: "
                          "the engine schedules requests by their KV cache blocks")
     rotated = spec.head_dim if spec.mla is None else spec.mla.qk_rope_head_dim

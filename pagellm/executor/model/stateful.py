@@ -1,6 +1,7 @@
 """What the models whose layers keep a state per request share (LFM2's short
-convolutions, lfm2.py; Qwen3.5's linear attention, qwen3_5.py): the causal depthwise
-convolution over each request's last tokens (`ConvBatch`), the pre-norm layer around a
+convolutions, lfm2.py; Qwen3.5's linear attention, qwen3_5.py; Mamba-2, mamba2.py): the
+causal depthwise convolution over each request's last tokens (`ConvBatch`), the scan of
+a recurrent memory request by request (`scan_requests`), the pre-norm layer around a
 mixer that is attention or stateful (`StatefulLayer`), and the model that builds the
 step's convolution indices once for all its layers (`StatefulModel`).
 
@@ -17,6 +18,7 @@ entries ending at its last token. The indices are built once per step on the hos
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -85,6 +87,44 @@ class ConvBatch:
         return out.to(x.dtype)
 
 
+# A recurrent rule's two forms (qwen3_5.py's delta rule, mamba2.py's state-space scan),
+# each over per-token inputs (q, k, v, the log decay g, ...) and the memory it advances in
+# place: one token per request, inputs [R, H, ...] and memory [R, H, dk, dv] -> [R, H, dv];
+# one request's L tokens, inputs [H, L, ...] and memory [H, dk, dv] -> [H, L, dv].
+Steps = Callable[..., torch.Tensor]
+Chunked = Callable[..., torch.Tensor]
+
+
+def scan_requests(steps: Steps, chunked: Chunked, inputs: Sequence[torch.Tensor],
+                  memory: torch.Tensor, meta: AttentionMetadata, batch: ConvBatch
+                  ) -> torch.Tensor:
+    """Every request's tokens through a recurrent rule from its memory (rows
+    `batch.rows` of memory [rows, H, dk, dv]): the one-token requests together in the
+    recurrent form, each longer chunk by the chunked form. inputs: [T, H, ...] each ->
+    [T, H, dv] float32."""
+    starts = meta.query_start_loc_cpu
+    counts = starts[1:] - starts[:-1]
+    single = (counts == 1).nonzero()[0]
+    if len(single) == len(counts):  # a decode step: every token, in order
+        s = memory[batch.rows]
+        out = steps(*inputs, s)
+        memory[batch.rows] = s
+        return out
+    assert meta.request_rows is not None
+    out = inputs[0].new_empty(*inputs[0].shape[:2], memory.shape[-1])
+    if len(single):
+        pick = torch.from_numpy(starts[single]).to(out.device)
+        rows = batch.rows[torch.from_numpy(single).to(out.device)]
+        s = memory[rows]
+        out[pick] = steps(*(t[pick] for t in inputs), s)
+        memory[rows] = s
+    for r in (counts > 1).nonzero()[0].tolist():
+        lo, hi = int(starts[r]), int(starts[r + 1])
+        s = memory[int(meta.request_rows[r])]  # [H, dk, dv], a view: advanced in place
+        out[lo:hi] = chunked(*(t[lo:hi].transpose(0, 1) for t in inputs), s).transpose(0, 1)
+    return out
+
+
 class StatefulLayer(nn.Module, abc.ABC):
     """Pre-norm, the residual added after each block: the family's mixer (`mix`:
     attention, or a layer that reads and advances its state), then the MLP (the spec's
@@ -97,17 +137,22 @@ class StatefulLayer(nn.Module, abc.ABC):
     def __init__(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
-        self.mlp: nn.Module = self.moe_cls(spec, tp) if sparse else DecoderMLP(spec, tp)
+        self.mlp = self.make_mlp(spec, layer_idx, tp)
         self.input_layernorm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps)
 
+    def make_mlp(self, spec: DecoderSpec, layer_idx: int, tp: TensorParallel) -> nn.Module:
+        """The layer's MLP: the family's experts in the spec's sparse layers, else the
+        gated MLP."""
+        sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
+        return self.moe_cls(spec, tp) if sparse else DecoderMLP(spec, tp)
+
     def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata, caches: list[torch.Tensor], batch: ConvBatch
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata, caches: list[torch.Tensor],
+                batch: ConvBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden], the previous layer's output not yet added to `residual` ->
         (this layer's, likewise; the residual stream). `caches`: per layer its KV cache
-        or its state."""
+        or its state; `batch` None where no layer keeps one."""
         h, residual = self.input_layernorm(x, residual)
         h = self.mix(rope, h, meta, caches, batch)
         h, residual = self.post_attention_layernorm(h, residual)
@@ -115,28 +160,25 @@ class StatefulLayer(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def mix(self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata,
-            caches: list[torch.Tensor], batch: ConvBatch) -> torch.Tensor:
+            caches: list[torch.Tensor], batch: ConvBatch | None) -> torch.Tensor:
         """h: [T, hidden] normalised -> the mixer's output [T, hidden]."""
 
 
 class StatefulModel(DecoderModel):
     """The decoder model whose layers are `StatefulLayer`s convolving over `kernel`
-    taps: the step's `ConvBatch` is built once for all of them."""
+    taps: the step's `ConvBatch` is built once for all of them (none where every layer
+    attends: Granite 4.0's dense models)."""
 
     def __init__(self, spec: DecoderSpec, tp: TensorParallel,
                  max_model_len: int | None = None) -> None:
         super().__init__(spec, tp, max_model_len)
-        if spec.short_conv is not None:
-            self.kernel = spec.short_conv.kernel
-        else:
-            assert spec.linear_attention is not None
-            self.kernel = spec.linear_attention.conv_kernel
+        self.kernel = spec.conv_kernel
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         x = self.embed(input_ids)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)
-        batch = ConvBatch.of(meta, self.kernel, x.device)  # once for every layer
+        batch = None if self.kernel is None else ConvBatch.of(meta, self.kernel, x.device)
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual, meta, kv_caches, batch)
