@@ -168,7 +168,7 @@ def _check_model_config(config: Any) -> None:
     sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "max_position_embeddings"]
     sizes += [name for name in ("num_key_value_heads", "head_dim", "num_experts",
-                                "num_experts_per_tok", "moe_intermediate_size",
+                                "moe_intermediate_size",
                                 # Granite 4.0's shared MLP and Mamba-2 layers
                                 "shared_intermediate_size", "mamba_n_heads",
                                 "mamba_n_groups", "mamba_d_state", "mamba_d_conv",
@@ -184,16 +184,18 @@ def _check_model_config(config: Any) -> None:
         if value > limit:
             raise ValueError(_out_of_range(name, f"<= {limit}", 1, limit, "[", value))
     for name in ("shared_expert_intermediate_size", "n_shared_experts",
-                 "first_k_dense_replace", "num_local_experts"):  # (Granite 4.0: 0, none)
+                 "first_k_dense_replace",
+                 "num_local_experts", "num_experts_per_tok"):  # (Granite 4.0: 0, none)
         value = config.get(name)
         if value is not None and (not _is_int(value) or not 0 <= value <= INT32_MAX):
             raise ValueError(f"{name} must be an integer in [0, {INT32_MAX}], got "
                              f"{_short_repr(value)}")
-    experts = (config.get("num_experts") or config.get("num_local_experts")
-               or config.get("n_routed_experts"))
+    experts = next((config[name] for name in ("num_experts", "num_local_experts",
+                                              "n_routed_experts")
+                    if config.get(name) is not None), None)
     top_k = config.get("num_experts_per_tok")
-    if experts and top_k is not None and top_k > experts:
-        raise ValueError(f"num_experts_per_tok ({top_k}) must be at most the number of "
+    if experts and top_k is not None and not 1 <= top_k <= experts:  # (none: unread)
+        raise ValueError(f"num_experts_per_tok ({top_k}) must be from 1 to the number of "
                          f"experts ({experts})")
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
     if kv_heads is not None and heads % kv_heads:

@@ -427,6 +427,9 @@ def test_a_trainers_stacked_expert_weights_load_by_their_in_memory_names(
     ("mixtral", dict(architectures=["JambaForCausalLM"], model_type="mixtral"),
      "unsupported architecture 'JambaForCausalLM'"),
     ("mixtral", dict(swiglu_limit=float("inf")), "swiglu_limit must be a finite number"),
+    # config.json may say no experts (Granite 4.0's dense models); Mixtral's block needs some
+    ("mixtral", dict(num_local_experts=0, num_experts_per_tok=0),
+     "a mixture-of-experts layer needs 1 <= num_experts_per_tok"),
     ("mixtral", dict(quantization_config={"quant_method": "mxfp4"}),  # gpt-oss's only
      "quantization_config.quant_method='mxfp4'"),
     # DeepSeek's routing and latent sizes

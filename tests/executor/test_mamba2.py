@@ -131,3 +131,29 @@ def test_the_mixer_stepped_through_a_request_equals_transformers_mamba2_layer(
     for r in range(2):
         torch.testing.assert_close(torch.cat(got[r]), expected[r], rtol=1e-4, atol=1e-4)
     assert (state[1] == 0).all()  # the row no request uses
+
+
+def test_one_token_requests_in_scattered_rows_advance_only_their_own_memories() -> None:
+    """scan_requests over a decode step of five requests in rows [4, 1, 2, 7, 0] (three
+    runs of consecutive rows, out of order) beside a prompt chunk in row 5: each
+    request's output and memory equal its own token loop's; rows 3 and 6 stay as they
+    were."""
+    from pagellm.executor.model.stateful import scan_requests
+
+    rows, lengths = [4, 1, 2, 7, 0, 5], [1, 1, 1, 1, 1, 9]
+    requests = [_inputs(n, seed=30 + i) for i, n in enumerate(lengths)]
+    memory = torch.randn(8, 3, 8, 6, generator=torch.Generator().manual_seed(1))
+    before = memory.clone()
+    for row, r in zip(rows, requests, strict=True):
+        memory[row] = r[5]
+    inputs = [torch.cat(parts) for parts in zip(*(_as_attention(x, dt, a.expand(len(x), -1), b, c)
+                                                 for x, dt, a, b, c, _ in requests),
+                                                strict=True)]
+    out = scan_requests(ssd_steps, ssd_chunked, inputs, memory, step_meta(lengths, rows))
+    at = 0
+    for row, (x, dt, a, b, c, h) in zip(rows, requests, strict=True):
+        expected, final = _ssd_reference(x, dt, a, b, c, h)
+        torch.testing.assert_close(out[at:at + len(x)].double(), expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(memory[row].double(), final, rtol=1e-4, atol=1e-4)
+        at += len(x)
+    assert torch.equal(memory[[3, 6]], before[[3, 6]])

@@ -263,6 +263,16 @@ def test_check_model_config_refuses_garbage_naming_the_field(extra: dict, field:
         check_model_config({**_CONFIG, **extra})
 
 
+def test_check_model_config_takes_a_model_without_experts() -> None:
+    """Granite 4.0's dense models say num_local_experts 0 and num_experts_per_tok 0 (a
+    config transformers writes keeps its default of 2, unread without experts); a
+    family whose block needs experts refuses none itself (registry.py, MoeSpec)."""
+    from pagellm.protocol.validation import check_model_config
+
+    for top_k in (0, 2):
+        check_model_config({**_CONFIG, "num_local_experts": 0, "num_experts_per_tok": top_k})
+
+
 def test_a_multimodal_config_is_checked_by_its_text_config() -> None:
     """A checkpoint whose text model sits in text_config (Qwen3.5's released ones): its
     sizes are checked there, the refusal naming text_config's field."""

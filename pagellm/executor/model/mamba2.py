@@ -44,10 +44,12 @@ CHUNK = 64  # tokens per block of the chunked form
 def ssd_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
               memory: torch.Tensor) -> torch.Tensor:
     """One token per request, float32. q (C), k (dt B): [R, H, N]; v (x): [R, H, P]; g
-    (dt A): [R, H]; memory [R, H, N, P], advanced in place -> [R, H, P] (S^T q)."""
-    s = memory * g.exp()[..., None, None] + k[..., None] * v[..., None, :]
-    memory.copy_(s)
-    return (s * q[..., None]).sum(-2)
+    (dt A): [R, H]; memory [R, H, N, P], advanced in place -> [R, H, P] (S^T q). In
+    place, without a temporary of the memory's size: the memories are most of a decode
+    step's bytes (Granite-4.0-H-350M's 48 requests: 38 MB a layer)."""
+    memory.mul_(g.exp()[..., None, None])
+    memory.addcmul_(k[..., None], v[..., None, :])
+    return torch.matmul(q[..., None, :], memory)[..., 0, :]
 
 
 def ssd_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -136,7 +138,7 @@ class Mamba2Mixer(nn.Module):
         g = -self.A_log.float().exp() * dt
         v = xs.view(tokens, heads, self.head_dim)
         y = scan_requests(ssd_steps, ssd_chunked, (c, b * dt[..., None], v, g), memory,
-                          meta, batch)  # [T, heads, P]
+                          meta)  # [T, heads, P]
         y = (y + v * self.D.float()[:, None]).reshape(tokens, self.inner)
         return self.out_proj(self.norm(y, z).to(x.dtype))
 

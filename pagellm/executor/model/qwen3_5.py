@@ -80,12 +80,12 @@ def delta_rule_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      beta: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
     """One token per request, the recurrent form (module docstring), float32. q, k: [R,
     H, dk] (normalised, q scaled); v: [R, H, dv]; g, beta: [R, H]; memory: [R, H, dk, dv],
-    advanced in place -> o [R, H, dv]."""
-    s = memory * g.exp()[..., None, None]
-    recalled = (s * k[..., None]).sum(-2)  # [R, H, dv]: what S already says for k
-    s = s + k[..., None] * ((v - recalled) * beta[..., None])[..., None, :]
-    memory.copy_(s)
-    return (s * q[..., None]).sum(-2)
+    advanced in place (no temporary of its size: the memories are most of a decode
+    step's bytes) -> o [R, H, dv]."""
+    memory.mul_(g.exp()[..., None, None])
+    recalled = torch.matmul(k[..., None, :], memory)[..., 0, :]  # [R, H, dv]: S^T k
+    memory.addcmul_(k[..., None], ((v - recalled) * beta[..., None])[..., None, :])
+    return torch.matmul(q[..., None, :], memory)[..., 0, :]
 
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -195,7 +195,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid().float()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = scan_requests(delta_rule_steps, delta_rule_chunked, (q, k, v32, g, beta),
-                            memory, meta, batch)  # [T, Hv, dv]
+                            memory, meta)  # [T, Hv, dv]
         normed, _ = self.norm(out.to(x.dtype).reshape(-1, la.head_v_dim))
         z = z.reshape(-1, la.head_v_dim)
         gated = (normed.float() * F.silu(z.float())).to(x.dtype)

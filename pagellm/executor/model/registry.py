@@ -76,12 +76,6 @@ def _moe(config: Any, num_experts: int, renormalize: bool,
                    or 0)
 
 
-def _local_experts(config: Any) -> int:
-    """num_local_experts, which config.json may give as 0 (Granite 4.0: none) but these
-    families' blocks need at least one of."""
-    return _positive_ints(config, "num_local_experts")[0]
-
-
 def _llama(config: Any, arch: str) -> DecoderSpec:
     return read_decoder_spec(config, arch)
 
@@ -110,7 +104,7 @@ def _qwen3_moe(config: Any, arch: str) -> DecoderSpec:
 
 
 def _mixtral(config: Any, arch: str) -> DecoderSpec:
-    return read_decoder_spec(config, arch, moe=_moe(config, _local_experts(config),
+    return read_decoder_spec(config, arch, moe=_moe(config, config.num_local_experts,
                                                     renormalize=True,
                                                     weights_in_model_dtype=False))
 
@@ -172,7 +166,7 @@ def _gpt_oss_spec(config: Any, arch: str) -> DecoderSpec:
     experts in its checkpoint (gpt_oss.py). The SwiGLU's alpha and limit default to
     the values transformers 5.0 hard-coded (its config has no such fields; OpenAI's
     config.json gives swiglu_limit, which later releases and vLLM read)."""
-    moe = MoeSpec(num_experts=_local_experts(config), top_k=config.num_experts_per_tok,
+    moe = MoeSpec(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
                   intermediate_size=config.intermediate_size, renormalize=True,
                   sparse_layers=(True,) * config.num_hidden_layers,
                   swiglu=(float(getattr(config, "swiglu_alpha", 1.702)),
@@ -310,7 +304,7 @@ def _minimax_m2(config: Any, arch: str) -> DecoderSpec:
                             getattr(config, "rope_scaling", None), partial_rotary=True)
     routing = GroupedRouting(scoring="sigmoid", score_bias=True, group_score=None,
                              n_group=1, topk_group=1, scaling=1.0)
-    moe = MoeSpec(num_experts=_local_experts(config), top_k=config.num_experts_per_tok,
+    moe = MoeSpec(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
                   intermediate_size=config.intermediate_size, renormalize=True,
                   sparse_layers=(True,) * config.num_hidden_layers,
                   weights_in_model_dtype=False, grouped=routing)

@@ -108,6 +108,14 @@ class MoeSpec:
     # softmax-then-top-k router above.
     grouped: GroupedRouting | None = None
 
+    def __post_init__(self) -> None:
+        """config.json may say 0 experts and 0 per token (Granite 4.0: none); a family
+        that builds this block needs 1 <= top-k <= experts."""
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"a mixture-of-experts layer needs 1 <= num_experts_per_tok "
+                             f"<= the number of experts, got {self.top_k} of "
+                             f"{self.num_experts}")
+
 
 @dataclass(frozen=True)
 class ShortConvSpec:
