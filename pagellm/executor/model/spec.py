@@ -6,7 +6,7 @@ variant (a second one for sliding layers: Gemma 3), sliding-window attention per
 the MLP's activation, the attention scale and logit soft-capping (Gemma 2), attention
 sinks (gpt-oss), checkpoints storing q/k/v and gate/up fused (Phi-3), a
 mixture-of-experts MLP (`MoeSpec`, with DeepSeek's grouped routing: `GroupedRouting`),
-DeepSeek's multi-head latent attention (`MlaSpec`), and LFM2's short-convolution layers
+DeepSeek's multi-head latent attention (`MlaSpec`), and LFM2's short-convolution layers,
 Qwen3.5's linear attention and the Mamba-2 mixers of the hybrids (Granite 4.0-H), which
 keep a state per request instead of a KV cache (`ShortConvSpec`, `GatedDeltaNetSpec`,
 `Mamba2Spec`).
